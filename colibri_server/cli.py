@@ -1,0 +1,219 @@
+"""`colibri` command line: run | inspect | validate | convert.
+
+Each subcommand is a small function over the model API; user errors (bad file, missing
+model, bad arguments) print one line naming the thing at fault and exit 1 (2 for usage).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+EXIT_ERROR = 1
+
+
+def _die(msg: str, code: int = EXIT_ERROR):
+    print(f"colibri: error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _open_model(path, **kw):
+    from .model import Model
+    from .model.format import ColibriFormatError
+    if not os.path.exists(path):
+        _die(f"model file not found: {path}")
+    try:
+        return Model.open(path, **kw)
+    except ColibriFormatError as e:
+        _die(f"invalid model file: {e}")
+
+
+# ---------------------------------------------------------------------------- run
+
+def cmd_run(a):
+    m = _open_model(a.model, context=a.context, routing_noise=a.routing_noise, seed=a.seed)
+    params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                  min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed,
+                  stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
+    if a.embedding:
+        return _run_embedding(m, a)
+    if a.prompt is None:
+        _die("give a prompt (or --embedding FILE.npy)", 2)
+    prompt = [int(t) for t in a.prompt.split(",")] if a.token_ids else a.prompt
+    t0 = time.perf_counter()
+    n, first = 0, None
+    try:
+        for ev in m.stream(prompt, **params):
+            if first is None:
+                first = time.perf_counter()
+            n += 1
+            sys.stdout.write(ev.text if not a.token_ids else f"{ev.token_id} ")
+            sys.stdout.flush()
+    except ValueError as e:
+        _die(str(e))
+    t1 = time.perf_counter()
+    sys.stdout.write("\n")
+    dec = (n - 1) / (t1 - first) if n > 1 and t1 > first else float("nan")
+    print(f"[{n} tokens; first token after {first - t0:.3f}s (prefill); decode {dec:.1f} tok/s]", file=sys.stderr)
+
+
+def _run_embedding(m, a):
+    try:
+        e = np.load(a.embedding, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        _die(f"--embedding {a.embedding}: {err}")
+    if e.ndim != 2 or e.shape[1] != m.config.hidden_size:
+        _die(f"--embedding {a.embedding}: shape {e.shape}, expected (T, {m.config.hidden_size})")
+    cache = m.new_cache()
+    logits = m.embed_forward(cache, e)
+    from .model.sampler import Sampler, SamplingParams
+    s = Sampler(SamplingParams(temperature=a.temperature, seed=a.seed), m.config.vocab_size)
+    out = []
+    for _ in range(a.max_tokens):
+        t = s.sample(logits[0], out)
+        out.append(t)
+        if cache.length >= cache.capacity:
+            break
+        logits = m.decode(cache, t)
+    text = m.tokenizer.decode(out) if m.file.tokenizer_json else ""
+    print(text if text else " ".join(map(str, out)))
+
+
+# ---------------------------------------------------------------------------- inspect / validate
+
+def cmd_inspect(a):
+    from .model import format as fmt
+    try:
+        cf = fmt.ColibriFile.open(a.model)
+    except (fmt.ColibriFormatError, FileNotFoundError) as e:
+        _die(str(e))
+    h = cf.header
+    if a.tensor:
+        if a.tensor not in cf:
+            _die(f"no tensor named {a.tensor!r} in {a.model} (see `colibri inspect {a.model}`)")
+        _print_rows(cf, a.tensor, a.rows)
+        return
+    if a.json:
+        print(json.dumps({"header": h, "config": json.loads(cf.config_json or "{}"),
+                          "metadata": json.loads(cf.metadata_json or "{}"),
+                          "tensors": [r.__dict__ for r in cf.record_list]}, indent=1))
+        return
+    print(f"file      {cf.path}  ({h['file_size'] / 2**20:.1f} MiB)")
+    print("header    " + "  ".join(f"{k}={v}" for k, v in h.items()))
+    print("config    " + cf.config_json)
+    print("metadata  " + cf.metadata_json)
+    print(f"tokenizer {len(cf.tokenizer_json)} bytes; chat template {len(cf.chat_template)} bytes")
+    print(f"routing   {len(cf.routing)} layers: " + ", ".join(
+        f"{i}:{'moe k=%d' % r.top_k if r.num_experts else 'dense'}" for i, r in enumerate(cf.routing)))
+    print(f"{'#':>4} {'name':24} {'dtype':5} {'shape':22} {'offset':>12} {'bytes':>12} crc32")
+    for r in cf.record_list:
+        print(f"{r.index:>4} {r.name:24} {r.dtype:5} {str(list(r.shape)):22} {r.offset:>12} {r.size:>12} {r.crc32:08x}")
+
+
+def _print_rows(cf, name, rows):
+    from .model.kernels import weights_to_f32
+    v = cf.view(name)
+    v2 = v.reshape(-1, v.shape[-1])
+    a = weights_to_f32(v2[:rows])
+    r = cf.records[name]
+    print(f"{name} {r.dtype}{list(r.shape)}: first {len(a)} of {v2.shape[0]} rows")
+    with np.printoptions(precision=5, suppress=True, linewidth=120, threshold=64, edgeitems=6):
+        for i, row in enumerate(a):
+            print(f"[{i}] {row}")
+
+
+def cmd_validate(a):
+    from .model import Model
+    from .model.format import ColibriFormatError
+    t0 = time.perf_counter()
+    try:
+        m = Model.open(a.model, deep=a.deep)
+    except (ColibriFormatError, FileNotFoundError) as e:
+        print(f"INVALID {e.__class__.__name__}: {e}", file=sys.stderr)
+        sys.exit(EXIT_ERROR)
+    what = "structure, config, shapes" + (", checksums" if a.deep else "")
+    print(f"OK {a.model}: {m.config.arch}, {len(m.file.record_list)} tensors, {what} "
+          f"({time.perf_counter() - t0:.2f}s)")
+
+
+# ---------------------------------------------------------------------------- convert
+
+def cmd_convert(a):
+    from .model.convert import ConvertError, convert
+    if os.path.isdir(a.output):
+        _die(f"output {a.output} is a directory; give a file name such as model.colibri")
+    t0 = time.perf_counter()
+    try:
+        cfg = convert(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
+                      require_tokenizer=not a.no_tokenizer, progress=not a.quiet)
+    except ConvertError as e:
+        _die(str(e))
+    size = os.path.getsize(a.output)
+    print(f"wrote {a.output}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_experts} experts, {a.dtype}, "
+          f"{size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="colibri", description="CPU inference server for Mixture-of-Experts models")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="generate from a prompt in this process (streams text)")
+    r.add_argument("prompt", nargs="?")
+    r.add_argument("--model", required=True, help="path to a .colibri file")
+    r.add_argument("--max-tokens", type=int, default=64)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--min-p", type=float, default=0.0)
+    r.add_argument("--repetition-penalty", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--stop", action="append", help="stop string (repeatable)")
+    r.add_argument("--ignore-eos", action="store_true")
+    r.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens")
+    r.add_argument("--routing-noise", type=float, default=0.0, help="Gumbel top-k routing noise scale (0: off)")
+    r.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids; print ids")
+    r.add_argument("--embedding", help="a .npy file of input embeddings (T, D): bypasses the tokenizer")
+    r.set_defaults(fn=cmd_run)
+
+    i = sub.add_parser("inspect", help="header, config, metadata, tensor table; rows of one tensor")
+    i.add_argument("model")
+    i.add_argument("--tensor")
+    i.add_argument("--rows", type=int, default=4)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+
+    v = sub.add_parser("validate", help="validate a model file (exit 0 if valid, 1 with the named error)")
+    v.add_argument("model")
+    v.add_argument("--deep", action="store_true", help="also verify every tensor checksum")
+    v.set_defaults(fn=cmd_validate)
+
+    c = sub.add_parser("convert", help="Hugging Face safetensors checkpoint directory -> .colibri")
+    c.add_argument("hf_dir")
+    c.add_argument("output")
+    c.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f16")
+    c.add_argument("--name")
+    c.add_argument("--license")
+    c.add_argument("--no-tokenizer", action="store_true", help="convert without tokenizer.json (token ids only)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(fn=cmd_convert)
+    return p
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    try:
+        a.fn(a)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

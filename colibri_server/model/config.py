@@ -1,0 +1,206 @@
+"""ModelConfig: the architecture of a model, as stored in the .colibri config blob.
+
+The converter fills it from a Hugging Face config.json (convert.py); the reader parses it
+back with `ModelConfig.from_dict`, which names the key at fault on any bad value. The
+tensor names and shapes a config implies are listed by `expected_tensors()`: the one
+place that says what a valid file of this architecture holds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+QK_NORMS = ("none", "head", "full")   # head: RMSNorm over head_dim per head (Qwen3); full: over H*hd (OLMoE)
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")   # dynamic NTK and longrope change with length: not supported
+FLOAT_DTYPES = ("f32", "f16", "bf16")
+
+
+class ConfigError(ValueError):
+    """A config value is missing or invalid; `key` names it."""
+
+    def __init__(self, key, message):
+        self.key = key
+        super().__init__(f"config key {key!r}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int                 # D
+    num_layers: int                  # L
+    num_heads: int                   # H
+    num_kv_heads: int                # Hkv (H % Hkv == 0)
+    head_dim: int                    # hd
+    num_experts: int                 # E
+    top_k: int                       # A: active experts per token
+    moe_intermediate_size: int       # I of one expert
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    intermediate_size: int = 0       # I of a dense MLP layer (0: none)
+    shared_expert_intermediate_size: int = 0  # Is (0: no shared expert)
+    norm_topk_prob: bool = True      # renormalise the top-k routing weights
+    dense_layers: tuple = ()         # layer indices whose FFN is a dense MLP instead of MoE
+    qkv_bias: bool = False
+    o_bias: bool = False             # bias on the attention output projection (Qwen3 / OLMoE attention_bias)
+    qk_norm: str = "none"
+    clip_qkv: float = 0.0            # 0: off; else q, k, v are clamped to [-clip, clip] (OLMoE)
+    sliding_window: int = 0          # 0: full attention; else keys j with j > pos - window
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., params}; {} = default
+    tie_word_embeddings: bool = False
+    bos_token_id: int = -1
+    eos_token_ids: tuple = ()
+    dtype: str = "f32"               # storage dtype of the big matrices
+
+    # -- derived ----------------------------------------------------------------
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["dense_layers"] = list(self.dense_layers)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError("(root)", f"must be an object, found {type(d).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ConfigError(unknown[0], "unknown key")
+        kw = {}
+        for name, f in known.items():
+            if name not in d:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    raise ConfigError(name, "missing")
+                continue
+            kw[name] = _coerce(name, d[name], f.type)
+        cfg = cls(**kw)
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        """Raise ConfigError naming the first inconsistent value."""
+        def need(ok, key, msg):
+            if not ok:
+                raise ConfigError(key, msg)
+        need(self.arch in ARCHITECTURES, "arch", f"{self.arch!r} is not one of {ARCHITECTURES}")
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                    "max_position_embeddings"):
+            need(0 < getattr(self, key) <= 1 << 24, key, f"{getattr(self, key)} is not in 1..{1 << 24}")
+        need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+             f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        need(self.head_dim % 2 == 0, "head_dim", f"{self.head_dim} must be even for RoPE")
+        need(0 < self.num_experts <= 65536, "num_experts", f"{self.num_experts} is not in 1..65536")
+        need(0 < self.top_k <= self.num_experts, "top_k", f"{self.top_k} is not in 1..num_experts")
+        need(0 < self.moe_intermediate_size <= 1 << 24, "moe_intermediate_size", "must be positive")
+        need(0 <= self.intermediate_size <= 1 << 24, "intermediate_size", "must be >= 0")
+        need(0 <= self.shared_expert_intermediate_size <= 1 << 24, "shared_expert_intermediate_size", "must be >= 0")
+        need(all(0 <= i < self.num_layers for i in self.dense_layers), "dense_layers",
+             f"{list(self.dense_layers)} has an index outside 0..{self.num_layers - 1}")
+        need(not self.dense_layers or self.intermediate_size > 0, "intermediate_size",
+             "dense layers need intermediate_size > 0")
+        need(math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "rms_norm_eps",
+             f"{self.rms_norm_eps} is not in (0, 1)")
+        need(math.isfinite(self.rope_theta) and self.rope_theta > 0, "rope_theta", "must be positive")
+        need(self.qk_norm in QK_NORMS, "qk_norm", f"{self.qk_norm!r} is not one of {QK_NORMS}")
+        need(math.isfinite(self.clip_qkv) and self.clip_qkv >= 0, "clip_qkv", "must be >= 0")
+        need(self.sliding_window >= 0, "sliding_window", "must be >= 0")
+        need(self.dtype in FLOAT_DTYPES, "dtype", f"{self.dtype!r} is not one of {FLOAT_DTYPES}")
+        rt = self.rope_scaling.get("rope_type", "default") if self.rope_scaling else "default"
+        need(rt in ROPE_TYPES, "rope_scaling", f"rope_type {rt!r} is not one of {ROPE_TYPES}")
+        need(all(isinstance(v, (int, float, str, bool)) for v in self.rope_scaling.values()), "rope_scaling",
+             "values must be numbers or strings")
+        need(-1 <= self.bos_token_id < self.vocab_size, "bos_token_id", "outside the vocabulary")
+        need(all(0 <= e < self.vocab_size for e in self.eos_token_ids), "eos_token_ids", "outside the vocabulary")
+
+
+def _coerce(name, value, typ):
+    typ = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    bad = ConfigError(name, f"{value!r} is not a valid {typ}")
+    if typ == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if typ == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if typ == "bool":
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if typ == "str":
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if typ == "tuple":
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(name, f"{value!r} is not a list of integers")
+        return tuple(value)
+    if typ == "dict":
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    raise bad  # pragma: no cover
+
+
+# ---------------------------------------------------------------------------- tensors
+
+def expected_tensors(cfg: ModelConfig):
+    """Yield (name, shape, allowed dtypes) for every tensor a file of this config holds.
+    Norms, biases and router gates are always f32 (routing is precision sensitive);
+    the big matrices are in cfg.dtype."""
+    D, V, E, I = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_intermediate_size
+    W, F32 = (cfg.dtype,), ("f32",)
+    yield "token_embd", (V, D), W
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        yield p + "attn_norm", (D,), F32
+        yield p + "attn_q", (cfg.q_dim, D), W
+        yield p + "attn_k", (cfg.kv_dim, D), W
+        yield p + "attn_v", (cfg.kv_dim, D), W
+        yield p + "attn_o", (D, cfg.q_dim), W
+        if cfg.qkv_bias:
+            yield p + "attn_q_b", (cfg.q_dim,), F32
+            yield p + "attn_k_b", (cfg.kv_dim,), F32
+            yield p + "attn_v_b", (cfg.kv_dim,), F32
+        if cfg.o_bias:
+            yield p + "attn_o_b", (D,), F32
+        if cfg.qk_norm == "head":
+            yield p + "attn_q_norm", (cfg.head_dim,), F32
+            yield p + "attn_k_norm", (cfg.head_dim,), F32
+        elif cfg.qk_norm == "full":
+            yield p + "attn_q_norm", (cfg.q_dim,), F32
+            yield p + "attn_k_norm", (cfg.kv_dim,), F32
+        yield p + "ffn_norm", (D,), F32
+        if not cfg.is_moe_layer(i):
+            yield p + "ffn_gate", (cfg.intermediate_size, D), W
+            yield p + "ffn_up", (cfg.intermediate_size, D), W
+            yield p + "ffn_down", (D, cfg.intermediate_size), W
+            continue
+        yield p + "ffn_gate_inp", (E, D), F32
+        yield p + "ffn_gate_exps", (E, I, D), W
+        yield p + "ffn_up_exps", (E, I, D), W
+        yield p + "ffn_down_exps", (E, D, I), W
+        if cfg.shared_expert_intermediate_size:
+            S = cfg.shared_expert_intermediate_size
+            yield p + "ffn_gate_shexp", (S, D), W
+            yield p + "ffn_up_shexp", (S, D), W
+            yield p + "ffn_down_shexp", (D, S), W
+            yield p + "ffn_shexp_gate", (1, D), F32
+    yield "output_norm", (D,), F32
+    if not cfg.tie_word_embeddings:
+        yield "output", (V, D), W

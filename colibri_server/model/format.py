@@ -1,0 +1,480 @@
+"""The .colibri binary layout, and nothing else.
+
+A .colibri file is a memory image: map it once (MAP_SHARED, PROT_READ) and every
+tensor is a numpy view at an offset, with no parsing and no copy. The byte-level
+spec is docs/format.md; this module is its reference implementation.
+
+    0x000  header (128 bytes, little-endian; see HEADER below)
+    0x080  tensor table: tensor_count fixed 64-byte records
+    ....   routing table: num_layers fixed 32-byte records
+    ....   config JSON | metadata JSON | tokenizer.json | chat template (UTF-8)
+    data_offset (page aligned): tensor data, each tensor aligned to `alignment`
+
+Reader: `ColibriFile.open(path)` validates everything that is cheap (structure,
+bounds, alignment, sizes, names) and raises one named `ColibriFormatError` per
+failure. Checking shapes against the model config is the caller's (weights.py);
+checksums are checked only by `verify_checksums()` (deep validation).
+
+Writer: `ColibriWriter` declares every tensor first, then streams each tensor's
+bytes in declaration order (so a converter never holds a whole model), into a
+temp file that is fsynced and `os.replace`d over the target: a live server that
+maps the old file never sees a half-written one.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import tempfile
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = b"COLI"
+VERSION = 1
+HEADER_SIZE = 128
+RECORD_SIZE = 64
+ROUTING_RECORD_SIZE = 32
+NAME_BYTES = 24
+MAX_NDIM = 4
+ALIGNMENT = 64          # every tensor starts on a 64-byte boundary (one cache line / AVX-512 register)
+PAGE = 4096             # data_offset is page aligned
+NO_TENSOR = 0xFFFFFFFF  # "absent" in the routing table
+
+# magic, version, num_experts, num_layers, header_size, tensor_count,
+# routing_offset, data_offset, file_size,
+# config (offset, size), metadata (offset, size), tokenizer (offset, size), template (offset, size),
+# alignment, reserved[12]
+HEADER = struct.Struct("<4sIIIII QQQ QQ QQ QQ QQ I 12s")
+# name[24], dtype u8, ndim u8, reserved u16, shape u32 x4, offset u64, size u64, crc32 u32
+RECORD = struct.Struct("<24sBBH4IQQI")
+# gate tensor index, bias tensor index, top_k, num_experts, flags, shared-expert gate index, reserved u64
+ROUTING = struct.Struct("<IIIIIIQ")
+assert HEADER.size == HEADER_SIZE and RECORD.size == RECORD_SIZE and ROUTING.size == ROUTING_RECORD_SIZE
+
+# Routing flags (per layer).
+ROUTE_SOFTMAX = 1 << 0        # probabilities are softmax(gate logits) over all experts
+ROUTE_RENORM = 1 << 1         # the top-k weights are renormalised to sum to 1
+ROUTE_SHARED_EXPERT = 1 << 2  # the layer adds sigmoid(shared_gate . x) * shared_expert(x)
+
+# dtype code -> (name, numpy view dtype, bytes per element). f16 is viewed as uint16 and bf16
+# as int16: Numba has no float16 on the CPU, and the view dtype alone tells a kernel which
+# conversion to apply.
+DTYPES = {
+    0: ("f32", np.dtype("<f4"), 4),
+    1: ("f16", np.dtype("<u2"), 2),
+    2: ("bf16", np.dtype("<i2"), 2),
+}
+DTYPE_CODES = {name: code for code, (name, _, _) in DTYPES.items()}
+
+
+# ---------------------------------------------------------------------------- errors
+
+class ColibriFormatError(Exception):
+    """A .colibri file is not valid. `field` names the header field or tensor at fault."""
+
+    def __init__(self, path, field, message):
+        self.path, self.field = str(path), field
+        super().__init__(f"{path}: {field}: {message}")
+
+
+class BadMagic(ColibriFormatError): pass
+class UnsupportedVersion(ColibriFormatError): pass
+class Truncated(ColibriFormatError): pass
+class BadHeader(ColibriFormatError): pass
+class TensorOutOfBounds(ColibriFormatError): pass
+class Misaligned(ColibriFormatError): pass
+class UnknownDtype(ColibriFormatError): pass
+class BadTensorRecord(ColibriFormatError): pass
+class DuplicateName(ColibriFormatError): pass
+class BadBlob(ColibriFormatError): pass
+class BadConfig(ColibriFormatError): pass
+class BadRouting(ColibriFormatError): pass
+class MissingTensor(ColibriFormatError): pass
+class ShapeMismatch(ColibriFormatError): pass
+class ChecksumMismatch(ColibriFormatError): pass
+
+
+# ---------------------------------------------------------------------------- records
+
+@dataclass(frozen=True)
+class TensorRecord:
+    index: int
+    name: str
+    dtype: str
+    shape: tuple
+    offset: int
+    size: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class RoutingRecord:
+    gate: int          # tensor index of the router gate [E, D]
+    bias: int          # tensor index of a per-expert bias [E], or NO_TENSOR
+    top_k: int
+    num_experts: int   # 0 for a dense (non-MoE) layer
+    flags: int
+    shared_gate: int   # tensor index of the shared-expert gate [1, D], or NO_TENSOR
+
+
+def nbytes(dtype: str, shape) -> int:
+    n = DTYPES[DTYPE_CODES[dtype]][2]
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+# ---------------------------------------------------------------------------- reader
+
+class ColibriFile:
+    """An open, structurally validated .colibri file: header fields, tensor records,
+    routing table, blobs, and zero-copy read-only views of one mapping."""
+
+    def __init__(self, path, mm, header, records, routing, blobs):
+        self.path, self._mm = str(path), mm
+        self.header, self.routing = header, routing
+        self.records = {r.name: r for r in records}
+        self.record_list = records
+        self.config_json, self.metadata_json, self.tokenizer_json, self.chat_template = blobs
+        self._buf = np.frombuffer(mm, dtype=np.uint8)
+
+    # -- opening and validation -------------------------------------------------
+    @classmethod
+    def open(cls, path, populate: bool = False) -> "ColibriFile":
+        path = os.fspath(path)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"model file not found: {path}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_SIZE:
+                raise Truncated(path, "header", f"file is {size} bytes, the header alone is {HEADER_SIZE}")
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            header, records, routing, blobs = _validate(path, mm, size)
+        except BaseException:
+            mm.close()
+            raise
+        return cls(path, mm, header, records, routing, blobs)
+
+    def close(self) -> None:
+        """Drop the mapping. Views taken from it must not be used afterwards."""
+        self._buf = None
+        try:
+            self._mm.close()
+        except BufferError:
+            # views are still alive somewhere; the mapping goes when they do
+            pass
+
+    # -- access -----------------------------------------------------------------
+    def __contains__(self, name) -> bool:
+        return name in self.records
+
+    def view(self, name: str) -> np.ndarray:
+        """Read-only numpy view of a tensor (f16 as uint16, bf16 as int16). No copy."""
+        r = self.records[name]
+        _, dt, _ = DTYPES[DTYPE_CODES[r.dtype]]
+        a = self._buf[r.offset:r.offset + r.size].view(dt).reshape(r.shape)
+        return a
+
+    def tensor_bytes(self, name: str) -> memoryview:
+        r = self.records[name]
+        return memoryview(self._mm)[r.offset:r.offset + r.size]
+
+    def verify_checksums(self, progress=None) -> None:
+        """Deep validation: the CRC-32 of every tensor's bytes against its record."""
+        for r in self.record_list:
+            crc = 0
+            mv = memoryview(self._mm)
+            for start in range(r.offset, r.offset + r.size, 1 << 24):
+                crc = zlib.crc32(mv[start:min(start + (1 << 24), r.offset + r.size)], crc)
+            mv.release()
+            if crc != r.crc32:
+                raise ChecksumMismatch(self.path, r.name,
+                                       f"CRC-32 of the data is {crc:#010x}, the record says {r.crc32:#010x}")
+            if progress:
+                progress(r)
+
+
+def _field_bounds(path, name, offset, size, lo, hi):
+    if offset < lo or size < 0 or offset + size > hi:
+        raise BadHeader(path, name, f"region [{offset}, {offset + size}) is outside [{lo}, {hi})")
+
+
+def _validate(path, mm, size):
+    raw = HEADER.unpack_from(mm, 0)
+    (magic, version, num_experts, num_layers, header_size, tensor_count,
+     routing_offset, data_offset, file_size,
+     cfg_off, cfg_size, meta_off, meta_size, tok_off, tok_size, tpl_off, tpl_size,
+     alignment, _reserved) = raw
+    if magic != MAGIC:
+        raise BadMagic(path, "magic", f"expected {MAGIC!r}, found {magic!r}: not a .colibri file")
+    if version != VERSION:
+        raise UnsupportedVersion(path, "version", f"file is version {version}, this reader supports {VERSION}")
+    if header_size != HEADER_SIZE:
+        raise BadHeader(path, "header_size", f"{header_size}, expected {HEADER_SIZE}")
+    if file_size != size:
+        if size < file_size:
+            raise Truncated(path, "file_size", f"header says {file_size} bytes, the file has {size}")
+        raise BadHeader(path, "file_size", f"header says {file_size} bytes, the file has {size} (trailing bytes)")
+    if alignment == 0 or alignment & (alignment - 1) or alignment > PAGE:
+        raise BadHeader(path, "alignment", f"{alignment} is not a power of two <= {PAGE}")
+    if num_layers == 0 or num_layers > 4096:
+        raise BadHeader(path, "num_layers", f"{num_layers} is not in 1..4096")
+    if num_experts > 65536:
+        raise BadHeader(path, "num_experts", f"{num_experts} is not in 0..65536")
+    if data_offset % PAGE or data_offset > size:
+        raise BadHeader(path, "data_offset", f"{data_offset} is not page aligned inside the file")
+    table_end = HEADER_SIZE + tensor_count * RECORD_SIZE
+    if tensor_count == 0 or table_end > data_offset:
+        raise BadHeader(path, "tensor_count", f"{tensor_count} records do not fit before data_offset {data_offset}")
+    _field_bounds(path, "routing_offset", routing_offset, num_layers * ROUTING_RECORD_SIZE, table_end, data_offset)
+    blobs = []
+    for name, off, n in (("config", cfg_off, cfg_size), ("metadata", meta_off, meta_size),
+                         ("tokenizer", tok_off, tok_size), ("chat_template", tpl_off, tpl_size)):
+        _field_bounds(path, name + "_offset", off, n, table_end, data_offset)
+        try:
+            blobs.append(bytes(mm[off:off + n]).decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise BadBlob(path, name, f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    header = dict(version=version, num_experts=num_experts, num_layers=num_layers,
+                  header_size=header_size, tensor_count=tensor_count, routing_offset=routing_offset,
+                  data_offset=data_offset, file_size=file_size, alignment=alignment)
+
+    records, seen = [], set()
+    for i in range(tensor_count):
+        (name_b, code, ndim, _res, s0, s1, s2, s3, offset, nbyt, crc) = RECORD.unpack_from(mm, HEADER_SIZE + i * RECORD_SIZE)
+        where = f"tensor record {i}"
+        name_b = name_b.rstrip(b"\0")
+        try:
+            name = name_b.decode("ascii")
+        except UnicodeDecodeError:
+            raise BadTensorRecord(path, where, f"name {name_b!r} is not ASCII") from None
+        if not name or not name.isprintable() or " " in name or "\0" in name:
+            raise BadTensorRecord(path, where, f"name {name!r} is empty or has blanks or control characters")
+        if name in seen:
+            raise DuplicateName(path, name, f"tensor name appears twice (again at record {i})")
+        seen.add(name)
+        if code not in DTYPES:
+            raise UnknownDtype(path, name, f"dtype code {code} is not one of {sorted(DTYPES)}")
+        if not 1 <= ndim <= MAX_NDIM:
+            raise BadTensorRecord(path, name, f"ndim {ndim} is not in 1..{MAX_NDIM}")
+        dims = (s0, s1, s2, s3)
+        shape = dims[:ndim]
+        if any(d == 0 for d in shape) or any(d != 0 for d in dims[ndim:]):
+            raise BadTensorRecord(path, name, f"shape {dims} with ndim {ndim}: zero or stray dimension")
+        dname = DTYPES[code][0]
+        want = nbytes(dname, shape)
+        if nbyt != want:
+            raise BadTensorRecord(path, name, f"size {nbyt} bytes, but {dname}{list(shape)} needs {want}")
+        if offset < data_offset or offset + nbyt > size:
+            raise TensorOutOfBounds(path, name, f"bytes [{offset}, {offset + nbyt}) are outside the data "
+                                                f"region [{data_offset}, {size})")
+        if offset % alignment:
+            raise Misaligned(path, name, f"offset {offset} is not a multiple of {alignment}")
+        records.append(TensorRecord(i, name, dname, tuple(int(d) for d in shape), offset, nbyt, crc))
+
+    routing = []
+    for layer in range(num_layers):
+        gate, bias, top_k, n_exp, flags, shared_gate, _ = ROUTING.unpack_from(mm, routing_offset + layer * ROUTING_RECORD_SIZE)
+        where = f"routing[{layer}]"
+        for fname, idx in (("gate", gate), ("bias", bias), ("shared_gate", shared_gate)):
+            if idx != NO_TENSOR and idx >= tensor_count:
+                raise BadRouting(path, where, f"{fname} tensor index {idx} >= tensor_count {tensor_count}")
+        if n_exp:
+            if gate == NO_TENSOR:
+                raise BadRouting(path, where, "a MoE layer needs a gate tensor")
+            if n_exp != num_experts:
+                raise BadRouting(path, where, f"num_experts {n_exp} differs from the header's {num_experts}")
+            if not 1 <= top_k <= n_exp:
+                raise BadRouting(path, where, f"top_k {top_k} is not in 1..{n_exp}")
+        elif top_k or gate != NO_TENSOR:
+            raise BadRouting(path, where, "a dense layer (num_experts 0) has a gate or a top_k")
+        if flags & ~(ROUTE_SOFTMAX | ROUTE_RENORM | ROUTE_SHARED_EXPERT):
+            raise BadRouting(path, where, f"unknown flag bits {flags:#x}")
+        routing.append(RoutingRecord(gate, bias, top_k, n_exp, flags, shared_gate))
+    return header, records, routing, blobs
+
+
+def read_json_blob(path, field, text, required=True):
+    """Parse one JSON blob (config, metadata) into a dict, or raise BadBlob/BadConfig naming it."""
+    err = BadConfig if field == "config" else BadBlob
+    if not text:
+        if required:
+            raise err(path, field, "is empty")
+        return {}
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise err(path, field, f"is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise err(path, field, f"must be a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+# ---------------------------------------------------------------------------- writer
+
+class ColibriWriter:
+    """Streams a .colibri file: declare every tensor, then `write()` each one's bytes in
+    declaration order (in as many chunks as you like), then `close()` commits it.
+
+        with ColibriWriter(out, config=..., metadata=..., tokenizer_json=..., chat_template=...) as w:
+            w.declare("token_embd", "f16", (V, D)); ...
+            w.set_routing(records)
+            for name, chunk in ...: w.write(name, chunk)
+
+    Nothing appears at `out` until every byte is written and fsynced; on error the temp
+    file is removed and `out` is left as it was."""
+
+    def __init__(self, path, *, config: dict, metadata: dict, tokenizer_json: str = "",
+                 chat_template: str = "", num_experts: int, num_layers: int):
+        self.path = os.fspath(path)
+        self._blobs = [json.dumps(config, sort_keys=True).encode(), json.dumps(metadata, sort_keys=True).encode(),
+                       tokenizer_json.encode("utf-8"), (chat_template or "").encode("utf-8")]
+        self.num_experts, self.num_layers = num_experts, num_layers
+        self._decl, self._index, self._routing = [], {}, None
+        self._fh = None
+        self._cur = 0          # index of the tensor being written
+        self._written = 0      # bytes of it written so far
+        self._crc = 0
+
+    def declare(self, name: str, dtype: str, shape) -> int:
+        if self._fh is not None:
+            raise RuntimeError("declare() after writing started")
+        if name in self._index:
+            raise ValueError(f"tensor {name!r} declared twice")
+        raw = name.encode("ascii")
+        if not 0 < len(raw) <= NAME_BYTES:
+            raise ValueError(f"tensor name {name!r} must be 1..{NAME_BYTES} ASCII bytes")
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        shape = tuple(int(s) for s in shape)
+        if not 1 <= len(shape) <= MAX_NDIM or min(shape) <= 0:
+            raise ValueError(f"tensor {name!r}: bad shape {shape}")
+        self._index[name] = len(self._decl)
+        self._decl.append([name, dtype, shape, 0, nbytes(dtype, shape), 0])
+        return self._index[name]
+
+    def index(self, name: str) -> int:
+        return self._index[name]
+
+    def set_routing(self, records) -> None:
+        if len(records) != self.num_layers:
+            raise ValueError(f"{len(records)} routing records for {self.num_layers} layers")
+        self._routing = list(records)
+
+    def _layout(self):
+        table_end = HEADER_SIZE + len(self._decl) * RECORD_SIZE
+        routing_offset = table_end
+        pos = routing_offset + self.num_layers * ROUTING_RECORD_SIZE
+        offs = []
+        for b in self._blobs:
+            offs.append((pos, len(b)))
+            pos += len(b)
+        data_offset = _align(pos, PAGE)
+        pos = data_offset
+        for d in self._decl:
+            pos = _align(pos, ALIGNMENT)
+            d[3] = pos
+            pos += d[4]
+        return routing_offset, offs, data_offset, pos
+
+    def _start(self):
+        if self._routing is None:
+            raise RuntimeError("set_routing() must be called before writing tensor data")
+        self._routing_offset, self._blob_offs, self._data_offset, self._file_size = self._layout()
+        d = os.path.dirname(os.path.abspath(self.path))
+        fd, self._tmp = tempfile.mkstemp(prefix=".colibri-", suffix=".tmp", dir=d)
+        self._fh = os.fdopen(fd, "wb")
+        # placeholder header + table (rewritten with checksums at close); blobs are final now
+        self._fh.write(b"\0" * self._data_offset)
+        self._fh.seek(self._routing_offset)
+        for r in self._routing:
+            self._fh.write(ROUTING.pack(*r, 0))
+        for (off, _), b in zip(self._blob_offs, self._blobs):
+            self._fh.seek(off)
+            self._fh.write(b)
+        self._seek_to_tensor(0)
+
+    def _seek_to_tensor(self, i):
+        if i < len(self._decl):
+            self._fh.seek(self._decl[i][3])
+
+    def write(self, name: str, data) -> None:
+        """Append bytes (any C-contiguous buffer, e.g. a numpy array of the declared dtype) to tensor `name`."""
+        if self._fh is None:
+            self._start()
+        if self._cur >= len(self._decl) or self._decl[self._cur][0] != name:
+            want = self._decl[self._cur][0] if self._cur < len(self._decl) else "(none left)"
+            raise RuntimeError(f"writing {name!r} but the next tensor in declaration order is {want!r}")
+        mv = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+        d = self._decl[self._cur]
+        if self._written + len(mv) > d[4]:
+            raise ValueError(f"tensor {name!r}: {self._written + len(mv)} bytes written, declared {d[4]}")
+        self._fh.write(mv)
+        self._crc = zlib.crc32(mv, self._crc)
+        self._written += len(mv)
+        if self._written == d[4]:
+            d[5] = self._crc
+            self._cur, self._written, self._crc = self._cur + 1, 0, 0
+            self._seek_to_tensor(self._cur)
+
+    def close(self) -> None:
+        if self._fh is None:
+            self._start()
+        if self._cur != len(self._decl):
+            raise RuntimeError(f"tensor {self._decl[self._cur][0]!r} and later ones were never written")
+        fh = self._fh
+        fh.seek(0, os.SEEK_END)
+        if fh.tell() < self._file_size:
+            fh.truncate(self._file_size)
+        (c, m, t, p) = self._blob_offs
+        fh.seek(0)
+        fh.write(HEADER.pack(MAGIC, VERSION, self.num_experts, self.num_layers, HEADER_SIZE, len(self._decl),
+                             self._routing_offset, self._data_offset, self._file_size,
+                             c[0], c[1], m[0], m[1], t[0], t[1], p[0], p[1], ALIGNMENT, b"\0" * 12))
+        for name, dtype, shape, off, size, crc in self._decl:
+            dims = list(shape) + [0] * (MAX_NDIM - len(shape))
+            fh.write(RECORD.pack(name.encode("ascii"), DTYPE_CODES[dtype], len(shape), 0, *dims, off, size, crc))
+        fh.flush()
+        os.fsync(fh.fileno())
+        fh.close()
+        os.replace(self._tmp, self.path)
+        dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        self._fh = None
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if getattr(self, "_tmp", None) and os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            try:
+                self.close()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.abort()
+        return False

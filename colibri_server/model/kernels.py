@@ -1,0 +1,688 @@
+"""Numba CPU kernels for colibri-server, each with a plain-numpy twin.
+
+Conventions (shared with the rest of the project):
+
+* Activations are float32, C-contiguous.
+* Weights are (usually read-only, mmap-backed) numpy arrays of one of three
+  dtypes, and the dtype alone selects the conversion to float32:
+
+  - ``float32`` -> float32 weights;
+  - ``uint16``  -> IEEE float16 bit patterns (Numba has no CPU float16);
+  - ``int16``   -> bfloat16 bit patterns (the upper half of a float32).
+
+* :func:`to_f32` is the single generic scalar loader; every kernel is written
+  once on top of it and Numba specialises it per weight dtype.  The f16 path
+  is an LLVM ``bitcast i16 -> half; fpext half -> float`` which vectorises to
+  ``vcvtph2ps``; the bf16 path is ``zext; shl 16; bitcast``.
+* Kernels do not allocate: outputs and scratch buffers are passed in.
+* Every kernel ``foo`` has a numpy twin ``foo_ref`` (simple, obviously correct,
+  used by the tests).  Twins take f16/bf16 weights as uint16/int16 as well and
+  convert them with :func:`weights_to_f32`.
+* ``fastmath`` is only used with ``{"reassoc", "contract"}`` and only on
+  functions whose floating point work is a reduction (dot products, sums of
+  squares); everything elementwise is compiled without it, so it rounds like
+  numpy.  No ``nnan``/``ninf`` anywhere: NaN/inf propagate as in numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+__all__ = [
+    "to_f32",
+    "weights_to_f32",
+    "rmsnorm",
+    "rmsnorm_ref",
+    "rmsnorm_heads",
+    "rmsnorm_heads_ref",
+    "matvec",
+    "matvec_ref",
+    "rows_to_f32",
+    "rows_to_f32_ref",
+    "matmul",
+    "matmul_ref",
+    "embed",
+    "embed_ref",
+    "rope",
+    "rope_ref",
+    "attention",
+    "attention_ref",
+    "silu_mul",
+    "silu_mul_ref",
+    "route",
+    "route_ref",
+    "group_by_expert",
+    "group_by_expert_ref",
+    "expert_ffn",
+    "expert_ffn_ref",
+    "argmax",
+    "argmax_ref",
+]
+
+# Flags for reduction-only functions (needed for LLVM to vectorise the
+# floating point reductions; changes only the summation order).
+_REDUCE_FM = {"reassoc", "contract"}
+
+# ---------------------------------------------------------------------------
+# scalar conversion
+# ---------------------------------------------------------------------------
+
+
+@intrinsic
+def _f16_bits_to_f32(typingctx, v):
+    """uint16 (IEEE half bits) -> float32, exact (fpext)."""
+    if v != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        h = builder.bitcast(args[0], ir.HalfType())
+        return builder.fpext(h, ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, v):
+    """int16 (bfloat16 bits) -> float32, exact (bf16 = upper half of f32)."""
+    if v != types.int16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        z = builder.zext(args[0], i32)
+        s = builder.shl(z, ir.Constant(i32, 16))
+        return builder.bitcast(s, ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+def to_f32(v):
+    """Convert one weight scalar to float32 (pure-Python fallback; in Numba
+    code the overload below is used and specialises on the scalar type)."""
+    if isinstance(v, np.uint16):
+        return np.array(v, dtype=np.uint16).view(np.float16).astype(np.float32)[()]
+    if isinstance(v, np.int16):
+        return (np.array(v, dtype=np.int16).astype(np.uint16).astype(np.uint32) << 16).view(
+            np.float32
+        )[()]
+    return np.float32(v)
+
+
+@overload(to_f32, inline="always")
+def _to_f32_overload(v):
+    if v == types.uint16:
+        return lambda v: _f16_bits_to_f32(v)
+    if v == types.int16:
+        return lambda v: _bf16_bits_to_f32(v)
+    if v == types.float32:
+        return lambda v: v
+    if isinstance(v, types.Float):
+        return lambda v: np.float32(v)
+    return None
+
+
+def weights_to_f32(w: np.ndarray) -> np.ndarray:
+    """numpy twin of the conversion (tests / reference code only)."""
+    w = np.asarray(w)
+    if w.dtype == np.float32:
+        return w
+    if w.dtype == np.uint16:
+        return w.view(np.float16).astype(np.float32)
+    if w.dtype == np.int16:
+        return (w.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if w.dtype == np.float16:  # convenience for callers holding real f16
+        return w.astype(np.float32)
+    raise TypeError(f"unsupported weight dtype {w.dtype}")
+
+
+# ---------------------------------------------------------------------------
+# rmsnorm
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True, fastmath=_REDUCE_FM)
+def _sumsq(v):
+    # v (n,) f32 -> sum(v*v) as float32 (vectorised reduction)
+    s = np.float32(0.0)
+    for j in range(v.shape[0]):
+        s += v[j] * v[j]
+    return s
+
+
+@njit(cache=True)
+def rmsnorm(x, w, eps, out):
+    # x (T,D) f32, w (D,) f32, eps -> out (T,D) = w * (x * rsqrt(mean(x^2) + eps)); out may alias x
+    T, D = x.shape
+    epsf = np.float32(eps)
+    for t in range(T):
+        xt = x[t]
+        ot = out[t]
+        var = _sumsq(xt) / np.float32(D)
+        inv = np.float32(1.0) / np.sqrt(var + epsf)
+        for j in range(D):
+            ot[j] = w[j] * (xt[j] * inv)
+
+
+def rmsnorm_ref(x, w, eps, out=None):
+    x = np.asarray(x, dtype=np.float32)
+    var = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    inv = np.float32(1.0) / np.sqrt(var + np.float32(eps))
+    r = (w.astype(np.float32) * (x * inv)).astype(np.float32)
+    if out is not None:
+        out[...] = r
+    return r
+
+
+def rmsnorm_heads(x, w, eps, out):
+    """x (T,H,hd) f32, w (hd,) -> out (T,H,hd): rmsnorm of each head over hd
+    (Qwen3 q/k norm).  Thin wrapper: reshapes to 2-D and calls rmsnorm."""
+    T, H, hd = x.shape
+    rmsnorm(x.reshape(T * H, hd), w, eps, out.reshape(T * H, hd))
+
+
+def rmsnorm_heads_ref(x, w, eps, out=None):
+    return rmsnorm_ref(x, w, eps, out)
+
+
+# ---------------------------------------------------------------------------
+# matvec family
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")
+def _store(out, i, a, alpha, accumulate):
+    # out[i] = alpha*a, or += when accumulate
+    if accumulate:
+        out[i] += alpha * a
+    else:
+        out[i] = alpha * a
+
+
+@njit(cache=True, fastmath=_REDUCE_FM)
+def _matvec_core(W, x, out, alpha, accumulate):
+    # W (d,n) any, x (n,) f32 -> out (d,) = alpha * W@x (+ out if accumulate); 8 rows per pass, then 4, then 1
+    d, n = W.shape
+    zero = np.float32(0.0)
+    i = 0
+    while i + 8 <= d:
+        r0 = W[i]
+        r1 = W[i + 1]
+        r2 = W[i + 2]
+        r3 = W[i + 3]
+        r4 = W[i + 4]
+        r5 = W[i + 5]
+        r6 = W[i + 6]
+        r7 = W[i + 7]
+        a0 = zero
+        a1 = zero
+        a2 = zero
+        a3 = zero
+        a4 = zero
+        a5 = zero
+        a6 = zero
+        a7 = zero
+        for j in range(n):
+            xj = x[j]
+            a0 += to_f32(r0[j]) * xj
+            a1 += to_f32(r1[j]) * xj
+            a2 += to_f32(r2[j]) * xj
+            a3 += to_f32(r3[j]) * xj
+            a4 += to_f32(r4[j]) * xj
+            a5 += to_f32(r5[j]) * xj
+            a6 += to_f32(r6[j]) * xj
+            a7 += to_f32(r7[j]) * xj
+        _store(out, i, a0, alpha, accumulate)
+        _store(out, i + 1, a1, alpha, accumulate)
+        _store(out, i + 2, a2, alpha, accumulate)
+        _store(out, i + 3, a3, alpha, accumulate)
+        _store(out, i + 4, a4, alpha, accumulate)
+        _store(out, i + 5, a5, alpha, accumulate)
+        _store(out, i + 6, a6, alpha, accumulate)
+        _store(out, i + 7, a7, alpha, accumulate)
+        i += 8
+    if i + 4 <= d:
+        r0 = W[i]
+        r1 = W[i + 1]
+        r2 = W[i + 2]
+        r3 = W[i + 3]
+        a0 = zero
+        a1 = zero
+        a2 = zero
+        a3 = zero
+        for j in range(n):
+            xj = x[j]
+            a0 += to_f32(r0[j]) * xj
+            a1 += to_f32(r1[j]) * xj
+            a2 += to_f32(r2[j]) * xj
+            a3 += to_f32(r3[j]) * xj
+        _store(out, i, a0, alpha, accumulate)
+        _store(out, i + 1, a1, alpha, accumulate)
+        _store(out, i + 2, a2, alpha, accumulate)
+        _store(out, i + 3, a3, alpha, accumulate)
+        i += 4
+    while i < d:
+        r0 = W[i]
+        a0 = zero
+        for j in range(n):
+            a0 += to_f32(r0[j]) * x[j]
+        _store(out, i, a0, alpha, accumulate)
+        i += 1
+
+
+@njit(cache=True)
+def matvec(W, x, out):
+    # W (d,n) f32|u16(f16)|i16(bf16), x (n,) f32 -> out (d,) f32 = W @ x
+    # asm (znver3/AVX2): f32 4x vmovups+vfmadd231ps ymm/row; f16 vcvtph2ps ymm + vfmadd231ps; bf16 vpmovzxwd+vpslld 16 + vfmadd231ps
+    _matvec_core(W, x, out, np.float32(1.0), False)
+
+
+def matvec_ref(W, x, out=None):
+    r = (weights_to_f32(W).astype(np.float64) @ np.asarray(x, np.float64)).astype(np.float32)
+    if out is not None:
+        out[...] = r
+    return r
+
+
+@njit(cache=True)
+def rows_to_f32(W, r0, r1, out):
+    # W (d,n) any, rows r0:r1 -> out (r1-r0, n) f32
+    n = W.shape[1]
+    for i in range(r0, r1):
+        src = W[i]
+        dst = out[i - r0]
+        for j in range(n):
+            dst[j] = to_f32(src[j])
+
+
+def rows_to_f32_ref(W, r0, r1, out=None):
+    r = np.ascontiguousarray(weights_to_f32(W[r0:r1]))
+    if out is not None:
+        out[...] = r
+    return r
+
+
+def matmul(X, W, out, scratch):
+    """X (T,n) f32, W (d,n) any -> out (T,d) f32 = X @ W.T.
+
+    Plain Python.  f32 weights go straight to BLAS; f16/bf16 weights are
+    converted tile by tile (``scratch`` (tile_rows, n) f32) and each tile is
+    multiplied with BLAS into the column slice ``out[:, r0:r1]`` (row-major with
+    a leading dimension, which numpy hands to sgemm directly).  T == 1 uses
+    :func:`matvec` (no conversion pass)."""
+    T, n = X.shape
+    d = W.shape[0]
+    if W.shape[1] != n or out.shape != (T, d):
+        raise ValueError(f"matmul shapes: X {X.shape}, W {W.shape}, out {out.shape}")
+    if W.dtype == np.float32:
+        np.matmul(X, W.T, out=out)
+        return out
+    if T == 1:
+        matvec(W, X[0], out[0])
+        return out
+    tile = scratch.shape[0]
+    if tile < 1 or scratch.shape[1] != n:
+        raise ValueError(f"matmul scratch shape {scratch.shape} for n={n}")
+    for r0 in range(0, d, tile):
+        r1 = min(d, r0 + tile)
+        buf = scratch[: r1 - r0]
+        rows_to_f32(W, r0, r1, buf)
+        np.matmul(X, buf.T, out=out[:, r0:r1])
+    return out
+
+
+def matmul_ref(X, W, out=None):
+    r = (np.asarray(X, np.float64) @ weights_to_f32(W).astype(np.float64).T).astype(np.float32)
+    if out is not None:
+        out[...] = r
+    return r
+
+
+# ---------------------------------------------------------------------------
+# embedding
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def embed(table, ids, out):
+    # table (V,D) any, ids (T,) int64 -> out (T,D) f32 = table[ids]
+    V, D = table.shape
+    for t in range(ids.shape[0]):
+        r = ids[t]
+        if r < 0 or r >= V:
+            raise IndexError("embed: token id out of range")
+        src = table[r]
+        dst = out[t]
+        for j in range(D):
+            dst[j] = to_f32(src[j])
+
+
+def embed_ref(table, ids, out=None):
+    r = weights_to_f32(table[np.asarray(ids)]).astype(np.float32)
+    if out is not None:
+        out[...] = r
+    return r
+
+
+# ---------------------------------------------------------------------------
+# rotary embedding (HF rotate_half convention)
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def rope(x, positions, cos, sin):
+    # x (T,H,hd) f32 in place, positions (T,) i64, cos/sin (P, hd//2) f32: HF rotate_half (not interleaved)
+    T, H, hd = x.shape
+    half = hd // 2
+    P = cos.shape[0]
+    for t in range(T):
+        p = positions[t]
+        if p < 0 or p >= P:
+            raise IndexError("rope: position out of range of the cos/sin tables")
+        c = cos[p]
+        s = sin[p]
+        for h in range(H):
+            v = x[t, h]
+            for i in range(half):
+                x1 = v[i]
+                x2 = v[i + half]
+                v[i] = x1 * c[i] - x2 * s[i]
+                v[i + half] = x2 * c[i] + x1 * s[i]
+
+
+def rope_ref(x, positions, cos, sin):
+    """Returns a new array (the kernel works in place)."""
+    hd = x.shape[-1]
+    half = hd // 2
+    c = cos[positions][:, None, :]
+    s = sin[positions][:, None, :]
+    x1 = x[..., :half]
+    x2 = x[..., half : 2 * half]
+    r = x.copy()
+    r[..., :half] = x1 * c - x2 * s
+    r[..., half : 2 * half] = x2 * c + x1 * s
+    return r
+
+
+# ---------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True, fastmath=_REDUCE_FM)
+def _dot(a, b):
+    # a (n,), b (n,) f32 -> float32 dot (vectorised reduction)
+    s = np.float32(0.0)
+    for j in range(a.shape[0]):
+        s += a[j] * b[j]
+    return s
+
+
+@njit(cache=True)
+def _axpy(alpha, x, y):
+    # y (n,) += alpha * x (n,)
+    for j in range(x.shape[0]):
+        y[j] += alpha * x[j]
+
+
+@njit(cache=True)
+def attention(q, kcache, vcache, start, window, scale, out, scores):
+    # q (T,H,hd), k/vcache (Hkv,S,hd), causal GQA from abs pos start(+t), sliding window if >0 -> out (T,H,hd); scores (S,) scratch
+    T, H, hd = q.shape
+    Hkv, S, _ = kcache.shape
+    if H % Hkv != 0:
+        raise ValueError("attention: H must be a multiple of Hkv")
+    if start < 0 or start + T > S:
+        raise ValueError("attention: positions beyond the cache")
+    group = H // Hkv
+    sc = np.float32(scale)
+    for t in range(T):
+        p = start + t
+        lo = 0
+        if window > 0:
+            lo = p - window + 1
+            if lo < 0:
+                lo = 0
+        for h in range(H):
+            kh = h // group
+            qv = q[t, h]
+            K = kcache[kh]
+            V = vcache[kh]
+            m = -np.inf
+            for j in range(lo, p + 1):
+                s = _dot(qv, K[j]) * sc
+                scores[j] = s
+                if s > m:
+                    m = s
+            ov = out[t, h]
+            for c in range(hd):
+                ov[c] = np.float32(0.0)
+            tot = np.float32(0.0)
+            for j in range(lo, p + 1):
+                e = np.exp(scores[j] - m)
+                tot += e
+                _axpy(e, V[j], ov)
+            inv = np.float32(1.0) / tot
+            for c in range(hd):
+                ov[c] *= inv
+
+
+def attention_ref(q, kcache, vcache, start, window, scale, out=None):
+    T, H, hd = q.shape
+    Hkv, S, _ = kcache.shape
+    group = H // Hkv
+    r = np.zeros((T, H, hd), np.float32)
+    for t in range(T):
+        p = start + t
+        lo = max(0, p - window + 1) if window > 0 else 0
+        for h in range(H):
+            k = kcache[h // group, lo : p + 1].astype(np.float64)
+            v = vcache[h // group, lo : p + 1].astype(np.float64)
+            s = (k @ q[t, h].astype(np.float64)) * scale
+            s = np.exp(s - s.max())
+            r[t, h] = (s / s.sum()) @ v
+    if out is not None:
+        out[...] = r
+    return r
+
+
+# ---------------------------------------------------------------------------
+# SwiGLU pieces
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def silu_mul(g, u, out):
+    # g (T,I), u (T,I) f32 -> out (T,I) = g / (1 + exp(-g)) * u; out may alias g or u
+    T, I = g.shape
+    one = np.float32(1.0)
+    for t in range(T):
+        gt = g[t]
+        ut = u[t]
+        ot = out[t]
+        for j in range(I):
+            gv = gt[j]
+            ot[j] = gv / (one + np.exp(-gv)) * ut[j]
+
+
+def silu_mul_ref(g, u, out=None):
+    g = np.asarray(g, np.float32)
+    with np.errstate(over="ignore"):
+        r = (g / (np.float32(1.0) + np.exp(-g)) * u).astype(np.float32)
+    if out is not None:
+        out[...] = r
+    return r
+
+
+@njit(cache=True)
+def _silu_mul_1d(g, u):
+    # g (I,) f32 in place = silu(g) * u
+    one = np.float32(1.0)
+    for j in range(g.shape[0]):
+        gv = g[j]
+        g[j] = gv / (one + np.exp(-gv)) * u[j]
+
+
+@njit(cache=True)
+def expert_ffn(w1, w3, w2, e, x, weight, h1, h3, out):
+    # w1,w3 (E,I,D), w2 (E,D,I) any, x (D,) f32 -> out (D,) += weight * w2[e] @ (silu(w1[e]@x) * (w3[e]@x)); h1,h3 (I,) scratch
+    one = np.float32(1.0)
+    _matvec_core(w1[e], x, h1, one, False)
+    _matvec_core(w3[e], x, h3, one, False)
+    _silu_mul_1d(h1, h3)
+    _matvec_core(w2[e], h1, out, np.float32(weight), True)
+
+
+def expert_ffn_ref(w1, w3, w2, e, x, weight, out):
+    """Returns out + weight * ffn(x) (does not modify out)."""
+    g = matvec_ref(w1[e], x)
+    u = matvec_ref(w3[e], x)
+    h = silu_mul_ref(g[None], u[None])[0]
+    return (out + np.float32(weight) * matvec_ref(w2[e], h)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# routing
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def route(logits, top_k, renorm, idx_out, w_out):
+    # logits (T,E) f32 -> idx_out (T,k) i32, w_out (T,k) f32: top-k of softmax (desc, ties -> lower index), renorm optional
+    T, E = logits.shape
+    if top_k < 1 or top_k > E:
+        raise ValueError("route: top_k must be in 1..E")
+    for t in range(T):
+        row = logits[t]
+        m = row[0]
+        for e in range(1, E):
+            if row[e] > m:
+                m = row[e]
+        tot = np.float32(0.0)
+        for e in range(E):
+            tot += np.exp(row[e] - m)
+        inv = np.float32(1.0) / tot
+        # selection on the probabilities: slot s takes the largest (p, -index)
+        # strictly after slot s-1 in the order (p desc, index asc)
+        pv = np.float32(np.inf)
+        pi = -1
+        wsum = np.float32(0.0)
+        for s in range(top_k):
+            bi = -1
+            bv = np.float32(0.0)
+            for e in range(E):
+                v = np.exp(row[e] - m) * inv
+                if v < pv or (v == pv and e > pi):
+                    if bi < 0 or v > bv:
+                        bi = e
+                        bv = v
+            idx_out[t, s] = bi
+            w_out[t, s] = bv
+            wsum += bv
+            pv = bv
+            pi = bi
+        if renorm:
+            for s in range(top_k):
+                w_out[t, s] = w_out[t, s] / wsum
+
+
+def route_ref(logits, top_k, renorm):
+    """Returns (idx (T,k) int32, w (T,k) float32)."""
+    logits = np.asarray(logits, np.float32)
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    p = (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)
+    # stable sort of -p: descending probability, ties by ascending index
+    idx = np.argsort(-p, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+    w = np.take_along_axis(p, idx, axis=-1)
+    if renorm:
+        w = (w / w.sum(axis=-1, keepdims=True)).astype(np.float32)
+    return idx, w.astype(np.float32)
+
+
+@njit(cache=True)
+def group_by_expert(idx, E, counts, offsets, order):
+    # idx (T,k) i32, E -> counts (E,) i64, offsets (E+1,) i64, order (T*k,) i64: stable counting sort of flat t*k+s by expert
+    T, k = idx.shape
+    for e in range(E):
+        counts[e] = 0
+    for t in range(T):
+        for s in range(k):
+            e = idx[t, s]
+            if e < 0 or e >= E:
+                raise ValueError("group_by_expert: expert index out of range")
+            counts[e] += 1
+    offsets[0] = 0
+    for e in range(E):
+        offsets[e + 1] = offsets[e] + counts[e]
+        counts[e] = 0  # reused as the fill cursor, restored by the fill below
+    for t in range(T):
+        for s in range(k):
+            e = idx[t, s]
+            order[offsets[e] + counts[e]] = t * k + s
+            counts[e] += 1
+
+
+def group_by_expert_ref(idx, E):
+    """Returns (counts, offsets, order) as int64 arrays."""
+    flat = np.asarray(idx).reshape(-1).astype(np.int64)
+    counts = np.bincount(flat, minlength=E).astype(np.int64)
+    offsets = np.zeros(E + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    order = np.argsort(flat, kind="stable").astype(np.int64)
+    return counts, offsets, order
+
+
+# ---------------------------------------------------------------------------
+# argmax
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True, fastmath={"reassoc", "nsz", "nnan", "ninf"})
+def _max_finite(x):
+    # x (n,) f32, assumed free of NaN/inf -> max(x) (vectorised; only called after _finite_probe)
+    m = x[0]
+    for j in range(x.shape[0]):
+        v = x[j]
+        m = v if v > m else m
+    return m
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _finite_probe(x):
+    # x (n,) f32 -> 0.0 iff every element is finite (x*0 is NaN for NaN/inf)
+    s = np.float32(0.0)
+    for j in range(x.shape[0]):
+        s += x[j] * np.float32(0.0)
+    return s
+
+
+@njit(cache=True)
+def argmax(x):
+    # x (n,) f32 -> int: first index of the max, same result as np.argmax (incl. NaN: first NaN)
+    n = x.shape[0]
+    if n == 0:
+        raise ValueError("argmax of an empty array")
+    if _finite_probe(x) == np.float32(0.0):
+        m = _max_finite(x)
+        for j in range(n):
+            if x[j] == m:
+                return j
+    # NaN/inf present (or, defensively, no match): exact scalar scan, numpy semantics
+    best = 0
+    bv = x[0]
+    if bv != bv:
+        return 0
+    for j in range(1, n):
+        v = x[j]
+        if v != v:
+            return j
+        if v > bv:
+            bv = v
+            best = j
+    return best
+
+
+def argmax_ref(x):
+    return int(np.argmax(x))

@@ -1,0 +1,99 @@
+"""The feed-forward half of a layer: MoE routing and dispatch, shared expert, dense MLP.
+
+Legend: T tokens in this step, D hidden, E experts, A active experts per token (top_k),
+I expert intermediate, S shared-expert intermediate, F dense intermediate, c tokens routed
+to one expert.
+
+Dispatch is grouped by expert (a counting sort of the T*A assignments), so each selected
+expert's weights are streamed once per step, not once per token. Decode (T == 1) calls
+one fused kernel per selected expert.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernels as K
+
+
+class RoutingNoise:
+    """Optional Gumbel top-k noise on expert *selection* (the seed's exploration knob).
+
+    Off when scale == 0 (the default). When on, experts are chosen by the top-k of
+    logits + scale * Gumbel(0, 1) drawn from this object's own generator (one per
+    process, never numpy's global one); the combine weights stay the clean softmax
+    probabilities of the chosen experts (renormalised where the architecture does)."""
+
+    def __init__(self, scale: float = 0.0, seed=None):
+        if not np.isfinite(scale) or scale < 0:
+            raise ValueError(f"routing noise scale {scale!r} must be a finite number >= 0")
+        self.scale = float(scale)
+        self.rng = np.random.default_rng(seed)
+
+    def route(self, logits, top_k, renorm, idx_out, w_out):
+        # logits (T,E) f32 -> idx_out (T,A) i32, w_out (T,A) f32
+        z = logits.astype(np.float64)
+        probs = np.exp(z - z.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)                              # (T,E)
+        noisy = z + self.scale * self.rng.gumbel(size=z.shape)                 # (T,E)
+        idx = np.argsort(-noisy, axis=1, kind="stable")[:, :top_k]             # (T,A)
+        w = np.take_along_axis(probs, idx, axis=1)                             # (T,A)
+        if renorm:
+            w /= w.sum(axis=1, keepdims=True)
+        idx_out[...] = idx
+        w_out[...] = w
+
+
+def swiglu(x, w1, w3, w2, ws, out):
+    # x (T,D) -> out (T,D) = w2 @ (silu(w1 @ x) * (w3 @ x)); w1,w3 (F,D), w2 (D,F)
+    T, F = x.shape[0], w1.shape[0]
+    g = ws.ffn_g[:T, :F]                                                       # (T,F)
+    u = ws.ffn_u[:T, :F]                                                       # (T,F)
+    K.matmul(x, w1, g, ws.tile_for(x.shape[1]))
+    K.matmul(x, w3, u, ws.tile_for(x.shape[1]))
+    K.silu_mul(g, u, g)
+    K.matmul(g, w2, out, ws.tile_for(F))
+    return out
+
+
+def moe(layer, x, ws, out, noise=None, trace=None):
+    """x (T,D) normed hidden -> out (T,D) = sum_a w_a * expert_a(x) [+ shared expert]."""
+    T = x.shape[0]
+    E, A = layer.gate.shape[0], layer.top_k
+    logits = ws.router[:T, :E]                                                 # (T,E)
+    K.matmul(x, layer.gate, logits, ws.tile_for(x.shape[1]))
+    idx, wts = ws.route_idx[:T, :A], ws.route_w[:T, :A]                       # (T,A) i32, (T,A) f32
+    if noise is not None and noise.scale > 0:
+        noise.route(logits, A, layer.renorm, idx, wts)
+    else:
+        K.route(logits, A, layer.renorm, idx, wts)
+    if trace is not None:
+        trace.append((idx.copy(), wts.copy()))
+    out[...] = 0.0
+    if T == 1:
+        for a in range(A):
+            K.expert_ffn(layer.w1, layer.w3, layer.w2, int(idx[0, a]), x[0], float(wts[0, a]),
+                         ws.h1, ws.h3, out[0])
+    else:
+        counts, offsets, order = ws.counts[:E], ws.offsets[:E + 1], ws.order[:T * A]
+        K.group_by_expert(idx, E, counts, offsets, order)
+        I = layer.w1.shape[1]
+        for e in np.flatnonzero(counts):
+            flat = order[offsets[e]:offsets[e + 1]]                            # (c,) positions t*A + a
+            tok = flat // A                                                    # (c,) token rows, unique
+            c = tok.shape[0]
+            xe = ws.gather[:c]                                                 # (c,D)
+            np.take(x, tok, axis=0, out=xe)
+            g, u, y = ws.ffn_g[:c, :I], ws.ffn_u[:c, :I], ws.expert_out[:c]   # (c,I) (c,I) (c,D)
+            K.matmul(xe, layer.w1[e], g, ws.tile_for(xe.shape[1]))
+            K.matmul(xe, layer.w3[e], u, ws.tile_for(xe.shape[1]))
+            K.silu_mul(g, u, g)
+            K.matmul(g, layer.w2[e], y, ws.tile_for(I))
+            y *= wts.reshape(-1)[flat][:, None]                                # (c,D) scaled by routing weight
+            out[tok] += y
+    if layer.shared_w1 is not None:
+        s = ws.shared_out[:T]                                                  # (T,D)
+        swiglu(x, layer.shared_w1, layer.shared_w3, layer.shared_w2, ws, s)
+        sg = x @ layer.shared_gate[0]                                          # (T,) f32
+        s *= (1.0 / (1.0 + np.exp(-sg)))[:, None].astype(np.float32)
+        out += s
+    return out

@@ -1,0 +1,76 @@
+"""Rotary position tables, computed once per model as Hugging Face computes them.
+
+inv_freq follows transformers' modeling_rope_utils for each rope_type (default, linear,
+yarn, llama3), in float32 like the reference, and cos/sin tables [P, hd/2] hold
+cos(p * inv_freq) * attention_factor for every position p < P: RoPE in the forward pass
+is then a table lookup (kernels.rope).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+def _base_inv_freq(theta: float, dim: int) -> np.ndarray:
+    exps = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)           # (dim/2,) f32
+    return (np.float32(1.0) / np.power(np.float32(theta), exps)).astype(np.float32)
+
+
+def inv_freq_and_factor(cfg: ModelConfig):
+    """(inv_freq (hd/2,) f32, attention_factor float) for cfg's rope_type."""
+    dim, theta = cfg.head_dim, cfg.rope_theta
+    rs = cfg.rope_scaling or {}
+    rtype = rs.get("rope_type", "default")
+    inv = _base_inv_freq(theta, dim)
+    if rtype == "default":
+        return inv, 1.0
+    if rtype == "linear":
+        return (inv / np.float32(rs["factor"])).astype(np.float32), 1.0
+    if rtype == "llama3":
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = np.float32(2 * math.pi) / inv
+        out = np.where(wavelen > old / lo, inv / np.float32(factor), inv).astype(np.float32)
+        smooth = ((old / wavelen - lo) / (hi - lo)).astype(np.float32)
+        smoothed = (1 - smooth) * out / np.float32(factor) + smooth * out
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return np.where(medium, smoothed, out).astype(np.float32), 1.0
+    if rtype == "yarn":
+        orig = rs.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        factor = rs.get("factor") or cfg.max_position_embeddings / orig
+        att = rs.get("attention_factor")
+        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        if att is None:
+            att = get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if (mscale and mscale_all) \
+                else get_mscale(factor)
+        beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+        def corr_dim(rot):
+            return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
+        low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+        if rs.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        extra = (1 - ramp).astype(np.float32)                                    # (dim/2,)
+        pos_freqs = np.power(np.float32(theta), np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+        interp, extrap = np.float32(1.0) / (np.float32(factor) * pos_freqs), np.float32(1.0) / pos_freqs
+        return (interp * (1 - extra) + extrap * extra).astype(np.float32), float(att)
+    raise ValueError(f"rope_type {rtype!r} is not supported")
+
+
+def rope_tables(cfg: ModelConfig, positions: int):
+    """cos, sin: (positions, hd/2) f32 tables, already scaled by the attention factor."""
+    inv, factor = inv_freq_and_factor(cfg)
+    freqs = np.arange(positions, dtype=np.float32)[:, None] * inv[None, :]      # (P, hd/2) f32
+    cos = (np.cos(freqs) * np.float32(factor)).astype(np.float32)
+    sin = (np.sin(freqs) * np.float32(factor)).astype(np.float32)
+    return cos, sin

@@ -1,0 +1,477 @@
+"""Token sampling and stop-condition handling.
+
+Three pieces, all pure NumPy / pure Python and independent of the model:
+
+* :class:`SamplingParams` -- the per-request knobs (frozen, validated).
+* :class:`Sampler` -- turns one row of logits into one token id.  The order of
+  operations follows Hugging Face ``generate()``: repetition penalty, then
+  (unless greedy) temperature, top-k, top-p, min-p, renormalise, draw.
+* :class:`StopChecker` -- stop strings / stop token ids / EOS for a streaming
+  server, holding back text that might still turn into a stop string.
+
+The sampler is written to be cheap for vocabularies of ~32k-256k entries: it
+never sorts the whole vocabulary in the common cases (top-k uses a partial
+partition; top-p first looks for the nucleus among the few high-probability
+tokens, whose count is bounded by pigeonhole), and the final draw uses a
+two-level (block) inverse CDF instead of a full cumulative sum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["SamplingParams", "Sampler", "StopChecker"]
+
+
+# --------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
+        x, (bool, np.bool_)
+    )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters.
+
+    ``temperature == 0`` means greedy decoding (argmax); ``top_k == 0``,
+    ``top_p == 1`` and ``min_p == 0`` switch the respective filter off;
+    ``repetition_penalty == 1`` switches the penalty off.  ``stop`` holds stop
+    *strings* (excluded from the output, as in OpenAI's API); ``stop_token_ids``
+    are extra token ids that end generation (EOS ids come from the tokenizer
+    and are honoured unless ``ignore_eos``).
+
+    Validation runs in ``__post_init__`` (so an invalid instance cannot exist)
+    and raises :class:`ValueError` whose message starts with the field name.
+    Lists given for ``stop`` / ``stop_token_ids`` are converted to tuples; a
+    single string for ``stop`` becomes a one-element tuple.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise containers first so that the frozen instance is hashable.
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        elif stop is None:
+            stop = ()
+        elif isinstance(stop, (list, tuple)):
+            stop = tuple(stop)
+        else:
+            raise ValueError(f"stop: expected a string or a list of strings, got {type(stop).__name__}")
+        object.__setattr__(self, "stop", stop)
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        elif isinstance(ids, (list, tuple)):
+            ids = tuple(ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids: expected a list of integers, got {type(ids).__name__}"
+            )
+        object.__setattr__(self, "stop_token_ids", ids)
+        self.validate()
+        # Canonical Python scalar types (numpy scalars would leak into JSON etc.).
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "min_p", float(self.min_p))
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+
+    def validate(self) -> None:
+        """Raise ``ValueError("<field>: ...")`` for the first invalid field."""
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature: must be a finite number >= 0, got {t!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        p = self.top_p
+        if not _is_real(p) or not math.isfinite(p) or not (0.0 < p <= 1.0):
+            raise ValueError(f"top_p: must be in (0, 1], got {p!r}")
+        mp = self.min_p
+        if not _is_real(mp) or not math.isfinite(mp) or not (0.0 <= mp <= 1.0):
+            raise ValueError(f"min_p: must be in [0, 1], got {mp!r}")
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty: must be a finite number > 0, got {rp!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise ValueError(f"seed: must be a non-negative integer or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop: stop strings must be strings, got {type(s).__name__}")
+            if s == "":
+                raise ValueError("stop: stop strings must not be empty")
+        for i in self.stop_token_ids:
+            if not _is_int(i) or i < 0:
+                raise ValueError(f"stop_token_ids: must be non-negative integers, got {i!r}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# --------------------------------------------------------------------------
+# Sampler
+# --------------------------------------------------------------------------
+
+_BLOCK = 1024  # block size of the two-level inverse CDF
+_SMALL = 4 * _BLOCK  # below this, a plain cumsum is cheaper
+# Probability thresholds tried when looking for the top-p nucleus among the
+# high-probability tokens only (at most 1/tau tokens can have prob >= tau).
+_NUCLEUS_TAUS = (1.0 / 256, 1.0 / 4096)
+
+
+def _cumsearch(w: np.ndarray, target: float | None, u: float | None, side: str) -> int:
+    """``searchsorted(cumsum(w), t, side)`` clipped to ``len(w) - 1``.
+
+    ``t`` is ``target`` if given, else ``u * sum(w)``.  For long arrays the
+    cumulative sum is done in two levels (block sums, then one block), which
+    is several times cheaper than ``np.cumsum`` over the whole array.
+    Accumulation is in float64.
+    """
+    n = w.shape[0]
+    if n <= _SMALL:
+        c = np.cumsum(w, dtype=np.float64)
+        t = target if target is not None else u * c[-1]
+        return min(int(np.searchsorted(c, t, side)), n - 1)
+    nb = n // _BLOCK
+    head = w[: nb * _BLOCK].reshape(nb, _BLOCK)
+    cb = np.cumsum(head.sum(axis=1, dtype=np.float64))
+    tail = w[nb * _BLOCK :]
+    if target is not None:
+        t = target
+    else:
+        t = u * (cb[-1] + float(tail.sum(dtype=np.float64)))
+    j = int(np.searchsorted(cb, t, side))
+    if j >= nb and tail.shape[0] == 0:
+        j = nb - 1
+    start = j * _BLOCK
+    seg = w[start : start + _BLOCK]
+    base = float(cb[j - 1]) if j > 0 else 0.0
+    c = np.cumsum(seg, dtype=np.float64)
+    c += base
+    i = min(int(np.searchsorted(c, t, side)), seg.shape[0] - 1)
+    return start + i
+
+
+class Sampler:
+    """Draws one token from a row of logits according to ``SamplingParams``.
+
+    Each sampler owns a private ``np.random.Generator`` seeded from
+    ``params.seed`` (fresh OS entropy when ``None``): the same seed and the
+    same sequence of logits give the same tokens, and the global NumPy RNG
+    is never touched.  Create one sampler per request.
+
+    The caller's logits are never modified: when the penalty or temperature
+    path needs to rewrite them, they are copied into scratch buffers owned by
+    the sampler (allocated once, so a sampler is not safe to share between
+    threads).  Greedy decoding without repetition penalty is a bare
+    ``argmax`` on the caller's array (no copy).
+    """
+
+    def __init__(self, params: SamplingParams, vocab_size: int) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        if not _is_int(vocab_size) or vocab_size < 1:
+            raise ValueError(f"vocab_size: must be a positive integer, got {vocab_size!r}")
+        self.params = params
+        self.vocab_size = int(vocab_size)
+        self.rng = np.random.default_rng(params.seed)
+        self._greedy = params.temperature == 0.0
+        self._penalty = params.repetition_penalty
+        k = params.top_k
+        self._top_k = k if 0 < k < self.vocab_size else 0
+        self._top_p = params.top_p
+        self._min_p = params.min_p
+        self._inv_t = 0.0 if self._greedy else 1.0 / params.temperature
+        # Scratch buffers, allocated lazily (greedy without penalty needs none).
+        self._buf: np.ndarray | None = None  # penalised logits
+        self._w: np.ndarray | None = None  # unnormalised probabilities
+
+    # -- helpers ---------------------------------------------------------
+
+    def _scratch(self) -> np.ndarray:
+        if self._buf is None:
+            self._buf = np.empty(self.vocab_size, dtype=np.float32)
+        return self._buf
+
+    def _weights(self) -> np.ndarray:
+        if self._w is None:
+            self._w = np.empty(self.vocab_size, dtype=np.float32)
+        return self._w
+
+    def apply_repetition_penalty(self, x: np.ndarray, history) -> None:
+        """In place on ``x``: HF ``RepetitionPenaltyLogitsProcessor``.
+
+        Every distinct id in ``history`` gets ``x*p`` if ``x < 0`` else ``x/p``
+        (duplicates are harmless: gather-then-scatter writes the same value).
+        Ids outside ``[0, vocab_size)`` are ignored.
+        """
+        h = np.asarray(history)
+        if h.size == 0:
+            return
+        if h.dtype.kind not in "iu":
+            h = h.astype(np.int64)
+        h = h.reshape(-1)
+        if h.min() < 0 or h.max() >= self.vocab_size:
+            h = h[(h >= 0) & (h < self.vocab_size)]
+        p = np.float32(self._penalty)
+        vals = x[h]
+        x[h] = np.where(vals < 0, vals * p, vals / p)
+
+    # -- main entry point ------------------------------------------------
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] | np.ndarray = ()) -> int:
+        """Return the next token id.
+
+        ``logits``: 1-D array of ``vocab_size`` floats (float32 preferred).
+        ``history``: previously seen token ids (prompt + generated), used only
+        by the repetition penalty; a NumPy integer array is cheapest.
+
+        Raises ``ValueError`` for a wrong shape, NaN logits, or when every
+        logit is ``-inf``.
+        """
+        x = logits
+        if not isinstance(x, np.ndarray) or x.shape != (self.vocab_size,):
+            x = np.asarray(x)
+            if x.shape != (self.vocab_size,):
+                raise ValueError(
+                    f"logits: expected shape ({self.vocab_size},), got {x.shape}"
+                )
+        if self._penalty != 1.0 and len(history):
+            buf = self._scratch()
+            np.copyto(buf, x, casting="unsafe")
+            self.apply_repetition_penalty(buf, history)
+            x = buf
+        if self._greedy:
+            i = int(np.argmax(x))
+            if x[i] != x[i]:
+                raise ValueError("logits contain NaN")
+            return i
+        return self._sample_temperature(x)
+
+    def _sample_temperature(self, x: np.ndarray) -> int:
+        m = float(x.max())  # propagates NaN
+        if not math.isfinite(m):
+            if math.isnan(m):
+                raise ValueError("logits contain NaN")
+            if m > 0:  # +inf: degenerate distribution on the first +inf
+                return int(np.argmax(x))
+            raise ValueError("logits are all -inf")
+        inv_t = self._inv_t
+        top_p = self._top_p
+        min_p = self._min_p
+
+        if self._top_k:
+            # HF TopK: keep every logit >= the k-th largest (ties kept).
+            v = self.vocab_size
+            kth = np.partition(x, v - self._top_k)[v - self._top_k]
+            cand = np.flatnonzero(x >= kth)
+            w = np.exp((x[cand].astype(np.float64) - m) * inv_t)
+            if top_p < 1.0:
+                order = np.argsort(-w, kind="stable")
+                cand, w = cand[order], w[order]
+                n = _cumsearch(w, top_p * float(w.sum()), None, "left") + 1
+                cand, w = cand[:n], w[:n]
+        elif top_p < 1.0:
+            cand, w = self._nucleus(x, m, inv_t, top_p)
+        elif min_p > 0.0:
+            # Only min-p: prefilter in logit space (p_i/p_max = exp((x_i-m)/T)),
+            # with a little slack; the exact test is done on the weights below.
+            thr = m + math.log(min_p) / inv_t - 1e-3 * abs(m) - 1e-3
+            cand = np.flatnonzero(x >= thr)
+            w = np.exp((x[cand] - np.float32(m)) * np.float32(inv_t))
+        else:
+            # Plain temperature sampling over the whole vocabulary.
+            w = self._weights()
+            np.subtract(x, np.float32(m), out=w)
+            np.multiply(w, np.float32(inv_t), out=w)
+            np.exp(w, out=w)
+            return self._draw(w, None)
+
+        if min_p > 0.0:
+            # The max weight is exp(0) == 1 (top-k/top-p always keep the max),
+            # so "p < min_p * p_max" is "w < min_p".
+            keep = w >= min_p
+            cand, w = cand[keep], w[keep]
+        return self._draw(w, cand)
+
+    def _nucleus(self, x: np.ndarray, m: float, inv_t: float, top_p: float):
+        """Top-p without top-k: returns (candidate ids, weights), sorted by
+        decreasing weight (ties: lower id first), nucleus only."""
+        w = self._weights()
+        np.subtract(x, np.float32(m), out=w)
+        np.multiply(w, np.float32(inv_t), out=w)
+        np.exp(w, out=w)
+        z = float(w.sum(dtype=np.float64))
+        target = top_p * z
+        for tau in _NUCLEUS_TAUS:
+            cand = np.flatnonzero(w >= np.float32(tau * z))
+            wc = w[cand].astype(np.float64)
+            if float(wc.sum()) >= target:
+                order = np.argsort(-wc, kind="stable")
+                cand, wc = cand[order], wc[order]
+                n = _cumsearch(wc, target, None, "left") + 1
+                return cand[:n], wc[:n]
+        # Flat distribution: the nucleus is big.  Find the cut value with a
+        # value sort (much cheaper than argsort), then take the ids.
+        vals = np.sort(w)[::-1]
+        n = _cumsearch(vals, target, None, "left") + 1
+        cut = vals[n - 1]
+        above = np.flatnonzero(w > cut)
+        ties = np.flatnonzero(w == cut)[: n - above.shape[0]]
+        cand = np.concatenate([above, ties])
+        return cand, w[cand].astype(np.float64)
+
+    def _draw(self, w: np.ndarray, cand: np.ndarray | None) -> int:
+        """Draw index ``i`` with probability ``w[i] / sum(w)``; map via ``cand``."""
+        if w.shape[0] == 1:
+            return int(cand[0]) if cand is not None else 0
+        u = float(self.rng.random())
+        i = _cumsearch(w, None, u, "right")
+        if not w[i] > 0:  # rounding at a block edge landed on a zero weight
+            nz = np.flatnonzero(w > 0)
+            if nz.shape[0] == 0:
+                i = int(np.argmax(w))
+            else:
+                i = int(nz[min(int(np.searchsorted(nz, i)), nz.shape[0] - 1)])
+        return int(cand[i]) if cand is not None else int(i)
+
+
+# --------------------------------------------------------------------------
+# Stop conditions
+# --------------------------------------------------------------------------
+
+
+class StopChecker:
+    """Stop strings, stop token ids and EOS for one streaming request.
+
+    Call :meth:`push` with every generated token id and the text piece the
+    incremental decoder produced for it; it returns ``(emit_text, finished,
+    reason)``:
+
+    * ``emit_text`` -- text that is safe to send to the client now.  Text that
+      could still be the beginning of a stop string is held back until the
+      following pieces settle it; when a stop string matches, the output ends
+      right before it (the stop string itself is excluded, like OpenAI).
+    * ``finished`` -- True once a stop string, a stop token or (unless
+      ``ignore_eos``) an EOS token was seen.
+    * ``reason`` -- ``"stop"`` when finished, else ``None``.  (``"length"`` is
+      the caller's business: when it runs out of ``max_tokens`` it calls
+      :meth:`flush` to get the held-back text.)
+
+    A stop/EOS token's own text is not emitted, but any held-back text before
+    it is (it did not turn into a stop string).  ``token_id`` may be ``None``
+    to feed text that belongs to no token (e.g. the incremental decoder's
+    final flush).  After ``finished``, further pushes are ignored.
+    :attr:`matched` tells which stop string or token id ended generation.
+    """
+
+    def __init__(
+        self,
+        stop_strings: Iterable[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] = (),
+        *,
+        ignore_eos: bool = False,
+    ) -> None:
+        self.stop_strings: tuple[str, ...] = tuple(stop_strings)
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise ValueError("stop: stop strings must be non-empty strings")
+        ids = set(int(i) for i in stop_token_ids)
+        if not ignore_eos:
+            ids.update(int(i) for i in eos_token_ids)
+        self.stop_ids = frozenset(ids)
+        self._max_hold = max((len(s) for s in self.stop_strings), default=1) - 1
+        self._pending = ""
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.matched: str | int | None = None
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> "StopChecker":
+        return cls(params.stop, params.stop_token_ids, eos_token_ids, ignore_eos=params.ignore_eos)
+
+    def _finish(self, matched: str | int) -> None:
+        self.finished = True
+        self.finish_reason = "stop"
+        self.matched = matched
+
+    def push(self, token_id: int | None, text_piece: str) -> tuple[str, bool, str | None]:
+        if self.finished:
+            return "", True, self.finish_reason
+        if token_id is not None and token_id in self.stop_ids:
+            out, self._pending = self._pending, ""
+            self._finish(int(token_id))
+            return out, True, "stop"
+        if not self.stop_strings:
+            return text_piece, False, None
+        buf = self._pending + text_piece
+        if not buf:
+            return "", False, None
+        # Earliest full match.  No match can start in already emitted text:
+        # that text was emitted only because no stop string could start there.
+        best = -1
+        best_s = None
+        for s in self.stop_strings:
+            j = buf.find(s)
+            if j != -1 and (best == -1 or j < best):
+                best, best_s = j, s
+        if best != -1:
+            self._pending = ""
+            self._finish(best_s)
+            return buf[:best], True, "stop"
+        # Hold back the longest suffix that is a proper prefix of a stop string.
+        hold = 0
+        for k in range(min(len(buf), self._max_hold), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stop_strings):
+                hold = k
+                break
+        if hold:
+            self._pending = buf[-hold:]
+            return buf[:-hold], False, None
+        self._pending = ""
+        return buf, False, None
+
+    def flush(self) -> str:
+        """Release held-back text (generation ended for another reason)."""
+        out, self._pending = self._pending, ""
+        return out
+
+    @property
+    def pending(self) -> str:
+        """Text currently held back."""
+        return self._pending

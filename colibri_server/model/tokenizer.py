@@ -1,0 +1,243 @@
+"""Tokenizer wrapper (Hugging Face ``tokenizers``) and a streaming decoder.
+
+The model file embeds a ``tokenizer.json``; :meth:`Tokenizer.from_json` turns
+it into a :class:`Tokenizer`.  Model-level metadata that ``tokenizer.json``
+does not carry reliably (BOS/EOS ids, chat template, whether to prepend BOS)
+is passed in explicitly by the loader.
+
+:class:`IncrementalDecoder` turns a stream of token ids into a stream of text
+without ever emitting half a character.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import tokenizers
+
+__all__ = ["Tokenizer", "IncrementalDecoder"]
+
+
+class Tokenizer:
+    """Thin wrapper around :class:`tokenizers.Tokenizer`.
+
+    ``add_bos``: prepend ``bos_token_id`` in :meth:`encode` (when
+    ``add_special_tokens``) if the tokenizer's own post-processor did not
+    already put it first.
+    """
+
+    def __init__(
+        self,
+        tk: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Iterable[int] | int = (),
+        chat_template: str | None = None,
+        add_bos: bool = False,
+    ) -> None:
+        self._tk = tk
+        n = tk.get_vocab_size(with_added_tokens=True)
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = (eos_token_ids,)
+        eos = tuple(int(i) for i in eos_token_ids)
+        for name, ids in (("bos_token_id", () if bos_token_id is None else (bos_token_id,)),
+                          ("eos_token_ids", eos)):
+            for i in ids:
+                if isinstance(i, bool) or not 0 <= int(i) < n:
+                    raise ValueError(f"{name}: token id {i!r} is outside the vocabulary (size {n})")
+        if add_bos and bos_token_id is None:
+            raise ValueError("add_bos: requires bos_token_id")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError("chat_template: must be a string or None")
+        self.bos_token_id: int | None = None if bos_token_id is None else int(bos_token_id)
+        self.eos_token_ids: tuple[int, ...] = eos
+        self.chat_template: str | None = chat_template
+        self.add_bos: bool = bool(add_bos)
+        self._vocab_size = n
+
+    # -- construction ----------------------------------------------------
+
+    @classmethod
+    def from_json(
+        cls,
+        data: bytes | bytearray | memoryview | str,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Iterable[int] | int = (),
+        chat_template: str | None = None,
+        add_bos: bool = False,
+    ) -> "Tokenizer":
+        """Build from the text of a ``tokenizer.json``.
+
+        Raises ``ValueError("invalid tokenizer JSON: ...")`` if the data is
+        not UTF-8, not JSON, or not a tokenizer the library understands.
+        """
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            try:
+                data = bytes(data).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"invalid tokenizer JSON: not UTF-8 ({e})") from None
+        if not isinstance(data, str):
+            raise ValueError(f"invalid tokenizer JSON: expected bytes or str, got {type(data).__name__}")
+        try:
+            tk = tokenizers.Tokenizer.from_str(data)
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"invalid tokenizer JSON: {e}") from None
+        return cls(
+            tk,
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
+            chat_template=chat_template,
+            add_bos=add_bos,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **kwargs) -> "Tokenizer":
+        with open(path, "rb") as f:
+            return cls.from_json(f.read(), **kwargs)
+
+    # -- properties ------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included.
+
+        (The model's embedding table may be larger; ids beyond this decode to
+        nothing.)
+        """
+        return self._vocab_size
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        return self._tk
+
+    # -- encode / decode -------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``text``.
+
+        ``add_special_tokens`` runs the tokenizer's post-processor (which may
+        add BOS/EOS) and, if ``add_bos``, prepends BOS when it is not already
+        first.  Pass ``False`` for text that already has its special tokens,
+        e.g. a rendered chat template.  Special-token strings that appear in
+        ``text`` (like ``"<s>"``) are parsed as special tokens, as in HF.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        ids = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text for ``ids``; unknown ids (>= vocab_size) decode to nothing.
+
+        Raises ``ValueError`` for negative ids.
+        """
+        try:
+            return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"invalid token ids: {e}") from None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tk.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if token_id < 0:
+            return None
+        return self._tk.id_to_token(token_id)
+
+    def is_eos(self, token_id: int) -> bool:
+        return token_id in self.eos_token_ids
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
+            f"eos_token_ids={self.eos_token_ids})"
+        )
+
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDecoder:
+    """Streaming detokenizer.
+
+    ``push(token_id)`` returns the text newly completed by that token (maybe
+    ``""``); ``flush()`` returns whatever is still held back.  The
+    concatenation of all pushes and the flush equals
+    ``tokenizer.decode(all_ids, skip_special_tokens)`` for byte-level BPE
+    tokenizers.
+
+    Technique (as in TGI/vLLM): keep two offsets into the id list.  Decode
+    the window ``ids[prefix:read]`` (already emitted) and ``ids[prefix:]``;
+    the new text is the difference.  If the window's text ends with U+FFFD,
+    the last token(s) end inside a multi-byte UTF-8 character (byte-level BPE
+    splits characters across tokens), so nothing is emitted until a later
+    token completes it.  Decoding a window with some left context (rather
+    than the new token alone) also keeps decoders that strip a leading space
+    (SentencePiece-style ``Strip``) correct.
+
+    ``context_ids`` (e.g. the last few prompt ids) seed the left context
+    without being emitted, so that the first generated token gets the same
+    leading-space treatment as in ``decode(prompt + generated)``.
+
+    Each push costs two decodes of a short window; if a long run of tokens
+    keeps ending in U+FFFD (garbage bytes), the window grows until a token
+    ends on a character boundary.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        skip_special_tokens: bool = True,
+        context_ids: Sequence[int] = (),
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = [int(i) for i in context_ids]
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._n_context = len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        ids = self._ids
+        ids.append(int(token_id))
+        prefix_text = self._decode(ids[self._prefix : self._read])
+        new_text = self._decode(ids[self._prefix :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+            out = new_text[len(prefix_text) :]
+            self._prefix = self._read
+            self._read = len(ids)
+            self._trim()
+            return out
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back (e.g. an incomplete character, as U+FFFD)."""
+        ids = self._ids
+        if self._read >= len(ids):
+            return ""
+        prefix_text = self._decode(ids[self._prefix : self._read])
+        new_text = self._decode(ids[self._prefix :])
+        self._prefix = self._read
+        self._read = len(ids)
+        self._trim()
+        return new_text[len(prefix_text) :]
+
+    def _trim(self) -> None:
+        # Drop ids left of the window so the list does not grow forever.
+        if self._prefix > 64:
+            del self._ids[: self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+
+    @property
+    def pending_ids(self) -> int:
+        """Number of pushed ids whose text has not been emitted yet."""
+        return len(self._ids) - self._read

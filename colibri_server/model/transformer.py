@@ -1,0 +1,157 @@
+"""forward(): one step of the decoder over T new tokens, top to bottom like the math.
+
+As in llama2.c, three things are kept apart: the config (config.py), the weights
+(views into the mapping, weights.py) and the run state: a KVCache per sequence slot
+and a Workspace of activation buffers per process. forward() allocates nothing in
+the decode path (T == 1); every buffer below is a view of the workspace.
+
+Legend: T new tokens, P0 position of the first, D hidden, H heads, Hkv kv heads,
+hd head dim, S cache capacity, V vocab.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import kernels as K
+from .config import ModelConfig
+from .moe import moe, swiglu
+
+
+class KVCache:
+    """The state of one sequence (one slot): its keys and values and how many are filled.
+    np.zeros maps pages lazily, so a large capacity costs only what is used."""
+
+    def __init__(self, cfg: ModelConfig, capacity: int):
+        shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)       # (L,Hkv,S,hd)
+        self.k = np.zeros(shape, np.float32)
+        self.v = np.zeros(shape, np.float32)
+        self.capacity = capacity
+        self.length = 0            # positions 0..length-1 are filled
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class Workspace:
+    """Activation buffers for up to `rows` tokens per forward call, allocated once."""
+
+    TILE_ROWS = 64    # rows of a f16/bf16 weight converted to f32 at once for BLAS
+
+    def __init__(self, cfg: ModelConfig, rows: int):
+        D, E, A = cfg.hidden_size, cfg.num_experts, cfg.top_k
+        F = max(cfg.moe_intermediate_size, cfg.intermediate_size, cfg.shared_expert_intermediate_size)
+        f32 = np.float32
+        self.rows = rows
+        self.x = np.zeros((rows, D), f32)                  # residual stream
+        self.h = np.zeros((rows, D), f32)                  # normed input of a sublayer
+        self.q = np.zeros((rows, cfg.q_dim), f32)
+        self.k = np.zeros((rows, cfg.kv_dim), f32)
+        self.v = np.zeros((rows, cfg.kv_dim), f32)
+        self.attn = np.zeros((rows, cfg.q_dim), f32)
+        self.sub = np.zeros((rows, D), f32)                # a sublayer's output
+        self.ffn_g = np.zeros((rows, F), f32)
+        self.ffn_u = np.zeros((rows, F), f32)
+        self.gather = np.zeros((rows, D), f32)
+        self.expert_out = np.zeros((rows, D), f32)
+        self.shared_out = np.zeros((rows, D), f32)
+        self.router = np.zeros((rows, E), f32)
+        self.route_idx = np.zeros((rows, A), np.int32)
+        self.route_w = np.zeros((rows, A), f32)
+        self.counts = np.zeros(E, np.int64)
+        self.offsets = np.zeros(E + 1, np.int64)
+        self.order = np.zeros(rows * A, np.int64)
+        self.h1 = np.zeros(cfg.moe_intermediate_size, f32)
+        self.h3 = np.zeros(cfg.moe_intermediate_size, f32)
+        self.tile = np.zeros((self.TILE_ROWS, max(D, F, cfg.q_dim)), f32)
+        self.logits = np.zeros((1, cfg.vocab_size), f32)
+        self.positions = np.zeros(rows, np.int64)
+        self.scores = None                                 # (S,) attention scratch, sized on use
+
+    def tile_for(self, n: int) -> np.ndarray:
+        """Tile scratch with exactly n columns (rows, n) f32, for matmul of f16/bf16 weights."""
+        return self.tile.reshape(-1)[:self.TILE_ROWS * n].reshape(self.TILE_ROWS, n)
+
+    def score_buffer(self, capacity: int) -> np.ndarray:
+        if self.scores is None or self.scores.shape[0] < capacity:
+            self.scores = np.zeros(capacity, np.float32)
+        return self.scores
+
+
+def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=None, embeddings=None,
+            all_logits: bool = False, noise=None, trace=None, out=None) -> np.ndarray:
+    """Run T new tokens (ids (T,), or embeddings (T,D)) at positions cache.length.. and
+    return logits: (T,V) if all_logits (into `out` when given), else the last row (1,V)."""
+    T = len(tokens) if tokens is not None else embeddings.shape[0]
+    P0 = cache.length
+    if T > ws.rows:
+        raise ValueError(f"{T} tokens exceed the workspace's {ws.rows} rows")
+    if P0 + T > cache.capacity:
+        raise ValueError(f"sequence of {P0 + T} tokens exceeds the context of {cache.capacity}")
+    H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin = rope
+    x, h, sub = ws.x[:T], ws.h[:T], ws.sub[:T]                                # (T,D)
+    pos = ws.positions[:T]                                                     # (T,)
+    pos[:] = np.arange(P0, P0 + T)
+    scores = ws.score_buffer(cache.capacity)
+    scale = 1.0 / math.sqrt(hd)
+
+    # token embedding (or caller-supplied embeddings)
+    if embeddings is not None:
+        x[...] = embeddings
+    else:
+        K.embed(w.token_embd, np.asarray(tokens, np.int64), x)
+
+    for l, L in enumerate(w.layers):
+        # attention: RMSNorm -> q, k, v projections (+ bias) -> [clip] -> [q/k norm] -> RoPE
+        K.rmsnorm(x, L.attn_norm, cfg.rms_norm_eps, h)
+        q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]                                 # (T,H*hd) (T,Hkv*hd) (T,Hkv*hd)
+        K.matmul(h, L.wq, q, ws.tile_for(cfg.hidden_size))
+        K.matmul(h, L.wk, k, ws.tile_for(cfg.hidden_size))
+        K.matmul(h, L.wv, v, ws.tile_for(cfg.hidden_size))
+        if L.bq is not None:
+            q += L.bq                                                          # biases (Qwen2 qkv_bias, attention_bias)
+            k += L.bk
+            v += L.bv
+        if cfg.qk_norm == "full":                                              # OLMoE: over the whole projection
+            K.rmsnorm(q, L.q_norm, cfg.rms_norm_eps, q)
+            K.rmsnorm(k, L.k_norm, cfg.rms_norm_eps, k)
+        if cfg.clip_qkv:
+            np.clip(q, -cfg.clip_qkv, cfg.clip_qkv, out=q)
+            np.clip(k, -cfg.clip_qkv, cfg.clip_qkv, out=k)
+            np.clip(v, -cfg.clip_qkv, cfg.clip_qkv, out=v)
+        q3, k3 = q.reshape(T, H, hd), k.reshape(T, Hkv, hd)                    # (T,H,hd) (T,Hkv,hd)
+        if cfg.qk_norm == "head":                                              # Qwen3: per head over hd
+            K.rmsnorm(q.reshape(T * H, hd), L.q_norm, cfg.rms_norm_eps, q.reshape(T * H, hd))
+            K.rmsnorm(k.reshape(T * Hkv, hd), L.k_norm, cfg.rms_norm_eps, k.reshape(T * Hkv, hd))
+        K.rope(q3, pos, cos, sin)
+        K.rope(k3, pos, cos, sin)
+        # append to the cache, attend over positions 0..P0+T-1
+        cache.k[l, :, P0:P0 + T] = k3.transpose(1, 0, 2)                       # (Hkv,T,hd)
+        cache.v[l, :, P0:P0 + T] = v.reshape(T, Hkv, hd).transpose(1, 0, 2)
+        attn = ws.attn[:T]                                                     # (T,H*hd)
+        K.attention(q3, cache.k[l], cache.v[l], P0, cfg.sliding_window, scale, attn.reshape(T, H, hd), scores)
+        K.matmul(attn, L.wo, sub, ws.tile_for(cfg.q_dim))
+        if L.bo is not None:
+            sub += L.bo
+        x += sub                                                               # residual
+
+        # feed-forward: RMSNorm -> MoE (or dense MLP) -> residual
+        K.rmsnorm(x, L.ffn_norm, cfg.rms_norm_eps, h)
+        if L.gate is not None:
+            moe(L, h, ws, sub, noise=noise, trace=trace)
+        else:
+            swiglu(h, L.mlp_w1, L.mlp_w3, L.mlp_w2, ws, sub)
+        x += sub
+
+    cache.length = P0 + T
+    # final norm and output head
+    if all_logits:
+        K.rmsnorm(x, w.output_norm, cfg.rms_norm_eps, h)
+        logits = out if out is not None else np.empty((T, cfg.vocab_size), np.float32)   # (T,V)
+        K.matmul(h, w.output, logits, ws.tile_for(cfg.hidden_size))
+        return logits
+    K.rmsnorm(x[T - 1:T], w.output_norm, cfg.rms_norm_eps, h[:1])
+    K.matmul(h[:1], w.output, ws.logits, ws.tile_for(cfg.hidden_size))        # (1,V)
+    return ws.logits

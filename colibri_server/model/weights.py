@@ -1,0 +1,115 @@
+"""Named read-only views of one mapped .colibri file. Nothing here copies a weight.
+
+Legend: D hidden, V vocab, H heads, Hkv kv heads, hd head dim, E experts, I expert
+intermediate, S shared-expert intermediate, F dense-MLP intermediate.
+Matrices are in the file's dtype (f32; f16 viewed as uint16; bf16 viewed as int16);
+norms, biases and router gates are f32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import format as fmt
+from .config import ModelConfig, expected_tensors
+
+
+@dataclass(frozen=True)
+class Layer:
+    attn_norm: np.ndarray              # (D,) f32
+    wq: np.ndarray                     # (H*hd, D)
+    wk: np.ndarray                     # (Hkv*hd, D)
+    wv: np.ndarray                     # (Hkv*hd, D)
+    wo: np.ndarray                     # (D, H*hd)
+    bq: np.ndarray | None              # (H*hd,) f32
+    bk: np.ndarray | None              # (Hkv*hd,) f32
+    bv: np.ndarray | None              # (Hkv*hd,) f32
+    bo: np.ndarray | None              # (D,) f32
+    q_norm: np.ndarray | None          # (hd,) per head, or (H*hd,) whole projection; f32
+    k_norm: np.ndarray | None          # (hd,) or (Hkv*hd,); f32
+    ffn_norm: np.ndarray               # (D,) f32
+    # MoE layer (gate is None for a dense layer)
+    gate: np.ndarray | None            # (E, D) f32 router
+    top_k: int
+    renorm: bool                       # renormalise the top-k weights
+    w1: np.ndarray | None              # (E, I, D) gate_proj of every expert, contiguous
+    w3: np.ndarray | None              # (E, I, D) up_proj
+    w2: np.ndarray | None              # (E, D, I) down_proj
+    shared_w1: np.ndarray | None       # (S, D)
+    shared_w3: np.ndarray | None       # (S, D)
+    shared_w2: np.ndarray | None       # (D, S)
+    shared_gate: np.ndarray | None     # (1, D) f32
+    # dense MLP layer
+    mlp_w1: np.ndarray | None          # (F, D)
+    mlp_w3: np.ndarray | None          # (F, D)
+    mlp_w2: np.ndarray | None          # (D, F)
+
+
+@dataclass(frozen=True)
+class Weights:
+    token_embd: np.ndarray             # (V, D)
+    layers: tuple                      # L x Layer
+    output_norm: np.ndarray            # (D,) f32
+    output: np.ndarray                 # (V, D): lm head (token_embd when tied)
+
+
+def check_tensors(cf: fmt.ColibriFile, cfg: ModelConfig) -> None:
+    """Every tensor the config implies is present with the right dtype and shape, and no other."""
+    expected = {}
+    for name, shape, dtypes in expected_tensors(cfg):
+        expected[name] = shape
+        r = cf.records.get(name)
+        if r is None:
+            raise fmt.MissingTensor(cf.path, name, f"required by the config ({cfg.arch}), not in the file")
+        if r.dtype not in dtypes or tuple(r.shape) != tuple(shape):
+            raise fmt.ShapeMismatch(cf.path, name, f"is {r.dtype}{list(r.shape)}, the config needs "
+                                                   f"{'/'.join(dtypes)}{list(shape)}")
+    extra = sorted(set(cf.records) - set(expected))
+    if extra:
+        raise fmt.ShapeMismatch(cf.path, extra[0], "is not part of this architecture (unexpected tensor)")
+    if cf.header["num_layers"] != cfg.num_layers:
+        raise fmt.BadHeader(cf.path, "num_layers", f"{cf.header['num_layers']}, the config says {cfg.num_layers}")
+    if cf.header["num_experts"] != cfg.num_experts:
+        raise fmt.BadHeader(cf.path, "num_experts", f"{cf.header['num_experts']}, the config says {cfg.num_experts}")
+    names = [r.name for r in cf.record_list]
+    for i, rt in enumerate(cf.routing):
+        where = f"routing[{i}]"
+        if cfg.is_moe_layer(i) != bool(rt.num_experts):
+            raise fmt.BadRouting(cf.path, where, "MoE/dense disagrees with the config's dense_layers")
+        if not rt.num_experts:
+            continue
+        if names[rt.gate] != f"blk.{i}.ffn_gate_inp":
+            raise fmt.BadRouting(cf.path, where, f"gate points at {names[rt.gate]!r}, not blk.{i}.ffn_gate_inp")
+        if rt.bias != fmt.NO_TENSOR:
+            raise fmt.BadRouting(cf.path, where, "router bias is not supported by this version")
+        shared = bool(rt.flags & fmt.ROUTE_SHARED_EXPERT)
+        if shared != bool(cfg.shared_expert_intermediate_size):
+            raise fmt.BadRouting(cf.path, where, "shared-expert flag disagrees with the config")
+        if shared and names[rt.shared_gate] != f"blk.{i}.ffn_shexp_gate":
+            raise fmt.BadRouting(cf.path, where, f"shared_gate points at {names[rt.shared_gate]!r}")
+        if not rt.flags & fmt.ROUTE_SOFTMAX:
+            raise fmt.BadRouting(cf.path, where, "only softmax routing is supported by this version")
+
+
+def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
+    check_tensors(cf, cfg)
+
+    def v(name):
+        return cf.view(name) if name in cf else None
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p, rt = f"blk.{i}.", cf.routing[i]
+        layers.append(Layer(
+            attn_norm=v(p + "attn_norm"), wq=v(p + "attn_q"), wk=v(p + "attn_k"), wv=v(p + "attn_v"),
+            wo=v(p + "attn_o"), bq=v(p + "attn_q_b"), bk=v(p + "attn_k_b"), bv=v(p + "attn_v_b"), bo=v(p + "attn_o_b"),
+            q_norm=v(p + "attn_q_norm"), k_norm=v(p + "attn_k_norm"), ffn_norm=v(p + "ffn_norm"),
+            gate=v(p + "ffn_gate_inp"), top_k=rt.top_k, renorm=bool(rt.flags & fmt.ROUTE_RENORM),
+            w1=v(p + "ffn_gate_exps"), w3=v(p + "ffn_up_exps"), w2=v(p + "ffn_down_exps"),
+            shared_w1=v(p + "ffn_gate_shexp"), shared_w3=v(p + "ffn_up_shexp"),
+            shared_w2=v(p + "ffn_down_shexp"), shared_gate=v(p + "ffn_shexp_gate"),
+            mlp_w1=v(p + "ffn_gate"), mlp_w3=v(p + "ffn_up"), mlp_w2=v(p + "ffn_down")))
+    emb = cf.view("token_embd")
+    return Weights(token_embd=emb, layers=tuple(layers), output_norm=cf.view("output_norm"),
+                   output=emb if cfg.tie_word_embeddings else cf.view("output"))

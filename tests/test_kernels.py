@@ -1,0 +1,426 @@
+"""Kernels vs their numpy twins, for every weight dtype.
+
+Tolerances: the f16/bf16 -> f32 conversions are exact, so every dtype gets the
+same tolerance; the kernels differ from the (float64-accumulating) twins only
+by float32 accumulation order, so dot-product-like results are checked
+element-wise against ``RTOL * (|W| @ |x|)`` (the natural scale of the rounding
+error of a dot product), elementwise kernels against rtol=1e-6/atol=1e-6.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from colibri_server.model import kernels as K
+
+RTOL = 1e-5
+DTYPES = ["f32", "f16", "bf16"]
+
+
+def as_weights(a: np.ndarray, kind: str) -> np.ndarray:
+    """float32 array -> stored weight array (read-only, like an mmap view)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if kind == "f32":
+        w = a.copy()
+    elif kind == "f16":
+        w = a.astype(np.float16).view(np.uint16)
+    elif kind == "bf16":
+        w = (a.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)  # truncation
+    else:
+        raise ValueError(kind)
+    w = np.ascontiguousarray(w)
+    w.setflags(write=False)
+    return w
+
+
+def assert_dot_close(got, ref, scale, rtol=RTOL):
+    """|got - ref| <= rtol * scale element-wise (scale = |A| @ |b|)."""
+    err = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    bound = rtol * scale + 1e-30
+    bad = err > bound
+    assert not bad.any(), f"max err/bound {np.max(err / bound):.3g} at {np.argwhere(bad)[:3]}"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+# --------------------------------------------------------------------------
+# conversions
+# --------------------------------------------------------------------------
+
+
+def test_f16_all_bit_patterns_exact():
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    bits.setflags(write=False)
+    out = np.empty((256, 256), np.float32)
+    K.rows_to_f32(bits, 0, 256, out)
+    ref = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(out), nan)
+    assert np.array_equal(out[~nan].view(np.uint32), ref[~nan].view(np.uint32))  # incl. -0.0
+    assert np.array_equal(ref, K.weights_to_f32(bits), equal_nan=True)
+
+
+def test_bf16_all_bit_patterns_exact():
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.int16).reshape(256, 256)
+    bits.setflags(write=False)
+    out = np.empty((256, 256), np.float32)
+    K.rows_to_f32(bits, 0, 256, out)
+    ref = (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    # bit-exact, NaN payloads included (the conversion is a pure shift)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
+    assert np.array_equal(K.weights_to_f32(bits).view(np.uint32), ref.view(np.uint32))
+
+
+def test_to_f32_python_fallback():
+    assert K.to_f32(np.uint16(0x3C00)) == 1.0  # f16 1.0
+    assert K.to_f32(np.int16(0x3F80)) == 1.0  # bf16 1.0
+    assert K.to_f32(np.int16(-16512)) == -1.0  # bf16 0xBF80
+    assert K.to_f32(np.float32(2.5)) == 2.5
+
+
+@pytest.mark.parametrize("kind", DTYPES)
+def test_rows_to_f32_tile(rng, kind):
+    W = as_weights(rng.standard_normal((37, 61)), kind)
+    out = np.full((11, 61), np.nan, np.float32)
+    K.rows_to_f32(W, 5, 16, out)
+    assert np.array_equal(out, K.rows_to_f32_ref(W, 5, 16))
+    assert np.array_equal(out, K.weights_to_f32(W)[5:16])
+
+
+# --------------------------------------------------------------------------
+# matvec / matmul
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", DTYPES)
+@pytest.mark.parametrize("d,n", [(1, 1), (3, 5), (4, 8), (13, 7), (37, 61), (256, 1000)])
+def test_matvec(rng, kind, d, n):
+    W = as_weights(rng.standard_normal((d, n)), kind)
+    x = rng.standard_normal(n).astype(np.float32)
+    out = np.full(d, np.nan, np.float32)
+    K.matvec(W, x, out)
+    Wf = K.weights_to_f32(W).astype(np.float64)
+    assert_dot_close(out, K.matvec_ref(W, x), np.abs(Wf) @ np.abs(x))
+
+
+def test_matvec_can_fail(rng):
+    W = rng.standard_normal((37, 61)).astype(np.float32)
+    x = rng.standard_normal(61).astype(np.float32)
+    ref = K.matvec_ref(W, x)
+    W2 = W.copy()
+    W2[36, 60] += 0.5  # last row (single-row tail), last column
+    W2.setflags(write=False)
+    out = np.empty(37, np.float32)
+    K.matvec(W2, x, out)
+    with pytest.raises(AssertionError):
+        assert_dot_close(out, ref, np.abs(W) @ np.abs(x))
+
+
+@pytest.mark.parametrize("kind", DTYPES)
+@pytest.mark.parametrize("T", [1, 5])
+def test_matmul(rng, kind, T):
+    d, n = 37, 61
+    W = as_weights(rng.standard_normal((d, n)), kind)
+    X = rng.standard_normal((T, n)).astype(np.float32)
+    out = np.full((T, d), np.nan, np.float32)
+    scratch = np.empty((16, n), np.float32)  # 37 rows -> tiles 16, 16, 5
+    K.matmul(X, W, out, scratch)
+    Wf = K.weights_to_f32(W).astype(np.float64)
+    assert_dot_close(out, K.matmul_ref(X, W), np.abs(X) @ np.abs(Wf).T)
+
+
+# --------------------------------------------------------------------------
+# norms, embedding, rope
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,D", [(1, 1), (5, 61), (3, 1000)])
+def test_rmsnorm(rng, T, D):
+    x = (rng.standard_normal((T, D)) * 3).astype(np.float32)
+    w = rng.standard_normal(D).astype(np.float32)
+    out = np.full((T, D), np.nan, np.float32)
+    K.rmsnorm(x, w, 1e-6, out)
+    np.testing.assert_allclose(out, K.rmsnorm_ref(x, w, 1e-6), rtol=RTOL, atol=1e-6)
+    # in place (out aliases x)
+    x2 = x.copy()
+    K.rmsnorm(x2, w, 1e-6, x2)
+    np.testing.assert_allclose(x2, out, rtol=1e-6, atol=0)
+
+
+def test_rmsnorm_eps_matters():
+    x = np.full((1, 4), 1e-3, np.float32)
+    w = np.ones(4, np.float32)
+    a = np.empty_like(x)
+    b = np.empty_like(x)
+    K.rmsnorm(x, w, 1e-6, a)
+    K.rmsnorm(x, w, 0.0, b)
+    np.testing.assert_allclose(b, 1.0, rtol=1e-6)
+    assert a[0, 0] < 0.9  # sqrt(1e-6 / (1e-6 + 1e-6)) ~ 0.707
+    np.testing.assert_allclose(a, K.rmsnorm_ref(x, w, 1e-6), rtol=1e-6)
+
+
+def test_rmsnorm_heads(rng):
+    x = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    w = rng.standard_normal(16).astype(np.float32)
+    out = np.empty_like(x)
+    K.rmsnorm_heads(x, w, 1e-6, out)
+    np.testing.assert_allclose(out, K.rmsnorm_heads_ref(x, w, 1e-6), rtol=RTOL, atol=1e-6)
+    # per-head normalisation differs from normalising the whole row
+    whole = K.rmsnorm_ref(x.reshape(3, 64), np.tile(w, 4), 1e-6).reshape(3, 4, 16)
+    assert not np.allclose(out, whole, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kind", DTYPES)
+def test_embed(rng, kind):
+    table = as_weights(rng.standard_normal((37, 61)), kind)
+    ids = np.array([0, 36, 5, 5, 17], np.int64)
+    out = np.full((5, 61), np.nan, np.float32)
+    K.embed(table, ids, out)
+    assert np.array_equal(out, K.embed_ref(table, ids))
+    with pytest.raises(IndexError):
+        K.embed(table, np.array([37], np.int64), out[:1])
+
+
+def _rope_tables(P, hd, base=10000.0):
+    inv = 1.0 / base ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    ang = np.arange(P)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def test_rope(rng):
+    T, H, hd = 5, 3, 16
+    cos, sin = _rope_tables(64, hd)
+    x = rng.standard_normal((T, H, hd)).astype(np.float32)
+    pos = np.array([0, 7, 8, 9, 63], np.int64)
+    ref = K.rope_ref(x, pos, cos, sin)
+    y = x.copy()
+    K.rope(y, pos, cos, sin)
+    np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(y[0], x[0])  # position 0 is the identity
+    # rotate_half pairs i with i + hd/2; the interleaved convention differs
+    inter = x.copy()
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    inter[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s
+    inter[..., 1::2] = x[..., 1::2] * c + x[..., 0::2] * s
+    assert not np.allclose(y, inter, atol=1e-3)
+
+
+def test_rope_matches_hf_formula(rng):
+    # HF: q * cos + rotate_half(q) * sin, with cos/sin duplicated over both halves
+    T, H, hd = 2, 2, 8
+    cos, sin = _rope_tables(16, hd)
+    x = rng.standard_normal((T, H, hd)).astype(np.float32)
+    pos = np.array([3, 11], np.int64)
+    c = np.concatenate([cos[pos], cos[pos]], -1)[:, None, :]
+    s = np.concatenate([sin[pos], sin[pos]], -1)[:, None, :]
+    rot = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
+    hf = x * c + rot * s
+    y = x.copy()
+    K.rope(y, pos, cos, sin)
+    np.testing.assert_allclose(y, hf, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# attention
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "T,start,window,H,Hkv",
+    [
+        (1, 6, 0, 2, 2),  # decode
+        (5, 3, 0, 2, 2),  # prefill continuing a prompt
+        (5, 0, 0, 4, 2),  # prefill from scratch, GQA
+        (1, 9, 4, 4, 2),  # decode, sliding window, GQA
+        (6, 2, 3, 4, 1),  # prefill, window, MQA
+    ],
+)
+def test_attention(rng, T, start, window, H, Hkv):
+    S, hd = 16, 12
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
+    v = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
+    # positions after the last query are garbage: must never be read
+    k[:, start + T :] = np.nan
+    v[:, start + T :] = np.nan
+    scale = 1.0 / np.sqrt(hd)
+    out = np.full((T, H, hd), np.nan, np.float32)
+    scores = np.empty(S, np.float32)
+    K.attention(q, k, v, start, window, scale, out, scores)
+    ref = K.attention_ref(q, k, v, start, window, scale)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
+
+
+def test_attention_window_and_group_matter(rng):
+    T, H, Hkv, S, hd, start = 3, 4, 2, 12, 8, 6
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
+    v = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
+    out = np.empty((T, H, hd), np.float32)
+    sc = np.empty(S, np.float32)
+    K.attention(q, k, v, start, 3, 0.5, out, sc)
+    assert not np.allclose(out, K.attention_ref(q, k, v, start, 0, 0.5), atol=1e-3)
+    # heads 0,1 -> kv 0; heads 2,3 -> kv 1 (not h % Hkv)
+    wrong = np.empty_like(out)
+    K.attention(q[:, [0, 2, 1, 3]], k, v, start, 3, 0.5, wrong, sc)
+    assert not np.allclose(out, wrong[:, [0, 2, 1, 3]], atol=1e-3)
+    # decode at position 0 returns v[0] exactly-ish
+    o1 = np.empty((1, H, hd), np.float32)
+    K.attention(q[:1], k, v, 0, 0, 0.5, o1, sc)
+    np.testing.assert_allclose(o1[0, 0], v[0, 0], rtol=1e-6)
+    np.testing.assert_allclose(o1[0, 3], v[1, 0], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# SwiGLU
+# --------------------------------------------------------------------------
+
+
+def test_silu_mul(rng):
+    g = (rng.standard_normal((3, 61)) * 4).astype(np.float32)
+    g[0, :4] = [-100.0, 100.0, 0.0, -0.0]
+    u = rng.standard_normal((3, 61)).astype(np.float32)
+    ref = K.silu_mul_ref(g, u)
+    out = np.full_like(g, np.nan)
+    K.silu_mul(g, u, out)
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-7)
+    g2 = g.copy()
+    K.silu_mul(g2, u, g2)  # aliasing
+    np.testing.assert_array_equal(g2, out)
+
+
+@pytest.mark.parametrize("kind", DTYPES)
+@pytest.mark.parametrize("I,D", [(37, 61), (64, 128)])
+def test_expert_ffn(rng, kind, I, D):
+    E, e = 3, 1
+    w1f = rng.standard_normal((E, I, D)).astype(np.float32) * 0.2
+    w3f = rng.standard_normal((E, I, D)).astype(np.float32) * 0.2
+    w2f = rng.standard_normal((E, D, I)).astype(np.float32) * 0.2
+    w1, w3, w2 = (as_weights(a, kind) for a in (w1f, w3f, w2f))
+    x = rng.standard_normal(D).astype(np.float32)
+    out0 = rng.standard_normal(D).astype(np.float32)
+    ref = K.expert_ffn_ref(w1, w3, w2, e, x, 0.7, out0)
+    out = out0.copy()
+    h1 = np.empty(I, np.float32)
+    h3 = np.empty(I, np.float32)
+    K.expert_ffn(w1, w3, w2, e, x, np.float32(0.7), h1, h3, out)
+    # error scale: |out0| + 0.7 * |W2| @ |h| with |h| bounded by the reference h
+    W2 = np.abs(K.weights_to_f32(w2[e]).astype(np.float64))
+    W1 = np.abs(K.weights_to_f32(w1[e]).astype(np.float64))
+    W3 = np.abs(K.weights_to_f32(w3[e]).astype(np.float64))
+    hscale = (W1 @ np.abs(x)) * (W3 @ np.abs(x))
+    scale = np.abs(out0) + 0.7 * (W2 @ hscale)
+    assert_dot_close(out, ref, scale, rtol=3 * RTOL)
+    # other experts give something else
+    out_other = out0.copy()
+    K.expert_ffn(w1, w3, w2, 0, x, np.float32(0.7), h1, h3, out_other)
+    assert not np.allclose(out_other, out, atol=1e-3)
+
+
+# --------------------------------------------------------------------------
+# routing
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (7, 8, 2), (5, 60, 4), (3, 64, 8), (2, 5, 5)])
+def test_route(rng, renorm, T, E, k):
+    logits = (rng.standard_normal((T, E)) * 2).astype(np.float32)
+    idx = np.full((T, k), -1, np.int32)
+    w = np.full((T, k), np.nan, np.float32)
+    K.route(logits, k, renorm, idx, w)
+    ridx, rw = K.route_ref(logits, k, renorm)
+    np.testing.assert_array_equal(idx, ridx)
+    np.testing.assert_allclose(w, rw, rtol=1e-5, atol=1e-7)
+    assert (np.diff(w, axis=1) <= 0).all()
+    if renorm:
+        np.testing.assert_allclose(w.sum(1), 1.0, rtol=1e-5)
+    else:
+        assert (w.sum(1) <= 1.0 + 1e-5).all()
+
+
+def test_route_ties_lower_index_first():
+    logits = np.array([[0.0, 1.0, 1.0, 0.5, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0]], np.float32)
+    idx = np.empty((2, 3), np.int32)
+    w = np.empty((2, 3), np.float32)
+    K.route(logits, 3, False, idx, w)
+    np.testing.assert_array_equal(idx, [[1, 2, 4], [0, 1, 2]])
+    np.testing.assert_array_equal(idx, K.route_ref(logits, 3, False)[0])
+    np.testing.assert_allclose(w[1], 0.2, rtol=1e-6)
+
+
+def _check_grouping(idx, E):
+    T, k = idx.shape
+    counts = np.full(E, -7, np.int64)
+    offsets = np.full(E + 1, -7, np.int64)
+    order = np.full(T * k, -7, np.int64)
+    K.group_by_expert(idx, E, counts, offsets, order)
+    rc, ro, rord = K.group_by_expert_ref(idx, E)
+    # invariants
+    assert offsets[0] == 0 and offsets[-1] == T * k
+    np.testing.assert_array_equal(np.diff(offsets), counts)
+    assert sorted(order.tolist()) == list(range(T * k))
+    flat = idx.reshape(-1)
+    for e in range(E):
+        seg = order[offsets[e] : offsets[e + 1]]
+        assert (flat[seg] == e).all()
+        assert (np.diff(seg) > 0).all()  # stable
+    # twin
+    np.testing.assert_array_equal(counts, rc)
+    np.testing.assert_array_equal(offsets, ro)
+    np.testing.assert_array_equal(order, rord)
+
+
+def test_group_by_expert(rng):
+    T, k, E = 9, 3, 6
+    idx = rng.integers(0, E - 1, size=(T, k)).astype(np.int32)  # expert E-1 unused
+    _check_grouping(idx, E)
+    counts = np.empty(E, np.int64)
+    offsets = np.empty(E + 1, np.int64)
+    order = np.empty(T * k, np.int64)
+    K.group_by_expert(idx, E, counts, offsets, order)
+    assert counts[E - 1] == 0
+    bad = idx.copy()
+    bad[2, 1] = E
+    with pytest.raises(ValueError):
+        K.group_by_expert(bad, E, counts, offsets, order)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    T=st.integers(1, 12),
+    k=st.integers(1, 4),
+    E=st.integers(1, 9),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_group_by_expert_property(T, k, E, seed):
+    idx = np.random.default_rng(seed).integers(0, E, size=(T, k)).astype(np.int32)
+    _check_grouping(idx, E)
+
+
+# --------------------------------------------------------------------------
+# argmax
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 61, 151936])
+def test_argmax(rng, n):
+    x = rng.standard_normal(n).astype(np.float32)
+    assert K.argmax(x) == K.argmax_ref(x)
+    x[n - 1] = 100.0
+    assert K.argmax(x) == n - 1
+    x[n // 3] = 100.0  # tie: first index wins
+    assert K.argmax(x) == n // 3 == K.argmax_ref(x)
+
+
+def test_argmax_negative_inf():
+    x = np.array([-np.inf, -np.inf, -5.0, -np.inf], np.float32)
+    assert K.argmax(x) == 2
+    assert K.argmax(np.full(5, -np.inf, np.float32)) == 0
