@@ -233,7 +233,7 @@ SMALL_CONFIGS: dict[str, dict] = {
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=False,
-        clip_qkv=1.5,
+        clip_qkv=2.0,
         attention_bias=False,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
@@ -243,8 +243,10 @@ SMALL_CONFIGS: dict[str, dict] = {
 ARCHS = tuple(SMALL_CONFIGS)
 
 # Re-initialisation std (see _reinit_weights).
-INIT_STD = 0.15
-HEAD_STD = 0.3  # lm_head / tied embedding and router gates: wider => clear margins
+INIT_STD = 0.25
+LM_HEAD_STD = 0.3  # lm_head (and the embedding when tied): wider => clear top1-top2 margins
+ROUTER_STD = 0.2  # router gates / shared_expert_gate: clear top-k gaps without saturating softmax
+OUT_STD = 0.35  # o_proj / down_proj (matrices writing into the residual stream)
 NORM_NOISE = 0.1
 BIAS_STD = 0.05
 
@@ -267,7 +269,7 @@ def _make_config(arch: str, **overrides):
 @torch.no_grad()
 def _reinit_weights(model, gen: torch.Generator) -> None:
     """Large-std re-init: every matrix (Linear, Embedding, fused 3-D experts) ~ N(0, INIT_STD),
-    lm_head / embedding-if-tied / routers ~ N(0, HEAD_STD), norm gains ~ 1 + N(0, NORM_NOISE),
+    lm_head / embedding-if-tied ~ N(0, LM_HEAD_STD), routers ~ N(0, ROUTER_STD), norm gains ~ 1 + N(0, NORM_NOISE),
     biases ~ N(0, BIAS_STD). Draws in named_parameters() order from ``gen``."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, p in model.named_parameters():
@@ -276,13 +278,12 @@ def _reinit_weights(model, gen: torch.Generator) -> None:
             v = 1.0 + NORM_NOISE * torch.randn(shape, generator=gen)
         elif name.endswith(".bias"):
             v = BIAS_STD * torch.randn(shape, generator=gen)
-        elif (
-            name == "lm_head.weight"
-            or (tied and name.endswith("embed_tokens.weight"))
-            or name.endswith("mlp.gate.weight")
-            or name.endswith("shared_expert_gate.weight")
-        ):
-            v = HEAD_STD * torch.randn(shape, generator=gen)
+        elif name == "lm_head.weight" or (tied and name.endswith("embed_tokens.weight")):
+            v = LM_HEAD_STD * torch.randn(shape, generator=gen)
+        elif name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+            v = ROUTER_STD * torch.randn(shape, generator=gen)
+        elif name.endswith("o_proj.weight") or "down_proj" in name:
+            v = OUT_STD * torch.randn(shape, generator=gen)
         else:
             v = INIT_STD * torch.randn(shape, generator=gen)
         p.copy_(v.to(dt))
@@ -309,10 +310,18 @@ def build_hf_model(arch: str, out_dir, *, dtype=torch.float32, seed: int = 0, **
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if dtype != torch.float32:
+        # model.to(dtype) would also round the float buffers (rotary inv_freq), which a fresh
+        # from_pretrained recomputes in float32 -> keep them and restore after the round trip.
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         model.to(dtype)
-    model.save_pretrained(out, safe_serialization=True)
-    if dtype != torch.float32:
+        model.save_pretrained(out, safe_serialization=True)
         model.to(torch.float32)  # exact: lower-precision values are representable in fp32
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+    else:
+        model.save_pretrained(out, safe_serialization=True)
     model.config.dtype = torch.float32
     train_tokenizer(out, vocab_size=512)
     return model

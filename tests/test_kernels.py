@@ -424,3 +424,15 @@ def test_argmax_negative_inf():
     x = np.array([-np.inf, -np.inf, -5.0, -np.inf], np.float32)
     assert K.argmax(x) == 2
     assert K.argmax(np.full(5, -np.inf, np.float32)) == 0
+
+
+@pytest.mark.parametrize("pos", [0, 5, 60])
+def test_argmax_nan_and_inf_like_numpy(rng, pos):
+    x = rng.standard_normal(61).astype(np.float32)
+    y = x.copy()
+    y[pos] = np.nan
+    y[30] = np.inf
+    assert K.argmax(y) == int(np.argmax(y))
+    y[pos] = 0.0
+    y[40] = np.inf
+    assert K.argmax(y) == 30 == int(np.argmax(y))

@@ -56,6 +56,7 @@ class Model:
         self.workspace = Workspace(cfg, prefill_chunk)
         self.noise = RoutingNoise(routing_noise, seed) if routing_noise else None
         self._tokenizer = None
+        self.last_timings = {}
 
     # -- opening ----------------------------------------------------------------
     @classmethod
@@ -158,32 +159,33 @@ class Model:
         return self.prefill(self.new_cache(len(ids)), ids, all_logits=True)
 
     def stream(self, prompt, cache: KVCache | None = None, **params):
-        """Yield StreamEvents: one per generated token, the last with its finish_reason."""
+        """Yield StreamEvents: one per generated token, the last with its finish_reason
+        ("stop": eos, stop token or stop string; "length": max_tokens or the context is full)
+        and the timings {prompt_tokens, prefill_s, decode_s}."""
         p = SamplingParams(**params)
         ids = self._ids(prompt)
         cache = cache or self.new_cache()
         cache.reset()
-        V = self.config.vocab_size
-        tok = self._tokenizer if self.file.tokenizer_json else None
-        if tok is None and self.file.tokenizer_json:
-            tok = self.tokenizer
-        decoder = IncrementalDecoder(tok) if tok is not None else None
-        stops = StopChecker(p.stop, p.stop_token_ids, () if p.ignore_eos else self.config.eos_token_ids)
-        sampler = Sampler(p, V)
-        history = list(ids.tolist())
+        decoder = IncrementalDecoder(self.tokenizer) if self.file.tokenizer_json else None
+        stops = StopChecker(p.stop, p.stop_token_ids, self.config.eos_token_ids, ignore_eos=p.ignore_eos)
+        sampler = Sampler(p, self.config.vocab_size)
+        history = ids.tolist()
+        t0 = time.perf_counter()
         logits = self.prefill(cache, ids)
+        t1 = time.perf_counter()
+        timings = {"prompt_tokens": len(ids), "prefill_s": t1 - t0, "decode_s": 0.0}
         for i in range(p.max_tokens):
             t = sampler.sample(logits[0], history)
             history.append(t)
-            piece = decoder.push(t) if decoder is not None else ""
-            emit, finished, reason = stops.push(t, piece)
+            emit, finished, reason = stops.push(t, decoder.push(t) if decoder is not None else "")
+            if not finished and (i == p.max_tokens - 1 or cache.length >= cache.capacity):
+                tail = decoder.flush() if decoder is not None else ""
+                emit += stops.push(None, tail)[0] + stops.flush()
+                finished, reason = True, "length"
             if finished:
+                timings["decode_s"] = time.perf_counter() - t1
+                self.last_timings = timings
                 yield StreamEvent(t, emit, reason)
-                return
-            if i == p.max_tokens - 1 or cache.length >= cache.capacity:
-                tail = (decoder.flush() if decoder is not None else "")
-                emit2, _, _ = stops.push(-1, tail) if tail else ("", False, None)
-                yield StreamEvent(t, emit + emit2 + stops.flush(), "length")
                 return
             yield StreamEvent(t, emit)
             logits = self.decode(cache, t)
@@ -194,11 +196,10 @@ class Model:
                                                   seed=seed, **params)]
 
     def complete(self, prompt, **params) -> Completion:
-        t0 = time.perf_counter()
         ids, text, reason = [], [], None
-        n_prompt = len(self._ids(prompt))
         for ev in self.stream(prompt, **params):
             ids.append(ev.token_id)
             text.append(ev.text)
             reason = ev.finish_reason
-        return Completion(ids, "".join(text), reason, n_prompt, {"total_s": time.perf_counter() - t0})
+        t = dict(self.last_timings)
+        return Completion(ids, "".join(text), reason, t.pop("prompt_tokens"), t)

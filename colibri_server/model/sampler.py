@@ -148,8 +148,10 @@ class SamplingParams:
 _BLOCK = 1024  # block size of the two-level inverse CDF
 _SMALL = 4 * _BLOCK  # below this, a plain cumsum is cheaper
 # Probability thresholds tried when looking for the top-p nucleus among the
-# high-probability tokens only (at most 1/tau tokens can have prob >= tau).
-_NUCLEUS_TAUS = (1.0 / 256, 1.0 / 4096)
+# high-probability tokens only (at most 1/tau tokens can have prob >= tau);
+# 0 means the whole vocabulary.
+_NUCLEUS_TAUS = (1.0 / 256, 1.0 / 4096, 1.0 / 65536, 0.0)
+_ARGSORT_MAX = 2048  # larger candidate sets are value-sorted instead
 
 
 def _cumsearch(w: np.ndarray, target: float | None, u: float | None, side: str) -> int:
@@ -328,8 +330,15 @@ class Sampler:
         return self._draw(w, cand)
 
     def _nucleus(self, x: np.ndarray, m: float, inv_t: float, top_p: float):
-        """Top-p without top-k: returns (candidate ids, weights), sorted by
-        decreasing weight (ties: lower id first), nucleus only."""
+        """Top-p without top-k: returns (candidate ids, weights) of the nucleus.
+
+        The nucleus is searched among the tokens with probability >= tau for
+        decreasing tau (at most 1/tau of them), so a peaked distribution never
+        sorts more than a few hundred entries; tau = 0 is the whole vocabulary.
+        Small candidate sets are argsorted; big ones are value-sorted to find
+        the cut value, then ids are taken by comparison.  Ties at the cut are
+        broken towards lower ids either way.
+        """
         w = self._weights()
         np.subtract(x, np.float32(m), out=w)
         np.multiply(w, np.float32(inv_t), out=w)
@@ -337,22 +346,28 @@ class Sampler:
         z = float(w.sum(dtype=np.float64))
         target = top_p * z
         for tau in _NUCLEUS_TAUS:
-            cand = np.flatnonzero(w >= np.float32(tau * z))
-            wc = w[cand].astype(np.float64)
-            if float(wc.sum()) >= target:
+            if tau:
+                cand = np.flatnonzero(w >= np.float32(tau * z))
+                wc = w[cand]
+                if float(wc.sum(dtype=np.float64)) < target:
+                    continue
+            else:
+                cand, wc = None, w
+            if wc.shape[0] <= _ARGSORT_MAX:
                 order = np.argsort(-wc, kind="stable")
-                cand, wc = cand[order], wc[order]
+                wc = wc[order].astype(np.float64)
                 n = _cumsearch(wc, target, None, "left") + 1
-                return cand[:n], wc[:n]
-        # Flat distribution: the nucleus is big.  Find the cut value with a
-        # value sort (much cheaper than argsort), then take the ids.
-        vals = np.sort(w)[::-1]
-        n = _cumsearch(vals, target, None, "left") + 1
-        cut = vals[n - 1]
-        above = np.flatnonzero(w > cut)
-        ties = np.flatnonzero(w == cut)[: n - above.shape[0]]
-        cand = np.concatenate([above, ties])
-        return cand, w[cand].astype(np.float64)
+                ids = order[:n] if cand is None else cand[order[:n]]
+                return ids, wc[:n]
+            vals = np.sort(wc)[::-1]
+            n = _cumsearch(vals, target, None, "left") + 1
+            cut = vals[n - 1]
+            above = np.flatnonzero(wc > cut)
+            ties = np.flatnonzero(wc == cut)[: n - above.shape[0]]
+            pos = np.concatenate([above, ties])
+            ids = pos if cand is None else cand[pos]
+            return ids, wc[pos].astype(np.float64)
+        raise AssertionError("unreachable")  # tau == 0 always returns
 
     def _draw(self, w: np.ndarray, cand: np.ndarray | None) -> int:
         """Draw index ``i`` with probability ``w[i] / sum(w)``; map via ``cand``."""

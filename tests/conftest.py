@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random Hugging Face models of every supported architecture,
+built in the test session (nothing is downloaded) and converted to .colibri files."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _Built:
+    """One architecture: its HF directory, the f32 reference model, and converted files."""
+
+    def __init__(self, arch, root):
+        import hf_models as H
+        self.arch = arch
+        self.hf_dir = str(root / f"hf-{arch}")
+        self.hf = H.build_hf_model(arch, self.hf_dir)
+        self._files = {}
+        self.root = root
+
+    def colibri(self, dtype="f32"):
+        if dtype not in self._files:
+            from colibri_server.model.convert import convert
+            path = str(self.root / f"{self.arch}-{dtype}.colibri")
+            convert(self.hf_dir, path, dtype, progress=False)
+            self._files[dtype] = path
+        return self._files[dtype]
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """built(arch) -> _Built, cached for the session."""
+    cache = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = _Built(arch, root)
+        return cache[arch]
+    return get
