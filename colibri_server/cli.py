@@ -21,9 +21,23 @@ def _die(msg: str, code: int = EXIT_ERROR):
     sys.exit(code)
 
 
+BUNDLED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tiny-stdlib.colibri")
+
+
+def default_model_path(path):
+    """The --model given, or the model bundled with the package."""
+    if path:
+        return path
+    if not os.path.exists(BUNDLED_MODEL):
+        _die(f"no --model given and the bundled model is missing ({BUNDLED_MODEL}); "
+             "reinstall the package or pass --model FILE.colibri")
+    return BUNDLED_MODEL
+
+
 def _open_model(path, **kw):
     from .model import Model
     from .model.format import ColibriFormatError
+    path = default_model_path(path)
     if not os.path.exists(path):
         _die(f"model file not found: {path}")
     try:
@@ -165,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="generate from a prompt in this process (streams text)")
     r.add_argument("prompt", nargs="?")
-    r.add_argument("--model", required=True, help="path to a .colibri file")
+    r.add_argument("--model", default=None, help="path to a .colibri file (default: the bundled tiny model)")
     r.add_argument("--max-tokens", type=int, default=64)
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--top-k", type=int, default=0)

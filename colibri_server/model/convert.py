@@ -20,7 +20,7 @@ from . import format as fmt
 from .config import ConfigError, ModelConfig, expected_tensors
 
 CONVERTER_VERSION = "colibri-convert 1"
-CHUNK_BYTES = 32 << 20      # rows are converted in blocks of about this many source bytes
+CHUNK_BYTES = 8 << 20       # rows are converted in blocks of about this many source bytes
 
 SUPPORTED = {
     "MixtralForCausalLM": "mixtral",
@@ -237,8 +237,9 @@ def config_from_hf(hf: dict, dtype: str) -> ModelConfig:
 # ---------------------------------------------------------------------------- tensor sources
 
 def _hf_names(cfg: ModelConfig, name: str):
-    """Our tensor name -> a recipe: ('plain', hf_name) | ('experts', [hf names per expert])
-    | ('fused', hf_name, part) where part selects half of a fused gate_up tensor."""
+    """Our tensor name -> where it comes from: ('plain', candidate hf names...) or
+    ('experts', [per-expert hf names, per naming scheme], [fused hf names], part) where
+    part selects the gate (0) or up (1) half of a fused gate_up_proj tensor."""
     if name == "token_embd":
         return ("plain", "model.embed_tokens.weight")
     if name == "output_norm":
@@ -258,15 +259,16 @@ def _hf_names(cfg: ModelConfig, name: str):
            "ffn_down_shexp": "mlp.shared_expert.down_proj.weight", "ffn_shexp_gate": "mlp.shared_expert_gate.weight"}
     if key in att:
         return ("plain", p + att[key])
-    moe = "block_sparse_moe." if cfg.arch == "mixtral" else "mlp."
+    # Mixtral checkpoints say block_sparse_moe; transformers 5's in-memory state dict says mlp
+    moes = ("block_sparse_moe.", "mlp.") if cfg.arch == "mixtral" else ("mlp.",)
     if key == "ffn_gate_inp":
-        return ("plain", p + moe + "gate.weight")
+        return ("plain", *[p + m + "gate.weight" for m in moes])
     legacy = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"} if cfg.arch == "mixtral" else \
              {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-    fused = {"ffn_gate_exps": ("gate_up_proj", 0), "ffn_up_exps": ("gate_up_proj", 1),
-             "ffn_down_exps": ("down_proj", None)}[key]
-    return ("experts", [f"{p}{moe}experts.{e}.{legacy[key]}.weight" for e in range(cfg.num_experts)],
-            (p + moe + "experts." + fused[0], fused[1]))
+    fused, part = {"ffn_gate_exps": ("gate_up_proj", 0), "ffn_up_exps": ("gate_up_proj", 1),
+                   "ffn_down_exps": ("down_proj", None)}[key]
+    return ("experts", [[f"{p}{m}experts.{e}.{legacy[key]}.weight" for e in range(cfg.num_experts)] for m in moes],
+            [p + m + "experts." + fused for m in moes], part)
 
 
 def _blocks(src: SourceTensor, name: str, want_shape, lead: int = 0, part=None):
@@ -294,21 +296,24 @@ def _sources(cfg, tensors, name, shape):
     """Yield (SourceTensor, 2-D shape, lead index, part) for each piece of our tensor, in file order."""
     recipe = _hf_names(cfg, name)
     if recipe[0] == "plain":
-        yield _check_src(tensors, recipe[1], name, shape), shape, 0, None
+        found = [n for n in recipe[1:] if n in tensors]
+        yield _check_src(tensors, found[0] if found else recipe[1], name, shape), shape, 0, None
         return
-    _, per_expert, (fused_name, part) = recipe
+    _, per_expert, fused, part = recipe
     inner = shape[1:]
-    if per_expert[0] in tensors:
-        for hf in per_expert:
-            yield _check_src(tensors, hf, name, inner), inner, 0, None
-        return
-    if fused_name in tensors:   # transformers 5 in-memory layout: gate_up_proj [E, 2I, D], down_proj [E, D, I]
-        full = (shape[0], 2 * inner[0], inner[1]) if part is not None else shape
-        t = _check_src(tensors, fused_name, name, full)
-        for e in range(shape[0]):
-            yield t, inner, e, part
-        return
-    raise ConvertError(f"checkpoint: tensor {per_expert[0]!r} (for {name}) is missing")
+    for names in per_expert:
+        if names[0] in tensors:
+            for hf in names:
+                yield _check_src(tensors, hf, name, inner), inner, 0, None
+            return
+    for fname in fused:   # transformers 5 in-memory layout: gate_up_proj [E, 2I, D], down_proj [E, D, I]
+        if fname in tensors:
+            full = (shape[0], 2 * inner[0], inner[1]) if part is not None else shape
+            t = _check_src(tensors, fname, name, full)
+            for e in range(shape[0]):
+                yield t, inner, e, part
+            return
+    raise ConvertError(f"checkpoint: tensor {per_expert[0][0]!r} (for {name}) is missing")
 
 
 # ---------------------------------------------------------------------------- main entry

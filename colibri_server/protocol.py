@@ -1,0 +1,228 @@
+"""colibri wire protocol, version 1. No pickle anywhere: msgpack maps with size limits.
+
+Clients speak to the router's frontend socket (ZeroMQ ROUTER) from a DEALER socket.
+Every message is exactly two frames:
+
+    frame 0: b"COLI/1"              protocol magic + version
+    frame 1: msgpack map            the body (limits: MAX_BODY bytes; strings, arrays,
+                                    maps and nesting bounded at unpack time)
+
+Each body has "type" and "id" (the client's request id: a str of 1..64 chars or an int;
+the router keys requests by (connection, id), so ids need only be unique per connection).
+
+Requests (client -> server)
+    generate   prompt: str | [int]   text, or token ids
+               max_tokens: int = 16, temperature: float = 0, top_k: int = 0, top_p: float = 1,
+               min_p: float = 0, repetition_penalty: float = 1, seed: int | None,
+               stop: [str] = [], stop_token_ids: [int] = [], ignore_eos: bool = false,
+               stream: bool = true   (false: one "done" carrying all text and ids),
+               deadline_ms: int | None  (the whole request, from arrival at the router)
+    tokenize   text: str, add_special_tokens: bool = true
+    detokenize ids: [int]
+    cancel     (the id of a request in flight; answered by that request's end)
+    health     -
+    stats      -
+
+Responses (server -> client), each with the id of its request
+    token      text: str, ids: [int], index: int      (stream=true; text may be "" while held back)
+    done       finish_reason: "stop" | "length" | "cancelled", text: str, ids: [int] (all of them),
+               usage: {prompt_tokens, completion_tokens},
+               timings: {queued_s, prefill_s, decode_s, total_s}, worker_pid: int, generation: int
+    result     the answer to tokenize ({ids}), detokenize ({text}), health, stats
+    error      code: str (ERROR_CODES), message: str
+
+Every generate ends in exactly one "done" or one "error"; nothing ends in silence.
+"""
+from __future__ import annotations
+
+import math
+
+import msgpack
+
+MAGIC = b"COLI/1"
+MAX_BODY = 1 << 20              # bytes of one body frame
+MAX_STR = 1 << 20
+MAX_ARRAY = 1 << 17
+MAX_MAP = 64
+MAX_ID_LEN = 64
+
+# stable error codes: clients switch on these, never on messages
+ERROR_CODES = {
+    "bad_request":        "the message is malformed or a field is invalid",
+    "unsupported_version": "the protocol magic/version frame is not COLI/1",
+    "unknown_type":       "the request type is not one of the known ones",
+    "too_large":          "a frame, prompt, max_tokens or stop list exceeds the server's limit",
+    "overloaded":         "the queue is full: retry later",
+    "deadline_exceeded":  "the request's deadline passed",
+    "cancelled":          "cancelled before it started",
+    "worker_lost":        "the worker died after streaming tokens; the request cannot be retried",
+    "shutting_down":      "the server is stopping and takes no new requests",
+    "duplicate_id":       "a request with this id is already in flight on this connection",
+    "not_found":          "cancel of an id that is not in flight",
+    "internal":           "a server bug; the message says more",
+}
+REQUEST_TYPES = ("generate", "tokenize", "detokenize", "cancel", "health", "stats")
+SAMPLING_FIELDS = {  # name: (type, default)
+    "max_tokens": (int, 16), "temperature": (float, 0.0), "top_k": (int, 0), "top_p": (float, 1.0),
+    "min_p": (float, 0.0), "repetition_penalty": (float, 1.0), "seed": (int, None),
+    "ignore_eos": (bool, False),
+}
+
+
+class ProtocolError(Exception):
+    """A message that cannot be served; `code` is one of ERROR_CODES."""
+
+    def __init__(self, code: str, message: str):
+        assert code in ERROR_CODES, code
+        self.code, self.message = code, message
+        super().__init__(f"{code}: {message}")
+
+
+# ---------------------------------------------------------------------------- encoding
+
+def pack(body: dict) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def unpack(data: bytes, max_body: int = MAX_BODY) -> dict:
+    """Decode one body frame with hard limits; raise ProtocolError(bad_request|too_large)."""
+    if len(data) > max_body:
+        raise ProtocolError("too_large", f"body of {len(data)} bytes exceeds {max_body}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_STR, max_bin_len=MAX_STR,
+                              max_array_len=MAX_ARRAY, max_map_len=MAX_MAP, max_ext_len=0,
+                              use_list=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError,
+            UnicodeDecodeError) as e:
+        raise ProtocolError("bad_request", f"body is not valid msgpack ({e.__class__.__name__}: {e})") from None
+    except Exception as e:  # msgpack raises a few more exotic ones (e.g. OutOfData subclasses)
+        raise ProtocolError("bad_request", f"body is not valid msgpack ({e.__class__.__name__})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_request", f"body must be a map, found {type(obj).__name__}")
+    return obj
+
+
+def frames(body: dict) -> list:
+    return [MAGIC, pack(body)]
+
+
+def parse_frames(parts, max_body: int = MAX_BODY) -> dict:
+    """[magic, body] -> body dict (validated envelope: type and id)."""
+    if len(parts) != 2:
+        raise ProtocolError("bad_request", f"expected 2 frames (magic, body), got {len(parts)}")
+    if parts[0] != MAGIC:
+        raise ProtocolError("unsupported_version", f"first frame {bytes(parts[0][:16])!r} is not {MAGIC!r}")
+    body = unpack(parts[1], max_body)
+    t = body.get("type")
+    if not isinstance(t, str):
+        raise ProtocolError("bad_request", "field 'type' is missing or not a string")
+    if t not in REQUEST_TYPES:
+        raise ProtocolError("unknown_type", f"type {t[:40]!r} is not one of {', '.join(REQUEST_TYPES)}")
+    check_id(body.get("id"))
+    return body
+
+
+def check_id(rid):
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise ProtocolError("bad_request", "field 'id' must be a string or an integer")
+    if isinstance(rid, str) and not 0 < len(rid) <= MAX_ID_LEN:
+        raise ProtocolError("bad_request", f"field 'id' must have 1..{MAX_ID_LEN} characters")
+    if isinstance(rid, int) and not -(1 << 63) <= rid < (1 << 64):
+        raise ProtocolError("bad_request", "field 'id' is out of the 64-bit range")
+
+
+# ---------------------------------------------------------------------------- validation
+
+class Limits:
+    """Server-side limits, checked at the router before a request is queued."""
+
+    def __init__(self, max_prompt_tokens=8192, max_tokens=4096, max_stop=16, max_stop_len=256,
+                 max_body=MAX_BODY, vocab_size=None):
+        self.max_prompt_tokens, self.max_tokens = max_prompt_tokens, max_tokens
+        self.max_stop, self.max_stop_len, self.max_body = max_stop, max_stop_len, max_body
+        self.vocab_size = vocab_size
+
+
+def _num(body, name, typ, default):
+    v = body.get(name, default)
+    if v is None and default is None:
+        return None
+    if typ is bool:
+        if not isinstance(v, bool):
+            raise ProtocolError("bad_request", f"field {name!r} must be a boolean")
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int)):
+        raise ProtocolError("bad_request", f"field {name!r} must be {'an integer' if typ is int else 'a number'}")
+    if typ is float:
+        v = float(v)
+        if not math.isfinite(v):
+            raise ProtocolError("bad_request", f"field {name!r} must be finite")
+    return v
+
+
+def validate_generate(body: dict, limits: Limits) -> dict:
+    """A generate body -> normalised request dict; raises ProtocolError naming the field."""
+    known = {"type", "id", "prompt", "stop", "stop_token_ids", "stream", "deadline_ms"} | set(SAMPLING_FIELDS)
+    extra = sorted(set(body) - known)
+    if extra:
+        raise ProtocolError("bad_request", f"unknown field {str(extra[0])[:40]!r}")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ProtocolError("bad_request", "field 'prompt' is empty")
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise ProtocolError("bad_request", "field 'prompt' is an empty list")
+        if len(prompt) > limits.max_prompt_tokens:
+            raise ProtocolError("too_large", f"prompt of {len(prompt)} tokens exceeds {limits.max_prompt_tokens}")
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ProtocolError("bad_request", f"prompt[{i}] is not an integer token id")
+            if t < 0 or (limits.vocab_size is not None and t >= limits.vocab_size):
+                raise ProtocolError("bad_request", f"prompt[{i}] = {t} is outside the vocabulary "
+                                                   f"0..{(limits.vocab_size or 1) - 1}")
+    else:
+        raise ProtocolError("bad_request", "field 'prompt' must be a string or a list of token ids")
+    req = {"prompt": prompt}
+    for name, (typ, default) in SAMPLING_FIELDS.items():
+        req[name] = _num(body, name, typ, default)
+    if req["max_tokens"] < 1:
+        raise ProtocolError("bad_request", "field 'max_tokens' must be >= 1")
+    if req["max_tokens"] > limits.max_tokens:
+        raise ProtocolError("too_large", f"max_tokens {req['max_tokens']} exceeds {limits.max_tokens}")
+    if req["temperature"] < 0 or req["temperature"] > 100:
+        raise ProtocolError("bad_request", "field 'temperature' must be in [0, 100]")
+    if req["top_k"] < 0:
+        raise ProtocolError("bad_request", "field 'top_k' must be >= 0")
+    if not 0 < req["top_p"] <= 1:
+        raise ProtocolError("bad_request", "field 'top_p' must be in (0, 1]")
+    if not 0 <= req["min_p"] <= 1:
+        raise ProtocolError("bad_request", "field 'min_p' must be in [0, 1]")
+    if not 0 < req["repetition_penalty"] <= 100:
+        raise ProtocolError("bad_request", "field 'repetition_penalty' must be in (0, 100]")
+    if req["seed"] is not None and not 0 <= req["seed"] < (1 << 63):
+        raise ProtocolError("bad_request", "field 'seed' must be in 0..2^63-1")
+    stop = body.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ProtocolError("bad_request", "field 'stop' must be a list of non-empty strings")
+    if len(stop) > limits.max_stop or any(len(s) > limits.max_stop_len for s in stop):
+        raise ProtocolError("too_large", f"at most {limits.max_stop} stop strings of {limits.max_stop_len} characters")
+    req["stop"] = stop
+    sids = body.get("stop_token_ids", [])
+    if not isinstance(sids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in sids):
+        raise ProtocolError("bad_request", "field 'stop_token_ids' must be a list of token ids")
+    if len(sids) > limits.max_stop * 4:
+        raise ProtocolError("too_large", f"at most {limits.max_stop * 4} stop token ids")
+    req["stop_token_ids"] = sids
+    req["stream"] = _num(body, "stream", bool, True)
+    dl = body.get("deadline_ms")
+    if dl is not None and (isinstance(dl, bool) or not isinstance(dl, int) or not 0 < dl <= 86_400_000):
+        raise ProtocolError("bad_request", "field 'deadline_ms' must be an integer in 1..86400000")
+    req["deadline_ms"] = dl
+    return req
+
+
+def error_body(rid, code: str, message: str) -> dict:
+    return {"type": "error", "id": rid, "code": code, "message": message}
