@@ -110,8 +110,9 @@ class ModelConfig:
         need(0 <= self.shared_expert_intermediate_size <= 1 << 24, "shared_expert_intermediate_size", "must be >= 0")
         need(all(0 <= i < self.num_layers for i in self.dense_layers), "dense_layers",
              f"{list(self.dense_layers)} has an index outside 0..{self.num_layers - 1}")
-        need(not self.dense_layers or self.intermediate_size > 0, "intermediate_size",
-             "dense layers need intermediate_size > 0")
+        need(bool(self.dense_layers) == (self.intermediate_size > 0), "intermediate_size",
+             "must be > 0 exactly when there are dense layers")
+        need(len(set(self.dense_layers)) < self.num_layers, "dense_layers", "a MoE model needs at least one MoE layer")
         need(math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "rms_norm_eps",
              f"{self.rms_norm_eps} is not in (0, 1)")
         need(math.isfinite(self.rope_theta) and self.rope_theta > 0, "rope_theta", "must be positive")
@@ -119,12 +120,41 @@ class ModelConfig:
         need(math.isfinite(self.clip_qkv) and self.clip_qkv >= 0, "clip_qkv", "must be >= 0")
         need(self.sliding_window >= 0, "sliding_window", "must be >= 0")
         need(self.dtype in FLOAT_DTYPES, "dtype", f"{self.dtype!r} is not one of {FLOAT_DTYPES}")
-        rt = self.rope_scaling.get("rope_type", "default") if self.rope_scaling else "default"
-        need(rt in ROPE_TYPES, "rope_scaling", f"rope_type {rt!r} is not one of {ROPE_TYPES}")
-        need(all(isinstance(v, (int, float, str, bool)) for v in self.rope_scaling.values()), "rope_scaling",
-             "values must be numbers or strings")
+        _check_rope(self, need)
         need(-1 <= self.bos_token_id < self.vocab_size, "bos_token_id", "outside the vocabulary")
         need(all(0 <= e < self.vocab_size for e in self.eos_token_ids), "eos_token_ids", "outside the vocabulary")
+
+
+ROPE_KEYS = {  # rope_type: (required positive numbers, optional positive numbers)
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")),
+}
+
+
+def _check_rope(self, need):
+    rs = self.rope_scaling or {}
+    rt = rs.get("rope_type", "default")
+    need(isinstance(rt, str) and rt in ROPE_TYPES, "rope_scaling", f"rope_type {rt!r} is not one of {ROPE_TYPES}")
+    required, optional = ROPE_KEYS[rt]
+    allowed = {"rope_type", "truncate", *required, *optional}
+    extra = sorted(set(rs) - allowed)
+    need(not extra, "rope_scaling", f"unknown key {extra[0]!r} for rope_type {rt!r}" if extra else "")
+    for k in required:
+        need(k in rs, "rope_scaling", f"rope_type {rt!r} needs {k!r}")
+    for k in (*required, *optional):
+        if k in rs and rs[k] is not None:
+            v = rs[k]
+            need(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 < v < 1e9,
+                 "rope_scaling", f"{k} = {v!r} must be a positive finite number")
+    need(isinstance(rs.get("truncate", True), bool), "rope_scaling", "truncate must be a boolean")
+    if rt == "llama3":
+        need(rs["low_freq_factor"] != rs["high_freq_factor"], "rope_scaling",
+             "low_freq_factor and high_freq_factor must differ")
+    need(self.rope_theta > 1, "rope_theta", f"{self.rope_theta} must be > 1")
+
 
 
 def _coerce(name, value, typ):
@@ -137,7 +167,10 @@ def _coerce(name, value, typ):
     if typ == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise bad from None
     if typ == "bool":
         if not isinstance(value, bool):
             raise bad

@@ -158,37 +158,19 @@ class Model:
         ids = self._ids(token_ids)
         return self.prefill(self.new_cache(len(ids)), ids, all_logits=True)
 
+    def sequence(self, prompt, cache: KVCache | None = None, **params) -> "Sequence":
+        """A generation as a state machine: call step() until .finished (see Sequence)."""
+        return Sequence(self, prompt, cache or self.new_cache(), SamplingParams(**params))
+
     def stream(self, prompt, cache: KVCache | None = None, **params):
         """Yield StreamEvents: one per generated token, the last with its finish_reason
-        ("stop": eos, stop token or stop string; "length": max_tokens or the context is full)
-        and the timings {prompt_tokens, prefill_s, decode_s}."""
-        p = SamplingParams(**params)
-        ids = self._ids(prompt)
-        cache = cache or self.new_cache()
-        cache.reset()
-        decoder = IncrementalDecoder(self.tokenizer) if self.file.tokenizer_json else None
-        stops = StopChecker(p.stop, p.stop_token_ids, self.config.eos_token_ids, ignore_eos=p.ignore_eos)
-        sampler = Sampler(p, self.config.vocab_size)
-        history = ids.tolist()
-        t0 = time.perf_counter()
-        logits = self.prefill(cache, ids)
-        t1 = time.perf_counter()
-        timings = {"prompt_tokens": len(ids), "prefill_s": t1 - t0, "decode_s": 0.0}
-        for i in range(p.max_tokens):
-            t = sampler.sample(logits[0], history)
-            history.append(t)
-            emit, finished, reason = stops.push(t, decoder.push(t) if decoder is not None else "")
-            if not finished and (i == p.max_tokens - 1 or cache.length >= cache.capacity):
-                tail = decoder.flush() if decoder is not None else ""
-                emit += stops.push(None, tail)[0] + stops.flush()
-                finished, reason = True, "length"
-            if finished:
-                timings["decode_s"] = time.perf_counter() - t1
-                self.last_timings = timings
-                yield StreamEvent(t, emit, reason)
-                return
-            yield StreamEvent(t, emit)
-            logits = self.decode(cache, t)
+        ("stop": eos, stop token or stop string; "length": max_tokens or the context is full)."""
+        seq = self.sequence(prompt, cache, **params)
+        while not seq.finished:
+            ev = seq.step()
+            if ev is not None:
+                yield ev
+        self.last_timings = seq.timings
 
     def generate(self, prompt, max_tokens: int = 16, temperature: float = 0.0, seed=None, **params) -> list:
         """Generated token ids (temperature 0 = greedy), through the decode path and the KV cache."""
@@ -203,3 +185,67 @@ class Model:
             reason = ev.finish_reason
         t = dict(self.last_timings)
         return Completion(ids, "".join(text), reason, t.pop("prompt_tokens"), t)
+
+
+class Sequence:
+    """One generation, advanced one bounded step at a time so a worker can interleave
+    several sequences, answer its socket and heartbeat between steps.
+
+    step() feeds one prefill chunk of the prompt, or samples one token (decoding the
+    previous one through the KV cache first), and returns the StreamEvent of a new token
+    or None while the prompt is still being fed. Logits are consumed within the step that
+    produced them, so sequences of one Model can share its Workspace."""
+
+    def __init__(self, model: Model, prompt, cache: KVCache, params: SamplingParams):
+        self.model, self.params, self.cache = model, params, cache
+        self.prompt_ids = model._ids(prompt)
+        if len(self.prompt_ids) > cache.capacity:
+            raise ValueError(f"prompt of {len(self.prompt_ids)} tokens exceeds the context of {cache.capacity}")
+        cache.reset()
+        tok = model.tokenizer if model.file.tokenizer_json else None
+        self.decoder = IncrementalDecoder(tok) if tok is not None else None
+        self.stops = StopChecker(params.stop, params.stop_token_ids, model.config.eos_token_ids,
+                                 ignore_eos=params.ignore_eos)
+        self.sampler = Sampler(params, model.config.vocab_size)
+        self.history = self.prompt_ids.tolist()
+        self.fed = 0                     # prompt tokens fed so far
+        self.generated = []              # token ids
+        self.last = None                 # the last sampled token, not yet fed
+        self.finished, self.finish_reason = False, None
+        self.timings = {"prompt_tokens": len(self.prompt_ids), "prefill_s": 0.0, "decode_s": 0.0}
+
+    def step(self):
+        if self.finished:
+            return None
+        m, t0 = self.model, time.perf_counter()
+        if self.fed < len(self.prompt_ids):
+            part = self.prompt_ids[self.fed:self.fed + m.workspace.rows]
+            logits = m.prefill(self.cache, part)
+            self.fed += len(part)
+            self.timings["prefill_s"] += time.perf_counter() - t0
+            if self.fed < len(self.prompt_ids):
+                return None
+        else:
+            logits = m.decode(self.cache, self.last)
+        ev = self._sample(logits)
+        if self.generated[1:]:
+            self.timings["decode_s"] += time.perf_counter() - t0
+        return ev
+
+    def _sample(self, logits) -> StreamEvent:
+        p = self.params
+        t = self.sampler.sample(logits[0], self.history)
+        self.history.append(t)
+        self.generated.append(t)
+        self.last = t
+        emit, finished, reason = self.stops.push(t, self.decoder.push(t) if self.decoder is not None else "")
+        if not finished and (len(self.generated) >= p.max_tokens or self.cache.length >= self.cache.capacity):
+            tail = self.decoder.flush() if self.decoder is not None else ""
+            emit += self.stops.push(None, tail)[0] + self.stops.flush()
+            finished, reason = True, "length"
+        if finished:
+            self.finished, self.finish_reason = True, reason
+        return StreamEvent(t, emit, reason if finished else None)
+
+    def cancel(self) -> None:
+        self.finished, self.finish_reason = True, "cancelled"

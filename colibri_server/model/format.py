@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import struct
 import tempfile
 import zlib
@@ -95,6 +96,7 @@ class BadRouting(ColibriFormatError): pass
 class MissingTensor(ColibriFormatError): pass
 class ShapeMismatch(ColibriFormatError): pass
 class ChecksumMismatch(ColibriFormatError): pass
+class NotARegularFile(ColibriFormatError): pass
 
 
 # ---------------------------------------------------------------------------- records
@@ -154,7 +156,10 @@ class ColibriFile:
         except FileNotFoundError:
             raise FileNotFoundError(f"model file not found: {path}") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotARegularFile(path, "file", "is not a regular file (a directory or a device?)")
+            size = st.st_size
             if size < HEADER_SIZE:
                 raise Truncated(path, "header", f"file is {size} bytes, the header alone is {HEADER_SIZE}")
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
@@ -217,7 +222,7 @@ def _validate(path, mm, size):
     (magic, version, num_experts, num_layers, header_size, tensor_count,
      routing_offset, data_offset, file_size,
      cfg_off, cfg_size, meta_off, meta_size, tok_off, tok_size, tpl_off, tpl_size,
-     alignment, _reserved) = raw
+     alignment, reserved) = raw
     if magic != MAGIC:
         raise BadMagic(path, "magic", f"expected {MAGIC!r}, found {magic!r}: not a .colibri file")
     if version != VERSION:
@@ -228,8 +233,10 @@ def _validate(path, mm, size):
         if size < file_size:
             raise Truncated(path, "file_size", f"header says {file_size} bytes, the file has {size}")
         raise BadHeader(path, "file_size", f"header says {file_size} bytes, the file has {size} (trailing bytes)")
-    if alignment == 0 or alignment & (alignment - 1) or alignment > PAGE:
-        raise BadHeader(path, "alignment", f"{alignment} is not a power of two <= {PAGE}")
+    if alignment < ALIGNMENT or alignment & (alignment - 1) or alignment > PAGE:
+        raise BadHeader(path, "alignment", f"{alignment} is not a power of two in {ALIGNMENT}..{PAGE}")
+    if any(reserved):
+        raise BadHeader(path, "reserved", "reserved header bytes must be zero")
     if num_layers == 0 or num_layers > 4096:
         raise BadHeader(path, "num_layers", f"{num_layers} is not in 1..4096")
     if num_experts > 65536:
@@ -248,13 +255,20 @@ def _validate(path, mm, size):
             blobs.append(bytes(mm[off:off + n]).decode("utf-8"))
         except UnicodeDecodeError as e:
             raise BadBlob(path, name, f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    regions = sorted((off, off + n, name) for name, off, n in (
+        ("routing_offset", routing_offset, num_layers * ROUTING_RECORD_SIZE), ("config_offset", cfg_off, cfg_size),
+        ("metadata_offset", meta_off, meta_size), ("tokenizer_offset", tok_off, tok_size),
+        ("chat_template_offset", tpl_off, tpl_size)) if n)
+    for (_, end_a, _), (start_b, _, name_b) in zip(regions, regions[1:]):
+        if start_b < end_a:
+            raise BadHeader(path, name_b, f"region starting at {start_b} overlaps the previous one (ends at {end_a})")
     header = dict(version=version, num_experts=num_experts, num_layers=num_layers,
                   header_size=header_size, tensor_count=tensor_count, routing_offset=routing_offset,
                   data_offset=data_offset, file_size=file_size, alignment=alignment)
 
     records, seen = [], set()
     for i in range(tensor_count):
-        (name_b, code, ndim, _res, s0, s1, s2, s3, offset, nbyt, crc) = RECORD.unpack_from(mm, HEADER_SIZE + i * RECORD_SIZE)
+        (name_b, code, ndim, res, s0, s1, s2, s3, offset, nbyt, crc) = RECORD.unpack_from(mm, HEADER_SIZE + i * RECORD_SIZE)
         where = f"tensor record {i}"
         name_b = name_b.rstrip(b"\0")
         try:
@@ -270,6 +284,8 @@ def _validate(path, mm, size):
             raise UnknownDtype(path, name, f"dtype code {code} is not one of {sorted(DTYPES)}")
         if not 1 <= ndim <= MAX_NDIM:
             raise BadTensorRecord(path, name, f"ndim {ndim} is not in 1..{MAX_NDIM}")
+        if res:
+            raise BadTensorRecord(path, name, "reserved field must be zero")
         dims = (s0, s1, s2, s3)
         shape = dims[:ndim]
         if any(d == 0 for d in shape) or any(d != 0 for d in dims[ndim:]):
@@ -284,10 +300,15 @@ def _validate(path, mm, size):
         if offset % alignment:
             raise Misaligned(path, name, f"offset {offset} is not a multiple of {alignment}")
         records.append(TensorRecord(i, name, dname, tuple(int(d) for d in shape), offset, nbyt, crc))
+    by_offset = sorted(records, key=lambda r: r.offset)
+    for a, b in zip(by_offset, by_offset[1:]):
+        if b.offset < a.offset + a.size:
+            raise TensorOutOfBounds(path, b.name, f"bytes [{b.offset}, {b.offset + b.size}) overlap tensor "
+                                                  f"{a.name} [{a.offset}, {a.offset + a.size})")
 
     routing = []
     for layer in range(num_layers):
-        gate, bias, top_k, n_exp, flags, shared_gate, _ = ROUTING.unpack_from(mm, routing_offset + layer * ROUTING_RECORD_SIZE)
+        gate, bias, top_k, n_exp, flags, shared_gate, res = ROUTING.unpack_from(mm, routing_offset + layer * ROUTING_RECORD_SIZE)
         where = f"routing[{layer}]"
         for fname, idx in (("gate", gate), ("bias", bias), ("shared_gate", shared_gate)):
             if idx != NO_TENSOR and idx >= tensor_count:
@@ -299,10 +320,14 @@ def _validate(path, mm, size):
                 raise BadRouting(path, where, f"num_experts {n_exp} differs from the header's {num_experts}")
             if not 1 <= top_k <= n_exp:
                 raise BadRouting(path, where, f"top_k {top_k} is not in 1..{n_exp}")
-        elif top_k or gate != NO_TENSOR:
-            raise BadRouting(path, where, "a dense layer (num_experts 0) has a gate or a top_k")
+        elif top_k or gate != NO_TENSOR or bias != NO_TENSOR or shared_gate != NO_TENSOR or flags:
+            raise BadRouting(path, where, "a dense layer (num_experts 0) has a gate, bias, shared gate, top_k or flags")
         if flags & ~(ROUTE_SOFTMAX | ROUTE_RENORM | ROUTE_SHARED_EXPERT):
             raise BadRouting(path, where, f"unknown flag bits {flags:#x}")
+        if bool(flags & ROUTE_SHARED_EXPERT) != (shared_gate != NO_TENSOR):
+            raise BadRouting(path, where, "the shared-expert flag and the shared_gate index disagree")
+        if res:
+            raise BadRouting(path, where, "reserved field must be zero")
         routing.append(RoutingRecord(gate, bias, top_k, n_exp, flags, shared_gate))
     return header, records, routing, blobs
 
@@ -314,8 +339,10 @@ def read_json_blob(path, field, text, required=True):
         if required:
             raise err(path, field, "is empty")
         return {}
+    def no_constants(c):
+        raise ValueError(f"{c} is not valid JSON")
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=no_constants)
     except (ValueError, RecursionError) as e:
         raise err(path, field, f"is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
@@ -340,7 +367,8 @@ class ColibriWriter:
     def __init__(self, path, *, config: dict, metadata: dict, tokenizer_json: str = "",
                  chat_template: str = "", num_experts: int, num_layers: int):
         self.path = os.fspath(path)
-        self._blobs = [json.dumps(config, sort_keys=True).encode(), json.dumps(metadata, sort_keys=True).encode(),
+        self._blobs = [json.dumps(config, sort_keys=True, allow_nan=False).encode(),
+                       json.dumps(metadata, sort_keys=True, allow_nan=False).encode(),
                        tokenizer_json.encode("utf-8"), (chat_template or "").encode("utf-8")]
         self.num_experts, self.num_layers = num_experts, num_layers
         self._decl, self._index, self._routing = [], {}, None
@@ -354,9 +382,8 @@ class ColibriWriter:
             raise RuntimeError("declare() after writing started")
         if name in self._index:
             raise ValueError(f"tensor {name!r} declared twice")
-        raw = name.encode("ascii")
-        if not 0 < len(raw) <= NAME_BYTES:
-            raise ValueError(f"tensor name {name!r} must be 1..{NAME_BYTES} ASCII bytes")
+        if not (name.isascii() and name.isprintable() and " " not in name and 0 < len(name) <= NAME_BYTES):
+            raise ValueError(f"tensor name {name!r} must be 1..{NAME_BYTES} printable ASCII characters, no blanks")
         if dtype not in DTYPE_CODES:
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
         shape = tuple(int(s) for s in shape)

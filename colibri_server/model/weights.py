@@ -81,6 +81,10 @@ def check_tensors(cf: fmt.ColibriFile, cfg: ModelConfig) -> None:
             continue
         if names[rt.gate] != f"blk.{i}.ffn_gate_inp":
             raise fmt.BadRouting(cf.path, where, f"gate points at {names[rt.gate]!r}, not blk.{i}.ffn_gate_inp")
+        if rt.top_k != cfg.top_k:
+            raise fmt.BadRouting(cf.path, where, f"top_k {rt.top_k} differs from the config's {cfg.top_k}")
+        if bool(rt.flags & fmt.ROUTE_RENORM) != cfg.norm_topk_prob:
+            raise fmt.BadRouting(cf.path, where, "the renormalise flag disagrees with the config's norm_topk_prob")
         if rt.bias != fmt.NO_TENSOR:
             raise fmt.BadRouting(cf.path, where, "router bias is not supported by this version")
         shared = bool(rt.flags & fmt.ROUTE_SHARED_EXPERT)
