@@ -1,4 +1,4 @@
-"""`colibri` command line: run | inspect | validate | convert.
+"""`colibri` command line: serve | generate | status | config | run | inspect | validate | convert.
 
 Each subcommand is a small function over the model API; user errors (bad file, missing
 model, bad arguments) print one line naming the thing at fault and exit 1 (2 for usage).
@@ -171,11 +171,127 @@ def cmd_convert(a):
           f"{size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
 
+# ---------------------------------------------------------------------------- server
+
+DEFAULT_CONFIG = "/etc/colibri/colibri.toml"   # read by serve/config when present (--config overrides)
+
+
+def setup_logging(level="info"):
+    import logging
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s [%(process)d] %(name)s %(levelname)s: %(message)s")
+
+
+def _load_settings(a):
+    from .settings import SettingsError, load_settings
+    try:
+        return load_settings(a, config_path=DEFAULT_CONFIG)
+    except SettingsError as e:
+        _die(str(e), 2)
+
+
+def cmd_serve(a):
+    from .master import Arbiter
+    from .settings import load_settings
+    from .systemd import notifier
+    s = _load_settings(a)
+    setup_logging(s.log_level)
+    sys.exit(Arbiter(s, reload_settings=lambda: load_settings(a, config_path=DEFAULT_CONFIG),
+                     notify=notifier()).run())
+
+
+def cmd_config(a):
+    from .settings import describe
+    print(describe(_load_settings(a)))
+
+
+def _client(a):
+    from .client import Client
+    return Client(a.connect, timeout=a.timeout)
+
+
+def cmd_generate(a):
+    from .client import ColibriError
+    params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                  seed=a.seed, stop=a.stop or None, ignore_eos=a.ignore_eos or None)
+    try:
+        with _client(a) as c:
+            last = None
+            for chunk in c.stream(a.prompt, **params):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+    except ColibriError as e:
+        _die(f"{e.code}: {e.message}")
+    sys.stdout.write("\n")
+    if last is not None and last.usage:
+        t = last.timings or {}
+        print(f"[{last.finish_reason}; {last.usage.get('completion_tokens')} tokens; worker {last.worker_pid}, "
+              f"generation {last.generation}; queued {t.get('queued_s', 0):.3f}s, total {t.get('total_s', 0):.3f}s]",
+              file=sys.stderr)
+
+
+def cmd_status(a):
+    from .client import ColibriError
+    from .memory import mib
+    try:
+        with _client(a) as c:
+            st = c.stats()
+    except ColibriError as e:
+        _die(f"{e.code}: {e.message}")
+    if a.json:
+        print(json.dumps(st, indent=1))
+        return
+    print(f"model      {st['model']} ({mib(st['model_bytes'])}), generation {st['generation']}")
+    print(f"queue      {st['queue']} queued, {st['in_flight']} in flight{'  (draining)' if st['draining'] else ''}")
+    print(f"router     pid {st['router']['pid']}, RSS {mib(st['router']['rss'])}")
+    print(f"{'pid':>8} {'id':>4} {'gen':>4} {'state':13} {'cores':10} {'run':>4} {'served':>7} "
+          f"{'RSS':>11} {'USS':>11} {'PSS':>11} {'anon':>11}")
+    for w in st["workers"]:
+        print(f"{w['pid']:>8} {w['wid']:>4} {w['generation']:>4} {w['state']:13} {str(w['cores']):10} "
+              f"{w['running']:>4} {w['served']:>7} {mib(w['rss']):>11} {mib(w['uss']):>11} {mib(w['pss']):>11} "
+              f"{mib(w['anon']):>11}")
+    total_pss = sum(w["pss"] for w in st["workers"])
+    print(f"workers' PSS sum {mib(total_pss)} for a {mib(st['model_bytes'])} model "
+          f"(one copy of the weights, shared)")
+    if st.get("counters"):
+        print("counters   " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
+
+
 # ---------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri", description="CPU inference server for Mixture-of-Experts models")
     sub = p.add_subparsers(dest="cmd", required=True)
+    from .settings import add_arguments
+
+    sv = sub.add_parser("serve", help="serve a model: master, router and pre-forked workers")
+    add_arguments(sv)
+    sv.set_defaults(fn=cmd_serve)
+
+    cf = sub.add_parser("config", help="show the effective settings and where each came from")
+    cf.add_argument("--print", action="store_true", help="print every setting (the default action)")
+    add_arguments(cf)
+    cf.set_defaults(fn=cmd_config)
+
+    g = sub.add_parser("generate", help="send a prompt to a running server and stream the answer")
+    g.add_argument("prompt")
+    g.add_argument("--connect", default="tcp://127.0.0.1:5555")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--timeout", type=float, default=60.0)
+    g.set_defaults(fn=cmd_generate)
+
+    st = sub.add_parser("status", help="workers, pids, cores, generation, queue and memory of a running server")
+    st.add_argument("--connect", default="tcp://127.0.0.1:5555")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--timeout", type=float, default=10.0)
+    st.set_defaults(fn=cmd_status)
 
     r = sub.add_parser("run", help="generate from a prompt in this process (streams text)")
     r.add_argument("prompt", nargs="?")

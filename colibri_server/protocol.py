@@ -24,14 +24,26 @@ Requests (client -> server)
     stats      -
 
 Responses (server -> client), each with the id of its request
-    token      text: str, ids: [int], index: int      (stream=true; text may be "" while held back)
-    done       finish_reason: "stop" | "length" | "cancelled", text: str, ids: [int] (all of them),
+    token      text: str, ids: [int], index: int (the position of this token in the completion)
+               (stream=true only; text may be "" while it is held back for a stop string or an
+               incomplete UTF-8 character: the held text comes in a later token)
+    done       finish_reason: "stop" | "length" | "cancelled", text: str, ids: [int]: the WHOLE
+               completion again (the concatenation of the tokens' text and ids when streaming),
                usage: {prompt_tokens, completion_tokens},
-               timings: {queued_s, prefill_s, decode_s, total_s}, worker_pid: int, generation: int
-    result     the answer to tokenize ({ids}), detokenize ({text}), health, stats
-    error      code: str (ERROR_CODES), message: str
+               timings: {queued_s, prefill_s, decode_s, total_s}, worker_pid: int, generation: int,
+               attempts: int (dispatches: > 1 when a worker died before streaming and it was retried)
+    result     the answer, its fields directly in the body: tokenize {ids}, detokenize {text},
+               health {status: "ok"|"starting"|"draining", workers_ready, generation, queue},
+               stats {generation, model, model_bytes, queue, in_flight, workers: [...], counters, ...}
+    error      code: str (ERROR_CODES), message: str. id is null when the request's id could not
+               be read (an undecodable body): it concerns the last request that connection sent.
 
-Every generate ends in exactly one "done" or one "error"; nothing ends in silence.
+Every generate ends in exactly one "done" or one "error"; nothing ends in silence. A cancel
+ends its request with "error" code "cancelled" if it was still queued, or with "done" and
+finish_reason "cancelled" (with the tokens made so far) if a worker had started it.
+
+Frame size: a body over the server's max_body is answered with "too_large"; a message over
+4 x max_body (at least 16 MiB) is dropped by ZeroMQ with the connection (it is never read).
 """
 from __future__ import annotations
 

@@ -423,6 +423,9 @@ class ColibriWriter:
         self._routing_offset, self._blob_offs, self._data_offset, self._file_size = self._layout()
         d = os.path.dirname(os.path.abspath(self.path))
         fd, self._tmp = tempfile.mkstemp(prefix=".colibri-", suffix=".tmp", dir=d)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)     # mkstemp makes 0600; a model file is as readable as any file
         self._fh = os.fdopen(fd, "wb")
         # placeholder header + table (rewritten with checksums at close); blobs are final now
         self._fh.write(b"\0" * self._data_offset)

@@ -1,0 +1,848 @@
+"""Python client for the colibri wire protocol (see `colibri_server.protocol`).
+
+    from colibri_server.client import Client
+    with Client("tcp://127.0.0.1:5555", timeout=30) as c:
+        print(c.generate("Once upon a time", max_tokens=32).text)
+        for chunk in c.stream("Hello", max_tokens=8):
+            print(chunk.text, end="", flush=True)
+
+`Client` is synchronous and NOT thread-safe: use one Client per thread (each has its own
+ZeroMQ context and DEALER socket).  It may nevertheless have several requests open at once
+from the same thread (e.g. two `stream()`s iterated alternately): messages for a request other
+than the one being waited for are buffered for it, and messages for ids that are no longer
+awaited (finished, timed out, closed streams) are discarded.
+
+`AsyncClient` has the same API with `async def` and may be shared by many tasks of ONE event
+loop: a single background task receives every message and routes it by request id to a
+per-request `asyncio.Queue`.
+
+Timeouts are per message: `timeout` is the longest wait for the NEXT message of a request
+(so a long generation that keeps streaming never times out).  On a timeout the client sends
+a `cancel` for a generate and raises `ColibriTimeout`.  Closing a stream early, or cancelling
+the task awaiting it, also sends a `cancel`.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import zmq
+import zmq.asyncio
+
+from . import protocol
+from .protocol import MAGIC, MAX_BODY, ProtocolError
+
+__all__ = [
+    "Client", "AsyncClient", "Completion", "Chunk", "Stream", "AsyncStream",
+    "ColibriError", "ColibriTimeout", "ERRORS", "error_for",
+    "BadRequest", "UnsupportedVersion", "UnknownType", "TooLarge", "Overloaded",
+    "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "DuplicateId",
+    "NotFound", "InternalError",
+]
+
+Prompt = Union[str, Sequence[int]]
+
+# ---------------------------------------------------------------------------- errors
+
+
+def _rebuild_error(cls, message, code, request_id):
+    return cls(message, code=code, request_id=request_id)
+
+
+class ColibriError(Exception):
+    """An error answered by the server (or detected by the client).
+
+    `code` is one of `protocol.ERROR_CODES` (a code unknown to this client, from a newer
+    server, gives a plain ColibriError carrying that code), or "timeout" for ColibriTimeout.
+    Switch on the class or on `code`, never on `message`.
+    """
+
+    code: Optional[str] = None
+
+    def __init__(self, message: str = "", *, code: Optional[str] = None, request_id=None):
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.request_id = request_id
+        super().__init__(message)
+
+    def __str__(self):
+        rid = f" (request {self.request_id!r})" if self.request_id is not None else ""
+        return f"{self.code}: {self.message}{rid}"
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.message!r}, code={self.code!r}, request_id={self.request_id!r})"
+
+    def __reduce__(self):
+        return _rebuild_error, (type(self), self.message, self.code, self.request_id)
+
+
+class BadRequest(ColibriError):
+    code = "bad_request"
+
+
+class UnsupportedVersion(ColibriError):
+    code = "unsupported_version"
+
+
+class UnknownType(ColibriError):
+    code = "unknown_type"
+
+
+class TooLarge(ColibriError):
+    code = "too_large"
+
+
+class Overloaded(ColibriError):
+    code = "overloaded"
+
+
+class DeadlineExceeded(ColibriError):
+    code = "deadline_exceeded"
+
+
+class Cancelled(ColibriError):
+    """The server cancelled the request before it started (a request cancelled while
+    running ends normally instead, with finish_reason "cancelled")."""
+    code = "cancelled"
+
+
+class WorkerLost(ColibriError):
+    code = "worker_lost"
+
+
+class ShuttingDown(ColibriError):
+    code = "shutting_down"
+
+
+class DuplicateId(ColibriError):
+    code = "duplicate_id"
+
+
+class NotFound(ColibriError):
+    code = "not_found"
+
+
+class InternalError(ColibriError):
+    """A server bug, or a malformed message from the server (detected by the client)."""
+    code = "internal"
+
+
+class ColibriTimeout(ColibriError):
+    """No message for the request arrived within the client's timeout (client-side)."""
+    code = "timeout"
+
+
+ERRORS = {cls.code: cls for cls in (
+    BadRequest, UnsupportedVersion, UnknownType, TooLarge, Overloaded, DeadlineExceeded,
+    Cancelled, WorkerLost, ShuttingDown, DuplicateId, NotFound, InternalError)}
+assert set(ERRORS) == set(protocol.ERROR_CODES), "client.ERRORS is out of date with protocol.ERROR_CODES"
+
+
+def error_for(code, message="", request_id=None) -> ColibriError:
+    """The exception instance for an error code (unknown codes -> ColibriError)."""
+    cls = ERRORS.get(code, ColibriError)
+    return cls(message, code=code, request_id=request_id)
+
+
+def _internal(message, request_id=None) -> InternalError:
+    return InternalError(message, code="internal", request_id=request_id)
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass
+class Completion:
+    """The whole answer to a generate."""
+    text: str
+    token_ids: list
+    finish_reason: str
+    usage: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    generation: Optional[int] = None
+    worker_pid: Optional[int] = None
+    id: Any = None
+
+
+@dataclass
+class Chunk:
+    """One streamed piece.  The last chunk of a stream is built from the server's "done":
+    it has `finish_reason` (and usage, timings, generation, worker_pid) set, and its text/ids
+    are whatever "done" carries beyond what was already streamed (usually nothing)."""
+    text: str
+    token_ids: list
+    index: int
+    finish_reason: Optional[str] = None
+    usage: Optional[dict] = None
+    timings: Optional[dict] = None
+    generation: Optional[int] = None
+    worker_pid: Optional[int] = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+
+# ---------------------------------------------------------------------------- message interpretation
+
+class _Failure:
+    """Queued in place of a body: the request must fail with `exc` (e.g. a malformed,
+    unattributable server message, or the client being closed)."""
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: ColibriError):
+        self.exc = exc
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_list(v):
+    return isinstance(v, list) and all(_is_int(t) for t in v)
+
+
+def _opt(body, name, check, default, rid, what):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not check(v):
+        raise _internal(f"malformed {body.get('type')!r} message: field {name!r} is not {what}", rid)
+    return v
+
+
+def _raise_if_error(item, rid):
+    """A queued item -> a body dict; raise for failures and "error" bodies."""
+    if isinstance(item, _Failure):
+        exc = item.exc
+        if exc.request_id is None:
+            exc = type(exc)(exc.message, code=exc.code, request_id=rid)
+        raise exc
+    if item.get("type") == "error":
+        code = item.get("code")
+        message = item.get("message", "")
+        if not isinstance(code, str):
+            raise _internal(f"malformed error message (code {code!r})", rid)
+        if not isinstance(message, str):
+            message = repr(message)
+        raise error_for(code, message, rid)
+    return item
+
+
+def _cut(streamed, full):
+    """What `full` (the done message's text or ids) adds beyond what was streamed.
+
+    The spec says done carries all text and ids; a server may also send only the tail or
+    nothing in stream mode.  Full copy -> the unstreamed suffix; otherwise -> `full` itself."""
+    n = len(streamed)
+    if len(full) >= n and full[:n] == streamed:
+        return full[n:]
+    return full
+
+
+class _GenState:
+    """Turns the messages of one generate into Chunks and the final Completion."""
+
+    def __init__(self, rid):
+        self.rid = rid
+        self.text = []
+        self.ids = []
+        self.n_chunks = 0
+        self.ended = False          # the server ended the request (done or error)
+        self.final: Optional[Chunk] = None
+
+    def feed(self, item) -> Chunk:
+        rid = self.rid
+        try:
+            body = _raise_if_error(item, rid)
+        except ColibriError:
+            if not isinstance(item, _Failure):
+                self.ended = True   # an "error" message ends the request on the server
+            raise
+        t = body.get("type")
+        if t == "token":
+            text = body.get("text")
+            ids = body.get("ids")
+            if not isinstance(text, str) or not _int_list(ids):
+                raise _internal("malformed token message (text must be a str, ids a list of ints)", rid)
+            index = _opt(body, "index", _is_int, self.n_chunks, rid, "an int")
+            self.text.append(text)
+            self.ids.extend(ids)
+            self.n_chunks += 1
+            return Chunk(text, ids, index)
+        if t == "done":
+            fr = body.get("finish_reason")
+            if not isinstance(fr, str) or not fr:
+                raise _internal("malformed done message: finish_reason is missing", rid)
+            text = _opt(body, "text", lambda v: isinstance(v, str), "", rid, "a str")
+            ids = _opt(body, "ids", _int_list, [], rid, "a list of ints")
+            usage = _opt(body, "usage", lambda v: isinstance(v, dict), {}, rid, "a map")
+            timings = _opt(body, "timings", lambda v: isinstance(v, dict), {}, rid, "a map")
+            generation = _opt(body, "generation", _is_int, None, rid, "an int")
+            pid = _opt(body, "worker_pid", _is_int, None, rid, "an int")
+            streamed_text = "".join(self.text)
+            tail_text = _cut(streamed_text, text)
+            tail_ids = _cut(self.ids, ids)
+            self.text.append(tail_text)
+            self.ids.extend(tail_ids)
+            self.ended = True
+            self.final = Chunk(tail_text, list(tail_ids), self.n_chunks, fr, usage, timings, generation, pid)
+            return self.final
+        raise _internal(f"unexpected message type {t!r} for a generate", rid)
+
+    def completion(self) -> Completion:
+        f = self.final
+        return Completion("".join(self.text), list(self.ids), f.finish_reason, f.usage, f.timings,
+                          f.generation, f.worker_pid, self.rid)
+
+
+def _result_body(item, rid) -> dict:
+    body = _raise_if_error(item, rid)
+    if body.get("type") != "result":
+        raise _internal(f"unexpected message type {body.get('type')!r} (expected 'result')", rid)
+    return {k: v for k, v in body.items() if k not in ("type", "id")}
+
+
+def _tokenize_result(r, rid):
+    ids = r.get("ids")
+    if not _int_list(ids):
+        raise _internal("malformed tokenize result: 'ids' is not a list of ints", rid)
+    return ids
+
+
+def _detokenize_result(r, rid):
+    text = r.get("text")
+    if not isinstance(text, str):
+        raise _internal("malformed detokenize result: 'text' is not a str", rid)
+    return text
+
+
+_GEN_PARAMS = (set(protocol.SAMPLING_FIELDS) | {"stop", "stop_token_ids", "deadline_ms"}) - {"max_tokens", "temperature"}
+
+
+def _generate_body(rid, prompt, max_tokens, temperature, params) -> dict:
+    unknown = sorted(set(params) - _GEN_PARAMS)
+    if unknown:
+        raise TypeError(f"generate() got an unexpected parameter {unknown[0]!r} "
+                        f"(known: max_tokens, temperature, {', '.join(sorted(_GEN_PARAMS))})")
+    if not isinstance(prompt, str):
+        prompt = [int(t) for t in prompt]   # tuples, numpy arrays, ...
+    body = {"type": "generate", "id": rid, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": temperature, "stream": True}
+    for k, v in params.items():
+        if v is not None:
+            body[k] = list(v) if k in ("stop", "stop_token_ids") and not isinstance(v, str) else v
+    return body
+
+
+def _encode(body) -> list:
+    data = protocol.pack(body)
+    if len(data) > MAX_BODY:
+        raise TooLarge(f"request body of {len(data)} bytes exceeds {MAX_BODY}", code="too_large",
+                       request_id=body.get("id"))
+    return [MAGIC, data]
+
+
+def _decode(parts):
+    """Received frames -> (rid, body) for a well-formed message, or (None, _Failure) for
+    one that cannot be attributed to a request."""
+    if len(parts) != 2 or parts[0] != MAGIC:
+        head = bytes(parts[0][:16]) if parts else b""
+        return None, _Failure(_internal(f"malformed server message ({len(parts)} frames, "
+                                        f"first {head!r}; expected [{MAGIC!r}, body])"))
+    try:
+        body = protocol.unpack(parts[1])
+    except ProtocolError as e:
+        return None, _Failure(_internal(f"malformed server message: {e.message}"))
+    rid = body.get("id")
+    if rid is None:
+        if body.get("type") == "error" and isinstance(body.get("code"), str):
+            # the server could not read the id of one of our messages: it cannot be routed,
+            # so every request in flight learns of it rather than waiting for its timeout
+            return None, _Failure(error_for(body.get("code"), str(body.get("message", ""))))
+        return None, _Failure(_internal(f"server message of type {body.get('type')!r} without an id"))
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        return False, body      # cannot be one of ours: discarded
+    return rid, body
+
+
+def _apply_options(sock, timeout, curve):
+    sock.setsockopt(zmq.LINGER, 0)
+    # never let our receive pipe fill up: a ROUTER drops messages for a peer at its HWM
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDTIMEO, _ms(timeout))
+    if curve is not None:
+        if isinstance(curve, (bytes, str)):
+            server_key, (pub, sec) = curve, zmq.curve_keypair()
+        else:
+            server_key, pub, sec = curve
+        enc = (lambda k: k.encode("ascii") if isinstance(k, str) else k)
+        sock.curve_serverkey = enc(server_key)
+        sock.curve_publickey = enc(pub)
+        sock.curve_secretkey = enc(sec)
+
+
+def _ms(seconds) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+class _Ids:
+    def __init__(self):
+        self._prefix = secrets.token_hex(4)
+        self._n = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self._prefix}-{next(self._n)}"
+
+
+# ---------------------------------------------------------------------------- sync client
+
+
+class Stream:
+    """Iterator of Chunks for one generate (returned by `Client.stream`).  The request is
+    sent when the Stream is created.  Closing it (close(), `with`, garbage collection) before
+    the final chunk sends a cancel; the request's remaining messages are discarded."""
+
+    def __init__(self, client: "Client", body: dict, timeout: float):
+        self._client = client
+        self.id = body["id"]
+        self._timeout = timeout
+        self._state = _GenState(self.id)
+        self._finished = False
+        client._pending[self.id] = deque()
+        try:
+            client._send(body)
+        except BaseException:
+            self._finished = True
+            client._pending.pop(self.id, None)
+            raise
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        if self._finished:
+            raise StopIteration
+        try:
+            item = self._client._next(self.id, self._timeout)
+            chunk = self._state.feed(item)
+        except BaseException:
+            self.close()
+            raise
+        if self._state.final is not None:
+            self.close()
+        return chunk
+
+    def completion(self) -> Completion:
+        """Consume the rest of the stream and return the whole answer."""
+        for _ in self:
+            pass
+        if self._state.final is None:
+            raise RuntimeError("the stream was closed before it ended")
+        return self._state.completion()
+
+    def close(self):
+        if self._finished:
+            return
+        self._finished = True
+        c = self._client
+        c._pending.pop(self.id, None)
+        if not self._state.ended:
+            c._cancel_nowait(self.id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Client:
+    """Synchronous client: one ZeroMQ context and DEALER socket.  NOT thread-safe.
+
+    addr: "tcp://host:port" or "ipc:///path".  timeout: seconds to wait for the next
+    message of a request (and for a send to be accepted).  curve: None, the server's
+    public key (an ephemeral client key pair is made), or (server_public, client_public,
+    client_secret), Z85 text or bytes.
+    """
+
+    def __init__(self, addr: str, *, timeout: float = 60.0, curve=None):
+        self.addr = addr
+        self.timeout = float(timeout)
+        self._ids = _Ids()
+        self._pending: dict = {}
+        self._closed = True
+        self._ctx = zmq.Context()
+        try:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            _apply_options(self._sock, self.timeout, curve)
+            self._sock.connect(addr)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self._closed = False
+
+    # -- plumbing
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("the client is closed")
+
+    def _send(self, body):
+        self._check_open()
+        frames = _encode(body)
+        try:
+            self._sock.send_multipart(frames)
+        except zmq.Again:
+            raise ColibriTimeout(f"send not accepted within {self.timeout:g} s", code="timeout",
+                                 request_id=body.get("id")) from None
+
+    def _cancel_nowait(self, rid):
+        if self._closed:
+            return
+        try:
+            self._sock.send_multipart(_encode({"type": "cancel", "id": rid}), flags=zmq.NOBLOCK)
+        except (zmq.ZMQError, ColibriError):
+            pass
+
+    def _dispatch(self, parts):
+        rid, body = _decode(parts)
+        if rid is None:                       # unattributable: every waiter fails
+            for q in self._pending.values():
+                q.append(body)
+            return
+        q = self._pending.get(rid) if rid is not False else None
+        if q is not None:
+            q.append(body)
+        # else: a message for an id nobody awaits (finished, timed out, closed): discarded
+
+    def _next(self, rid, timeout):
+        """The next queued item for rid, receiving (and routing) until one is there."""
+        self._check_open()
+        q = self._pending[rid]
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while not q:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ColibriTimeout(f"no message within {timeout:g} s", code="timeout", request_id=rid)
+            if self._sock.poll(_ms(remaining), zmq.POLLIN):
+                for _ in range(10_000):
+                    try:
+                        parts = self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._dispatch(parts)
+        return q.popleft()
+
+    def _call(self, body, timeout):
+        rid = body["id"]
+        self._pending[rid] = deque()
+        try:
+            self._send(body)
+            return _result_body(self._next(rid, timeout), rid)
+        finally:
+            self._pending.pop(rid, None)
+
+    # -- API
+
+    def stream(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
+               timeout: Optional[float] = None, **params) -> Stream:
+        """Send a generate and return an iterator of Chunks (the last one has finish_reason).
+
+        params: top_k, top_p, min_p, repetition_penalty, seed, stop, stop_token_ids,
+        ignore_eos, deadline_ms (see protocol).  Raises the ColibriError subclass of an
+        error answer; ColibriTimeout (after sending a cancel) if no message arrives in time.
+        """
+        self._check_open()
+        body = _generate_body(self._ids(), prompt, max_tokens, temperature, params)
+        return Stream(self, body, self.timeout if timeout is None else timeout)
+
+    def generate(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
+                 timeout: Optional[float] = None, **params) -> Completion:
+        """Generate and return the whole Completion (streamed under the hood)."""
+        with self.stream(prompt, max_tokens, temperature, timeout=timeout, **params) as s:
+            return s.completion()
+
+    def tokenize(self, text: str, add_special_tokens: bool = True, *, timeout=None) -> list:
+        rid = self._ids()
+        r = self._call({"type": "tokenize", "id": rid, "text": text,
+                        "add_special_tokens": add_special_tokens}, timeout)
+        return _tokenize_result(r, rid)
+
+    def detokenize(self, ids: Sequence[int], *, timeout=None) -> str:
+        rid = self._ids()
+        r = self._call({"type": "detokenize", "id": rid, "ids": [int(t) for t in ids]}, timeout)
+        return _detokenize_result(r, rid)
+
+    def health(self, *, timeout=None) -> dict:
+        return self._call({"type": "health", "id": self._ids()}, timeout)
+
+    def stats(self, *, timeout=None) -> dict:
+        return self._call({"type": "stats", "id": self._ids()}, timeout)
+
+    def cancel(self, request_id):
+        """Ask the server to cancel a request of this client (e.g. `stream.id`).  Does not
+        wait: the request itself ends (done with finish_reason "cancelled", or an error)."""
+        self._send({"type": "cancel", "id": request_id})
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.clear()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------- async client
+
+
+class AsyncStream:
+    """Async iterator of Chunks for one generate (returned by `AsyncClient.stream`).  The
+    request is sent on the first `__anext__`.  Closing it early (aclose(), `async with`,
+    garbage collection after a `break`) or cancelling the task that awaits it sends a cancel."""
+
+    def __init__(self, client: "AsyncClient", body: dict, timeout: float):
+        self._client = client
+        self._frames = _encode(body)    # too large -> TooLarge now, from stream()
+        self.id = body["id"]
+        self._timeout = timeout
+        self._state = _GenState(self.id)
+        self._sent = False
+        self._finished = False
+        client._queues[self.id] = asyncio.Queue()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            if not self._sent:
+                self._sent = True
+                await self._client._send_frames(self._frames, self.id)
+            item = await self._client._next(self.id, self._timeout)
+            chunk = self._state.feed(item)
+        except BaseException:       # including asyncio.CancelledError: cancel on the server
+            self.close()
+            raise
+        if self._state.final is not None:
+            self.close()
+        return chunk
+
+    async def completion(self) -> Completion:
+        async for _ in self:
+            pass
+        if self._state.final is None:
+            raise RuntimeError("the stream was closed before it ended")
+        return self._state.completion()
+
+    def close(self):
+        if self._finished:
+            return
+        self._finished = True
+        self._client._queues.pop(self.id, None)
+        if self._sent and not self._state.ended:
+            self._client._cancel_nowait(self.id)
+
+    async def aclose(self):
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class AsyncClient:
+    """asyncio client: one zmq.asyncio context and DEALER socket, shared by any number of
+    tasks of one event loop.  A background task receives every message and routes it by
+    request id to a per-request queue.  Same arguments as `Client`."""
+
+    def __init__(self, addr: str, *, timeout: float = 60.0, curve=None):
+        self.addr = addr
+        self.timeout = float(timeout)
+        self._ids = _Ids()
+        self._queues: dict = {}
+        self._reader: Optional[asyncio.Task] = None
+        self._closed = True
+        self._ctx = zmq.asyncio.Context()
+        try:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            _apply_options(self._sock, self.timeout, curve)
+            self._sock.connect(addr)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self._closed = False
+
+    # -- plumbing
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("the client is closed")
+
+    def _ensure_reader(self):
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self):
+        try:
+            while True:
+                parts = await self._sock.recv_multipart()
+                self._dispatch(parts)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:      # socket closed or broken: nobody will be answered
+            self._fail_all(_internal(f"receive failed: {e!r}"))
+
+    def _fail_all(self, exc):
+        for q in self._queues.values():
+            q.put_nowait(_Failure(exc))
+
+    def _dispatch(self, parts):
+        rid, body = _decode(parts)
+        if rid is None:
+            for q in self._queues.values():
+                q.put_nowait(body)
+            return
+        q = self._queues.get(rid) if rid is not False else None
+        if q is not None:
+            q.put_nowait(body)
+
+    async def _send(self, body):
+        await self._send_frames(_encode(body), body.get("id"))
+
+    async def _send_frames(self, frames, rid):
+        self._check_open()
+        self._ensure_reader()
+        try:
+            await self._sock.send_multipart(frames)
+        except zmq.Again:
+            raise ColibriTimeout(f"send not accepted within {self.timeout:g} s", code="timeout",
+                                 request_id=rid) from None
+
+    def _cancel_nowait(self, rid):
+        """Best-effort cancel that never blocks or awaits (usable while being cancelled and
+        from __del__); needs a running loop."""
+        if self._closed:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        try:
+            f = self._sock.send_multipart(_encode({"type": "cancel", "id": rid}), flags=zmq.DONTWAIT)
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())   # never "unretrieved"
+        except Exception:
+            pass
+
+    async def _next(self, rid, timeout):
+        self._check_open()
+        q = self._queues[rid]
+        timeout = self.timeout if timeout is None else timeout
+        if not q.empty():
+            return q.get_nowait()
+        try:
+            return await asyncio.wait_for(q.get(), timeout)
+        except asyncio.TimeoutError:
+            raise ColibriTimeout(f"no message within {timeout:g} s", code="timeout", request_id=rid) from None
+
+    async def _call(self, body, timeout):
+        rid = body["id"]
+        self._queues[rid] = asyncio.Queue()
+        try:
+            await self._send(body)
+            return _result_body(await self._next(rid, timeout), rid)
+        finally:
+            self._queues.pop(rid, None)
+
+    # -- API
+
+    def stream(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
+               timeout: Optional[float] = None, **params) -> AsyncStream:
+        """`async for chunk in client.stream(...)`; see Client.stream."""
+        self._check_open()
+        body = _generate_body(self._ids(), prompt, max_tokens, temperature, params)
+        return AsyncStream(self, body, self.timeout if timeout is None else timeout)
+
+    async def generate(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
+                       timeout: Optional[float] = None, **params) -> Completion:
+        async with self.stream(prompt, max_tokens, temperature, timeout=timeout, **params) as s:
+            return await s.completion()
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True, *, timeout=None) -> list:
+        rid = self._ids()
+        r = await self._call({"type": "tokenize", "id": rid, "text": text,
+                              "add_special_tokens": add_special_tokens}, timeout)
+        return _tokenize_result(r, rid)
+
+    async def detokenize(self, ids: Sequence[int], *, timeout=None) -> str:
+        rid = self._ids()
+        r = await self._call({"type": "detokenize", "id": rid, "ids": [int(t) for t in ids]}, timeout)
+        return _detokenize_result(r, rid)
+
+    async def health(self, *, timeout=None) -> dict:
+        return await self._call({"type": "health", "id": self._ids()}, timeout)
+
+    async def stats(self, *, timeout=None) -> dict:
+        return await self._call({"type": "stats", "id": self._ids()}, timeout)
+
+    async def cancel(self, request_id):
+        await self._send({"type": "cancel", "id": request_id})
+
+    async def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_all(_internal("the client was closed"))
+        self._queues.clear()
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._reader = None
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

@@ -1,0 +1,531 @@
+"""The router: one process, one poll loop, three inputs.
+
+    frontend  ROUTER  clients (protocol.py, COLI/1)
+    backend   ROUTER  workers (worker.py's backend messages)
+    pipe      the master's socketpair (msgpack datagrams: worker exits, generations, drain)
+
+Work goes only to workers that announced free slots (credits); the rest waits in a bounded
+queue and beyond it the client gets "overloaded" at once. A ledger holds every request in
+flight: when a worker dies, each of its requests that streamed no token yet is retried on
+another worker, and each that did gets "worker_lost". Every request ends in exactly one
+"done" or "error". Malformed frames are answered or logged, and never fatal.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import signal
+import socket
+import time
+
+import msgpack
+import zmq
+
+from . import protocol as P
+
+log = logging.getLogger("colibri.router")
+
+MAX_ATTEMPTS = 3          # dispatches of one request (retries after a worker died before any token)
+
+
+class Req:
+    __slots__ = ("rid", "client", "cid", "request", "stream", "state", "worker", "attempts", "streamed",
+                 "t_arrive", "t_dispatch", "deadline")
+
+    def __init__(self, rid, client, cid, request, now):
+        self.rid, self.client, self.cid, self.request = rid, client, cid, request
+        self.stream = request["stream"]
+        self.state = "queued"           # queued | running
+        self.worker = None
+        self.attempts = 0
+        self.streamed = False
+        self.t_arrive, self.t_dispatch = now, None
+        dl = request.get("deadline_ms")
+        self.deadline = now + dl / 1000.0 if dl else None
+
+
+class W:
+    __slots__ = ("ident", "pid", "wid", "generation", "slots", "running", "last_seen", "state", "cores",
+                 "served", "t_start")
+
+    def __init__(self, ident, body, now):
+        self.ident = ident
+        self.pid, self.wid = body.get("pid"), body.get("wid")
+        self.generation, self.slots = body.get("generation", 0), max(1, int(body.get("slots", 1)))
+        self.cores = body.get("cores") or []
+        self.running = set()
+        self.last_seen = now
+        self.state = "ready"            # ready | draining | unresponsive
+        self.served = 0
+        self.t_start = now
+
+    @property
+    def free(self):
+        return self.slots - len(self.running) if self.state == "ready" else 0
+
+
+class Router:
+    def __init__(self, *, frontend: str, backend: str, pipe_fd: int, settings, generation: int, model_path: str,
+                 curve=None):
+        self.frontend_addr, self.backend_addr, self.pipe_fd = frontend, backend, pipe_fd
+        self.settings, self.generation = settings, generation
+        self.model_path = model_path
+        self.curve = curve
+        self.reqs = {}                     # rid -> Req
+        self.by_client = {}                # (client, cid) -> rid
+        self.queue = collections.deque()   # rids
+        self.workers = {}                  # ident -> W
+        self.by_pid = {}                   # pid -> ident
+        self.next_rid = 1
+        self.draining = False
+        self.stopping = False
+        self.counters = collections.Counter()
+        self.tokenizer, self.vocab_size = None, None
+        self.t_start = time.monotonic()
+
+    # -- setup -------------------------------------------------------------------------
+    def init_process(self):
+        for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT,
+                    signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.ppid = os.getppid()
+        self.limits = self._limits()
+        self._load_tokenizer(self.model_path)
+        self.ctx = zmq.Context(io_threads=1)
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.front.setsockopt(zmq.MAXMSGSIZE, max(4 * self.settings.max_body, 16 << 20))
+        self.front.setsockopt(zmq.SNDHWM, 100000)
+        if self.curve is not None:
+            self.curve.apply_server(self.ctx, self.front)
+        self.front.bind(self.frontend_addr)
+        _chmod_ipc(self.frontend_addr, 0o660)
+        self.back = self.ctx.socket(zmq.ROUTER)
+        self.back.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.back.setsockopt(zmq.LINGER, 0)
+        self.back.bind(self.backend_addr)
+        _chmod_ipc(self.backend_addr, 0o600)
+        self.pipe = socket.socket(fileno=self.pipe_fd)
+        self.pipe.setblocking(False)
+
+    def _limits(self):
+        s = self.settings
+        return P.Limits(max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens, max_stop=s.max_stop,
+                        max_body=s.max_body, vocab_size=self.vocab_size)
+
+    def _load_tokenizer(self, path):
+        from .model import format as fmt
+        from .model.config import ModelConfig
+        from .model.tokenizer import Tokenizer
+        cf = fmt.ColibriFile.open(path)
+        try:
+            cfg = ModelConfig.from_dict(fmt.read_json_blob(path, "config", cf.config_json))
+            self.vocab_size = cfg.vocab_size
+            self.tokenizer = Tokenizer.from_json(cf.tokenizer_json) if cf.tokenizer_json else None
+            self.context = min(self.settings.context, cfg.max_position_embeddings)
+        finally:
+            cf.close()
+        self.limits = self._limits()
+
+    # -- loop ----------------------------------------------------------------------------
+    def run(self):
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        poller.register(self.pipe.fileno(), zmq.POLLIN)
+        hb = self.settings.heartbeat_interval
+        last_tick = 0.0
+        while not self.stopping:
+            events = dict(poller.poll(int(min(hb, 0.1) * 1000)))
+            if self.back in events:
+                self._drain(self.back, self.on_backend)
+            if self.front in events:
+                self._drain(self.front, self.on_frontend)
+            if self.pipe.fileno() in events:
+                self.on_pipe()
+            now = time.monotonic()
+            if now - last_tick >= min(hb, 0.1):
+                last_tick = now
+                self.tick(now)
+            self.dispatch()
+        self.shutdown()
+
+    @staticmethod
+    def _drain(sock, handler, budget=1000):
+        for _ in range(budget):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handler(parts)
+
+    # -- frontend ------------------------------------------------------------------------
+    def reply(self, client, body) -> bool:
+        """Send to a client; False if it is gone (its requests are then cancelled)."""
+        try:
+            self.front.send_multipart([client] + P.frames(body), zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno in (zmq.EHOSTUNREACH, errno.EHOSTUNREACH, zmq.EAGAIN):
+                self.client_gone(client)
+                return False
+            raise
+
+    def error(self, client, cid, code, message):
+        self.counters["error:" + code] += 1
+        self.reply(client, P.error_body(cid, code, message))
+
+    def on_frontend(self, parts):
+        client, rest = parts[0], parts[1:]
+        try:
+            body = P.parse_frames(rest, self.settings.max_body)
+        except P.ProtocolError as e:
+            cid = _salvage_id(rest)
+            log.info("bad frame from client %s: %s", client.hex()[:12], e)
+            self.error(client, cid, e.code, e.message)
+            return
+        cid, t = body["id"], body["type"]
+        try:
+            getattr(self, "on_" + t)(client, cid, body)
+        except P.ProtocolError as e:
+            self.error(client, cid, e.code, e.message)
+
+    def on_generate(self, client, cid, body):
+        if self.draining:
+            raise P.ProtocolError("shutting_down", "the server is stopping")
+        req = P.validate_generate(body, self.limits)
+        if isinstance(req["prompt"], str):
+            if self.tokenizer is None:
+                raise P.ProtocolError("bad_request", "this model has no tokenizer: send token ids")
+            ids = self.tokenizer.encode(req["prompt"])
+            if not ids:
+                raise P.ProtocolError("bad_request", "the prompt encodes to no tokens")
+            if len(ids) > self.limits.max_prompt_tokens:
+                raise P.ProtocolError("too_large", f"prompt of {len(ids)} tokens exceeds "
+                                                   f"{self.limits.max_prompt_tokens}")
+            req["prompt"] = ids
+        if len(req["prompt"]) >= self.context:
+            raise P.ProtocolError("too_large", f"prompt of {len(req['prompt'])} tokens leaves no room in the "
+                                               f"context of {self.context}")
+        if (client, cid) in self.by_client:
+            raise P.ProtocolError("duplicate_id", f"request id {cid!r} is already in flight")
+        if len(self.queue) >= self.settings.max_queue and not any(w.free for w in self.workers.values()):
+            self.counters["overloaded"] += 1
+            raise P.ProtocolError("overloaded", f"{len(self.queue)} requests queued (max_queue "
+                                                f"{self.settings.max_queue})")
+        now = time.monotonic()
+        r = Req(self.next_rid, client, cid, req, now)
+        self.next_rid += 1
+        self.reqs[r.rid] = r
+        self.by_client[(client, cid)] = r.rid
+        self.queue.append(r.rid)
+        self.counters["requests"] += 1
+
+    def on_cancel(self, client, cid, body):
+        rid = self.by_client.get((client, cid))
+        if rid is None:
+            raise P.ProtocolError("not_found", f"no request {cid!r} in flight")
+        self.cancel(self.reqs[rid], "cancelled", "cancelled by the client")
+
+    def on_tokenize(self, client, cid, body):
+        text = body.get("text")
+        if not isinstance(text, str):
+            raise P.ProtocolError("bad_request", "field 'text' must be a string")
+        if self.tokenizer is None:
+            raise P.ProtocolError("bad_request", "this model has no tokenizer")
+        add = body.get("add_special_tokens", True)
+        if not isinstance(add, bool):
+            raise P.ProtocolError("bad_request", "field 'add_special_tokens' must be a boolean")
+        self.reply(client, {"type": "result", "id": cid, "ids": self.tokenizer.encode(text, add_special_tokens=add)})
+
+    def on_detokenize(self, client, cid, body):
+        ids = body.get("ids")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise P.ProtocolError("bad_request", "field 'ids' must be a list of token ids")
+        bad = [t for t in ids if not 0 <= t < (self.vocab_size or 0)]
+        if bad:
+            raise P.ProtocolError("bad_request", f"token id {bad[0]} is outside the vocabulary")
+        if self.tokenizer is None:
+            raise P.ProtocolError("bad_request", "this model has no tokenizer")
+        self.reply(client, {"type": "result", "id": cid, "text": self.tokenizer.decode(ids)})
+
+    def on_health(self, client, cid, body):
+        ready = sum(1 for w in self.workers.values() if w.state == "ready")
+        status = "draining" if self.draining else ("ok" if ready else "starting")
+        self.reply(client, {"type": "result", "id": cid, "status": status, "workers_ready": ready,
+                            "generation": self.generation, "queue": len(self.queue)})
+
+    def on_stats(self, client, cid, body):
+        self.reply(client, {"type": "result", "id": cid, **self.stats()})
+
+    def stats(self) -> dict:
+        from .memory import process_memory
+        workers = []
+        for w in sorted(self.workers.values(), key=lambda w: w.wid or 0):
+            workers.append({"pid": w.pid, "wid": w.wid, "generation": w.generation, "state": w.state,
+                            "cores": w.cores, "slots": w.slots, "running": len(w.running), "served": w.served,
+                            "uptime_s": round(time.monotonic() - w.t_start, 1), **process_memory(w.pid)})
+        size = os.path.getsize(self.model_path) if os.path.exists(self.model_path) else 0
+        return {"generation": self.generation, "model": self.model_path, "model_bytes": size,
+                "queue": len(self.queue), "in_flight": sum(len(w.running) for w in self.workers.values()),
+                "workers": workers, "counters": dict(self.counters), "draining": self.draining,
+                "router": {"pid": os.getpid(), **process_memory(os.getpid())},
+                "uptime_s": round(time.monotonic() - self.t_start, 1)}
+
+    # -- scheduling ----------------------------------------------------------------------
+    def dispatch(self):
+        while self.queue:
+            w = self._pick_worker()
+            if w is None:
+                return
+            r = self.reqs[self.queue.popleft()]
+            r.state, r.worker, r.t_dispatch = "running", w.ident, time.monotonic()
+            r.attempts += 1
+            w.running.add(r.rid)
+            try:
+                self.back.send_multipart([w.ident, b"WORK", P.pack({"rid": r.rid, "request": r.request})],
+                                         zmq.NOBLOCK)
+            except zmq.ZMQError:
+                w.running.discard(r.rid)
+                w.state = "unresponsive"
+                self._requeue(r, front=True)
+
+    def _pick_worker(self):
+        best = None
+        for w in self.workers.values():
+            if w.free <= 0:
+                continue
+            key = (w.generation, w.free)          # newest generation first, then the least loaded
+            if best is None or key > (best.generation, best.free):
+                best = w
+        return best
+
+    def _requeue(self, r, front=False):
+        if r.worker is not None and r.worker in self.workers:
+            self.workers[r.worker].running.discard(r.rid)
+        r.state, r.worker = "queued", None
+        (self.queue.appendleft if front else self.queue.append)(r.rid)
+
+    def _end(self, r):
+        self.reqs.pop(r.rid, None)
+        self.by_client.pop((r.client, r.cid), None)
+        if r.worker is not None and r.worker in self.workers:
+            self.workers[r.worker].running.discard(r.rid)
+        try:
+            self.queue.remove(r.rid)
+        except ValueError:
+            pass
+
+    def cancel(self, r, code, message):
+        """End a request now with an error; a running one is cancelled on its worker too."""
+        if r.state == "running" and r.worker in self.workers:
+            try:
+                self.back.send_multipart([r.worker, b"CANCEL", P.pack({"rid": r.rid})], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._end(r)
+        self.error(r.client, r.cid, code, message)
+
+    def client_gone(self, client):
+        for (c, cid), rid in list(self.by_client.items()):
+            if c == client:
+                r = self.reqs[rid]
+                self.counters["client_gone"] += 1
+                if r.state == "running" and r.worker in self.workers:
+                    try:
+                        self.back.send_multipart([r.worker, b"CANCEL", P.pack({"rid": r.rid})], zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+                self._end(r)
+
+    def tick(self, now):
+        for r in list(self.reqs.values()):
+            if r.deadline is not None and now > r.deadline:
+                self.cancel(r, "deadline_exceeded", f"deadline of {r.request['deadline_ms']} ms passed "
+                                                     f"({'running' if r.state == 'running' else 'queued'})")
+        for w in list(self.workers.values()):
+            silent = now - w.last_seen
+            if w.state == "ready" and silent > self.settings.timeout:
+                w.state = "unresponsive"
+                log.warning("worker %s silent for %.1fs: no more work for it", w.pid, silent)
+                self.to_master({"op": "unresponsive", "pid": w.pid})
+            try:
+                self.back.send_multipart([w.ident, b"PING", b"\x80"], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        if os.getppid() != self.ppid:
+            log.error("router: the master is gone, exiting")
+            self.stopping = True
+
+    # -- backend -------------------------------------------------------------------------
+    def on_backend(self, parts):
+        if len(parts) != 3:
+            log.error("malformed backend message (%d frames) dropped", len(parts))
+            return
+        ident, kind, raw = parts
+        try:
+            body = P.unpack(raw, max_body=64 << 20)
+        except P.ProtocolError as e:
+            log.error("malformed backend message from %r dropped: %s", ident, e)
+            return
+        now = time.monotonic()
+        w = self.workers.get(ident)
+        if w is not None:
+            w.last_seen = now
+            if w.state == "unresponsive" and kind in (b"HB", b"READY"):
+                pass    # the master decides; a late heartbeat does not bring it back
+        if kind == b"READY":
+            if w is None:
+                w = self.workers[ident] = W(ident, body, now)
+                self.by_pid[w.pid] = ident
+                log.info("worker %s (generation %s) ready with %d slots", w.pid, w.generation, w.slots)
+                self.to_master({"op": "ready", "pid": w.pid, "generation": w.generation})
+            return
+        if w is None:
+            return      # a worker we consider gone; its messages are stale
+        if kind == b"HB":
+            return
+        if kind == b"BYE":
+            w.state = "draining"
+            return
+        rid = body.get("rid")
+        r = self.reqs.get(rid)
+        if kind == b"REJECT":
+            w.state = "draining"
+            if r is not None and r.worker == ident:
+                r.attempts -= 1
+                self._requeue(r, front=True)
+            return
+        if r is None or r.worker != ident:
+            if kind in (b"DONE", b"ERROR"):
+                w.running.discard(rid)
+            return      # cancelled or timed out meanwhile: dropped by design
+        if kind == b"TOKEN":
+            r.streamed = True
+            if r.stream:
+                self.reply(r.client, {"type": "token", "id": r.cid, "text": body.get("text", ""),
+                                      "ids": body.get("ids", []), "index": body.get("index", 0)})
+        elif kind == b"DONE":
+            w.served += 1
+            self._end(r)
+            t = body.get("timings", {})
+            self.counters["done"] += 1
+            self.reply(r.client, {"type": "done", "id": r.cid, "finish_reason": body.get("finish_reason"),
+                                  "text": body.get("text", ""), "ids": body.get("ids", []),
+                                  "usage": body.get("usage", {}),
+                                  "timings": {"queued_s": round(r.t_dispatch - r.t_arrive, 6),
+                                              "prefill_s": t.get("prefill_s", 0.0),
+                                              "decode_s": t.get("decode_s", 0.0),
+                                              "total_s": round(now - r.t_arrive, 6)},
+                                  "worker_pid": w.pid, "generation": w.generation,
+                                  "attempts": r.attempts})
+        elif kind == b"ERROR":
+            self._end(r)
+            code = body.get("code", "internal")
+            self.error(r.client, r.cid, code if code in P.ERROR_CODES else "internal", str(body.get("message", "")))
+
+    def worker_exited(self, pid):
+        ident = self.by_pid.pop(pid, None)
+        w = self.workers.pop(ident, None) if ident is not None else None
+        if w is None:
+            return
+        for rid in list(w.running):
+            r = self.reqs.get(rid)
+            if r is None:
+                continue
+            if not r.streamed and r.attempts < MAX_ATTEMPTS:
+                self.counters["retries"] += 1
+                log.warning("worker %s died: retrying request %s (attempt %d)", pid, r.cid, r.attempts + 1)
+                r.worker = None
+                self._requeue(r, front=True)
+            else:
+                r.worker = None
+                self._end(r)
+                self.counters["worker_lost"] += 1
+                self.error(r.client, r.cid, "worker_lost", f"worker {pid} died after streaming "
+                           f"{'tokens' if r.streamed else 'nothing'} ({r.attempts} attempts)")
+
+    # -- master pipe ---------------------------------------------------------------------
+    def to_master(self, msg):
+        try:
+            self.pipe.send(msgpack.packb(msg))
+        except (BlockingIOError, OSError) as e:
+            log.error("router: cannot reach the master (%s)", e)
+
+    def on_pipe(self):
+        while True:
+            try:
+                data = self.pipe.recv(65536)
+            except BlockingIOError:
+                return
+            if not data:
+                self.stopping = True      # the master closed its end
+                return
+            try:
+                msg = msgpack.unpackb(data, raw=False)
+            except Exception:
+                log.error("router: malformed message from the master dropped")
+                continue
+            op = msg.get("op")
+            if op == "exited":
+                self.worker_exited(msg["pid"])
+            elif op == "generation":
+                self.generation, self.model_path = msg["generation"], msg["model"]
+                self._load_tokenizer(self.model_path)
+                log.info("router: generation %d (%s)", self.generation, self.model_path)
+            elif op == "settings":
+                self.settings = msg["settings"] if not isinstance(msg["settings"], dict) else \
+                    _AttrDict(msg["settings"])
+                self.limits = self._limits()
+            elif op == "drain":
+                self.draining = True
+            elif op == "exit":
+                self.stopping = True
+
+    def shutdown(self):
+        for r in list(self.reqs.values()):
+            self._end(r)
+            self.error(r.client, r.cid, "shutting_down", "the server stopped before this request finished")
+        self.front.close(linger=500)
+        self.back.close(linger=0)
+        self.ctx.term()
+
+
+class _AttrDict(dict):
+    __getattr__ = dict.__getitem__
+
+
+def _salvage_id(rest):
+    """The id of a malformed request, when the body decodes at all (so the error can name it)."""
+    try:
+        body = P.unpack(rest[-1]) if rest else {}
+        rid = body.get("id")
+        P.check_id(rid)
+        return rid
+    except Exception:
+        return None
+
+
+def _chmod_ipc(addr, mode):
+    if addr.startswith("ipc://"):
+        try:
+            os.chmod(addr[len("ipc://"):], mode)
+        except OSError as e:
+            log.warning("cannot chmod %s: %s", addr, e)
+
+
+def router_main(router: Router) -> None:
+    code = 0
+    try:
+        router.init_process()
+        router.run()
+    except BaseException:
+        log.exception("router crashed")
+        code = 1
+    finally:
+        os._exit(code)

@@ -1,0 +1,278 @@
+"""A worker process: receives work from the router, runs sequences, streams tokens.
+
+`Worker.__init__` runs in the master before fork and changes nothing process-wide.
+`init_process()` runs in the child: signals, core pinning, thread limits, its own RNG
+seed and its own ZeroMQ context. Then `run()`: a loop that answers the router, advances
+each active sequence by one bounded step (one prefill chunk or one token), heartbeats,
+and exits when told (TERM: finish the sequences in hand; QUIT/INT: now), when its parent
+changes, or after max_requests.
+
+Backend messages (worker DEALER <-> router ROUTER), two frames: kind, msgpack body.
+    worker -> router  READY {pid, wid, generation, slots, cores}   HB {free}   BYE {}
+                      TOKEN {rid, text, ids, index}   DONE {rid, finish_reason, ids, usage, timings, ...}
+                      ERROR {rid, code, message}      REJECT {rid}  (draining: the router requeues it)
+    router -> worker  WORK {rid, request}   CANCEL {rid}   PING {}
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import random
+import signal
+import struct
+import sys
+import time
+
+from . import protocol as P
+
+log = logging.getLogger("colibri.worker")
+
+EXIT_BOOT_FAILED = 3     # the master halts instead of respawning (gunicorn's WORKER_BOOT_ERROR)
+
+
+class HeartbeatTable:
+    """Liveness the master can read without ZeroMQ: one float64 per worker slot in an
+    anonymous MAP_SHARED page created before fork. A worker stamps time.monotonic();
+    a stopped or hung worker stops stamping and the master kills it after `timeout`."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self._mm = mmap.mmap(-1, max(8 * slots, mmap.PAGESIZE), flags=mmap.MAP_SHARED)
+
+    def beat(self, slot: int) -> None:
+        struct.pack_into("<d", self._mm, 8 * slot, time.monotonic())
+
+    def age(self, slot: int) -> float:
+        (t,) = struct.unpack_from("<d", self._mm, 8 * slot)
+        return time.monotonic() - t if t else 0.0
+
+    def clear(self, slot: int) -> None:
+        struct.pack_into("<d", self._mm, 8 * slot, 0.0)
+
+
+class Worker:
+    def __init__(self, *, wid: int, slot: int, generation: int, model, settings, backend: str,
+                 cpus, heartbeats: HeartbeatTable):
+        self.wid, self.slot, self.generation = wid, slot, generation
+        self.model, self.settings, self.backend = model, settings, backend
+        self.cpus, self.heartbeats = cpus, heartbeats
+        self.pid = None
+        self.ppid = None
+        self.draining = False
+        self.quit_now = False
+        self.served = 0
+        self.max_requests = 0
+        self.seqs = {}          # rid -> _Active
+        self._free_caches = []  # KV caches of finished sequences, reused (allocated lazily, after fork)
+
+    # -- after fork ---------------------------------------------------------------
+    def init_process(self) -> None:
+        self.pid, self.ppid = os.getpid(), os.getppid()
+        for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)     # those are the master's
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGINT, self._on_quit)
+        signal.signal(signal.SIGQUIT, self._on_quit)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        from .pinning import apply
+        apply(self.cpus)
+        self._check_memory_budget()
+        self._limit_threads(self.settings.threads_per_worker)
+        seed = self.settings.seed if self.settings.seed >= 0 else None
+        random.seed(seed if seed is not None else os.urandom(16))
+        if self.model.noise is not None:
+            import numpy as np
+            self.model.noise.rng = np.random.default_rng(None if seed is None else seed + self.wid)
+        mr = self.settings.max_requests
+        self.max_requests = mr + random.randint(0, self.settings.max_requests_jitter) if mr else 0
+        import zmq
+        self.ctx = zmq.Context(io_threads=1)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"w{self.wid}.{self.pid}".encode())
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(self.backend)
+        self.heartbeats.beat(self.slot)
+
+    def _check_memory_budget(self) -> None:
+        """memory_limit: refuse to boot (exit 3, the master halts) rather than be OOM-killed later."""
+        limit = self.settings.memory_limit
+        if not limit:
+            return
+        from .memory import mib, process_memory
+        cfg = self.model.config
+        ctx = min(self.settings.context, self.model.context)
+        kv = 2 * 4 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ctx * self.settings.slots
+        ws = sum(a.nbytes for a in vars(self.model.workspace).values() if hasattr(a, "nbytes"))
+        need = kv + ws + process_memory(os.getpid())["uss"]
+        if need > limit:
+            raise MemoryError(f"worker needs about {mib(need)} of private memory ({self.settings.slots} slots x "
+                              f"{ctx} tokens of KV cache = {mib(kv)}, activations {mib(ws)}) but memory_limit "
+                              f"is {mib(limit)}: lower slots or context, or raise memory_limit")
+
+    @staticmethod
+    def _limit_threads(n: int) -> None:
+        try:
+            from threadpoolctl import threadpool_limits
+            threadpool_limits(n)
+        except Exception as e:  # a missing BLAS info is not fatal
+            log.debug("threadpool_limits failed: %s", e)
+        try:
+            import numba
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        except Exception as e:
+            log.debug("numba.set_num_threads failed: %s", e)
+
+    def _on_term(self, *_):
+        self.draining = True
+
+    def _on_quit(self, *_):
+        self.quit_now = True
+
+    # -- messaging ------------------------------------------------------------------
+    def send(self, kind: bytes, body: dict) -> None:
+        self.sock.send_multipart([kind, P.pack(body)])
+
+    def ready(self) -> None:
+        self.send(b"READY", {"pid": self.pid, "wid": self.wid, "generation": self.generation,
+                             "slots": self.settings.slots, "cores": list(self.cpus or [])})
+
+    # -- main loop ------------------------------------------------------------------
+    def run(self) -> int:
+        import zmq
+        self.ready()
+        hb_every = self.settings.heartbeat_interval
+        last_hb = 0.0
+        last_router = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self.quit_now:
+            now = time.monotonic()
+            if now - last_hb >= hb_every:
+                self.heartbeats.beat(self.slot)
+                self.send(b"HB", {"free": self.settings.slots - len(self.seqs)})
+                last_hb = now
+                if os.getppid() != self.ppid:
+                    log.warning("worker %d: parent changed, exiting", self.pid)
+                    return 0
+                if now - last_router > max(3 * hb_every, self.settings.timeout):
+                    self.ready()            # the router restarted (or lost us): announce again
+                    last_router = now
+            timeout = 0 if self.seqs else int(hb_every * 1000)
+            for sock, _ in poller.poll(timeout):
+                while True:
+                    try:
+                        kind, body = self.sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ValueError:
+                        continue
+                    last_router = time.monotonic()
+                    self.handle(kind, body)
+            for rid in list(self.seqs):
+                self.advance(rid)
+            if not self.seqs and (self.draining or (self.max_requests and self.served >= self.max_requests)):
+                self.send(b"BYE", {"served": self.served})
+                return 0
+        return 0
+
+    def handle(self, kind: bytes, raw: bytes) -> None:
+        try:
+            body = P.unpack(raw, max_body=64 << 20)
+        except P.ProtocolError as e:
+            log.error("worker %d: malformed message from the router dropped: %s", self.pid, e)
+            return
+        if kind == b"WORK":
+            self.start(body)
+        elif kind == b"CANCEL":
+            a = self.seqs.pop(body.get("rid"), None)
+            if a is not None:
+                a.seq.cancel()
+                self.finish(a)
+        elif kind == b"PING":
+            pass
+        else:
+            log.error("worker %d: unknown message kind %r dropped", self.pid, kind[:16])
+
+    def start(self, body: dict) -> None:
+        rid, req = body.get("rid"), body.get("request") or {}
+        if self.draining or len(self.seqs) >= self.settings.slots:
+            self.send(b"REJECT", {"rid": rid})
+            return
+        params = {k: req[k] for k in P.SAMPLING_FIELDS if k in req}
+        params.update(stop=tuple(req.get("stop") or ()), stop_token_ids=tuple(req.get("stop_token_ids") or ()))
+        try:
+            seq = self.model.sequence(req.get("prompt"), self._cache(), **params)
+        except ValueError as e:
+            self.send(b"ERROR", {"rid": rid, "code": "bad_request", "message": str(e)})
+            return
+        self.seqs[rid] = _Active(rid, seq, bool(req.get("stream", True)))
+
+    def _cache(self):
+        if self._free_caches:
+            return self._free_caches.pop()
+        return self.model.new_cache(self.settings.context)
+
+    def advance(self, rid) -> None:
+        a = self.seqs[rid]
+        try:
+            ev = a.seq.step()
+        except Exception as e:  # a bug or a numerical fault: answer it, keep serving
+            log.exception("worker %d: request %s failed", self.pid, rid)
+            del self.seqs[rid]
+            self._free_caches.append(a.seq.cache)
+            self.send(b"ERROR", {"rid": rid, "code": "internal", "message": f"{e.__class__.__name__}: {e}"})
+            return
+        if ev is None:
+            return
+        a.ids.append(ev.token_id)
+        a.text.append(ev.text)
+        if a.stream:
+            self.send(b"TOKEN", {"rid": rid, "text": ev.text, "ids": [ev.token_id], "index": len(a.ids) - 1})
+        if a.seq.finished:
+            del self.seqs[rid]
+            self.finish(a)
+
+    def finish(self, a) -> None:
+        s = a.seq
+        self.served += 1
+        self._free_caches.append(s.cache)
+        self.send(b"DONE", {"rid": a.rid, "finish_reason": s.finish_reason, "ids": a.ids,
+                            "text": "".join(a.text),
+                            "usage": {"prompt_tokens": len(s.prompt_ids), "completion_tokens": len(a.ids)},
+                            "timings": {"prefill_s": s.timings["prefill_s"], "decode_s": s.timings["decode_s"]},
+                            "worker_pid": self.pid, "generation": self.generation})
+
+
+class _Active:
+    __slots__ = ("rid", "seq", "stream", "ids", "text")
+
+    def __init__(self, rid, seq, stream):
+        self.rid, self.seq, self.stream, self.ids, self.text = rid, seq, stream, [], []
+
+
+def worker_main(worker: Worker) -> None:
+    """Entry point in the forked child; never returns."""
+    code = 0
+    try:
+        try:
+            worker.init_process()
+        except Exception as e:
+            log.error("worker %d failed to boot: %s: %s", os.getpid(), e.__class__.__name__, e,
+                      exc_info=not isinstance(e, (MemoryError, OSError)))
+            os._exit(EXIT_BOOT_FAILED)
+        code = worker.run()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        log.exception("worker %s crashed", os.getpid())
+        code = 1
+    finally:
+        try:
+            worker.sock.close(linger=1000)
+            worker.ctx.term()
+        except Exception:
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,258 @@
+"""The pre-fork server, as real processes: master, router, workers on ipc:// in a temp dir.
+
+Each test states its promise: every request ends in done or an explicit error, greedy
+answers equal the in-process Model, workers are replaced, generations switch cleanly.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from colibri_server.client import ColibriError
+from colibri_server.model import Model
+from server_harness import Server
+
+PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(3, 512, size=6 + i % 5)] for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def model_path(built):
+    return built("mixtral").colibri("f32")
+
+
+@pytest.fixture
+def server(model_path, tmp_path):
+    servers = []
+
+    def start(workers=2, model=model_path, extra=(), ready=True):
+        s = Server(model, tmp_path, workers=workers, extra=extra, name=f"s{len(servers)}")
+        servers.append(s)
+        if ready:
+            s.wait_ready(workers)
+        return s
+    yield start
+    for s in servers:
+        s.stop()
+
+
+class Load:
+    """n client threads, each sending `per_client` requests; records every outcome."""
+
+    def __init__(self, server, n=16, per_client=4, max_tokens=8, stream=False, until=None, prompts=PROMPTS):
+        self.server, self.n, self.per_client, self.max_tokens = server, n, per_client, max_tokens
+        self.until, self.prompts, self.stream = until, prompts, stream
+        self.results, self.errors, self.silent = [], [], []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def _run(self, i):
+        with self.server.client(timeout=30.0) as c:
+            k = 0
+            while (self.until is None and k < self.per_client) or (self.until is not None and not self.until.is_set()):
+                prompt = self.prompts[(i + k) % len(self.prompts)]
+                k += 1
+                try:
+                    if self.stream:
+                        chunks = list(c.stream(prompt, max_tokens=self.max_tokens, ignore_eos=True))
+                        final = chunks[-1]
+                        ids = [t for ch in chunks[:-1] for t in ch.token_ids] + list(final.token_ids)
+                        res = (prompt, ids, final.finish_reason, final.generation)
+                    else:
+                        r = c.generate(prompt, max_tokens=self.max_tokens, ignore_eos=True)
+                        res = (prompt, r.token_ids, r.finish_reason, r.generation)
+                    with self.lock:
+                        self.results.append(res)
+                except ColibriError as e:
+                    with self.lock:
+                        (self.silent if e.code == "timeout" else self.errors).append((prompt, e.code, e.message))
+
+    def join(self, timeout=120):
+        for t in self.threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in self.threads), "client threads hung"
+        return self
+
+
+def test_concurrent_clients_get_the_in_process_answers(server, model_path):
+    s = server(workers=2)
+    load = Load(s, n=16, per_client=4).start().join()
+    assert not load.errors and not load.silent
+    assert len(load.results) == 64
+    m = Model.open(model_path)
+    want = {tuple(p): m.generate(p, max_tokens=8, ignore_eos=True) for p in PROMPTS}
+    for prompt, ids, reason, gen in load.results:
+        assert ids == want[tuple(prompt)] and reason == "length" and gen == 1
+    st = s.stats()
+    assert st["counters"]["done"] == 64
+    assert sorted(w["served"] for w in st["workers"]) != [0, 64]     # both workers served
+
+
+def test_kill_9_under_load_loses_nothing(server):
+    s = server(workers=2)
+    load = Load(s, n=16, per_client=4, max_tokens=32, stream=True).start()
+    time.sleep(1.0)
+    victim = s.worker_pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    load.join()
+    assert not load.silent, load.silent
+    assert len(load.results) + len(load.errors) == 64
+    assert all(code == "worker_lost" for _, code, _ in load.errors), load.errors
+    assert all(reason == "length" and len(ids) == 32 for _, ids, reason, _ in load.results)
+    s.wait_for(lambda: len(s.worker_pids()) == 2 and victim not in s.worker_pids(), what="replacement")
+
+
+def test_request_with_no_token_yet_is_retried_on_another_worker(server):
+    s = server(workers=2)
+    a, b = s.worker_pids()
+    os.kill(a, signal.SIGSTOP)               # a takes work but cannot stream it
+    try:
+        out = {}
+
+        def one(i):
+            with s.client(30) as c:
+                out[i] = c.generate(PROMPTS[i], max_tokens=4, ignore_eos=True)
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        time.sleep(1.0)
+        os.kill(a, signal.SIGKILL)
+        for t in ts:
+            t.join(30)
+    finally:
+        try:
+            os.kill(a, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert len(out) == 2 and all(r.finish_reason == "length" for r in out.values())
+    assert all(r.worker_pid == b or r.worker_pid not in (a,) for r in out.values())
+    assert s.stats()["counters"].get("retries", 0) >= 1
+
+
+def test_ttin_ttou_change_worker_count(server):
+    s = server(workers=1)
+    s.signal(signal.SIGTTIN)
+    s.wait_for(lambda: len(s.worker_pids()) == 2, what="TTIN -> 2 workers")
+    s.signal(signal.SIGTTOU)
+    s.wait_for(lambda: len(s.worker_pids()) == 1 and len(s.children()) == 2, what="TTOU -> 1 worker")
+    s.signal(signal.SIGTTOU)            # never below 1
+    time.sleep(1.0)
+    assert len(s.worker_pids()) == 1
+    with s.client() as c:
+        assert c.generate(PROMPTS[0], max_tokens=3).finish_reason in ("length", "stop")
+
+
+def test_hup_replaces_every_worker_without_failures(server):
+    s = server(workers=2)
+    before = set(s.worker_pids())
+    stop = threading.Event()
+    load = Load(s, n=4, until=stop).start()
+    time.sleep(0.5)
+    s.signal(signal.SIGHUP)
+    s.wait_for(lambda: (lambda p: len(p) == 2 and not p & before)(set(s.worker_pids(generation=2))),
+               what="generation 2 workers")
+    s.wait_for(lambda: not set(s.worker_pids()) & before, what="old workers gone")
+    time.sleep(0.5)
+    stop.set()
+    load.join()
+    assert not load.errors and not load.silent and len(load.results) > 8
+
+
+def test_usr1_hot_reload_under_load(server, tmp_path, built):
+    path = tmp_path / "live.colibri"
+    shutil.copy(built("mixtral").colibri("f32"), path)
+    s = server(workers=2, model=path)
+    other = tmp_path / "other.colibri"
+    from colibri_server.model.convert import convert
+    import hf_models as H
+    H.build_hf_model("mixtral", tmp_path / "hf2", seed=1)
+    convert(tmp_path / "hf2", other, "f32", progress=False)
+    stop = threading.Event()
+    load = Load(s, n=4, until=stop).start()
+    time.sleep(0.5)
+    os.replace(other, path)                   # a deploy: rename, never write in place
+    s.signal(signal.SIGUSR1)
+    s.wait_for(lambda: len(s.worker_pids(generation=2)) == 2, what="generation 2")
+    time.sleep(1.0)
+    stop.set()
+    load.join()
+    assert not load.errors and not load.silent
+    new = Model.open(path)
+    with s.client() as c:
+        r = c.generate(PROMPTS[3], max_tokens=8, ignore_eos=True)
+    assert r.generation == 2 and r.token_ids == new.generate(PROMPTS[3], max_tokens=8, ignore_eos=True)
+    s.wait_for(lambda: all(w["generation"] == 2 for w in s.stats()["workers"]), what="old generation drained")
+
+
+def test_usr1_with_a_corrupted_file_is_refused(server, tmp_path, model_path):
+    path = tmp_path / "live.colibri"
+    shutil.copy(model_path, path)
+    s = server(workers=1, model=path)
+    bad = tmp_path / "bad.colibri"
+    data = bytearray(path.read_bytes())
+    data[0:4] = b"XXXX"
+    bad.write_bytes(data)
+    os.replace(bad, path)
+    s.signal(signal.SIGUSR1)
+    s.wait_for(lambda: "refused" in s.logs(), what="refusal logged")
+    assert "BadMagic" in s.logs() or "magic" in s.logs()
+    with s.client() as c:
+        r = c.generate(PROMPTS[0], max_tokens=4, ignore_eos=True)
+    assert r.generation == 1 and r.finish_reason == "length"
+
+
+def test_term_while_streaming_finishes_requests(server):
+    s = server(workers=2, extra=("--graceful-timeout", "20"))
+    load = Load(s, n=4, per_client=1, max_tokens=48, stream=True).start()
+    time.sleep(0.8)
+    t0 = time.monotonic()
+    s.signal(signal.SIGTERM)
+    load.join()
+    s.proc.wait(30)
+    assert s.proc.returncode == 0
+    assert time.monotonic() - t0 < 20
+    done = [r for r in load.results if r[2] == "length" and len(r[1]) == 48]
+    assert len(done) == 4, (load.results, load.errors)
+
+
+def test_sigstopped_worker_is_replaced_within_timeout(server):
+    s = server(workers=1, extra=("--timeout", "3", "--heartbeat-interval", "0.5"))
+    (victim,) = s.worker_pids()
+    t0 = time.monotonic()
+    os.kill(victim, signal.SIGSTOP)
+    s.wait_for(lambda: (lambda p: len(p) == 1 and victim not in p)(s.worker_pids()), timeout=20,
+               what="stopped worker replaced")
+    assert time.monotonic() - t0 < 3 + 5
+    assert "silent" in s.logs()
+    with s.client() as c:
+        assert c.generate(PROMPTS[1], max_tokens=2).usage["completion_tokens"] >= 1
+
+
+def test_worker_boot_failure_halts_the_master(server):
+    s = server(workers=1, extra=("--memory-limit", "1KiB"), ready=False)
+    assert s.proc.wait(60) == 3
+    log = s.logs()
+    assert "failed to boot" in log and "memory_limit" in log
+    assert log.count("booting") == 1            # no respawn loop
+
+
+def test_bad_settings_fail_at_start_naming_them(model_path, tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "colibri_server.cli", "serve", "--model", model_path,
+                        "--workers", "-2"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "workers" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "colibri_server.cli", "serve", "--model",
+                        str(tmp_path / "missing.colibri"), "--bind", f"ipc://{tmp_path}/x.sock",
+                        "--runtime-dir", str(tmp_path / "rt")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 4 and "model file not found" in r.stderr
