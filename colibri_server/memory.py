@@ -24,14 +24,36 @@ def _rollup(pid) -> dict:
     return out
 
 
+def anon_private(pid) -> int:
+    """Bytes of anonymous mappings (heap, stacks, numpy buffers) that only this process maps:
+    Private_Clean + Private_Dirty summed over mappings with no backing file. Unlike
+    smaps_rollup's Anonymous, copy-on-write pages still shared with the master don't count."""
+    total, anon = 0, False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                first = line.split(None, 1)[0]
+                if "-" in first and not first.endswith(":"):          # a mapping header
+                    fields = line.split()
+                    path = fields[5] if len(fields) > 5 else ""
+                    anon = path == "" or path in ("[heap]", "[stack]") or path.startswith("[anon")
+                elif anon and first in ("Private_Clean:", "Private_Dirty:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
 def process_memory(pid) -> dict:
-    """{rss, uss, pss, anon} in bytes (zeros for a process that is gone)."""
+    """{rss, uss, pss, anon, anon_private} in bytes (zeros for a process that is gone).
+    anon is smaps_rollup's Anonymous (includes copy-on-write pages shared with the master)."""
     try:
         m = psutil.Process(pid).memory_full_info()
         rss, uss, pss = m.rss, m.uss, getattr(m, "pss", 0)
     except (psutil.Error, OSError):
-        return {"rss": 0, "uss": 0, "pss": 0, "anon": 0}
-    return {"rss": rss, "uss": uss, "pss": pss, "anon": _rollup(pid).get("Anonymous", 0)}
+        return {"rss": 0, "uss": 0, "pss": 0, "anon": 0, "anon_private": 0}
+    return {"rss": rss, "uss": uss, "pss": pss, "anon": _rollup(pid).get("Anonymous", 0),
+            "anon_private": anon_private(pid)}
 
 
 def mib(n) -> str:

@@ -48,7 +48,7 @@ class Req:
 
 class W:
     __slots__ = ("ident", "pid", "wid", "generation", "slots", "running", "last_seen", "state", "cores",
-                 "served", "t_start")
+                 "served", "t_start", "last_dispatch")
 
     def __init__(self, ident, body, now):
         self.ident = ident
@@ -60,6 +60,7 @@ class W:
         self.state = "ready"            # ready | draining | unresponsive
         self.served = 0
         self.t_start = now
+        self.last_dispatch = 0.0
 
     @property
     def free(self):
@@ -300,9 +301,12 @@ class Router:
         for w in self.workers.values():
             if w.free <= 0:
                 continue
-            key = (w.generation, w.free)          # newest generation first, then the least loaded
-            if best is None or key > (best.generation, best.free):
+            # newest generation first, then the most free slots, then the longest idle
+            key = (w.generation, w.free, -w.last_dispatch)
+            if best is None or key > (best.generation, best.free, -best.last_dispatch):
                 best = w
+        if best is not None:
+            best.last_dispatch = time.monotonic()
         return best
 
     def _requeue(self, r, front=False):

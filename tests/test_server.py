@@ -256,3 +256,32 @@ def test_bad_settings_fail_at_start_naming_them(model_path, tmp_path):
                         str(tmp_path / "missing.colibri"), "--bind", f"ipc://{tmp_path}/x.sock",
                         "--runtime-dir", str(tmp_path / "rt")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 4 and "model file not found" in r.stderr
+
+
+def test_memory_one_copy_of_the_weights(tmp_path):
+    """4 workers on a 933 MiB model, after serving: each worker's private memory is small and
+    the workers' summed PSS is about one copy of the file (the master pre-faults every page)."""
+    from synth_model import write_model
+    path = tmp_path / "big.colibri"
+    size = write_model(path)
+    s = Server(path, tmp_path, workers=4, name="mem")
+    try:
+        s.wait_ready(4, timeout=180)
+        with s.client(120) as c:
+            for i in range(8):
+                c.generate(PROMPTS[i], max_tokens=4, ignore_eos=True)
+        ws = s.stats()["workers"]
+    finally:
+        s.stop()
+    mib = 2 ** 20
+    print(f"\nmodel file {size / mib:.0f} MiB; per worker (MiB): " + "; ".join(
+        f"pid {w['pid']} served {w['served']} RSS {w['rss'] / mib:.0f} USS {w['uss'] / mib:.1f} "
+        f"PSS {w['pss'] / mib:.0f} Anonymous {w['anon'] / mib:.1f} private-anon {w['anon_private'] / mib:.1f}"
+        for w in ws))
+    pss = sum(w["pss"] for w in ws)
+    uss = max(w["uss"] for w in ws)
+    print(f"summed PSS {pss / mib:.0f} MiB <= file + 4 x USS + 10% = {(size + 4 * uss + size / 10) / mib:.0f} MiB")
+    assert len(ws) == 4 and all(w["served"] >= 1 for w in ws)
+    for w in ws:
+        assert w["anon_private"] < size / 10 and w["uss"] < size / 10 and w["anon"] < size / 10
+    assert pss < size + 4 * uss + size / 10

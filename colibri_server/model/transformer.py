@@ -11,6 +11,7 @@ hd head dim, S cache capacity, V vocab.
 from __future__ import annotations
 
 import math
+import mmap
 
 import numpy as np
 
@@ -19,14 +20,21 @@ from .config import ModelConfig
 from .moe import moe, swiglu
 
 
+def lazy_zeros(shape, dtype=np.float32) -> np.ndarray:
+    """Zeros in their own anonymous mapping: pages cost memory only once written, whatever
+    malloc's thresholds (a calloc from the heap may touch every page)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+
 class KVCache:
     """The state of one sequence (one slot): its keys and values and how many are filled.
-    np.zeros maps pages lazily, so a large capacity costs only what is used."""
+    A large capacity costs only the pages the sequence has reached."""
 
     def __init__(self, cfg: ModelConfig, capacity: int):
         shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)       # (L,Hkv,S,hd)
-        self.k = np.zeros(shape, np.float32)
-        self.v = np.zeros(shape, np.float32)
+        self.k = lazy_zeros(shape)
+        self.v = lazy_zeros(shape)
         self.capacity = capacity
         self.length = 0            # positions 0..length-1 are filled
 
