@@ -76,6 +76,9 @@ class Arbiter:
         self.reloading = None           # generation being brought up
         self.announced = False
         self.exit_code = 0
+        from .systemd import watchdog_interval
+        self.watchdog = watchdog_interval()
+        self.last_watchdog = 0.0
 
     # ------------------------------------------------------------------------ start
     def start(self):
@@ -208,6 +211,7 @@ class Arbiter:
                     log.info("signal %s", name.upper())
                     getattr(self, "handle_" + name)()
                 self.read_router()
+                self.ping_watchdog()
                 self.reap()
                 self.murder_hung()
                 self.check_model_file()
@@ -228,7 +232,7 @@ class Arbiter:
 
     def sleep(self):
         try:
-            r, _, _ = select.select([self._wake_r, self.pipe], [], [], 0.5)
+            r, _, _ = select.select([self._wake_r, self.pipe], [], [], min(0.5, self.watchdog or 0.5))
             if self._wake_r in r:
                 while os.read(self._wake_r, 512):
                     pass
@@ -237,6 +241,12 @@ class Arbiter:
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EINTR):
                 raise
+
+    def ping_watchdog(self):
+        """WATCHDOG=1 every half WatchdogSec while this loop runs (a hung master gets restarted)."""
+        if self.watchdog and time.monotonic() - self.last_watchdog >= self.watchdog:
+            self.last_watchdog = time.monotonic()
+            self.notify("WATCHDOG=1")
 
     def read_router(self):
         while True:
