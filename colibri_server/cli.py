@@ -106,6 +106,13 @@ def cmd_inspect(a):
     except (fmt.ColibriFormatError, FileNotFoundError) as e:
         _die(str(e))
     h = cf.header
+    if a.gate is not None:
+        from .debug import format_gate
+        try:
+            print(format_gate(cf, a.gate, a.rows))
+        except KeyError as e:
+            _die(f"--gate {a.gate}: {e.args[0]}")
+        return
     if a.tensor:
         if a.tensor not in cf:
             _die(f"no tensor named {a.tensor!r} in {a.model} (see `colibri inspect {a.model}`)")
@@ -169,6 +176,16 @@ def cmd_convert(a):
     size = os.path.getsize(a.output)
     print(f"wrote {a.output}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_experts} experts, {a.dtype}, "
           f"{size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+
+def cmd_debug_routing(a):
+    from .debug import format_routing, routing_trace
+    m = _open_model(a.model)
+    try:
+        ids, trace = routing_trace(m, [int(t) for t in a.input.split(",")] if a.token_ids else a.input)
+    except ValueError as e:
+        _die(str(e))
+    print(format_routing(m, ids, trace))
 
 
 # ---------------------------------------------------------------------------- server
@@ -311,9 +328,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--embedding", help="a .npy file of input embeddings (T, D): bypasses the tokenizer")
     r.set_defaults(fn=cmd_run)
 
+    d = sub.add_parser("debug", help="look inside a model")
+    dsub = d.add_subparsers(dest="what", required=True)
+    dr = dsub.add_parser("routing", help="per token and layer: the top-k experts and weights; expert load")
+    dr.add_argument("--model", default=None, help="a .colibri file (default: the bundled model)")
+    dr.add_argument("--input", required=True, help="the text to route (or ids with --token-ids)")
+    dr.add_argument("--token-ids", action="store_true")
+    dr.set_defaults(fn=cmd_debug_routing)
+
     i = sub.add_parser("inspect", help="header, config, metadata, tensor table; rows of one tensor")
     i.add_argument("model")
     i.add_argument("--tensor")
+    i.add_argument("--gate", type=int, metavar="LAYER", help="print the router gate of LAYER")
     i.add_argument("--rows", type=int, default=4)
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
