@@ -250,29 +250,74 @@ def cmd_generate(a):
 
 def cmd_status(a):
     from .client import ColibriError
-    from .memory import mib
     try:
         with _client(a) as c:
             st = c.stats()
     except ColibriError as e:
         _die(f"{e.code}: {e.message}")
-    if a.json:
-        print(json.dumps(st, indent=1))
-        return
-    print(f"model      {st['model']} ({mib(st['model_bytes'])}), generation {st['generation']}")
-    print(f"queue      {st['queue']} queued, {st['in_flight']} in flight{'  (draining)' if st['draining'] else ''}")
-    print(f"router     pid {st['router']['pid']}, RSS {mib(st['router']['rss'])}")
-    print(f"{'pid':>8} {'id':>4} {'gen':>4} {'state':13} {'cores':10} {'run':>4} {'served':>7} "
-          f"{'RSS':>11} {'USS':>11} {'PSS':>11} {'anon':>11}")
+    print(json.dumps(st, indent=1) if a.json else format_status(st))
+
+
+def format_status(st) -> str:
+    from .memory import mib
+    out = [f"model      {st['model']} ({mib(st['model_bytes'])}), generation {st['generation']}",
+           f"queue      {st['queue']} queued, {st['in_flight']} in flight{'  (draining)' if st['draining'] else ''}",
+           f"router     pid {st['router']['pid']}, RSS {mib(st['router']['rss'])}",
+           f"{'pid':>8} {'id':>4} {'gen':>4} {'state':13} {'cores':10} {'run':>4} {'served':>7} "
+           f"{'RSS':>11} {'USS':>11} {'PSS':>11} {'anon':>11}"]
     for w in st["workers"]:
-        print(f"{w['pid']:>8} {w['wid']:>4} {w['generation']:>4} {w['state']:13} {str(w['cores']):10} "
-              f"{w['running']:>4} {w['served']:>7} {mib(w['rss']):>11} {mib(w['uss']):>11} {mib(w['pss']):>11} "
-              f"{mib(w['anon']):>11}")
+        out.append(f"{w['pid']:>8} {w['wid']:>4} {w['generation']:>4} {w['state']:13} {str(w['cores']):10} "
+                   f"{w['running']:>4} {w['served']:>7} {mib(w['rss']):>11} {mib(w['uss']):>11} {mib(w['pss']):>11} "
+                   f"{mib(w['anon_private']):>11}")
     total_pss = sum(w["pss"] for w in st["workers"])
-    print(f"workers' PSS sum {mib(total_pss)} for a {mib(st['model_bytes'])} model "
-          f"(one copy of the weights, shared)")
+    out.append(f"memory     {len(st['workers'])} workers map one copy of the {mib(st['model_bytes'])} model: "
+               f"their PSS sums to {mib(total_pss)}; each worker's own memory (USS) is "
+               f"{', '.join(mib(w['uss']) for w in st['workers'])}")
     if st.get("counters"):
-        print("counters   " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
+        out.append("counters   " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
+    return "\n".join(out)
+
+
+def cmd_demo(a):
+    """Start a server with 2 workers on the bundled model, ask it one thing, show memory, stop it."""
+    import signal
+    import subprocess
+    import tempfile
+    from .client import Client, ColibriError
+    model = default_model_path(a.model)
+    d = tempfile.mkdtemp(prefix="colibri-demo-")
+    addr = f"ipc://{d}/colibri.sock"
+    print(f"$ colibri serve --model {model} --workers {a.workers} --bind {addr}", file=sys.stderr)
+    proc = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", "serve", "--model", model, "--workers",
+                             str(a.workers), "--bind", addr, "--runtime-dir", d])
+    try:
+        with Client(addr, timeout=5.0) as c:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    _die(f"the server exited with code {proc.returncode}")
+                try:
+                    h = c.health()
+                    if h["status"] == "ok" and h["workers_ready"] >= a.workers:
+                        break
+                except ColibriError:
+                    pass
+                if time.monotonic() > deadline:
+                    _die("the server did not become ready in 300 s")
+                time.sleep(0.2)
+        with Client(addr, timeout=120.0) as c:
+            print(f"\n>>> {a.prompt}", end="", flush=True)
+            last = None
+            for chunk in c.stream(a.prompt, max_tokens=a.max_tokens, temperature=a.temperature, seed=0):
+                print(chunk.text, end="", flush=True)
+                last = chunk
+            print(f"\n[{last.usage['completion_tokens']} tokens from worker {last.worker_pid} in "
+                  f"{last.timings['total_s']:.2f}s]\n")
+            print(format_status(c.stats()))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        print(f"\nserver stopped (exit {proc.returncode})", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------- main
@@ -303,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--timeout", type=float, default=60.0)
     g.set_defaults(fn=cmd_generate)
+
+    dm = sub.add_parser("demo", help="serve the bundled model with 2 workers, send one request, show memory, stop")
+    dm.add_argument("--model", default=None)
+    dm.add_argument("--workers", type=int, default=2)
+    dm.add_argument("--prompt", default="def fibonacci(n):")
+    dm.add_argument("--max-tokens", type=int, default=64)
+    dm.add_argument("--temperature", type=float, default=0.0)
+    dm.set_defaults(fn=cmd_demo)
 
     st = sub.add_parser("status", help="workers, pids, cores, generation, queue and memory of a running server")
     st.add_argument("--connect", default="tcp://127.0.0.1:5555")

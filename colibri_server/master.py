@@ -208,7 +208,7 @@ class Arbiter:
                 self.sleep()
                 while self.sig_queue:
                     name = signal.Signals(self.sig_queue.pop(0)).name[3:].lower()
-                    log.info("signal %s", name.upper())
+                    log.log(logging.DEBUG if name == "chld" else logging.INFO, "signal %s", name.upper())
                     getattr(self, "handle_" + name)()
                 self.read_router()
                 self.ping_watchdog()

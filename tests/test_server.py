@@ -285,3 +285,25 @@ def test_memory_one_copy_of_the_weights(tmp_path):
     for w in ws:
         assert w["anon_private"] < size / 10 and w["uss"] < size / 10 and w["anon"] < size / 10
     assert pss < size + 4 * uss + size / 10
+
+
+def test_model_file_changed_in_place_is_logged_loudly(server, tmp_path, model_path):
+    path = tmp_path / "live.colibri"
+    shutil.copy(model_path, path)
+    s = server(workers=1, model=path)
+    with open(path, "r+b") as f:            # what an operator must never do: write the mapped file
+        f.seek(-16, os.SEEK_END)
+        f.write(b"\0" * 16)
+    os.utime(path, None)
+    s.wait_for(lambda: "modified IN PLACE" in s.logs(), what="in-place change logged")
+    assert "CRITICAL" in s.logs()
+
+
+def test_repeated_crashes_back_off(server):
+    s = server(workers=1)
+    for i in range(5):
+        (pid,) = s.wait_for(lambda: s.worker_pids() or None, what=f"worker {i}")
+        os.kill(pid, signal.SIGKILL)
+        s.wait_for(lambda: pid not in s.worker_pids(), what="death noticed")
+    s.wait_for(lambda: "before respawning" in s.logs(), what="backoff logged")
+    s.wait_for(lambda: len(s.worker_pids()) == 1, timeout=30, what="respawn after the backoff")
