@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=60.0)
     g.set_defaults(fn=cmd_generate)
 
+    from .security import add_keys_parser
+    add_keys_parser(sub)
+
     dm = sub.add_parser("demo", help="serve the bundled model with 2 workers, send one request, show memory, stop")
     dm.add_argument("--model", default=None)
     dm.add_argument("--workers", type=int, default=2)

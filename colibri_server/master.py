@@ -89,6 +89,15 @@ class Arbiter:
         if s.pidfile:
             _write_pidfile(s.pidfile, self.pid)
         self.model_path = _model_path(s.model)
+        from .security import CurveServer, SecurityError, check_bind_security
+        self.curve = None
+        if s.bind.startswith("tcp://") and s.curve_secret_key:
+            try:
+                self.curve = CurveServer(s.curve_secret_key, s.curve_allowed_keys)   # reads files only
+            except SecurityError as e:
+                raise HaltServer(str(e), EXIT_LOAD)
+        for w in check_bind_security(s.bind, self.curve is not None):
+            log.warning("%s", w)
         model = self._open_model(self.model_path)
         self.generation = 1
         self.models[1] = model
@@ -151,13 +160,9 @@ class Arbiter:
     # ------------------------------------------------------------------------ forking
     def spawn_router(self):
         from .router import Router, router_main
-        curve = None
-        if self.settings.bind.startswith("tcp://") and getattr(self.settings, "curve_secret_key", ""):
-            from .security import CurveServer
-            curve = CurveServer(self.settings.curve_secret_key, self.settings.curve_allowed_keys)
         router = Router(frontend=self.settings.bind, backend=self.backend, pipe_fd=self._router_end.fileno(),
                         settings=self.settings, generation=self.generation, model_path=self.model_path,
-                        curve=curve)
+                        curve=self.curve)
         pid = os.fork()
         if pid == 0:
             self._in_child()

@@ -486,6 +486,12 @@ class Router:
                 self.settings = msg["settings"] if not isinstance(msg["settings"], dict) else \
                     _AttrDict(msg["settings"])
                 self.limits = self._limits()
+                if self.curve is not None:
+                    from .security import SecurityError
+                    try:
+                        self.curve.reload()
+                    except SecurityError as e:
+                        log.error("HUP: CURVE allowed keys not reloaded, the current ones stay: %s", e)
             elif op == "drain":
                 self.draining = True
             elif op == "exit":
@@ -496,6 +502,8 @@ class Router:
             self._end(r)
             self.error(r.client, r.cid, "shutting_down", "the server stopped before this request finished")
         self.front.close(linger=500)
+        if self.curve is not None:
+            self.curve.stop()
         self.back.close(linger=0)
         self.ctx.term()
 
