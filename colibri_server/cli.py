@@ -351,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .security import add_keys_parser
     add_keys_parser(sub)
+    from .http import add_http_arguments, cmd_http
+    add_http_arguments(sub.add_parser("http", help="OpenAI-compatible HTTP gateway (gunicorn) to a running server")
+                       ).set_defaults(fn=cmd_http)
 
     dm = sub.add_parser("demo", help="serve the bundled model with 2 workers, send one request, show memory, stop")
     dm.add_argument("--model", default=None)

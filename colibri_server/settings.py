@@ -56,6 +56,8 @@ ENV_PREFIX = "COLIBRI_"
 # COLIBRI_* variables that are not settings (used by other parts of the program) and so are
 # not reported as unknown. Add a name here when one is introduced.
 ENV_NOT_SETTINGS: frozenset[str] = frozenset()
+# other tools' namespaces: the HTTP gateway (http.py) and the soak tests read these themselves
+ENV_NOT_SETTINGS_PREFIXES = ("COLIBRI_HTTP_", "COLIBRI_SOAK_")
 
 HUP, USR1, RESTART = "hup", "usr1", "restart"
 _RELOAD_TEXT = {HUP: "SIGHUP", USR1: "SIGUSR1 (model reload)", RESTART: "restart"}
@@ -607,7 +609,7 @@ def load_settings(argv_namespace_or_dict=None, config_path=None, env=None) -> Se
 
     env_items = {}
     for var in sorted(env):
-        if not var.startswith(ENV_PREFIX) or var in ENV_NOT_SETTINGS:
+        if not var.startswith(ENV_PREFIX) or var in ENV_NOT_SETTINGS or var.startswith(ENV_NOT_SETTINGS_PREFIXES):
             continue
         name = var[len(ENV_PREFIX):].lower()
         if name not in SETTINGS or var != SETTINGS[name].env:

@@ -396,3 +396,13 @@ def test_describe(tmp_path):
     assert re.search(r'^bind = "tcp://127.0.0.1:5555" +# default +restart$', text["bind"])
     # aligned: the source column starts at the same offset on every line
     assert len({line.index("# ") for line in lines}) == 1
+
+
+def test_gateway_and_soak_variables_are_not_settings():
+    from colibri_server.settings import SettingsError, load_settings
+    s = load_settings({}, env={"COLIBRI_HTTP_CONNECT": "tcp://127.0.0.1:1", "COLIBRI_SOAK_SECONDS": "5",
+                               "COLIBRI_WORKERS": "3"})
+    assert s.workers == 3
+    import pytest
+    with pytest.raises(SettingsError, match="COLIBRI_HTTPX"):
+        load_settings({}, env={"COLIBRI_HTTPX": "1"})

@@ -1,0 +1,44 @@
+# gunicorn settings for the colibri OpenAI-compatible HTTP gateway (colibri_server/http.py).
+#
+#   COLIBRI_HTTP_CONNECT=tcp://127.0.0.1:5555 \
+#       gunicorn 'colibri_server.http:app_from_env()' -c configs/gunicorn.conf.py
+#
+# (or `gunicorn -c configs/gunicorn.conf.py` alone: wsgi_app below names the factory).
+# The app reads its options from the environment: COLIBRI_HTTP_CONNECT, COLIBRI_HTTP_API_KEY
+# or COLIBRI_HTTP_API_KEY_FILE, COLIBRI_HTTP_MODEL_NAME, COLIBRI_HTTP_TIMEOUT,
+# COLIBRI_HTTP_MAX_BODY, COLIBRI_HTTP_DEFAULT_MAX_TOKENS, COLIBRI_HTTP_METRICS_AUTH,
+# COLIBRI_HTTP_CURVE_SERVERKEY.  This file reads COLIBRI_HTTP_BIND, _WORKERS, _THREADS.
+# Command-line flags (--bind, --workers, ...) override what is set here.
+import os
+
+wsgi_app = "colibri_server.http:app_from_env()"
+
+bind = os.environ.get("COLIBRI_HTTP_BIND", "127.0.0.1:8000")
+
+# gthread: each thread serves one request at a time and keeps its own colibri Client
+# (a Client is not thread-safe).  The gateway only waits on ZeroMQ: threads are cheap, and
+# `threads` bounds the concurrent HTTP requests (streams included) of one process.
+worker_class = "gthread"
+threads = int(os.environ.get("COLIBRI_HTTP_THREADS", "8"))
+# One process by default: request metrics are per process (see colibri_server/http.py).
+workers = int(os.environ.get("COLIBRI_HTTP_WORKERS", "1"))
+
+# gthread heartbeats from its main loop, so long streams do not trip this; it only catches a
+# wedged worker process.
+timeout = 120
+graceful_timeout = 30
+keepalive = 5
+
+# request line / header limits (bodies are limited by the app: COLIBRI_HTTP_MAX_BODY)
+limit_request_line = 8190
+limit_request_fields = 100
+limit_request_field_size = 8190
+
+# gunicorn >= 24 opens a control socket at a fixed per-user path ($XDG_RUNTIME_DIR or
+# ~/.gunicorn/gunicorn.ctl): two gateways on one host would fight over it; nothing uses it.
+control_socket_disable = True
+
+proc_name = "colibri-http"
+errorlog = "-"
+accesslog = os.environ.get("COLIBRI_HTTP_ACCESS_LOG") or None
+loglevel = os.environ.get("COLIBRI_HTTP_LOG_LEVEL", "info")
