@@ -24,13 +24,13 @@ the task awaiting it, also sends a `cancel`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import zmq
 import zmq.asyncio
@@ -48,149 +48,13 @@ __all__ = [
 
 Prompt = Union[str, Sequence[int]]
 
-# ---------------------------------------------------------------------------- errors
+from .client_types import (  # noqa: F401  (re-exported: the public API lives here)
+    ColibriError, BadRequest, UnsupportedVersion, UnknownType, TooLarge,
+    Overloaded, DeadlineExceeded, Cancelled, WorkerLost, ShuttingDown, DuplicateId,
+    NotFound, InternalError, ColibriTimeout, ERRORS, error_for, _internal,
+    Completion, Chunk,
+)
 
-
-def _rebuild_error(cls, message, code, request_id):
-    return cls(message, code=code, request_id=request_id)
-
-
-class ColibriError(Exception):
-    """An error answered by the server (or detected by the client).
-
-    `code` is one of `protocol.ERROR_CODES` (a code unknown to this client, from a newer
-    server, gives a plain ColibriError carrying that code), or "timeout" for ColibriTimeout.
-    Switch on the class or on `code`, never on `message`.
-    """
-
-    code: Optional[str] = None
-
-    def __init__(self, message: str = "", *, code: Optional[str] = None, request_id=None):
-        if code is not None:
-            self.code = code
-        self.message = message
-        self.request_id = request_id
-        super().__init__(message)
-
-    def __str__(self):
-        rid = f" (request {self.request_id!r})" if self.request_id is not None else ""
-        return f"{self.code}: {self.message}{rid}"
-
-    def __repr__(self):
-        return f"{type(self).__name__}({self.message!r}, code={self.code!r}, request_id={self.request_id!r})"
-
-    def __reduce__(self):
-        return _rebuild_error, (type(self), self.message, self.code, self.request_id)
-
-
-class BadRequest(ColibriError):
-    code = "bad_request"
-
-
-class UnsupportedVersion(ColibriError):
-    code = "unsupported_version"
-
-
-class UnknownType(ColibriError):
-    code = "unknown_type"
-
-
-class TooLarge(ColibriError):
-    code = "too_large"
-
-
-class Overloaded(ColibriError):
-    code = "overloaded"
-
-
-class DeadlineExceeded(ColibriError):
-    code = "deadline_exceeded"
-
-
-class Cancelled(ColibriError):
-    """The server cancelled the request before it started (a request cancelled while
-    running ends normally instead, with finish_reason "cancelled")."""
-    code = "cancelled"
-
-
-class WorkerLost(ColibriError):
-    code = "worker_lost"
-
-
-class ShuttingDown(ColibriError):
-    code = "shutting_down"
-
-
-class DuplicateId(ColibriError):
-    code = "duplicate_id"
-
-
-class NotFound(ColibriError):
-    code = "not_found"
-
-
-class InternalError(ColibriError):
-    """A server bug, or a malformed message from the server (detected by the client)."""
-    code = "internal"
-
-
-class ColibriTimeout(ColibriError):
-    """No message for the request arrived within the client's timeout (client-side)."""
-    code = "timeout"
-
-
-ERRORS = {cls.code: cls for cls in (
-    BadRequest, UnsupportedVersion, UnknownType, TooLarge, Overloaded, DeadlineExceeded,
-    Cancelled, WorkerLost, ShuttingDown, DuplicateId, NotFound, InternalError)}
-assert set(ERRORS) == set(protocol.ERROR_CODES), "client.ERRORS is out of date with protocol.ERROR_CODES"
-
-
-def error_for(code, message="", request_id=None) -> ColibriError:
-    """The exception instance for an error code (unknown codes -> ColibriError)."""
-    cls = ERRORS.get(code, ColibriError)
-    return cls(message, code=code, request_id=request_id)
-
-
-def _internal(message, request_id=None) -> InternalError:
-    return InternalError(message, code="internal", request_id=request_id)
-
-
-# ---------------------------------------------------------------------------- results
-
-
-@dataclass
-class Completion:
-    """The whole answer to a generate."""
-    text: str
-    token_ids: list
-    finish_reason: str
-    usage: dict = field(default_factory=dict)
-    timings: dict = field(default_factory=dict)
-    generation: Optional[int] = None
-    worker_pid: Optional[int] = None
-    id: Any = None
-
-
-@dataclass
-class Chunk:
-    """One streamed piece.  The last chunk of a stream is built from the server's "done":
-    it has `finish_reason` (and usage, timings, generation, worker_pid) set, and its text/ids
-    are whatever "done" carries beyond what was already streamed (usually nothing)."""
-    text: str
-    token_ids: list
-    index: int
-    finish_reason: Optional[str] = None
-    usage: Optional[dict] = None
-    timings: Optional[dict] = None
-    generation: Optional[int] = None
-    worker_pid: Optional[int] = None
-
-    @property
-    def is_final(self) -> bool:
-        return self.finish_reason is not None
-
-
-# ---------------------------------------------------------------------------- message interpretation
 
 class _Failure:
     """Queued in place of a body: the request must fail with `exc` (e.g. a malformed,
@@ -402,90 +266,50 @@ class _Ids:
         return f"{self._prefix}-{next(self._n)}"
 
 
-# ---------------------------------------------------------------------------- sync client
+# ---------------------------------------------------------------------------- what Client and AsyncClient share
 
 
-class Stream:
-    """Iterator of Chunks for one generate (returned by `Client.stream`).  The request is
-    sent when the Stream is created.  Closing it (close(), `with`, garbage collection) before
-    the final chunk sends a cancel; the request's remaining messages are discarded."""
-
-    def __init__(self, client: "Client", body: dict, timeout: float):
-        self._client = client
-        self.id = body["id"]
-        self._timeout = timeout
-        self._state = _GenState(self.id)
-        self._finished = False
-        client._pending[self.id] = deque()
-        try:
-            client._send(body)
-        except BaseException:
-            self._finished = True
-            client._pending.pop(self.id, None)
-            raise
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> Chunk:
-        if self._finished:
-            raise StopIteration
-        try:
-            item = self._client._next(self.id, self._timeout)
-            chunk = self._state.feed(item)
-        except BaseException:
-            self.close()
-            raise
-        if self._state.final is not None:
-            self.close()
-        return chunk
-
-    def completion(self) -> Completion:
-        """Consume the rest of the stream and return the whole answer."""
-        for _ in self:
-            pass
-        if self._state.final is None:
-            raise RuntimeError("the stream was closed before it ended")
-        return self._state.completion()
-
-    def close(self):
-        if self._finished:
-            return
-        self._finished = True
-        c = self._client
-        c._pending.pop(self.id, None)
-        if not self._state.ended:
-            c._cancel_nowait(self.id)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+def _timeout_error(what, seconds, rid) -> ColibriTimeout:
+    return ColibriTimeout(f"{what} within {seconds:g} s", code="timeout", request_id=rid)
 
 
-class Client:
-    """Synchronous client: one ZeroMQ context and DEALER socket.  NOT thread-safe.
+def _cancel_body(rid) -> dict:
+    return {"type": "cancel", "id": rid}
 
-    addr: "tcp://host:port" or "ipc:///path".  timeout: seconds to wait for the next
-    message of a request (and for a send to be accepted).  curve: None, the server's
-    public key (an ephemeral client key pair is made), or (server_public, client_public,
-    client_secret), Z85 text or bytes.
-    """
+
+class _Request:
+    """A request answered by one "result" message: its body, and `finish(fields, rid)`, which
+    turns the result's fields into the method's return value (None: the fields themselves)."""
+    __slots__ = ("body", "id", "finish")
+
+    def __init__(self, body: dict, finish=None):
+        self.body, self.id, self.finish = body, body["id"], finish
+
+    def result(self, item):
+        r = _result_body(item, self.id)
+        return r if self.finish is None else self.finish(r, self.id)
+
+
+class _Deque(deque):
+    """The sync client's per-request queue, with the one asyncio.Queue method `_dispatch` uses."""
+    put_nowait = deque.append
+
+
+class _ClientCore:
+    """The sans-IO part of Client and AsyncClient: the socket's setup, request ids and bodies,
+    the per-request queues and the routing of every received message to one (or, for an
+    unattributable failure, to all) of them.  Subclasses send, receive and wait."""
+
+    _context = zmq.Context      # the subclass's ZeroMQ context class
+    _new_queue = _Deque         # and per-request queue class
 
     def __init__(self, addr: str, *, timeout: float = 60.0, curve=None):
         self.addr = addr
         self.timeout = float(timeout)
         self._ids = _Ids()
-        self._pending: dict = {}
+        self._queues: dict = {}
         self._closed = True
-        self._ctx = zmq.Context()
+        self._ctx = self._context()
         try:
             self._sock = self._ctx.socket(zmq.DEALER)
             _apply_options(self._sock, self.timeout, curve)
@@ -495,11 +319,169 @@ class Client:
             raise
         self._closed = False
 
-    # -- plumbing
-
     def _check_open(self):
         if self._closed:
             raise RuntimeError("the client is closed")
+
+    def _timeout_for(self, timeout) -> float:
+        return self.timeout if timeout is None else timeout
+
+    # -- per-request queues
+
+    def _open(self, rid):
+        self._queues[rid] = self._new_queue()
+
+    def _forget(self, rid):
+        """Stop awaiting rid: its later messages are discarded."""
+        self._queues.pop(rid, None)
+
+    @contextlib.contextmanager
+    def _awaiting(self, rid):
+        self._open(rid)
+        try:
+            yield
+        finally:
+            self._forget(rid)
+
+    def _dispatch(self, parts):
+        rid, item = _decode(parts)
+        if rid is None:                       # unattributable: every waiter fails
+            for q in self._queues.values():
+                q.put_nowait(item)
+            return
+        q = self._queues.get(rid) if rid is not False else None
+        if q is not None:
+            q.put_nowait(item)
+        # else: a message for an id nobody awaits (finished, timed out, closed): discarded
+
+    def _fail_all(self, exc):
+        for q in self._queues.values():
+            q.put_nowait(_Failure(exc))
+
+    def _mark_closed(self) -> bool:
+        """Mark the client closed, failing whatever awaits an answer; False if it already was."""
+        if self._closed:
+            return False
+        self._closed = True
+        self._fail_all(_internal("the client was closed"))
+        self._queues.clear()
+        return True
+
+    # -- request bodies
+
+    def _generate(self, prompt, max_tokens, temperature, params) -> dict:
+        self._check_open()
+        return _generate_body(self._ids(), prompt, max_tokens, temperature, params)
+
+    def _tokenize(self, text, add_special_tokens) -> _Request:
+        return _Request({"type": "tokenize", "id": self._ids(), "text": text,
+                         "add_special_tokens": add_special_tokens}, _tokenize_result)
+
+    def _detokenize(self, ids) -> _Request:
+        return _Request({"type": "detokenize", "id": self._ids(), "ids": [int(t) for t in ids]}, _detokenize_result)
+
+    def _query(self, kind) -> _Request:
+        """health, stats: answered by the result's fields."""
+        return _Request({"type": kind, "id": self._ids()})
+
+
+class _StreamCore:
+    """What Stream and AsyncStream share: the request's queue on its client, turning its
+    messages into Chunks (closing the stream when it ends or fails), and the cancel sent when
+    it is closed after being sent and before the server ended the request."""
+
+    def __init__(self, client: _ClientCore, body: dict, timeout: float):
+        self._client = client
+        self.id = body["id"]
+        self._timeout = timeout
+        self._state = _GenState(self.id)
+        self._sent = False
+        self._finished = False
+        client._open(self.id)
+
+    def _chunk(self, item) -> Chunk:
+        try:
+            chunk = self._state.feed(item)
+        except BaseException:
+            self.close()
+            raise
+        if self._state.final is not None:
+            self.close()
+        return chunk
+
+    def _completion(self) -> Completion:
+        if self._state.final is None:
+            raise RuntimeError("the stream was closed before it ended")
+        return self._state.completion()
+
+    def close(self):
+        if self._finished:
+            return
+        self._finished = True
+        self._client._forget(self.id)
+        if self._sent and not self._state.ended:
+            self._client._cancel_nowait(self.id)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------- sync client
+
+
+class Stream(_StreamCore):
+    """Iterator of Chunks for one generate (returned by `Client.stream`).  The request is
+    sent when the Stream is created.  Closing it (close(), `with`, garbage collection) before
+    the final chunk sends a cancel; the request's remaining messages are discarded."""
+
+    def __init__(self, client: "Client", body: dict, timeout: float):
+        super().__init__(client, body, timeout)
+        try:
+            client._send(body)
+        except BaseException:
+            self.close()            # not sent: nothing to cancel
+            raise
+        self._sent = True
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        if self._finished:
+            raise StopIteration
+        try:
+            item = self._client._next(self.id, self._timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self._chunk(item)
+
+    def completion(self) -> Completion:
+        """Consume the rest of the stream and return the whole answer."""
+        for _ in self:
+            pass
+        return self._completion()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Client(_ClientCore):
+    """Synchronous client: one ZeroMQ context and DEALER socket.  NOT thread-safe.
+
+    addr: "tcp://host:port" or "ipc:///path".  timeout: seconds to wait for the next
+    message of a request (and for a send to be accepted).  curve: None, the server's
+    public key (an ephemeral client key pair is made), or (server_public, client_public,
+    client_secret), Z85 text or bytes.
+    """
+
+    # -- I/O
 
     def _send(self, body):
         self._check_open()
@@ -507,38 +489,26 @@ class Client:
         try:
             self._sock.send_multipart(frames)
         except zmq.Again:
-            raise ColibriTimeout(f"send not accepted within {self.timeout:g} s", code="timeout",
-                                 request_id=body.get("id")) from None
+            raise _timeout_error("send not accepted", self.timeout, body.get("id")) from None
 
     def _cancel_nowait(self, rid):
         if self._closed:
             return
         try:
-            self._sock.send_multipart(_encode({"type": "cancel", "id": rid}), flags=zmq.NOBLOCK)
+            self._sock.send_multipart(_encode(_cancel_body(rid)), flags=zmq.NOBLOCK)
         except (zmq.ZMQError, ColibriError):
             pass
-
-    def _dispatch(self, parts):
-        rid, body = _decode(parts)
-        if rid is None:                       # unattributable: every waiter fails
-            for q in self._pending.values():
-                q.append(body)
-            return
-        q = self._pending.get(rid) if rid is not False else None
-        if q is not None:
-            q.append(body)
-        # else: a message for an id nobody awaits (finished, timed out, closed): discarded
 
     def _next(self, rid, timeout):
         """The next queued item for rid, receiving (and routing) until one is there."""
         self._check_open()
-        q = self._pending[rid]
-        timeout = self.timeout if timeout is None else timeout
+        q = self._queues[rid]
+        timeout = self._timeout_for(timeout)
         deadline = time.monotonic() + timeout
         while not q:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ColibriTimeout(f"no message within {timeout:g} s", code="timeout", request_id=rid)
+                raise _timeout_error("no message", timeout, rid)
             if self._sock.poll(_ms(remaining), zmq.POLLIN):
                 for _ in range(10_000):
                     try:
@@ -548,14 +518,10 @@ class Client:
                     self._dispatch(parts)
         return q.popleft()
 
-    def _call(self, body, timeout):
-        rid = body["id"]
-        self._pending[rid] = deque()
-        try:
-            self._send(body)
-            return _result_body(self._next(rid, timeout), rid)
-        finally:
-            self._pending.pop(rid, None)
+    def _call(self, req: _Request, timeout):
+        with self._awaiting(req.id):
+            self._send(req.body)
+            return req.result(self._next(req.id, timeout))
 
     # -- API
 
@@ -567,9 +533,7 @@ class Client:
         ignore_eos, deadline_ms (see protocol).  Raises the ColibriError subclass of an
         error answer; ColibriTimeout (after sending a cancel) if no message arrives in time.
         """
-        self._check_open()
-        body = _generate_body(self._ids(), prompt, max_tokens, temperature, params)
-        return Stream(self, body, self.timeout if timeout is None else timeout)
+        return Stream(self, self._generate(prompt, max_tokens, temperature, params), self._timeout_for(timeout))
 
     def generate(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
                  timeout: Optional[float] = None, **params) -> Completion:
@@ -578,34 +542,26 @@ class Client:
             return s.completion()
 
     def tokenize(self, text: str, add_special_tokens: bool = True, *, timeout=None) -> list:
-        rid = self._ids()
-        r = self._call({"type": "tokenize", "id": rid, "text": text,
-                        "add_special_tokens": add_special_tokens}, timeout)
-        return _tokenize_result(r, rid)
+        return self._call(self._tokenize(text, add_special_tokens), timeout)
 
     def detokenize(self, ids: Sequence[int], *, timeout=None) -> str:
-        rid = self._ids()
-        r = self._call({"type": "detokenize", "id": rid, "ids": [int(t) for t in ids]}, timeout)
-        return _detokenize_result(r, rid)
+        return self._call(self._detokenize(ids), timeout)
 
     def health(self, *, timeout=None) -> dict:
-        return self._call({"type": "health", "id": self._ids()}, timeout)
+        return self._call(self._query("health"), timeout)
 
     def stats(self, *, timeout=None) -> dict:
-        return self._call({"type": "stats", "id": self._ids()}, timeout)
+        return self._call(self._query("stats"), timeout)
 
     def cancel(self, request_id):
         """Ask the server to cancel a request of this client (e.g. `stream.id`).  Does not
         wait: the request itself ends (done with finish_reason "cancelled", or an error)."""
-        self._send({"type": "cancel", "id": request_id})
+        self._send(_cancel_body(request_id))
 
     def close(self):
-        if self._closed:
-            return
-        self._closed = True
-        self._pending.clear()
-        self._sock.close(linger=0)
-        self._ctx.term()
+        if self._mark_closed():
+            self._sock.close(linger=0)
+            self._ctx.term()
 
     def __enter__(self):
         return self
@@ -623,20 +579,14 @@ class Client:
 # ---------------------------------------------------------------------------- async client
 
 
-class AsyncStream:
+class AsyncStream(_StreamCore):
     """Async iterator of Chunks for one generate (returned by `AsyncClient.stream`).  The
     request is sent on the first `__anext__`.  Closing it early (aclose(), `async with`,
     garbage collection after a `break`) or cancelling the task that awaits it sends a cancel."""
 
     def __init__(self, client: "AsyncClient", body: dict, timeout: float):
-        self._client = client
         self._frames = _encode(body)    # too large -> TooLarge now, from stream()
-        self.id = body["id"]
-        self._timeout = timeout
-        self._state = _GenState(self.id)
-        self._sent = False
-        self._finished = False
-        client._queues[self.id] = asyncio.Queue()
+        super().__init__(client, body, timeout)
 
     def __aiter__(self):
         return self
@@ -649,28 +599,15 @@ class AsyncStream:
                 self._sent = True
                 await self._client._send_frames(self._frames, self.id)
             item = await self._client._next(self.id, self._timeout)
-            chunk = self._state.feed(item)
         except BaseException:       # including asyncio.CancelledError: cancel on the server
             self.close()
             raise
-        if self._state.final is not None:
-            self.close()
-        return chunk
+        return self._chunk(item)
 
     async def completion(self) -> Completion:
         async for _ in self:
             pass
-        if self._state.final is None:
-            raise RuntimeError("the stream was closed before it ended")
-        return self._state.completion()
-
-    def close(self):
-        if self._finished:
-            return
-        self._finished = True
-        self._client._queues.pop(self.id, None)
-        if self._sent and not self._state.ended:
-            self._client._cancel_nowait(self.id)
+        return self._completion()
 
     async def aclose(self):
         self.close()
@@ -681,40 +618,17 @@ class AsyncStream:
     async def __aexit__(self, *exc):
         self.close()
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
-
-class AsyncClient:
+class AsyncClient(_ClientCore):
     """asyncio client: one zmq.asyncio context and DEALER socket, shared by any number of
     tasks of one event loop.  A background task receives every message and routes it by
     request id to a per-request queue.  Same arguments as `Client`."""
 
-    def __init__(self, addr: str, *, timeout: float = 60.0, curve=None):
-        self.addr = addr
-        self.timeout = float(timeout)
-        self._ids = _Ids()
-        self._queues: dict = {}
-        self._reader: Optional[asyncio.Task] = None
-        self._closed = True
-        self._ctx = zmq.asyncio.Context()
-        try:
-            self._sock = self._ctx.socket(zmq.DEALER)
-            _apply_options(self._sock, self.timeout, curve)
-            self._sock.connect(addr)
-        except BaseException:
-            self._ctx.destroy(linger=0)
-            raise
-        self._closed = False
+    _context = zmq.asyncio.Context
+    _new_queue = asyncio.Queue
+    _reader: Optional[asyncio.Task] = None      # the receiving task, started by the first send
 
-    # -- plumbing
-
-    def _check_open(self):
-        if self._closed:
-            raise RuntimeError("the client is closed")
+    # -- I/O
 
     def _ensure_reader(self):
         if self._reader is None or self._reader.done():
@@ -730,20 +644,6 @@ class AsyncClient:
         except Exception as e:      # socket closed or broken: nobody will be answered
             self._fail_all(_internal(f"receive failed: {e!r}"))
 
-    def _fail_all(self, exc):
-        for q in self._queues.values():
-            q.put_nowait(_Failure(exc))
-
-    def _dispatch(self, parts):
-        rid, body = _decode(parts)
-        if rid is None:
-            for q in self._queues.values():
-                q.put_nowait(body)
-            return
-        q = self._queues.get(rid) if rid is not False else None
-        if q is not None:
-            q.put_nowait(body)
-
     async def _send(self, body):
         await self._send_frames(_encode(body), body.get("id"))
 
@@ -753,8 +653,7 @@ class AsyncClient:
         try:
             await self._sock.send_multipart(frames)
         except zmq.Again:
-            raise ColibriTimeout(f"send not accepted within {self.timeout:g} s", code="timeout",
-                                 request_id=rid) from None
+            raise _timeout_error("send not accepted", self.timeout, rid) from None
 
     def _cancel_nowait(self, rid):
         """Best-effort cancel that never blocks or awaits (usable while being cancelled and
@@ -766,7 +665,7 @@ class AsyncClient:
         except RuntimeError:
             return
         try:
-            f = self._sock.send_multipart(_encode({"type": "cancel", "id": rid}), flags=zmq.DONTWAIT)
+            f = self._sock.send_multipart(_encode(_cancel_body(rid)), flags=zmq.DONTWAIT)
             f.add_done_callback(lambda f: f.cancelled() or f.exception())   # never "unretrieved"
         except Exception:
             pass
@@ -774,31 +673,25 @@ class AsyncClient:
     async def _next(self, rid, timeout):
         self._check_open()
         q = self._queues[rid]
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self._timeout_for(timeout)
         if not q.empty():
             return q.get_nowait()
         try:
             return await asyncio.wait_for(q.get(), timeout)
         except asyncio.TimeoutError:
-            raise ColibriTimeout(f"no message within {timeout:g} s", code="timeout", request_id=rid) from None
+            raise _timeout_error("no message", timeout, rid) from None
 
-    async def _call(self, body, timeout):
-        rid = body["id"]
-        self._queues[rid] = asyncio.Queue()
-        try:
-            await self._send(body)
-            return _result_body(await self._next(rid, timeout), rid)
-        finally:
-            self._queues.pop(rid, None)
+    async def _call(self, req: _Request, timeout):
+        with self._awaiting(req.id):
+            await self._send(req.body)
+            return req.result(await self._next(req.id, timeout))
 
     # -- API
 
     def stream(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
                timeout: Optional[float] = None, **params) -> AsyncStream:
         """`async for chunk in client.stream(...)`; see Client.stream."""
-        self._check_open()
-        body = _generate_body(self._ids(), prompt, max_tokens, temperature, params)
-        return AsyncStream(self, body, self.timeout if timeout is None else timeout)
+        return AsyncStream(self, self._generate(prompt, max_tokens, temperature, params), self._timeout_for(timeout))
 
     async def generate(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
                        timeout: Optional[float] = None, **params) -> Completion:
@@ -806,31 +699,23 @@ class AsyncClient:
             return await s.completion()
 
     async def tokenize(self, text: str, add_special_tokens: bool = True, *, timeout=None) -> list:
-        rid = self._ids()
-        r = await self._call({"type": "tokenize", "id": rid, "text": text,
-                              "add_special_tokens": add_special_tokens}, timeout)
-        return _tokenize_result(r, rid)
+        return await self._call(self._tokenize(text, add_special_tokens), timeout)
 
     async def detokenize(self, ids: Sequence[int], *, timeout=None) -> str:
-        rid = self._ids()
-        r = await self._call({"type": "detokenize", "id": rid, "ids": [int(t) for t in ids]}, timeout)
-        return _detokenize_result(r, rid)
+        return await self._call(self._detokenize(ids), timeout)
 
     async def health(self, *, timeout=None) -> dict:
-        return await self._call({"type": "health", "id": self._ids()}, timeout)
+        return await self._call(self._query("health"), timeout)
 
     async def stats(self, *, timeout=None) -> dict:
-        return await self._call({"type": "stats", "id": self._ids()}, timeout)
+        return await self._call(self._query("stats"), timeout)
 
     async def cancel(self, request_id):
-        await self._send({"type": "cancel", "id": request_id})
+        await self._send(_cancel_body(request_id))
 
     async def close(self):
-        if self._closed:
+        if not self._mark_closed():
             return
-        self._closed = True
-        self._fail_all(_internal("the client was closed"))
-        self._queues.clear()
         if self._reader is not None:
             self._reader.cancel()
             try:

@@ -20,7 +20,6 @@ import random
 import select
 import signal
 import socket
-import sys
 import time
 
 import msgpack

@@ -325,13 +325,16 @@ class Router:
         except ValueError:
             pass
 
-    def cancel(self, r, code, message):
-        """End a request now with an error; a running one is cancelled on its worker too."""
+    def _stop_on_worker(self, r):
         if r.state == "running" and r.worker in self.workers:
             try:
                 self.back.send_multipart([r.worker, b"CANCEL", P.pack({"rid": r.rid})], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+
+    def cancel(self, r, code, message):
+        """End a request now with an error; a running one is cancelled on its worker too."""
+        self._stop_on_worker(r)
         self._end(r)
         self.error(r.client, r.cid, code, message)
 
@@ -340,11 +343,7 @@ class Router:
             if c == client:
                 r = self.reqs[rid]
                 self.counters["client_gone"] += 1
-                if r.state == "running" and r.worker in self.workers:
-                    try:
-                        self.back.send_multipart([r.worker, b"CANCEL", P.pack({"rid": r.rid})], zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
+                self._stop_on_worker(r)
                 self._end(r)
 
     def tick(self, now):
@@ -438,6 +437,8 @@ class Router:
         w = self.workers.pop(ident, None) if ident is not None else None
         if w is None:
             return
+        if w.state != "draining":
+            self.counters["worker_restarts"] += 1       # died or was killed, not a drained exit
         for rid in list(w.running):
             r = self.reqs.get(rid)
             if r is None:

@@ -9,9 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
-import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model.convert import ConvertError, convert, index_checkpoint
 from synth_checkpoint import write_checkpoint

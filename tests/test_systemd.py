@@ -1,7 +1,6 @@
 """systemd integration: the units verify cleanly; the master's sd_notify sequence."""
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
 import signal

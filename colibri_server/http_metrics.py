@@ -1,0 +1,120 @@
+"""Prometheus metrics of the HTTP gateway (`colibri_server.http`, served at /metrics).
+
+Each gateway process has its own registry (not prometheus_client's global one).
+Request counters, the in-flight gauge, token counters and latency histograms count the
+requests of THAT process only: with gunicorn `workers > 1` a scrape sees one process at random,
+so run one gateway process with more threads (the default: workers=1, threads=8) or scrape
+each process separately.  The `colibri_*` families (queue, in flight, workers, memory per
+worker pid, server counters, model generation) come from the server's `stats`, fetched at
+scrape time; `colibri_up` is 0 when that failed.
+"""
+from __future__ import annotations
+
+import logging
+
+from .http_openai import _is_num
+
+log = logging.getLogger("colibri.http")
+
+# ---------------------------------------------------------------------------- metrics
+
+
+class _ServerCollector:
+    """colibri_* families from the server's `stats`, fetched at scrape time."""
+
+    def __init__(self, gw):   # a colibri_server.http.Gateway
+        self.gw = gw
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        up = GaugeMetricFamily("colibri_up", "1 when the colibri server answered stats at this scrape")
+        try:
+            with self.gw._probe_client() as c:
+                st = c.stats()
+        except Exception as e:
+            log.info("metrics: stats failed: %s", e)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        self.gw._saw_generation(st.get("generation"), st.get("model"))
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value or 0))
+            return g
+        yield gauge("colibri_queue_depth", "requests queued at the router", st.get("queue"))
+        yield gauge("colibri_in_flight", "requests running on workers", st.get("in_flight"))
+        yield gauge("colibri_draining", "1 while the server drains before stopping", 1 if st.get("draining") else 0)
+        yield gauge("colibri_model_generation", "generation of the served model (+1 per reload)",
+                    st.get("generation"))
+        yield gauge("colibri_model_size_bytes", "size of the served model file", st.get("model_bytes"))
+        yield gauge("colibri_uptime_seconds", "router uptime", st.get("uptime_s"))
+        info = GaugeMetricFamily("colibri_model_info", "the served model file", labels=["path", "generation"])
+        info.add_metric([str(st.get("model", "")), str(st.get("generation", ""))], 1)
+        yield info
+        workers = [w for w in (st.get("workers") or []) if isinstance(w, dict)]
+        states = GaugeMetricFamily("colibri_workers", "worker processes by state", labels=["state"])
+        counts = {"ready": 0}
+        for w in workers:
+            counts[str(w.get("state"))] = counts.get(str(w.get("state")), 0) + 1
+        for s, n in sorted(counts.items()):
+            states.add_metric([s], n)
+        yield states
+        labels = ["pid", "wid", "generation"]
+        fams = {k: GaugeMetricFamily(f"colibri_worker_{k}_bytes", doc, labels=labels) for k, doc in (
+            ("rss", "worker resident set size"), ("uss", "worker unique set size (memory only it maps)"),
+            ("pss", "worker proportional set size (shared pages divided among sharers)"),
+            ("anon", "worker anonymous memory (smaps_rollup Anonymous)"))}
+        running = GaugeMetricFamily("colibri_worker_running", "sequences running on the worker", labels=labels)
+        served = CounterMetricFamily("colibri_worker_served", "requests the worker has finished", labels=labels)
+        for w in workers:
+            lv = [str(w.get("pid")), str(w.get("wid")), str(w.get("generation"))]
+            for k, fam in fams.items():
+                fam.add_metric(lv, float(w.get(k) or 0))
+            running.add_metric(lv, float(w.get("running") or 0))
+            served.add_metric(lv, float(w.get("served") or 0))
+        yield from fams.values()
+        yield running
+        yield served
+        router = st.get("router") or {}
+        if isinstance(router, dict):
+            yield gauge("colibri_router_rss_bytes", "router resident set size", router.get("rss"))
+        counters = st.get("counters") or {}
+        if isinstance(counters, dict):
+            ev = CounterMetricFamily("colibri_server_events", "the router's event counters (requests, done, "
+                                     "error:<code>, client_gone, retries, worker_lost, ...)", labels=["event"])
+            for k, v in sorted(counters.items()):
+                if _is_num(v):
+                    ev.add_metric([str(k)], float(v))
+            yield ev
+            restarts = next((counters[k] for k in ("worker_restarts", "restarts", "respawns", "worker_respawns")
+                             if _is_num(counters.get(k))), None)
+            if restarts is not None:
+                yield CounterMetricFamily("colibri_worker_restarts", "workers replaced after dying", value=restarts)
+
+
+class _Metrics:
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("colibri_http_requests", "HTTP requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.in_flight = Gauge("colibri_http_requests_in_flight", "HTTP requests being answered", registry=r)
+        self.duration = Histogram("colibri_http_request_duration_seconds", "HTTP request duration (streams "
+                                  "included, until their last event)", ["endpoint"], registry=r,
+                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.prompt_tokens = Counter("colibri_http_prompt_tokens", "prompt tokens of finished generations",
+                                     registry=r)
+        self.completion_tokens = Counter("colibri_http_completion_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("colibri_http_time_to_first_token_seconds", "from sending a generate to its first "
+                              "token (queueing and prefill)", registry=r,
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.itl = Histogram("colibri_http_inter_token_latency_seconds", "time between consecutive streamed "
+                             "tokens", registry=r,
+                             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+

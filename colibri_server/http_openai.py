@@ -1,0 +1,435 @@
+"""The OpenAI side of the HTTP gateway (`colibri_server.http`): request validation, error
+mapping and the shapes of WSGI answers (JSON bodies, server-sent events).
+
+Sampling fields (completions and chat): max_tokens (chat: also max_completion_tokens; default
+16 for completions as in OpenAI, `default_max_tokens` for chat), temperature in [0, 2]
+(default 1, as in OpenAI: pass 0 for greedy), top_p in [0, 1] (0 means greedy: it is sent as
+top_k=1), seed >= 0, stop (str or list), stream, stream_options.include_usage, and the
+extensions top_k (0 or -1: off), min_p, repetition_penalty, stop_token_ids, ignore_eos.
+Accepted only at their neutral value (anything else is a 400 naming the field): n=1,
+best_of=1, echo=false, logprobs=null/false, top_logprobs=null/0, suffix=null, logit_bias={}
+and tools/functions empty.  Unknown fields are refused (400, "unknown_parameter"), as OpenAI does.
+
+Penalties: frequency_penalty and presence_penalty are accepted only as 0.  The engine has a
+multiplicative `repetition_penalty` (CTRL-style, on every token already in the prompt or the
+completion) and no additive count-based penalty; mapping one onto the other would silently
+change what a client asked for, so it is exposed under its own name (as vLLM does) instead.
+
+Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
+JSON, field types or values (param names the field) and for an unknown model, 401, 404, 405,
+413 for bodies over `max_body` (1 MiB), and colibri error codes map to: bad_request and
+too_large -> 400 (too_large on the prompt: code "context_length_exceeded"), overloaded -> 429
+with Retry-After (the queue is full: retry later), deadline_exceeded and timeout -> 504,
+shutting_down and cancelled -> 503, worker_lost -> 502, internal -> 500.  Once a stream has
+started (HTTP 200 sent), an error arrives as a last event `data: {"error": {...}}` followed by
+`data: [DONE]` (the openai package raises it as APIError).  No traceback reaches a client.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from typing import Any, Callable, Iterator, Optional
+
+from .client import ColibriError
+
+log = logging.getLogger("colibri.http")
+
+# ---------------------------------------------------------------------------- errors
+
+
+class HTTPError(Exception):
+    """An answer other than 200, with an OpenAI-style body.  `outcome` labels the metrics."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None, headers=(), outcome: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 and status != 429 else
+                             "rate_limit_error" if status == 429 else "server_error")
+        self.headers = list(headers)
+        self.outcome = outcome or code or str(status)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(message, param=None, code="invalid_value"):
+    return HTTPError(400, message, param=param, code=code, outcome="bad_request")
+
+
+# colibri error code -> HTTP status (the OpenAI "code" and the metrics outcome are the colibri code)
+_COLIBRI_STATUS = {
+    "bad_request": 400, "too_large": 400, "overloaded": 429, "deadline_exceeded": 504, "timeout": 504,
+    "shutting_down": 503, "cancelled": 503, "worker_lost": 502, "internal": 500,
+    # the gateway's own bugs if they ever happen
+    "unsupported_version": 500, "unknown_type": 500, "duplicate_id": 500, "not_found": 500,
+}
+
+
+def _param_of(message: str, prompt_param: str) -> Optional[str]:
+    """The request field a colibri error message is about (the router names its fields)."""
+    m = re.search(r"field '([A-Za-z_]+)'", message)
+    if m:
+        name = m.group(1)
+        return prompt_param if name == "prompt" else name
+    for prefix, param in (("prompt", prompt_param), ("max_tokens", "max_tokens"), ("at most", "stop"),
+                          ("token id", prompt_param), ("this model has no tokenizer", prompt_param),
+                          ("request body", prompt_param)):
+        if message.startswith(prefix):
+            return param
+    return None
+
+
+def http_error_for(e: ColibriError, prompt_param: str = "prompt") -> HTTPError:
+    """A colibri error (server-side or client-side) -> the HTTP error the gateway answers."""
+    code = e.code or "internal"
+    status = _COLIBRI_STATUS.get(code, 502)
+    msg = e.message or code
+    param = _param_of(msg, prompt_param) if status == 400 else None
+    if code == "timeout":
+        msg = f"the colibri server did not answer in time ({msg})"
+    headers = [("Retry-After", "1")] if code in ("overloaded", "shutting_down") else []
+    oa_code = code
+    if code == "too_large" and param == prompt_param:
+        oa_code = "context_length_exceeded"
+    return HTTPError(status, msg, param=param, code=oa_code, headers=headers, outcome=code)
+
+
+# ---------------------------------------------------------------------------- request validation
+
+_NUM = (int, float)
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v):
+    return isinstance(v, _NUM) and not isinstance(v, bool)
+
+
+class _Fields:
+    """Typed access to a JSON request object; every failure names its field."""
+
+    def __init__(self, body: dict):
+        self.body = body
+
+    def get(self, name, default=None):
+        v = self.body.get(name)
+        return default if v is None else v
+
+    def int(self, name, default, lo=None, hi=None):
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not _is_int(v):
+            raise _bad(f"'{name}' must be an integer", name, "invalid_type")
+        if lo is not None and v < lo:
+            raise _bad(f"'{name}' must be >= {lo} (got {v})", name)
+        if hi is not None and v > hi:
+            raise _bad(f"'{name}' must be <= {hi} (got {v})", name)
+        return v
+
+    def num(self, name, default, lo=None, hi=None, lo_open=False):
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if not _is_num(v):
+            raise _bad(f"'{name}' must be a number", name, "invalid_type")
+        v = float(v)
+        if not math.isfinite(v):
+            raise _bad(f"'{name}' must be finite", name)
+        if lo is not None and (v < lo or (lo_open and v == lo)):
+            raise _bad(f"'{name}' must be {'>' if lo_open else '>='} {lo:g} (got {v:g})", name)
+        if hi is not None and v > hi:
+            raise _bad(f"'{name}' must be <= {hi:g} (got {v:g})", name)
+        return v
+
+    def bool(self, name, default):
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise _bad(f"'{name}' must be a boolean", name, "invalid_type")
+        return v
+
+    def str(self, name, default=None):
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise _bad(f"'{name}' must be a string", name, "invalid_type")
+        return v
+
+    def neutral(self, name, allowed, what):
+        """A field supported only at its neutral value(s)."""
+        v = self.body.get(name)
+        if v is None or any(v == a and type(v) is type(a) for a in allowed):
+            return
+        if _is_num(v) and any(_is_num(a) and v == a for a in allowed):
+            return
+        raise _bad(f"'{name}' is not supported by this server ({what})", name, "unsupported_parameter")
+
+
+_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+                  "stream_options", "n", "best_of", "logprobs", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty", "logit_bias", "user", "stop_token_ids", "ignore_eos"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                                 "tool_choice", "functions", "function_call", "parallel_tool_calls", "store",
+                                 "metadata", "service_tier", "modalities", "add_generation_prompt"}
+
+
+def _check_known(body, known):
+    for k in body:
+        if k not in known:
+            raise _bad(f"unrecognized request argument supplied: {str(k)[:60]!r}", str(k)[:60], "unknown_parameter")
+
+
+def _sampling(f: _Fields, max_tokens_default: int, chat: bool) -> dict:
+    """The OpenAI sampling fields -> Client.stream keyword arguments."""
+    max_tokens = f.int("max_tokens", None, lo=1)
+    if chat:
+        mct = f.int("max_completion_tokens", None, lo=1)
+        if mct is not None:
+            if max_tokens is not None and max_tokens != mct:
+                raise _bad("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+            max_tokens = mct
+    p = {"max_tokens": max_tokens_default if max_tokens is None else max_tokens,
+         "temperature": f.num("temperature", 1.0, 0.0, 2.0)}
+    top_p = f.num("top_p", 1.0, 0.0, 1.0)
+    top_k = f.int("top_k", 0, lo=-1)
+    if top_k == -1:
+        top_k = 0
+    if top_p == 0.0:          # nucleus of probability 0: the most likely token only
+        top_p, top_k = 1.0, 1
+    p["top_p"], p["top_k"] = top_p, top_k
+    p["min_p"] = f.num("min_p", 0.0, 0.0, 1.0)
+    p["repetition_penalty"] = f.num("repetition_penalty", 1.0, 0.0, 100.0, lo_open=True)
+    p["seed"] = f.int("seed", None, lo=0, hi=(1 << 63) - 1)
+    stop = f.body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if any(not s for s in stop):
+        raise _bad("'stop' strings must not be empty", "stop")
+    p["stop"] = stop
+    sids = f.body.get("stop_token_ids")
+    if sids is not None:
+        if not isinstance(sids, list) or not all(_is_int(t) and t >= 0 for t in sids):
+            raise _bad("'stop_token_ids' must be a list of token ids (integers >= 0)", "stop_token_ids",
+                       "invalid_type")
+        p["stop_token_ids"] = sids
+    if f.bool("ignore_eos", False):
+        p["ignore_eos"] = True
+    f.neutral("n", [1], "n must be 1: one choice per request")
+    f.neutral("best_of", [1], "best_of must be 1")
+    for name in ("frequency_penalty", "presence_penalty"):
+        f.num(name, 0.0, -2.0, 2.0)
+        f.neutral(name, [0], "only 0; use the extension 'repetition_penalty' (multiplicative, > 1 penalises)")
+    lb = f.body.get("logit_bias")
+    if lb is not None and lb != {}:
+        raise _bad("'logit_bias' is not supported by this server", "logit_bias", "unsupported_parameter")
+    f.str("user")
+    return p
+
+
+def _stream_options(f: _Fields, stream: bool) -> bool:
+    so = f.body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
+    if not stream:
+        raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    for k in so:
+        if k not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
+            raise _bad(f"unrecognized stream option {str(k)[:40]!r}", "stream_options", "unknown_parameter")
+    v = so.get("include_usage")
+    if v is not None and not isinstance(v, bool):
+        raise _bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage",
+                   "invalid_type")
+    return bool(v)
+
+
+def _completion_prompt(body):
+    if "prompt" not in body or body["prompt"] is None:
+        raise _bad("'prompt' is required", "prompt", "missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]            # a batch of one prompt
+    if isinstance(p, str):
+        if not p:
+            raise _bad("'prompt' is empty", "prompt")
+        return p
+    if isinstance(p, list):
+        if not p:
+            raise _bad("'prompt' is an empty list", "prompt")
+        if all(isinstance(x, (str, list)) for x in p):
+            raise _bad("batched prompts are not supported: send one prompt per request", "prompt",
+                       "unsupported_parameter")
+        for i, t in enumerate(p):
+            if not _is_int(t) or t < 0:
+                raise _bad(f"'prompt[{i}]' is not a token id (an integer >= 0)", "prompt", "invalid_type")
+        return p
+    raise _bad("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_MESSAGE_KEYS = {"role", "content", "name", "tool_call_id", "tool_calls", "refusal", "function_call"}
+
+
+def _chat_messages(body) -> list:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise _bad("'messages' is required", "messages", "missing_required_parameter")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("'messages' must be a non-empty list of messages", "messages", "invalid_type")
+    out = []
+    for i, m in enumerate(msgs):
+        at = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"'{at}' must be an object", at, "invalid_type")
+        for k in m:
+            if k not in _MESSAGE_KEYS:
+                raise _bad(f"'{at}' has an unrecognized field {str(k)[:40]!r}", f"{at}.{str(k)[:40]}",
+                           "unknown_parameter")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise _bad(f"'{at}.role' must be one of {', '.join(sorted(_ROLES))}", f"{at}.role")
+        content = m.get("content")
+        if content is None:
+            if role != "assistant":
+                raise _bad(f"'{at}.content' is required", f"{at}.content", "missing_required_parameter")
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                pat = f"{at}.content[{j}]"
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad(f"'{pat}' must be {{\"type\": \"text\", \"text\": str}} (only text is supported)",
+                               pat, "invalid_type")
+                parts.append(part["text"])
+            content = "\n".join(parts)
+        elif not isinstance(content, str):
+            raise _bad(f"'{at}.content' must be a string or a list of text parts", f"{at}.content", "invalid_type")
+        if m.get("tool_calls"):
+            raise _bad(f"'{at}.tool_calls' is not supported by this server", f"{at}.tool_calls",
+                       "unsupported_parameter")
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        for k in ("name", "tool_call_id"):
+            v = m.get(k)
+            if v is not None:
+                if not isinstance(v, str):
+                    raise _bad(f"'{at}.{k}' must be a string", f"{at}.{k}", "invalid_type")
+                msg[k] = v
+        out.append(msg)
+    return out
+
+
+def _chat_unsupported(f: _Fields):
+    for name in ("tools", "functions"):
+        v = f.body.get(name)
+        if v is not None and v != []:
+            raise _bad(f"'{name}' (tool calling) is not supported by this server", name, "unsupported_parameter")
+    tc = f.body.get("tool_choice")
+    if tc is not None and tc not in ("none", "auto"):
+        raise _bad("'tool_choice' must be 'none' or 'auto' (tool calling is not supported)", "tool_choice",
+                   "unsupported_parameter")
+    fc = f.body.get("function_call")
+    if fc is not None and fc not in ("none", "auto"):
+        raise _bad("'function_call' is not supported by this server", "function_call", "unsupported_parameter")
+    rf = f.body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise _bad("'response_format' must be {\"type\": \"text\"} (structured output is not supported)",
+                   "response_format", "unsupported_parameter")
+    mod = f.body.get("modalities")
+    if mod is not None and mod != ["text"]:
+        raise _bad("'modalities' must be [\"text\"]", "modalities", "unsupported_parameter")
+    lp = f.body.get("logprobs")
+    if lp is not None and lp is not False:
+        raise _bad("'logprobs' is not supported by this server", "logprobs", "unsupported_parameter")
+    f.neutral("top_logprobs", [0], "logprobs are not supported")
+    for name in ("parallel_tool_calls", "store"):
+        f.bool(name, None)
+    f.str("service_tier")
+    md = f.body.get("metadata")
+    if md is not None and not isinstance(md, dict):
+        raise _bad("'metadata' must be an object", "metadata", "invalid_type")
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class _Resp:
+    def __init__(self, status=200, body: Any = b"", headers=(), outcome="ok", content_type="application/json"):
+        self.status, self.body, self.outcome = status, body, outcome
+        self.headers = [("Content-Type", content_type), *headers]
+
+
+def _json_bytes(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _json(obj, status=200, headers=()) -> _Resp:
+    return _Resp(status, _json_bytes(obj), headers)
+
+
+def _error_resp(e: HTTPError) -> _Resp:
+    return _Resp(e.status, _json_bytes(e.body()), e.headers, outcome=e.outcome)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + _json_bytes(obj) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class _StreamBody:
+    """The WSGI iterable of a streaming answer: `finish(outcome)` runs exactly once, when the
+    events are exhausted or the iterable is closed early (the client went away: "disconnected");
+    `cleanup` (closing the colibri stream: a cancel) runs even if iteration never started."""
+
+    def __init__(self, gen: Iterator[bytes], state: dict, cleanup: Callable[[], None],
+                 finish: Callable[[str], None]):
+        self._gen, self._state, self._cleanup, self._finish = gen, state, cleanup, finish
+        self._ended = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            return next(self._gen)
+        except StopIteration:
+            self._end()
+            raise
+        except BaseException:
+            self._state.setdefault("outcome", "internal")
+            self._end()
+            raise
+
+    def close(self):
+        try:
+            self._gen.close()
+        finally:
+            self._end()
+
+    def _end(self):
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            self._cleanup()
+        except Exception:
+            log.exception("closing a colibri stream failed")
+        self._finish(self._state.get("outcome", "disconnected"))
+
