@@ -47,6 +47,9 @@ __all__ = [
 ]
 
 Prompt = Union[str, Sequence[int]]
+# answers may be larger than requests (a tokenize of a long text: more ids than a request may carry)
+RESPONSE_MAX_BODY = 64 << 20
+RESPONSE_MAX_ARRAY = 1 << 24
 
 from .client_types import (  # noqa: F401  (re-exported: the public API lives here)
     ColibriError, BadRequest, UnsupportedVersion, UnknownType, TooLarge,
@@ -222,7 +225,7 @@ def _decode(parts):
         return None, _Failure(_internal(f"malformed server message ({len(parts)} frames, "
                                         f"first {head!r}; expected [{MAGIC!r}, body])"))
     try:
-        body = protocol.unpack(parts[1])
+        body = protocol.unpack(parts[1], max_body=RESPONSE_MAX_BODY, max_array=RESPONSE_MAX_ARRAY)
     except ProtocolError as e:
         return None, _Failure(_internal(f"malformed server message: {e.message}"))
     rid = body.get("id")

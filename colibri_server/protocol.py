@@ -96,13 +96,15 @@ def pack(body: dict) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def unpack(data: bytes, max_body: int = MAX_BODY) -> dict:
-    """Decode one body frame with hard limits; raise ProtocolError(bad_request|too_large)."""
+def unpack(data: bytes, max_body: int = MAX_BODY, max_array: int = MAX_ARRAY) -> dict:
+    """Decode one body frame with hard limits; raise ProtocolError(bad_request|too_large).
+    (A client reading answers passes larger limits: a tokenize answer may hold more ids
+    than a request may.)"""
     if len(data) > max_body:
         raise ProtocolError("too_large", f"body of {len(data)} bytes exceeds {max_body}")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_STR, max_bin_len=MAX_STR,
-                              max_array_len=MAX_ARRAY, max_map_len=MAX_MAP, max_ext_len=0,
+                              max_array_len=max_array, max_map_len=MAX_MAP, max_ext_len=0,
                               use_list=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError,
             UnicodeDecodeError) as e:
@@ -166,7 +168,10 @@ def _num(body, name, typ, default):
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and not isinstance(v, int)):
         raise ProtocolError("bad_request", f"field {name!r} must be {'an integer' if typ is int else 'a number'}")
     if typ is float:
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:
+            raise ProtocolError("bad_request", f"field {name!r} is out of range") from None
         if not math.isfinite(v):
             raise ProtocolError("bad_request", f"field {name!r} must be finite")
     return v
@@ -175,9 +180,9 @@ def _num(body, name, typ, default):
 def validate_generate(body: dict, limits: Limits) -> dict:
     """A generate body -> normalised request dict; raises ProtocolError naming the field."""
     known = {"type", "id", "prompt", "stop", "stop_token_ids", "stream", "deadline_ms"} | set(SAMPLING_FIELDS)
-    extra = sorted(set(body) - known)
+    extra = sorted((k for k in body if k not in known), key=repr)     # keys may be str or bytes
     if extra:
-        raise ProtocolError("bad_request", f"unknown field {str(extra[0])[:40]!r}")
+        raise ProtocolError("bad_request", f"unknown field {extra[0]!r:.40}")
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         if not prompt:

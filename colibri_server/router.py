@@ -28,6 +28,7 @@ from . import protocol as P
 log = logging.getLogger("colibri.router")
 
 MAX_ATTEMPTS = 3          # dispatches of one request (retries after a worker died before any token)
+MAX_TEXT_BYTES_PER_TOKEN = 16   # a text prompt longer than this x max_prompt_tokens is refused untokenized
 
 
 class Req:
@@ -195,12 +196,20 @@ class Router:
             getattr(self, "on_" + t)(client, cid, body)
         except P.ProtocolError as e:
             self.error(client, cid, e.code, e.message)
+        except Exception as e:      # a bug must cost one answer, never the router
+            log.exception("router: request %r (%s) failed", cid, t)
+            self.error(client, cid, "internal", f"{e.__class__.__name__}: {e}")
 
     def on_generate(self, client, cid, body):
         if self.draining:
             raise P.ProtocolError("shutting_down", "the server is stopping")
         req = P.validate_generate(body, self.limits)
         if isinstance(req["prompt"], str):
+            nbytes = len(req["prompt"].encode("utf-8", "surrogatepass"))
+            if nbytes > MAX_TEXT_BYTES_PER_TOKEN * self.limits.max_prompt_tokens:
+                # refuse before tokenizing: tokenizing megabytes would stall this loop for seconds
+                raise P.ProtocolError("too_large", f"prompt text of {nbytes} bytes cannot fit in max_prompt_tokens "
+                                                   f"{self.limits.max_prompt_tokens}")
             if self.tokenizer is None:
                 raise P.ProtocolError("bad_request", "this model has no tokenizer: send token ids")
             ids = self.tokenizer.encode(req["prompt"])
@@ -347,6 +356,8 @@ class Router:
                 self._end(r)
 
     def tick(self, now):
+        self._drain(self.back, self.on_backend)     # fresh heartbeats before judging silence
+        now = time.monotonic()
         for r in list(self.reqs.values()):
             if r.deadline is not None and now > r.deadline:
                 self.cancel(r, "deadline_exceeded", f"deadline of {r.request['deadline_ms']} ms passed "

@@ -138,7 +138,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small that 1/T overflows float32: its limit is the argmax."""
+        return self.temperature == 0.0 or not np.isfinite(np.float32(1.0 / self.temperature))
 
 
 # --------------------------------------------------------------------------
@@ -210,8 +211,9 @@ class Sampler:
         self.params = params
         self.vocab_size = int(vocab_size)
         self.rng = np.random.default_rng(params.seed)
-        self._greedy = params.temperature == 0.0
-        self._penalty = params.repetition_penalty
+        self._greedy = params.greedy
+        # a penalty below float32's range would become 0 (a division by zero): clamp it there
+        self._penalty = max(params.repetition_penalty, float(np.finfo(np.float32).tiny))
         k = params.top_k
         self._top_k = k if 0 < k < self.vocab_size else 0
         self._top_p = params.top_p
