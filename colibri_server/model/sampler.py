@@ -139,7 +139,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """Temperature 0, or one so small that 1/T overflows float32: its limit is the argmax."""
-        return self.temperature == 0.0 or not np.isfinite(np.float32(1.0 / self.temperature))
+        return self.temperature == 0.0 or 1.0 / self.temperature > float(np.finfo(np.float32).max)
 
 
 # --------------------------------------------------------------------------
