@@ -307,3 +307,51 @@ def test_repeated_crashes_back_off(server):
         s.wait_for(lambda: pid not in s.worker_pids(), what="death noticed")
     s.wait_for(lambda: "before respawning" in s.logs(), what="backoff logged")
     s.wait_for(lambda: len(s.worker_pids()) == 1, timeout=30, what="respawn after the backoff")
+
+
+def test_cli_generate_status_and_async_client(server):
+    import asyncio
+    import subprocess
+    import sys
+    from colibri_server.client import AsyncClient
+    s = server(workers=2)
+    r = subprocess.run([sys.executable, "-m", "colibri_server.cli", "generate", "--connect", s.addr, "--max-tokens", "6",
+                        "--ignore-eos", "def f(x):"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "[length; 6 tokens; worker" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "colibri_server.cli", "status", "--connect", s.addr],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "generation 1" in r.stdout and "their PSS sums to" in r.stdout
+    assert all(str(pid) in r.stdout for pid in s.worker_pids())
+
+    async def many():
+        async with AsyncClient(s.addr, timeout=60) as c:
+            return await asyncio.gather(*[c.generate(p, max_tokens=5, ignore_eos=True) for p in PROMPTS[:8]])
+    results = asyncio.run(many())
+    with s.client() as c:
+        for p, res in zip(PROMPTS[:8], results):
+            assert res.token_ids == c.generate(p, max_tokens=5, ignore_eos=True).token_ids
+
+
+def test_mlock_beyond_rlimit_fails_at_start_naming_the_limit(model_path, tmp_path):
+    import resource
+    import subprocess
+    import sys
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (4096, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
+    r = subprocess.run([sys.executable, "-m", "colibri_server.cli", "serve", "--model", model_path, "--mlock",
+                        "--bind", f"ipc://{tmp_path}/m.sock", "--runtime-dir", str(tmp_path / "rt")],
+                       capture_output=True, text=True, timeout=120, preexec_fn=low_limit)
+    assert r.returncode == 4 and "RLIMIT_MEMLOCK" in r.stderr and "LimitMEMLOCK" in r.stderr
+
+
+def test_mlock_and_populate_within_the_limit(server, model_path):
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    if soft != resource.RLIM_INFINITY and soft < os.path.getsize(model_path):
+        pytest.skip("RLIMIT_MEMLOCK below the test model's size")
+    s = server(workers=1, extra=("--mlock", "--populate"))
+    assert "locked in memory" in s.logs()
+    with s.client() as c:
+        assert c.generate(PROMPTS[2], max_tokens=2).usage["completion_tokens"] >= 1
