@@ -269,10 +269,12 @@ def format_status(st) -> str:
         out.append(f"{w['pid']:>8} {w['wid']:>4} {w['generation']:>4} {w['state']:13} {str(w['cores']):10} "
                    f"{w['running']:>4} {w['served']:>7} {mib(w['rss']):>11} {mib(w['uss']):>11} {mib(w['pss']):>11} "
                    f"{mib(w['anon_private']):>11}")
-    total_pss = sum(w["pss"] for w in st["workers"])
-    out.append(f"memory     {len(st['workers'])} workers map one copy of the {mib(st['model_bytes'])} model: "
-               f"their PSS sums to {mib(total_pss)}; each worker's own memory (USS) is "
-               f"{', '.join(mib(w['uss']) for w in st['workers'])}")
+    if "master" in st:
+        resident = st["master"]["model_pss"] + sum(w.get("model_pss", 0) for w in st["workers"])
+        out.append(f"weights    one copy: the {mib(st['model_bytes'])} model file's pages, shared by the master and "
+                   f"{len(st['workers'])} workers, add up to {mib(resident)} resident (PSS of the mapping)")
+    out.append(f"per worker own memory (USS) {', '.join(mib(w['uss']) for w in st['workers'])}; "
+               f"private anonymous {', '.join(mib(w['anon_private']) for w in st['workers'])}")
     if st.get("counters"):
         out.append("counters   " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
     return "\n".join(out)

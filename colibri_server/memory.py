@@ -44,6 +44,27 @@ def anon_private(pid) -> int:
     return total
 
 
+def file_mapping(pid, path) -> dict:
+    """{rss, pss} of this process's mappings of the file `path`: the weight pages it holds.
+    Summed over every process mapping the model, pss adds up to the pages resident once."""
+    rss = pss = 0
+    mine = False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                first = line.split(None, 1)[0]
+                if "-" in first and not first.endswith(":"):
+                    fields = line.split(None, 5)
+                    mine = len(fields) > 5 and fields[5].strip() == path
+                elif mine and first == "Rss:":
+                    rss += int(line.split()[1]) * 1024
+                elif mine and first == "Pss:":
+                    pss += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return {"rss": rss, "pss": pss}
+
+
 def process_memory(pid) -> dict:
     """{rss, uss, pss, anon, anon_private} in bytes (zeros for a process that is gone).
     anon is smaps_rollup's Anonymous (includes copy-on-write pages shared with the master)."""

@@ -274,17 +274,22 @@ class Router:
         self.reply(client, {"type": "result", "id": cid, **self.stats()})
 
     def stats(self) -> dict:
-        from .memory import process_memory
+        from .memory import file_mapping, process_memory
+        path = os.path.realpath(self.model_path)
         workers = []
         for w in sorted(self.workers.values(), key=lambda w: w.wid or 0):
+            fm = file_mapping(w.pid, path)
             workers.append({"pid": w.pid, "wid": w.wid, "generation": w.generation, "state": w.state,
                             "cores": w.cores, "slots": w.slots, "running": len(w.running), "served": w.served,
-                            "uptime_s": round(time.monotonic() - w.t_start, 1), **process_memory(w.pid)})
+                            "uptime_s": round(time.monotonic() - w.t_start, 1), **process_memory(w.pid),
+                            "model_rss": fm["rss"], "model_pss": fm["pss"]})
+        master = file_mapping(self.ppid, path)
         size = os.path.getsize(self.model_path) if os.path.exists(self.model_path) else 0
         return {"generation": self.generation, "model": self.model_path, "model_bytes": size,
                 "queue": len(self.queue), "in_flight": sum(len(w.running) for w in self.workers.values()),
                 "workers": workers, "counters": dict(self.counters), "draining": self.draining,
                 "router": {"pid": os.getpid(), **process_memory(os.getpid())},
+                "master": {"pid": self.ppid, "model_rss": master["rss"], "model_pss": master["pss"]},
                 "uptime_s": round(time.monotonic() - self.t_start, 1)}
 
     # -- scheduling ----------------------------------------------------------------------
