@@ -252,7 +252,8 @@ class Sampler:
             h = h[(h >= 0) & (h < self.vocab_size)]
         p = np.float32(self._penalty)
         vals = x[h]
-        x[h] = np.where(vals < 0, vals * p, vals / p)
+        with np.errstate(over="ignore"):         # a tiny penalty may push a logit to +inf: then it wins
+            x[h] = np.where(vals < 0, vals * p, vals / p)
 
     # -- main entry point ------------------------------------------------
 
