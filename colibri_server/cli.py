@@ -170,11 +170,13 @@ def cmd_convert(a):
     t0 = time.perf_counter()
     try:
         cfg = convert(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
-                      require_tokenizer=not a.no_tokenizer, progress=not a.quiet)
+                      require_tokenizer=not a.no_tokenizer, progress=not a.quiet, quantize=a.quantize,
+                      quantize_head=a.quantize_head)
     except ConvertError as e:
         _die(str(e))
     size = os.path.getsize(a.output)
-    print(f"wrote {a.output}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_experts} experts, {a.dtype}, "
+    print(f"wrote {a.output}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_experts} experts, {a.dtype}"
+          f"{'' if a.quantize == 'none' else ' + ' + a.quantize}, "
           f"{size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
 
@@ -322,6 +324,18 @@ def cmd_demo(a):
         print(f"\nserver stopped (exit {proc.returncode})", file=sys.stderr)
 
 
+def cmd_dequantize(a):
+    from .model.format import ColibriFormatError
+    from .model.quant import dequantize_file
+    if not os.path.exists(a.input):
+        _die(f"model file not found: {a.input}")
+    try:
+        dequantize_file(a.input, a.output, a.dtype)
+    except (ColibriFormatError, ValueError) as e:
+        _die(str(e))
+    print(f"wrote {a.output} ({a.dtype})", file=sys.stderr)
+
+
 # ---------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -418,7 +432,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--license")
     c.add_argument("--no-tokenizer", action="store_true", help="convert without tokenizer.json (token ids only)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--quantize", choices=("none", "q8", "q4"), default="none",
+                   help="group-quantize the attention projections, experts and output head (docs/format.md)")
+    c.add_argument("--quantize-head", choices=("none", "q8", "q4"), default=None,
+                   help="the output head's precision (default: q8 under q4, else as --quantize)")
     c.set_defaults(fn=cmd_convert)
+
+    dq = sub.add_parser("dequantize", help="write a float copy of a quantized .colibri file")
+    dq.add_argument("input")
+    dq.add_argument("output")
+    dq.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f16")
+    dq.set_defaults(fn=cmd_dequantize)
     return p
 
 

@@ -194,3 +194,21 @@ def test_convert_1gb_checkpoint_peak_memory(tmp_path):
     r = subprocess.run([sys.executable, bench, "--dir", str(tmp_path)], capture_output=True, text=True)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_cli_convert_quantize_and_dequantize(built, tmp_path):
+    b = built("mixtral")
+    q, dq = tmp_path / "q8.colibri", tmp_path / "dq.colibri"
+    r = subprocess.run([sys.executable, "-m", "colibri_server.cli", "convert", b.hf_dir, str(q), "--quantize", "q8",
+                        "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 0 and "+ q8" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "colibri_server.cli", "dequantize", str(q), str(dq), "--dtype", "f32"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    ref = Model.open(b.colibri("f32")).logits(PROMPT)
+    for path in (q, dq):
+        got = Model.open(path).logits(PROMPT)
+        assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()      # q8: group scales, small error
+    r = subprocess.run([sys.executable, "-m", "colibri_server.cli", "dequantize", str(tmp_path / "nope"), str(dq)],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "model file not found" in r.stderr

@@ -14,6 +14,12 @@ ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 QK_NORMS = ("none", "head", "full")   # head: RMSNorm over head_dim per head (Qwen3); full: over H*hd (OLMoE)
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")   # dynamic NTK and longrope change with length: not supported
 FLOAT_DTYPES = ("f32", "f16", "bf16")
+QUANTS = ("none", "q8", "q4")          # group-quantized matrices (quant.py): values i8 / u4 + f16 scales
+QUANT_VALUE_DTYPE = {"q8": "i8", "q4": "u4"}
+# the matrices a `quant` applies to (key = name without the "blk.N." prefix); the router gate,
+# norms, biases and the token embedding are never quantized
+QUANTIZABLE = ("attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+               "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate", "ffn_up", "ffn_down", "output")
 
 
 class ConfigError(ValueError):
@@ -52,9 +58,18 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int = -1
     eos_token_ids: tuple = ()
-    dtype: str = "f32"               # storage dtype of the big matrices
+    dtype: str = "f32"               # storage dtype of the big matrices (those not quantized)
+    quant: str = "none"              # none | q8 | q4: quantization of the QUANTIZABLE matrices
+    quant_group: int = 32            # G: rows of a matrix that share one scale per column
+    quant_overrides: dict = field(default_factory=dict)  # matrix key -> none|q8|q4, overriding `quant`
 
     # -- derived ----------------------------------------------------------------
+    def quant_of(self, key: str) -> str:
+        """none | q8 | q4 for a matrix key (name without the "blk.N." prefix)."""
+        if key not in QUANTIZABLE:
+            return "none"
+        return self.quant_overrides.get(key, self.quant)
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
@@ -121,6 +136,15 @@ class ModelConfig:
         need(self.sliding_window >= 0, "sliding_window", "must be >= 0")
         need(self.dtype in FLOAT_DTYPES, "dtype", f"{self.dtype!r} is not one of {FLOAT_DTYPES}")
         _check_rope(self, need)
+        need(self.quant in QUANTS, "quant", f"{self.quant!r} is not one of {QUANTS}")
+        need(self.quant_group in (8, 16, 32, 64, 128), "quant_group", f"{self.quant_group} is not 8, 16, 32, 64 or 128")
+        for k, v in self.quant_overrides.items():
+            need(k in QUANTIZABLE, "quant_overrides", f"{k!r} is not a quantizable matrix {QUANTIZABLE}")
+            need(v in QUANTS, "quant_overrides", f"{k}: {v!r} is not one of {QUANTS}")
+        for name, shape, _ in (_expected_plain(self) if self.quant != "none" or self.quant_overrides else ()):
+            q = self.quant_of(name.split(".", 2)[-1])
+            need(quant_fits(self, q, shape), "quant",
+                 f"{name} {list(shape)} cannot be stored as {q} (group {self.quant_group}): override it to none")
         need(-1 <= self.bos_token_id < self.vocab_size, "bos_token_id", "outside the vocabulary")
         need(all(0 <= e < self.vocab_size for e in self.eos_token_ids), "eos_token_ids", "outside the vocabulary")
 
@@ -196,6 +220,24 @@ def expected_tensors(cfg: ModelConfig):
     """Yield (name, shape, allowed dtypes) for every tensor a file of this config holds.
     Norms, biases and router gates are always f32 (routing is precision sensitive);
     the big matrices are in cfg.dtype."""
+    for name, shape, dtypes in _expected_plain(cfg):
+        key = name.split(".", 2)[-1]
+        q = cfg.quant_of(key)
+        if q == "none":
+            yield name, shape, dtypes
+            continue
+        # values (logical shape) and per-(row group, column) f16 scales `<name>.s`
+        yield name, shape, (QUANT_VALUE_DTYPE[q],)
+        yield name + ".s", (*shape[:-2], shape[-2] // cfg.quant_group, shape[-1]), ("f16",)
+
+
+def quant_fits(cfg: ModelConfig, q: str, shape) -> bool:
+    """Whether a matrix of this logical shape can be stored in quantization q (rows a multiple
+    of the group, an even number of columns for q4)."""
+    return q == "none" or (shape[-2] % cfg.quant_group == 0 and (q != "q4" or shape[-1] % 2 == 0))
+
+
+def _expected_plain(cfg: ModelConfig):
     D, V, E, I = cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.moe_intermediate_size
     W, F32 = (cfg.dtype,), ("f32",)
     yield "token_embd", (V, D), W

@@ -341,8 +341,56 @@ def _tokenizer_blobs(hf_dir, require: bool):
     return tok or "", template or ""
 
 
+def quant_config(cfg: ModelConfig, quantize: str, head: str | None = None) -> ModelConfig:
+    """cfg with quantization `quantize` (none|q8|q4) of the QUANTIZABLE matrices. The output head
+    gets `head` (default: q8 under q4, as llama.cpp keeps it at 6+ bits; else `quantize`), and
+    q4 keeps attn_k / attn_v at q8 unless head is q4 ("pure"); a matrix whose shape does not fit
+    the group stays in cfg.dtype."""
+    from dataclasses import replace
+    from .config import QUANTS, _expected_plain, quant_fits
+    if quantize not in QUANTS or (head is not None and head not in QUANTS):
+        raise ConvertError(f"--quantize {quantize!r} / head {head!r}: choose one of {', '.join(QUANTS)}")
+    if quantize == "none" and head in (None, "none"):
+        return cfg
+    over = {}
+    head = head or ("q8" if quantize == "q4" else quantize)
+    if head != quantize:
+        over["output"] = head
+    if quantize == "q4" and head != "q4":
+        # llama.cpp's Q4_0 mix: the small k and v projections at 8 bits too (2% of the bytes
+        # read per token, a visible share of the error); head == "q4" asks for everything in q4
+        over["attn_k"] = over["attn_v"] = "q8"
+    q = replace(cfg, quant=quantize, quant_overrides=dict(over))
+    for name, shape, _ in _expected_plain(q):
+        key = name.split(".", 2)[-1]
+        if not quant_fits(q, q.quant_of(key), shape):
+            over[key] = "none"
+    q = replace(q, quant_overrides=over)
+    q.check()
+    return q
+
+
+def _quantized_blocks(blocks, kind: str, G: int, src_dtype: str):
+    """Row blocks of one source matrix -> (values, scales) per block of a multiple of G rows."""
+    from .quant import quantize
+    pending = []
+    have = 0
+    for b in blocks:
+        pending.append(_to_f32(b, src_dtype))
+        have += b.shape[0]
+        if have >= G:
+            a = np.concatenate(pending) if len(pending) > 1 else pending[0]
+            cut = have // G * G
+            yield quantize(kind, a[:cut], G)
+            pending, have = ([a[cut:]], have - cut) if have > cut else ([], 0)
+    if have:
+        raise ConvertError(f"rows not a multiple of the quantization group {G}")
+
+
 def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, require_tokenizer=True,
-            progress=True) -> ModelConfig:
+            progress=True, quantize: str = "none", quantize_head: str | None = None) -> ModelConfig:
+    """HF checkpoint -> .colibri. quantize (none|q8|q4) stores the attention projections, the
+    experts and the output head group-quantized (quant.py); the rest stays `dtype`."""
     hf_dir = os.fspath(hf_dir)
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.exists(cfg_path):
@@ -354,14 +402,15 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
         raise ConvertError(f"{cfg_path}: not valid JSON ({e})") from None
     if dtype not in ("f32", "f16", "bf16"):
         raise ConvertError(f"--dtype {dtype!r}: choose f32, f16 or bf16")
-    cfg = config_from_hf(hf, dtype)
+    cfg = quant_config(config_from_hf(hf, dtype), quantize, quantize_head)
     tensors = index_checkpoint(hf_dir)
     tok, template = _tokenizer_blobs(hf_dir, require_tokenizer)
     plan = [(n, s, dts[0]) for n, s, dts in expected_tensors(cfg)]
     # resolve every source before writing a byte: a missing tensor fails fast
     for n, s, _ in plan:
-        for _ in _sources(cfg, tensors, n, s):
-            pass
+        if not n.endswith(".s"):
+            for _ in _sources(cfg, tensors, n, s):
+                pass
     metadata = {"name": name or os.path.basename(os.path.abspath(hf_dir)), "license": license or hf.get("license", ""),
                 "source": os.path.abspath(hf_dir), "source_architecture": hf["architectures"][0],
                 "converter": CONVERTER_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -373,8 +422,22 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
         for n, s, dt in plan:
             w.declare(n, dt, s)
         w.set_routing(_routing(cfg, w))
+        scales = {}     # quantized matrix -> its scale blocks, written right after it
         for n, s, dt in plan:
+            if n.endswith(".s"):
+                for blk in scales.pop(n[:-2]):
+                    w.write(n, blk)
+                    bar.update(blk.nbytes)
+                continue
             for src, shape2, lead, part in _sources(cfg, tensors, n, s):
+                if dt in ("i8", "u4"):
+                    kind = "q8" if dt == "i8" else "q4"
+                    for q, sc in _quantized_blocks(_blocks(src, n, shape2, lead, part), kind, cfg.quant_group,
+                                                   src.dtype):
+                        w.write(n, q)
+                        scales.setdefault(n, []).append(sc)
+                        bar.update(q.nbytes)
+                    continue
                 for block in _blocks(src, n, shape2, lead, part):
                     out = _encode(block, src.dtype, dt, n)
                     w.write(n, out)

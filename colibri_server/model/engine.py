@@ -47,13 +47,16 @@ class Completion:
 
 class Model:
     def __init__(self, cf: fmt.ColibriFile, cfg: ModelConfig, weights: W.Weights, *, context: int,
-                 prefill_chunk: int, routing_noise: float, seed):
+                 prefill_chunk: int, routing_noise: float, seed, threads: int = 1):
         self.file, self.config, self.weights = cf, cfg, weights
         self.path = cf.path
         self.metadata = fmt.read_json_blob(cf.path, "metadata", cf.metadata_json, required=False)
         self.context = context
         self.rope = rope_tables(cfg, context)
+        self.threads = 1
         self.workspace = Workspace(cfg, prefill_chunk)
+        if threads > 1:
+            self.set_threads(threads)
         self.noise = RoutingNoise(routing_noise, seed) if routing_noise else None
         self._tokenizer = None
         self.last_timings = {}
@@ -62,13 +65,17 @@ class Model:
     @classmethod
     def open(cls, path, *, context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
              populate: bool = False, deep: bool = False, routing_noise: float = 0.0, seed=None,
-             blas_threads: int | None = 1) -> "Model":
+             blas_threads: int | None = 1, threads: int = 1) -> "Model":
         """Map and validate a .colibri file (deep: also every tensor checksum). Raises
         FileNotFoundError, or a ColibriFormatError subclass naming the field or tensor.
 
         blas_threads: limit the process's BLAS pool (None: leave it). The default is 1:
         OpenBLAS's threads, spinning beside our single-threaded kernels, made small prefill
-        GEMMs up to 40x slower on 2-core VMs (measured: 1.0 s vs 0.06 s for one prompt)."""
+        GEMMs up to 40x slower on 2-core VMs (measured: 1.0 s vs 0.06 s for one prompt).
+
+        threads: > 1 runs decode on that many Numba threads (see set_threads). Only in a
+        process that may start threads: a pre-fork master opens with 1 and calls
+        compile_threaded() instead; each forked worker then calls set_threads(n)."""
         if blas_threads is not None:
             from threadpoolctl import threadpool_limits
             threadpool_limits(blas_threads, user_api="blas")
@@ -86,10 +93,26 @@ class Model:
             if ctx < 1 or prefill_chunk < 1:
                 raise ValueError(f"context ({ctx}) and prefill_chunk ({prefill_chunk}) must be >= 1")
             return cls(cf, cfg, weights, context=ctx, prefill_chunk=prefill_chunk,
-                       routing_noise=routing_noise, seed=seed)
+                       routing_noise=routing_noise, seed=seed, threads=threads)
         except BaseException:
             cf.close()
             raise
+
+    def set_threads(self, n: int) -> None:
+        """Run decode on n Numba threads from now on (n == 1: the single-threaded kernels).
+        Starts the threading layer's pool: call it after fork, never in a pre-fork master."""
+        import numba
+        n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
+        if n > 1:
+            numba.set_num_threads(n)
+        self.threads = n
+        self.workspace = Workspace(self.config, self.workspace.rows, n)
+
+    def compile_threaded(self) -> None:
+        """Compile the parallel decode kernels for this model's weight types without running
+        them (safe in a pre-fork master: nothing is launched)."""
+        from .transformer import compile_parallel
+        compile_parallel(self.weights, Workspace(self.config, 1, threads=2))
 
     def close(self) -> None:
         self.weights = None

@@ -63,10 +63,17 @@ ROUTE_SHARED_EXPERT = 1 << 2  # the layer adds sigmoid(shared_gate . x) * shared
 # dtype code -> (name, numpy view dtype, bytes per element). f16 is viewed as uint16 and bf16
 # as int16: Numba has no float16 on the CPU, and the view dtype alone tells a kernel which
 # conversion to apply.
+#
+# The quantized element types hold the values of a group-quantized matrix (quant.py; the
+# scales are a separate f16 tensor named `<name>.s`): i8 one signed byte per element; u4 two
+# 4-bit elements per byte (the last dimension is even; shape is the logical one, the view's
+# last dimension is half of it). Codes 3..7 are left for float types.
 DTYPES = {
     0: ("f32", np.dtype("<f4"), 4),
     1: ("f16", np.dtype("<u2"), 2),
     2: ("bf16", np.dtype("<i2"), 2),
+    8: ("i8", np.dtype("i1"), 1),
+    9: ("u4", np.dtype("u1"), 0.5),
 }
 DTYPE_CODES = {name: code for code, (name, _, _) in DTYPES.items()}
 
@@ -123,10 +130,21 @@ class RoutingRecord:
 
 
 def nbytes(dtype: str, shape) -> int:
-    n = DTYPES[DTYPE_CODES[dtype]][2]
+    """Bytes of a dense tensor; ValueError for a packed u4 tensor whose last dimension is odd."""
+    n = 1
     for s in shape:
         n *= int(s)
-    return n
+    if dtype == "u4":
+        if not shape or int(shape[-1]) % 2:
+            raise ValueError(f"a u4 tensor needs an even last dimension, not {list(shape)}")
+        return n // 2
+    return n * DTYPES[DTYPE_CODES[dtype]][2]
+
+
+def view_shape(dtype: str, shape) -> tuple:
+    """Shape of the numpy view of a tensor (u4: the last dimension counts bytes, two elements each)."""
+    shape = tuple(int(s) for s in shape)
+    return shape[:-1] + (shape[-1] // 2,) if dtype == "u4" else shape
 
 
 def _align(n: int, a: int) -> int:
@@ -187,10 +205,11 @@ class ColibriFile:
         return name in self.records
 
     def view(self, name: str) -> np.ndarray:
-        """Read-only numpy view of a tensor (f16 as uint16, bf16 as int16). No copy."""
+        """Read-only numpy view of a tensor (f16 as uint16, bf16 as int16, i8 as int8, u4 as
+        uint8 with half the last dimension). No copy."""
         r = self.records[name]
         _, dt, _ = DTYPES[DTYPE_CODES[r.dtype]]
-        a = self._buf[r.offset:r.offset + r.size].view(dt).reshape(r.shape)
+        a = self._buf[r.offset:r.offset + r.size].view(dt).reshape(view_shape(r.dtype, r.shape))
         return a
 
     def tensor_bytes(self, name: str) -> memoryview:
@@ -291,7 +310,10 @@ def _validate(path, mm, size):
         if any(d == 0 for d in shape) or any(d != 0 for d in dims[ndim:]):
             raise BadTensorRecord(path, name, f"shape {dims} with ndim {ndim}: zero or stray dimension")
         dname = DTYPES[code][0]
-        want = nbytes(dname, shape)
+        try:
+            want = nbytes(dname, shape)
+        except ValueError as e:
+            raise BadTensorRecord(path, name, str(e)) from None
         if nbyt != want:
             raise BadTensorRecord(path, name, f"size {nbyt} bytes, but {dname}{list(shape)} needs {want}")
         if offset < data_offset or offset + nbyt > size:
@@ -389,8 +411,9 @@ class ColibriWriter:
         shape = tuple(int(s) for s in shape)
         if not 1 <= len(shape) <= MAX_NDIM or min(shape) <= 0:
             raise ValueError(f"tensor {name!r}: bad shape {shape}")
+        size = nbytes(dtype, shape)
         self._index[name] = len(self._decl)
-        self._decl.append([name, dtype, shape, 0, nbytes(dtype, shape), 0])
+        self._decl.append([name, dtype, shape, 0, size, 0])
         return self._index[name]
 
     def index(self, name: str) -> int:

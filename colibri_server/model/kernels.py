@@ -26,10 +26,19 @@ Conventions (shared with the rest of the project):
 
 from __future__ import annotations
 
+import os
+
+import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic, overload
+
+# Parallel kernels (threads > 1) must run in forked workers: GNU OpenMP does not survive a
+# fork once its pool exists, so pick a fork-safe layer before any parallel kernel compiles,
+# unless the user chose one (NUMBA_THREADING_LAYER).
+if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = "workqueue"
 
 __all__ = [
     "to_f32",
@@ -97,6 +106,50 @@ def _bf16_bits_to_f32(typingctx, v):
         return builder.bitcast(s, ir.FloatType())
 
     return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _i32_bits_to_f32(typingctx, v):
+    """int32 bit pattern -> float32 (bitcast)."""
+    if v != types.int32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+_EXP_HI = np.float32(88.72283)       # exp overflows to inf above
+_EXP_LO = np.float32(-86.0)          # below: 0 (exp(-86) = 4e-38; numpy gives tiny values down to -103.9)
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_RND = np.float32(12582912.0)        # 1.5 * 2^23: (v + R) - R rounds to the nearest integer
+
+
+@njit(cache=True, inline="always")
+def expf(x):
+    # float32 exp without a libm call, so loops over it vectorise (Cephes expf: range reduction
+    # by ln2, degree-6 polynomial, exponent by bit assembly; no shifts or branches, which would
+    # keep LLVM from vectorising); within 1 ulp of np.exp on [-86, 88.7]; +inf -> inf, NaN -> NaN,
+    # x < -86 -> 0
+    x = np.float32(x)
+    xc = min(max(x, _EXP_LO), _EXP_HI)
+    n = (xc * _LOG2E + _RND) - _RND                                    # in -124..128
+    r = (xc - n * _LN2_HI) - n * _LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * (r * r) + r + np.float32(1.0)
+    # 2^n = 2 * 2^(n-1): the exponent field n + 126 stays in 2..254
+    e = (p * np.float32(2.0)) * _i32_bits_to_f32(np.int32(np.int32(np.int32(n) + np.int32(126)) * np.int32(8388608)))
+    e = np.float32(np.inf) if x > _EXP_HI else e
+    e = np.float32(0.0) if x < _EXP_LO else e
+    return e
 
 
 def to_f32(v):
@@ -203,79 +256,22 @@ def _store(out, i, a, alpha, accumulate):
 
 @njit(cache=True, fastmath=_REDUCE_FM)
 def _matvec_core(W, x, out, alpha, accumulate):
-    # W (d,n) any, x (n,) f32 -> out (d,) = alpha * W@x (+ out if accumulate); 8 rows per pass, then 4, then 1
+    # W (d,n) any, x (n,) f32 -> out (d,) = alpha * W@x (+ out if accumulate); one row at a time
+    # (measured on this VM: one sequential stream reads at ~95% of the bandwidth, 8 interleaved
+    # row streams at ~70%; LLVM keeps 4 vector accumulators per row, so the FMAs do not stall)
     d, n = W.shape
-    zero = np.float32(0.0)
-    i = 0
-    while i + 8 <= d:
-        r0 = W[i]
-        r1 = W[i + 1]
-        r2 = W[i + 2]
-        r3 = W[i + 3]
-        r4 = W[i + 4]
-        r5 = W[i + 5]
-        r6 = W[i + 6]
-        r7 = W[i + 7]
-        a0 = zero
-        a1 = zero
-        a2 = zero
-        a3 = zero
-        a4 = zero
-        a5 = zero
-        a6 = zero
-        a7 = zero
+    for i in range(d):
+        r = W[i]
+        a = np.float32(0.0)
         for j in range(n):
-            xj = x[j]
-            a0 += to_f32(r0[j]) * xj
-            a1 += to_f32(r1[j]) * xj
-            a2 += to_f32(r2[j]) * xj
-            a3 += to_f32(r3[j]) * xj
-            a4 += to_f32(r4[j]) * xj
-            a5 += to_f32(r5[j]) * xj
-            a6 += to_f32(r6[j]) * xj
-            a7 += to_f32(r7[j]) * xj
-        _store(out, i, a0, alpha, accumulate)
-        _store(out, i + 1, a1, alpha, accumulate)
-        _store(out, i + 2, a2, alpha, accumulate)
-        _store(out, i + 3, a3, alpha, accumulate)
-        _store(out, i + 4, a4, alpha, accumulate)
-        _store(out, i + 5, a5, alpha, accumulate)
-        _store(out, i + 6, a6, alpha, accumulate)
-        _store(out, i + 7, a7, alpha, accumulate)
-        i += 8
-    if i + 4 <= d:
-        r0 = W[i]
-        r1 = W[i + 1]
-        r2 = W[i + 2]
-        r3 = W[i + 3]
-        a0 = zero
-        a1 = zero
-        a2 = zero
-        a3 = zero
-        for j in range(n):
-            xj = x[j]
-            a0 += to_f32(r0[j]) * xj
-            a1 += to_f32(r1[j]) * xj
-            a2 += to_f32(r2[j]) * xj
-            a3 += to_f32(r3[j]) * xj
-        _store(out, i, a0, alpha, accumulate)
-        _store(out, i + 1, a1, alpha, accumulate)
-        _store(out, i + 2, a2, alpha, accumulate)
-        _store(out, i + 3, a3, alpha, accumulate)
-        i += 4
-    while i < d:
-        r0 = W[i]
-        a0 = zero
-        for j in range(n):
-            a0 += to_f32(r0[j]) * x[j]
-        _store(out, i, a0, alpha, accumulate)
-        i += 1
+            a += to_f32(r[j]) * x[j]
+        _store(out, i, a, alpha, accumulate)
 
 
 @njit(cache=True)
 def matvec(W, x, out):
     # W (d,n) f32|u16(f16)|i16(bf16), x (n,) f32 -> out (d,) f32 = W @ x
-    # asm (znver3, AVX2): hot loop = 8 rows x 8 cols, 1 x load, 8 ymm accumulators; f32 vfmadd231ps ymm,mem; f16 vcvtph2ps mem->ymm + vfmadd231ps; bf16 vpmovzxwd + vpslld $16 + vfmadd231ps
+    # asm (znver3, AVX2): hot loop = 1 row x 32 cols, 4 ymm accumulators; f32 vfmadd231ps ymm,mem; f16 vcvtph2ps mem->ymm + vfmadd231ps; bf16 vpmovzxwd + vpslld $16 + vfmadd231ps
     _matvec_core(W, x, out, np.float32(1.0), False)
 
 
@@ -304,35 +300,48 @@ def rows_to_f32_ref(W, r0, r1, out=None):
     return r
 
 
-def matmul(X, W, out, scratch):
-    """X (T,n) f32, W (d,n) any -> out (T,d) f32 = X @ W.T.
+def matmul(X, W, out, scratch, tmp=None):
+    """X (T,n) f32, W (d,n) any or a quant.QTensor -> out (T,d) f32 = X @ W.T.
 
-    Plain Python.  f32 weights go straight to BLAS; f16/bf16 weights are
-    converted tile by tile (``scratch`` (tile_rows, n) f32, e.g. 256 rows) and
-    each tile is multiplied with BLAS, then copied into ``out[:, r0:r1]``
-    (allocates one (T, tile_rows) temporary per call).  T == 1 uses
-    :func:`matvec` (no conversion pass, streams the weights once)."""
+    Plain Python. f32 weights go straight to BLAS; f16/bf16/quantized weights are
+    converted tile by tile (``scratch`` (tile_rows, n) f32, e.g. 256 rows) and each
+    tile is multiplied with BLAS into ``tmp`` (T, tile_rows) (allocated when not
+    given), then copied into ``out[:, r0:r1]``. T == 1 uses the matvec kernels (no
+    conversion pass, streams the weights once; the quantized ones take their xs/xi scratch
+    from the two ends of ``scratch``)."""
     T, n = X.shape
-    d = W.shape[0]
-    if W.shape[1] != n or out.shape != (T, d):
+    q = getattr(W, "q", None)
+    d = W.shape[0] if q is None else q.shape[0]
+    if (W.shape[1] if q is None else W.s.shape[1]) != n or out.shape != (T, d):
         raise ValueError(f"matmul shapes: X {X.shape}, W {W.shape}, out {out.shape}")
-    if W.dtype == np.float32:
+    if q is None and W.dtype == np.float32:
         np.matmul(X, W.T, out=out)
         return out
     if T == 1:
-        matvec(W, X[0], out[0])
+        if q is None:
+            matvec(W, X[0], out[0])
+        else:
+            flat = scratch.reshape(-1)
+            _KQ.matvec_q(q, W.s, X[0], out[0], flat[:_KQ.scratch_len(n)],
+                         flat[-(n // 2 + 1):].view(np.int16)[:n])
         return out
     tile = scratch.shape[0]
     if tile < 1 or scratch.shape[1] != n:
         raise ValueError(f"matmul scratch shape {scratch.shape} for n={n}")
     # numpy does not hand a column slice out[:, r0:r1] to sgemm (measured 2.4x
     # slower), so each tile goes through one contiguous (T, tile) temporary.
-    tmp = np.empty((T, tile), np.float32)
+    if tmp is None or tmp.shape[1] < tile or tmp.shape[0] < T:
+        tmp = np.empty((T, tile), np.float32)
+    else:
+        tmp = tmp.reshape(-1)[:T * tile].reshape(T, tile)
     for r0 in range(0, d, tile):
         r1 = min(d, r0 + tile)
         rows = r1 - r0
         buf = scratch[:rows]
-        rows_to_f32(W, r0, r1, buf)
+        if q is None:
+            rows_to_f32(W, r0, r1, buf)
+        else:
+            _KQ.rows_to_f32_q(q, W.s, r0, r1, buf)
         if rows == tile:
             np.matmul(X, buf.T, out=tmp)
             out[:, r0:r1] = tmp
@@ -342,7 +351,8 @@ def matmul(X, W, out, scratch):
 
 
 def matmul_ref(X, W, out=None):
-    r = (np.asarray(X, np.float64) @ weights_to_f32(W).astype(np.float64).T).astype(np.float32)
+    Wf = _KQ._dequant(W.q, W.s) if hasattr(W, "q") else weights_to_f32(W)
+    r = (np.asarray(X, np.float64) @ Wf.astype(np.float64).T).astype(np.float32)
     if out is not None:
         out[...] = r
     return r
@@ -415,93 +425,11 @@ def rope_ref(x, positions, cos, sin):
 
 
 # ---------------------------------------------------------------------------
-# attention
-# ---------------------------------------------------------------------------
-
-
-@njit(cache=True, fastmath=_REDUCE_FM)
-def _dot(a, b):
-    # a (n,), b (n,) f32 -> float32 dot (vectorised reduction)
-    s = np.float32(0.0)
-    for j in range(a.shape[0]):
-        s += a[j] * b[j]
-    return s
-
-
-@njit(cache=True)
-def _axpy(alpha, x, y):
-    # y (n,) += alpha * x (n,)
-    for j in range(x.shape[0]):
-        y[j] += alpha * x[j]
-
-
-@njit(cache=True)
-def attention(q, kcache, vcache, start, window, scale, out, scores):
-    # q (T,H,hd), k/vcache (Hkv,S,hd), causal GQA from abs pos start(+t), sliding window if >0 -> out (T,H,hd); scores (S,) scratch
-    T, H, hd = q.shape
-    Hkv, S, _ = kcache.shape
-    if H % Hkv != 0:
-        raise ValueError("attention: H must be a multiple of Hkv")
-    if start < 0 or start + T > S:
-        raise ValueError("attention: positions beyond the cache")
-    group = H // Hkv
-    sc = np.float32(scale)
-    for t in range(T):
-        p = start + t
-        lo = 0
-        if window > 0:
-            lo = p - window + 1
-            if lo < 0:
-                lo = 0
-        for h in range(H):
-            kh = h // group
-            qv = q[t, h]
-            K = kcache[kh]
-            V = vcache[kh]
-            m = -np.inf
-            for j in range(lo, p + 1):
-                s = _dot(qv, K[j]) * sc
-                scores[j] = s
-                if s > m:
-                    m = s
-            ov = out[t, h]
-            for c in range(hd):
-                ov[c] = np.float32(0.0)
-            tot = np.float32(0.0)
-            for j in range(lo, p + 1):
-                e = np.exp(scores[j] - m)
-                tot += e
-                _axpy(e, V[j], ov)
-            inv = np.float32(1.0) / tot
-            for c in range(hd):
-                ov[c] *= inv
-
-
-def attention_ref(q, kcache, vcache, start, window, scale, out=None):
-    T, H, hd = q.shape
-    Hkv, S, _ = kcache.shape
-    group = H // Hkv
-    r = np.zeros((T, H, hd), np.float32)
-    for t in range(T):
-        p = start + t
-        lo = max(0, p - window + 1) if window > 0 else 0
-        for h in range(H):
-            k = kcache[h // group, lo : p + 1].astype(np.float64)
-            v = vcache[h // group, lo : p + 1].astype(np.float64)
-            s = (k @ q[t, h].astype(np.float64)) * scale
-            s = np.exp(s - s.max())
-            r[t, h] = (s / s.sum()) @ v
-    if out is not None:
-        out[...] = r
-    return r
-
-
-# ---------------------------------------------------------------------------
 # SwiGLU pieces
 # ---------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")   # no ZeroDivision check: it blocks vectorisation
 def silu_mul(g, u, out):
     # g (T,I), u (T,I) f32 -> out (T,I) = g / (1 + exp(-g)) * u; out may alias g or u
     T, I = g.shape
@@ -512,7 +440,7 @@ def silu_mul(g, u, out):
         ot = out[t]
         for j in range(I):
             gv = gt[j]
-            ot[j] = gv / (one + np.exp(-gv)) * ut[j]
+            ot[j] = gv / (one + expf(-gv)) * ut[j]
 
 
 def silu_mul_ref(g, u, out=None):
@@ -524,13 +452,13 @@ def silu_mul_ref(g, u, out=None):
     return r
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")   # no ZeroDivision check: it blocks vectorisation
 def _silu_mul_1d(g, u):
     # g (I,) f32 in place = silu(g) * u
     one = np.float32(1.0)
     for j in range(g.shape[0]):
         gv = g[j]
-        g[j] = gv / (one + np.exp(-gv)) * u[j]
+        g[j] = gv / (one + expf(-gv)) * u[j]
 
 
 @njit(cache=True)
@@ -541,6 +469,47 @@ def expert_ffn(w1, w3, w2, e, x, weight, h1, h3, out):
     _matvec_core(w3[e], x, h3, one, False)
     _silu_mul_1d(h1, h3)
     _matvec_core(w2[e], h1, out, np.float32(weight), True)
+
+
+@njit(cache=True, parallel=True)
+def _matvec_par(W, x, out, nchunks, alpha, accumulate):
+    # W (d,n) any, x (n,) -> out (d,) = alpha * W@x (+=), rows split in nchunks (multiples of 8) run by threads
+    d = W.shape[0]
+    for c in prange(nchunks):
+        r0 = (c * d // nchunks) // 8 * 8
+        r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // 8 * 8
+        if r1 > r0:
+            _matvec_core(W[r0:r1], x, out[r0:r1], alpha, accumulate)
+
+
+@njit(cache=True)
+def matvec_par(W, x, out, nchunks):
+    # matvec with the rows split in nchunks run by Numba threads (threads > 1 only)
+    _matvec_par(W, x, out, nchunks, np.float32(1.0), False)
+
+
+@njit(cache=True, parallel=True)
+def _matvec_pair_par(W1, W3, x, h1, h3, nchunks):
+    # h1 = W1@x and h3 = W3@x (W1, W3 (d,n)) in ONE parallel region of 2*nchunks row chunks:
+    # a workqueue launch costs ~50 us here, so launches are counted
+    d = W1.shape[0]
+    for c2 in prange(2 * nchunks):
+        c = c2 % nchunks
+        r0 = (c * d // nchunks) // 8 * 8
+        r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // 8 * 8
+        if r1 > r0:
+            if c2 < nchunks:
+                _matvec_core(W1[r0:r1], x, h1[r0:r1], np.float32(1.0), False)
+            else:
+                _matvec_core(W3[r0:r1], x, h3[r0:r1], np.float32(1.0), False)
+
+
+@njit(cache=True)
+def expert_ffn_par(w1, w3, w2, e, x, weight, h1, h3, out, nchunks):
+    # expert_ffn on Numba threads: two parallel regions (w1 and w3 together, then w2)
+    _matvec_pair_par(w1[e], w3[e], x, h1, h3, nchunks)
+    _silu_mul_1d(h1, h3)
+    _matvec_par(w2[e], h1, out, nchunks, np.float32(weight), True)
 
 
 def expert_ffn_ref(w1, w3, w2, e, x, weight, out):
@@ -713,3 +682,8 @@ def argmax(x):
 
 def argmax_ref(x):
     return int(np.argmax(x))
+
+
+# quantized kernels and attention (they build on the loaders and kernels above)
+from . import kernels_quant as _KQ  # noqa: E402
+from .kernels_attention import attention, attention_ref  # noqa: E402,F401

@@ -48,10 +48,10 @@ def swiglu(x, w1, w3, w2, ws, out):
     T, F = x.shape[0], w1.shape[0]
     g = ws.ffn_g[:T, :F]                                                       # (T,F)
     u = ws.ffn_u[:T, :F]                                                       # (T,F)
-    K.matmul(x, w1, g, ws.tile_for(x.shape[1]))
-    K.matmul(x, w3, u, ws.tile_for(x.shape[1]))
+    ws.mm(x, w1, g)
+    ws.mm(x, w3, u)
     K.silu_mul(g, u, g)
-    K.matmul(g, w2, out, ws.tile_for(F))
+    ws.mm(g, w2, out)
     return out
 
 
@@ -60,7 +60,7 @@ def moe(layer, x, ws, out, noise=None, trace=None):
     T = x.shape[0]
     E, A = layer.gate.shape[0], layer.top_k
     logits = ws.router[:T, :E]                                                 # (T,E)
-    K.matmul(x, layer.gate, logits, ws.tile_for(x.shape[1]))
+    ws.mm(x, layer.gate, logits)
     idx, wts = ws.route_idx[:T, :A], ws.route_w[:T, :A]                       # (T,A) i32, (T,A) f32
     if noise is not None and noise.scale > 0:
         noise.route(logits, A, layer.renorm, idx, wts)
@@ -71,8 +71,7 @@ def moe(layer, x, ws, out, noise=None, trace=None):
     out[...] = 0.0
     if T == 1:
         for a in range(A):
-            K.expert_ffn(layer.w1, layer.w3, layer.w2, int(idx[0, a]), x[0], float(wts[0, a]),
-                         ws.h1, ws.h3, out[0])
+            ws.expert(layer.w1, layer.w3, layer.w2, int(idx[0, a]), x[0], float(wts[0, a]), out[0])
     else:
         counts, offsets, order = ws.counts[:E], ws.offsets[:E + 1], ws.order[:T * A]
         K.group_by_expert(idx, E, counts, offsets, order)
@@ -84,10 +83,10 @@ def moe(layer, x, ws, out, noise=None, trace=None):
             xe = ws.gather[:c]                                                 # (c,D)
             np.take(x, tok, axis=0, out=xe)
             g, u, y = ws.ffn_g[:c, :I], ws.ffn_u[:c, :I], ws.expert_out[:c]   # (c,I) (c,I) (c,D)
-            K.matmul(xe, layer.w1[e], g, ws.tile_for(xe.shape[1]))
-            K.matmul(xe, layer.w3[e], u, ws.tile_for(xe.shape[1]))
+            ws.mm(xe, layer.w1[e], g)
+            ws.mm(xe, layer.w3[e], u)
             K.silu_mul(g, u, g)
-            K.matmul(g, layer.w2[e], y, ws.tile_for(I))
+            ws.mm(g, layer.w2[e], y)
             y *= wts.reshape(-1)[flat][:, None]                                # (c,D) scaled by routing weight
             out[tok] += y
     if layer.shared_w1 is not None:

@@ -16,6 +16,7 @@ import mmap
 import numpy as np
 
 from . import kernels as K
+from . import kernels_quant as KQ
 from .config import ModelConfig
 from .moe import moe, swiglu
 
@@ -43,11 +44,17 @@ class KVCache:
 
 
 class Workspace:
-    """Activation buffers for up to `rows` tokens per forward call, allocated once."""
+    """Activation buffers for up to `rows` tokens per forward call, allocated once, and the
+    choice of kernels: `threads` > 1 runs the decode matvecs on that many Numba threads
+    (only in a process that may start threads: a forked worker, never the master)."""
 
-    TILE_ROWS = 64    # rows of a f16/bf16 weight converted to f32 at once for BLAS
+    TILE_ROWS = 256   # rows of a f16/bf16/quantized weight converted to f32 at once for BLAS
+    # a parallel region costs ~50 us to launch (Numba workqueue, measured here): decode runs the
+    # experts (two regions per expert) and matrices of at least this many weights on threads,
+    # the rest (attention projections) on the calling thread
+    PAR_MIN_WEIGHTS = 4 << 20
 
-    def __init__(self, cfg: ModelConfig, rows: int):
+    def __init__(self, cfg: ModelConfig, rows: int, threads: int = 1):
         D, E, A = cfg.hidden_size, cfg.num_experts, cfg.top_k
         F = max(cfg.moe_intermediate_size, cfg.intermediate_size, cfg.shared_expert_intermediate_size)
         f32 = np.float32
@@ -72,7 +79,11 @@ class Workspace:
         self.order = np.zeros(rows * A, np.int64)
         self.h1 = np.zeros(cfg.moe_intermediate_size, f32)
         self.h3 = np.zeros(cfg.moe_intermediate_size, f32)
-        self.tile = np.zeros((self.TILE_ROWS, max(D, F, cfg.q_dim)), f32)
+        n_max = max(D, F, cfg.q_dim)
+        self.tile = np.zeros((self.TILE_ROWS, n_max), f32)
+        self.mm_tmp = np.zeros((rows, self.TILE_ROWS), f32)   # one BLAS tile's product
+        self.threads = max(1, int(threads))
+        self.xs, self.xi = KQ.scratch(n_max, 2 * self.threads)  # quantized matvec scratch, one row per chunk
         self.logits = np.zeros((1, cfg.vocab_size), f32)
         self.positions = np.zeros(rows, np.int64)
         self.scores = None                                 # (S,) attention scratch, sized on use
@@ -81,10 +92,70 @@ class Workspace:
         """Tile scratch with exactly n columns (rows, n) f32, for matmul of f16/bf16 weights."""
         return self.tile.reshape(-1)[:self.TILE_ROWS * n].reshape(self.TILE_ROWS, n)
 
+    def mm(self, X, W, out):
+        """X (T,n) f32 @ W (d,n).T -> out (T,d): W float or a QTensor; decode (T == 1) on
+        `threads` threads when > 1."""
+        n = X.shape[1]
+        if X.shape[0] == 1 and self.threads > 1 and out.shape[1] * n >= self.PAR_MIN_WEIGHTS:
+            if hasattr(W, "q"):
+                KQ.matvec_q_par(W.q, W.s, X[0], out[0], self.xs[:self.threads], self.xi[:self.threads])
+            else:
+                K.matvec_par(W, X[0], out[0], self.threads)
+            return out
+        return K.matmul(X, W, out, self.tile_for(n), self.mm_tmp)
+
+    def expert(self, w1, w3, w2, e, x, weight, out):
+        """out (D,) += weight * expert e's SwiGLU of x (D,): one fused kernel call."""
+        if hasattr(w1, "q"):
+            if self.threads > 1:
+                KQ.expert_ffn_q_par(w1.q, w1.s, w3.q, w3.s, w2.q, w2.s, e, x, weight, self.h1, self.h3, out,
+                                    self.xs, self.xi)
+            else:
+                KQ.expert_ffn_q(w1.q, w1.s, w3.q, w3.s, w2.q, w2.s, e, x, weight, self.h1, self.h3, out,
+                                self.xs[0], self.xi[0])
+        elif self.threads > 1:
+            K.expert_ffn_par(w1, w3, w2, e, x, weight, self.h1, self.h3, out, self.threads)
+        else:
+            K.expert_ffn(w1, w3, w2, e, x, weight, self.h1, self.h3, out)
+
     def score_buffer(self, capacity: int) -> np.ndarray:
         if self.scores is None or self.scores.shape[0] < capacity:
             self.scores = np.zeros(capacity, np.float32)
         return self.scores
+
+
+def compile_parallel(weights, ws: Workspace) -> None:
+    """Compile, without running, the threaded decode kernels for the types of these weights
+    (ws: a Workspace with threads > 1). Safe before fork with a fork-safe threading layer."""
+    import numba
+
+    def compile_for(kernel, *args):
+        kernel.compile(tuple(numba.typeof(a) for a in args))
+    x, seen = ws.x[0], set()
+    mats = [w for L in weights.layers for w in (L.wq, L.wk, L.wv, L.wo, L.shared_w1, L.shared_w3, L.shared_w2,
+                                                  L.mlp_w1, L.mlp_w3, L.mlp_w2)] + [weights.output]
+    for W in mats:
+        if W is None:
+            continue
+        if (W.shape[0] * W.shape[1]) < ws.PAR_MIN_WEIGHTS:
+            continue
+        args = (W.q, W.s, x, x, ws.xs[:ws.threads], ws.xi[:ws.threads]) if hasattr(W, "q") else (W, x, x, 1)
+        key = tuple(numba.typeof(a) for a in args)
+        if key not in seen:
+            seen.add(key)
+            compile_for(KQ.matvec_q_par if hasattr(W, "q") else K.matvec_par, *args)
+    for L in weights.layers:
+        if L.w1 is None:
+            continue
+        if hasattr(L.w1, "q"):
+            args = (L.w1.q, L.w1.s, L.w3.q, L.w3.s, L.w2.q, L.w2.s, 0, x, 1.0, ws.h1, ws.h3, x, ws.xs, ws.xi)
+            kernel = KQ.expert_ffn_q_par
+        else:
+            args, kernel = (L.w1, L.w3, L.w2, 0, x, 1.0, ws.h1, ws.h3, x, 1), K.expert_ffn_par
+        key = tuple(numba.typeof(a) for a in args)
+        if key not in seen:
+            seen.add(key)
+            compile_for(kernel, *args)
 
 
 def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=None, embeddings=None,
@@ -115,9 +186,9 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
         # attention: RMSNorm -> q, k, v projections (+ bias) -> [clip] -> [q/k norm] -> RoPE
         K.rmsnorm(x, L.attn_norm, cfg.rms_norm_eps, h)
         q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]                                 # (T,H*hd) (T,Hkv*hd) (T,Hkv*hd)
-        K.matmul(h, L.wq, q, ws.tile_for(cfg.hidden_size))
-        K.matmul(h, L.wk, k, ws.tile_for(cfg.hidden_size))
-        K.matmul(h, L.wv, v, ws.tile_for(cfg.hidden_size))
+        ws.mm(h, L.wq, q)
+        ws.mm(h, L.wk, k)
+        ws.mm(h, L.wv, v)
         if L.bq is not None:
             q += L.bq                                                          # biases (Qwen2 qkv_bias, attention_bias)
             k += L.bk
@@ -140,7 +211,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
         cache.v[l, :, P0:P0 + T] = v.reshape(T, Hkv, hd).transpose(1, 0, 2)
         attn = ws.attn[:T]                                                     # (T,H*hd)
         K.attention(q3, cache.k[l], cache.v[l], P0, cfg.sliding_window, scale, attn.reshape(T, H, hd), scores)
-        K.matmul(attn, L.wo, sub, ws.tile_for(cfg.q_dim))
+        ws.mm(attn, L.wo, sub)
         if L.bo is not None:
             sub += L.bo
         x += sub                                                               # residual
@@ -158,8 +229,8 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     if all_logits:
         K.rmsnorm(x, w.output_norm, cfg.rms_norm_eps, h)
         logits = out if out is not None else np.empty((T, cfg.vocab_size), np.float32)   # (T,V)
-        K.matmul(h, w.output, logits, ws.tile_for(cfg.hidden_size))
+        ws.mm(h, w.output, logits)
         return logits
     K.rmsnorm(x[T - 1:T], w.output_norm, cfg.rms_norm_eps, h[:1])
-    K.matmul(h[:1], w.output, ws.logits, ws.tile_for(cfg.hidden_size))        # (1,V)
+    ws.mm(h[:1], w.output, ws.logits)        # (1,V)
     return ws.logits

@@ -2,8 +2,9 @@
 
 Legend: D hidden, V vocab, H heads, Hkv kv heads, hd head dim, E experts, I expert
 intermediate, S shared-expert intermediate, F dense-MLP intermediate.
-Matrices are in the file's dtype (f32; f16 viewed as uint16; bf16 viewed as int16);
-norms, biases and router gates are f32.
+Matrices are in the file's dtype (f32; f16 viewed as uint16; bf16 viewed as int16), or,
+when quantized, a quant.QTensor pairing the values (int8 / packed uint8) with their f16
+scales `<name>.s`; norms, biases and router gates are f32.
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import numpy as np
 
 from . import format as fmt
 from .config import ModelConfig, expected_tensors
+from .quant import QTensor
+
+QUANT_KIND = {"i8": "q8", "u4": "q4"}
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,12 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
     check_tensors(cf, cfg)
 
     def v(name):
-        return cf.view(name) if name in cf else None
+        if name not in cf:
+            return None
+        kind = QUANT_KIND.get(cf.records[name].dtype)
+        if kind is not None:
+            return QTensor(kind, cf.view(name), cf.view(name + ".s"))
+        return cf.view(name)
 
     layers = []
     for i in range(cfg.num_layers):
@@ -116,4 +125,4 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
             mlp_w1=v(p + "ffn_gate"), mlp_w3=v(p + "ffn_up"), mlp_w2=v(p + "ffn_down")))
     emb = cf.view("token_embd")
     return Weights(token_embd=emb, layers=tuple(layers), output_norm=cf.view("output_norm"),
-                   output=emb if cfg.tie_word_embeddings else cf.view("output"))
+                   output=emb if cfg.tie_word_embeddings else v("output"))
