@@ -29,7 +29,7 @@ from numba.extending import intrinsic
 
 from .kernels import to_f32
 
-Q4_CHUNK = 512      # packed bytes (1024 weights) per int8 activation scale
+Q4_CHUNK = 1024     # packed bytes (2048 weights) per int8 activation scale
 Q8_CHUNK = 1024     # columns per int16 activation scale (127 * 16383 * 1024 < 2^31)
 X16_MAX = 16383
 
@@ -51,7 +51,7 @@ def _vec(t, n, v):
 
 @intrinsic
 def _dot_u4_i8(typingctx, row, x8, k0, nvec, h):
-    # row (h,) u8 packed q4, x8 (2h,) i8 -> i32 sum over bytes k0..k0+32*nvec of lo(row[k])*x8[k] + hi(row[k])*x8[k+h]
+    # row (h,) u8 packed q4, x8 (2h,) i8 -> i32 sum over bytes k0..k0+64*nvec of lo(row[k])*x8[k] + hi(row[k])*x8[k+h]
     sig = types.int32(row, x8, k0, nvec, h)
 
     def codegen(context, builder, signature, args):
@@ -66,21 +66,23 @@ def _dot_u4_i8(typingctx, row, x8, k0, nvec, h):
         maddwd = cgutils.get_or_insert_function(mod, ir.FunctionType(v8i32, [v16i16, v16i16]),
                                                 "llvm.x86.avx2.pmadd.wd")
         reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [v8i32]), "llvm.vector.reduce.add.v8i32")
-        acc = cgutils.alloca_once_value(builder, ir.Constant(v8i32, None))
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v8i32, None)) for _ in range(2)]
         rbase = builder.gep(builder.bitcast(r.data, i8.as_pointer()), [k0v])
         xbase = builder.gep(builder.bitcast(x.data, i8.as_pointer()), [k0v])
         xhi = builder.gep(xbase, [hh])
         low, four, ones = _vec(i8, 32, 15), _vec(i8, 32, 4), _vec(i16, 16, 1)
-        with cgutils.for_range(builder, nv) as loop:
-            off = builder.mul(loop.index, ir.Constant(loop.index.type, 32))
+        with cgutils.for_range(builder, nv) as loop:            # 64 bytes (128 weights) per iteration
+            for half in range(2):
+                off = builder.add(builder.mul(loop.index, ir.Constant(loop.index.type, 64)),
+                                  ir.Constant(loop.index.type, 32 * half))
 
-            def load(base):
-                return builder.load(builder.bitcast(builder.gep(base, [off]), v32i8.as_pointer()), align=1)
-            v = load(rbase)
-            p = builder.add(builder.call(maddubs, [builder.and_(v, low), load(xbase)]),
-                            builder.call(maddubs, [builder.lshr(v, four), load(xhi)]))
-            builder.store(builder.add(builder.load(acc), builder.call(maddwd, [p, ones])), acc)
-        return builder.call(reduce, [builder.load(acc)])
+                def load(base):
+                    return builder.load(builder.bitcast(builder.gep(base, [off]), v32i8.as_pointer()), align=1)
+                v = load(rbase)
+                p = builder.add(builder.call(maddubs, [builder.and_(v, low), load(xbase)]),
+                                builder.call(maddubs, [builder.lshr(v, four), load(xhi)]))
+                builder.store(builder.add(builder.load(accs[half]), builder.call(maddwd, [p, ones])), accs[half])
+        return builder.call(reduce, [builder.add(builder.load(accs[0]), builder.load(accs[1]))])
     return sig, codegen
 
 
@@ -227,9 +229,9 @@ def q4_group_i8(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
         for b in range(nch):
             k0 = b * Q4_CHUNK
             k1 = min(h, k0 + Q4_CHUNK)
-            nv = (k1 - k0) // 32
+            nv = (k1 - k0) // 64
             s = _dot_u4_i8(r, x8, k0, nv, h)
-            for k in range(k0 + 32 * nv, k1):
+            for k in range(k0 + 64 * nv, k1):
                 u = np.int32(r[k])
                 s += np.int32(u & 15) * np.int32(x8[k]) + np.int32(u >> 4) * np.int32(x8[k + h])
             acc += aux[2 * b] * (np.float32(s) - aux[2 * b + 1])
