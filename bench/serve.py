@@ -36,27 +36,27 @@ def pct(a, q):
     return float(np.percentile(np.asarray(a) * 1e3, q))
 
 
+def timed(call, n, warmup=5):
+    """Seconds taken by each of n calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        call()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def overhead(model_path, tmp, n):
     m = Model.open(model_path)
     prompt = [5, 6, 7, 8]
-    for _ in range(5):
-        m.complete(prompt, max_tokens=1)
-    local = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        m.complete(prompt, max_tokens=1)
-        local.append(time.perf_counter() - t0)
+    local = timed(lambda: m.complete(prompt, max_tokens=1), n)
     s = Server(model_path, tmp, workers=1, name="ovh")
     try:
         s.wait_ready(1)
         with s.client() as c:
-            for _ in range(5):
-                c.generate(prompt, max_tokens=1)
-            remote = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                c.generate(prompt, max_tokens=1)
-                remote.append(time.perf_counter() - t0)
+            remote = timed(lambda: c.generate(prompt, max_tokens=1), n)
     finally:
         s.stop()
     return {"in_process_ms": {"p50": pct(local, 50), "p99": pct(local, 99)},
