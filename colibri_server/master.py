@@ -137,6 +137,8 @@ class Arbiter:
         # compile every kernel specialisation the workers will use, here, once (non-parallel kernels)
         bos = m.config.bos_token_id if m.config.bos_token_id >= 0 else 0
         m.generate([bos, bos], max_tokens=2, ignore_eos=True)
+        if s.threads_per_worker > 1:
+            m.compile_threaded()           # compiled here, launched only in the forked workers
         st = os.stat(path)
         self.model_identity = {path: (st.st_ino, st.st_size, st.st_mtime_ns)}
         log.info("model %s: %s, %d layers, %d experts, %s, %.1f MiB mapped in %.2fs, kernels ready in %.2fs",

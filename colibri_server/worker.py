@@ -79,6 +79,11 @@ class Worker:
         apply(self.cpus)
         self._check_memory_budget()
         self._limit_threads(self.settings.threads_per_worker)
+        if self.settings.threads_per_worker > 1:
+            self.model.set_threads(self.settings.threads_per_worker)   # decode matvecs split over threads
+            import numba
+            log.info("worker %d: decode on %d threads (numba %s layer)", self.wid, self.model.threads,
+                     numba.threading_layer())
         seed = self.settings.seed if self.settings.seed >= 0 else None
         random.seed(seed if seed is not None else os.urandom(16))
         if self.model.noise is not None:
@@ -114,7 +119,9 @@ class Worker:
     def _limit_threads(n: int) -> None:
         try:
             from threadpoolctl import threadpool_limits
-            threadpool_limits(n)
+            # BLAS (prefill GEMMs) stays on the calling thread: OpenBLAS's pool, spinning beside
+            # the Numba threads, made small GEMMs many times slower on a VM (see Model.open)
+            threadpool_limits(1, user_api="blas")
         except Exception as e:  # a missing BLAS info is not fatal
             log.debug("threadpool_limits failed: %s", e)
         try:

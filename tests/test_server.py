@@ -98,6 +98,21 @@ def test_concurrent_clients_get_the_in_process_answers(server, model_path):
     assert sorted(w["served"] for w in st["workers"]) != [0, 64]     # both workers served
 
 
+def test_threads_per_worker_splits_decode_and_keeps_the_answers(server, model_path):
+    # the parallel kernels are compiled in the master and launched only in the forked worker,
+    # on a fork-safe layer (tbb where installed, else workqueue; never omp)
+    s = server(workers=1, extra=("--threads-per-worker", "2"))
+    s.wait_for(lambda: "decode on 2 threads" in s.logs(), what="the worker's thread log line")
+    layer = s.logs().split("decode on 2 threads (numba ")[1].split(" ")[0]
+    assert layer in ("tbb", "workqueue")
+    load = Load(s, n=4, per_client=2).start().join()
+    assert not load.errors and not load.silent and len(load.results) == 8
+    m = Model.open(model_path)
+    want = {tuple(p): m.generate(p, max_tokens=8, ignore_eos=True) for p in PROMPTS}
+    for prompt, ids, reason, gen in load.results:
+        assert ids == want[tuple(prompt)]
+
+
 def test_kill_9_under_load_loses_nothing(server):
     s = server(workers=2)
     load = Load(s, n=16, per_client=4, max_tokens=32, stream=True).start()
