@@ -61,14 +61,16 @@ def _vec(t, n, v):
 
 
 @intrinsic
-def _dot_u4_i8(typingctx, row, x8, k0, nvec, h):
-    # row (h,) u8 packed q4, x8 (2h,) i8 -> i32 sum over bytes k0..k0+Q4_STEP*nvec of lo(row[k])*x8[k] + hi(row[k])*x8[k+h]
-    sig = types.int32(row, x8, k0, nvec, h)
+def _dot_u4_i8(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
+    # q (d,h) u8 packed q4 rows, x8 (2h,) i8 -> sums[r] (i32) = sum over bytes k in k0..k0+Q4_STEP*nvec of
+    # lo(q[i0+r,k])*x8[k] + hi(q[i0+r,k])*x8[k+h], r < nrows (the row loop is here: no per-row Numba overhead)
+    sig = types.void(q, x8, i0, nrows, k0, nvec, h, sums)
 
     def codegen(context, builder, signature, args):
-        r = context.make_array(signature.args[0])(context, builder, args[0])
+        qa = context.make_array(signature.args[0])(context, builder, args[0])
         x = context.make_array(signature.args[1])(context, builder, args[1])
-        k0v, nv, hh = args[2], args[3], args[4]
+        out = context.make_array(signature.args[7])(context, builder, args[7])
+        i0v, nrows_v, k0v, nv, hh = args[2], args[3], args[4], args[5], args[6]
         i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
         B = Q4_STEP // 2                                   # bytes per vector: 64 (zmm) or 32 (ymm)
         vb, vw, vd = ir.VectorType(i8, B), ir.VectorType(i16, B // 2), ir.VectorType(i32, B // 4)
@@ -93,33 +95,43 @@ def _dot_u4_i8(typingctx, row, x8, k0, nvec, h):
         reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vd]),
                                                 f"llvm.vector.reduce.add.v{B // 4}i32")
         accs = [cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(2)]
-        rbase = builder.gep(builder.bitcast(r.data, i8.as_pointer()), [k0v])
+        stride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+        qbase = builder.bitcast(qa.data, i8.as_pointer())
+        sums_p = builder.bitcast(out.data, i32.as_pointer())
         xbase = builder.gep(builder.bitcast(x.data, i8.as_pointer()), [k0v])
         xhi = builder.gep(xbase, [hh])
         low, four = _vec(i8, B, 15), _vec(i8, B, 4)
-        with cgutils.for_range(builder, nv) as loop:            # Q4_STEP bytes (2*Q4_STEP weights) per iteration
-            for half in range(2):
-                off = builder.add(builder.mul(loop.index, ir.Constant(loop.index.type, Q4_STEP)),
-                                  ir.Constant(loop.index.type, B * half))
+        with cgutils.for_range(builder, nrows_v) as rows:
+            rbase = builder.gep(qbase, [builder.add(builder.mul(builder.add(i0v, rows.index), stride), k0v)])
+            for acc in accs:
+                builder.store(ir.Constant(vd, None), acc)
+            with cgutils.for_range(builder, nv) as loop:        # Q4_STEP bytes (2*Q4_STEP weights) per iteration
+                for half in range(2):
+                    off = builder.add(builder.mul(loop.index, ir.Constant(loop.index.type, Q4_STEP)),
+                                      ir.Constant(loop.index.type, B * half))
 
-                def load(base):
-                    return builder.load(builder.bitcast(builder.gep(base, [off]), vb.as_pointer()), align=1)
-                v = load(rbase)
-                builder.store(mac2(builder.load(accs[half]), builder.and_(v, low), load(xbase),
-                                   builder.lshr(v, four), load(xhi)), accs[half])
-        return builder.call(reduce, [builder.add(builder.load(accs[0]), builder.load(accs[1]))])
+                    def load(base):
+                        return builder.load(builder.bitcast(builder.gep(base, [off]), vb.as_pointer()), align=1)
+                    v = load(rbase)
+                    builder.store(mac2(builder.load(accs[half]), builder.and_(v, low), load(xbase),
+                                       builder.lshr(v, four), load(xhi)), accs[half])
+            tot = builder.call(reduce, [builder.add(builder.load(accs[0]), builder.load(accs[1]))])
+            builder.store(tot, builder.gep(sums_p, [rows.index]))
+        return context.get_dummy_value()
     return sig, codegen
 
 
 @intrinsic
-def _dot_i8_i16(typingctx, row, x16, k0, nvec):
-    # row (n,) i8, x16 (n,) i16 -> i32 sum over columns k0..k0+Q8_STEP*nvec of row[j]*x16[j]
-    sig = types.int32(row, x16, k0, nvec)
+def _dot_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
+    # q (d,n) i8 rows, x16 (n,) i16 -> sums[r] (i32) = sum over columns j in k0..k0+Q8_STEP*nvec of
+    # q[i0+r,j]*x16[j], r < nrows
+    sig = types.void(q, x16, i0, nrows, k0, nvec, sums)
 
     def codegen(context, builder, signature, args):
-        r = context.make_array(signature.args[0])(context, builder, args[0])
+        qa = context.make_array(signature.args[0])(context, builder, args[0])
         x = context.make_array(signature.args[1])(context, builder, args[1])
-        k0v, nv = args[2], args[3]
+        out = context.make_array(signature.args[6])(context, builder, args[6])
+        i0v, nrows_v, k0v, nv = args[2], args[3], args[4], args[5]
         i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
         C = Q8_STEP // 2                                   # columns per vector: 32 (zmm) or 16 (ymm)
         vb, vw, vd = ir.VectorType(i8, C), ir.VectorType(i16, C), ir.VectorType(i32, C // 2)
@@ -139,17 +151,35 @@ def _dot_i8_i16(typingctx, row, x16, k0, nvec):
         reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vd]),
                                                 f"llvm.vector.reduce.add.v{C // 2}i32")
         accs = [cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(2)]
-        rbase = builder.gep(builder.bitcast(r.data, i8.as_pointer()), [k0v])
+        stride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+        qbase = builder.bitcast(qa.data, i8.as_pointer())
+        sums_p = builder.bitcast(out.data, i32.as_pointer())
         xbase = builder.gep(builder.bitcast(x.data, i16.as_pointer()), [k0v])
-        with cgutils.for_range(builder, nv) as loop:            # Q8_STEP columns per iteration, 2 accumulators
-            for half in range(2):
-                off = builder.add(builder.mul(loop.index, ir.Constant(loop.index.type, Q8_STEP)),
-                                  ir.Constant(loop.index.type, C * half))
-                w = builder.load(builder.bitcast(builder.gep(rbase, [off]), vb.as_pointer()), align=1)
-                xv = builder.load(builder.bitcast(builder.gep(xbase, [off]), vw.as_pointer()), align=2)
-                builder.store(mac(builder.load(accs[half]), builder.sext(w, vw), xv), accs[half])
-        return builder.call(reduce, [builder.add(builder.load(accs[0]), builder.load(accs[1]))])
+        with cgutils.for_range(builder, nrows_v) as rows:
+            rbase = builder.gep(qbase, [builder.add(builder.mul(builder.add(i0v, rows.index), stride), k0v)])
+            for acc in accs:
+                builder.store(ir.Constant(vd, None), acc)
+            with cgutils.for_range(builder, nv) as loop:        # Q8_STEP columns per iteration, 2 accumulators
+                for half in range(2):
+                    off = builder.add(builder.mul(loop.index, ir.Constant(loop.index.type, Q8_STEP)),
+                                      ir.Constant(loop.index.type, C * half))
+                    w = builder.load(builder.bitcast(builder.gep(rbase, [off]), vb.as_pointer()), align=1)
+                    xv = builder.load(builder.bitcast(builder.gep(xbase, [off]), vw.as_pointer()), align=2)
+                    builder.store(mac(builder.load(accs[half]), builder.sext(w, vw), xv), accs[half])
+            tot = builder.call(reduce, [builder.add(builder.load(accs[0]), builder.load(accs[1]))])
+            builder.store(tot, builder.gep(sums_p, [rows.index]))
+        return context.get_dummy_value()
     return sig, codegen
+
+
+ROWS_MAX = 64       # rows per call of a dot intrinsic (their f32 and i32 sums live at the end of aux)
+
+
+@njit(cache=True, inline="always")
+def _row_scratch(aux):
+    # the last 2*ROWS_MAX floats of the aux scratch: (f32 row accumulators, i32 row sums)
+    e = aux.shape[0]
+    return aux[e - 2 * ROWS_MAX:e - ROWS_MAX], aux[e - ROWS_MAX:].view(np.int32)
 
 
 _MAGIC = np.float32(12582912.0)     # 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 to nearest even
@@ -259,19 +289,26 @@ def q4_group_i8(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
         tot = _quant_i8(xs[k0:k1], inv, x8[k0:k1]) + _quant_i8(xs[k0 + h:k1 + h], inv, x8[k0 + h:k1 + h])
         aux[2 * b] = c
         aux[2 * b + 1] = np.float32(8 * tot)
-    for i in range(i0, i0 + G):
-        r = q[i]
-        acc = np.float32(0.0)
+    facc, sums = _row_scratch(aux)
+    for r0 in range(i0, i0 + G, ROWS_MAX):
+        nr = min(ROWS_MAX, i0 + G - r0)
+        facc[:nr] = 0.0
         for b in range(nch):
             k0 = b * Q4_CHUNK
             k1 = min(h, k0 + Q4_CHUNK)
             nv = (k1 - k0) // Q4_STEP
-            s = _dot_u4_i8(r, x8, k0, nv, h)
-            for k in range(k0 + Q4_STEP * nv, k1):
-                u = np.int32(r[k])
-                s += np.int32(u & 15) * np.int32(x8[k]) + np.int32(u >> 4) * np.int32(x8[k + h])
-            acc += aux[2 * b] * (np.float32(s) - aux[2 * b + 1])
-        _put(out, i, acc, alpha, accumulate)
+            _dot_u4_i8(q, x8, r0, nr, k0, nv, h, sums)
+            if k0 + Q4_STEP * nv < k1:                         # a tail shorter than one vector step
+                for j in range(nr):
+                    r = q[r0 + j]
+                    for k in range(k0 + Q4_STEP * nv, k1):
+                        u = np.int32(r[k])
+                        sums[j] += np.int32(u & 15) * np.int32(x8[k]) + np.int32(u >> 4) * np.int32(x8[k + h])
+            c, off = aux[2 * b], aux[2 * b + 1]
+            for j in range(nr):
+                facc[j] += c * (np.float32(sums[j]) - off)
+        for j in range(nr):
+            _put(out, r0 + j, facc[j], alpha, accumulate)
 
 
 @njit(cache=True, error_model="numpy")
@@ -286,18 +323,25 @@ def q8_group_i16(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
         c = m / np.float32(X16_MAX) if m > 0 else np.float32(1.0)
         _quant_i16(xs[k0:k1], np.float32(1.0) / c, xi[k0:k1])
         aux[b] = c
-    for i in range(i0, i0 + G):
-        r = q[i]
-        acc = np.float32(0.0)
+    facc, sums = _row_scratch(aux)
+    for r0 in range(i0, i0 + G, ROWS_MAX):
+        nr = min(ROWS_MAX, i0 + G - r0)
+        facc[:nr] = 0.0
         for b in range(nch):
             k0 = b * Q8_CHUNK
             k1 = min(n, k0 + Q8_CHUNK)
             nv = (k1 - k0) // Q8_STEP
-            s = _dot_i8_i16(r, xi, k0, nv)
-            for k in range(k0 + Q8_STEP * nv, k1):
-                s += np.int32(r[k]) * np.int32(xi[k])
-            acc += aux[b] * np.float32(s)
-        _put(out, i, acc, alpha, accumulate)
+            _dot_i8_i16(q, xi, r0, nr, k0, nv, sums)
+            if k0 + Q8_STEP * nv < k1:                         # a tail shorter than one vector step
+                for j in range(nr):
+                    r = q[r0 + j]
+                    for k in range(k0 + Q8_STEP * nv, k1):
+                        sums[j] += np.int32(r[k]) * np.int32(xi[k])
+            c = aux[b]
+            for j in range(nr):
+                facc[j] += c * np.float32(sums[j])
+        for j in range(nr):
+            _put(out, r0 + j, facc[j], alpha, accumulate)
 
 
 def act_error_bound(kind, q, s, x):
