@@ -171,7 +171,7 @@ def cmd_convert(a):
     try:
         cfg = convert(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
                       require_tokenizer=not a.no_tokenizer, progress=not a.quiet, quantize=a.quantize,
-                      quantize_head=a.quantize_head)
+                      quantize_head=a.quantize_head, quant_group=a.quant_group)
     except ConvertError as e:
         _die(str(e))
     size = os.path.getsize(a.output)
@@ -436,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="group-quantize the attention projections, experts and output head (docs/format.md)")
     c.add_argument("--quantize-head", choices=("none", "q8", "q4"), default=None,
                    help="the output head's precision (default: q8 under q4, else as --quantize)")
+    c.add_argument("--quant-group", type=int, choices=(8, 16, 32, 64, 128), default=None,
+                   help="rows sharing one scale per column (default 64; a matrix whose rows are not a "
+                        "multiple stays unquantized)")
     c.set_defaults(fn=cmd_convert)
 
     dq = sub.add_parser("dequantize", help="write a float copy of a quantized .colibri file")

@@ -242,8 +242,20 @@ def mixtral_files(built, tmp_path_factory):
     out = {"f32": b.colibri("f32")}
     for kind in KINDS:
         out[kind] = str(root / f"m-{kind}.colibri")
-        convert(b.hf_dir, out[kind], "f16", progress=False, quantize=kind)
+        # the tiny test shapes (32-row k/v projections) need the 32-row group to be quantized
+        convert(b.hf_dir, out[kind], "f16", progress=False, quantize=kind, quant_group=32)
     return out
+
+
+def test_converter_default_group_is_64_and_a_stated_constant(built):
+    from colibri_server.model.convert import config_from_hf, quant_config
+    import json
+    import os
+    b = built("mixtral")
+    with open(os.path.join(b.hf_dir, "config.json")) as f:
+        cfg = config_from_hf(json.load(f), "f16")
+    assert Q.CONVERT_GROUP == 64
+    assert quant_config(cfg, "q8").quant_group == 64 and quant_config(cfg, "q8", group=32).quant_group == 32
 
 
 PROMPT = [5, 9, 17, 33, 71, 60, 41, 300, 7, 8, 9, 10]
@@ -306,7 +318,7 @@ def test_cli_dequantize(mixtral_files, tmp_path):
 def test_shapes_that_do_not_fit_stay_float(built, tmp_path):
     from colibri_server.model.convert import convert
     b = built("qwen3_moe")                       # head_dim 24: kv_dim 48 is not a multiple of 32
-    cfg = convert(b.hf_dir, str(tmp_path / "q.colibri"), "f16", progress=False, quantize="q8")
+    cfg = convert(b.hf_dir, str(tmp_path / "q.colibri"), "f16", progress=False, quantize="q8", quant_group=32)
     assert cfg.quant_overrides == {"attn_k": "none", "attn_v": "none"}
     m = Model.open(str(tmp_path / "q.colibri"))
     assert m.weights.layers[0].wk.dtype == np.uint16 and isinstance(m.weights.layers[0].wq, Q.QTensor)

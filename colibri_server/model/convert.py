@@ -341,8 +341,9 @@ def _tokenizer_blobs(hf_dir, require: bool):
     return tok or "", template or ""
 
 
-def quant_config(cfg: ModelConfig, quantize: str, head: str | None = None) -> ModelConfig:
-    """cfg with quantization `quantize` (none|q8|q4) of the QUANTIZABLE matrices. The output head
+def quant_config(cfg: ModelConfig, quantize: str, head: str | None = None, group: int | None = None) -> ModelConfig:
+    """cfg with quantization `quantize` (none|q8|q4) of the QUANTIZABLE matrices, in groups of
+    `group` rows (default quant.CONVERT_GROUP). The output head
     gets `head` (default: q8 under q4, as llama.cpp keeps it at 6+ bits; else `quantize`), and
     q4 keeps attn_k / attn_v at q8 unless head is q4 ("pure"); a matrix whose shape does not fit
     the group stays in cfg.dtype."""
@@ -360,7 +361,8 @@ def quant_config(cfg: ModelConfig, quantize: str, head: str | None = None) -> Mo
         # llama.cpp's Q4_0 mix: the small k and v projections at 8 bits too (2% of the bytes
         # read per token, a visible share of the error); head == "q4" asks for everything in q4
         over["attn_k"] = over["attn_v"] = "q8"
-    q = replace(cfg, quant=quantize, quant_overrides=dict(over))
+    from .quant import CONVERT_GROUP
+    q = replace(cfg, quant=quantize, quant_overrides=dict(over), quant_group=group or CONVERT_GROUP)
     for name, shape, _ in _expected_plain(q):
         key = name.split(".", 2)[-1]
         if not quant_fits(q, q.quant_of(key), shape):
@@ -388,7 +390,8 @@ def _quantized_blocks(blocks, kind: str, G: int, src_dtype: str):
 
 
 def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, require_tokenizer=True,
-            progress=True, quantize: str = "none", quantize_head: str | None = None) -> ModelConfig:
+            progress=True, quantize: str = "none", quantize_head: str | None = None,
+            quant_group: int | None = None) -> ModelConfig:
     """HF checkpoint -> .colibri. quantize (none|q8|q4) stores the attention projections, the
     experts and the output head group-quantized (quant.py); the rest stays `dtype`."""
     hf_dir = os.fspath(hf_dir)
@@ -402,7 +405,7 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
         raise ConvertError(f"{cfg_path}: not valid JSON ({e})") from None
     if dtype not in ("f32", "f16", "bf16"):
         raise ConvertError(f"--dtype {dtype!r}: choose f32, f16 or bf16")
-    cfg = quant_config(config_from_hf(hf, dtype), quantize, quantize_head)
+    cfg = quant_config(config_from_hf(hf, dtype), quantize, quantize_head, quant_group)
     tensors = index_checkpoint(hf_dir)
     tok, template = _tokenizer_blobs(hf_dir, require_tokenizer)
     plan = [(n, s, dts[0]) for n, s, dts in expected_tensors(cfg)]
