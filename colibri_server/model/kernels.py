@@ -331,7 +331,8 @@ def matmul(X, W, out, scratch, tmp=None):
     Plain Python. f32 weights go straight to BLAS; f16/bf16/quantized weights are
     converted tile by tile (``scratch`` (tile_rows, n) f32, e.g. 256 rows) and each
     tile is multiplied with BLAS into ``tmp`` (T, tile_rows) (allocated when not
-    given), then copied into ``out[:, r0:r1]``. T == 1 uses the matvec kernels (no
+    given), then copied into ``out[:, r0:r1]``. Quantized weights on AVX-512 VNNI take the integer
+    GEMM of kernels_gemm instead (the same arithmetic as the matvec kernels). T == 1 uses the matvec kernels (no
     conversion pass, streams the weights once; the quantized ones take their xs/xi scratch
     from the two ends of ``scratch``)."""
     T, n = X.shape
@@ -349,6 +350,9 @@ def matmul(X, W, out, scratch, tmp=None):
             flat = scratch.reshape(-1)
             _KQ.matvec_q(q, W.s, X[0], out[0], flat[:_KQ.scratch_len(n)],
                          flat[-(n // 2 + 1):].view(np.int16)[:n])
+        return out
+    if q is not None and _GEMM.HAVE_GEMM:              # integer GEMM, no float tiles (kernels_gemm)
+        (_GEMM.matmul_q4_i8 if q.dtype == np.uint8 else _GEMM.matmul_q8_i16)(q, W.s, X, out)
         return out
     tile = scratch.shape[0]
     if tile < 1 or scratch.shape[1] != n:
@@ -711,4 +715,5 @@ def argmax_ref(x):
 
 # quantized kernels and attention (they build on the loaders and kernels above)
 from . import kernels_quant as _KQ  # noqa: E402
+from . import kernels_gemm as _GEMM  # noqa: E402
 from .kernels_attention import attention, attention_ref  # noqa: E402,F401

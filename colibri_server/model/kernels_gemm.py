@@ -1,0 +1,258 @@
+"""Integer GEMM for prefill of q4 and q8 weights on AVX-512 VNNI (Zen 4, Ice Lake and later).
+
+Prefill multiplies T tokens (X (T, n) f32) by a q4 matrix. The float path (kernels.matmul)
+dequantizes 256-row tiles to f32 and calls sgemm; on bench-mixtral those GEMMs were 80% of a
+128-token prefill, at ~66 GFLOP/s. Here the weights stay 4-bit and the products are integer:
+
+* per row group g (G rows sharing one scale per column, quant.py) the scales are folded into
+  each token's activations and these are rounded to int8 per chunk of Q4_CHUNK packed bytes,
+  exactly as the q4 decode kernel does (kernels_simd.q4_group_i8), so a token's logits do not
+  depend on whether it was prefilled or decoded;
+* `_gemm_u4_i8` multiplies 2 rows by 4 tokens per pass, 64 packed bytes (128 weights) at a
+  time: two weight loads, their low and high nibbles, and 16 `vpdpbusd` (u8 x s8 sums of four
+  products into i32 lanes, no saturation) into 8 zmm accumulators; each weight load serves 4
+  tokens and each activation load 2 rows.
+
+* q8 likewise, with the decode kernel's int16 activations (kernels_simd.q8_group_i16): the
+  weights sign-extended to i16 and `vpdpwssd`, 2 rows x 4 tokens, 32 columns at a time.
+
+Token counts are padded to a multiple of 4 with zero activations (their sums are 0 and are
+not written out). Needs HAVE_VNNI512; elsewhere kernels.matmul keeps the float path.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .kernels_simd import HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, X16_MAX, _fold_absmax, _quant_i8, _quant_i16, _vec
+
+__all__ = ["HAVE_GEMM", "matmul_q4_i8", "matmul_q8_i16"]
+
+HAVE_GEMM = HAVE_VNNI512
+STEP = 64            # packed bytes per iteration of the q4 micro-kernel
+STEP8 = 32           # columns per iteration of the q8 micro-kernel
+
+
+@intrinsic
+def _gemm_u4_i8(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
+    # q (d,h) u8 packed q4, x8 (T4,2h) i8 (T4 a multiple of 4) -> sums[r*T4 + t] (i32) = sum over packed
+    # bytes k in k0..k0+STEP*nvec of lo(q[i0+r,k])*x8[t,k] + hi(q[i0+r,k])*x8[t,k+h], r < nrows (even)
+    sig = types.void(q, x8, i0, nrows, k0, nvec, h, sums)
+
+    def codegen(context, builder, signature, args):
+        qa = context.make_array(signature.args[0])(context, builder, args[0])
+        xa = context.make_array(signature.args[1])(context, builder, args[1])
+        sa = context.make_array(signature.args[7])(context, builder, args[7])
+        i0v, nrows_v, k0v, nv, hh = args[2], args[3], args[4], args[5], args[6]
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        vb, vd = ir.VectorType(i8, 64), ir.VectorType(i32, 16)
+        mod = builder.module
+        dpbusd = cgutils.get_or_insert_function(mod, ir.FunctionType(vd, [vd, vd, vd]),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+        reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vd]), "llvm.vector.reduce.add.v16i32")
+        qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+        xstride = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
+        T4 = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
+        qbase = builder.bitcast(qa.data, i8.as_pointer())
+        xbase = builder.bitcast(xa.data, i8.as_pointer())
+        sums_p = builder.bitcast(sa.data, i32.as_pointer())
+        low, four = _vec(i8, 64, 15), _vec(i8, 64, 4)
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(4)] for _ in range(2)]
+        idx = ir.IntType(64)
+        two, fourc = ir.Constant(idx, 2), ir.Constant(idx, 4)
+
+        def load(ptr, off):
+            return builder.load(builder.bitcast(builder.gep(ptr, [off]), vb.as_pointer()), align=1)
+
+        with cgutils.for_range(builder, builder.sdiv(nrows_v, two)) as rp:
+            r = builder.add(i0v, builder.mul(rp.index, two))
+            row0 = builder.gep(qbase, [builder.add(builder.mul(r, qstride), k0v)])
+            row1 = builder.gep(row0, [qstride])
+            with cgutils.for_range(builder, builder.sdiv(T4, fourc)) as tb:
+                t0 = builder.mul(tb.index, fourc)
+                xlo = [builder.gep(xbase, [builder.add(builder.mul(builder.add(t0, ir.Constant(idx, t)), xstride), k0v)])
+                       for t in range(4)]
+                xhi = [builder.gep(p, [hh]) for p in xlo]
+                for row in accs:
+                    for a in row:
+                        builder.store(ir.Constant(vd, None), a)
+                with cgutils.for_range(builder, nv) as it:
+                    off = builder.mul(it.index, ir.Constant(idx, STEP))
+                    w = [load(row0, off), load(row1, off)]
+                    lo = [builder.bitcast(builder.and_(v, low), vd) for v in w]
+                    hi = [builder.bitcast(builder.lshr(v, four), vd) for v in w]
+                    for t in range(4):
+                        xl = builder.bitcast(load(xlo[t], off), vd)
+                        xh = builder.bitcast(load(xhi[t], off), vd)
+                        for rr in range(2):
+                            a = builder.call(dpbusd, [builder.load(accs[rr][t]), lo[rr], xl])
+                            builder.store(builder.call(dpbusd, [a, hi[rr], xh]), accs[rr][t])
+                for rr in range(2):
+                    base = builder.mul(builder.add(builder.mul(rp.index, two), ir.Constant(idx, rr)), T4)
+                    for t in range(4):
+                        tot = builder.call(reduce, [builder.load(accs[rr][t])])
+                        builder.store(tot, builder.gep(sums_p, [builder.add(base, builder.add(t0, ir.Constant(idx, t)))]))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, error_model="numpy")
+def matmul_q4_i8(q, s, X, out):
+    # q (d,n/2) u8 packed q4, s (d/G,n) u16 f16 scales, X (T,n) f32 -> out (T,d) f32 = X @ W.T
+    T, n = X.shape
+    h = n // 2
+    d = q.shape[0]
+    G = d // s.shape[0]
+    T4 = (T + 3) // 4 * 4
+    nch = (h + Q4_CHUNK - 1) // Q4_CHUNK
+    x8 = np.zeros((T4, n), np.int8)            # tokens T..T4 stay zero
+    xs = np.empty(n, np.float32)
+    cs = np.empty((T, nch), np.float32)        # activation scale per token and chunk
+    offs = np.empty((T, nch), np.float32)      # 8 * sum(x8) per token and chunk (the nibbles' offset)
+    sums = np.empty(G * T4, np.int32)
+    facc = np.empty((G, T), np.float32)
+    for g in range(s.shape[0]):
+        sg = s[g]
+        for t in range(T):
+            x = X[t]
+            xt = x8[t]
+            for b in range(nch):
+                k0 = b * Q4_CHUNK
+                k1 = min(h, k0 + Q4_CHUNK)
+                m = max(_fold_absmax(sg[k0:k1], x[k0:k1], xs[k0:k1]),
+                        _fold_absmax(sg[k0 + h:k1 + h], x[k0 + h:k1 + h], xs[k0 + h:k1 + h]))
+                c = m / np.float32(127.0) if m > 0 else np.float32(1.0)
+                inv = np.float32(1.0) / c
+                tot = _quant_i8(xs[k0:k1], inv, xt[k0:k1]) + _quant_i8(xs[k0 + h:k1 + h], inv, xt[k0 + h:k1 + h])
+                cs[t, b] = c
+                offs[t, b] = np.float32(8 * tot)
+        facc[:, :] = 0.0
+        for b in range(nch):
+            k0 = b * Q4_CHUNK
+            k1 = min(h, k0 + Q4_CHUNK)
+            nv = (k1 - k0) // STEP
+            _gemm_u4_i8(q, x8, g * G, G, k0, nv, h, sums)
+            if k0 + STEP * nv < k1:                            # a tail shorter than one step
+                for r in range(G):
+                    row = q[g * G + r]
+                    for t in range(T):
+                        xt = x8[t]
+                        acc = np.int32(0)
+                        for k in range(k0 + STEP * nv, k1):
+                            u = np.int32(row[k])
+                            acc += np.int32(u & 15) * np.int32(xt[k]) + np.int32(u >> 4) * np.int32(xt[k + h])
+                        sums[r * T4 + t] += acc
+            for r in range(G):
+                for t in range(T):
+                    facc[r, t] += cs[t, b] * (np.float32(sums[r * T4 + t]) - offs[t, b])
+        for t in range(T):
+            for r in range(G):
+                out[t, g * G + r] = facc[r, t]
+
+
+@intrinsic
+def _gemm_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
+    # q (d,n) i8, x16 (T4,n) i16 (T4 a multiple of 4) -> sums[r*T4 + t] (i32) = sum over columns j in
+    # k0..k0+STEP8*nvec of q[i0+r,j]*x16[t,j], r < nrows (even)
+    sig = types.void(q, x16, i0, nrows, k0, nvec, sums)
+
+    def codegen(context, builder, signature, args):
+        qa = context.make_array(signature.args[0])(context, builder, args[0])
+        xa = context.make_array(signature.args[1])(context, builder, args[1])
+        sa = context.make_array(signature.args[6])(context, builder, args[6])
+        i0v, nrows_v, k0v, nv = args[2], args[3], args[4], args[5]
+        i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+        vb, vw, vd = ir.VectorType(i8, 32), ir.VectorType(i16, 32), ir.VectorType(i32, 16)
+        mod = builder.module
+        dpwssd = cgutils.get_or_insert_function(mod, ir.FunctionType(vd, [vd, vd, vd]),
+                                                "llvm.x86.avx512.vpdpwssd.512")
+        reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vd]), "llvm.vector.reduce.add.v16i32")
+        qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+        xstride = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
+        T4 = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
+        qbase = builder.bitcast(qa.data, i8.as_pointer())
+        xbase = builder.bitcast(xa.data, i8.as_pointer())
+        sums_p = builder.bitcast(sa.data, i32.as_pointer())
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(4)] for _ in range(2)]
+        idx = ir.IntType(64)
+        two, fourc = ir.Constant(idx, 2), ir.Constant(idx, 4)
+        k0b = builder.mul(k0v, two)                                # x16 byte offset
+
+        with cgutils.for_range(builder, builder.sdiv(nrows_v, two)) as rp:
+            r = builder.add(i0v, builder.mul(rp.index, two))
+            row0 = builder.gep(qbase, [builder.add(builder.mul(r, qstride), k0v)])
+            row1 = builder.gep(row0, [qstride])
+            with cgutils.for_range(builder, builder.sdiv(T4, fourc)) as tb:
+                t0 = builder.mul(tb.index, fourc)
+                xp = [builder.gep(xbase, [builder.add(builder.mul(builder.add(t0, ir.Constant(idx, t)), xstride), k0b)])
+                      for t in range(4)]
+                for row in accs:
+                    for a in row:
+                        builder.store(ir.Constant(vd, None), a)
+                with cgutils.for_range(builder, nv) as it:
+                    off = builder.mul(it.index, ir.Constant(idx, STEP8))
+                    w = [builder.bitcast(builder.sext(builder.load(builder.bitcast(builder.gep(p, [off]), vb.as_pointer()),
+                                                                   align=1), vw), vd) for p in (row0, row1)]
+                    offb = builder.mul(off, two)
+                    for t in range(4):
+                        xv = builder.load(builder.bitcast(builder.gep(xp[t], [offb]), vd.as_pointer()), align=2)
+                        for rr in range(2):
+                            builder.store(builder.call(dpwssd, [builder.load(accs[rr][t]), w[rr], xv]), accs[rr][t])
+                for rr in range(2):
+                    base = builder.mul(builder.add(builder.mul(rp.index, two), ir.Constant(idx, rr)), T4)
+                    for t in range(4):
+                        tot = builder.call(reduce, [builder.load(accs[rr][t])])
+                        builder.store(tot, builder.gep(sums_p, [builder.add(base, builder.add(t0, ir.Constant(idx, t)))]))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True, error_model="numpy")
+def matmul_q8_i16(q, s, X, out):
+    # q (d,n) i8, s (d/G,n) u16 f16 scales, X (T,n) f32 -> out (T,d) f32 = X @ W.T
+    T, n = X.shape
+    d = q.shape[0]
+    G = d // s.shape[0]
+    T4 = (T + 3) // 4 * 4
+    nch = (n + Q8_CHUNK - 1) // Q8_CHUNK
+    x16 = np.zeros((T4, n), np.int16)          # tokens T..T4 stay zero
+    xs = np.empty(n, np.float32)
+    cs = np.empty((T, nch), np.float32)
+    sums = np.empty(G * T4, np.int32)
+    facc = np.empty((G, T), np.float32)
+    for g in range(s.shape[0]):
+        sg = s[g]
+        for t in range(T):
+            x = X[t]
+            xt = x16[t]
+            for b in range(nch):
+                k0 = b * Q8_CHUNK
+                k1 = min(n, k0 + Q8_CHUNK)
+                m = _fold_absmax(sg[k0:k1], x[k0:k1], xs[k0:k1])
+                c = m / np.float32(X16_MAX) if m > 0 else np.float32(1.0)
+                _quant_i16(xs[k0:k1], np.float32(1.0) / c, xt[k0:k1])
+                cs[t, b] = c
+        facc[:, :] = 0.0
+        for b in range(nch):
+            k0 = b * Q8_CHUNK
+            k1 = min(n, k0 + Q8_CHUNK)
+            nv = (k1 - k0) // STEP8
+            _gemm_i8_i16(q, x16, g * G, G, k0, nv, sums)
+            if k0 + STEP8 * nv < k1:                           # a tail shorter than one step
+                for r in range(G):
+                    row = q[g * G + r]
+                    for t in range(T):
+                        xt = x16[t]
+                        acc = np.int32(0)
+                        for k in range(k0 + STEP8 * nv, k1):
+                            acc += np.int32(row[k]) * np.int32(xt[k])
+                        sums[r * T4 + t] += acc
+            for r in range(G):
+                for t in range(T):
+                    facc[r, t] += cs[t, b] * np.float32(sums[r * T4 + t])
+        for t in range(T):
+            for r in range(G):
+                out[t, g * G + r] = facc[r, t]
