@@ -10,7 +10,8 @@ its integer values with xs: one long inner loop with 8 rows per pass, which LLVM
 vectorises to `vpmovsxbd`/`vpmovzxbd` + `vcvtdq2ps` + `vfmadd231ps` (asm checked on
 znver3/AVX2). For q4 the offset 8 is taken out once per group: v.xs = u.xs - 8*sum(xs).
 
-Prefill: rows_to_f32 dequantizes a tile of rows for BLAS (kernels.matmul).
+Prefill: on AVX-512 VNNI the integer GEMM of kernels_gemm (the same rounding as decode);
+elsewhere rows_to_f32 dequantizes a tile of rows for BLAS (kernels.matmul).
 
 Kernels allocate nothing: the scratch xs (n,) f32 is passed in. Parallel variants split
 the row groups across Numba threads (prange) and are used only when a Model runs with
