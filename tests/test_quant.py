@@ -312,6 +312,21 @@ def test_quantized_threads_match_single_thread(mixtral_files):
     assert a == b
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_threaded_model_gives_the_same_logits(mixtral_files, kind):
+    # threads > 1: decode matvecs and (VNNI) prefill GEMMs split their rows over threads; each row is
+    # computed exactly as on one thread. compile_threaded (what the master runs before fork) must
+    # compile every threaded kernel these weights need
+    one = Model.open(mixtral_files[kind])
+    two = Model.open(mixtral_files[kind])
+    two.compile_threaded()
+    two.set_threads(2)
+    assert np.array_equal(two.logits(PROMPT), one.logits(PROMPT))
+    c1, c2 = one.new_cache(16), two.new_cache(16)
+    for t in PROMPT[:4]:
+        assert np.array_equal(two.decode(c2, t), one.decode(c1, t))
+
+
 def test_dequantize_file_round_trip(mixtral_files, tmp_path):
     src = mixtral_files["q8"]
     out = tmp_path / "deq.colibri"

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .kernels_simd import HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, X16_MAX, _fold_absmax, _quant_i8, _quant_i16, _vec
 
-__all__ = ["HAVE_GEMM", "matmul_q4_i8", "matmul_q8_i16"]
+__all__ = ["HAVE_GEMM", "matmul_q4_i8", "matmul_q8_i16", "matmul_q4_i8_par", "matmul_q8_i16_par"]
 
 HAVE_GEMM = HAVE_VNNI512
 STEP = 64            # packed bytes per iteration of the q4 micro-kernel
@@ -100,8 +100,8 @@ def _gemm_u4_i8(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
 
 
 @njit(cache=True, error_model="numpy")
-def matmul_q4_i8(q, s, X, out):
-    # q (d,n/2) u8 packed q4, s (d/G,n) u16 f16 scales, X (T,n) f32 -> out (T,d) f32 = X @ W.T
+def _q4_groups(q, s, X, out, g0, g1):
+    # q (d,n/2) u8 packed q4, s (d/G,n) u16 f16 scales, X (T,n) f32 -> out[:, rows of groups g0..g1] of X @ W.T
     T, n = X.shape
     h = n // 2
     d = q.shape[0]
@@ -114,7 +114,7 @@ def matmul_q4_i8(q, s, X, out):
     offs = np.empty((T, nch), np.float32)      # 8 * sum(x8) per token and chunk (the nibbles' offset)
     sums = np.empty(G * T4, np.int32)
     facc = np.empty((G, T), np.float32)
-    for g in range(s.shape[0]):
+    for g in range(g0, g1):
         sg = s[g]
         for t in range(T):
             x = X[t]
@@ -211,8 +211,8 @@ def _gemm_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
 
 
 @njit(cache=True, error_model="numpy")
-def matmul_q8_i16(q, s, X, out):
-    # q (d,n) i8, s (d/G,n) u16 f16 scales, X (T,n) f32 -> out (T,d) f32 = X @ W.T
+def _q8_groups(q, s, X, out, g0, g1):
+    # q (d,n) i8, s (d/G,n) u16 f16 scales, X (T,n) f32 -> out[:, rows of groups g0..g1] of X @ W.T
     T, n = X.shape
     d = q.shape[0]
     G = d // s.shape[0]
@@ -223,7 +223,7 @@ def matmul_q8_i16(q, s, X, out):
     cs = np.empty((T, nch), np.float32)
     sums = np.empty(G * T4, np.int32)
     facc = np.empty((G, T), np.float32)
-    for g in range(s.shape[0]):
+    for g in range(g0, g1):
         sg = s[g]
         for t in range(T):
             x = X[t]
@@ -256,3 +256,31 @@ def matmul_q8_i16(q, s, X, out):
         for t in range(T):
             for r in range(G):
                 out[t, g * G + r] = facc[r, t]
+
+
+@njit(cache=True)
+def matmul_q4_i8(q, s, X, out):
+    # q (d,n/2) u8 packed q4, s (d/G,n) u16 f16 scales, X (T,n) f32 -> out (T,d) f32 = X @ W.T
+    _q4_groups(q, s, X, out, 0, s.shape[0])
+
+
+@njit(cache=True)
+def matmul_q8_i16(q, s, X, out):
+    # q (d,n) i8, s (d/G,n) u16 f16 scales, X (T,n) f32 -> out (T,d) f32 = X @ W.T
+    _q8_groups(q, s, X, out, 0, s.shape[0])
+
+
+@njit(cache=True, parallel=True)
+def matmul_q4_i8_par(q, s, X, out, nchunks):
+    # matmul_q4_i8 with the row groups split in nchunks run by Numba threads (a worker with threads > 1)
+    ng = s.shape[0]
+    for c in prange(nchunks):
+        _q4_groups(q, s, X, out, c * ng // nchunks, (c + 1) * ng // nchunks)
+
+
+@njit(cache=True, parallel=True)
+def matmul_q8_i16_par(q, s, X, out, nchunks):
+    # matmul_q8_i16 with the row groups split in nchunks run by Numba threads
+    ng = s.shape[0]
+    for c in prange(nchunks):
+        _q8_groups(q, s, X, out, c * ng // nchunks, (c + 1) * ng // nchunks)

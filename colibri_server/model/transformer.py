@@ -16,6 +16,7 @@ import mmap
 import numpy as np
 
 from . import kernels as K
+from . import kernels_gemm as GE
 from . import kernels_quant as KQ
 from .config import ModelConfig
 from .moe import moe, swiglu
@@ -94,13 +95,17 @@ class Workspace:
 
     def mm(self, X, W, out):
         """X (T,n) f32 @ W (d,n).T -> out (T,d): W float or a QTensor; decode (T == 1) on
-        `threads` threads when > 1."""
+        `threads` threads when > 1, and so is the prefill of quantized weights on VNNI."""
         n = X.shape[1]
         if X.shape[0] == 1 and self.threads > 1 and out.shape[1] * n >= self.PAR_MIN_WEIGHTS:
             if hasattr(W, "q"):
                 KQ.matvec_q_par(W.q, W.s, X[0], out[0], self.xs[:self.threads], self.xi[:self.threads])
             else:
                 K.matvec_par(W, X[0], out[0], self.threads)
+            return out
+        if X.shape[0] > 1 and self.threads > 1 and hasattr(W, "q") and GE.HAVE_GEMM:
+            # prefill of a quantized matrix: the integer GEMM's row groups split over the threads
+            (GE.matmul_q4_i8_par if W.q.dtype == np.uint8 else GE.matmul_q8_i16_par)(W.q, W.s, X, out, self.threads)
             return out
         return K.matmul(X, W, out, self.tile_for(n), self.mm_tmp)
 
@@ -144,6 +149,18 @@ def compile_parallel(weights, ws: Workspace) -> None:
         if key not in seen:
             seen.add(key)
             compile_for(KQ.matvec_q_par if hasattr(W, "q") else K.matvec_par, *args)
+    if GE.HAVE_GEMM:
+        X2 = np.zeros((2, x.shape[0]), np.float32)
+        for W in mats + [L.w1 for L in weights.layers] + [L.w2 for L in weights.layers]:
+            if W is None or not hasattr(W, "q"):
+                continue
+            q, s = (W.q, W.s) if W.q.ndim == 2 else (W.q[0], W.s[0])
+            for out in (X2, X2[:, :1]):          # contiguous outputs, and column slices (moe's ffn_g/u)
+                args = (q, s, X2, out, 1)
+                key = ("gemm",) + tuple(numba.typeof(a) for a in args)
+                if key not in seen:
+                    seen.add(key)
+                    compile_for(GE.matmul_q4_i8_par if q.dtype == np.uint8 else GE.matmul_q8_i16_par, *args)
     for L in weights.layers:
         if L.w1 is None:
             continue
