@@ -36,6 +36,53 @@ STEP = 64            # packed bytes per iteration of the q4 micro-kernel
 STEP8 = 32           # columns per iteration of the q8 micro-kernel
 
 
+def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration):
+    """The loops shared by the micro-kernels (args: q, x, i0, nrows, k0, nvec, ..., sums): for each
+    pair of rows i0+2p, i0+2p+1 and each block of 4 tokens, 8 zmm i32 accumulators start at zero,
+    `iteration(off, rows, xs, accs)` runs nvec times (off: the iteration's first column, relative to
+    column k0; rows: the two rows' i8 pointers at k0; xs: the 4 tokens' i8 pointers at k0, x having
+    `xbytes` per column), and each accumulator's lane sum goes to sums[r*T4 + t]."""
+    qa = context.make_array(signature.args[0])(context, builder, args[0])
+    xa = context.make_array(signature.args[1])(context, builder, args[1])
+    sa = context.make_array(signature.args[-1])(context, builder, args[-1])
+    i0v, nrows_v, k0v, nv = args[2], args[3], args[4], args[5]
+    i8, i32, idx = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    vd = ir.VectorType(i32, 16)
+    reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [vd]), "llvm.vector.reduce.add.v16i32")
+    qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+    xstride = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
+    T4 = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
+    qbase = builder.bitcast(qa.data, i8.as_pointer())
+    xbase = builder.bitcast(xa.data, i8.as_pointer())
+    sums_p = builder.bitcast(sa.data, i32.as_pointer())
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(4)] for _ in range(2)]
+    two, four = ir.Constant(idx, 2), ir.Constant(idx, 4)
+    k0x = builder.mul(k0v, ir.Constant(idx, xbytes))
+    with cgutils.for_range(builder, builder.sdiv(nrows_v, two)) as rp:
+        row0 = builder.gep(qbase, [builder.add(builder.mul(builder.add(i0v, builder.mul(rp.index, two)), qstride), k0v)])
+        rows = (row0, builder.gep(row0, [qstride]))
+        with cgutils.for_range(builder, builder.sdiv(T4, four)) as tb:
+            t0 = builder.mul(tb.index, four)
+            xs = [builder.gep(xbase, [builder.add(builder.mul(builder.add(t0, ir.Constant(idx, t)), xstride), k0x)])
+                  for t in range(4)]
+            for row in accs:
+                for a in row:
+                    builder.store(ir.Constant(vd, None), a)
+            with cgutils.for_range(builder, nv) as it:
+                iteration(builder.mul(it.index, ir.Constant(idx, step)), rows, xs, accs)
+            for rr in range(2):
+                base = builder.mul(builder.add(builder.mul(rp.index, two), ir.Constant(idx, rr)), T4)
+                for t in range(4):
+                    tot = builder.call(reduce, [builder.load(accs[rr][t])])
+                    builder.store(tot, builder.gep(sums_p, [builder.add(base, builder.add(t0, ir.Constant(idx, t)))]))
+    return context.get_dummy_value()
+
+
+def _vnni(builder, name):
+    vd = ir.VectorType(ir.IntType(32), 16)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vd, [vd, vd, vd]), name)
+
+
 @intrinsic
 def _gemm_u4_i8(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
     # q (d,h) u8 packed q4, x8 (T4,2h) i8 (T4 a multiple of 4) -> sums[r*T4 + t] (i32) = sum over packed
@@ -43,59 +90,48 @@ def _gemm_u4_i8(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
     sig = types.void(q, x8, i0, nrows, k0, nvec, h, sums)
 
     def codegen(context, builder, signature, args):
-        qa = context.make_array(signature.args[0])(context, builder, args[0])
-        xa = context.make_array(signature.args[1])(context, builder, args[1])
-        sa = context.make_array(signature.args[7])(context, builder, args[7])
-        i0v, nrows_v, k0v, nv, hh = args[2], args[3], args[4], args[5], args[6]
-        i8, i32 = ir.IntType(8), ir.IntType(32)
-        vb, vd = ir.VectorType(i8, 64), ir.VectorType(i32, 16)
-        mod = builder.module
-        dpbusd = cgutils.get_or_insert_function(mod, ir.FunctionType(vd, [vd, vd, vd]),
-                                                "llvm.x86.avx512.vpdpbusd.512")
-        reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vd]), "llvm.vector.reduce.add.v16i32")
-        qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
-        xstride = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
-        T4 = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
-        qbase = builder.bitcast(qa.data, i8.as_pointer())
-        xbase = builder.bitcast(xa.data, i8.as_pointer())
-        sums_p = builder.bitcast(sa.data, i32.as_pointer())
+        i8, vb = ir.IntType(8), ir.VectorType(ir.IntType(8), 64)
+        vd = ir.VectorType(ir.IntType(32), 16)
+        dpbusd = _vnni(builder, "llvm.x86.avx512.vpdpbusd.512")
         low, four = _vec(i8, 64, 15), _vec(i8, 64, 4)
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(4)] for _ in range(2)]
-        idx = ir.IntType(64)
-        two, fourc = ir.Constant(idx, 2), ir.Constant(idx, 4)
 
         def load(ptr, off):
             return builder.load(builder.bitcast(builder.gep(ptr, [off]), vb.as_pointer()), align=1)
 
-        with cgutils.for_range(builder, builder.sdiv(nrows_v, two)) as rp:
-            r = builder.add(i0v, builder.mul(rp.index, two))
-            row0 = builder.gep(qbase, [builder.add(builder.mul(r, qstride), k0v)])
-            row1 = builder.gep(row0, [qstride])
-            with cgutils.for_range(builder, builder.sdiv(T4, fourc)) as tb:
-                t0 = builder.mul(tb.index, fourc)
-                xlo = [builder.gep(xbase, [builder.add(builder.mul(builder.add(t0, ir.Constant(idx, t)), xstride), k0v)])
-                       for t in range(4)]
-                xhi = [builder.gep(p, [hh]) for p in xlo]
-                for row in accs:
-                    for a in row:
-                        builder.store(ir.Constant(vd, None), a)
-                with cgutils.for_range(builder, nv) as it:
-                    off = builder.mul(it.index, ir.Constant(idx, STEP))
-                    w = [load(row0, off), load(row1, off)]
-                    lo = [builder.bitcast(builder.and_(v, low), vd) for v in w]
-                    hi = [builder.bitcast(builder.lshr(v, four), vd) for v in w]
-                    for t in range(4):
-                        xl = builder.bitcast(load(xlo[t], off), vd)
-                        xh = builder.bitcast(load(xhi[t], off), vd)
-                        for rr in range(2):
-                            a = builder.call(dpbusd, [builder.load(accs[rr][t]), lo[rr], xl])
-                            builder.store(builder.call(dpbusd, [a, hi[rr], xh]), accs[rr][t])
+        def iteration(off, rows, xs, accs):          # 64 packed bytes = 128 weights per row
+            w = [load(r, off) for r in rows]
+            lo = [builder.bitcast(builder.and_(v, low), vd) for v in w]
+            hi = [builder.bitcast(builder.lshr(v, four), vd) for v in w]
+            for t in range(4):
+                xl = builder.bitcast(load(xs[t], off), vd)
+                xh = builder.bitcast(load(builder.gep(xs[t], [args[6]]), off), vd)
                 for rr in range(2):
-                    base = builder.mul(builder.add(builder.mul(rp.index, two), ir.Constant(idx, rr)), T4)
-                    for t in range(4):
-                        tot = builder.call(reduce, [builder.load(accs[rr][t])])
-                        builder.store(tot, builder.gep(sums_p, [builder.add(base, builder.add(t0, ir.Constant(idx, t)))]))
-        return context.get_dummy_value()
+                    a = builder.call(dpbusd, [builder.load(accs[rr][t]), lo[rr], xl])
+                    builder.store(builder.call(dpbusd, [a, hi[rr], xh]), accs[rr][t])
+        return _gemm_2x4(context, builder, signature, args, 1, STEP, iteration)
+    return sig, codegen
+
+
+@intrinsic
+def _gemm_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
+    # q (d,n) i8, x16 (T4,n) i16 (T4 a multiple of 4) -> sums[r*T4 + t] (i32) = sum over columns j in
+    # k0..k0+STEP8*nvec of q[i0+r,j]*x16[t,j], r < nrows (even)
+    sig = types.void(q, x16, i0, nrows, k0, nvec, sums)
+
+    def codegen(context, builder, signature, args):
+        vb, vw = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 32)
+        vd = ir.VectorType(ir.IntType(32), 16)
+        dpwssd = _vnni(builder, "llvm.x86.avx512.vpdpwssd.512")
+
+        def iteration(off, rows, xs, accs):          # 32 columns per row
+            w = [builder.bitcast(builder.sext(builder.load(builder.bitcast(builder.gep(r, [off]), vb.as_pointer()),
+                                                           align=1), vw), vd) for r in rows]
+            offb = builder.mul(off, ir.Constant(off.type, 2))
+            for t in range(4):
+                xv = builder.load(builder.bitcast(builder.gep(xs[t], [offb]), vd.as_pointer()), align=2)
+                for rr in range(2):
+                    builder.store(builder.call(dpwssd, [builder.load(accs[rr][t]), w[rr], xv]), accs[rr][t])
+        return _gemm_2x4(context, builder, signature, args, 2, STEP8, iteration)
     return sig, codegen
 
 
@@ -151,63 +187,6 @@ def _q4_groups(q, s, X, out, g0, g1):
         for t in range(T):
             for r in range(G):
                 out[t, g * G + r] = facc[r, t]
-
-
-@intrinsic
-def _gemm_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
-    # q (d,n) i8, x16 (T4,n) i16 (T4 a multiple of 4) -> sums[r*T4 + t] (i32) = sum over columns j in
-    # k0..k0+STEP8*nvec of q[i0+r,j]*x16[t,j], r < nrows (even)
-    sig = types.void(q, x16, i0, nrows, k0, nvec, sums)
-
-    def codegen(context, builder, signature, args):
-        qa = context.make_array(signature.args[0])(context, builder, args[0])
-        xa = context.make_array(signature.args[1])(context, builder, args[1])
-        sa = context.make_array(signature.args[6])(context, builder, args[6])
-        i0v, nrows_v, k0v, nv = args[2], args[3], args[4], args[5]
-        i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-        vb, vw, vd = ir.VectorType(i8, 32), ir.VectorType(i16, 32), ir.VectorType(i32, 16)
-        mod = builder.module
-        dpwssd = cgutils.get_or_insert_function(mod, ir.FunctionType(vd, [vd, vd, vd]),
-                                                "llvm.x86.avx512.vpdpwssd.512")
-        reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vd]), "llvm.vector.reduce.add.v16i32")
-        qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
-        xstride = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
-        T4 = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
-        qbase = builder.bitcast(qa.data, i8.as_pointer())
-        xbase = builder.bitcast(xa.data, i8.as_pointer())
-        sums_p = builder.bitcast(sa.data, i32.as_pointer())
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(4)] for _ in range(2)]
-        idx = ir.IntType(64)
-        two, fourc = ir.Constant(idx, 2), ir.Constant(idx, 4)
-        k0b = builder.mul(k0v, two)                                # x16 byte offset
-
-        with cgutils.for_range(builder, builder.sdiv(nrows_v, two)) as rp:
-            r = builder.add(i0v, builder.mul(rp.index, two))
-            row0 = builder.gep(qbase, [builder.add(builder.mul(r, qstride), k0v)])
-            row1 = builder.gep(row0, [qstride])
-            with cgutils.for_range(builder, builder.sdiv(T4, fourc)) as tb:
-                t0 = builder.mul(tb.index, fourc)
-                xp = [builder.gep(xbase, [builder.add(builder.mul(builder.add(t0, ir.Constant(idx, t)), xstride), k0b)])
-                      for t in range(4)]
-                for row in accs:
-                    for a in row:
-                        builder.store(ir.Constant(vd, None), a)
-                with cgutils.for_range(builder, nv) as it:
-                    off = builder.mul(it.index, ir.Constant(idx, STEP8))
-                    w = [builder.bitcast(builder.sext(builder.load(builder.bitcast(builder.gep(p, [off]), vb.as_pointer()),
-                                                                   align=1), vw), vd) for p in (row0, row1)]
-                    offb = builder.mul(off, two)
-                    for t in range(4):
-                        xv = builder.load(builder.bitcast(builder.gep(xp[t], [offb]), vd.as_pointer()), align=2)
-                        for rr in range(2):
-                            builder.store(builder.call(dpwssd, [builder.load(accs[rr][t]), w[rr], xv]), accs[rr][t])
-                for rr in range(2):
-                    base = builder.mul(builder.add(builder.mul(rp.index, two), ir.Constant(idx, rr)), T4)
-                    for t in range(4):
-                        tot = builder.call(reduce, [builder.load(accs[rr][t])])
-                        builder.store(tot, builder.gep(sums_p, [builder.add(base, builder.add(t0, ir.Constant(idx, t)))]))
-        return context.get_dummy_value()
-    return sig, codegen
 
 
 @njit(cache=True, error_model="numpy")
