@@ -27,7 +27,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .kernels_simd import HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, X16_MAX, _fold_absmax, _quant_i8, _quant_i16, _vec
+from .kernels_simd import HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, _vec, act_chunk_q4, act_chunk_q8
 
 __all__ = ["HAVE_GEMM", "matmul_q4_i8", "matmul_q8_i16", "matmul_q4_i8_par", "matmul_q8_i16_par"]
 
@@ -158,13 +158,7 @@ def _q4_groups(q, s, X, out, g0, g1):
             for b in range(nch):
                 k0 = b * Q4_CHUNK
                 k1 = min(h, k0 + Q4_CHUNK)
-                m = max(_fold_absmax(sg[k0:k1], x[k0:k1], xs[k0:k1]),
-                        _fold_absmax(sg[k0 + h:k1 + h], x[k0 + h:k1 + h], xs[k0 + h:k1 + h]))
-                c = m / np.float32(127.0) if m > 0 else np.float32(1.0)
-                inv = np.float32(1.0) / c
-                tot = _quant_i8(xs[k0:k1], inv, xt[k0:k1]) + _quant_i8(xs[k0 + h:k1 + h], inv, xt[k0 + h:k1 + h])
-                cs[t, b] = c
-                offs[t, b] = np.float32(8 * tot)
+                cs[t, b], offs[t, b] = act_chunk_q4(sg, x, xs, xt, h, k0, k1)
         facc[:, :] = 0.0
         for b in range(nch):
             k0 = b * Q4_CHUNK
@@ -210,10 +204,7 @@ def _q8_groups(q, s, X, out, g0, g1):
             for b in range(nch):
                 k0 = b * Q8_CHUNK
                 k1 = min(n, k0 + Q8_CHUNK)
-                m = _fold_absmax(sg[k0:k1], x[k0:k1], xs[k0:k1])
-                c = m / np.float32(X16_MAX) if m > 0 else np.float32(1.0)
-                _quant_i16(xs[k0:k1], np.float32(1.0) / c, xt[k0:k1])
-                cs[t, b] = c
+                cs[t, b] = act_chunk_q8(sg, x, xs, xt, k0, k1)
         facc[:, :] = 0.0
         for b in range(nch):
             k0 = b * Q8_CHUNK

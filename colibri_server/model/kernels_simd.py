@@ -273,6 +273,28 @@ def _quant_i16(xs, inv, x16):
         x16[k] = np.int16(_round(xs[k] * inv))
 
 
+@njit(cache=True, inline="always")
+def act_chunk_q4(sg, x, xs, x8, h, k0, k1):
+    # packed columns k0..k1 (and k0+h..k1+h) of one group's activations: xs = sg * x, x8 = round(xs / c)
+    # with c = max|xs| / 127; returns (c, 8 * sum(x8)), the scale and the nibbles' offset. Decode and
+    # prefill (kernels_gemm) both round with this, so their results are identical
+    m = max(_fold_absmax(sg[k0:k1], x[k0:k1], xs[k0:k1]),
+            _fold_absmax(sg[k0 + h:k1 + h], x[k0 + h:k1 + h], xs[k0 + h:k1 + h]))
+    c = m / np.float32(127.0) if m > 0 else np.float32(1.0)
+    inv = np.float32(1.0) / c
+    tot = _quant_i8(xs[k0:k1], inv, x8[k0:k1]) + _quant_i8(xs[k0 + h:k1 + h], inv, x8[k0 + h:k1 + h])
+    return c, np.float32(8 * tot)
+
+
+@njit(cache=True, inline="always")
+def act_chunk_q8(sg, x, xs, x16, k0, k1):
+    # columns k0..k1 of one group's activations: x16 = round(sg * x / c), c = max|sg * x| / X16_MAX; returns c
+    m = _fold_absmax(sg[k0:k1], x[k0:k1], xs[k0:k1])
+    c = m / np.float32(X16_MAX) if m > 0 else np.float32(1.0)
+    _quant_i16(xs[k0:k1], np.float32(1.0) / c, x16[k0:k1])
+    return c
+
+
 @njit(cache=True, error_model="numpy")
 def q4_group_i8(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
     # q (d,n/2) u8 packed rows i0..i0+G, sg (n,) u16 their group's scales, x (n,) f32 -> out[i] = alpha * (q[i]-8).(sg*x) (+=); xs (n,) f32, xi (n,) i16, aux (>= 2*chunks,) f32 scratch
@@ -282,13 +304,7 @@ def q4_group_i8(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
     for b in range(nch):
         k0 = b * Q4_CHUNK
         k1 = min(h, k0 + Q4_CHUNK)
-        m = max(_fold_absmax(sg[k0:k1], x[k0:k1], xs[k0:k1]),
-                _fold_absmax(sg[k0 + h:k1 + h], x[k0 + h:k1 + h], xs[k0 + h:k1 + h]))
-        c = m / np.float32(127.0) if m > 0 else np.float32(1.0)
-        inv = np.float32(1.0) / c
-        tot = _quant_i8(xs[k0:k1], inv, x8[k0:k1]) + _quant_i8(xs[k0 + h:k1 + h], inv, x8[k0 + h:k1 + h])
-        aux[2 * b] = c
-        aux[2 * b + 1] = np.float32(8 * tot)
+        aux[2 * b], aux[2 * b + 1] = act_chunk_q4(sg, x, xs, x8, h, k0, k1)
     facc, sums = _row_scratch(aux)
     for r0 in range(i0, i0 + G, ROWS_MAX):
         nr = min(ROWS_MAX, i0 + G - r0)
@@ -319,10 +335,7 @@ def q8_group_i16(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
     for b in range(nch):
         k0 = b * Q8_CHUNK
         k1 = min(n, k0 + Q8_CHUNK)
-        m = _fold_absmax(sg[k0:k1], x[k0:k1], xs[k0:k1])
-        c = m / np.float32(X16_MAX) if m > 0 else np.float32(1.0)
-        _quant_i16(xs[k0:k1], np.float32(1.0) / c, xi[k0:k1])
-        aux[b] = c
+        aux[b] = act_chunk_q8(sg, x, xs, xi, k0, k1)
     facc, sums = _row_scratch(aux)
     for r0 in range(i0, i0 + G, ROWS_MAX):
         nr = min(ROWS_MAX, i0 + G - r0)
