@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .kernels import _REDUCE_FM, _silu_mul_1d, to_f32
-from .kernels_simd import HAVE_AVX2, ROWS_MAX, q4_group_i8, q8_group_i16
+from .kernels_simd import HAVE_AVX2, SUMS_MAX, q4_group_i8, q8_group_i16
 
 __all__ = ["matvec_q", "matvec_q_ref", "rows_to_f32_q", "rows_to_f32_q_ref", "expert_ffn_q",
            "expert_ffn_q_ref", "matvec_q_par", "expert_ffn_q_par"]
@@ -206,7 +206,7 @@ def _qmv_core(q, s, x, out, xs, xi, alpha, accumulate):
 
 def scratch_len(n: int) -> int:
     """Length of the f32 scratch `xs` of a quantized matvec with n columns (the int16 `xi`: n)."""
-    return n + n // 256 + 4 + 2 * ROWS_MAX
+    return n + n // 256 + 4 + SUMS_MAX
 
 
 def scratch(n: int, rows: int = 0):

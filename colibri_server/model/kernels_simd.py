@@ -60,17 +60,54 @@ def _vec(t, n, v):
     return ir.Constant(ir.VectorType(t, n), [ir.Constant(t, v)] * n)
 
 
+def _rows_by_chunk(context, builder, signature, args, ncols, chunk, step, xbytes, nacc, width, iteration):
+    """The loops shared by the decode dots (args: q, x, i0, nrows, ..., sums). Each row i0+r is read
+    once, front to back: for its chunk b of `chunk` columns (k0 = b*chunk .. min(ncols, k0+chunk)),
+    `nacc` i32 vector accumulators of `width` lanes start at zero, `iteration(off, row, x, accs)`
+    runs for the whole steps of `step` columns (off: the step's first column), and the lane sum
+    goes to sums[r*nch + b]. Reading a row chunk by chunk across all rows first (two passes
+    over the rows for two chunks) measured half the DRAM bandwidth."""
+    qa = context.make_array(signature.args[0])(context, builder, args[0])
+    xa = context.make_array(signature.args[1])(context, builder, args[1])
+    sa = context.make_array(signature.args[-1])(context, builder, args[-1])
+    i0v, nrows_v = args[2], args[3]
+    i8, i32, idx = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    vd = ir.VectorType(i32, width)
+    reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [vd]),
+                                            f"llvm.vector.reduce.add.v{width}i32")
+    stride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+    qbase = builder.bitcast(qa.data, i8.as_pointer())
+    xbase = builder.bitcast(xa.data, i8.as_pointer())
+    sums_p = builder.bitcast(sa.data, i32.as_pointer())
+    C = ir.Constant(idx, chunk)
+    nch = builder.sdiv(builder.add(ncols, ir.Constant(idx, chunk - 1)), C)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(nacc)]
+    with cgutils.for_range(builder, nrows_v) as rows:
+        row = builder.gep(qbase, [builder.mul(builder.add(i0v, rows.index), stride)])
+        with cgutils.for_range(builder, nch) as ch:
+            k0 = builder.mul(ch.index, C)
+            k1 = builder.add(k0, C)
+            k1 = builder.select(builder.icmp_signed("<", ncols, k1), ncols, k1)
+            nv = builder.sdiv(builder.sub(k1, k0), ir.Constant(idx, step))
+            for acc in accs:
+                builder.store(ir.Constant(vd, None), acc)
+            with cgutils.for_range(builder, nv) as it:
+                iteration(builder.add(k0, builder.mul(it.index, ir.Constant(idx, step))), row, xbase, accs)
+            tot = builder.load(accs[0])
+            for acc in accs[1:]:
+                tot = builder.add(tot, builder.load(acc))
+            builder.store(builder.call(reduce, [tot]),
+                          builder.gep(sums_p, [builder.add(builder.mul(rows.index, nch), ch.index)]))
+    return context.get_dummy_value()
+
+
 @intrinsic
-def _dot_u4_i8(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
-    # q (d,h) u8 packed q4 rows, x8 (2h,) i8 -> sums[r] (i32) = sum over bytes k in k0..k0+Q4_STEP*nvec of
-    # lo(q[i0+r,k])*x8[k] + hi(q[i0+r,k])*x8[k+h], r < nrows (the row loop is here: no per-row Numba overhead)
-    sig = types.void(q, x8, i0, nrows, k0, nvec, h, sums)
+def _dot_u4_i8(typingctx, q, x8, i0, nrows, h, sums):
+    # q (d,h) u8 packed q4 rows, x8 (2h,) i8 -> sums[r*nch + b] (i32) = sum over the whole Q4_STEP steps of
+    # chunk b (packed bytes k in b*Q4_CHUNK..) of lo(q[i0+r,k])*x8[k] + hi(q[i0+r,k])*x8[k+h], r < nrows
+    sig = types.void(q, x8, i0, nrows, h, sums)
 
     def codegen(context, builder, signature, args):
-        qa = context.make_array(signature.args[0])(context, builder, args[0])
-        x = context.make_array(signature.args[1])(context, builder, args[1])
-        out = context.make_array(signature.args[7])(context, builder, args[7])
-        i0v, nrows_v, k0v, nv, hh = args[2], args[3], args[4], args[5], args[6]
         i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
         B = Q4_STEP // 2                                   # bytes per vector: 64 (zmm) or 32 (ymm)
         vb, vw, vd = ir.VectorType(i8, B), ir.VectorType(i16, B // 2), ir.VectorType(i32, B // 4)
@@ -92,46 +129,29 @@ def _dot_u4_i8(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
             def mac2(acc, u1, s1, u2, s2):             # |pair| <= 2*15*127, two pairs <= 7620: no saturation
                 p = builder.add(builder.call(maddubs, [u1, s1]), builder.call(maddubs, [u2, s2]))
                 return builder.add(acc, builder.call(maddwd, [p, ones]))
-        reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vd]),
-                                                f"llvm.vector.reduce.add.v{B // 4}i32")
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(2)]
-        stride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
-        qbase = builder.bitcast(qa.data, i8.as_pointer())
-        sums_p = builder.bitcast(out.data, i32.as_pointer())
-        xbase = builder.gep(builder.bitcast(x.data, i8.as_pointer()), [k0v])
-        xhi = builder.gep(xbase, [hh])
         low, four = _vec(i8, B, 15), _vec(i8, B, 4)
-        with cgutils.for_range(builder, nrows_v) as rows:
-            rbase = builder.gep(qbase, [builder.add(builder.mul(builder.add(i0v, rows.index), stride), k0v)])
-            for acc in accs:
-                builder.store(ir.Constant(vd, None), acc)
-            with cgutils.for_range(builder, nv) as loop:        # Q4_STEP bytes (2*Q4_STEP weights) per iteration
-                for half in range(2):
-                    off = builder.add(builder.mul(loop.index, ir.Constant(loop.index.type, Q4_STEP)),
-                                      ir.Constant(loop.index.type, B * half))
+        hh = args[4]
 
-                    def load(base):
-                        return builder.load(builder.bitcast(builder.gep(base, [off]), vb.as_pointer()), align=1)
-                    v = load(rbase)
-                    builder.store(mac2(builder.load(accs[half]), builder.and_(v, low), load(xbase),
-                                       builder.lshr(v, four), load(xhi)), accs[half])
-            tot = builder.call(reduce, [builder.add(builder.load(accs[0]), builder.load(accs[1]))])
-            builder.store(tot, builder.gep(sums_p, [rows.index]))
-        return context.get_dummy_value()
+        def iteration(off, row, x, accs):              # Q4_STEP packed bytes, 2 accumulators
+            for half in range(2):
+                o = builder.add(off, ir.Constant(off.type, B * half))
+
+                def load(base, at):
+                    return builder.load(builder.bitcast(builder.gep(base, [at]), vb.as_pointer()), align=1)
+                v = load(row, o)
+                builder.store(mac2(builder.load(accs[half]), builder.and_(v, low), load(x, o),
+                                   builder.lshr(v, four), load(x, builder.add(o, hh))), accs[half])
+        return _rows_by_chunk(context, builder, signature, args, hh, Q4_CHUNK, Q4_STEP, 1, 2, B // 4, iteration)
     return sig, codegen
 
 
 @intrinsic
-def _dot_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
-    # q (d,n) i8 rows, x16 (n,) i16 -> sums[r] (i32) = sum over columns j in k0..k0+Q8_STEP*nvec of
-    # q[i0+r,j]*x16[j], r < nrows
-    sig = types.void(q, x16, i0, nrows, k0, nvec, sums)
+def _dot_i8_i16(typingctx, q, x16, i0, nrows, n, sums):
+    # q (d,n) i8 rows, x16 (n,) i16 -> sums[r*nch + b] (i32) = sum over the whole Q8_STEP steps of chunk b
+    # (columns j in b*Q8_CHUNK..) of q[i0+r,j]*x16[j], r < nrows
+    sig = types.void(q, x16, i0, nrows, n, sums)
 
     def codegen(context, builder, signature, args):
-        qa = context.make_array(signature.args[0])(context, builder, args[0])
-        x = context.make_array(signature.args[1])(context, builder, args[1])
-        out = context.make_array(signature.args[6])(context, builder, args[6])
-        i0v, nrows_v, k0v, nv = args[2], args[3], args[4], args[5]
         i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
         C = Q8_STEP // 2                                   # columns per vector: 32 (zmm) or 16 (ymm)
         vb, vw, vd = ir.VectorType(i8, C), ir.VectorType(i16, C), ir.VectorType(i32, C // 2)
@@ -148,38 +168,25 @@ def _dot_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
 
             def mac(acc, w, xv):
                 return builder.add(acc, builder.call(maddwd, [w, xv]))
-        reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vd]),
-                                                f"llvm.vector.reduce.add.v{C // 2}i32")
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(2)]
-        stride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
-        qbase = builder.bitcast(qa.data, i8.as_pointer())
-        sums_p = builder.bitcast(out.data, i32.as_pointer())
-        xbase = builder.gep(builder.bitcast(x.data, i16.as_pointer()), [k0v])
-        with cgutils.for_range(builder, nrows_v) as rows:
-            rbase = builder.gep(qbase, [builder.add(builder.mul(builder.add(i0v, rows.index), stride), k0v)])
-            for acc in accs:
-                builder.store(ir.Constant(vd, None), acc)
-            with cgutils.for_range(builder, nv) as loop:        # Q8_STEP columns per iteration, 2 accumulators
-                for half in range(2):
-                    off = builder.add(builder.mul(loop.index, ir.Constant(loop.index.type, Q8_STEP)),
-                                      ir.Constant(loop.index.type, C * half))
-                    w = builder.load(builder.bitcast(builder.gep(rbase, [off]), vb.as_pointer()), align=1)
-                    xv = builder.load(builder.bitcast(builder.gep(xbase, [off]), vw.as_pointer()), align=2)
-                    builder.store(mac(builder.load(accs[half]), builder.sext(w, vw), xv), accs[half])
-            tot = builder.call(reduce, [builder.add(builder.load(accs[0]), builder.load(accs[1]))])
-            builder.store(tot, builder.gep(sums_p, [rows.index]))
-        return context.get_dummy_value()
+
+        def iteration(off, row, x, accs):              # Q8_STEP columns, 2 accumulators
+            for half in range(2):
+                o = builder.add(off, ir.Constant(off.type, C * half))
+                w = builder.load(builder.bitcast(builder.gep(row, [o]), vb.as_pointer()), align=1)
+                xv = builder.load(builder.bitcast(builder.gep(x, [builder.mul(o, ir.Constant(o.type, 2))]),
+                                                  vw.as_pointer()), align=2)
+                builder.store(mac(builder.load(accs[half]), builder.sext(w, vw), xv), accs[half])
+        return _rows_by_chunk(context, builder, signature, args, args[4], Q8_CHUNK, Q8_STEP, 2, 2, C // 2, iteration)
     return sig, codegen
 
 
-ROWS_MAX = 64       # rows per call of a dot intrinsic (their f32 and i32 sums live at the end of aux)
+SUMS_MAX = 256      # i32 sums (rows x chunks) per call of a dot intrinsic, at the end of aux
 
 
 @njit(cache=True, inline="always")
-def _row_scratch(aux):
-    # the last 2*ROWS_MAX floats of the aux scratch: (f32 row accumulators, i32 row sums)
-    e = aux.shape[0]
-    return aux[e - 2 * ROWS_MAX:e - ROWS_MAX], aux[e - ROWS_MAX:].view(np.int32)
+def _sums_scratch(aux):
+    # the last SUMS_MAX floats of the aux scratch, as i32
+    return aux[aux.shape[0] - SUMS_MAX:].view(np.int32)
 
 
 _MAGIC = np.float32(12582912.0)     # 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 to nearest even
@@ -305,26 +312,23 @@ def q4_group_i8(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
         k0 = b * Q4_CHUNK
         k1 = min(h, k0 + Q4_CHUNK)
         aux[2 * b], aux[2 * b + 1] = act_chunk_q4(sg, x, xs, x8, h, k0, k1)
-    facc, sums = _row_scratch(aux)
-    for r0 in range(i0, i0 + G, ROWS_MAX):
-        nr = min(ROWS_MAX, i0 + G - r0)
-        facc[:nr] = 0.0
-        for b in range(nch):
-            k0 = b * Q4_CHUNK
-            k1 = min(h, k0 + Q4_CHUNK)
-            nv = (k1 - k0) // Q4_STEP
-            _dot_u4_i8(q, x8, r0, nr, k0, nv, h, sums)
-            if k0 + Q4_STEP * nv < k1:                         # a tail shorter than one vector step
-                for j in range(nr):
-                    r = q[r0 + j]
-                    for k in range(k0 + Q4_STEP * nv, k1):
-                        u = np.int32(r[k])
-                        sums[j] += np.int32(u & 15) * np.int32(x8[k]) + np.int32(u >> 4) * np.int32(x8[k + h])
-            c, off = aux[2 * b], aux[2 * b + 1]
-            for j in range(nr):
-                facc[j] += c * (np.float32(sums[j]) - off)
+    sums = _sums_scratch(aux)
+    rows = max(1, min(G, SUMS_MAX // nch))
+    for r0 in range(i0, i0 + G, rows):
+        nr = min(rows, i0 + G - r0)
+        _dot_u4_i8(q, x8, r0, nr, h, sums)
         for j in range(nr):
-            _put(out, r0 + j, facc[j], alpha, accumulate)
+            r = q[r0 + j]
+            acc = np.float32(0.0)
+            for b in range(nch):
+                k0 = b * Q4_CHUNK
+                k1 = min(h, k0 + Q4_CHUNK)
+                s = sums[j * nch + b]
+                for k in range(k0 + (k1 - k0) // Q4_STEP * Q4_STEP, k1):     # a tail shorter than one step
+                    u = np.int32(r[k])
+                    s += np.int32(u & 15) * np.int32(x8[k]) + np.int32(u >> 4) * np.int32(x8[k + h])
+                acc += aux[2 * b] * (np.float32(s) - aux[2 * b + 1])
+            _put(out, r0 + j, acc, alpha, accumulate)
 
 
 @njit(cache=True, error_model="numpy")
@@ -336,25 +340,22 @@ def q8_group_i16(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
         k0 = b * Q8_CHUNK
         k1 = min(n, k0 + Q8_CHUNK)
         aux[b] = act_chunk_q8(sg, x, xs, xi, k0, k1)
-    facc, sums = _row_scratch(aux)
-    for r0 in range(i0, i0 + G, ROWS_MAX):
-        nr = min(ROWS_MAX, i0 + G - r0)
-        facc[:nr] = 0.0
-        for b in range(nch):
-            k0 = b * Q8_CHUNK
-            k1 = min(n, k0 + Q8_CHUNK)
-            nv = (k1 - k0) // Q8_STEP
-            _dot_i8_i16(q, xi, r0, nr, k0, nv, sums)
-            if k0 + Q8_STEP * nv < k1:                         # a tail shorter than one vector step
-                for j in range(nr):
-                    r = q[r0 + j]
-                    for k in range(k0 + Q8_STEP * nv, k1):
-                        sums[j] += np.int32(r[k]) * np.int32(xi[k])
-            c = aux[b]
-            for j in range(nr):
-                facc[j] += c * np.float32(sums[j])
+    sums = _sums_scratch(aux)
+    rows = max(1, min(G, SUMS_MAX // nch))
+    for r0 in range(i0, i0 + G, rows):
+        nr = min(rows, i0 + G - r0)
+        _dot_i8_i16(q, xi, r0, nr, n, sums)
         for j in range(nr):
-            _put(out, r0 + j, facc[j], alpha, accumulate)
+            r = q[r0 + j]
+            acc = np.float32(0.0)
+            for b in range(nch):
+                k0 = b * Q8_CHUNK
+                k1 = min(n, k0 + Q8_CHUNK)
+                s = sums[j * nch + b]
+                for k in range(k0 + (k1 - k0) // Q8_STEP * Q8_STEP, k1):     # a tail shorter than one step
+                    s += np.int32(r[k]) * np.int32(xi[k])
+                acc += aux[b] * np.float32(s)
+            _put(out, r0 + j, acc, alpha, accumulate)
 
 
 def act_error_bound(kind, q, s, x):
