@@ -178,6 +178,11 @@ def cmd_convert(a):
     print(f"wrote {a.output}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_experts} experts, {a.dtype}"
           f"{'' if a.quantize == 'none' else ' + ' + a.quantize}, "
           f"{size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if cfg.quant != "none":
+        kept = sorted(k for k, q in cfg.quant_overrides.items() if q == "none")
+        print(f"quantization groups of {cfg.quant_group} rows"
+              + (f"; kept in {a.dtype} (rows not a multiple of {cfg.quant_group}, or an odd width for q4): "
+                 f"{', '.join(kept)}" if kept else ""), file=sys.stderr)
 
 
 def cmd_debug_routing(a):
