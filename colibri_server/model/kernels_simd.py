@@ -60,12 +60,12 @@ def _vec(t, n, v):
     return ir.Constant(ir.VectorType(t, n), [ir.Constant(t, v)] * n)
 
 
-def _rows_by_chunk(context, builder, signature, args, ncols, chunk, step, xbytes, nacc, width, iteration):
+def _rows_by_chunk(context, builder, signature, args, ncols, chunk, step, nacc, width, iteration):
     """The loops shared by the decode dots (args: q, x, i0, nrows, ..., sums). Each row i0+r is read
     once, front to back: for its chunk b of `chunk` columns (k0 = b*chunk .. min(ncols, k0+chunk)),
     `nacc` i32 vector accumulators of `width` lanes start at zero, `iteration(off, row, x, accs)`
     runs for the whole steps of `step` columns (off: the step's first column), and the lane sum
-    goes to sums[r*nch + b]. Reading a row chunk by chunk across all rows first (two passes
+    goes to sums[r*nch + b] (x: the activations' i8 base pointer). Reading a row chunk by chunk across all rows first (two passes
     over the rows for two chunks) measured half the DRAM bandwidth."""
     qa = context.make_array(signature.args[0])(context, builder, args[0])
     xa = context.make_array(signature.args[1])(context, builder, args[1])
@@ -141,7 +141,7 @@ def _dot_u4_i8(typingctx, q, x8, i0, nrows, h, sums):
                 v = load(row, o)
                 builder.store(mac2(builder.load(accs[half]), builder.and_(v, low), load(x, o),
                                    builder.lshr(v, four), load(x, builder.add(o, hh))), accs[half])
-        return _rows_by_chunk(context, builder, signature, args, hh, Q4_CHUNK, Q4_STEP, 1, 2, B // 4, iteration)
+        return _rows_by_chunk(context, builder, signature, args, hh, Q4_CHUNK, Q4_STEP, 2, B // 4, iteration)
     return sig, codegen
 
 
@@ -176,7 +176,7 @@ def _dot_i8_i16(typingctx, q, x16, i0, nrows, n, sums):
                 xv = builder.load(builder.bitcast(builder.gep(x, [builder.mul(o, ir.Constant(o.type, 2))]),
                                                   vw.as_pointer()), align=2)
                 builder.store(mac(builder.load(accs[half]), builder.sext(w, vw), xv), accs[half])
-        return _rows_by_chunk(context, builder, signature, args, args[4], Q8_CHUNK, Q8_STEP, 2, 2, C // 2, iteration)
+        return _rows_by_chunk(context, builder, signature, args, args[4], Q8_CHUNK, Q8_STEP, 2, C // 2, iteration)
     return sig, codegen
 
 
