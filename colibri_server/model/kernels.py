@@ -349,8 +349,12 @@ def matmul(X, W, out, scratch, tmp=None):
             matvec(W, X[0], out[0])
         else:
             flat = scratch.reshape(-1)
-            _KQ.matvec_q(q, W.s, X[0], out[0], flat[:_KQ.scratch_len(n)],
-                         flat[-(n // 2 + 1):].view(np.int16)[:n])
+            ni, nf = _KQ.xi_len(n), _KQ.scratch_len(n)
+            if flat.size >= nf + ni // 2 + 1:
+                xs, xi = flat[:nf], flat[-(ni // 2 + 1):].view(np.int16)[:ni]
+            else:                                       # a scratch too small for both (tiny n)
+                xs, xi = _KQ.scratch(n)
+            _KQ.matvec_q(q, W.s, X[0], out[0], xs, xi)
         return out
     if q is not None and _GEMM.HAVE_GEMM:              # integer GEMM, no float tiles (kernels_gemm)
         (_GEMM.matmul_q4_i8 if q.dtype == np.uint8 else _GEMM.matmul_q8_i16)(q, W.s, X, out)

@@ -6,14 +6,14 @@ dequantizes 256-row tiles to f32 and calls sgemm; on bench-mixtral those GEMMs w
 
 * per row group g (G rows sharing one scale per column, quant.py) the scales are folded into
   each token's activations and these are rounded to int8 per chunk of Q4_CHUNK packed bytes,
-  exactly as the q4 decode kernel does (kernels_simd.q4_group_i8), so a token's logits do not
+  exactly as the q4 decode kernel does (kernels_simd.q4_groups_i8), so a token's logits do not
   depend on whether it was prefilled or decoded;
 * `_gemm_u4_i8` multiplies 2 rows by 4 tokens per pass, 64 packed bytes (128 weights) at a
   time: two weight loads, their low and high nibbles, and 16 `vpdpbusd` (u8 x s8 sums of four
   products into i32 lanes, no saturation) into 8 zmm accumulators; each weight load serves 4
   tokens and each activation load 2 rows.
 
-* q8 likewise, with the decode kernel's int16 activations (kernels_simd.q8_group_i16): the
+* q8 likewise, with the decode kernel's int16 activations (kernels_simd.q8_groups_i16): the
   weights sign-extended to i16 and `vpdpwssd`, 2 rows x 4 tokens, 32 columns at a time.
 
 Token counts are padded to a multiple of 4 with zero activations (their sums are 0 and are

@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .kernels import _REDUCE_FM, _silu_mul_1d, to_f32
-from .kernels_simd import HAVE_AVX2, SUMS_MAX, q4_group_i8, q8_group_i16
+from .kernels_simd import ACT_GROUPS, HAVE_AVX2, SUMS_MAX, q4_groups_i8, q8_groups_i16
 
 __all__ = ["matvec_q", "matvec_q_ref", "rows_to_f32_q", "rows_to_f32_q_ref", "expert_ffn_q",
            "expert_ffn_q_ref", "matvec_q_par", "expert_ffn_q_par"]
@@ -159,44 +159,44 @@ def _q4_group(q, xs, off, out, i0, G, alpha, accumulate):
         i += 1
 
 
-def _group(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
-    """Compile-time dispatch on the value dtype (int8 -> q8, uint8 -> q4) and the CPU (AVX2:
-    the integer kernels of kernels_simd; else the float ones above). Numba only."""
+def _groups(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
+    """Rows of the row groups g0..g1. Compile-time dispatch on the value dtype (int8 -> q8, uint8 ->
+    q4) and the CPU (AVX2: the integer kernels of kernels_simd; else the float ones above). Numba only."""
     raise NotImplementedError
 
 
-@overload(_group, inline="always")
-def _group_overload(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
+@overload(_groups, inline="always")
+def _groups_overload(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
     if q.dtype == types.int8:
         if HAVE_AVX2:
-            return lambda q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate: q8_group_i16(
-                q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate)
+            return lambda q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate: q8_groups_i16(
+                q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate)
 
-        def q8_float(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
-            _fold(sg, x, xs)
-            _q8_group(q, xs, out, i0, G, alpha, accumulate)
+        def q8_float(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
+            G = q.shape[0] // s.shape[0]
+            for g in range(g0, g1):
+                _fold(s[g], x, xs)
+                _q8_group(q, xs, out, g * G, G, alpha, accumulate)
         return q8_float
     if q.dtype == types.uint8:
         if HAVE_AVX2:
-            return lambda q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate: q4_group_i8(
-                q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate)
+            return lambda q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate: q4_groups_i8(
+                q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate)
 
-        def q4_float(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
-            tot = _fold(sg, x, xs)
-            _q4_group(q, xs, np.float32(8.0) * tot, out, i0, G, alpha, accumulate)
+        def q4_float(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
+            G = q.shape[0] // s.shape[0]
+            for g in range(g0, g1):
+                tot = _fold(s[g], x, xs)
+                _q4_group(q, xs, np.float32(8.0) * tot, out, g * G, G, alpha, accumulate)
         return q4_float
     return None
 
 
 @njit(cache=True)
 def _qmv_groups(q, s, x, out, xs, xi, g0, g1, alpha, accumulate):
-    # (q, s) quantized (d,n), x (n,) -> out rows of groups g0..g1 = alpha * W @ x (+=); xs (scratch_len(n),) f32, xi (n,) i16 scratch
-    G = q.shape[0] // s.shape[0]
+    # (q, s) quantized (d,n), x (n,) -> out rows of groups g0..g1 = alpha * W @ x (+=); xs (scratch_len(n),) f32, xi (xi_len(n),) i16 scratch
     n = s.shape[1]
-    xf = xs[:n]
-    aux = xs[n:]
-    for g in range(g0, g1):
-        _group(q, s[g], x, xf, xi, aux, out, g * G, G, alpha, accumulate)
+    _groups(q, s, x, xs[:n], xi, xs[n:], out, g0, g1, alpha, accumulate)
 
 
 @njit(cache=True)
@@ -205,19 +205,24 @@ def _qmv_core(q, s, x, out, xs, xi, alpha, accumulate):
 
 
 def scratch_len(n: int) -> int:
-    """Length of the f32 scratch `xs` of a quantized matvec with n columns (the int16 `xi`: n)."""
-    return n + n // 256 + 4 + SUMS_MAX
+    """Length of the f32 scratch `xs` of a quantized matvec with n columns (the int16 `xi`: xi_len(n))."""
+    return n + 2 * ACT_GROUPS * (n // 1024 + 2) + SUMS_MAX
+
+
+def xi_len(n: int) -> int:
+    """Length of the int16 scratch `xi`: the rounded activations of ACT_GROUPS row groups."""
+    return ACT_GROUPS * n
 
 
 def scratch(n: int, rows: int = 0):
     """(xs f32, xi int16) scratch for matvecs of up to n columns; rows > 0: one row per thread chunk."""
     shape = (rows,) if rows else ()
-    return np.zeros(shape + (scratch_len(n),), np.float32), np.zeros(shape + (n,), np.int16)
+    return np.zeros(shape + (scratch_len(n),), np.float32), np.zeros(shape + (xi_len(n),), np.int16)
 
 
 @njit(cache=True)
 def matvec_q(q, s, x, out, xs, xi):
-    # (q i8 (d,n) | u8 (d,n/2), s u16 (d/G,n)), x (n,) f32 -> out (d,) f32 = W @ x; xs (scratch_len(n),) f32, xi (n,) i16 scratch
+    # (q i8 (d,n) | u8 (d,n/2), s u16 (d/G,n)), x (n,) f32 -> out (d,) f32 = W @ x; xs (scratch_len(n),) f32, xi (xi_len(n),) i16 scratch
     _qmv_core(q, s, x, out, xs, xi, np.float32(1.0), False)
 
 

@@ -61,21 +61,24 @@ def _vec(t, n, v):
 
 
 def _rows_by_chunk(context, builder, signature, args, ncols, chunk, step, nacc, width, iteration):
-    """The loops shared by the decode dots (args: q, x, i0, nrows, ..., sums). Each row i0+r is read
-    once, front to back: for its chunk b of `chunk` columns (k0 = b*chunk .. min(ncols, k0+chunk)),
-    `nacc` i32 vector accumulators of `width` lanes start at zero, `iteration(off, row, x, accs)`
-    runs for the whole steps of `step` columns (off: the step's first column), and the lane sum
-    goes to sums[r*nch + b] (x: the activations' i8 base pointer). Reading a row chunk by chunk across all rows first (two passes
-    over the rows for two chunks) measured half the DRAM bandwidth."""
+    """The loops shared by the decode dots (args: q, x, i0, nrows, ncols, G, jr, sums; x 2D, one row
+    of activations per group of G rows: row i0+r uses x[(jr + r) // G]). The rows i0.. are read once, in
+    order, front to back: for row r's chunk b of `chunk` columns (k0 = b*chunk .. min(ncols,
+    k0+chunk)), `nacc` i32 vector accumulators of `width` lanes start at zero,
+    `iteration(off, row, x, accs)` runs for the whole steps of `step` columns (off: the step's
+    first column; row, x: i8 pointers to q's row and its x row), and the lane sum goes to
+    sums[r*nch + b]. One sequential stream matters here: reading rows chunk by chunk (two passes
+    for two chunks) measured half the DRAM bandwidth, and so did two interleaved rows."""
     qa = context.make_array(signature.args[0])(context, builder, args[0])
     xa = context.make_array(signature.args[1])(context, builder, args[1])
     sa = context.make_array(signature.args[-1])(context, builder, args[-1])
-    i0v, nrows_v = args[2], args[3]
+    i0v, nrows_v, Gv, jr = args[2], args[3], args[5], args[6]
     i8, i32, idx = ir.IntType(8), ir.IntType(32), ir.IntType(64)
     vd = ir.VectorType(i32, width)
     reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [vd]),
                                             f"llvm.vector.reduce.add.v{width}i32")
     stride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+    xstride = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
     qbase = builder.bitcast(qa.data, i8.as_pointer())
     xbase = builder.bitcast(xa.data, i8.as_pointer())
     sums_p = builder.bitcast(sa.data, i32.as_pointer())
@@ -84,6 +87,7 @@ def _rows_by_chunk(context, builder, signature, args, ncols, chunk, step, nacc, 
     accs = [cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(nacc)]
     with cgutils.for_range(builder, nrows_v) as rows:
         row = builder.gep(qbase, [builder.mul(builder.add(i0v, rows.index), stride)])
+        xrow = builder.gep(xbase, [builder.mul(builder.sdiv(builder.add(jr, rows.index), Gv), xstride)])
         with cgutils.for_range(builder, nch) as ch:
             k0 = builder.mul(ch.index, C)
             k1 = builder.add(k0, C)
@@ -92,7 +96,7 @@ def _rows_by_chunk(context, builder, signature, args, ncols, chunk, step, nacc, 
             for acc in accs:
                 builder.store(ir.Constant(vd, None), acc)
             with cgutils.for_range(builder, nv) as it:
-                iteration(builder.add(k0, builder.mul(it.index, ir.Constant(idx, step))), row, xbase, accs)
+                iteration(builder.add(k0, builder.mul(it.index, ir.Constant(idx, step))), row, xrow, accs)
             tot = builder.load(accs[0])
             for acc in accs[1:]:
                 tot = builder.add(tot, builder.load(acc))
@@ -102,10 +106,10 @@ def _rows_by_chunk(context, builder, signature, args, ncols, chunk, step, nacc, 
 
 
 @intrinsic
-def _dot_u4_i8(typingctx, q, x8, i0, nrows, h, sums):
-    # q (d,h) u8 packed q4 rows, x8 (2h,) i8 -> sums[r*nch + b] (i32) = sum over the whole Q4_STEP steps of
-    # chunk b (packed bytes k in b*Q4_CHUNK..) of lo(q[i0+r,k])*x8[k] + hi(q[i0+r,k])*x8[k+h], r < nrows
-    sig = types.void(q, x8, i0, nrows, h, sums)
+def _dot_u4_i8(typingctx, q, x8, i0, nrows, h, G, jr, sums):
+    # q (d,h) u8 packed q4 rows, x8 (groups, >=2h) i8 -> sums[r*nch + b] (i32) = sum over the whole Q4_STEP steps
+    # of chunk b (packed bytes k in b*Q4_CHUNK..) of lo(q[i0+r,k])*xg[k] + hi(q[i0+r,k])*xg[k+h], xg = x8[(jr+r) // G]
+    sig = types.void(q, x8, i0, nrows, h, G, jr, sums)
 
     def codegen(context, builder, signature, args):
         i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -146,10 +150,10 @@ def _dot_u4_i8(typingctx, q, x8, i0, nrows, h, sums):
 
 
 @intrinsic
-def _dot_i8_i16(typingctx, q, x16, i0, nrows, n, sums):
-    # q (d,n) i8 rows, x16 (n,) i16 -> sums[r*nch + b] (i32) = sum over the whole Q8_STEP steps of chunk b
-    # (columns j in b*Q8_CHUNK..) of q[i0+r,j]*x16[j], r < nrows
-    sig = types.void(q, x16, i0, nrows, n, sums)
+def _dot_i8_i16(typingctx, q, x16, i0, nrows, n, G, jr, sums):
+    # q (d,n) i8 rows, x16 (groups, >=n) i16 -> sums[r*nch + b] (i32) = sum over the whole Q8_STEP steps of
+    # chunk b (columns j in b*Q8_CHUNK..) of q[i0+r,j]*x16[(jr+r) // G, j], r < nrows
+    sig = types.void(q, x16, i0, nrows, n, G, jr, sums)
 
     def codegen(context, builder, signature, args):
         i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -180,7 +184,7 @@ def _dot_i8_i16(typingctx, q, x16, i0, nrows, n, sums):
     return sig, codegen
 
 
-SUMS_MAX = 256      # i32 sums (rows x chunks) per call of a dot intrinsic, at the end of aux
+SUMS_MAX = 1024     # i32 sums (rows x chunks) per call of a dot intrinsic, at the end of aux
 
 
 @njit(cache=True, inline="always")
@@ -302,60 +306,94 @@ def act_chunk_q8(sg, x, xs, x16, k0, k1):
     return c
 
 
+ACT_GROUPS = 32     # row groups whose activations are rounded before their rows stream as one
+
+
+@njit(cache=True, inline="always")
+def _block_scratch(xi, aux, n):
+    # xi (>= ACT_GROUPS*n,) i16 -> (ACT_GROUPS, n) i16, one activation row per group; aux's tail as i32 sums
+    return xi[:ACT_GROUPS * n].reshape((ACT_GROUPS, n)), _sums_scratch(aux)
+
+
 @njit(cache=True, error_model="numpy")
-def q4_group_i8(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
-    # q (d,n/2) u8 packed rows i0..i0+G, sg (n,) u16 their group's scales, x (n,) f32 -> out[i] = alpha * (q[i]-8).(sg*x) (+=); xs (n,) f32, xi (n,) i16, aux (>= 2*chunks,) f32 scratch
+def q4_groups_i8(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
+    # q (d,n/2) u8 packed, s (d/G,n) u16 scales, x (n,) f32 -> out rows of groups g0..g1 = alpha * (q-8).(s[g]*x) (+=);
+    # xs (n,) f32, xi (ACT_GROUPS*n,) i16, aux (>= 2*ACT_GROUPS*chunks + SUMS_MAX,) f32 scratch.
+    # ACT_GROUPS groups at a time: their activations first, then their rows as one stream
     h = q.shape[1]
-    x8 = xi.view(np.int8)
+    n = 2 * h
+    G = q.shape[0] // s.shape[0]
+    x2, sums = _block_scratch(xi, aux, n)
+    x8 = x2.view(np.int8)                                  # (ACT_GROUPS, 2n) i8: a group's x8 in [:n]
     nch = (h + Q4_CHUNK - 1) // Q4_CHUNK
-    for b in range(nch):
-        k0 = b * Q4_CHUNK
-        k1 = min(h, k0 + Q4_CHUNK)
-        aux[2 * b], aux[2 * b + 1] = act_chunk_q4(sg, x, xs, x8, h, k0, k1)
-    sums = _sums_scratch(aux)
-    rows = max(1, min(G, SUMS_MAX // nch))
-    for r0 in range(i0, i0 + G, rows):
-        nr = min(rows, i0 + G - r0)
-        _dot_u4_i8(q, x8, r0, nr, h, sums)
-        for j in range(nr):
-            r = q[r0 + j]
-            acc = np.float32(0.0)
+    tail = h % Q4_CHUNK % Q4_STEP != 0 or (nch > 1 and Q4_CHUNK % Q4_STEP != 0)
+    rows = max(1, SUMS_MAX // nch)
+    for gb in range(g0, g1, ACT_GROUPS):
+        ge = min(g1, gb + ACT_GROUPS)
+        for g in range(gb, ge):
+            j = g - gb
             for b in range(nch):
                 k0 = b * Q4_CHUNK
-                k1 = min(h, k0 + Q4_CHUNK)
-                s = sums[j * nch + b]
-                for k in range(k0 + (k1 - k0) // Q4_STEP * Q4_STEP, k1):     # a tail shorter than one step
-                    u = np.int32(r[k])
-                    s += np.int32(u & 15) * np.int32(x8[k]) + np.int32(u >> 4) * np.int32(x8[k + h])
-                acc += aux[2 * b] * (np.float32(s) - aux[2 * b + 1])
-            _put(out, r0 + j, acc, alpha, accumulate)
+                aux[2 * (j * nch + b)], aux[2 * (j * nch + b) + 1] = act_chunk_q4(
+                    s[g], x, xs, x8[j], h, k0, min(h, k0 + Q4_CHUNK))
+        end = ge * G
+        for r0 in range(gb * G, end, rows):
+            nr = min(rows, end - r0)
+            jr0 = r0 - gb * G                              # row index within the block (x8[0] = group gb)
+            _dot_u4_i8(q, x8, r0, nr, h, G, jr0, sums)
+            for i in range(nr):
+                ja = (jr0 + i) // G                        # group within the block
+                acc = np.float32(0.0)
+                for b in range(nch):
+                    sm = sums[i * nch + b]
+                    if tail:                               # a chunk's columns beyond its whole steps
+                        k0 = b * Q4_CHUNK
+                        k1 = min(h, k0 + Q4_CHUNK)
+                        r = q[r0 + i]
+                        xg = x8[ja]
+                        for k in range(k0 + (k1 - k0) // Q4_STEP * Q4_STEP, k1):
+                            u = np.int32(r[k])
+                            sm += np.int32(u & 15) * np.int32(xg[k]) + np.int32(u >> 4) * np.int32(xg[k + h])
+                    acc += aux[2 * (ja * nch + b)] * (np.float32(sm) - aux[2 * (ja * nch + b) + 1])
+                _put(out, r0 + i, acc, alpha, accumulate)
 
 
 @njit(cache=True, error_model="numpy")
-def q8_group_i16(q, sg, x, xs, xi, aux, out, i0, G, alpha, accumulate):
-    # q (d,n) i8 rows i0..i0+G, sg (n,) u16 their group's scales, x (n,) f32 -> out[i] = alpha * q[i].(sg*x) (+=); xs (n,) f32, xi (n,) i16, aux (>= chunks,) f32 scratch
+def q8_groups_i16(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
+    # q (d,n) i8, s (d/G,n) u16 scales, x (n,) f32 -> out rows of groups g0..g1 = alpha * q.(s[g]*x) (+=);
+    # xs (n,) f32, xi (ACT_GROUPS*n,) i16, aux (>= ACT_GROUPS*chunks + SUMS_MAX,) f32 scratch; as q4_groups_i8
     n = q.shape[1]
+    G = q.shape[0] // s.shape[0]
+    x16, sums = _block_scratch(xi, aux, n)
     nch = (n + Q8_CHUNK - 1) // Q8_CHUNK
-    for b in range(nch):
-        k0 = b * Q8_CHUNK
-        k1 = min(n, k0 + Q8_CHUNK)
-        aux[b] = act_chunk_q8(sg, x, xs, xi, k0, k1)
-    sums = _sums_scratch(aux)
-    rows = max(1, min(G, SUMS_MAX // nch))
-    for r0 in range(i0, i0 + G, rows):
-        nr = min(rows, i0 + G - r0)
-        _dot_i8_i16(q, xi, r0, nr, n, sums)
-        for j in range(nr):
-            r = q[r0 + j]
-            acc = np.float32(0.0)
+    tail = n % Q8_CHUNK % Q8_STEP != 0 or (nch > 1 and Q8_CHUNK % Q8_STEP != 0)
+    rows = max(1, SUMS_MAX // nch)
+    for gb in range(g0, g1, ACT_GROUPS):
+        ge = min(g1, gb + ACT_GROUPS)
+        for g in range(gb, ge):
+            j = g - gb
             for b in range(nch):
                 k0 = b * Q8_CHUNK
-                k1 = min(n, k0 + Q8_CHUNK)
-                s = sums[j * nch + b]
-                for k in range(k0 + (k1 - k0) // Q8_STEP * Q8_STEP, k1):     # a tail shorter than one step
-                    s += np.int32(r[k]) * np.int32(xi[k])
-                acc += aux[b] * np.float32(s)
-            _put(out, r0 + j, acc, alpha, accumulate)
+                aux[j * nch + b] = act_chunk_q8(s[g], x, xs, x16[j], k0, min(n, k0 + Q8_CHUNK))
+        end = ge * G
+        for r0 in range(gb * G, end, rows):
+            nr = min(rows, end - r0)
+            jr0 = r0 - gb * G
+            _dot_i8_i16(q, x16, r0, nr, n, G, jr0, sums)
+            for i in range(nr):
+                ja = (jr0 + i) // G
+                acc = np.float32(0.0)
+                for b in range(nch):
+                    sm = sums[i * nch + b]
+                    if tail:
+                        k0 = b * Q8_CHUNK
+                        k1 = min(n, k0 + Q8_CHUNK)
+                        r = q[r0 + i]
+                        xg = x16[ja]
+                        for k in range(k0 + (k1 - k0) // Q8_STEP * Q8_STEP, k1):
+                            sm += np.int32(r[k]) * np.int32(xg[k])
+                    acc += aux[ja * nch + b] * np.float32(sm)
+                _put(out, r0 + i, acc, alpha, accumulate)
 
 
 def act_error_bound(kind, q, s, x):
