@@ -306,6 +306,7 @@ def act_chunk_q8(sg, x, xs, x16, k0, k1):
     return c
 
 
+assert Q4_CHUNK % Q4_STEP == 0 and Q8_CHUNK % Q8_STEP == 0   # chunks hold whole steps
 ACT_GROUPS = 32     # row groups whose activations are rounded before their rows stream as one
 
 
@@ -326,7 +327,7 @@ def q4_groups_i8(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
     x2, sums = _block_scratch(xi, aux, n)
     x8 = x2.view(np.int8)                                  # (ACT_GROUPS, 2n) i8: a group's x8 in [:n]
     nch = (h + Q4_CHUNK - 1) // Q4_CHUNK
-    tail = h % Q4_CHUNK % Q4_STEP != 0 or (nch > 1 and Q4_CHUNK % Q4_STEP != 0)
+    tail = h % Q4_CHUNK % Q4_STEP != 0                    # only the last chunk can end mid-step
     rows = max(1, SUMS_MAX // nch)
     for gb in range(g0, g1, ACT_GROUPS):
         ge = min(g1, gb + ACT_GROUPS)
@@ -366,7 +367,7 @@ def q8_groups_i16(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
     G = q.shape[0] // s.shape[0]
     x16, sums = _block_scratch(xi, aux, n)
     nch = (n + Q8_CHUNK - 1) // Q8_CHUNK
-    tail = n % Q8_CHUNK % Q8_STEP != 0 or (nch > 1 and Q8_CHUNK % Q8_STEP != 0)
+    tail = n % Q8_CHUNK % Q8_STEP != 0                    # only the last chunk can end mid-step
     rows = max(1, SUMS_MAX // nch)
     for gb in range(g0, g1, ACT_GROUPS):
         ge = min(g1, gb + ACT_GROUPS)
