@@ -319,6 +319,25 @@ def test_views_are_read_only_and_zero_copy(base):
         cf.close()
 
 
+def test_stacked_view_is_the_rows_of_tensors_stored_back_to_back(base):
+    cf = fmt.ColibriFile.open(base.path)
+    try:
+        names = ["blk.0.attn_q", "blk.0.attn_k", "blk.0.attn_v"]
+        s = cf.stacked_view(names)
+        assert s is not None and not s.flags.writeable
+        np.testing.assert_array_equal(s, np.concatenate([cf.view(n) for n in names]))
+        assert np.shares_memory(s, cf.view("blk.0.attn_v"))            # a view, no copy
+        assert cf.stacked_view(["blk.0.attn_q", "blk.0.attn_v"]) is None      # a gap (attn_k)
+        assert cf.stacked_view(["blk.0.attn_k", "blk.0.attn_q"]) is None      # not in file order
+        assert cf.stacked_view(["blk.0.ffn_gate_inp", "blk.0.ffn_gate_exps"]) is None   # f32 2-D, f16 3-D
+        assert cf.stacked_view(["blk.0.ffn_gate_exps", "blk.0.ffn_up_exps"]) is None    # 3-D
+        assert cf.stacked_view(["blk.0.attn_norm", "blk.0.attn_q"]) is None   # 1-D and 2-D
+        assert cf.stacked_view(["blk.0.attn_q", "no_such_tensor"]) is None
+        del s
+    finally:
+        cf.close()
+
+
 def test_empty_optional_blobs_are_valid(base, tmp_path):
     p = base.patch()
     p.set_blobs(metadata=b"", tokenizer=b"", chat_template=b"")

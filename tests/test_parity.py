@@ -13,6 +13,7 @@ Every architecture, seeded random weights (tests/hf_models.py), nothing download
 """
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -93,6 +94,30 @@ def test_decode_path_equals_prefill_logits(built):
     for t in PROMPT[1:12]:
         rows.append(m.decode(cache, t)[0].copy())
     np.testing.assert_allclose(np.stack(rows), full, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen2_moe", "f16"), ("qwen3_moe", "bf16"), ("olmoe", "f32")])
+def test_fused_qkv_decode_equals_separate_projections(built, arch, dtype):
+    """Decode streams q|k|v as one matrix when the file stores them back to back (the converter
+    writes them so): the logits of three separate projections, bit for bit for half precision
+    (the same kernel per row); f32 goes through BLAS, whose blocking depends on the shape."""
+    m = Model.open(built(arch).colibri(dtype))
+    fused_layers = m.weights.layers
+    assert all(L.wqkv is not None and L.wqkv.shape[0] == L.wq.shape[0] + 2 * L.wk.shape[0]
+               for L in fused_layers)
+
+    def run(layers):
+        object.__setattr__(m.weights, "layers", layers)
+        cache = m.new_cache()
+        m.prefill(cache, np.array(PROMPT[:5]))
+        return np.stack([m.decode(cache, t)[0].copy() for t in PROMPT[5:12]])
+
+    fused = run(fused_layers)
+    separate = run(tuple(dataclasses.replace(L, wqkv=None) for L in fused_layers))
+    if dtype == "f32":
+        np.testing.assert_allclose(fused, separate, rtol=0, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(fused, separate)
 
 
 def test_sliding_window_matches_transformers(tmp_path):

@@ -212,6 +212,26 @@ class ColibriFile:
         a = self._buf[r.offset:r.offset + r.size].view(dt).reshape(view_shape(r.dtype, r.shape))
         return a
 
+    def stacked_view(self, names) -> np.ndarray | None:
+        """One read-only view of tensors stored back to back in this order with the same dtype
+        and columns, their rows stacked (e.g. attn_q, attn_k, attn_v: one matvec streams all
+        three); None when they are not stored that way. No copy."""
+        rs = [self.records.get(n) for n in names]
+        if any(r is None for r in rs):
+            return None
+        first = rs[0]
+        for a, b in zip(rs, rs[1:]):
+            if (b.dtype != first.dtype or b.offset != a.offset + a.size
+                    or tuple(b.shape[1:]) != tuple(first.shape[1:]) or len(b.shape) != 2):
+                return None
+        if len(first.shape) != 2:
+            return None
+        _, dt, _ = DTYPES[DTYPE_CODES[first.dtype]]
+        rows = sum(r.shape[0] for r in rs)
+        size = rs[-1].offset + rs[-1].size - first.offset
+        shape = view_shape(first.dtype, (rows, first.shape[1]))
+        return self._buf[first.offset:first.offset + size].view(dt).reshape(shape)
+
     def tensor_bytes(self, name: str) -> memoryview:
         r = self.records[name]
         return memoryview(self._mm)[r.offset:r.offset + r.size]

@@ -23,6 +23,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from .buffers import aligned_zeros
 from .kernels import _REDUCE_FM, _silu_mul_1d, to_f32
 from .kernels_simd import ACT_GROUPS, HAVE_AVX2, SUMS_MAX, q4_groups_i8, q8_groups_i16
 
@@ -205,19 +206,20 @@ def _qmv_core(q, s, x, out, xs, xi, alpha, accumulate):
 
 
 def scratch_len(n: int) -> int:
-    """Length of the f32 scratch `xs` of a quantized matvec with n columns (the int16 `xi`: xi_len(n))."""
-    return n + 2 * ACT_GROUPS * (n // 1024 + 2) + SUMS_MAX
+    """Length of the f32 scratch `xs` of a quantized matvec with n columns (the int16 `xi`: xi_len(n));
+    whole cache lines, so each thread's row of a scratch(n, rows) starts aligned like the first."""
+    return -(-(n + 2 * ACT_GROUPS * (n // 1024 + 2) + SUMS_MAX) // 16) * 16
 
 
 def xi_len(n: int) -> int:
-    """Length of the int16 scratch `xi`: the rounded activations of ACT_GROUPS row groups."""
-    return ACT_GROUPS * n
+    """Length of the int16 scratch `xi`: the rounded activations of ACT_GROUPS row groups (whole cache lines)."""
+    return -(-ACT_GROUPS * n // 32) * 32
 
 
 def scratch(n: int, rows: int = 0):
     """(xs f32, xi int16) scratch for matvecs of up to n columns; rows > 0: one row per thread chunk."""
     shape = (rows,) if rows else ()
-    return np.zeros(shape + (scratch_len(n),), np.float32), np.zeros(shape + (xi_len(n),), np.int16)
+    return aligned_zeros(shape + (scratch_len(n),), np.float32), aligned_zeros(shape + (xi_len(n),), np.int16)
 
 
 @njit(cache=True)

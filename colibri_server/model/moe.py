@@ -60,7 +60,10 @@ def moe(layer, x, ws, out, noise=None, trace=None):
     T = x.shape[0]
     E, A = layer.gate.shape[0], layer.top_k
     logits = ws.router[:T, :E]                                                 # (T,E)
-    ws.mm(x, layer.gate, logits)
+    if T == 1:
+        K.matvec(layer.gate, x[0], logits[0])                                  # (E,D) f32: BLAS costs more to call
+    else:
+        ws.mm(x, layer.gate, logits)
     idx, wts = ws.route_idx[:T, :A], ws.route_w[:T, :A]                       # (T,A) i32, (T,A) f32
     if noise is not None and noise.scale > 0:
         noise.route(logits, A, layer.renorm, idx, wts)

@@ -11,22 +11,15 @@ hd head dim, S cache capacity, V vocab.
 from __future__ import annotations
 
 import math
-import mmap
 
 import numpy as np
 
 from . import kernels as K
 from . import kernels_gemm as GE
 from . import kernels_quant as KQ
+from .buffers import aligned_zeros, lazy_zeros
 from .config import ModelConfig
 from .moe import moe, swiglu
-
-
-def lazy_zeros(shape, dtype=np.float32) -> np.ndarray:
-    """Zeros in their own anonymous mapping: pages cost memory only once written, whatever
-    malloc's thresholds (a calloc from the heap may touch every page)."""
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
 
 
 class KVCache:
@@ -60,33 +53,34 @@ class Workspace:
         F = max(cfg.moe_intermediate_size, cfg.intermediate_size, cfg.shared_expert_intermediate_size)
         f32 = np.float32
         self.rows = rows
-        self.x = np.zeros((rows, D), f32)                  # residual stream
-        self.h = np.zeros((rows, D), f32)                  # normed input of a sublayer
-        self.q = np.zeros((rows, cfg.q_dim), f32)
-        self.k = np.zeros((rows, cfg.kv_dim), f32)
-        self.v = np.zeros((rows, cfg.kv_dim), f32)
-        self.attn = np.zeros((rows, cfg.q_dim), f32)
-        self.sub = np.zeros((rows, D), f32)                # a sublayer's output
-        self.ffn_g = np.zeros((rows, F), f32)
-        self.ffn_u = np.zeros((rows, F), f32)
-        self.gather = np.zeros((rows, D), f32)
-        self.expert_out = np.zeros((rows, D), f32)
-        self.shared_out = np.zeros((rows, D), f32)
-        self.router = np.zeros((rows, E), f32)
-        self.route_idx = np.zeros((rows, A), np.int32)
-        self.route_w = np.zeros((rows, A), f32)
-        self.counts = np.zeros(E, np.int64)
-        self.offsets = np.zeros(E + 1, np.int64)
-        self.order = np.zeros(rows * A, np.int64)
-        self.h1 = np.zeros(cfg.moe_intermediate_size, f32)
-        self.h3 = np.zeros(cfg.moe_intermediate_size, f32)
+        self.x = aligned_zeros((rows, D), f32)                  # residual stream
+        self.h = aligned_zeros((rows, D), f32)                  # normed input of a sublayer
+        self.q = aligned_zeros((rows, cfg.q_dim), f32)
+        self.k = aligned_zeros((rows, cfg.kv_dim), f32)
+        self.v = aligned_zeros((rows, cfg.kv_dim), f32)
+        self.qkv = aligned_zeros((1, cfg.q_dim + 2 * cfg.kv_dim), f32)   # decode's fused projection
+        self.attn = aligned_zeros((rows, cfg.q_dim), f32)
+        self.sub = aligned_zeros((rows, D), f32)                # a sublayer's output
+        self.ffn_g = aligned_zeros((rows, F), f32)
+        self.ffn_u = aligned_zeros((rows, F), f32)
+        self.gather = aligned_zeros((rows, D), f32)
+        self.expert_out = aligned_zeros((rows, D), f32)
+        self.shared_out = aligned_zeros((rows, D), f32)
+        self.router = aligned_zeros((rows, E), f32)
+        self.route_idx = aligned_zeros((rows, A), np.int32)
+        self.route_w = aligned_zeros((rows, A), f32)
+        self.counts = aligned_zeros(E, np.int64)
+        self.offsets = aligned_zeros(E + 1, np.int64)
+        self.order = aligned_zeros(rows * A, np.int64)
+        self.h1 = aligned_zeros(cfg.moe_intermediate_size, f32)
+        self.h3 = aligned_zeros(cfg.moe_intermediate_size, f32)
         n_max = max(D, F, cfg.q_dim)
-        self.tile = np.zeros((self.TILE_ROWS, n_max), f32)
-        self.mm_tmp = np.zeros((rows, self.TILE_ROWS), f32)   # one BLAS tile's product
+        self.tile = aligned_zeros((self.TILE_ROWS, n_max), f32)
+        self.mm_tmp = aligned_zeros((rows, self.TILE_ROWS), f32)   # one BLAS tile's product
         self.threads = max(1, int(threads))
         self.xs, self.xi = KQ.scratch(n_max, 2 * self.threads)  # quantized matvec scratch, one row per chunk
-        self.logits = np.zeros((1, cfg.vocab_size), f32)
-        self.positions = np.zeros(rows, np.int64)
+        self.logits = aligned_zeros((1, cfg.vocab_size), f32)
+        self.positions = aligned_zeros(rows, np.int64)
         self.scores = None                                 # (S,) attention scratch, sized on use
 
     def tile_for(self, n: int) -> np.ndarray:
@@ -102,6 +96,9 @@ class Workspace:
                 KQ.matvec_q_par(W.q, W.s, X[0], out[0], self.xs[:self.threads], self.xi[:self.threads])
             else:
                 K.matvec_par(W, X[0], out[0], self.threads)
+            return out
+        if X.shape[0] == 1 and hasattr(W, "q"):            # the workspace's aligned scratch
+            KQ.matvec_q(W.q, W.s, X[0], out[0], self.xs[0], self.xi[0])
             return out
         if X.shape[0] > 1 and self.threads > 1 and hasattr(W, "q") and GE.HAVE_GEMM:
             # prefill of a quantized matrix: the integer GEMM's row groups split over the threads
@@ -125,7 +122,7 @@ class Workspace:
 
     def score_buffer(self, capacity: int) -> np.ndarray:
         if self.scores is None or self.scores.shape[0] < capacity:
-            self.scores = np.zeros(capacity, np.float32)
+            self.scores = aligned_zeros(capacity, np.float32)
         return self.scores
 
 
@@ -186,6 +183,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     if P0 + T > cache.capacity:
         raise ValueError(f"sequence of {P0 + T} tokens exceeds the context of {cache.capacity}")
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qd, kvd = cfg.q_dim, cfg.kv_dim
     cos, sin = rope
     x, h, sub = ws.x[:T], ws.h[:T], ws.sub[:T]                                # (T,D)
     pos = ws.positions[:T]                                                     # (T,)
@@ -202,10 +200,15 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     for l, L in enumerate(w.layers):
         # attention: RMSNorm -> q, k, v projections (+ bias) -> [clip] -> [q/k norm] -> RoPE
         K.rmsnorm(x, L.attn_norm, cfg.rms_norm_eps, h)
-        q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]                                 # (T,H*hd) (T,Hkv*hd) (T,Hkv*hd)
-        ws.mm(h, L.wq, q)
-        ws.mm(h, L.wk, k)
-        ws.mm(h, L.wv, v)
+        if T == 1 and L.wqkv is not None:                                      # one stream of q|k|v rows
+            qkv = ws.qkv[:1]                                                   # (1,H*hd+2*Hkv*hd)
+            ws.mm(h, L.wqkv, qkv)
+            q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
+        else:
+            q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]                             # (T,H*hd) (T,Hkv*hd) (T,Hkv*hd)
+            ws.mm(h, L.wq, q)
+            ws.mm(h, L.wk, k)
+            ws.mm(h, L.wv, v)
         if L.bq is not None:
             q += L.bq                                                          # biases (Qwen2 qkv_bias, attention_bias)
             k += L.bk

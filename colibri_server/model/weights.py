@@ -48,6 +48,9 @@ class Layer:
     mlp_w1: np.ndarray | None          # (F, D)
     mlp_w3: np.ndarray | None          # (F, D)
     mlp_w2: np.ndarray | None          # (D, F)
+    # wq, wk, wv as one (H*hd + 2*Hkv*hd, D) view when the file stores them back to back in one
+    # float dtype (what the converter writes): decode streams them in one matvec
+    wqkv: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,9 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
             w1=v(p + "ffn_gate_exps"), w3=v(p + "ffn_up_exps"), w2=v(p + "ffn_down_exps"),
             shared_w1=v(p + "ffn_gate_shexp"), shared_w3=v(p + "ffn_up_shexp"),
             shared_w2=v(p + "ffn_down_shexp"), shared_gate=v(p + "ffn_shexp_gate"),
-            mlp_w1=v(p + "ffn_gate"), mlp_w3=v(p + "ffn_up"), mlp_w2=v(p + "ffn_down")))
+            mlp_w1=v(p + "ffn_gate"), mlp_w3=v(p + "ffn_up"), mlp_w2=v(p + "ffn_down"),
+            wqkv=None if QUANT_KIND.get(cf.records[p + "attn_q"].dtype)
+            else cf.stacked_view([p + "attn_q", p + "attn_k", p + "attn_v"])))
     emb = cf.view("token_embd")
     return Weights(token_embd=emb, layers=tuple(layers), output_norm=cf.view("output_norm"),
                    output=emb if cfg.tie_word_embeddings else v("output"))
