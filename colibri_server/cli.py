@@ -49,7 +49,8 @@ def _open_model(path, **kw):
 # ---------------------------------------------------------------------------- run
 
 def cmd_run(a):
-    m = _open_model(a.model, context=a.context, routing_noise=a.routing_noise, seed=a.seed)
+    m = _open_model(a.model, context=a.context, routing_noise=a.routing_noise, seed=a.seed,
+                    prefill_bf16=a.prefill_bf16)
     params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                   min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed,
                   stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
@@ -404,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ignore-eos", action="store_true")
     r.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens")
     r.add_argument("--routing-noise", type=float, default=0.0, help="Gumbel top-k routing noise scale (0: off)")
+    r.add_argument("--prefill-bf16", action="store_true",
+                   help="prefill bf16 weights with bf16-rounded activations (avx512bf16 CPUs: ~2x faster prefill)")
     r.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids; print ids")
     r.add_argument("--embedding", help="a .npy file of input embeddings (T, D): bypasses the tokenizer")
     r.set_defaults(fn=cmd_run)

@@ -433,6 +433,9 @@ SCHEMA: tuple[Setting, ...] = (
             reload=RESTART),
     Setting("workers", INT, 0, "worker processes (0: one per physical core)", Range(0, 1024)),
     Setting("threads_per_worker", INT, 1, "compute threads in each worker", Range(1, 256)),
+    Setting("prefill_bf16", BOOL, False,
+            "prefill bf16 weights with bf16-rounded activations (avx512bf16 CPUs; ~2x faster prefill, "
+            "logits move by the rounding)"),
     Setting("pin", ENUM("none", "cores", "numa"), "cores",
             "CPU pinning: none, cores (distinct physical cores per worker) or numa (one node per worker)"),
     Setting("slots", INT, 1, "sequences one worker runs at once", Range(1, 256)),

@@ -84,6 +84,12 @@ class Worker:
             import numba
             log.info("worker %d: decode on %d threads (numba %s layer)", self.wid, self.model.threads,
                      numba.threading_layer())
+        if self.model.set_prefill_bf16(self.settings.prefill_bf16):
+            log.info("worker %d: prefill of bf16 weights with bf16 activations (prefill_bf16)", self.wid)
+        elif self.settings.prefill_bf16:
+            log.warning("worker %d: prefill_bf16 has no effect: %s", self.wid,
+                        "this CPU has no avx512bf16" if self.model.has_bf16_weights()
+                        else "the model has no bf16 matrices")
         seed = self.settings.seed if self.settings.seed >= 0 else None
         random.seed(seed if seed is not None else os.urandom(16))
         if self.model.noise is not None:

@@ -465,3 +465,49 @@ def test_workspace_decode_vectors_are_aligned():
     for row in list(ws.xs) + list(ws.xi):          # one scratch row per thread chunk
         assert row.ctypes.data % 64 == 0
     assert KQ.scratch_len(1000) % 16 == 0 and KQ.xi_len(1000) % 32 == 0
+
+
+# --------------------------------------------------------------------------
+# bf16 GEMM (opt-in prefill of bf16 weights with bf16 activations)
+# --------------------------------------------------------------------------
+
+needs_bf16 = pytest.mark.skipif(not __import__("colibri_server.model.kernels_gemm", fromlist=["x"]).HAVE_BF16_GEMM,
+                                reason="CPU without avx512bf16")
+
+
+def test_round_bf16_is_round_to_nearest_even(rng):
+    import torch
+
+    from colibri_server.model import kernels_gemm as GE
+    x = np.concatenate([rng.standard_normal(997).astype(np.float32) * 10,
+                        np.array([0.0, -0.0, np.inf, -np.inf, 3.3895314e38, 1e-40, -1e-45, 1.0 + 2**-8,
+                                  1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20], np.float32)]).reshape(1, -1)
+    xb = np.zeros((4, x.shape[1]), np.int16)
+    GE.round_bf16(x, xb)
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy()
+    np.testing.assert_array_equal(xb[:1], want)
+    assert not xb[1:].any()
+    xn = np.array([[np.nan]], np.float32)
+    GE.round_bf16(xn, xb[:1, :1])
+    assert np.isnan(K.weights_to_f32(xb[:1, :1]))[0, 0]
+
+
+@needs_bf16
+@pytest.mark.parametrize("T,d,n", [(1, 7, 40), (5, 64, 1024), (33, 131, 96), (3, 3, 31), (8, 130, 64)])
+def test_bf16_gemm_is_the_bf16_products_summed_in_f32(rng, T, d, n):
+    """matmul_bf16 = round_bf16(X) @ W.T exactly but for f32 summation order: every shape tail
+    (tokens not a multiple of 4, rows not of BF16_R or BF16_ROWS, columns not of 32) included;
+    the threaded form gives the same bits."""
+    from colibri_server.model import kernels_gemm as GE
+    X = (rng.standard_normal((T, n)) * 3).astype(np.float32)
+    W = as_weights(rng.standard_normal((d, n)).astype(np.float32), "bf16")
+    out = np.full((T, d), np.nan, np.float32)
+    GE.matmul_bf16(W, X, out)
+    xb = np.zeros((T, n), np.int16)
+    GE.round_bf16(X, xb)
+    xf, wf = K.weights_to_f32(xb).astype(np.float64), K.weights_to_f32(W).astype(np.float64)
+    assert_dot_close(out, xf @ wf.T, np.abs(xf) @ np.abs(wf).T)
+    assert not np.array_equal(xf, X)                      # the activations were rounded
+    par = np.full_like(out, np.nan)
+    GE.matmul_bf16_par(W, X, par, 3)
+    np.testing.assert_array_equal(par, out)

@@ -120,6 +120,35 @@ def test_fused_qkv_decode_equals_separate_projections(built, arch, dtype):
         np.testing.assert_array_equal(fused, separate)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_bf16_opt_in_is_no_worse_than_transformers_bf16(built, arch):
+    """prefill_bf16 (bf16 activations in the prefill GEMMs of a bf16 file) is in effect, its error
+    against the f32 model is no worse than transformers' own bf16 run of the same weights (the
+    arithmetic it matches), and decode keeps f32 activations."""
+    import copy
+
+    from colibri_server.model import kernels_gemm as GE
+    if not GE.HAVE_BF16_GEMM:
+        pytest.skip("CPU without avx512bf16")
+    b = built(arch)
+    ref = H.hf_logits(b.hf, PROMPT)
+    hf_bf16 = H.hf_logits(copy.deepcopy(b.hf).to(torch.bfloat16), PROMPT).astype(np.float32)
+    plain = Model.open(b.colibri("bf16")).logits(PROMPT)
+    m = Model.open(b.colibri("bf16"), prefill_bf16=True)
+    got = m.logits(PROMPT)
+    assert not np.array_equal(got, plain)                  # the bf16 GEMM ran
+
+    def err(a):
+        return np.abs(a - ref).max() / np.abs(ref).max(), np.abs(a - ref).mean(), (a.argmax(1) == ref.argmax(1)).mean()
+    (mx, mean, agree), (hmx, hmean, hagree) = err(got), err(hf_bf16)
+    assert mx <= 1.1 * hmx and mean <= 1.1 * hmean and agree >= hagree - 0.05, (err(got), err(hf_bf16))
+    cache = m.new_cache()
+    m.prefill(cache, np.array(PROMPT[:1]))                 # one token: decode kernels, f32 activations
+    np.testing.assert_allclose(m.decode(cache, PROMPT[1])[0], Model.open(b.colibri("bf16")).logits(PROMPT[:2])[1],
+                               rtol=0, atol=1e-4)                  # f32 activations (bf16 moves it ~1e-2)
+    assert Model.open(b.colibri("f16")).set_prefill_bf16(True) is False      # no bf16 matrices
+
+
 def test_sliding_window_matches_transformers(tmp_path):
     """Mixtral with a sliding window shorter than the prompt."""
     from colibri_server.model.convert import convert

@@ -16,8 +16,15 @@ dequantizes 256-row tiles to f32 and calls sgemm; on bench-mixtral those GEMMs w
 * q8 likewise, with the decode kernel's int16 activations (kernels_simd.q8_groups_i16): the
   weights sign-extended to i16 and `vpdpwssd`, 2 rows x 4 tokens, 32 columns at a time.
 
+* bf16 weights, opt-in (`Workspace(prefill_bf16=True)`): the activations rounded to bf16 (to
+  nearest even) and `vdpbf16ps` (two bf16 products summed into each f32 lane), 2 rows x 4
+  tokens, 32 columns at a time. This is the arithmetic of transformers' bf16 CPU path; it is
+  not the default because it rounds the activations (the default f32 path keeps a bf16 file
+  within 2e-4 of the same weights run in f32).
+
 Token counts are padded to a multiple of 4 with zero activations (their sums are 0 and are
-not written out). Needs HAVE_VNNI512; elsewhere kernels.matmul keeps the float path.
+not written out). Needs HAVE_VNNI512 (and avx512bf16 for bf16); elsewhere kernels.matmul keeps
+the float path.
 """
 from __future__ import annotations
 
@@ -27,40 +34,58 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .kernels_simd import HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, _vec, act_chunk_q4, act_chunk_q8
+from .kernels import to_f32
+from .kernels_simd import _FEATURES, HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, _f32_bits, _vec, act_chunk_q4, act_chunk_q8
 
-__all__ = ["HAVE_GEMM", "matmul_q4_i8", "matmul_q8_i16", "matmul_q4_i8_par", "matmul_q8_i16_par"]
+__all__ = ["HAVE_GEMM", "HAVE_BF16_GEMM", "matmul_q4_i8", "matmul_q8_i16", "matmul_q4_i8_par", "matmul_q8_i16_par",
+           "matmul_bf16", "matmul_bf16_par", "round_bf16"]
 
 HAVE_GEMM = HAVE_VNNI512
+# Zen 4, Sapphire Rapids: vdpbf16ps (pairs of bf16 products summed into f32 lanes)
+HAVE_BF16_GEMM = HAVE_VNNI512 and "avx512bf16" in _FEATURES
 STEP = 64            # packed bytes per iteration of the q4 micro-kernel
-STEP8 = 32           # columns per iteration of the q8 micro-kernel
+STEP8 = 32           # columns per iteration of the q8 and bf16 micro-kernels
+BF16_ROWS = 64       # weight rows per call of the bf16 micro-kernel (their sums: BF16_ROWS x tokens)
+BF16_R = 4           # rows per pass of the bf16 micro-kernel: 4 x 4 tokens, 16 zmm accumulators
 
 
-def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration):
+def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes=1, fp=False, R=2):
     """The loops shared by the micro-kernels (args: q, x, i0, nrows, k0, nvec, ..., sums): for each
-    pair of rows i0+2p, i0+2p+1 and each block of 4 tokens, 8 zmm i32 accumulators start at zero,
-    `iteration(off, rows, xs, accs)` runs nvec times (off: the iteration's first column, relative to
-    column k0; rows: the two rows' i8 pointers at k0; xs: the 4 tokens' i8 pointers at k0, x having
-    `xbytes` per column), and each accumulator's lane sum goes to sums[r*T4 + t]."""
+    R rows i0+Rp.. (R = 2, or 4) and each block of 4 tokens, 4R zmm accumulators (i32, or f32 when
+    `fp`) start at zero, `iteration(off, rows, xs, accs)` runs nvec times (off: the iteration's first
+    column, relative to column k0; rows: the R rows' i8 pointers at k0, q having `wbytes` per
+    column; xs: the 4 tokens' i8 pointers at k0, x having `xbytes` per column), and each
+    accumulator's lane sum goes to sums[r*T4 + t]."""
     qa = context.make_array(signature.args[0])(context, builder, args[0])
     xa = context.make_array(signature.args[1])(context, builder, args[1])
     sa = context.make_array(signature.args[-1])(context, builder, args[-1])
     i0v, nrows_v, k0v, nv = args[2], args[3], args[4], args[5]
-    i8, i32, idx = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-    vd = ir.VectorType(i32, 16)
-    reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [vd]), "llvm.vector.reduce.add.v16i32")
+    i8, idx = ir.IntType(8), ir.IntType(64)
+    el = ir.FloatType() if fp else ir.IntType(32)
+    vd = ir.VectorType(el, 16)
+    if fp:       # the lane sum in any order (reassoc): a tree, not 15 dependent adds
+        fadd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(el, [el, vd]), "llvm.vector.reduce.fadd.v16f32")
+
+        def reduce(v):
+            return builder.call(fadd, [ir.Constant(el, 0.0), v], fastmath=("reassoc",))
+    else:
+        iadd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(el, [vd]), "llvm.vector.reduce.add.v16i32")
+
+        def reduce(v):
+            return builder.call(iadd, [v])
     qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
     xstride = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
     T4 = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
     qbase = builder.bitcast(qa.data, i8.as_pointer())
     xbase = builder.bitcast(xa.data, i8.as_pointer())
-    sums_p = builder.bitcast(sa.data, i32.as_pointer())
-    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(4)] for _ in range(2)]
-    two, four = ir.Constant(idx, 2), ir.Constant(idx, 4)
+    sums_p = builder.bitcast(sa.data, el.as_pointer())
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(4)] for _ in range(R)]
+    two, four = ir.Constant(idx, R), ir.Constant(idx, 4)
     k0x = builder.mul(k0v, ir.Constant(idx, xbytes))
+    k0w = builder.mul(k0v, ir.Constant(idx, wbytes))
     with cgutils.for_range(builder, builder.sdiv(nrows_v, two)) as rp:
-        row0 = builder.gep(qbase, [builder.add(builder.mul(builder.add(i0v, builder.mul(rp.index, two)), qstride), k0v)])
-        rows = (row0, builder.gep(row0, [qstride]))
+        row0 = builder.gep(qbase, [builder.add(builder.mul(builder.add(i0v, builder.mul(rp.index, two)), qstride), k0w)])
+        rows = [row0] + [builder.gep(row0, [builder.mul(qstride, ir.Constant(idx, r))]) for r in range(1, R)]
         with cgutils.for_range(builder, builder.sdiv(T4, four)) as tb:
             t0 = builder.mul(tb.index, four)
             xs = [builder.gep(xbase, [builder.add(builder.mul(builder.add(t0, ir.Constant(idx, t)), xstride), k0x)])
@@ -70,10 +95,10 @@ def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration):
                     builder.store(ir.Constant(vd, None), a)
             with cgutils.for_range(builder, nv) as it:
                 iteration(builder.mul(it.index, ir.Constant(idx, step)), rows, xs, accs)
-            for rr in range(2):
+            for rr in range(R):
                 base = builder.mul(builder.add(builder.mul(rp.index, two), ir.Constant(idx, rr)), T4)
                 for t in range(4):
-                    tot = builder.call(reduce, [builder.load(accs[rr][t])])
+                    tot = reduce(builder.load(accs[rr][t]))
                     builder.store(tot, builder.gep(sums_p, [builder.add(base, builder.add(t0, ir.Constant(idx, t)))]))
     return context.get_dummy_value()
 
@@ -133,6 +158,122 @@ def _gemm_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
                     builder.store(builder.call(dpwssd, [builder.load(accs[rr][t]), w[rr], xv]), accs[rr][t])
         return _gemm_2x4(context, builder, signature, args, 2, STEP8, iteration)
     return sig, codegen
+
+
+class _BFloat(ir.Type):
+    """LLVM's `bfloat` (llvmlite.ir has no such type; its IR is text, so the name is all it needs)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+@intrinsic
+def _gemm_bf16(typingctx, w, xb, i0, nrows, k0, nvec, sums):
+    # w (d,n) i16 bf16 bits, xb (T4,n) i16 bf16 bits (T4 a multiple of 4) -> sums[r*T4 + t] (f32) = sum
+    # over columns j in k0..k0+STEP8*nvec of w[i0+r,j]*xb[t,j], r < nrows (a multiple of BF16_R)
+    sig = types.void(w, xb, i0, nrows, k0, nvec, sums)
+
+    def codegen(context, builder, signature, args):
+        vf, vb = ir.VectorType(ir.FloatType(), 16), ir.VectorType(_BFloat(), 32)
+        dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vb, vb]),
+                                            "llvm.x86.avx512bf16.dpbf16ps.512")
+
+        def load(ptr, offb):
+            return builder.load(builder.bitcast(builder.gep(ptr, [offb]), vb.as_pointer()), align=2)
+
+        def iteration(off, rows, xs, accs):          # 32 columns per row
+            offb = builder.mul(off, ir.Constant(off.type, 2))
+            wv = [load(r, offb) for r in rows]
+            for t in range(4):
+                xv = load(xs[t], offb)
+                for rr in range(BF16_R):
+                    builder.store(builder.call(dp, [builder.load(accs[rr][t]), wv[rr], xv]), accs[rr][t])
+        return _gemm_2x4(context, builder, signature, args, 2, STEP8, iteration, wbytes=2, fp=True, R=BF16_R)
+    return sig, codegen
+
+
+@njit(cache=True)
+def round_bf16(X, xb):
+    # X (T,n) f32 -> xb[:T] i16 bf16 bits, rounded to nearest even (inf and NaN stay so)
+    T, n = X.shape
+    for t in range(T):
+        x = X[t]
+        b = xb[t]
+        for k in range(n):
+            u = np.uint32(_f32_bits(x[k]))
+            b[k] = np.int16(np.int32((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)))
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _dot_bf16(a, b, k0, k1):
+    acc = np.float32(0.0)
+    for k in range(k0, k1):
+        acc += to_f32(a[k]) * to_f32(b[k])
+    return acc
+
+
+@njit(cache=True, error_model="numpy")
+def _bf16_rows(W, xb, T, out, r0, r1):
+    # out[:T, r0:r1] = xb @ W[r0:r1].T in bf16 x bf16 -> f32 (W (d,n) i16 bf16, xb (T4,n) i16 bf16)
+    n = W.shape[1]
+    T4 = xb.shape[0]
+    nv = n // STEP8
+    tail = nv * STEP8
+    sums = np.empty(BF16_ROWS * T4, np.float32)
+    s4 = np.empty(BF16_ROWS * 4, np.float32)
+    for b0 in range(r0, r1, BF16_ROWS):
+        b1 = min(r1, b0 + BF16_ROWS)
+        nr = (b1 - b0) // BF16_R * BF16_R
+        # 4 tokens at a time: their activations stay in L1 while the block's rows stream from L2
+        for t0 in range(0, T4, 4):
+            _gemm_bf16(W, xb[t0:t0 + 4], b0, nr, 0, nv, s4)
+            for r in range(nr):
+                for t in range(4):
+                    sums[r * T4 + t0 + t] = s4[r * 4 + t]
+        for r in range(nr, b1 - b0):                  # the last rows short of BF16_R
+            for t in range(T):
+                sums[r * T4 + t] = _dot_bf16(W[b0 + r], xb[t], 0, tail)
+        for r in range(b1 - b0):
+            for t in range(T):
+                a = sums[r * T4 + t]
+                if tail < n:                           # columns short of one step
+                    a += _dot_bf16(W[b0 + r], xb[t], tail, n)
+                out[t, b0 + r] = a
+
+
+def _bf16_tokens(X):
+    T, n = X.shape
+    xb = np.zeros(((T + 3) // 4 * 4, n), np.int16)    # tokens T..T4 stay zero
+    round_bf16(X, xb)
+    return xb
+
+
+def matmul_bf16(W, X, out):
+    """W (d,n) i16 bf16, X (T,n) f32 -> out (T,d) f32 = bf16(X) @ W.T, f32 sums (see the module doc)."""
+    _bf16_rows(W, _bf16_tokens(X), X.shape[0], out, 0, W.shape[0])
+    return out
+
+
+@njit(cache=True, parallel=True)
+def _bf16_rows_par(W, xb, T, out, nchunks):
+    d = W.shape[0]
+    for c in prange(nchunks):
+        r0 = (c * d // nchunks) // BF16_ROWS * BF16_ROWS
+        r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // BF16_ROWS * BF16_ROWS
+        if r1 > r0:
+            _bf16_rows(W, xb, T, out, r0, r1)
+
+
+def matmul_bf16_par(W, X, out, nchunks):
+    """matmul_bf16 with the rows split in nchunks run by Numba threads (a worker with threads > 1)."""
+    _bf16_rows_par(W, _bf16_tokens(X), X.shape[0], out, nchunks)
+    return out
 
 
 @njit(cache=True, error_model="numpy")
