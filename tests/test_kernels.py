@@ -99,7 +99,8 @@ def test_rows_to_f32_tile(rng, kind):
 
 
 @pytest.mark.parametrize("kind", DTYPES)
-@pytest.mark.parametrize("d,n", [(1, 1), (3, 5), (4, 8), (13, 7), (37, 61), (256, 1000)])
+@pytest.mark.parametrize("d,n", [(1, 1), (3, 5), (4, 8), (13, 7), (37, 61), (256, 1000),
+                                 (5, 64), (33, 1024), (70, 192)])     # whole 64-column steps: kernels_float
 def test_matvec(rng, kind, d, n):
     W = as_weights(rng.standard_normal((d, n)), kind)
     x = rng.standard_normal(n).astype(np.float32)
@@ -511,3 +512,28 @@ def test_bf16_gemm_is_the_bf16_products_summed_in_f32(rng, T, d, n):
     par = np.full_like(out, np.nan)
     GE.matmul_bf16_par(W, X, par, 3)
     np.testing.assert_array_equal(par, out)
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_float_ir_rows_take_whole_steps_and_keep_alpha_and_accumulate(rng, kind):
+    """kernels_float runs the f16/bf16 matvec when the rows are C-contiguous whole 64-column
+    steps (and says so), declines otherwise (Numba's loop then runs), and applies alpha and
+    accumulate like _matvec_core."""
+    from colibri_server.model import kernels_float as KF
+    if not KF.HAVE_FLOAT_IR:
+        pytest.skip("CPU without AVX-512")
+    Wf = rng.standard_normal((9, 2 * KF.STEP)).astype(np.float32)
+    W = as_weights(Wf, kind)
+    x = rng.standard_normal(2 * KF.STEP).astype(np.float32)
+    ref = K.matvec_ref(W, x).astype(np.float64)
+    scale = np.abs(K.weights_to_f32(W)).astype(np.float64) @ np.abs(x)
+    out = np.full(9, np.nan, np.float32)
+    assert KF._compile_probe(W, x, out)
+    assert_dot_close(out, ref, scale)
+    acc = np.full(9, 2.0, np.float32)
+    K._matvec_core(W, x, acc, np.float32(-0.5), True)
+    assert_dot_close(acc, 2.0 - 0.5 * ref, scale)
+    assert not KF._compile_probe(as_weights(Wf[:, :KF.STEP + 3], kind), x, out)           # a part step
+    wide = as_weights(np.concatenate([Wf, Wf], axis=1), kind)
+    assert not KF._compile_probe(wide[:, :2 * KF.STEP], x, out)                           # not C-contiguous
+    assert not KF._compile_probe(Wf, x, out)                                               # f32: Numba/BLAS

@@ -284,6 +284,8 @@ def _matvec_core(W, x, out, alpha, accumulate):
     # W (d,n) any, x (n,) f32 -> out (d,) = alpha * W@x (+ out if accumulate); one row at a time
     # (measured on this VM: one sequential stream reads at ~95% of the bandwidth, 8 interleaved
     # row streams at ~70%; LLVM keeps 4 vector accumulators per row, so the FMAs do not stall)
+    if _KF.float_rows(W, x, out, alpha, accumulate):     # f16/bf16 on AVX-512: the row loop in IR
+        return
     d, n = W.shape
     for i in range(d):
         r = W[i]
@@ -725,6 +727,7 @@ def argmax_ref(x):
 
 
 # quantized kernels and attention (they build on the loaders and kernels above)
+from . import kernels_float as _KF  # noqa: E402
 from . import kernels_quant as _KQ  # noqa: E402
 from . import kernels_gemm as _GEMM  # noqa: E402
 from .kernels_attention import attention, attention_ref  # noqa: E402,F401
