@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from colibri_server import protocol as P
@@ -465,12 +465,21 @@ def exchange(server, conn, parts, timeout=5.0):
         assert not tokens and final["type"] == "result", (parts, final)
 
 
+# valid messages the live pass always sends (the explicit phase), so the check below that the
+# served paths were exercised does not hang on how many valid ones the random mix holds
+_VALID = [P.frames({"type": "generate", "id": f"valid-{i}", "prompt": [3 + i, 4, 5], "max_tokens": 2,
+                    "ignore_eos": True, "stream": bool(i % 2)}) for i in range(5)] + \
+         [P.frames({"type": "tokenize", "id": f"tok-{i}", "text": "hello" * (i + 1)}) for i in range(5)]
+
+
 def _live_pass(live, n):
     with Raw(live.addr) as conn:
         @settings(max_examples=n, **FAST)
         @given(frame_lists)
         def run(parts):
             exchange(live, conn, parts)
+        for parts in _VALID:
+            run = example(parts)(run)
         run()
     print("live fuzz outcomes:", dict(live.outcomes))
     assert live.outcomes["done"] >= 5 and live.outcomes["result"] >= 5, f"too few valid messages: {live.outcomes}"
