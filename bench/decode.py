@@ -219,9 +219,9 @@ def _timed_runs(prefill, decode, reps):
                 decode_tok_s=NEW_TOKENS / statistics.median(dc))
 
 
-def worker_colibri(a):
+def worker_colibri(a, prefill_bf16=False):
     from colibri_server.model import Model
-    m = Model.open(a.path, threads=a.threads, populate=True)
+    m = Model.open(a.path, threads=a.threads, populate=True, prefill_bf16=prefill_bf16)
     ids = np.asarray(prompt_ids(), np.int64)
     if a.logits:
         np.save(a.logits, m.logits(ids))                       # prefill: dequantized tiles + BLAS
@@ -375,7 +375,8 @@ def main():
     a = ap.parse_args()
     if a.worker:
         a.threads = a.nthreads
-        fn = {"colibri": worker_colibri, "llama": worker_llama, "hf": worker_hf, "membw": worker_membw}[a.worker]
+        fn = {"colibri": worker_colibri, "colibri-pbf16": lambda a: worker_colibri(a, prefill_bf16=True),
+              "llama": worker_llama, "hf": worker_hf, "membw": worker_membw}[a.worker]
         print("RESULT " + json.dumps(fn(a)), flush=True)
         return
 
@@ -397,17 +398,20 @@ def main():
     for p in a.precisions:
         for th in a.threads:
             jobs = [("colibri", p, col[p])] + [("llama.cpp", n, ll[n]) for n in (LLAMA[p] if ll else [])]
+            if p == "bf16":           # the opt-in bf16-activation prefill (transformers' arithmetic)
+                jobs.insert(1, ("colibri", "bf16 prefill_bf16", col[p]))
             if p == "bf16" and not a.no_hf:
                 jobs.append(("transformers", "bf16", hf_dir))
             for system, prec, path in jobs:
                 kind = {"colibri": "colibri", "llama.cpp": "llama", "transformers": "hf"}[system]
+                kind = "colibri-pbf16" if prec.endswith("prefill_bf16") else kind
                 r = run_worker(kind, path, th, a.reps, precision=p)
                 mb = (colibri_bytes_per_token(path) if system == "colibri" else
                       gguf_bytes_per_token(path) if system == "llama.cpp" else
                       colibri_bytes_per_token(col["bf16"]) if "bf16" in col else float("nan"))
                 row = dict(system=system, precision=prec, group=p, threads=th, bytes_per_token=mb, **r)
                 res["rows"].append(row)
-                print(f"{system:12s} {prec:9s} {th}T  prefill {r.get('prefill_tok_s', float('nan')):7.1f}  "
+                print(f"{system:12s} {prec:17s} {th}T  prefill {r.get('prefill_tok_s', float('nan')):7.1f}  "
                       f"decode {r.get('decode_tok_s', float('nan')):7.1f} tok/s  ({r.get('wall_s')}s)"
                       + (f"  ERROR {r['error'][-300:]}" if "error" in r else ""), flush=True)
     membw()
