@@ -1,7 +1,7 @@
 """Decode and prefill speed of colibri against llama.cpp (and transformers at bf16), in ONE run.
 
     python bench/decode.py [--data DIR] [--threads 1 2] [--precisions f16 q8 q4 bf16]
-                           [--reps 3] [--no-hf] [--no-quality] [--json OUT]
+                           [--reps 3] [--rounds 1] [--no-hf] [--no-quality] [--json OUT]
 
 Model: bench-mixtral (MixtralConfig hidden 1024, intermediate 2048, 8 experts, top-2, 8
 layers, 16 heads / 4 kv heads, vocab 32000, rope_theta 1e6; random init under
@@ -14,7 +14,9 @@ llama_model_quantize.
 
 Speed: batch 1, a 128-token prompt (prefill tok/s) then 128 greedy tokens (decode tok/s);
 every (system, precision, threads) runs in its own subprocess, one after the other (never
-two at once), warm-up then the median of --reps. Bandwidth: a Numba read kernel over a
+two at once), warm-up then the median of --reps; with --rounds R the systems of one
+(precision, threads) group take turns R times (A B A B ...) and the median covers all samples,
+so a drift of the machine during the group falls on every system alike. Bandwidth: a Numba read kernel over a
 1 GiB array, 1 and 2 threads, measured at the start and at the end of the run (median of
 both); "% roof" = decode tok/s / (bandwidth / weight bytes read per decoded token).
 
@@ -326,6 +328,20 @@ def worker_membw(a):
     return dict(GBps=x.nbytes / statistics.median(ts) / 1e9, samples=[x.nbytes / t / 1e9 for t in ts])
 
 
+def _merge(acc, r):
+    """One system's results over rounds: every timed sample kept, tok/s = median of all of them;
+    an error in any round is the result."""
+    if acc is None or "error" in r:
+        return dict(r)
+    if "error" in acc:
+        return acc
+    out = dict(acc, prefill_s=acc["prefill_s"] + r["prefill_s"], decode_s=acc["decode_s"] + r["decode_s"],
+               wall_s=round(acc.get("wall_s", 0) + r.get("wall_s", 0), 1))
+    out["prefill_tok_s"] = PROMPT_LEN / statistics.median(out["prefill_s"])
+    out["decode_tok_s"] = NEW_TOKENS / statistics.median(out["decode_s"])
+    return out
+
+
 def run_worker(kind, path, threads, reps, precision="", logits=None, timeout=1800):
     cmd = [sys.executable, __file__, "--worker", kind, "--path", str(path), "--nthreads", str(threads),
            "--reps", str(reps), "--precision", precision]
@@ -362,6 +378,9 @@ def main():
     ap.add_argument("--data", default=os.environ.get("COLIBRI_BENCH_DATA", os.path.expanduser("~/.cache/colibri-speed")))
     ap.add_argument("--threads", nargs="*", type=int, default=[1, 2])
     ap.add_argument("--precisions", nargs="*", default=["f16", "q8", "q4", "bf16"])
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the systems of each (precision, threads) group round-robin this many times, "
+                         "each --reps samples; the figure is the median of all samples")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (the bf16 prefill anchor)")
     ap.add_argument("--no-llama", action="store_true")
@@ -387,7 +406,7 @@ def main():
     want_ll = sorted({n for p in a.precisions for n in LLAMA[p]}) if not a.no_llama else []
     ll = build_gguf(data, hf_dir, want_ll) if want_ll else {}
     res = dict(started=time.strftime("%Y-%m-%dT%H:%M:%S"), prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS,
-               reps=a.reps, cpu=_cpu(), rows=[], membw=[], quality={})
+               reps=a.reps, rounds=a.rounds, cpu=_cpu(), rows=[], membw=[], quality={})
 
     def membw():
         for th in a.threads:
@@ -402,10 +421,18 @@ def main():
                 jobs.insert(1, ("colibri", "bf16 prefill_bf16", col[p]))
             if p == "bf16" and not a.no_hf:
                 jobs.append(("transformers", "bf16", hf_dir))
+            merged = {}
+            for rnd in range(a.rounds):          # round-robin: drift during the group hits every system alike
+                for system, prec, path in jobs:
+                    kind = {"colibri": "colibri", "llama.cpp": "llama", "transformers": "hf"}[system]
+                    kind = "colibri-pbf16" if prec.endswith("prefill_bf16") else kind
+                    r = run_worker(kind, path, th, a.reps, precision=p)
+                    if a.rounds > 1:
+                        print(f"  round {rnd + 1}: {system} {prec} {th}T prefill {r.get('prefill_tok_s', float('nan')):.1f} "
+                              f"decode {r.get('decode_tok_s', float('nan')):.1f}", flush=True)
+                    merged[(system, prec)] = _merge(merged.get((system, prec)), r)
             for system, prec, path in jobs:
-                kind = {"colibri": "colibri", "llama.cpp": "llama", "transformers": "hf"}[system]
-                kind = "colibri-pbf16" if prec.endswith("prefill_bf16") else kind
-                r = run_worker(kind, path, th, a.reps, precision=p)
+                r = merged[(system, prec)]
                 mb = (colibri_bytes_per_token(path) if system == "colibri" else
                       gguf_bytes_per_token(path) if system == "llama.cpp" else
                       colibri_bytes_per_token(col["bf16"]) if "bf16" in col else float("nan"))
@@ -458,7 +485,7 @@ def make_table(res):
     for m in res["membw"]:
         bw.setdefault(m["threads"], []).append(m.get("GBps", float("nan")))
     bw = {t: statistics.median(v) for t, v in bw.items()}
-    lines = [f"bandwidth (numba read, 1 GiB, median of start and end of run): "
+    lines = ["bandwidth (numba read, 1 GiB, median of start and end of run): "
              + ", ".join(f"{t}T {v:.1f} GB/s" for t, v in sorted(bw.items())), "",
              "| system | precision | threads | prefill tok/s | decode tok/s | MB/token | roofline tok/s | % roofline "
              "| decode vs llama.cpp | prefill vs best anchor |",
