@@ -149,6 +149,39 @@ def test_prefill_bf16_opt_in_is_no_worse_than_transformers_bf16(built, arch):
     assert Model.open(b.colibri("f16")).set_prefill_bf16(True) is False      # no bf16 matrices
 
 
+@pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("qwen2_moe", "bf16"), ("qwen3_moe", "f32"),
+                                        ("olmoe", "q8"), ("mixtral", "q4")])
+def test_fused_decode_moe_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtype):
+    """Decode runs router, top-k and experts in one Numba call (kernels_decode.moe_float/_quant);
+    a routing trace sends moe() down the general path. Same kernels, same order: same bits,
+    and the same experts chosen."""
+    from colibri_server.model.convert import convert
+    from colibri_server.model.transformer import forward
+    b = built(arch)
+    path = b.colibri(dtype) if dtype in ("f32", "f16", "bf16") else str(tmp_path / f"{dtype}.colibri")
+    if dtype in ("q8", "q4"):
+        convert(b.hf_dir, path, "f16", progress=False, quantize=dtype, quant_group=32)
+    m = Model.open(path)
+    cfg, w, ws = m.config, m.weights, m.workspace
+
+    def run(trace):
+        cache = m.new_cache()
+        forward(cfg, w, m.rope, ws, cache, tokens=np.array(PROMPT[:6]))
+        rows, routes = [], []
+        for t in PROMPT[6:12]:
+            rows.append(forward(cfg, w, m.rope, ws, cache, tokens=np.array([t]), trace=trace)[0].copy())
+            routes.append(ws.route_idx[:1].copy())
+        return np.stack(rows), routes
+
+    fused, fused_routes = run(None)
+    trace = []
+    general, general_routes = run(trace)
+    assert trace and len(trace) == 6 * sum(L.gate is not None for L in w.layers)   # the general path ran
+    np.testing.assert_array_equal(fused, general)
+    for a, b in zip(fused_routes, general_routes):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_sliding_window_matches_transformers(tmp_path):
     """Mixtral with a sliding window shorter than the prompt."""
     from colibri_server.model.convert import convert

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels as K
+from . import kernels_decode as KD
 
 
 class RoutingNoise:
@@ -60,11 +61,20 @@ def moe(layer, x, ws, out, noise=None, trace=None):
     T = x.shape[0]
     E, A = layer.gate.shape[0], layer.top_k
     logits = ws.router[:T, :E]                                                 # (T,E)
+    idx, wts = ws.route_idx[:T, :A], ws.route_w[:T, :A]                       # (T,A) i32, (T,A) f32
+    if T == 1 and ws.threads == 1 and trace is None and (noise is None or noise.scale <= 0):
+        # decode: router, top-k and the experts in one Numba call (kernels_decode), same kernels
+        if hasattr(layer.w1, "q"):
+            KD.moe_quant(layer.gate, layer.w1.q, layer.w1.s, layer.w3.q, layer.w3.s, layer.w2.q, layer.w2.s, x[0],
+                         A, layer.renorm, logits, idx, wts, ws.h1, ws.h3, out[0], ws.xs[0], ws.xi[0])
+        else:
+            KD.moe_float(layer.gate, layer.w1, layer.w3, layer.w2, x[0], A, layer.renorm, logits, idx, wts,
+                         ws.h1, ws.h3, out[0])
+        return _shared_expert(layer, x, ws, out)
     if T == 1:
         K.matvec(layer.gate, x[0], logits[0])                                  # (E,D) f32: BLAS costs more to call
     else:
         ws.mm(x, layer.gate, logits)
-    idx, wts = ws.route_idx[:T, :A], ws.route_w[:T, :A]                       # (T,A) i32, (T,A) f32
     if noise is not None and noise.scale > 0:
         noise.route(logits, A, layer.renorm, idx, wts)
     else:
@@ -92,6 +102,12 @@ def moe(layer, x, ws, out, noise=None, trace=None):
             ws.mm(g, layer.w2[e], y)
             y *= wts.reshape(-1)[flat][:, None]                                # (c,D) scaled by routing weight
             out[tok] += y
+    return _shared_expert(layer, x, ws, out)
+
+
+def _shared_expert(layer, x, ws, out):
+    """out (T,D) += the shared expert of x (Qwen2-MoE), gated; out unchanged without one."""
+    T = x.shape[0]
     if layer.shared_w1 is not None:
         s = ws.shared_out[:T]                                                  # (T,D)
         swiglu(x, layer.shared_w1, layer.shared_w3, layer.shared_w2, ws, s)

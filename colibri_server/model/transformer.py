@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from . import kernels as K
+from . import kernels_decode as KD
 from . import kernels_gemm as GE
 from . import kernels_quant as KQ
 from .buffers import aligned_zeros, lazy_zeros
@@ -195,7 +196,10 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     cos, sin = rope
     x, h, sub = ws.x[:T], ws.h[:T], ws.sub[:T]                                # (T,D)
     pos = ws.positions[:T]                                                     # (T,)
-    pos[:] = np.arange(P0, P0 + T)
+    if T == 1:
+        pos[0] = P0
+    else:
+        pos[:] = np.arange(P0, P0 + T)
     scores = ws.score_buffer(cache.capacity)
     scale = 1.0 / math.sqrt(hd)
 
@@ -232,13 +236,17 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
         if cfg.qk_norm == "head":                                              # Qwen3: per head over hd
             K.rmsnorm(q.reshape(T * H, hd), L.q_norm, cfg.rms_norm_eps, q.reshape(T * H, hd))
             K.rmsnorm(k.reshape(T * Hkv, hd), L.k_norm, cfg.rms_norm_eps, k.reshape(T * Hkv, hd))
-        K.rope(q3, pos, cos, sin)
-        K.rope(k3, pos, cos, sin)
-        # append to the cache, attend over positions 0..P0+T-1
-        cache.k[l, :, P0:P0 + T] = k3.transpose(1, 0, 2)                       # (Hkv,T,hd)
-        cache.v[l, :, P0:P0 + T] = v.reshape(T, Hkv, hd).transpose(1, 0, 2)
         attn = ws.attn[:T]                                                     # (T,H*hd)
-        K.attention(q3, cache.k[l], cache.v[l], P0, cfg.sliding_window, scale, attn.reshape(T, H, hd), scores)
+        if T == 1:                                                             # one call (kernels_decode)
+            KD.rope_cache_attend(q3, k3, v.reshape(1, Hkv, hd), pos, cos, sin, cache.k[l], cache.v[l], P0,
+                                 cfg.sliding_window, scale, attn.reshape(1, H, hd), scores)
+        else:
+            K.rope(q3, pos, cos, sin)
+            K.rope(k3, pos, cos, sin)
+            # append to the cache, attend over positions 0..P0+T-1
+            cache.k[l, :, P0:P0 + T] = k3.transpose(1, 0, 2)                   # (Hkv,T,hd)
+            cache.v[l, :, P0:P0 + T] = v.reshape(T, Hkv, hd).transpose(1, 0, 2)
+            K.attention(q3, cache.k[l], cache.v[l], P0, cfg.sliding_window, scale, attn.reshape(T, H, hd), scores)
         ws.mm(attn, L.wo, sub)
         if L.bo is not None:
             sub += L.bo
