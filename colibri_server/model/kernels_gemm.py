@@ -225,7 +225,6 @@ def _bf16_rows(W, xb, T, out, r0, r1):
     T4 = xb.shape[0]
     nv = n // STEP8
     tail = nv * STEP8
-    sums = np.empty(BF16_ROWS * T4, np.float32)
     s4 = np.empty(BF16_ROWS * 4, np.float32)
     for b0 in range(r0, r1, BF16_ROWS):
         b1 = min(r1, b0 + BF16_ROWS)
@@ -233,18 +232,17 @@ def _bf16_rows(W, xb, T, out, r0, r1):
         # 4 tokens at a time: their activations stay in L1 while the block's rows stream from L2
         for t0 in range(0, T4, 4):
             _gemm_bf16(W, xb[t0:t0 + 4], b0, nr, 0, nv, s4)
-            for r in range(nr):
-                for t in range(4):
-                    sums[r * T4 + t0 + t] = s4[r * 4 + t]
+            for t in range(min(4, T - t0)):                # straight into out: no staging copy
+                o = out[t0 + t]
+                for r in range(nr):
+                    o[b0 + r] = s4[r * 4 + t]
         for r in range(nr, b1 - b0):                  # the last rows short of BF16_R
             for t in range(T):
-                sums[r * T4 + t] = _dot_bf16(W[b0 + r], xb[t], 0, tail)
-        for r in range(b1 - b0):
-            for t in range(T):
-                a = sums[r * T4 + t]
-                if tail < n:                           # columns short of one step
-                    a += _dot_bf16(W[b0 + r], xb[t], tail, n)
-                out[t, b0 + r] = a
+                out[t, b0 + r] = _dot_bf16(W[b0 + r], xb[t], 0, tail)
+        if tail < n:                                   # columns short of one step
+            for r in range(b1 - b0):
+                for t in range(T):
+                    out[t, b0 + r] += _dot_bf16(W[b0 + r], xb[t], tail, n)
 
 
 def _bf16_tokens(X):
