@@ -327,6 +327,23 @@ def test_threaded_model_gives_the_same_logits(mixtral_files, kind):
         assert np.array_equal(two.decode(c2, t), one.decode(c1, t))
 
 
+def test_prefill_bf16_beside_quantized_matrices(built, tmp_path):
+    """A bf16 file with q8 experts and attention: prefill_bf16 takes the bf16 matrices only (the
+    quantized ones keep the integer GEMM), and the logits stay within the activations' rounding."""
+    from colibri_server.model import kernels_gemm as GE
+    from colibri_server.model.convert import convert
+    path = str(tmp_path / "bf16-q8.colibri")
+    convert(built("mixtral").hf_dir, path, "bf16", progress=False, quantize="q8", quant_group=32,
+            quantize_head="none")
+    plain = Model.open(path).logits(PROMPT)
+    m = Model.open(path, prefill_bf16=True)
+    got = m.logits(PROMPT)
+    assert m.prefill_bf16 and np.isfinite(got).all()
+    if GE.HAVE_BF16_GEMM:
+        assert m.weights.output.dtype == np.int16 and not np.array_equal(got, plain)   # the bf16 head ran
+    assert np.abs(got - plain).max() < 0.05 * np.abs(plain).max()
+
+
 def test_dequantize_file_round_trip(mixtral_files, tmp_path):
     src = mixtral_files["q8"]
     out = tmp_path / "deq.colibri"
