@@ -17,8 +17,8 @@ dequantizes 256-row tiles to f32 and calls sgemm; on bench-mixtral those GEMMs w
   weights sign-extended to i16 and `vpdpwssd`, 2 rows x 4 tokens, 32 columns at a time.
 
 * bf16 weights, opt-in (`Workspace(prefill_bf16=True)`): the activations rounded to bf16 (to
-  nearest even) and `vdpbf16ps` (two bf16 products summed into each f32 lane), 2 rows x 4
-  tokens, 32 columns at a time. This is the arithmetic of transformers' bf16 CPU path; it is
+  nearest even) and `vdpbf16ps` (two bf16 products summed into each f32 lane), 4 rows x 4
+  tokens (16 accumulators), 32 columns at a time, its sums written straight into the output. This is the arithmetic of transformers' bf16 CPU path; it is
   not the default because it rounds the activations (the default f32 path keeps a bf16 file
   within 2e-4 of the same weights run in f32).
 
