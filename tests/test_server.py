@@ -113,6 +113,25 @@ def test_threads_per_worker_splits_decode_and_keeps_the_answers(server, model_pa
         assert ids == want[tuple(prompt)]
 
 
+def test_prefill_bf16_setting_reaches_the_workers(server, built, model_path):
+    """prefill_bf16 is applied in each worker: in effect on a bf16 file (where the CPU has
+    avx512bf16), and on a file without bf16 matrices the worker says why it has no effect;
+    the server answers either way."""
+    from colibri_server.model import kernels_gemm as GE
+    s = server(workers=1, extra=("--prefill-bf16",))
+    s.wait_for(lambda: "prefill_bf16 has no effect: the model has no bf16 matrices" in s.logs(),
+               what="the worker's prefill_bf16 warning")
+    bf16 = built("mixtral").colibri("bf16")
+    s2 = server(workers=1, model=bf16, extra=("--prefill-bf16",))
+    want = "prefill of bf16 weights with bf16 activations" if GE.HAVE_BF16_GEMM else "this CPU has no avx512bf16"
+    s2.wait_for(lambda: want in s2.logs(), what="the worker's prefill_bf16 log line")
+    load = Load(s2, n=2, per_client=2).start().join()
+    assert not load.errors and not load.silent and len(load.results) == 4
+    m = Model.open(bf16, prefill_bf16=True)
+    for prompt, ids, reason, gen in load.results:
+        assert ids == m.generate(prompt, max_tokens=8, ignore_eos=True)
+
+
 def test_kill_9_under_load_loses_nothing(server):
     s = server(workers=2)
     load = Load(s, n=16, per_client=4, max_tokens=32, stream=True).start()
