@@ -149,6 +149,25 @@ def test_prefill_bf16_opt_in_is_no_worse_than_transformers_bf16(built, arch):
     assert Model.open(b.colibri("f16")).set_prefill_bf16(True) is False      # no bf16 matrices
 
 
+def test_prefill_bf16_on_threads_is_compiled_before_fork_and_keeps_the_bits(built):
+    """compile_threaded (the master, before fork) compiles the threaded bf16 GEMM for the file's
+    bf16 matrices; on 2 threads the rows split and every row is computed as on one."""
+    from colibri_server.model import kernels_gemm as GE
+    if not GE.HAVE_BF16_GEMM:
+        pytest.skip("CPU without avx512bf16")
+    path = built("mixtral").colibri("bf16")
+    one = Model.open(path, prefill_bf16=True)
+    two = Model.open(path, prefill_bf16=True)
+    import numba
+    two.compile_threaded()
+    W = two.weights.layers[0].wq                      # the types a 2-thread prefill will call with
+    D = W.shape[1]
+    want = tuple(numba.typeof(a) for a in (W, np.zeros((4, D), np.int16), 2, np.zeros((2, W.shape[0]), np.float32), 2))
+    assert want in [tuple(sig) for sig in GE._bf16_rows_par.signatures]
+    two.set_threads(2)
+    np.testing.assert_array_equal(two.logits(PROMPT), one.logits(PROMPT))
+
+
 @pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("qwen2_moe", "bf16"), ("qwen3_moe", "f32"),
                                         ("olmoe", "q8"), ("mixtral", "q4")])
 def test_fused_decode_moe_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtype):

@@ -155,8 +155,8 @@ def compile_parallel(weights, ws: Workspace) -> None:
         if key not in seen:
             seen.add(key)
             compile_for(KQ.matvec_q_par if hasattr(W, "q") else K.matvec_par, *args)
+    X2 = np.zeros((2, x.shape[0]), np.float32)      # a 2-token prefill's activations / outputs
     if GE.HAVE_GEMM:
-        X2 = np.zeros((2, x.shape[0]), np.float32)
         for W in mats + [L.w1 for L in weights.layers] + [L.w2 for L in weights.layers]:
             if W is None or not hasattr(W, "q"):
                 continue
@@ -167,6 +167,18 @@ def compile_parallel(weights, ws: Workspace) -> None:
                 if key not in seen:
                     seen.add(key)
                     compile_for(GE.matmul_q4_i8_par if q.dtype == np.uint8 else GE.matmul_q8_i16_par, *args)
+    if GE.HAVE_BF16_GEMM:                        # prefill_bf16 on threads: the bf16 GEMM's row split
+        x2 = np.zeros((4, x.shape[0]), np.int16)
+        for W in mats + [L.w1 for L in weights.layers] + [L.w2 for L in weights.layers]:
+            if W is None or hasattr(W, "q") or W.dtype != np.int16:
+                continue
+            W2 = W if W.ndim == 2 else W[0]
+            for out in (X2, X2[:, :1]):
+                args = (W2, x2, 2, out, 1)
+                key = ("bf16",) + tuple(numba.typeof(a) for a in args)
+                if key not in seen:
+                    seen.add(key)
+                    compile_for(GE._bf16_rows_par, *args)
     for L in weights.layers:
         if L.w1 is None:
             continue
