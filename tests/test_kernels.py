@@ -519,21 +519,27 @@ def test_float_ir_rows_take_whole_steps_and_keep_alpha_and_accumulate(rng, kind)
     """kernels_float runs the f16/bf16 matvec when the rows are C-contiguous whole 64-column
     steps (and says so), declines otherwise (Numba's loop then runs), and applies alpha and
     accumulate like _matvec_core."""
+    from numba import njit
+
     from colibri_server.model import kernels_float as KF
     if not KF.HAVE_FLOAT_IR:
         pytest.skip("CPU without AVX-512")
+
+    @njit
+    def probe(W, x, out):                 # float_rows is an overload: callable from Numba only
+        return KF.float_rows(W, x, out, np.float32(1.0), False)
     Wf = rng.standard_normal((9, 2 * KF.STEP)).astype(np.float32)
     W = as_weights(Wf, kind)
     x = rng.standard_normal(2 * KF.STEP).astype(np.float32)
     ref = K.matvec_ref(W, x).astype(np.float64)
     scale = np.abs(K.weights_to_f32(W)).astype(np.float64) @ np.abs(x)
     out = np.full(9, np.nan, np.float32)
-    assert KF._compile_probe(W, x, out)
+    assert probe(W, x, out)
     assert_dot_close(out, ref, scale)
     acc = np.full(9, 2.0, np.float32)
     K._matvec_core(W, x, acc, np.float32(-0.5), True)
     assert_dot_close(acc, 2.0 - 0.5 * ref, scale)
-    assert not KF._compile_probe(as_weights(Wf[:, :KF.STEP + 3], kind), x, out)           # a part step
+    assert not probe(as_weights(Wf[:, :KF.STEP + 3], kind), x, out)           # a part step
     wide = as_weights(np.concatenate([Wf, Wf], axis=1), kind)
-    assert not KF._compile_probe(wide[:, :2 * KF.STEP], x, out)                           # not C-contiguous
-    assert not KF._compile_probe(Wf, x, out)                                               # f32: Numba/BLAS
+    assert not probe(wide[:, :2 * KF.STEP], x, out)                           # not C-contiguous
+    assert not probe(Wf, x, out)                                               # f32: Numba/BLAS

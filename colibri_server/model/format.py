@@ -217,15 +217,12 @@ class ColibriFile:
         and columns, their rows stacked (e.g. attn_q, attn_k, attn_v: one matvec streams all
         three); None when they are not stored that way. No copy."""
         rs = [self.records.get(n) for n in names]
-        if any(r is None for r in rs):
+        if any(r is None or len(r.shape) != 2 for r in rs):
             return None
         first = rs[0]
         for a, b in zip(rs, rs[1:]):
-            if (b.dtype != first.dtype or b.offset != a.offset + a.size
-                    or tuple(b.shape[1:]) != tuple(first.shape[1:]) or len(b.shape) != 2):
+            if b.dtype != first.dtype or b.offset != a.offset + a.size or b.shape[1] != first.shape[1]:
                 return None
-        if len(first.shape) != 2:
-            return None
         _, dt, _ = DTYPES[DTYPE_CODES[first.dtype]]
         rows = sum(r.shape[0] for r in rs)
         size = rs[-1].offset + rs[-1].size - first.offset

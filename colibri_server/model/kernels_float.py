@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -117,8 +117,3 @@ def _float_rows_overload(W, x, out, alpha, accumulate):
         kernel(W, x, out, np.float32(alpha), accumulate)
         return True
     return impl
-
-
-@njit(cache=True)
-def _compile_probe(W, x, out):           # keeps an njit user of the overload in this module for the tests
-    return float_rows(W, x, out, np.float32(1.0), False)
