@@ -77,16 +77,25 @@ def build_hf(data: pathlib.Path) -> pathlib.Path:
 
 
 def build_colibri(data, hf_dir, precisions):
-    from colibri_server.model.convert import convert
+    from colibri_server.model.convert import CONVERTER_VERSION, convert
     out = {}
     for p in sorted(set(precisions) | {"f32"}):
         path = data / f"bench-mixtral-{p}.colibri"
-        if not path.exists():
+        if not path.exists() or _converter_of(path) != CONVERTER_VERSION:   # older converters: other layouts
             t0 = time.time()
             convert(hf_dir, path, require_tokenizer=False, progress=False, **COLIBRI[p])
             print(f"converted {path.name} in {time.time() - t0:.0f}s", flush=True)
         out[p] = path
     return out
+
+
+def _converter_of(path) -> str:
+    from colibri_server.model import format as fmt
+    cf = fmt.ColibriFile.open(path)
+    try:
+        return json.loads(cf.metadata_json or "{}").get("converter", "")
+    finally:
+        cf.close()
 
 
 def _permute(w, n_head):

@@ -137,12 +137,19 @@ def cmd_inspect(a):
 
 
 def _print_rows(cf, name, rows):
+    from .model.format import PANEL_DTYPES
     from .model.kernels import weights_to_f32
-    v = cf.view(name)
-    v2 = v.reshape(-1, v.shape[-1])
-    a = weights_to_f32(v2[:rows])
-    r = cf.records[name]
-    print(f"{name} {r.dtype}{list(r.shape)}: first {len(a)} of {v2.shape[0]} rows")
+    from .model.panels import from_panels
+    v, r = cf.view(name), cf.records[name]
+    if r.dtype in PANEL_DTYPES:                  # the first matrix's first rows, gathered from its panels
+        p = v.reshape((-1,) + v.shape[-3:])[0]
+        total = v.size // (p.shape[0] * p.shape[2])
+        a = weights_to_f32(from_panels(p[:, :rows]))
+    else:
+        v2 = v.reshape(-1, v.shape[-1])
+        total = v2.shape[0]
+        a = weights_to_f32(v2[:rows])
+    print(f"{name} {r.dtype}{list(r.shape)}: first {len(a)} of {total} rows")
     with np.printoptions(precision=5, suppress=True, linewidth=120, threshold=64, edgeitems=6):
         for i, row in enumerate(a):
             print(f"[{i}] {row}")
@@ -172,12 +179,12 @@ def cmd_convert(a):
     try:
         cfg = convert(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
                       require_tokenizer=not a.no_tokenizer, progress=not a.quiet, quantize=a.quantize,
-                      quantize_head=a.quantize_head, quant_group=a.quant_group)
+                      quantize_head=a.quantize_head, quant_group=a.quant_group, layout=a.layout)
     except ConvertError as e:
         _die(str(e))
     size = os.path.getsize(a.output)
     print(f"wrote {a.output}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_experts} experts, {a.dtype}"
-          f"{'' if a.quantize == 'none' else ' + ' + a.quantize}, "
+          f"{' in panels' if cfg.layout == 'panels' else ''}{'' if a.quantize == 'none' else ' + ' + a.quantize}, "
           f"{size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if cfg.quant != "none":
         kept = sorted(k for k, q in cfg.quant_overrides.items() if q == "none")
@@ -330,13 +337,17 @@ def cmd_demo(a):
         print(f"\nserver stopped (exit {proc.returncode})", file=sys.stderr)
 
 
+_LAYOUT_HELP = ("how f16/bf16 matrices are stored: panels of 256 columns (faster decode) or rows "
+                "(default: panels for f16, rows for bf16, whose prefill_bf16 GEMM reads rows)")
+
+
 def cmd_dequantize(a):
     from .model.format import ColibriFormatError
     from .model.quant import dequantize_file
     if not os.path.exists(a.input):
         _die(f"model file not found: {a.input}")
     try:
-        dequantize_file(a.input, a.output, a.dtype)
+        dequantize_file(a.input, a.output, a.dtype, layout=a.layout)
     except (ColibriFormatError, ValueError) as e:
         _die(str(e))
     print(f"wrote {a.output} ({a.dtype})", file=sys.stderr)
@@ -447,12 +458,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quant-group", type=int, choices=(8, 16, 32, 64, 128), default=None,
                    help="rows sharing one scale per column (default 64; a matrix whose rows are not a "
                         "multiple stays unquantized)")
+    c.add_argument("--layout", choices=("rows", "panels"), default=None, help=_LAYOUT_HELP)
     c.set_defaults(fn=cmd_convert)
 
     dq = sub.add_parser("dequantize", help="write a float copy of a quantized .colibri file")
     dq.add_argument("input")
     dq.add_argument("output")
     dq.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f16")
+    dq.add_argument("--layout", choices=("rows", "panels"), default=None, help=_LAYOUT_HELP)
     dq.set_defaults(fn=cmd_dequantize)
     return p
 

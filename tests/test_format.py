@@ -444,7 +444,11 @@ CASES = [
     pytest.param("mixtral", lambda p, b: p.set_record("token_embd", offset=p.record("token_embd")["offset"] + 2),
                  fmt.Misaligned, "token_embd", id="offset-plus-2"),
     pytest.param("mixtral", _hdr(alignment=128), fmt.Misaligned, "blk.0.attn_q", id="alignment-128"),
-    pytest.param("mixtral", _rec("token_embd", dtype=3), fmt.UnknownDtype, "token_embd", id="dtype-3"),
+    pytest.param("mixtral", _rec("token_embd", dtype=5), fmt.UnknownDtype, "token_embd", id="dtype-5"),
+    # f16p on a matrix of 64 columns: not whole 256-column panels
+    pytest.param("mixtral", _rec("token_embd", dtype=3), fmt.BadTensorRecord, "token_embd", id="f16p-partial-panel"),
+    pytest.param("mixtral", _rec("blk.0.attn_norm", dtype=4, size=128), fmt.BadTensorRecord, "blk.0.attn_norm",
+                 id="bf16p-vector"),
     pytest.param("mixtral", _rec("output", dtype=255), fmt.UnknownDtype, "output", id="dtype-255"),
     pytest.param("mixtral", _rec(0, name=b"\xfftoken"), fmt.BadTensorRecord, "tensor record 0", id="name-non-ascii"),
     pytest.param("mixtral", _rec(0, name=b""), fmt.BadTensorRecord, "tensor record 0", id="name-empty"),

@@ -360,16 +360,11 @@ def test_dequantize_file_round_trip(mixtral_files, tmp_path):
 
 
 def test_cli_dequantize(mixtral_files, tmp_path):
-    import argparse
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers()
-    Q.add_dequantize_parser(sub)
-    a = p.parse_args(["dequantize", mixtral_files["q4"], str(tmp_path / "o.colibri")])
-    a.fn(a)
+    from colibri_server.cli import main
+    main(["dequantize", mixtral_files["q4"], str(tmp_path / "o.colibri")])
     assert Model.open(str(tmp_path / "o.colibri")).config.dtype == "f16"
     with pytest.raises(SystemExit):
-        a = p.parse_args(["dequantize", str(tmp_path / "missing.colibri"), str(tmp_path / "o2.colibri")])
-        a.fn(a)
+        main(["dequantize", str(tmp_path / "missing.colibri"), str(tmp_path / "o2.colibri")])
 
 
 def test_shapes_that_do_not_fit_stay_float(built, tmp_path):

@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from .format import PANEL
+
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 QK_NORMS = ("none", "head", "full")   # head: RMSNorm over head_dim per head (Qwen3); full: over H*hd (OLMoE)
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")   # dynamic NTK and longrope change with length: not supported
 FLOAT_DTYPES = ("f32", "f16", "bf16")
 QUANTS = ("none", "q8", "q4")          # group-quantized matrices (quant.py): values i8 / u4 + f16 scales
 QUANT_VALUE_DTYPE = {"q8": "i8", "q4": "u4"}
+LAYOUTS = ("rows", "panels")           # how f16/bf16 matrices are stored (panels.py)
 # the matrices a `quant` applies to (key = name without the "blk.N." prefix); the router gate,
 # norms, biases and the token embedding are never quantized
 QUANTIZABLE = ("attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
@@ -62,6 +65,7 @@ class ModelConfig:
     quant: str = "none"              # none | q8 | q4: quantization of the QUANTIZABLE matrices
     quant_group: int = 32            # G: rows of a matrix that share one scale per column
     quant_overrides: dict = field(default_factory=dict)  # matrix key -> none|q8|q4, overriding `quant`
+    layout: str = "rows"             # rows | panels: f16/bf16 QUANTIZABLE matrices in panels (f16p/bf16p)
 
     # -- derived ----------------------------------------------------------------
     def quant_of(self, key: str) -> str:
@@ -85,6 +89,8 @@ class ModelConfig:
         d = asdict(self)
         d["dense_layers"] = list(self.dense_layers)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if d["layout"] == "rows":       # the default is left out: readers from before panels take the file
+            del d["layout"]
         return d
 
     @classmethod
@@ -136,6 +142,7 @@ class ModelConfig:
         need(self.sliding_window >= 0, "sliding_window", "must be >= 0")
         need(self.dtype in FLOAT_DTYPES, "dtype", f"{self.dtype!r} is not one of {FLOAT_DTYPES}")
         _check_rope(self, need)
+        need(self.layout in LAYOUTS, "layout", f"{self.layout!r} is not one of {LAYOUTS}")
         need(self.quant in QUANTS, "quant", f"{self.quant!r} is not one of {QUANTS}")
         need(self.quant_group in (8, 16, 32, 64, 128), "quant_group", f"{self.quant_group} is not 8, 16, 32, 64 or 128")
         for k, v in self.quant_overrides.items():
@@ -219,16 +226,25 @@ def _coerce(name, value, typ):
 def expected_tensors(cfg: ModelConfig):
     """Yield (name, shape, allowed dtypes) for every tensor a file of this config holds.
     Norms, biases and router gates are always f32 (routing is precision sensitive);
-    the big matrices are in cfg.dtype."""
+    the big matrices are in cfg.dtype, in panels (f16p / bf16p) under layout "panels"."""
     for name, shape, dtypes in _expected_plain(cfg):
         key = name.split(".", 2)[-1]
         q = cfg.quant_of(key)
         if q == "none":
-            yield name, shape, dtypes
+            yield name, shape, (stored_dtype(cfg, key, shape),) if dtypes == (cfg.dtype,) else dtypes
             continue
         # values (logical shape) and per-(row group, column) f16 scales `<name>.s`
         yield name, shape, (QUANT_VALUE_DTYPE[q],)
         yield name + ".s", (*shape[:-2], shape[-2] // cfg.quant_group, shape[-1]), ("f16",)
+
+
+def stored_dtype(cfg: ModelConfig, key: str, shape) -> str:
+    """The dtype of an unquantized big matrix: cfg.dtype, or its panel dtype (f16p / bf16p) under
+    layout "panels" for the QUANTIZABLE matrices whose columns are whole panels."""
+    if (cfg.layout == "panels" and cfg.dtype in ("f16", "bf16") and key in QUANTIZABLE
+            and len(shape) >= 2 and shape[-1] % PANEL == 0):
+        return cfg.dtype + "p"
+    return cfg.dtype
 
 
 def quant_fits(cfg: ModelConfig, q: str, shape) -> bool:

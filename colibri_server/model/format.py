@@ -67,15 +67,24 @@ ROUTE_SHARED_EXPERT = 1 << 2  # the layer adds sigmoid(shared_gate . x) * shared
 # The quantized element types hold the values of a group-quantized matrix (quant.py; the
 # scales are a separate f16 tensor named `<name>.s`): i8 one signed byte per element; u4 two
 # 4-bit elements per byte (the last dimension is even; shape is the logical one, the view's
-# last dimension is half of it). Codes 3..7 are left for float types.
+# last dimension is half of it). Codes 5..7 are left for float types.
+#
+# f16p / bf16p are f16 / bf16 matrices stored in panels of PANEL columns: the record's shape is
+# the logical (..., d, n), n a multiple of PANEL, and the bytes are the array (..., n/PANEL, d,
+# PANEL), i.e. panel b holds columns b*PANEL..(b+1)*PANEL-1 of every row. A decode matvec keeps
+# one panel's slice of x in registers and streams the panel's rows in one sequence (panels.py).
 DTYPES = {
     0: ("f32", np.dtype("<f4"), 4),
     1: ("f16", np.dtype("<u2"), 2),
     2: ("bf16", np.dtype("<i2"), 2),
+    3: ("f16p", np.dtype("<u2"), 2),
+    4: ("bf16p", np.dtype("<i2"), 2),
     8: ("i8", np.dtype("i1"), 1),
     9: ("u4", np.dtype("u1"), 0.5),
 }
 DTYPE_CODES = {name: code for code, (name, _, _) in DTYPES.items()}
+PANEL = 256                       # columns per panel of an f16p / bf16p matrix
+PANEL_DTYPES = {"f16p": "f16", "bf16p": "bf16"}   # panel dtype -> the element type it stores
 
 
 # ---------------------------------------------------------------------------- errors
@@ -130,7 +139,10 @@ class RoutingRecord:
 
 
 def nbytes(dtype: str, shape) -> int:
-    """Bytes of a dense tensor; ValueError for a packed u4 tensor whose last dimension is odd."""
+    """Bytes of a dense tensor; ValueError for a packed u4 tensor whose last dimension is odd, or a
+    panel tensor that is not a matrix of whole panels."""
+    if dtype in PANEL_DTYPES and (len(shape) < 2 or int(shape[-1]) % PANEL):
+        raise ValueError(f"a {dtype} tensor is a matrix of whole {PANEL}-column panels, not {list(shape)}")
     n = 1
     for s in shape:
         n *= int(s)
@@ -142,8 +154,11 @@ def nbytes(dtype: str, shape) -> int:
 
 
 def view_shape(dtype: str, shape) -> tuple:
-    """Shape of the numpy view of a tensor (u4: the last dimension counts bytes, two elements each)."""
+    """Shape of the numpy view of a tensor (u4: the last dimension counts bytes, two elements each;
+    f16p / bf16p: (..., n/PANEL, d, PANEL) for the logical (..., d, n))."""
     shape = tuple(int(s) for s in shape)
+    if dtype in PANEL_DTYPES:
+        return shape[:-2] + (shape[-1] // PANEL, shape[-2], PANEL)
     return shape[:-1] + (shape[-1] // 2,) if dtype == "u4" else shape
 
 
@@ -206,7 +221,7 @@ class ColibriFile:
 
     def view(self, name: str) -> np.ndarray:
         """Read-only numpy view of a tensor (f16 as uint16, bf16 as int16, i8 as int8, u4 as
-        uint8 with half the last dimension). No copy."""
+        uint8 with half the last dimension, f16p / bf16p as their panels). No copy."""
         r = self.records[name]
         _, dt, _ = DTYPES[DTYPE_CODES[r.dtype]]
         a = self._buf[r.offset:r.offset + r.size].view(dt).reshape(view_shape(r.dtype, r.shape))
@@ -217,7 +232,7 @@ class ColibriFile:
         and columns, their rows stacked (e.g. attn_q, attn_k, attn_v: one matvec streams all
         three); None when they are not stored that way. No copy."""
         rs = [self.records.get(n) for n in names]
-        if any(r is None or len(r.shape) != 2 for r in rs):
+        if any(r is None or len(r.shape) != 2 or r.dtype in PANEL_DTYPES for r in rs):
             return None
         first = rs[0]
         for a, b in zip(rs, rs[1:]):

@@ -203,7 +203,10 @@ def _to_f32_overload(v):
 
 
 def weights_to_f32(w: np.ndarray) -> np.ndarray:
-    """numpy twin of the conversion (tests / reference code only)."""
+    """numpy twin of the conversion (tests / reference code only); a panels.Panels gives its
+    logical (row-major) matrix."""
+    if hasattr(w, "p"):
+        w = _panels.from_panels(w.p)
     w = np.asarray(w)
     if w.dtype == np.float32:
         return w
@@ -284,8 +287,14 @@ def _matvec_core(W, x, out, alpha, accumulate):
     # W (d,n) any, x (n,) f32 -> out (d,) = alpha * W@x (+ out if accumulate); one row at a time
     # (measured on this VM: one sequential stream reads at ~95% of the bandwidth, 8 interleaved
     # row streams at ~70%; LLVM keeps 4 vector accumulators per row, so the FMAs do not stall)
+    # W may also be a panel array (nb,d,PANEL) of an f16p/bf16p matrix (panels.py)
     if _KF.float_rows(W, x, out, alpha, accumulate):     # f16/bf16 on AVX-512: the row loop in IR
         return
+    _matvec_loop(W, x, out, alpha, accumulate)
+
+
+@njit(cache=True, fastmath=_REDUCE_FM)
+def _rows_loop(W, x, out, alpha, accumulate):
     d, n = W.shape
     for i in range(d):
         r = W[i]
@@ -293,6 +302,52 @@ def _matvec_core(W, x, out, alpha, accumulate):
         for j in range(n):
             a += to_f32(r[j]) * x[j]
         _store(out, i, a, alpha, accumulate)
+
+
+@njit(cache=True, fastmath=_REDUCE_FM)
+def _panels_loop(W, x, out, alpha, accumulate):
+    # W (nb,d,P) panels: row i is W[0,i] | W[1,i] | ...
+    nb, d, P = W.shape
+    for i in range(d):
+        a = np.float32(0.0)
+        for b in range(nb):
+            r = W[b, i]
+            for j in range(P):
+                a += to_f32(r[j]) * x[b * P + j]
+        _store(out, i, a, alpha, accumulate)
+
+
+def _matvec_loop(W, x, out, alpha, accumulate):
+    raise NotImplementedError           # Numba only: the overload picks the loop by W's rank
+
+
+@overload(_matvec_loop)
+def _matvec_loop_overload(W, x, out, alpha, accumulate):
+    if isinstance(W, types.Array) and W.ndim == 3:
+        return lambda W, x, out, alpha, accumulate: _panels_loop(W, x, out, alpha, accumulate)
+    return lambda W, x, out, alpha, accumulate: _rows_loop(W, x, out, alpha, accumulate)
+
+
+def nrows(W):
+    raise NotImplementedError           # Numba only: rows of a matrix, row-major (d,n) or panels (nb,d,P)
+
+
+@overload(nrows)
+def _nrows_overload(W):
+    if isinstance(W, types.Array) and W.ndim == 3:
+        return lambda W: W.shape[1]
+    return lambda W: W.shape[0]
+
+
+def row_slice(W, r0, r1):
+    raise NotImplementedError           # Numba only: rows r0:r1 of a row-major or a panel matrix
+
+
+@overload(row_slice)
+def _row_slice_overload(W, r0, r1):
+    if isinstance(W, types.Array) and W.ndim == 3:
+        return lambda W, r0, r1: W[:, r0:r1]
+    return lambda W, r0, r1: W[r0:r1]
 
 
 @njit(cache=True)
@@ -320,6 +375,18 @@ def rows_to_f32(W, r0, r1, out):
             dst[j] = to_f32(src[j])
 
 
+@njit(cache=True)
+def panel_rows_to_f32(W, r0, r1, out):
+    # W (nb,d,P) panels, rows r0:r1 -> out (r1-r0, nb*P) f32 (the same rows as rows_to_f32 of the matrix)
+    nb, _, P = W.shape
+    for i in range(r0, r1):
+        dst = out[i - r0]
+        for b in range(nb):
+            src = W[b, i]
+            for j in range(P):
+                dst[b * P + j] = to_f32(src[j])
+
+
 def rows_to_f32_ref(W, r0, r1, out=None):
     r = np.ascontiguousarray(weights_to_f32(W[r0:r1]))
     if out is not None:
@@ -328,7 +395,7 @@ def rows_to_f32_ref(W, r0, r1, out=None):
 
 
 def matmul(X, W, out, scratch, tmp=None):
-    """X (T,n) f32, W (d,n) any or a quant.QTensor -> out (T,d) f32 = X @ W.T.
+    """X (T,n) f32, W (d,n) any, a quant.QTensor or a panels.Panels -> out (T,d) f32 = X @ W.T.
 
     Plain Python. f32 weights go straight to BLAS; f16/bf16/quantized weights are
     converted tile by tile (``scratch`` (tile_rows, n) f32, e.g. 256 rows) and each
@@ -346,9 +413,10 @@ def matmul(X, W, out, scratch, tmp=None):
     if q is None and W.dtype == np.float32:
         np.matmul(X, W.T, out=out)
         return out
+    pan = W.p if hasattr(W, "p") else None             # a matrix stored in panels
     if T == 1:
         if q is None:
-            matvec(W, X[0], out[0])
+            matvec(W if pan is None else pan, X[0], out[0])
         else:
             flat = scratch.reshape(-1)
             ni, nf = _KQ.xi_len(n), _KQ.scratch_len(n)
@@ -374,7 +442,9 @@ def matmul(X, W, out, scratch, tmp=None):
         r1 = min(d, r0 + tile)
         rows = r1 - r0
         buf = scratch[:rows]
-        if q is None:
+        if pan is not None:
+            panel_rows_to_f32(pan, r0, r1, buf)
+        elif q is None:
             rows_to_f32(W, r0, r1, buf)
         else:
             _KQ.rows_to_f32_q(q, W.s, r0, r1, buf)
@@ -515,13 +585,13 @@ def expert_ffn(w1, w3, w2, e, x, weight, h1, h3, out):
 
 @njit(cache=True, parallel=True)
 def _matvec_par(W, x, out, nchunks, alpha, accumulate):
-    # W (d,n) any, x (n,) -> out (d,) = alpha * W@x (+=), rows split in nchunks (multiples of 8) run by threads
-    d = W.shape[0]
+    # W (d,n) any or panels, x (n,) -> out (d,) = alpha * W@x (+=), rows split in nchunks (multiples of 8)
+    d = nrows(W)
     for c in prange(nchunks):
         r0 = (c * d // nchunks) // 8 * 8
         r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // 8 * 8
         if r1 > r0:
-            _matvec_core(W[r0:r1], x, out[r0:r1], alpha, accumulate)
+            _matvec_core(row_slice(W, r0, r1), x, out[r0:r1], alpha, accumulate)
 
 
 @njit(cache=True)
@@ -534,16 +604,16 @@ def matvec_par(W, x, out, nchunks):
 def _matvec_pair_par(W1, W3, x, h1, h3, nchunks):
     # h1 = W1@x and h3 = W3@x (W1, W3 (d,n)) in ONE parallel region of 2*nchunks row chunks:
     # a workqueue launch costs ~50 us here, so launches are counted
-    d = W1.shape[0]
+    d = nrows(W1)
     for c2 in prange(2 * nchunks):
         c = c2 % nchunks
         r0 = (c * d // nchunks) // 8 * 8
         r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // 8 * 8
         if r1 > r0:
             if c2 < nchunks:
-                _matvec_core(W1[r0:r1], x, h1[r0:r1], np.float32(1.0), False)
+                _matvec_core(row_slice(W1, r0, r1), x, h1[r0:r1], np.float32(1.0), False)
             else:
-                _matvec_core(W3[r0:r1], x, h3[r0:r1], np.float32(1.0), False)
+                _matvec_core(row_slice(W3, r0, r1), x, h3[r0:r1], np.float32(1.0), False)
 
 
 @njit(cache=True)
@@ -729,5 +799,6 @@ def argmax_ref(x):
 # quantized kernels and attention (they build on the loaders and kernels above)
 from . import kernels_float as _KF  # noqa: E402
 from . import kernels_quant as _KQ  # noqa: E402
+from . import panels as _panels  # noqa: E402
 from . import kernels_gemm as _GEMM  # noqa: E402
 from .kernels_attention import attention, attention_ref  # noqa: E402,F401

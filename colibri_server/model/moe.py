@@ -14,6 +14,7 @@ import numpy as np
 
 from . import kernels as K
 from . import kernels_decode as KD
+from .panels import kernel_array
 
 
 class RoutingNoise:
@@ -68,8 +69,8 @@ def moe(layer, x, ws, out, noise=None, trace=None):
             KD.moe_quant(layer.gate, layer.w1.q, layer.w1.s, layer.w3.q, layer.w3.s, layer.w2.q, layer.w2.s, x[0],
                          A, layer.renorm, logits, idx, wts, ws.h1, ws.h3, out[0], ws.xs[0], ws.xi[0])
         else:
-            KD.moe_float(layer.gate, layer.w1, layer.w3, layer.w2, x[0], A, layer.renorm, logits, idx, wts,
-                         ws.h1, ws.h3, out[0])
+            KD.moe_float(layer.gate, kernel_array(layer.w1), kernel_array(layer.w3), kernel_array(layer.w2), x[0], A,
+                         layer.renorm, logits, idx, wts, ws.h1, ws.h3, out[0])
         return _shared_expert(layer, x, ws, out)
     if T == 1:
         K.matvec(layer.gate, x[0], logits[0])                                  # (E,D) f32: BLAS costs more to call

@@ -25,8 +25,6 @@ scales as `<name>.s` (f16, shape (..., d/G, n)). `QTensor` pairs the two views.
 """
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,17 +172,20 @@ def dequantize(t: QTensor) -> np.ndarray:
 
 # ---------------------------------------------------------------------------- files
 
-def dequantize_file(src, dst, dtype: str = "f16", progress=None) -> None:
-    """Write a float copy (dtype f32/f16/bf16) of a .colibri file: every quantized matrix
-    is dequantized (one matrix of a stack at a time), everything else is copied."""
+def dequantize_file(src, dst, dtype: str = "f16", progress=None, layout: str | None = None) -> None:
+    """Write a float copy (dtype f32/f16/bf16; layout rows|panels, default as the converter's)
+    of a .colibri file: every quantized matrix is dequantized (one matrix of a stack at a
+    time), everything else is copied or re-encoded."""
     from . import format as fmt
     from .config import ModelConfig, expected_tensors
-    from .convert import _encode
+    from .convert import _encode, default_layout
+    layout = default_layout(dtype, layout)
     cf = fmt.ColibriFile.open(src)
     try:
         raw = fmt.read_json_blob(cf.path, "config", cf.config_json)
         cfg = ModelConfig.from_dict(raw)
-        out_cfg = ModelConfig.from_dict({**cfg.to_dict(), "dtype": dtype, "quant": "none", "quant_overrides": {}})
+        out_cfg = ModelConfig.from_dict({**cfg.to_dict(), "dtype": dtype, "quant": "none", "quant_overrides": {},
+                                         "layout": layout})
         meta = fmt.read_json_blob(cf.path, "metadata", cf.metadata_json, required=False)
         meta = {**meta, "dequantized_from": f"{cfg.quant} {dict(cfg.quant_overrides)}"}
         plan = list(expected_tensors(out_cfg))
@@ -219,30 +220,10 @@ def fmt_name(cf, index: int) -> str:
 
 def _encode_view(a: np.ndarray, src_dtype: str, dst: str, name: str) -> np.ndarray:
     from .convert import _encode
+    from .format import PANEL_DTYPES
     from .kernels import weights_to_f32
+    from .panels import Panels
     if src_dtype == dst:
         return np.ascontiguousarray(a)
-    return _encode(np.ascontiguousarray(weights_to_f32(a), np.float32), "F32", dst, name)
-
-
-def add_dequantize_parser(sub) -> None:
-    """`colibri dequantize IN OUT [--dtype f16]` (cli.py adds it to its subcommands)."""
-    p = sub.add_parser("dequantize", help="write a float (f16/bf16/f32) copy of a quantized .colibri file")
-    p.add_argument("input", help="a .colibri file (q8 or q4)")
-    p.add_argument("output", help="the float .colibri file to write (atomically)")
-    p.add_argument("--dtype", default="f16", choices=("f32", "f16", "bf16"))
-    p.set_defaults(fn=cmd_dequantize)
-
-
-def cmd_dequantize(args) -> None:
-    from . import format as fmt
-    from .config import ConfigError
-    if os.path.isdir(args.output):
-        print(f"colibri: error: output {args.output} is a directory", file=sys.stderr)
-        sys.exit(1)
-    try:
-        dequantize_file(args.input, args.output, args.dtype)
-    except (fmt.ColibriFormatError, ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"colibri: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    print(f"wrote {args.output} ({os.path.getsize(args.output) / 2**20:.1f} MiB, {args.dtype})", file=sys.stderr)
+    f = weights_to_f32(Panels(a) if src_dtype in PANEL_DTYPES else a)     # the logical matrix
+    return _encode(np.ascontiguousarray(f, np.float32), "F32", dst, name)

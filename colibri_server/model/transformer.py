@@ -21,6 +21,7 @@ from . import kernels_quant as KQ
 from .buffers import aligned_zeros, lazy_zeros
 from .config import ModelConfig
 from .moe import moe, swiglu
+from .panels import kernel_array
 
 
 class KVCache:
@@ -100,12 +101,12 @@ class Workspace:
             if hasattr(W, "q"):
                 KQ.matvec_q_par(W.q, W.s, X[0], out[0], self.xs[:self.threads], self.xi[:self.threads])
             else:
-                K.matvec_par(W, X[0], out[0], self.threads)
+                K.matvec_par(kernel_array(W), X[0], out[0], self.threads)
             return out
         if X.shape[0] == 1 and hasattr(W, "q"):            # the workspace's aligned scratch
             KQ.matvec_q(W.q, W.s, X[0], out[0], self.xs[0], self.xi[0])
             return out
-        if X.shape[0] > 1 and self.prefill_bf16 and not hasattr(W, "q") and W.dtype == np.int16:
+        if X.shape[0] > 1 and self.prefill_bf16 and isinstance(W, np.ndarray) and W.dtype == np.int16:
             if self.threads > 1:
                 return GE.matmul_bf16_par(W, X, out, self.threads)
             return GE.matmul_bf16(W, X, out)
@@ -125,9 +126,10 @@ class Workspace:
                 KQ.expert_ffn_q(w1.q, w1.s, w3.q, w3.s, w2.q, w2.s, e, x, weight, self.h1, self.h3, out,
                                 self.xs[0], self.xi[0])
         elif self.threads > 1:
-            K.expert_ffn_par(w1, w3, w2, e, x, weight, self.h1, self.h3, out, self.threads)
+            K.expert_ffn_par(kernel_array(w1), kernel_array(w3), kernel_array(w2), e, x, weight, self.h1, self.h3,
+                             out, self.threads)
         else:
-            K.expert_ffn(w1, w3, w2, e, x, weight, self.h1, self.h3, out)
+            K.expert_ffn(kernel_array(w1), kernel_array(w3), kernel_array(w2), e, x, weight, self.h1, self.h3, out)
 
     def score_buffer(self, capacity: int) -> np.ndarray:
         if self.scores is None or self.scores.shape[0] < capacity:
@@ -150,7 +152,7 @@ def compile_parallel(weights, ws: Workspace) -> None:
             continue
         if (W.shape[0] * W.shape[1]) < ws.PAR_MIN_WEIGHTS:
             continue
-        args = (W.q, W.s, x, x, ws.xs[:ws.threads], ws.xi[:ws.threads]) if hasattr(W, "q") else (W, x, x, 1)
+        args = (W.q, W.s, x, x, ws.xs[:ws.threads], ws.xi[:ws.threads]) if hasattr(W, "q") else (kernel_array(W), x, x, 1)
         key = tuple(numba.typeof(a) for a in args)
         if key not in seen:
             seen.add(key)
@@ -170,7 +172,7 @@ def compile_parallel(weights, ws: Workspace) -> None:
     if GE.HAVE_BF16_GEMM:                        # prefill_bf16 on threads: the bf16 GEMM's row split
         x2 = np.zeros((4, x.shape[0]), np.int16)
         for W in mats + [L.w1 for L in weights.layers] + [L.w2 for L in weights.layers]:
-            if W is None or hasattr(W, "q") or W.dtype != np.int16:
+            if not isinstance(W, np.ndarray) or W.dtype != np.int16:      # row-major bf16 only
                 continue
             W2 = W if W.ndim == 2 else W[0]
             for out in (X2, X2[:, :1]):
@@ -186,7 +188,8 @@ def compile_parallel(weights, ws: Workspace) -> None:
             args = (L.w1.q, L.w1.s, L.w3.q, L.w3.s, L.w2.q, L.w2.s, 0, x, 1.0, ws.h1, ws.h3, x, ws.xs, ws.xi)
             kernel = KQ.expert_ffn_q_par
         else:
-            args, kernel = (L.w1, L.w3, L.w2, 0, x, 1.0, ws.h1, ws.h3, x, 1), K.expert_ffn_par
+            args = (kernel_array(L.w1), kernel_array(L.w3), kernel_array(L.w2), 0, x, 1.0, ws.h1, ws.h3, x, 1)
+            kernel = K.expert_ffn_par
         key = tuple(numba.typeof(a) for a in args)
         if key not in seen:
             seen.add(key)

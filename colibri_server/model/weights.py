@@ -4,7 +4,8 @@ Legend: D hidden, V vocab, H heads, Hkv kv heads, hd head dim, E experts, I expe
 intermediate, S shared-expert intermediate, F dense-MLP intermediate.
 Matrices are in the file's dtype (f32; f16 viewed as uint16; bf16 viewed as int16), or,
 when quantized, a quant.QTensor pairing the values (int8 / packed uint8) with their f16
-scales `<name>.s`; norms, biases and router gates are f32.
+scales `<name>.s`, or, stored in panels (f16p / bf16p), a panels.Panels wrapping the panel
+array; norms, biases and router gates are f32.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from . import format as fmt
 from .config import ModelConfig, expected_tensors
+from .panels import Panels
 from .quant import QTensor
 
 QUANT_KIND = {"i8": "q8", "u4": "q4"}
@@ -112,6 +114,8 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
         kind = QUANT_KIND.get(cf.records[name].dtype)
         if kind is not None:
             return QTensor(kind, cf.view(name), cf.view(name + ".s"))
+        if cf.records[name].dtype in fmt.PANEL_DTYPES:
+            return Panels(cf.view(name))
         return cf.view(name)
 
     layers = []

@@ -1,0 +1,252 @@
+"""f16 / bf16 matrices stored in panels of 256 columns (dtypes f16p / bf16p, panels.py).
+
+- The panel matvec (LLVM IR on AVX-512, a Numba loop elsewhere), its row split over threads,
+  the prefill tile gather and matmul, each against the numpy twin of the row-major matrix.
+- Files: every architecture, built with hidden 256 so that most matrices are whole panels
+  (the rest stay row-major in the same file), converted from an f16 / bf16 checkpoint in
+  panels, match transformers running those values in f32 as tightly as row-major files do;
+  decode equals prefill; the fused decode call equals the general path bit for bit; two
+  threads equal one bit for bit.
+- The converter's defaults and options, dequantize, inspect and prefill_bf16 with panels.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import hf_models as H
+from colibri_server.model import Model
+from colibri_server.model import format as fmt
+from colibri_server.model import kernels as K
+from colibri_server.model.kernels_float import HAVE_FLOAT_IR
+from colibri_server.model.panels import PANEL, Panels, from_panels, to_panels
+
+PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 512, size=24)]
+# hidden 256: attention q/k/v, the experts' w1/w3, the heads and (where the width is 256) w2
+# and wo are panels; qwen2_moe's shared expert (96) and dense MLP (128), qwen3's wo (q_dim 96)
+# and olmoe's w2 (32) keep rows
+WIDE = {"mixtral": dict(hidden_size=256, intermediate_size=256),
+        "qwen2_moe": dict(hidden_size=256, moe_intermediate_size=256),
+        "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
+        "olmoe": dict(hidden_size=256)}
+HALF = {"f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _bits(rng, shape, dtype):
+    w = rng.standard_normal(shape).astype(np.float32)
+    if dtype == "f16":
+        return w.astype(np.float16).view(np.uint16)
+    return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+
+
+# ---------------------------------------------------------------------------- kernels
+
+def test_to_panels_layout_and_round_trip():
+    w = np.arange(3 * 5 * 512, dtype=np.int32).reshape(3, 5, 512)
+    p = to_panels(w)
+    assert p.shape == (3, 2, 5, PANEL) and p.flags.c_contiguous
+    np.testing.assert_array_equal(p[1, 1, 4], w[1, 4, 256:])          # panel b = columns b*256.. of each row
+    np.testing.assert_array_equal(from_panels(p), w)
+    P = Panels(p)
+    assert P.shape == (3, 5, 512) and P.ndim == 3 and P[2].shape == (5, 512) and P.nbytes == w.nbytes
+    with pytest.raises(IndexError):
+        P[0][0]
+    with pytest.raises(ValueError, match="multiple of the panel width"):
+        to_panels(np.zeros((4, 300)))
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("d,n", [(136, 768), (8, 256), (1, 512)])
+def test_panel_matvec_matches_the_row_major_twin(dtype, d, n):
+    rng = np.random.default_rng(d + n)
+    W = _bits(rng, (d, n), dtype)
+    P = to_panels(W)
+    x = rng.standard_normal(n).astype(np.float32)
+    ref = K.matvec_ref(W, x)
+    tol = 2e-6 * np.abs(ref).max() * np.sqrt(n)
+    out = np.full(d, np.nan, np.float32)
+    K.matvec(P, x, out)                                   # the IR kernel on AVX-512
+    np.testing.assert_allclose(out, ref, rtol=0, atol=tol)
+    loop = np.full(d, np.nan, np.float32)
+    K._panels_loop(P, x, loop, np.float32(1.0), False)    # the Numba loop (CPUs without AVX-512)
+    np.testing.assert_allclose(loop, ref, rtol=0, atol=tol)
+    acc = np.ones(d, np.float32)
+    K._matvec_core(P, x, acc, np.float32(-0.5), True)     # out += alpha * W @ x, as the expert's w2
+    np.testing.assert_allclose(acc, 1 - 0.5 * ref, rtol=0, atol=tol)
+    par = np.full(d, np.nan, np.float32)
+    K.matvec_par(P, x, par, 2)                            # row chunks: W[:, r0:r1], strided panels
+    np.testing.assert_array_equal(par, out)
+
+
+@pytest.mark.skipif(not HAVE_FLOAT_IR, reason="the IR kernel needs AVX-512")
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_panel_kernel_is_vector_code_without_x_loads_in_the_row_loop(dtype):
+    from numba import njit
+
+    from colibri_server.model import kernels_float as KF
+    kern = KF._panels_f16 if dtype == "f16" else KF._panels_bf16
+
+    @njit
+    def run(W, x, out):
+        kern(W, x, out, np.float32(1.0), False)
+    P = to_panels(_bits(np.random.default_rng(0), (16, 512), dtype))
+    run(P, np.ones(512, np.float32), np.zeros(16, np.float32))
+    asm = run.inspect_asm(run.signatures[0])
+    fmas = [ln for ln in asm.splitlines() if "vfmadd" in ln]
+    assert len(fmas) >= PANEL // 16 and all("zmm" in ln for ln in fmas)
+    # x is in registers: no FMA takes a memory operand (the weights are converted first)
+    assert not any("(%" in ln for ln in fmas)
+    assert ("vcvtph2ps" in asm) == (dtype == "f16")
+
+
+def test_panel_rows_and_matmul_match_the_row_major_matrix():
+    rng = np.random.default_rng(3)
+    W = _bits(rng, (300, 512), "f16")
+    P = to_panels(W)
+    buf = np.zeros((40, 512), np.float32)
+    K.panel_rows_to_f32(P, 100, 140, buf)
+    np.testing.assert_array_equal(buf, K.weights_to_f32(W[100:140]))
+    np.testing.assert_array_equal(K.weights_to_f32(Panels(P)), K.weights_to_f32(W))
+    for T in (1, 5):
+        X = rng.standard_normal((T, 512)).astype(np.float32)
+        out = np.zeros((T, 300), np.float32)
+        K.matmul(X, Panels(P), out, np.zeros((64, 512), np.float32))
+        ref = K.matmul_ref(X, W)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_format_refuses_panels_that_are_not_whole():
+    assert fmt.view_shape("f16p", (4, 8, 512)) == (4, 2, 8, 256)
+    assert fmt.nbytes("bf16p", (8, 512)) == 8 * 512 * 2
+    for shape in [(8, 300), (512,)]:
+        with pytest.raises(ValueError, match="whole 256-column panels"):
+            fmt.nbytes("f16p", shape)
+
+
+# ---------------------------------------------------------------------------- files
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """(arch, half dtype) -> (HF dir, reference logits of the half values run in f32)."""
+    from transformers import AutoModelForCausalLM
+    cache, root = {}, tmp_path_factory.mktemp("wide")
+
+    def get(arch, dtype):
+        if (arch, dtype) not in cache:
+            d = root / f"hf-{arch}-{dtype}"
+            H.build_hf_model(arch, d, dtype=HALF[dtype], **WIDE[arch])
+            ref_model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            cache[arch, dtype] = (d, H.hf_logits(ref_model, PROMPT))
+        return cache[arch, dtype]
+    return get
+
+
+def _convert(hf_dir, path, dtype, layout):
+    from colibri_server.model.convert import convert
+    convert(hf_dir, path, dtype, progress=False, layout=layout)
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", H.ARCHS)
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_panel_files_are_exact_against_transformers(wide, tmp_path, arch, dtype):
+    hf_dir, ref = wide(arch, dtype)
+    m = Model.open(_convert(hf_dir, tmp_path / "p.colibri", dtype, "panels"))
+    kinds = {r.dtype for r in m.file.record_list if len(r.shape) >= 2}
+    assert dtype + "p" in kinds                                        # most matrices are panels ...
+    assert all(L.wqkv is None for L in m.weights.layers)              # ... so q|k|v are three streams
+    got = m.logits(PROMPT)
+    # measured max |diff| / max |logit|: 3e-6..3e-5, the same as the row-major file to 3 digits
+    assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max()
+    # decode through the KV cache gives the prefill's rows
+    cache = m.new_cache()
+    rows = [m.prefill(cache, np.array(PROMPT[:4]))[0].copy()]
+    rows += [m.decode(cache, t)[0].copy() for t in PROMPT[4:10]]
+    np.testing.assert_allclose(np.stack(rows), got[3:10], rtol=0, atol=1e-4 * np.abs(got).max())
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_panel_decode_fused_and_threaded_are_the_general_path_bit_for_bit(wide, tmp_path, arch):
+    from colibri_server.model.transformer import forward
+    hf_dir, _ = wide(arch, "f16")
+    path = _convert(hf_dir, tmp_path / "p.colibri", "f16", "panels")
+    m = Model.open(path)
+    cfg, w, ws = m.config, m.weights, m.workspace
+
+    def run(model, trace=None):
+        cache = model.new_cache()
+        forward(cfg, model.weights, model.rope, model.workspace, cache, tokens=np.array(PROMPT[:5]))
+        return np.stack([forward(cfg, model.weights, model.rope, model.workspace, cache, tokens=np.array([t]),
+                                 trace=trace)[0].copy() for t in PROMPT[5:10]])
+
+    fused = run(m)
+    trace = []
+    np.testing.assert_array_equal(fused, run(m, trace))                # the general path ran, same bits
+    assert trace
+    two = Model.open(path)
+    two.set_threads(2)
+    np.testing.assert_array_equal(run(two), fused)                     # rows split over 2 threads
+
+
+def test_converter_layout_defaults_and_options(wide, tmp_path):
+    from colibri_server.cli import main
+    from colibri_server.model.convert import ConvertError, convert
+    hf_dir, ref = wide("mixtral", "f16")
+    convert(hf_dir, tmp_path / "d16.colibri", "f16", progress=False)
+    convert(hf_dir, tmp_path / "d32.colibri", "f32", progress=False)
+    main(["convert", str(hf_dir), str(tmp_path / "rows.colibri"), "--layout", "rows", "--quiet"])
+    main(["convert", str(hf_dir), str(tmp_path / "pb.colibri"), "--dtype", "bf16", "--layout", "panels", "--quiet"])
+    layouts = {}
+    for name in ("d16", "d32", "rows", "pb"):
+        cf = fmt.ColibriFile.open(str(tmp_path / f"{name}.colibri"))
+        layouts[name] = (json.loads(cf.config_json).get("layout"), cf.records["blk.0.ffn_gate_exps"].dtype)
+    assert layouts == {"d16": ("panels", "f16p"), "d32": (None, "f32"), "rows": (None, "f16"),
+                       "pb": ("panels", "bf16p")}                      # a rows config leaves the key out
+    rows = Model.open(str(tmp_path / "rows.colibri")).logits(PROMPT)
+    pan = Model.open(str(tmp_path / "d16.colibri")).logits(PROMPT)
+    np.testing.assert_allclose(pan, rows, rtol=0, atol=2e-5 * np.abs(rows).max())  # summation order only
+    with pytest.raises(ConvertError, match="--layout 'tiles'"):
+        convert(hf_dir, tmp_path / "x.colibri", "f16", progress=False, layout="tiles")
+    assert not (tmp_path / "x.colibri").exists()
+
+
+def test_dequantize_and_inspect_with_panels(wide, tmp_path, capsys):
+    from colibri_server.cli import main
+    from colibri_server.model.convert import convert
+    hf_dir, _ = wide("mixtral", "f16")
+    q8 = tmp_path / "q8.colibri"
+    convert(hf_dir, q8, "f16", progress=False, quantize="q8", quant_group=32)
+    main(["dequantize", str(q8), str(tmp_path / "dp.colibri")])                       # f16: panels
+    main(["dequantize", str(q8), str(tmp_path / "dr.colibri"), "--layout", "rows"])
+    dp, dr = Model.open(str(tmp_path / "dp.colibri")), Model.open(str(tmp_path / "dr.colibri"))
+    assert dp.file.records["blk.1.ffn_down_exps"].dtype == "f16p"
+    assert dr.file.records["blk.1.ffn_down_exps"].dtype == "f16"
+    np.testing.assert_array_equal(K.weights_to_f32(dp.weights.layers[1].w2), K.weights_to_f32(dr.weights.layers[1].w2))
+    a, b = dp.logits(PROMPT), dr.logits(PROMPT)
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())
+    # a panel file dequantized back to rows: the same values
+    main(["dequantize", str(tmp_path / "dp.colibri"), str(tmp_path / "back.colibri"), "--layout", "rows"])
+    back = Model.open(str(tmp_path / "back.colibri"))
+    np.testing.assert_array_equal(K.weights_to_f32(back.weights.output), K.weights_to_f32(dr.weights.output))
+    capsys.readouterr()
+    for f in ("dp", "dr"):
+        main(["inspect", str(tmp_path / f"{f}.colibri"), "--tensor", "blk.0.ffn_up_exps", "--rows", "2"])
+    out = capsys.readouterr().out.split("blk.0.ffn_up_exps ")
+    assert out[1].split(":", 1)[1] == out[2].split(":", 1)[1]                        # the same logical rows
+    assert "f16p[4, 256, 256]: first 2 of 1024 rows" in out[1]
+
+
+def test_prefill_bf16_names_panel_files_as_without_row_major_bf16(wide, tmp_path):
+    hf_dir, _ = wide("olmoe", "bf16")
+    m = Model.open(_convert(hf_dir, tmp_path / "pb.colibri", "bf16", "panels"))
+    before = m.logits(PROMPT)
+    # olmoe's w2 (32 columns) stays row-major bf16: prefill_bf16 takes those, panels stay on f32 tiles
+    assert m.has_bf16_weights() and m.set_prefill_bf16(True) == K._GEMM.HAVE_BF16_GEMM
+    after = m.logits(PROMPT)
+    assert np.isfinite(after).all() and np.abs(after - before).max() < 0.05 * np.abs(before).max()
+    hf_dir, _ = wide("mixtral", "bf16")
+    m = Model.open(_convert(hf_dir, tmp_path / "mb.colibri", "bf16", "panels"))
+    assert not m.has_bf16_weights() and m.set_prefill_bf16(True) is False           # every matrix is panels
