@@ -113,6 +113,24 @@ def test_threads_per_worker_splits_decode_and_keeps_the_answers(server, model_pa
         assert ids == want[tuple(prompt)]
 
 
+def test_panel_file_served_on_two_threads_keeps_the_answers(server, tmp_path):
+    """A file in panels (f16p; hidden 256 so the matrices are whole panels): the threaded panel
+    kernels compiled before fork split each panel's rows, and the answers equal one thread's."""
+    import hf_models as H
+    from colibri_server.model.convert import convert
+    H.build_hf_model("mixtral", tmp_path / "hf", hidden_size=256, intermediate_size=256)
+    path = str(tmp_path / "panels.colibri")
+    convert(tmp_path / "hf", path, "f16", progress=False)
+    m = Model.open(path)
+    assert m.file.records["blk.0.ffn_down_exps"].dtype == "f16p"
+    s = server(workers=1, model=path, extra=("--threads-per-worker", "2"))
+    s.wait_for(lambda: "decode on 2 threads" in s.logs(), what="the worker's thread log line")
+    load = Load(s, n=2, per_client=2).start().join()
+    assert not load.errors and not load.silent and len(load.results) == 4
+    for prompt, ids, reason, gen in load.results:
+        assert ids == m.generate(prompt, max_tokens=8, ignore_eos=True)
+
+
 def test_prefill_bf16_setting_reaches_the_workers(server, built, model_path):
     """prefill_bf16 is applied in each worker: in effect on a bf16 file (where the CPU has
     avx512bf16), and on a file without bf16 matrices the worker says why it has no effect;
