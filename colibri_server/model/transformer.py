@@ -106,6 +106,9 @@ class Workspace:
         if X.shape[0] == 1 and hasattr(W, "q"):            # the workspace's aligned scratch
             KQ.matvec_q(W.q, W.s, X[0], out[0], self.xs[0], self.xi[0])
             return out
+        if X.shape[0] == 1 and W.dtype != np.float32:      # f16/bf16 rows or panels: straight to the kernel
+            K.matvec(kernel_array(W), X[0], out[0])
+            return out
         if X.shape[0] > 1 and self.prefill_bf16 and isinstance(W, np.ndarray) and W.dtype == np.int16:
             if self.threads > 1:
                 return GE.matmul_bf16_par(W, X, out, self.threads)
