@@ -342,13 +342,14 @@ _LAYOUT_HELP = ("how f16/bf16 matrices are stored: panels of 256 columns (faster
 
 
 def cmd_dequantize(a):
+    from .model.convert import ConvertError
     from .model.format import ColibriFormatError
     from .model.quant import dequantize_file
     if not os.path.exists(a.input):
         _die(f"model file not found: {a.input}")
     try:
         dequantize_file(a.input, a.output, a.dtype, layout=a.layout)
-    except (ColibriFormatError, ValueError) as e:
+    except (ColibriFormatError, ConvertError, ValueError) as e:
         _die(str(e))
     print(f"wrote {a.output} ({a.dtype})", file=sys.stderr)
 

@@ -210,6 +210,8 @@ def test_converter_layout_defaults_and_options(wide, tmp_path):
     np.testing.assert_allclose(pan, rows, rtol=0, atol=2e-5 * np.abs(rows).max())  # summation order only
     with pytest.raises(ConvertError, match="--layout 'tiles'"):
         convert(hf_dir, tmp_path / "x.colibri", "f16", progress=False, layout="tiles")
+    with pytest.raises(ConvertError, match="--layout panels stores f16 or bf16"):
+        convert(hf_dir, tmp_path / "x.colibri", "f32", progress=False, layout="panels")
     assert not (tmp_path / "x.colibri").exists()
 
 
@@ -231,7 +233,10 @@ def test_dequantize_and_inspect_with_panels(wide, tmp_path, capsys):
     main(["dequantize", str(tmp_path / "dp.colibri"), str(tmp_path / "back.colibri"), "--layout", "rows"])
     back = Model.open(str(tmp_path / "back.colibri"))
     np.testing.assert_array_equal(K.weights_to_f32(back.weights.output), K.weights_to_f32(dr.weights.output))
-    capsys.readouterr()
+    with pytest.raises(SystemExit):                                                  # named, no traceback
+        main(["dequantize", str(q8), str(tmp_path / "x.colibri"), "--dtype", "f32", "--layout", "panels"])
+    assert "--layout panels stores f16 or bf16" in capsys.readouterr().err
+    assert not (tmp_path / "x.colibri").exists()
     for f in ("dp", "dr"):
         main(["inspect", str(tmp_path / f"{f}.colibri"), "--tensor", "blk.0.ffn_up_exps", "--rows", "2"])
     out = capsys.readouterr().out.split("blk.0.ffn_up_exps ")

@@ -480,6 +480,8 @@ def default_layout(dtype: str, layout: str | None) -> str:
         return "panels" if dtype == "f16" else "rows"
     if layout not in LAYOUTS:
         raise ConvertError(f"--layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    if layout == "panels" and dtype == "f32":
+        raise ConvertError("--layout panels stores f16 or bf16 matrices; with --dtype f32 use rows")
     return layout
 
 
