@@ -174,7 +174,7 @@ def test_panel_decode_fused_and_threaded_are_the_general_path_bit_for_bit(wide, 
     hf_dir, _ = wide(arch, "f16")
     path = _convert(hf_dir, tmp_path / "p.colibri", "f16", "panels")
     m = Model.open(path)
-    cfg, w, ws = m.config, m.weights, m.workspace
+    cfg = m.config
 
     def run(model, trace=None):
         cache = model.new_cache()
@@ -244,14 +244,27 @@ def test_dequantize_and_inspect_with_panels(wide, tmp_path, capsys):
     assert "f16p[4, 256, 256]: first 2 of 1024 rows" in out[1]
 
 
-def test_prefill_bf16_names_panel_files_as_without_row_major_bf16(wide, tmp_path):
-    hf_dir, _ = wide("olmoe", "bf16")
-    m = Model.open(_convert(hf_dir, tmp_path / "pb.colibri", "bf16", "panels"))
-    before = m.logits(PROMPT)
-    # olmoe's w2 (32 columns) stays row-major bf16: prefill_bf16 takes those, panels stay on f32 tiles
-    assert m.has_bf16_weights() and m.set_prefill_bf16(True) == K._GEMM.HAVE_BF16_GEMM
-    after = m.logits(PROMPT)
-    assert np.isfinite(after).all() and np.abs(after - before).max() < 0.05 * np.abs(before).max()
+def test_prefill_bf16_takes_panels_with_the_sums_of_rows(wide, tmp_path):
+    """The bf16 GEMM walks a panel matrix panel by panel with its accumulators carried over:
+    the same products and sums as the row-major file (bit for bit per matmul; the model's
+    logits agree to float rounding, as single-token experts take the matvec, whose order
+    differs), on one thread and on two."""
+    from colibri_server.model import kernels_gemm as GE
     hf_dir, _ = wide("mixtral", "bf16")
-    m = Model.open(_convert(hf_dir, tmp_path / "mb.colibri", "bf16", "panels"))
-    assert not m.has_bf16_weights() and m.set_prefill_bf16(True) is False           # every matrix is panels
+    rows = Model.open(_convert(hf_dir, tmp_path / "r.colibri", "bf16", "rows"), prefill_bf16=True)
+    pan = Model.open(_convert(hf_dir, tmp_path / "p.colibri", "bf16", "panels"), prefill_bf16=True)
+    assert pan.has_bf16_weights() and pan.set_prefill_bf16(True) == GE.HAVE_BF16_GEMM
+    if not GE.HAVE_BF16_GEMM:
+        pytest.skip("this CPU has no avx512bf16")
+    W = rows.weights.layers[0].w1[1]
+    X = np.random.default_rng(5).standard_normal((7, W.shape[1])).astype(np.float32)
+    a, b, c = (np.zeros((7, W.shape[0]), np.float32) for _ in range(3))
+    GE.matmul_bf16(W, X, a)
+    GE.matmul_bf16(pan.weights.layers[0].w1[1], X, b)
+    GE.matmul_bf16_par(pan.weights.layers[0].w1[1], X, c, 2)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(b, c)
+    want = rows.logits(PROMPT)
+    np.testing.assert_allclose(pan.logits(PROMPT), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    pan.set_threads(2)
+    np.testing.assert_allclose(pan.logits(PROMPT), want, rtol=0, atol=1e-4 * np.abs(want).max())

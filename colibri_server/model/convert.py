@@ -475,7 +475,8 @@ def _panel_matrix(blocks, src_dtype: str, dt: str, name: str, shape2) -> np.ndar
 
 def default_layout(dtype: str, layout: str | None) -> str:
     """The converter's layout: `layout` when given, else panels for f16 (its decode streams ~10%
-    faster in panels) and rows for bf16 (prefill_bf16's GEMM reads rows) and f32."""
+    faster in panels) and rows for bf16 (its opt-in prefill_bf16 GEMM runs 5-10% faster on rows at
+    8-32 tokens, the same at 128) and f32."""
     if layout is None:
         return "panels" if dtype == "f16" else "rows"
     if layout not in LAYOUTS:

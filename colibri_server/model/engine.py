@@ -117,17 +117,17 @@ class Model:
         """Prefill bf16 weight matrices with activations rounded to bf16 (vdpbf16ps, f32 sums),
         as transformers' bf16 CPU path does: about twice the speed of the default f32 path, and
         logits that move by the activations' rounding (relative 2^-9 per input). Returns whether
-        it is in effect: it needs a CPU with avx512bf16 and a file with row-major bf16 matrices; decode
+        it is in effect: it needs a CPU with avx512bf16 and a file with bf16 matrices; decode
         and other dtypes are unchanged."""
         self.prefill_bf16 = bool(on)
         self.workspace.prefill_bf16 = self.prefill_bf16 and GE.HAVE_BF16_GEMM
         return self.workspace.prefill_bf16 and self.has_bf16_weights()
 
     def has_bf16_weights(self) -> bool:
-        """Whether a matrix multiplication reads row-major bf16 weights (panels, bf16p, do not take
-        the bf16 GEMM; the token embedding counts only as a tied output head)."""
-        return any(r.dtype == "bf16" and len(r.shape) >= 2 and (r.name != "token_embd" or self.config.tie_word_embeddings)
-                   for r in self.file.record_list)
+        """Whether a matrix multiplication reads bf16 weights, rows or panels (the token embedding
+        counts only as a tied output head)."""
+        return any(r.dtype in ("bf16", "bf16p") and len(r.shape) >= 2
+                   and (r.name != "token_embd" or self.config.tie_word_embeddings) for r in self.file.record_list)
 
     def compile_threaded(self) -> None:
         """Compile the parallel decode kernels for this model's weight types without running

@@ -32,9 +32,10 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from .kernels import to_f32
+from .kernels import nrows, to_f32
+from .format import PANEL
 from .kernels_simd import _FEATURES, HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, _f32_bits, _vec, act_chunk_q4, act_chunk_q8
 
 __all__ = ["HAVE_GEMM", "HAVE_BF16_GEMM", "matmul_q4_i8", "matmul_q8_i16", "matmul_q4_i8_par", "matmul_q8_i16_par",
@@ -49,13 +50,15 @@ BF16_ROWS = 64       # weight rows per call of the bf16 micro-kernel (their sums
 BF16_R = 4           # rows per pass of the bf16 micro-kernel: 4 x 4 tokens, 16 zmm accumulators
 
 
-def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes=1, fp=False, R=2):
+def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes=1, fp=False, R=2, panel=0):
     """The loops shared by the micro-kernels (args: q, x, i0, nrows, k0, nvec, ..., sums): for each
     R rows i0+Rp.. (R = 2, or 4) and each block of 4 tokens, 4R zmm accumulators (i32, or f32 when
     `fp`) start at zero, `iteration(off, rows, xs, accs)` runs nvec times (off: the iteration's first
     column, relative to column k0; rows: the R rows' i8 pointers at k0, q having `wbytes` per
     column; xs: the 4 tokens' i8 pointers at k0, x having `xbytes` per column), and each
-    accumulator's lane sum goes to sums[r*T4 + t]."""
+    accumulator's lane sum goes to sums[r*T4 + t]. With `panel` (columns per panel), q is a panel
+    array (nb, d, panel), k0 is 0 and the nvec iterations run through the panels in order: each
+    panel's rows and x's columns of that panel, the accumulators carried across."""
     qa = context.make_array(signature.args[0])(context, builder, args[0])
     xa = context.make_array(signature.args[1])(context, builder, args[1])
     sa = context.make_array(signature.args[-1])(context, builder, args[-1])
@@ -73,7 +76,8 @@ def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes
 
         def reduce(v):
             return builder.call(iadd, [v])
-    qstride = cgutils.unpack_tuple(builder, qa.strides, 2)[0]
+    qstrides = cgutils.unpack_tuple(builder, qa.strides, 3 if panel else 2)
+    qstride = qstrides[1] if panel else qstrides[0]
     xstride = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
     T4 = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
     qbase = builder.bitcast(qa.data, i8.as_pointer())
@@ -93,8 +97,17 @@ def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes
             for row in accs:
                 for a in row:
                     builder.store(ir.Constant(vd, None), a)
-            with cgutils.for_range(builder, nv) as it:
-                iteration(builder.mul(it.index, ir.Constant(idx, step)), rows, xs, accs)
+            if panel:                                  # panel by panel: its rows, x's columns of the panel
+                per = ir.Constant(idx, panel // step)
+                with cgutils.for_range(builder, builder.udiv(nv, per)) as pan:
+                    prow = [builder.gep(r, [builder.mul(pan.index, qstrides[0])]) for r in rows]
+                    xshift = builder.mul(pan.index, ir.Constant(idx, panel * xbytes))
+                    pxs = [builder.gep(x, [xshift]) for x in xs]
+                    with cgutils.for_range(builder, per) as it:
+                        iteration(builder.mul(it.index, ir.Constant(idx, step)), prow, pxs, accs)
+            else:
+                with cgutils.for_range(builder, nv) as it:
+                    iteration(builder.mul(it.index, ir.Constant(idx, step)), rows, xs, accs)
             for rr in range(R):
                 base = builder.mul(builder.add(builder.mul(rp.index, two), ir.Constant(idx, rr)), T4)
                 for t in range(4):
@@ -173,10 +186,17 @@ class _BFloat(ir.Type):
         return hash("bfloat")
 
 
-@intrinsic
-def _gemm_bf16(typingctx, w, xb, i0, nrows, k0, nvec, sums):
+def _make_gemm_bf16(panel):
+    @intrinsic
+    def gemm(typingctx, w, xb, i0, nrows, k0, nvec, sums):
+        return _gemm_bf16_typed(w, xb, i0, nrows, k0, nvec, sums, panel)
+    return gemm
+
+
+def _gemm_bf16_typed(w, xb, i0, nrows, k0, nvec, sums, panel):
     # w (d,n) i16 bf16 bits, xb (T4,n) i16 bf16 bits (T4 a multiple of 4) -> sums[r*T4 + t] (f32) = sum
-    # over columns j in k0..k0+STEP8*nvec of w[i0+r,j]*xb[t,j], r < nrows (a multiple of BF16_R)
+    # over columns j in k0..k0+STEP8*nvec of w[i0+r,j]*xb[t,j], r < nrows (a multiple of BF16_R);
+    # with `panel`, w is the panel array (nb,d,panel) of the matrix and k0 is 0
     sig = types.void(w, xb, i0, nrows, k0, nvec, sums)
 
     def codegen(context, builder, signature, args):
@@ -194,8 +214,13 @@ def _gemm_bf16(typingctx, w, xb, i0, nrows, k0, nvec, sums):
                 xv = load(xs[t], offb)
                 for rr in range(BF16_R):
                     builder.store(builder.call(dp, [builder.load(accs[rr][t]), wv[rr], xv]), accs[rr][t])
-        return _gemm_2x4(context, builder, signature, args, 2, STEP8, iteration, wbytes=2, fp=True, R=BF16_R)
+        return _gemm_2x4(context, builder, signature, args, 2, STEP8, iteration, wbytes=2, fp=True, R=BF16_R,
+                         panel=panel)
     return sig, codegen
+
+
+_gemm_bf16 = _make_gemm_bf16(0)
+_gemm_bf16_panels = _make_gemm_bf16(PANEL)
 
 
 @njit(cache=True)
@@ -218,6 +243,15 @@ def _dot_bf16(a, b, k0, k1):
     return acc
 
 
+@njit(cache=True, inline="always")
+def _put_sums(s4, out, t0, T, b0, nr):
+    # the micro-kernel's sums s4[r*4 + t] of tokens t0.. -> out[t0 + t, b0 + r]: no staging copy
+    for t in range(min(4, T - t0)):
+        o = out[t0 + t]
+        for r in range(nr):
+            o[b0 + r] = s4[r * 4 + t]
+
+
 @njit(cache=True, error_model="numpy")
 def _bf16_rows(W, xb, T, out, r0, r1):
     # out[:T, r0:r1] = xb @ W[r0:r1].T in bf16 x bf16 -> f32 (W (d,n) i16 bf16, xb (T4,n) i16 bf16)
@@ -232,10 +266,7 @@ def _bf16_rows(W, xb, T, out, r0, r1):
         # 4 tokens at a time: their activations stay in L1 while the block's rows stream from L2
         for t0 in range(0, T4, 4):
             _gemm_bf16(W, xb[t0:t0 + 4], b0, nr, 0, nv, s4)
-            for t in range(min(4, T - t0)):                # straight into out: no staging copy
-                o = out[t0 + t]
-                for r in range(nr):
-                    o[b0 + r] = s4[r * 4 + t]
+            _put_sums(s4, out, t0, T, b0, nr)
         for r in range(nr, b1 - b0):                  # the last rows short of BF16_R
             for t in range(T):
                 out[t, b0 + r] = _dot_bf16(W[b0 + r], xb[t], 0, tail)
@@ -252,25 +283,64 @@ def _bf16_tokens(X):
     return xb
 
 
+@njit(cache=True, error_model="numpy")
+def _bf16_panel_rows(P, xb, T, out, r0, r1):
+    # _bf16_rows for a matrix in panels P (nb,d,PW) i16 bf16: the micro-kernel walks the panels in
+    # turn, its accumulators carried from one to the next (the same sums as the rows layout)
+    nb, _, PW = P.shape
+    T4 = xb.shape[0]
+    nv = nb * PW // STEP8
+    s4 = np.empty(BF16_ROWS * 4, np.float32)
+    for b0 in range(r0, r1, BF16_ROWS):
+        b1 = min(r1, b0 + BF16_ROWS)
+        nr = (b1 - b0) // BF16_R * BF16_R
+        for t0 in range(0, T4, 4):
+            _gemm_bf16_panels(P, xb[t0:t0 + 4], b0, nr, 0, nv, s4)
+            _put_sums(s4, out, t0, T, b0, nr)
+        for r in range(nr, b1 - b0):                  # the last rows short of BF16_R
+            for t in range(T):
+                acc = np.float32(0.0)
+                for b in range(nb):
+                    acc += _dot_bf16(P[b, b0 + r], xb[t, b * PW:(b + 1) * PW], 0, PW)
+                out[t, b0 + r] = acc
+
+
+def _bf16_block(W, xb, T, out, r0, r1):
+    raise NotImplementedError           # Numba only: rows r0:r1 of a row-major or a panel bf16 matrix
+
+
+@overload(_bf16_block)
+def _bf16_block_overload(W, xb, T, out, r0, r1):
+    if isinstance(W, types.Array) and W.ndim == 3:
+        return lambda W, xb, T, out, r0, r1: _bf16_panel_rows(W, xb, T, out, r0, r1)
+    return lambda W, xb, T, out, r0, r1: _bf16_rows(W, xb, T, out, r0, r1)
+
+
+@njit(cache=True)
+def _bf16_all(W, xb, T, out):
+    _bf16_block(W, xb, T, out, 0, nrows(W))
+
+
 def matmul_bf16(W, X, out):
-    """W (d,n) i16 bf16, X (T,n) f32 -> out (T,d) f32 = bf16(X) @ W.T, f32 sums (see the module doc)."""
-    _bf16_rows(W, _bf16_tokens(X), X.shape[0], out, 0, W.shape[0])
+    """W (d,n) i16 bf16 or a panels.Panels of it, X (T,n) f32 -> out (T,d) f32 = bf16(X) @ W.T,
+    f32 sums (see the module doc)."""
+    _bf16_all(getattr(W, "p", W), _bf16_tokens(X), X.shape[0], out)
     return out
 
 
 @njit(cache=True, parallel=True)
 def _bf16_rows_par(W, xb, T, out, nchunks):
-    d = W.shape[0]
+    d = nrows(W)
     for c in prange(nchunks):
         r0 = (c * d // nchunks) // BF16_ROWS * BF16_ROWS
         r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // BF16_ROWS * BF16_ROWS
         if r1 > r0:
-            _bf16_rows(W, xb, T, out, r0, r1)
+            _bf16_block(W, xb, T, out, r0, r1)
 
 
 def matmul_bf16_par(W, X, out, nchunks):
     """matmul_bf16 with the rows split in nchunks run by Numba threads (a worker with threads > 1)."""
-    _bf16_rows_par(W, _bf16_tokens(X), X.shape[0], out, nchunks)
+    _bf16_rows_par(getattr(W, "p", W), _bf16_tokens(X), X.shape[0], out, nchunks)
     return out
 
 

@@ -109,7 +109,7 @@ class Workspace:
         if X.shape[0] == 1 and W.dtype != np.float32:      # f16/bf16 rows or panels: straight to the kernel
             K.matvec(kernel_array(W), X[0], out[0])
             return out
-        if X.shape[0] > 1 and self.prefill_bf16 and isinstance(W, np.ndarray) and W.dtype == np.int16:
+        if X.shape[0] > 1 and self.prefill_bf16 and not hasattr(W, "q") and W.dtype == np.int16:   # rows or panels
             if self.threads > 1:
                 return GE.matmul_bf16_par(W, X, out, self.threads)
             return GE.matmul_bf16(W, X, out)
@@ -175,9 +175,9 @@ def compile_parallel(weights, ws: Workspace) -> None:
     if GE.HAVE_BF16_GEMM:                        # prefill_bf16 on threads: the bf16 GEMM's row split
         x2 = np.zeros((4, x.shape[0]), np.int16)
         for W in mats + [L.w1 for L in weights.layers] + [L.w2 for L in weights.layers]:
-            if not isinstance(W, np.ndarray) or W.dtype != np.int16:      # row-major bf16 only
+            if W is None or hasattr(W, "q") or W.dtype != np.int16:
                 continue
-            W2 = W if W.ndim == 2 else W[0]
+            W2 = kernel_array(W if W.ndim == 2 else W[0])
             for out in (X2, X2[:, :1]):
                 args = (W2, x2, 2, out, 1)
                 key = ("bf16",) + tuple(numba.typeof(a) for a in args)
