@@ -268,3 +268,24 @@ def test_prefill_bf16_takes_panels_with_the_sums_of_rows(wide, tmp_path):
     np.testing.assert_allclose(pan.logits(PROMPT), want, rtol=0, atol=1e-4 * np.abs(want).max())
     pan.set_threads(2)
     np.testing.assert_allclose(pan.logits(PROMPT), want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_quantized_experts_beside_a_float_head_in_panels(wide, tmp_path):
+    """q8 experts and attention with the head kept f16 (--quantize-head none): the head is
+    stored in panels beside the QTensors, and the file gives the rows file's answers, on one
+    thread and on two."""
+    from colibri_server.model.convert import convert
+    hf_dir, _ = wide("mixtral", "f16")
+    paths = {}
+    for layout in ("panels", "rows"):
+        paths[layout] = str(tmp_path / f"{layout}.colibri")
+        convert(hf_dir, paths[layout], "f16", progress=False, quantize="q8", quantize_head="none", quant_group=32,
+                layout=layout)
+    pan, rows = Model.open(paths["panels"]), Model.open(paths["rows"])
+    assert pan.file.records["output"].dtype == "f16p" and pan.file.records["blk.0.attn_q"].dtype == "i8"
+    want = rows.logits(PROMPT)
+    np.testing.assert_allclose(pan.logits(PROMPT), want, rtol=0, atol=2e-5 * np.abs(want).max())
+    greedy = rows.generate(PROMPT[:5], max_tokens=12, ignore_eos=True)
+    assert pan.generate(PROMPT[:5], max_tokens=12, ignore_eos=True) == greedy
+    pan.set_threads(2)
+    assert pan.generate(PROMPT[:5], max_tokens=12, ignore_eos=True) == greedy
