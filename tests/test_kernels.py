@@ -516,21 +516,22 @@ def test_bf16_gemm_is_the_bf16_products_summed_in_f32(rng, T, d, n):
 
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
 def test_float_ir_rows_take_whole_steps_and_keep_alpha_and_accumulate(rng, kind):
-    """kernels_float runs the f16/bf16 matvec when the rows are C-contiguous whole 64-column
-    steps (and says so), declines otherwise (Numba's loop then runs), and applies alpha and
-    accumulate like _matvec_core."""
+    """kernels_float runs the f16/bf16 matvec when the rows are contiguous whole steps (64 columns
+    on AVX-512, 32 on AVX2; any row stride) and says so, declines otherwise (Numba's loop then runs),
+    and applies alpha and accumulate like _matvec_core."""
     from numba import njit
 
     from colibri_server.model import kernels_float as KF
-    if not KF.HAVE_FLOAT_IR:
-        pytest.skip("CPU without AVX-512")
+    if not (KF.HAVE_FLOAT_IR or KF.HAVE_FLOAT_IR8):
+        pytest.skip("CPU without AVX-512 or AVX2+F16C")
+    step = KF.STEP if KF.HAVE_FLOAT_IR else KF.STEP8
 
     @njit
     def probe(W, x, out):                 # float_rows is an overload: callable from Numba only
         return KF.float_rows(W, x, out, np.float32(1.0), False)
-    Wf = rng.standard_normal((9, 2 * KF.STEP)).astype(np.float32)
+    Wf = rng.standard_normal((9, 2 * step)).astype(np.float32)
     W = as_weights(Wf, kind)
-    x = rng.standard_normal(2 * KF.STEP).astype(np.float32)
+    x = rng.standard_normal(2 * step).astype(np.float32)
     ref = K.matvec_ref(W, x).astype(np.float64)
     scale = np.abs(K.weights_to_f32(W)).astype(np.float64) @ np.abs(x)
     out = np.full(9, np.nan, np.float32)
@@ -539,7 +540,51 @@ def test_float_ir_rows_take_whole_steps_and_keep_alpha_and_accumulate(rng, kind)
     acc = np.full(9, 2.0, np.float32)
     K._matvec_core(W, x, acc, np.float32(-0.5), True)
     assert_dot_close(acc, 2.0 - 0.5 * ref, scale)
-    assert not probe(as_weights(Wf[:, :KF.STEP + 3], kind), x, out)           # a part step
+    assert not probe(as_weights(Wf[:, :step + 3], kind), x, out)              # a part step
     wide = as_weights(np.concatenate([Wf, Wf], axis=1), kind)
-    assert not probe(wide[:, :2 * KF.STEP], x, out)                           # not C-contiguous
+    out2 = np.full(9, np.nan, np.float32)
+    assert probe(wide[:, :2 * step], x, out2)                                 # strided rows, each contiguous
+    np.testing.assert_array_equal(out2, out)
+    assert not probe(wide[:, ::2], x, out)                                    # columns not contiguous
     assert not probe(Wf, x, out)                                               # f32: Numba/BLAS
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("panels", [False, True])
+def test_avx2_float_kernels_vector_code_and_rows_independent_of_their_neighbours(rng, kind, panels):
+    """The AVX2 matvec (kernels_float, STREAMS far-apart rows at once): ymm FMAs on converted weights,
+    and a row's result is the same bits whatever the matrix around it: the whole matrix, any row
+    slice (the threaded split), a remainder row, a fastmath caller (_matvec_core)."""
+    from numba import njit
+
+    from colibri_server.model import kernels_float as KF
+    from colibri_server.model.panels import to_panels
+    if not KF.HAVE_FLOAT_IR8:
+        pytest.skip("not an AVX2 CPU without AVX-512")
+    d, n = 2 * KF.STREAMS * 5 + 3, 512
+    W = as_weights(rng.standard_normal((d, n)).astype(np.float32), kind)
+    M = to_panels(W) if panels else W
+    kern = (KF._panels8 if panels else KF._rows8)[kind == "bf16"]
+
+    @njit
+    def run(W, x, out):
+        kern(W, x, out, np.float32(1.0), False)
+    x = rng.standard_normal(n).astype(np.float32)
+    whole = np.full(d, np.nan, np.float32)
+    run(M, x, whole)
+    assert_dot_close(whole, K.matvec_ref(W, x).astype(np.float64),
+                     np.abs(K.weights_to_f32(W)).astype(np.float64) @ np.abs(x))
+    for r0, r1 in [(0, 1), (0, KF.STREAMS), (3, d), (1, d - 2), (d - 5, d)]:
+        part = np.full(r1 - r0, np.nan, np.float32)
+        run(M[:, r0:r1] if panels else M[r0:r1], x, part)
+        np.testing.assert_array_equal(part, whole[r0:r1])
+    via_core = np.full(d, np.nan, np.float32)
+    K.matvec(M, x, via_core)
+    np.testing.assert_array_equal(via_core, whole)
+    par = np.full(d, np.nan, np.float32)
+    K.matvec_par(M, x, par, 3)
+    np.testing.assert_array_equal(par, whole)
+    asm = run.inspect_asm(run.signatures[0])
+    fmas = [ln for ln in asm.splitlines() if "vfmadd" in ln]
+    assert len(fmas) >= 4 * KF.STREAMS and all("ymm" in ln for ln in fmas)
+    assert ("vcvtph2ps" in asm) == (kind == "f16")

@@ -1,6 +1,6 @@
 """f16 / bf16 matrices stored in panels of 256 columns (dtypes f16p / bf16p, panels.py).
 
-- The panel matvec (LLVM IR on AVX-512, a Numba loop elsewhere), its row split over threads,
+- The panel matvec (LLVM IR on AVX-512 and on AVX2, a Numba loop elsewhere), its row split over threads,
   the prefill tile gather and matmul, each against the numpy twin of the row-major matrix.
 - Files: every architecture, built with hidden 256 so that most matrices are whole panels
   (the rest stay row-major in the same file), converted from an f16 / bf16 checkpoint in
@@ -68,10 +68,10 @@ def test_panel_matvec_matches_the_row_major_twin(dtype, d, n):
     ref = K.matvec_ref(W, x)
     tol = 2e-6 * np.abs(ref).max() * np.sqrt(n)
     out = np.full(d, np.nan, np.float32)
-    K.matvec(P, x, out)                                   # the IR kernel on AVX-512
+    K.matvec(P, x, out)                                   # the IR kernel (AVX-512 or AVX2)
     np.testing.assert_allclose(out, ref, rtol=0, atol=tol)
     loop = np.full(d, np.nan, np.float32)
-    K._panels_loop(P, x, loop, np.float32(1.0), False)    # the Numba loop (CPUs without AVX-512)
+    K._panels_loop(P, x, loop, np.float32(1.0), False)    # the Numba loop (CPUs without either)
     np.testing.assert_allclose(loop, ref, rtol=0, atol=tol)
     acc = np.ones(d, np.float32)
     K._matvec_core(P, x, acc, np.float32(-0.5), True)     # out += alpha * W @ x, as the expert's w2

@@ -1,3 +1,7 @@
 """The model core: the .colibri format, the converter, and the forward pass."""
-from .engine import Completion, Model, StreamEvent  # noqa: F401
-from .format import ColibriFormatError  # noqa: F401
+from . import numba_cache as _numba_cache
+
+_numba_cache.refresh()      # before any kernel module is imported: a stale cached kernel never loads
+
+from .engine import Completion, Model, StreamEvent  # noqa: E402,F401
+from .format import ColibriFormatError  # noqa: E402,F401
