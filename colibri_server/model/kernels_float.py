@@ -30,7 +30,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .kernels_simd import _FEATURES
+from .kernels_simd import _FEATURES, STREAMS, split_rows
 
 from .format import PANEL
 
@@ -41,11 +41,6 @@ STEP = 64            # columns per step: 4 accumulators of 16 f32 lanes
 # AVX2 without AVX-512 (Zen 3, Haswell..Alder Lake): the same loops on ymm registers
 HAVE_FLOAT_IR8 = not HAVE_FLOAT_IR and {"avx2", "fma", "f16c"} <= _FEATURES
 STEP8 = 32           # columns per step there: 4 accumulators of 8 f32 lanes
-# rows streamed at once by the AVX2 kernels, far apart (kernels_float.split_rows). Measured on a Zen 3
-# VM, bench-mixtral's f16/bf16 expert matrices streamed from DRAM (one thread, alternating kernels):
-# rows 11.0-11.4 GB/s with one row at a time, 13.2-14.8 with 2 streams, 16.3-17.2 with 4, 16.3-16.8
-# with 8; 2 or 4 adjacent rows at once were slower than one (7 GB/s)
-STREAMS = 4
 
 
 def _widen(builder, raw, bf16):
@@ -181,17 +176,6 @@ def _widen8(builder, raw, bf16):
         wide = builder.shl(wide, ir.Constant(wide.type, [ir.Constant(ir.IntType(32), 16)] * 8))
         return builder.bitcast(wide, ir.VectorType(f32, 8))
     return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(f32, 8))
-
-
-def split_rows(builder, nrows, body, streams=STREAMS):
-    """Emit body(rows) over rows 0..nrows-1 (i64): `streams` rows at once, Q = nrows // streams apart
-    (rows r, r + Q, r + 2Q, ... for r < Q), then the rows past streams * Q one at a time."""
-    idx = ir.IntType(64)
-    Q = builder.sdiv(nrows, ir.Constant(idx, streams))
-    with cgutils.for_range(builder, Q) as r:
-        body([builder.add(r.index, builder.mul(Q, ir.Constant(idx, k))) for k in range(streams)])
-    with cgutils.for_range_slice(builder, builder.mul(Q, ir.Constant(idx, streams)), nrows, ir.Constant(idx, 1)) as (r, _):
-        body([r])
 
 
 # Numba's fastmath pass gives every float add/mul without flags its caller's flags (reassoc, contract),

@@ -54,6 +54,23 @@ HAVE_AVX2 = "avx2" in _FEATURES
 HAVE_VNNI512 = HAVE_AVX2 and {"avx512f", "avx512bw", "avx512vnni"} <= _FEATURES
 Q4_STEP = 128 if HAVE_VNNI512 else 64      # packed q4 bytes per iteration of _dot_u4_i8
 Q8_STEP = 64 if HAVE_VNNI512 else 32       # q8 columns per iteration of _dot_i8_i16
+# Rows streamed at once by the AVX2 decode kernels (here and kernels_float), far apart: split_rows.
+# Measured on a Zen 3 VM, bench-mixtral's f16/bf16 expert matrices streamed from DRAM (one thread,
+# kernels alternating): 11.0-11.4 GB/s one row at a time, 13.2-14.8 with 2 streams, 16.3-17.2 with 4,
+# 16.3-16.8 with 8; 2 or 4 adjacent rows at once were slower than one (7 GB/s). AVX-512 machines keep
+# one stream (measured on Zen 4: one sequential stream read fastest there).
+STREAMS = 1 if HAVE_VNNI512 else 4
+
+
+def split_rows(builder, nrows, body, streams=STREAMS):
+    """Emit body(rows) over rows 0..nrows-1 (i64): `streams` rows at once, Q = nrows // streams apart
+    (rows r, r + Q, r + 2Q, ... for r < Q), then the rows past streams * Q one at a time."""
+    idx = ir.IntType(64)
+    Q = builder.sdiv(nrows, ir.Constant(idx, streams))
+    with cgutils.for_range(builder, Q) as r:
+        body([builder.add(r.index, builder.mul(Q, ir.Constant(idx, k))) for k in range(streams)])
+    with cgutils.for_range_slice(builder, builder.mul(Q, ir.Constant(idx, streams)), nrows, ir.Constant(idx, 1)) as (r, _):
+        body([r])
 
 
 def _vec(t, n, v):
@@ -62,13 +79,14 @@ def _vec(t, n, v):
 
 def _rows_by_chunk(context, builder, signature, args, ncols, chunk, step, nacc, width, iteration):
     """The loops shared by the decode dots (args: q, x, i0, nrows, ncols, G, jr, sums; x 2D, one row
-    of activations per group of G rows: row i0+r uses x[(jr + r) // G]). The rows i0.. are read once, in
+    of activations per group of G rows: row i0+r uses x[(jr + r) // G]). Each row is read once, in
     order, front to back: for row r's chunk b of `chunk` columns (k0 = b*chunk .. min(ncols,
     k0+chunk)), `nacc` i32 vector accumulators of `width` lanes start at zero,
     `iteration(off, row, x, accs)` runs for the whole steps of `step` columns (off: the step's
     first column; row, x: i8 pointers to q's row and its x row), and the lane sum goes to
-    sums[r*nch + b]. One sequential stream matters here: reading rows chunk by chunk (two passes
-    for two chunks) measured half the DRAM bandwidth, and so did two interleaved rows."""
+    sums[r*nch + b]. STREAMS rows far apart run at once, step by step (split_rows): on AVX2 one row
+    stream reads far below what a core can fetch. Reading one row chunk by chunk in two passes
+    measured half the DRAM bandwidth on Zen 4, and so did two interleaved adjacent rows."""
     qa = context.make_array(signature.args[0])(context, builder, args[0])
     xa = context.make_array(signature.args[1])(context, builder, args[1])
     sa = context.make_array(signature.args[-1])(context, builder, args[-1])
@@ -84,24 +102,29 @@ def _rows_by_chunk(context, builder, signature, args, ncols, chunk, step, nacc, 
     sums_p = builder.bitcast(sa.data, i32.as_pointer())
     C = ir.Constant(idx, chunk)
     nch = builder.sdiv(builder.add(ncols, ir.Constant(idx, chunk - 1)), C)
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(nacc)]
-    with cgutils.for_range(builder, nrows_v) as rows:
-        row = builder.gep(qbase, [builder.mul(builder.add(i0v, rows.index), stride)])
-        xrow = builder.gep(xbase, [builder.mul(builder.sdiv(builder.add(jr, rows.index), Gv), xstride)])
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(nacc)] for _ in range(STREAMS)]
+
+    def body(rs):                                  # the rows rs (relative to i0), interleaved step by step
+        rows = [builder.gep(qbase, [builder.mul(builder.add(i0v, r), stride)]) for r in rs]
+        xrows = [builder.gep(xbase, [builder.mul(builder.sdiv(builder.add(jr, r), Gv), xstride)]) for r in rs]
         with cgutils.for_range(builder, nch) as ch:
             k0 = builder.mul(ch.index, C)
             k1 = builder.add(k0, C)
             k1 = builder.select(builder.icmp_signed("<", ncols, k1), ncols, k1)
             nv = builder.sdiv(builder.sub(k1, k0), ir.Constant(idx, step))
-            for acc in accs:
-                builder.store(ir.Constant(vd, None), acc)
+            for a in accs[:len(rs)]:
+                for acc in a:
+                    builder.store(ir.Constant(vd, None), acc)
             with cgutils.for_range(builder, nv) as it:
-                iteration(builder.add(k0, builder.mul(it.index, ir.Constant(idx, step))), row, xrow, accs)
-            tot = builder.load(accs[0])
-            for acc in accs[1:]:
-                tot = builder.add(tot, builder.load(acc))
-            builder.store(builder.call(reduce, [tot]),
-                          builder.gep(sums_p, [builder.add(builder.mul(rows.index, nch), ch.index)]))
+                off = builder.add(k0, builder.mul(it.index, ir.Constant(idx, step)))
+                for row, xrow, a in zip(rows, xrows, accs):
+                    iteration(off, row, xrow, a)
+            for r, a in zip(rs, accs):
+                tot = builder.load(a[0])
+                for acc in a[1:]:
+                    tot = builder.add(tot, builder.load(acc))
+                builder.store(builder.call(reduce, [tot]), builder.gep(sums_p, [builder.add(builder.mul(r, nch), ch.index)]))
+    split_rows(builder, nrows_v, body)
     return context.get_dummy_value()
 
 
