@@ -160,11 +160,11 @@ def test_matmul_q(rng, kind, T):
 @pytest.mark.parametrize("d,n,G,T", [(64, 128, 32, 5), (128, 256, 64, 8), (320, 64, 32, 300), (96, 2200, 32, 3),
                                      (256, 1024, 64, 33), (16, 40, 8, 1)])
 def test_integer_gemm_is_the_matvec_kernel_per_token(rng, kind, d, n, G, T):
-    # prefill's integer GEMM (VNNI) rounds each token's activations exactly as decode's matvec does,
+    # prefill's integer GEMM (AVX2, VNNI) rounds each token's activations exactly as decode's matvec does,
     # so a token's logits do not depend on how it was batched; n=2200 and n=40 leave tails
     from colibri_server.model import kernels_gemm as GE
     if not GE.HAVE_GEMM:
-        pytest.skip("the integer GEMM needs AVX-512 VNNI")
+        pytest.skip("the integer GEMM needs AVX2")
     _, W = _qt(rng, kind, (d, n), G)
     X = rng.standard_normal((T, n)).astype(np.float32)
     out = np.full((T, d), np.nan, np.float32)

@@ -400,7 +400,7 @@ def matmul(X, W, out, scratch, tmp=None):
     Plain Python. f32 weights go straight to BLAS; f16/bf16/quantized weights are
     converted tile by tile (``scratch`` (tile_rows, n) f32, e.g. 256 rows) and each
     tile is multiplied with BLAS into ``tmp`` (T, tile_rows) (allocated when not
-    given), then copied into ``out[:, r0:r1]``. Quantized weights on AVX-512 VNNI take the
+    given), then copied into ``out[:, r0:r1]``. Quantized weights on AVX2 or AVX-512 VNNI take the
     integer GEMM of kernels_gemm instead (the same arithmetic as the matvec kernels). T == 1
     uses the matvec kernels (no
     conversion pass, streams the weights once; the quantized ones take their xs/xi scratch

@@ -10,7 +10,7 @@ its integer values with xs: one long inner loop with 8 rows per pass, which LLVM
 vectorises to `vpmovsxbd`/`vpmovzxbd` + `vcvtdq2ps` + `vfmadd231ps` (asm checked on
 znver3/AVX2). For q4 the offset 8 is taken out once per group: v.xs = u.xs - 8*sum(xs).
 
-Prefill: on AVX-512 VNNI the integer GEMM of kernels_gemm (the same rounding as decode);
+Prefill: on AVX2 and AVX-512 VNNI the integer GEMM of kernels_gemm (the same rounding as decode);
 elsewhere rows_to_f32 dequantizes a tile of rows for BLAS (kernels.matmul).
 
 Kernels allocate nothing: the scratch xs (n,) f32 is passed in. Parallel variants split

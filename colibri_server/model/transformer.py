@@ -95,7 +95,7 @@ class Workspace:
 
     def mm(self, X, W, out):
         """X (T,n) f32 @ W (d,n).T -> out (T,d): W float or a QTensor; decode (T == 1) on
-        `threads` threads when > 1, and so is the prefill of quantized weights on VNNI."""
+        `threads` threads when > 1, and so is the prefill of quantized weights (integer GEMM)."""
         n = X.shape[1]
         if X.shape[0] == 1 and self.threads > 1 and out.shape[1] * n >= self.PAR_MIN_WEIGHTS:
             if hasattr(W, "q"):
