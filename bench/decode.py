@@ -21,10 +21,8 @@ so a drift of the machine during the group falls on every system alike. Bandwidt
 both); "% roof" = decode tok/s / (bandwidth / weight bytes read per decoded token). The array
 gets transparent huge pages where the kernel's THP mode is "always" (recorded in the JSON's cpu);
 "% of file read" divides by the same read over a populated MAP_SHARED mapping of the f16 .colibri
-file instead (4 KiB page-cache pages, the memory both colibri and llama.cpp decode from), and "% of
-4-stream read" by the array read as 4 streams a quarter apart, interleaved (what colibri's AVX2
-kernels do: on some machines one stream reads well below what a core can fetch): informative
-second figures.
+file instead (4 KiB page-cache pages, the memory both colibri and llama.cpp decode from), an
+informative second figure.
 
 Quality: logits of every position of one 128-token prompt against the colibri f32 model:
 mean and max per-position KL(ref || test), max relative logit error (max |l - ref| /
@@ -340,14 +338,6 @@ def worker_membw(a):
             acc += x[i]
         return acc
 
-    @njit(parallel=True, fastmath=True)
-    def read4(x):           # 4 streams a quarter of the array apart, read step by step (as the AVX2 kernels)
-        q = x.size // 4
-        acc = 0.0
-        for i in prange(q):
-            acc += (x[i] + x[q + i]) + (x[2 * q + i] + x[3 * q + i])
-        return acc
-
     def rate(fn, x):
         fn(x)
         ts = []
@@ -356,10 +346,8 @@ def worker_membw(a):
             fn(x)
             ts.append(time.perf_counter() - t)
         return x.nbytes / statistics.median(ts) / 1e9, [x.nbytes / t / 1e9 for t in ts]
-    arr = np.full((1 << 30) // 8, 1.0)
-    GBps, samples = rate(read, arr)
+    GBps, samples = rate(read, np.full((1 << 30) // 8, 1.0))
     out = dict(GBps=GBps, samples=samples)
-    out["read4_GBps"], out["read4_samples"] = rate(read4, arr)
     if a.path != "-":       # the same read over a populated MAP_SHARED mapping of a model file: what decode
         import mmap         # streams (4 KiB page-cache pages, where the array above gets transparent huge pages)
         with open(a.path, "rb") as f:
@@ -456,7 +444,6 @@ def main():
             r = run_worker("membw", col.get("f16", "-"), th, 5)
             res["membw"].append({"threads": th, **r})
             print(f"bandwidth {th}T: {r.get('GBps', float('nan')):.1f} GB/s"
-                  + (f" (4 streams: {r['read4_GBps']:.1f} GB/s)" if "read4_GBps" in r else "")
                   + (f" (the mapped f16 file: {r['file_GBps']:.1f} GB/s)" if "file_GBps" in r else ""), flush=True)
     membw()
     for p in a.precisions:
@@ -541,28 +528,20 @@ def make_table(res):
         if "file_GBps" in m:
             fbw.setdefault(m["threads"], []).append(m["file_GBps"])
     fbw = {t: statistics.median(v) for t, v in fbw.items()}
-    bw4 = {}
-    for m in res["membw"]:
-        if "read4_GBps" in m:
-            bw4.setdefault(m["threads"], []).append(m["read4_GBps"])
-    bw4 = {t: statistics.median(v) for t, v in bw4.items()}
     lines = ["bandwidth (numba read, 1 GiB, median of start and end of run): "
              + ", ".join(f"{t}T {v:.1f} GB/s" for t, v in sorted(bw.items()))
-             + ("; the same array read as 4 interleaved streams: "
-                + ", ".join(f"{t}T {v:.1f} GB/s" for t, v in sorted(bw4.items())) if bw4 else "")
-             + ("; the read of the mapped f16 file (page cache): "
+             + ("; the same read of the mapped f16 file (page cache): "
                 + ", ".join(f"{t}T {v:.1f} GB/s" for t, v in sorted(fbw.items())) if fbw else ""), "",
              "| system | precision | threads | prefill tok/s | decode tok/s | MB/token | roofline tok/s | % roofline "
-             "| % of file read | % of 4-stream read | decode vs llama.cpp | prefill vs best anchor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| % of file read | decode vs llama.cpp | prefill vs best anchor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = res["rows"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['system']} | {r['precision']} | {r['threads']} | error | | | | | | | | |")
+            lines.append(f"| {r['system']} | {r['precision']} | {r['threads']} | error | | | | | | | |")
             continue
         roof = bw.get(r["threads"], float("nan")) * 1e9 / r["bytes_per_token"]
         froof = fbw.get(r["threads"], float("nan")) * 1e9 / r["bytes_per_token"]
-        roof4 = bw4.get(r["threads"], float("nan")) * 1e9 / r["bytes_per_token"]
         vs_d = vs_p = ""
         if r["system"] == "colibri":
             peers = [x for x in rows if x["group"] == r["group"] and x["threads"] == r["threads"]
@@ -575,8 +554,7 @@ def make_table(res):
                 vs_p = f"{r['prefill_tok_s'] / best['prefill_tok_s']:.2f}x {best['system']} {best['precision']}"
         lines.append(f"| {r['system']} | {r['precision']} | {r['threads']} | {r['prefill_tok_s']:.1f} | "
                      f"{r['decode_tok_s']:.1f} | {r['bytes_per_token'] / 1e6:.1f} | {roof:.0f} | "
-                     f"{100 * r['decode_tok_s'] / roof:.0f}% | {100 * r['decode_tok_s'] / froof:.0f}% | "
-                     f"{100 * r['decode_tok_s'] / roof4:.0f}% | {vs_d} | {vs_p} |")
+                     f"{100 * r['decode_tok_s'] / roof:.0f}% | {100 * r['decode_tok_s'] / froof:.0f}% | {vs_d} | {vs_p} |")
     if res["quality"]:
         lines += ["", "quality vs colibri f32 (128 positions): | model | KL mean | KL max | max rel logit err | argmax agree |",
                   "|---|---|---|---|---|"]
