@@ -178,6 +178,45 @@ def test_integer_gemm_is_the_matvec_kernel_per_token(rng, kind, d, n, G, T):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_integer_kernels_are_vector_code(rng, kind):
+    """The decode dot and the GEMM micro-kernel of this CPU are integer vector code: VNNI dots on zmm
+    (vpdpbusd q4, vpdpwssd q8), or on AVX2 vpmaddubsw (q4) and vpmaddwd on ymm registers."""
+    from numba import njit
+
+    from colibri_server.model import kernels_gemm as GE
+    from colibri_server.model import kernels_simd as KS
+    if not KS.HAVE_AVX2:
+        pytest.skip("the integer kernels need AVX2")
+    _, W = _qt(rng, kind, (64, 256), 32)
+    cols = W.q.shape[1]                                   # packed bytes (q4) or columns (q8) of a row
+    x = np.ones((4, 256), np.int8 if kind == "q4" else np.int16)   # 4 tokens' rounded activations
+    sums = np.zeros(1024, np.int32)
+    dot = KS._dot_u4_i8 if kind == "q4" else KS._dot_i8_i16
+    gemm = GE._gemm_u4_i8 if kind == "q4" else GE._gemm_i8_i16
+
+    @njit
+    def run_dot(q, x, sums):
+        dot(q, x, 0, q.shape[0], cols, 32, 0, sums)
+
+    @njit
+    def run_gemm_q4(q, x, sums):
+        gemm(q, x, 0, 2, 0, 1, cols, sums)
+
+    @njit
+    def run_gemm_q8(q, x, sums):
+        gemm(q, x, 0, 2, 0, 1, sums)
+    for fn in (run_dot, run_gemm_q4 if kind == "q4" else run_gemm_q8):
+        fn(W.q, x, sums)
+        asm = fn.inspect_asm(fn.signatures[0])
+        if KS.HAVE_VNNI512:
+            assert ("vpdpbusd" if kind == "q4" else "vpdpwssd") in asm and "zmm" in asm
+        else:
+            for op in (["vpmaddubsw", "vpmaddwd"] if kind == "q4" else ["vpmaddwd"]):
+                lines = [ln for ln in asm.splitlines() if op in ln]
+                assert lines and all("ymm" in ln for ln in lines), op
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_expert_ffn_q(rng, kind):
     E, I, D = 3, 64, 96
     _, w1 = _qt(rng, kind, (E, I, D), scale=0.2)
