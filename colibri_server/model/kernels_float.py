@@ -43,14 +43,14 @@ HAVE_FLOAT_IR8 = not HAVE_FLOAT_IR and {"avx2", "fma", "f16c"} <= _FEATURES
 STEP8 = 32           # columns per step there: 4 accumulators of 8 f32 lanes
 
 
-def _widen(builder, raw, bf16):
-    """<32 x i16> weights -> <32 x float>: f16 by fpext (vcvtph2ps), bf16 by zext and shift."""
+def _widen(builder, raw, bf16, lanes=32):
+    """<lanes x i16> weights -> <lanes x float>: f16 by fpext (vcvtph2ps), bf16 by zext and shift."""
     f32 = ir.FloatType()
     if bf16:
-        wide = builder.zext(raw, ir.VectorType(ir.IntType(32), 32))
-        wide = builder.shl(wide, ir.Constant(wide.type, [ir.Constant(ir.IntType(32), 16)] * 32))
-        return builder.bitcast(wide, ir.VectorType(f32, 32))
-    return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 32)), ir.VectorType(f32, 32))
+        wide = builder.zext(raw, ir.VectorType(ir.IntType(32), lanes))
+        wide = builder.shl(wide, ir.Constant(wide.type, [ir.Constant(ir.IntType(32), 16)] * lanes))
+        return builder.bitcast(wide, ir.VectorType(f32, lanes))
+    return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), lanes)), ir.VectorType(f32, lanes))
 
 
 def _unpack(context, builder, signature, args):
@@ -168,16 +168,6 @@ _panels_bf16 = _make_panels(True)
 
 # ---------------------------------------------------------------------------- AVX2 (ymm)
 
-def _widen8(builder, raw, bf16):
-    """<8 x i16> weights -> <8 x float>: f16 by fpext (vcvtph2ps ymm), bf16 by zext and shift."""
-    f32 = ir.FloatType()
-    if bf16:
-        wide = builder.zext(raw, ir.VectorType(ir.IntType(32), 8))
-        wide = builder.shl(wide, ir.Constant(wide.type, [ir.Constant(ir.IntType(32), 16)] * 8))
-        return builder.bitcast(wide, ir.VectorType(f32, 8))
-    return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(f32, 8))
-
-
 # Numba's fastmath pass gives every float add/mul without flags its caller's flags (reassoc, contract),
 # and then LLVM may regroup a sum differently in each caller, or fuse a product into an add. The AVX2
 # kernels' adds and multiplies carry "nsz" (which changes no finite result) so that they keep their order
@@ -212,7 +202,7 @@ def _dots8(builder, rows8, xp, nsteps, fma, bf16, accs):
             xv = builder.load(builder.bitcast(builder.gep(xp, [kj]), vf.as_pointer()), align=4)
             for row, a in zip(rows, accs):
                 raw = builder.load(builder.bitcast(builder.gep(row, [kj]), vi.as_pointer()), align=2)
-                builder.store(builder.call(fma, [_widen8(builder, raw, bf16), xv, builder.load(a[j])]), a[j])
+                builder.store(builder.call(fma, [_widen(builder, raw, bf16, 8), xv, builder.load(a[j])]), a[j])
     out = []
     for a in accs[:len(rows)]:
         v = [builder.load(t) for t in a]
