@@ -252,11 +252,27 @@ def test_attention(rng, T, start, window, H, Hkv):
     v[:, start + T :] = np.nan
     scale = 1.0 / np.sqrt(hd)
     out = np.full((T, H, hd), np.nan, np.float32)
-    scores = np.empty(S, np.float32)
+    scores = np.empty(H // Hkv * S, np.float32)
     K.attention(q, k, v, start, window, scale, out, scores)
     ref = K.attention_ref(q, k, v, start, window, scale)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("T,start,window", [(1, 299, 0), (1, 299, 64), (3, 150, 0)])
+def test_attention_long_context_groups_of_four(rng, T, start, window):
+    # each kv head's 4 query heads read its keys and values together (kernels_attention)
+    H, Hkv, S, hd = 8, 2, 320, 64
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
+    v = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
+    k[:, start + T:] = np.nan
+    v[:, start + T:] = np.nan
+    out = np.full((T, H, hd), np.nan, np.float32)
+    K.attention(q, k, v, start, window, 0.125, out, np.empty(H // Hkv * S, np.float32))
+    np.testing.assert_allclose(out, K.attention_ref(q, k, v, start, window, 0.125), rtol=1e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="scores scratch"):
+        K.attention(q, k, v, start, window, 0.125, out, np.empty(S, np.float32))
 
 
 def test_attention_window_and_group_matter(rng):
@@ -265,7 +281,7 @@ def test_attention_window_and_group_matter(rng):
     k = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
     v = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
     out = np.empty((T, H, hd), np.float32)
-    sc = np.empty(S, np.float32)
+    sc = np.empty(H // Hkv * S, np.float32)
     K.attention(q, k, v, start, 3, 0.5, out, sc)
     assert not np.allclose(out, K.attention_ref(q, k, v, start, 0, 0.5), atol=1e-3)
     # heads 0,1 -> kv 0; heads 2,3 -> kv 1 (not h % Hkv)

@@ -87,7 +87,7 @@ class Workspace:
         self.xs, self.xi = KQ.scratch(n_max, 2 * self.threads)  # quantized matvec scratch, one row per chunk
         self.logits = aligned_zeros((1, cfg.vocab_size), f32)
         self.positions = aligned_zeros(rows, np.int64)
-        self.scores = None                                 # (S,) attention scratch, sized on use
+        self.scores = None                                 # (H/Hkv*S,) attention scratch, sized on use
 
     def tile_for(self, n: int) -> np.ndarray:
         """Tile scratch with exactly n columns (rows, n) f32, for matmul of f16/bf16 weights."""
@@ -218,7 +218,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
         pos[0] = P0
     else:
         pos[:] = np.arange(P0, P0 + T)
-    scores = ws.score_buffer(cache.capacity)
+    scores = ws.score_buffer((H // Hkv) * cache.capacity)                   # (H/Hkv*S,) attention scratch
     scale = 1.0 / math.sqrt(hd)
 
     # token embedding (or caller-supplied embeddings)
