@@ -568,7 +568,7 @@ def test_float_ir_rows_take_whole_steps_and_keep_alpha_and_accumulate(rng, kind)
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
 @pytest.mark.parametrize("panels", [False, True])
 def test_avx2_float_kernels_vector_code_and_rows_independent_of_their_neighbours(rng, kind, panels):
-    """The AVX2 matvec (kernels_float, STREAMS far-apart rows at once): ymm FMAs on converted weights,
+    """The AVX2 matvec (kernels_float, STREAMS8 far-apart rows at once): ymm FMAs on converted weights,
     and a row's result is the same bits whatever the matrix around it: the whole matrix, any row
     slice (the threaded split), a remainder row, a fastmath caller (_matvec_core)."""
     from numba import njit
@@ -577,7 +577,7 @@ def test_avx2_float_kernels_vector_code_and_rows_independent_of_their_neighbours
     from colibri_server.model.panels import to_panels
     if not KF.HAVE_FLOAT_IR8:
         pytest.skip("not an AVX2 CPU without AVX-512")
-    d, n = 2 * KF.STREAMS * 5 + 3, 512
+    d, n = 2 * KF.STREAMS8 * 5 + 3, 512
     W = as_weights(rng.standard_normal((d, n)).astype(np.float32), kind)
     M = to_panels(W) if panels else W
     kern = (KF._panels8 if panels else KF._rows8)[kind == "bf16"]
@@ -590,7 +590,7 @@ def test_avx2_float_kernels_vector_code_and_rows_independent_of_their_neighbours
     run(M, x, whole)
     assert_dot_close(whole, K.matvec_ref(W, x).astype(np.float64),
                      np.abs(K.weights_to_f32(W)).astype(np.float64) @ np.abs(x))
-    for r0, r1 in [(0, 1), (0, KF.STREAMS), (3, d), (1, d - 2), (d - 5, d)]:
+    for r0, r1 in [(0, 1), (0, KF.STREAMS8), (3, d), (1, d - 2), (d - 5, d)]:
         part = np.full(r1 - r0, np.nan, np.float32)
         run(M[:, r0:r1] if panels else M[r0:r1], x, part)
         np.testing.assert_array_equal(part, whole[r0:r1])
@@ -602,5 +602,5 @@ def test_avx2_float_kernels_vector_code_and_rows_independent_of_their_neighbours
     np.testing.assert_array_equal(par, whole)
     asm = run.inspect_asm(run.signatures[0])
     fmas = [ln for ln in asm.splitlines() if "vfmadd" in ln]
-    assert len(fmas) >= 4 * KF.STREAMS and all("ymm" in ln for ln in fmas)
+    assert len(fmas) >= 4 * KF.STREAMS8 and all("ymm" in ln for ln in fmas)
     assert ("vcvtph2ps" in asm) == (kind == "f16")

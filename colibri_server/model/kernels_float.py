@@ -15,8 +15,8 @@ into out. No x load in the row loop: the expert matrices of bench-mixtral stream
 GB/s this way against 26.4-27.9 row-major (anonymous copies of both, one process, 4 rounds).
 
 AVX2 without AVX-512 (Zen 3, Intel client cores; HAVE_FLOAT_IR8): the same sums on ymm registers,
-8 lanes, 4 accumulators, steps of STEP8 = 32 columns, x read from L1. A single row stream reads far
-below what one core can fetch there, so STREAMS rows a quarter of the matrix apart are interleaved step
+8 lanes, NACC8 accumulators, steps of STEP8 = 32 columns, x read from L1. A single row stream reads far
+below what one core can fetch there, so STREAMS8 rows 1/STREAMS8 of the matrix apart are interleaved step
 by step (split_rows; panels: within each panel). Measured on a Zen 3 VM, bench-mixtral's expert
 matrices from DRAM, one thread, kernels alternating matrix by matrix: bf16 rows 13.1-13.7 GB/s against
 9.1-9.8 with Numba's loop, f16 panels 14.9-15.1 against 11.6-13.4. Each row's sum has one fixed order
@@ -30,17 +30,23 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .kernels_simd import _FEATURES, STREAMS, split_rows
+from .kernels_simd import _FEATURES, split_rows
 
 from .format import PANEL
 
-__all__ = ["HAVE_FLOAT_IR", "HAVE_FLOAT_IR8", "STEP", "STEP8", "STREAMS", "float_rows", "split_rows"]
+__all__ = ["HAVE_FLOAT_IR", "HAVE_FLOAT_IR8", "STEP", "STEP8", "STREAMS8", "float_rows"]
 
 HAVE_FLOAT_IR = {"avx512f", "f16c"} <= _FEATURES
 STEP = 64            # columns per step: 4 accumulators of 16 f32 lanes
 # AVX2 without AVX-512 (Zen 3, Haswell..Alder Lake): the same loops on ymm registers
 HAVE_FLOAT_IR8 = not HAVE_FLOAT_IR and {"avx2", "fma", "f16c"} <= _FEATURES
-STEP8 = 32           # columns per step there: 4 accumulators of 8 f32 lanes
+STEP8 = 32           # columns per step there (4 vectors of 8 f32 lanes)
+# Rows streamed at once there (far apart: kernels_simd.split_rows) and accumulators per row, measured
+# on a Zen 3 VM: bench-mixtral's f16 expert matrices (panels) from DRAM, one thread, kernels alternating
+# matrix by matrix, 5 rounds: 4 rows x 4 accumulators 19.8-20.2 GB/s, 4 x 2 20.0-20.4, 5 x 2 20.4-21.1,
+# 6 x 2 20.5-21.0, 6 x 4 20.4-20.9 (16+ accumulators spill), 8 x 2 18.9-20.4; one row at a time 11.
+STREAMS8 = 6
+NACC8 = 2
 
 
 def _widen(builder, raw, bf16, lanes=32):
@@ -187,8 +193,9 @@ def _lane_sum8(builder, v):
 
 def _dots8(builder, rows8, xp, nsteps, fma, bf16, accs):
     """Add the products of 16-bit rows (i8* each) with f32 x (float*) over nsteps steps of STEP8 columns
-    into accs[row][j] (4 <8 x float> accumulators per row: step s adds columns 32s + 8j into the j-th),
-    the rows interleaved step by step. Returns each row's (a0 + a1) + (a2 + a3)."""
+    into accs[row][j % nacc] (nacc = 2 or 4 <8 x float> accumulators per row: step s adds columns
+    32s + 8j into the (j % nacc)-th), the rows interleaved step by step. Returns each row's sum of its
+    accumulators, (a0 + a1) or (a0 + a1) + (a2 + a3)."""
     f32, i16, idx = ir.FloatType(), ir.IntType(16), ir.IntType(64)
     vf, vi = ir.VectorType(f32, 8), ir.VectorType(i16, 8)
     rows = [builder.bitcast(r, i16.as_pointer()) for r in rows8]
@@ -202,18 +209,20 @@ def _dots8(builder, rows8, xp, nsteps, fma, bf16, accs):
             xv = builder.load(builder.bitcast(builder.gep(xp, [kj]), vf.as_pointer()), align=4)
             for row, a in zip(rows, accs):
                 raw = builder.load(builder.bitcast(builder.gep(row, [kj]), vi.as_pointer()), align=2)
-                builder.store(builder.call(fma, [_widen(builder, raw, bf16, 8), xv, builder.load(a[j])]), a[j])
+                t = a[j % len(a)]
+                builder.store(builder.call(fma, [_widen(builder, raw, bf16, 8), xv, builder.load(t)]), t)
     out = []
     for a in accs[:len(rows)]:
         v = [builder.load(t) for t in a]
-        out.append(builder.fadd(builder.fadd(v[0], v[1], flags=_EXACT), builder.fadd(v[2], v[3], flags=_EXACT),
-                               flags=_EXACT))
+        while len(v) > 1:
+            v = [builder.fadd(v[i], v[i + 1], flags=_EXACT) for i in range(0, len(v), 2)]
+        out.append(v[0])
     return out
 
 
-def _codegen8(context, builder, signature, args, panels, bf16):
+def _codegen8(context, builder, signature, args, panels, bf16, streams, nacc):
     """The AVX2 matvec of (W, x, out, alpha, accumulate): W (d,n) rows, or (nb,d,PANEL) panels taken
-    panel by panel; STREAMS rows at once (split_rows), each row's dot = alpha * lane sum of its partials,
+    panel by panel; `streams` rows at once (split_rows), each row's dot = alpha * lane sum of its partials,
     stored, or added to out (+= if accumulate; panels after the first always add)."""
     wa, xa, oa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in range(3))
     acc_flag = context.cast(builder, args[4], signature.args[4], types.boolean)
@@ -223,7 +232,7 @@ def _codegen8(context, builder, signature, args, panels, bf16):
     wbase = builder.bitcast(wa.data, i8.as_pointer())
     xbase = builder.bitcast(xa.data, f32.as_pointer())
     obase = builder.bitcast(oa.data, f32.as_pointer())
-    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(4)] for _ in range(STREAMS)]
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(nacc)] for _ in range(streams)]
 
     def matrix(base, xp, d, rstride, nsteps, add):       # out[i] (+)= alpha * W[i] @ x for the d rows at base
         def body(rs):
@@ -232,7 +241,7 @@ def _codegen8(context, builder, signature, args, panels, bf16):
                 dot = builder.fmul(args[3], _lane_sum8(builder, tot), flags=_EXACT)
                 dst = builder.gep(obase, [r])
                 builder.store(builder.fadd(builder.select(add, builder.load(dst), zero), dot, flags=_EXACT), dst)
-        split_rows(builder, d, body)
+        split_rows(builder, d, body, streams)
 
     if panels:
         nb, d, _ = cgutils.unpack_tuple(builder, wa.shape, 3)
@@ -249,12 +258,13 @@ def _codegen8(context, builder, signature, args, panels, bf16):
     return context.get_dummy_value()
 
 
-def _make8(panels, bf16):
+def _make8(panels, bf16, streams=STREAMS8, nacc=NACC8):
     @intrinsic
     def kernel(typingctx, W, x, out, alpha, accumulate):
         # rows: W (d,n) 16-bit weights (rows contiguous, n a multiple of STEP8); panels: W (nb,d,PANEL);
         # x (n,) f32 -> out[i] = alpha * W[i] @ x (+= if accumulate)
-        return types.void(W, x, out, alpha, accumulate), lambda c, b, s, a: _codegen8(c, b, s, a, panels, bf16)
+        return (types.void(W, x, out, alpha, accumulate),
+                lambda c, b, s, a: _codegen8(c, b, s, a, panels, bf16, streams, nacc))
     return kernel
 
 
@@ -271,7 +281,7 @@ def float_rows(W, x, out, alpha, accumulate):
 def _float_rows_overload(W, x, out, alpha, accumulate):
     # returns True when an IR kernel did the work: 16-bit weights with contiguous rows of whole
     # steps (a row slice W[r0:r1] too); or 16-bit panels (nb,d,PANEL) whose rows are contiguous (a row slice W[:, r0:r1] too).
-    # AVX-512: the zmm kernels above; AVX2 (HAVE_FLOAT_IR8): the ymm kernels, STREAMS rows at once
+    # AVX-512: the zmm kernels above; AVX2 (HAVE_FLOAT_IR8): the ymm kernels, STREAMS8 rows at once
     ok = ((HAVE_FLOAT_IR or HAVE_FLOAT_IR8) and isinstance(W, types.Array)
           and isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32
           and isinstance(out, types.Array) and out.dtype == types.float32
