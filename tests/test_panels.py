@@ -191,6 +191,47 @@ def test_panel_decode_fused_and_threaded_are_the_general_path_bit_for_bit(wide, 
     np.testing.assert_array_equal(run(two), fused)                     # rows split over 2 threads
 
 
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("panels", [False, True])
+def test_matvec_stack_is_each_matvec_bit_for_bit(dtype, panels):
+    # decode's q|k|v in one call (kernels.matvec_stack): the stacked rows give each matrix's own bits
+    rng = np.random.default_rng(11)
+    Ws = [_bits(rng, (d, 512), dtype) for d in (96, 32, 32)]
+    Ms = tuple(to_panels(W) if panels else W for W in Ws)
+    x = rng.standard_normal(512).astype(np.float32)
+    out = np.full(160, np.nan, np.float32)
+    K.matvec_stack(Ms, x, out)
+    one = np.concatenate([np.full(W.shape[0], np.nan, np.float32) for W in Ws])
+    o = 0
+    for M in Ms:
+        K.matvec(M, x, one[o:o + M.shape[-2]])
+        o += M.shape[-2]
+    np.testing.assert_array_equal(out, one)
+    # matrices of different widths are not one stack: the kernel declines, each runs alone, same bits
+    odd = (Ms[0], Ms[1], (to_panels(Ws[2][:, :256]) if panels else Ws[2][:, :256]))
+    out2 = np.full(160, np.nan, np.float32)
+    K.matvec_stack(odd, x, out2)
+    np.testing.assert_array_equal(out2[:128], one[:128])
+    ref = K.matvec_ref(Ws[2][:, :256], x[:256])
+    np.testing.assert_allclose(out2[128:], ref, rtol=0, atol=2e-6 * np.abs(ref).max() * np.sqrt(256))
+
+
+def test_panel_decode_with_qkv_in_one_call_gives_the_same_logits(wide, tmp_path):
+    import dataclasses
+    hf_dir, _ = wide("mixtral", "f16")
+    m = Model.open(_convert(hf_dir, tmp_path / "p.colibri", "f16", "panels"))
+    assert all(L.wqkv is None and L.qkv_stack is not None for L in m.weights.layers)
+    apart = Model.open(m.file.path)
+    apart.weights = dataclasses.replace(apart.weights, layers=tuple(
+        dataclasses.replace(L, qkv_stack=None) for L in apart.weights.layers))
+
+    def run(model):
+        cache = model.new_cache()
+        model.prefill(cache, np.array(PROMPT[:4]))
+        return np.stack([model.decode(cache, t)[0].copy() for t in PROMPT[4:10]])
+    np.testing.assert_array_equal(run(m), run(apart))
+
+
 def test_converter_layout_defaults_and_options(wide, tmp_path):
     from colibri_server.cli import main
     from colibri_server.model.convert import ConvertError, convert

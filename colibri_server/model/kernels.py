@@ -31,7 +31,7 @@ import os
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import literal_unroll, njit, prange, types
 from numba.extending import intrinsic, overload
 
 
@@ -355,6 +355,19 @@ def matvec(W, x, out):
     # W (d,n) f32|u16(f16)|i16(bf16), x (n,) f32 -> out (d,) f32 = W @ x
     # asm (znver3, AVX2): hot loop = 1 row x 32 cols, 4 ymm accumulators; f32 vfmadd231ps ymm,mem; f16 vcvtph2ps mem->ymm + vfmadd231ps; bf16 vpmovzxwd + vpslld $16 + vfmadd231ps
     _matvec_core(W, x, out, np.float32(1.0), False)
+
+
+@njit(cache=True)
+def matvec_stack(Ws, x, out):
+    # (W_0, W_1, ..) (d_k,n) of one type (f16/bf16 rows or panels), x (n,) f32 -> out (sum d_k,) = rows stacked @ x;
+    # decode's q|k|v: on AVX2 their rows stream together (kernels_float), else one matvec each, same bits per row
+    if _KF.float_rows_stack(Ws, x, out, np.float32(1.0), False):
+        return
+    o = 0
+    for W in literal_unroll(Ws):                     # a tuple of mixed array types too
+        d = nrows(W)
+        _matvec_core(W, x, out[o:o + d], np.float32(1.0), False)
+        o += d
 
 
 def matvec_ref(W, x, out=None):

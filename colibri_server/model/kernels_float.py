@@ -34,7 +34,7 @@ from .kernels_simd import _FEATURES, split_rows
 
 from .format import PANEL
 
-__all__ = ["HAVE_FLOAT_IR", "HAVE_FLOAT_IR8", "STEP", "STEP8", "STREAMS8", "float_rows"]
+__all__ = ["HAVE_FLOAT_IR", "HAVE_FLOAT_IR8", "STEP", "STEP8", "STREAMS8", "float_rows", "float_rows_stack"]
 
 HAVE_FLOAT_IR = {"avx512f", "f16c"} <= _FEATURES
 STEP = 64            # columns per step: 4 accumulators of 16 f32 lanes
@@ -222,39 +222,58 @@ def _dots8(builder, rows8, xp, nsteps, fma, bf16, accs):
 
 def _codegen8(context, builder, signature, args, panels, bf16, streams, nacc):
     """The AVX2 matvec of (W, x, out, alpha, accumulate): W (d,n) rows, or (nb,d,PANEL) panels taken
-    panel by panel; `streams` rows at once (split_rows), each row's dot = alpha * lane sum of its partials,
-    stored, or added to out (+= if accumulate; panels after the first always add)."""
-    wa, xa, oa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in range(3))
+    panel by panel, or a tuple of such matrices of one n whose rows are stacked (out holds the first's
+    rows, then the second's, ...: q|k|v in one call); `streams` rows at once (split_rows) over all the
+    rows, each row's dot = alpha * lane sum of its partials, stored, or added to out (+= if accumulate;
+    panels after the first always add)."""
+    wty = signature.args[0]
+    if isinstance(wty, types.BaseTuple):
+        mats = [context.make_array(t)(context, builder, v)
+                for t, v in zip(wty.types, cgutils.unpack_tuple(builder, args[0], len(wty.types)))]
+    else:
+        mats = [context.make_array(wty)(context, builder, args[0])]
+    xa, oa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (1, 2))
     acc_flag = context.cast(builder, args[4], signature.args[4], types.boolean)
     f32, i8, idx = ir.FloatType(), ir.IntType(8), ir.IntType(64)
     vf, zero = ir.VectorType(f32, 8), ir.Constant(f32, 0.0)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v8f32")
-    wbase = builder.bitcast(wa.data, i8.as_pointer())
     xbase = builder.bitcast(xa.data, f32.as_pointer())
     obase = builder.bitcast(oa.data, f32.as_pointer())
     accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(nacc)] for _ in range(streams)]
+    nd = 3 if panels else 2
+    shapes = [cgutils.unpack_tuple(builder, m.shape, nd) for m in mats]
+    strides = [cgutils.unpack_tuple(builder, m.strides, nd) for m in mats]
+    d_axis = 1 if panels else 0
+    starts = [ir.Constant(idx, 0)]                    # each matrix's first row in the stacked rows
+    for sh in shapes:
+        starts.append(builder.add(starts[-1], sh[d_axis]))
 
-    def matrix(base, xp, d, rstride, nsteps, add):       # out[i] (+)= alpha * W[i] @ x for the d rows at base
+    def matrix(bases, xp, nsteps, add):               # out[i] (+)= alpha * row i @ x over the stacked rows
+        def rowptr(r):                                 # the row's i8*: the matrix it falls in, by selects
+            k = len(mats) - 1
+            ptr = builder.gep(bases[k], [builder.mul(builder.sub(r, starts[k]), strides[k][d_axis])])
+            for k in range(len(mats) - 2, -1, -1):
+                mine = builder.gep(bases[k], [builder.mul(builder.sub(r, starts[k]), strides[k][d_axis])])
+                ptr = builder.select(builder.icmp_signed("<", r, starts[k + 1]), mine, ptr)
+            return ptr
+
         def body(rs):
-            tots = _dots8(builder, [builder.gep(base, [builder.mul(r, rstride)]) for r in rs], xp, nsteps, fma, bf16, accs)
+            tots = _dots8(builder, [rowptr(r) for r in rs], xp, nsteps, fma, bf16, accs)
             for r, tot in zip(rs, tots):
                 dot = builder.fmul(args[3], _lane_sum8(builder, tot), flags=_EXACT)
                 dst = builder.gep(obase, [r])
                 builder.store(builder.fadd(builder.select(add, builder.load(dst), zero), dot, flags=_EXACT), dst)
-        split_rows(builder, d, body, streams)
+        split_rows(builder, starts[-1], body, streams)
 
+    bases = [builder.bitcast(m.data, i8.as_pointer()) for m in mats]
     if panels:
-        nb, d, _ = cgutils.unpack_tuple(builder, wa.shape, 3)
-        pstride, rstride, _ = cgutils.unpack_tuple(builder, wa.strides, 3)
-        with cgutils.for_range(builder, nb) as pan:
+        with cgutils.for_range(builder, shapes[0][0]) as pan:
             add = builder.or_(builder.icmp_unsigned("!=", pan.index, ir.Constant(idx, 0)), acc_flag)
-            matrix(builder.gep(wbase, [builder.mul(pan.index, pstride)]),
+            matrix([builder.gep(b, [builder.mul(pan.index, st[0])]) for b, st in zip(bases, strides)],
                    builder.gep(xbase, [builder.mul(pan.index, ir.Constant(idx, PANEL))]),
-                   d, rstride, ir.Constant(idx, PANEL // STEP8), add)
+                   ir.Constant(idx, PANEL // STEP8), add)
     else:
-        d, n = cgutils.unpack_tuple(builder, wa.shape, 2)
-        rstride = cgutils.unpack_tuple(builder, wa.strides, 2)[0]
-        matrix(wbase, xbase, d, rstride, builder.sdiv(n, ir.Constant(idx, STEP8)), acc_flag)
+        matrix(bases, xbase, builder.sdiv(shapes[0][1], ir.Constant(idx, STEP8)), acc_flag)
     return context.get_dummy_value()
 
 
@@ -262,7 +281,7 @@ def _make8(panels, bf16, streams=STREAMS8, nacc=NACC8):
     @intrinsic
     def kernel(typingctx, W, x, out, alpha, accumulate):
         # rows: W (d,n) 16-bit weights (rows contiguous, n a multiple of STEP8); panels: W (nb,d,PANEL);
-        # x (n,) f32 -> out[i] = alpha * W[i] @ x (+= if accumulate)
+        # or a tuple of either with one n (rows stacked); x (n,) f32 -> out[i] = alpha * W[i] @ x (+= if accumulate)
         return (types.void(W, x, out, alpha, accumulate),
                 lambda c, b, s, a: _codegen8(c, b, s, a, panels, bf16, streams, nacc))
     return kernel
@@ -307,5 +326,42 @@ def _float_rows_overload(W, x, out, alpha, accumulate):
                 or x.shape[0] < W.shape[1] or out.shape[0] < W.shape[0]):
             return False
         kernel(W, x, out, np.float32(alpha), accumulate)
+        return True
+    return impl
+
+
+def float_rows_stack(Ws, x, out, alpha, accumulate):
+    """Python stand-in (never called): Numba picks the overload below by the tuple's type."""
+    raise NotImplementedError
+
+
+@overload(float_rows_stack)
+def _float_rows_stack_overload(Ws, x, out, alpha, accumulate):
+    # returns True when the AVX2 kernel did the work on the stacked rows of a tuple of 16-bit matrices of
+    # one type and one n (all row-major, or all panels): q|k|v in one call, their rows streamed together
+    ok = (HAVE_FLOAT_IR8 and isinstance(Ws, types.UniTuple) and isinstance(Ws.dtype, types.Array)
+          and Ws.dtype.dtype in (types.uint16, types.int16) and Ws.dtype.ndim in (2, 3)
+          and isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32
+          and isinstance(out, types.Array) and out.dtype == types.float32)
+    if not ok:
+        return lambda Ws, x, out, alpha, accumulate: False
+    panels = Ws.dtype.ndim == 3
+    kernel = (_panels8 if panels else _rows8)[Ws.dtype.dtype == types.int16]
+
+    def impl(Ws, x, out, alpha, accumulate):
+        rows = 0
+        for W in Ws:
+            if panels:
+                if W.shape[0] != Ws[0].shape[0] or W.shape[2] != PANEL or W.strides[2] != 2:
+                    return False
+                rows += W.shape[1]
+            else:
+                if W.shape[1] != Ws[0].shape[1] or W.shape[1] % STEP8 != 0 or W.shape[1] == 0 or W.strides[1] != 2:
+                    return False
+                rows += W.shape[0]
+        n = Ws[0].shape[0] * PANEL if panels else Ws[0].shape[1]
+        if x.shape[0] < n or out.shape[0] < rows:
+            return False
+        kernel(Ws, x, out, np.float32(alpha), accumulate)
         return True
     return impl

@@ -234,6 +234,10 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
             qkv = ws.qkv[:1]                                                   # (1,H*hd+2*Hkv*hd)
             ws.mm(h, L.wqkv, qkv)
             q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
+        elif T == 1 and L.qkv_stack is not None:                              # f16/bf16 q, k, v in one call
+            qkv = ws.qkv[:1]
+            K.matvec_stack(L.qkv_stack, h[0], qkv[0])
+            q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
         else:
             q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]                             # (T,H*hd) (T,Hkv*hd) (T,Hkv*hd)
             ws.mm(h, L.wq, q)

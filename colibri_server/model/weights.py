@@ -9,6 +9,7 @@ array; norms, biases and router gates are f32.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,9 @@ class Layer:
     # wq, wk, wv as one (H*hd + 2*Hkv*hd, D) view when the file stores them back to back in one
     # float dtype (what the converter writes): decode streams them in one matvec
     wqkv: np.ndarray | None = None
+    # otherwise, when the three are f16/bf16 arrays of one kind (panels: not one view), the tuple of
+    # their kernel arrays: decode multiplies them in one call (kernels.matvec_stack)
+    qkv_stack: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,12 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
             mlp_w1=v(p + "ffn_gate"), mlp_w3=v(p + "ffn_up"), mlp_w2=v(p + "ffn_down"),
             wqkv=None if QUANT_KIND.get(cf.records[p + "attn_q"].dtype)
             else cf.stacked_view([p + "attn_q", p + "attn_k", p + "attn_v"])))
+        L = layers[-1]
+        if L.wqkv is None:
+            qkv = [getattr(W, "p", W) for W in (L.wq, L.wk, L.wv)]
+            if (all(isinstance(a, np.ndarray) and a.dtype in (np.uint16, np.int16) for a in qkv)
+                    and len({(a.dtype, a.ndim, a.flags.c_contiguous) for a in qkv}) == 1):
+                layers[-1] = dataclasses.replace(L, qkv_stack=tuple(qkv))
     emb = cf.view("token_embd")
     return Weights(token_embd=emb, layers=tuple(layers), output_norm=cf.view("output_norm"),
                    output=emb if cfg.tie_word_embeddings else v("output"))
