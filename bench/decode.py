@@ -22,8 +22,11 @@ kernels, 1 and 2 threads, measured at the start and at the end of the run (media
 pages, the memory both colibri and llama.cpp decode from), each read as one stream and as 4
 streams (blocks of 4 MiB, 4 streams 1 MiB apart, step by step: on a Zen 3 VM one stream read
 16.5 GB/s and 4 streams 21.3 on the array, 16.7 and 19.8 on the file); the limit is the fastest of the
-four. "% roofline" = decode tok/s / (limit / weight bytes read per decoded token); "% of 1-stream
-read" divides by the one-stream array read instead (this table's roofline before the 4-stream
+four. "% roofline" = decode tok/s / (limit / weight bytes read per decoded token); "% roofline, per
+round": the bandwidth is also measured at the start of every round of a group, and each round's
+decode is divided by its own round's limit (median over the rounds, and their range): this VM's
+bandwidth drifts by a quarter within minutes, so a figure from the start and end of a 20-minute run
+can miss the moment of the runs. "% of 1-stream read" divides by the one-stream array read instead (this table's roofline before the 4-stream
 reads were measured). The array gets transparent huge pages where the kernel's THP mode is
 "always" (recorded in the JSON's cpu).
 
@@ -454,7 +457,7 @@ def main():
     want_ll = sorted({n for p in a.precisions for n in LLAMA[p]}) if not a.no_llama else []
     ll = build_gguf(data, hf_dir, want_ll) if want_ll else {}
     res = dict(started=time.strftime("%Y-%m-%dT%H:%M:%S"), prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS,
-               reps=a.reps, rounds=a.rounds, cpu=_cpu(), rows=[], membw=[], quality={})
+               reps=a.reps, rounds=a.rounds, cpu=_cpu(), rows=[], membw=[], round_bw=[], quality={})
 
     def membw():
         for th in a.threads:
@@ -471,6 +474,8 @@ def main():
                 jobs.append(("transformers", "bf16", hf_dir))
             merged = {}
             for rnd in range(a.rounds):          # round-robin: drift during the group hits every system alike
+                bw = run_worker("membw", col.get("f16", "-"), th, 5)     # this round's bandwidth, beside its runs
+                res["round_bw"].append(dict(group=p, threads=th, round=rnd, limit=max(bw.get(k, 0.0) for k in READS)))
                 for system, prec, path in jobs:
                     kind = {"colibri": "colibri", "llama.cpp": "llama", "transformers": "hf"}[system]
                     kind = "colibri-pbf16" if prec.endswith("prefill_bf16") else kind
@@ -550,6 +555,20 @@ def bandwidths(res):
     return ({t: statistics.median(v) for t, v in lim.items()}, {t: statistics.median(v) for t, v in one.items()})
 
 
+def per_round(res, r):
+    """The median over rounds of decode / roofline, each round against the bandwidth measured just before
+    it (res["round_bw"]): on a drifting machine a round's runs and its bandwidth share their moment."""
+    lim = {b["round"]: b["limit"] for b in res.get("round_bw", [])
+           if b["group"] == r["group"] and b["threads"] == r["threads"] and b["limit"] > 0}
+    reps = res.get("reps", 1)
+    ds = r.get("decode_s", [])
+    if not lim or len(ds) != reps * len(lim):
+        return ""
+    pct = [100 * NEW_TOKENS / statistics.median(ds[k * reps:(k + 1) * reps]) / (lim[k] * 1e9 / r["bytes_per_token"])
+           for k in sorted(lim)]
+    return f"{statistics.median(pct):.0f}% ({min(pct):.0f}-{max(pct):.0f})"
+
+
 def make_table(res):
     bw, bw1 = bandwidths(res)
     per = {k: {} for k in READS}
@@ -562,12 +581,12 @@ def make_table(res):
                          for k, name in READS.items() if per[k]) + " GB/s; the limit: the fastest, "
              + ", ".join(f"{t}T {v:.1f} GB/s" for t, v in sorted(bw.items())), "",
              "| system | precision | threads | prefill tok/s | decode tok/s | MB/token | roofline tok/s | % roofline "
-             "| % of 1-stream read | decode vs llama.cpp | prefill vs best anchor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| % roofline, per round | % of 1-stream read | decode vs llama.cpp | prefill vs best anchor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = res["rows"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['system']} | {r['precision']} | {r['threads']} | error | | | | | | | |")
+            lines.append(f"| {r['system']} | {r['precision']} | {r['threads']} | error | | | | | | | | |")
             continue
         roof = bw.get(r["threads"], float("nan")) * 1e9 / r["bytes_per_token"]
         roof1 = bw1.get(r["threads"], float("nan")) * 1e9 / r["bytes_per_token"]
@@ -583,7 +602,8 @@ def make_table(res):
                 vs_p = f"{r['prefill_tok_s'] / best['prefill_tok_s']:.2f}x {best['system']} {best['precision']}"
         lines.append(f"| {r['system']} | {r['precision']} | {r['threads']} | {r['prefill_tok_s']:.1f} | "
                      f"{r['decode_tok_s']:.1f} | {r['bytes_per_token'] / 1e6:.1f} | {roof:.0f} | "
-                     f"{100 * r['decode_tok_s'] / roof:.0f}% | {100 * r['decode_tok_s'] / roof1:.0f}% | {vs_d} | {vs_p} |")
+                     f"{100 * r['decode_tok_s'] / roof:.0f}% | {per_round(res, r)} | {100 * r['decode_tok_s'] / roof1:.0f}% | "
+                     f"{vs_d} | {vs_p} |")
     if res["quality"]:
         lines += ["", "quality vs colibri f32 (128 positions): | model | KL mean | KL max | max rel logit err | argmax agree |",
                   "|---|---|---|---|---|"]
