@@ -14,13 +14,15 @@ of the panel stream by, 4 accumulators per row, one horizontal sum per row and p
 into out. No x load in the row loop: the expert matrices of bench-mixtral streamed at 28.9-30.1
 GB/s this way against 26.4-27.9 row-major (anonymous copies of both, one process, 4 rounds).
 
-AVX2 without AVX-512 (Zen 3, Intel client cores; HAVE_FLOAT_IR8): the same sums on ymm registers,
+AVX2 without AVX-512 (Zen 3, Intel client cores; HAVE_FLOAT_IR8): the same loops on ymm registers,
 8 lanes, NACC8 accumulators, steps of STEP8 = 32 columns, x read from L1. A single row stream reads far
 below what one core can fetch there, so STREAMS8 rows 1/STREAMS8 of the matrix apart are interleaved step
 by step (split_rows; panels: within each panel). Measured on a Zen 3 VM, bench-mixtral's expert
-matrices from DRAM, one thread, kernels alternating matrix by matrix: bf16 rows 13.1-13.7 GB/s against
-9.1-9.8 with Numba's loop, f16 panels 14.9-15.1 against 11.6-13.4. Each row's sum has one fixed order
-(its own accumulators, a fixed lane tree), so a row gives the same bits in any slice of the matrix.
+matrices from DRAM, one thread, kernels alternating matrix by matrix: with 4 streams x 4 accumulators,
+bf16 rows 13.1-13.7 GB/s against 9.1-9.8 with Numba's loop, f16 panels 14.9-15.1 against 11.6-13.4
+(6 x 2, the constants below, streams a few percent faster again). Each row's sum has one fixed order
+(its own accumulators, a fixed lane tree), so a row gives the same bits in any slice of the matrix
+and in a stack of matrices (q|k|v in one call, float_rows_stack).
 """
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ HAVE_FLOAT_IR8 = not HAVE_FLOAT_IR and {"avx2", "fma", "f16c"} <= _FEATURES
 STEP8 = 32           # columns per step there (4 vectors of 8 f32 lanes)
 # Rows streamed at once there (far apart: kernels_simd.split_rows) and accumulators per row, measured
 # on a Zen 3 VM: bench-mixtral's f16 expert matrices (panels) from DRAM, one thread, kernels alternating
-# matrix by matrix, 5 rounds: 4 rows x 4 accumulators 19.8-20.2 GB/s, 4 x 2 20.0-20.4, 5 x 2 20.4-21.1,
-# 6 x 2 20.5-21.0, 6 x 4 20.4-20.9 (16+ accumulators spill), 8 x 2 18.9-20.4; one row at a time 11.
+# matrix by matrix, w1 and w2 in two runs: 4 rows x 4 accumulators 19.8-20.5 GB/s (3 of them spill),
+# 4 x 2 19.9-20.4, 5 x 2 20.4-21.1, 6 x 2 20.5-21.2, 6 x 4 20.4-20.9, 8 x 2 18.9-20.4.
 STREAMS8 = 6
 NACC8 = 2
 
