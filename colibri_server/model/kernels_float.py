@@ -300,8 +300,8 @@ def float_rows(W, x, out, alpha, accumulate):
 
 @overload(float_rows)
 def _float_rows_overload(W, x, out, alpha, accumulate):
-    # returns True when an IR kernel did the work: 16-bit weights with contiguous rows of whole
-    # steps (a row slice W[r0:r1] too); or 16-bit panels (nb,d,PANEL) whose rows are contiguous (a row slice W[:, r0:r1] too).
+    # returns True when an IR kernel did the work: 16-bit weights with contiguous rows of whole steps
+    # (a row slice W[r0:r1] too); or 16-bit panels (nb,d,PANEL) whose rows are contiguous (W[:, r0:r1] too).
     # AVX-512: the zmm kernels above; AVX2 (HAVE_FLOAT_IR8): the ymm kernels, STREAMS8 rows at once
     ok = ((HAVE_FLOAT_IR or HAVE_FLOAT_IR8) and isinstance(W, types.Array)
           and isinstance(x, types.Array) and x.layout == "C" and x.dtype == types.float32

@@ -60,10 +60,9 @@ BF16_R = 4           # rows per pass of the bf16 micro-kernel: 4 x 4 tokens, 16 
 def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes=1, fp=False, R=2, panel=0, lanes=16):
     """The loops shared by the micro-kernels (args: q, x, i0, nrows, k0, nvec, ..., sums): for each
     R rows i0+Rp.. (R = 2, or 4) and each block of 4 tokens, 4R accumulators of `lanes` lanes (zmm: 16,
-    ymm: 8; i32, or f32 when
-    `fp`) start at zero, `iteration(off, rows, xs, accs)` runs nvec times (off: the iteration's first
-    column, relative to column k0; rows: the R rows' i8 pointers at k0, q having `wbytes` per
-    column; xs: the 4 tokens' i8 pointers at k0, x having `xbytes` per column), and each
+    ymm: 8; i32, or f32 when `fp`) start at zero, `iteration(off, rows, xs, accs)` runs nvec times
+    (off: the iteration's first column, relative to column k0; rows: the R rows' i8 pointers at k0,
+    q having `wbytes` per column; xs: the 4 tokens' i8 pointers at k0, x having `xbytes` per column), and each
     accumulator's lane sum goes to sums[r*T4 + t]. With `panel` (columns per panel), q is a panel
     array (nb, d, panel), k0 is 0 and the nvec iterations run through the panels in order: each
     panel's rows and x's columns of that panel, the accumulators carried across."""

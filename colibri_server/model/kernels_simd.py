@@ -54,11 +54,11 @@ HAVE_AVX2 = "avx2" in _FEATURES
 HAVE_VNNI512 = HAVE_AVX2 and {"avx512f", "avx512bw", "avx512vnni"} <= _FEATURES
 Q4_STEP = 128 if HAVE_VNNI512 else 64      # packed q4 bytes per iteration of _dot_u4_i8
 Q8_STEP = 64 if HAVE_VNNI512 else 32       # q8 columns per iteration of _dot_i8_i16
-# Rows streamed at once by the AVX2 decode kernels (here and kernels_float), far apart: split_rows.
-# Measured on a Zen 3 VM, bench-mixtral's f16/bf16 expert matrices streamed from DRAM (one thread,
-# kernels alternating): 11.0-11.4 GB/s one row at a time, 13.2-14.8 with 2 streams, 16.3-17.2 with 4,
-# 16.3-16.8 with 8; 2 or 4 adjacent rows at once were slower than one (7 GB/s). AVX-512 machines keep
-# one stream (measured on Zen 4: one sequential stream read fastest there).
+# Rows the AVX2 integer dots stream at once, far apart (split_rows; kernels_float has its own
+# STREAMS8). Measured on a Zen 3 VM, bench-mixtral's expert matrices from DRAM, whole matvec, one
+# thread, alternating processes: q4 8.0-9.7 GB/s one row at a time, 10.2-13.2 with 2, 12.7-14.5 with 4 (one run 8.2);
+# q8 9.2-11.3, 10.4-14.1, 14.0-16.4 (bench/README.md). AVX-512 VNNI machines keep one stream (measured
+# on Zen 4: one sequential stream read fastest there; far-apart streams were not tried).
 STREAMS = 1 if HAVE_VNNI512 else 4
 
 

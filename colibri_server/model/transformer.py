@@ -230,13 +230,12 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     for l, L in enumerate(w.layers):
         # attention: RMSNorm -> q, k, v projections (+ bias) -> [clip] -> [q/k norm] -> RoPE
         K.rmsnorm(x, L.attn_norm, cfg.rms_norm_eps, h)
-        if T == 1 and L.wqkv is not None:                                      # one stream of q|k|v rows
+        if T == 1 and (L.wqkv is not None or L.qkv_stack is not None):         # q|k|v rows in one call
             qkv = ws.qkv[:1]                                                   # (1,H*hd+2*Hkv*hd)
-            ws.mm(h, L.wqkv, qkv)
-            q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
-        elif T == 1 and L.qkv_stack is not None:                              # f16/bf16 q, k, v in one call
-            qkv = ws.qkv[:1]
-            K.matvec_stack(L.qkv_stack, h[0], qkv[0])
+            if L.wqkv is not None:                                             # one view: one stream
+                ws.mm(h, L.wqkv, qkv)
+            else:                                                              # f16/bf16 q, k, v stacked
+                K.matvec_stack(L.qkv_stack, h[0], qkv[0])
             q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
         else:
             q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]                             # (T,H*hd) (T,Hkv*hd) (T,Hkv*hd)
