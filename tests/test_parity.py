@@ -220,3 +220,67 @@ def test_tied_embeddings_mixtral(tmp_path):
     m = Model.open(tmp_path / "m.colibri")
     assert "output" not in m.file
     assert np.abs(m.logits(PROMPT[:16]) - H.hf_logits(hf, PROMPT[:16])).max() < 1e-4
+
+
+STEP_COVERED = [("mixtral", "f16"), ("mixtral", "bf16"), ("qwen3_moe", "f16"), ("olmoe", "bf16"),
+                ("mixtral", "q8"), ("olmoe", "q4")]
+
+
+@pytest.mark.parametrize("arch,dtype", STEP_COVERED)
+def test_decode_step_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtype):
+    """A decode token of these models is one Numba call (decode_step.DecodeStep: Qwen3's per-head
+    and OLMoE's whole-projection q/k norms and clip, panels, rows, quantized pairs); a routing
+    trace keeps forward on its general path. Same kernels, same order: same bits, same experts."""
+    from colibri_server.model.convert import convert
+    from colibri_server.model.decode_step import DecodeStep
+    from colibri_server.model.transformer import forward
+    if arch == "qwen3_moe":                        # the test config's dense layer 1 is not covered
+        hf_dir = str(tmp_path / "hf")
+        H.build_hf_model(arch, hf_dir, mlp_only_layers=[])
+    else:
+        hf_dir = built(arch).hf_dir
+    path = str(tmp_path / f"{dtype}.colibri")
+    quant = dict(quantize=dtype, quant_group=32) if dtype in ("q8", "q4") else {}
+    convert(hf_dir, path, "f16" if quant else dtype, progress=False, **quant)
+    m = Model.open(path)
+    cfg, w, ws = m.config, m.weights, m.workspace
+    assert isinstance(ws.decode_step(cfg, w), DecodeStep)
+
+    def run(trace):
+        cache = m.new_cache(capacity=12)
+        forward(cfg, w, m.rope, ws, cache, tokens=np.array(PROMPT[:6]))
+        rows, routes = [], []
+        for t in PROMPT[6:12]:
+            rows.append(forward(cfg, w, m.rope, ws, cache, tokens=np.array([t]), trace=trace)[0].copy())
+            routes.append(ws.route_idx[:1].copy())
+        assert cache.length == 12
+        with pytest.raises(ValueError, match="exceeds the context of 12"):
+            forward(cfg, w, m.rope, ws, cache, tokens=np.array([PROMPT[0]]), trace=trace)
+        assert cache.length == 12
+        return np.stack(rows), routes
+
+    fused, fused_routes = run(None)
+    trace = []
+    general, general_routes = run(trace)
+    assert trace                                                   # the general path ran
+    np.testing.assert_array_equal(fused, general)
+    for a, b in zip(fused_routes, general_routes):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(IndexError, match="token id out of range"):
+        m.decode(m.new_cache(), cfg.vocab_size)
+
+
+def test_decode_step_declines_what_it_does_not_compute(built):
+    """f32 weights (forward multiplies them with BLAS), Qwen2-MoE's shared expert and biases, a
+    dense layer (the qwen3_moe test config's layer 1) and threads keep the general path: build()
+    gives None, forward still decodes."""
+    from colibri_server.model.decode_step import DecodeStep
+    for path, threads in ((built("mixtral").colibri("f32"), 1), (built("qwen2_moe").colibri("f16"), 1),
+                          (built("qwen3_moe").colibri("f16"), 1), (built("mixtral").colibri("f16"), 2)):
+        m = Model.open(path)
+        if threads > 1:
+            m.set_threads(threads)
+        assert DecodeStep.build(m.config, m.weights, m.workspace) is None
+        cache = m.new_cache()
+        m.prefill(cache, np.array(PROMPT[:3]))
+        assert np.isfinite(m.decode(cache, PROMPT[3])).all()

@@ -2,18 +2,21 @@
 so the fewer calls per layer the better (llama.cpp's fixed cost is ~54 us a token; eight
 layers of a dozen dispatches and numpy statements each cost colibri ~200 us).
 
+decode_token runs the whole token (every layer and the head) for the models decode_step.py
+covers; moe_float/moe_quant and rope_cache_attend are the per-layer steps forward uses otherwise.
 Each function calls the same kernels, in the same order, as transformer.forward's general
 path, so the logits are bit for bit the same (tests/test_parity.py checks it).
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import literal_unroll, njit, types
+from numba.extending import overload
 
-from .kernels import _matvec_core, attention, expert_ffn, rope, route
-from .kernels_quant import expert_ffn_q
+from .kernels import _matvec_core, attention, embed, expert_ffn, matvec_stack, rmsnorm, rope, route
+from .kernels_quant import expert_ffn_q, matvec_q
 
-__all__ = ["moe_float", "moe_quant", "rope_cache_attend"]
+__all__ = ["decode_token", "moe_float", "moe_quant", "rope_cache_attend"]
 
 
 @njit(cache=True)
@@ -47,3 +50,126 @@ def rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache, vcache, start, window, 
         kcache[h, start] = k3[0, h]
         vcache[h, start] = v3[0, h]
     attention(q3, kcache, vcache, start, window, scale, out, scores)
+
+
+# -- the whole token --------------------------------------------------------------------------
+# A weight reaches these kernels as: a float array (f16/bf16 rows or panels, or a q|k|v view),
+# a quantized pair (q, s), or for q|k|v a tuple of three float arrays (a stack) or of three pairs.
+
+def _is_pair(W):
+    return (isinstance(W, types.BaseTuple) and len(W) == 2 and isinstance(W[0], types.Array)
+            and W[0].dtype in (types.int8, types.uint8))
+
+
+def _proj(W, x, out, xs, xi):
+    pass
+
+
+@overload(_proj)
+def _proj_overload(W, x, out, xs, xi):
+    # out (d,) = W @ x for a float array or a quantized pair
+    if isinstance(W, types.Array):
+        def impl(W, x, out, xs, xi):
+            _matvec_core(W, x, out, np.float32(1.0), False)
+        return impl
+    if _is_pair(W):
+        def impl(W, x, out, xs, xi):
+            matvec_q(W[0], W[1], x, out, xs, xi)
+        return impl
+
+
+def _qkv(W, x, out, xs, xi):
+    pass
+
+
+@overload(_qkv)
+def _qkv_overload(W, x, out, xs, xi):
+    # out (qd+2kvd,) = q|k|v @ x: one view, a float stack (rows streamed together), or three pairs
+    if isinstance(W, types.Array):
+        def impl(W, x, out, xs, xi):
+            _matvec_core(W, x, out, np.float32(1.0), False)
+        return impl
+    if isinstance(W, types.BaseTuple) and len(W) == 3 and all(_is_pair(p) for p in W):
+        def impl(W, x, out, xs, xi):
+            o = 0
+            for p in literal_unroll(W):
+                d = p[0].shape[0]
+                matvec_q(p[0], p[1], x, out[o:o + d], xs, xi)
+                o += d
+        return impl
+    if isinstance(W, types.BaseTuple) and all(isinstance(a, types.Array) for a in W):
+        def impl(W, x, out, xs, xi):
+            matvec_stack(W, x, out)
+        return impl
+
+
+def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+    pass
+
+
+@overload(_experts)
+def _experts_overload(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+    if isinstance(w1, types.Array):
+        def impl(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+            moe_float(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out)
+        return impl
+    if _is_pair(w1):
+        def impl(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+            moe_quant(gate, w1[0], w1[1], w3[0], w3[1], w2[0], w2[1], x, top_k, renorm, logits, idx, wts, h1, h3,
+                      out, xs, xi)
+        return impl
+
+
+@njit(cache=True, inline="always")
+def _add(a, b):
+    # a (n,) += b (n,)
+    for j in range(a.shape[0]):
+        a[j] += b[j]
+
+
+@njit(cache=True, inline="always")
+def _clip(a, c):
+    # a (n,) clipped to [-c, c] in place, NaN kept (np.clip's result)
+    lo = -c
+    for j in range(a.shape[0]):
+        if a[j] < lo:
+            a[j] = lo
+        elif a[j] > c:
+            a[j] = c
+
+
+@njit(cache=True)
+def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, gate, w1, w3, w2,
+                 top_k, renorm, eps, kcache, vcache, start, cos, sin, window, scale, onorm, wout,
+                 x, h, sub, qkv, q3, k3, v3, attn3, logits_e, idx, wts, h1, h3, xs, xi, scores, pos, logits):
+    # One token ids (1,) at position `start` through every layer and the head -> logits (1,V), the
+    # kernels and order of transformer.forward's T == 1 path. Per-layer weights are tuples over the
+    # layers (anorm..w2, one type each; no biases); qnorm/knorm size 0 when absent; qk_mode 0 none, 1 over the
+    # whole projection, 2 per head; clip 0 off. x, h, sub (1,D), qkv (1,qd+2kvd) with q3 (1,H,hd),
+    # k3, v3 (1,Hkv,hd) its views; attn3 (1,H,hd); logits_e (1,E), idx/wts (1,k) the routing.
+    embed(emb, ids, x)
+    pos[0] = start
+    _, H, hd = q3.shape
+    Hkv = k3.shape[1]
+    q, k, v = q3.reshape(H * hd), k3.reshape(Hkv * hd), v3.reshape(Hkv * hd)
+    for l in range(len(wo)):
+        rmsnorm(x, anorm[l], eps, h)
+        _qkv(wqkv[l], h[0], qkv[0], xs, xi)
+        if qk_mode == 1:
+            rmsnorm(q3.reshape(1, H * hd), qnorm[l], eps, q3.reshape(1, H * hd))
+            rmsnorm(k3.reshape(1, Hkv * hd), knorm[l], eps, k3.reshape(1, Hkv * hd))
+        if clip > 0:
+            _clip(q, clip)
+            _clip(k, clip)
+            _clip(v, clip)
+        if qk_mode == 2:
+            rmsnorm(q3.reshape(H, hd), qnorm[l], eps, q3.reshape(H, hd))
+            rmsnorm(k3.reshape(Hkv, hd), knorm[l], eps, k3.reshape(Hkv, hd))
+        rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache[l], vcache[l], start, window, scale, attn3, scores)
+        _proj(wo[l], attn3.reshape(H * hd), sub[0], xs, xi)
+        _add(x[0], sub[0])
+        rmsnorm(x, fnorm[l], eps, h)
+        _experts(gate[l], w1[l], w3[l], w2[l], h[0], top_k, renorm, logits_e, idx, wts, h1, h3, sub[0], xs, xi)
+        _add(x[0], sub[0])
+    rmsnorm(x, onorm, eps, h)
+    _proj(wout, h[0], logits[0], xs, xi)

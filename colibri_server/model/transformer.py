@@ -20,6 +20,7 @@ from . import kernels_gemm as GE
 from . import kernels_quant as KQ
 from .buffers import aligned_zeros, lazy_zeros
 from .config import ModelConfig
+from .decode_step import DecodeStep
 from .moe import moe, swiglu
 from .panels import kernel_array
 
@@ -88,6 +89,7 @@ class Workspace:
         self.logits = aligned_zeros((1, cfg.vocab_size), f32)
         self.positions = aligned_zeros(rows, np.int64)
         self.scores = None                                 # (H/Hkv*S,) attention scratch, sized on use
+        self._step = None                                  # (weights, DecodeStep or None), see decode_step()
 
     def tile_for(self, n: int) -> np.ndarray:
         """Tile scratch with exactly n columns (rows, n) f32, for matmul of f16/bf16 weights."""
@@ -133,6 +135,13 @@ class Workspace:
                              out, self.threads)
         else:
             K.expert_ffn(kernel_array(w1), kernel_array(w3), kernel_array(w2), e, x, weight, self.h1, self.h3, out)
+
+    def decode_step(self, cfg: ModelConfig, w):
+        """The fused decode step for these weights (decode_step.DecodeStep), None where not covered;
+        built on first use and kept for the same weights."""
+        if self._step is None or self._step[0] is not w:
+            self._step = (w, DecodeStep.build(cfg, w, self))
+        return self._step[1]
 
     def score_buffer(self, capacity: int) -> np.ndarray:
         if self.scores is None or self.scores.shape[0] < capacity:
@@ -204,6 +213,10 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     """Run T new tokens (ids (T,), or embeddings (T,D)) at positions cache.length.. and
     return logits: (T,V) if all_logits (into `out` when given), else the last row (1,V)."""
     T = len(tokens) if tokens is not None else embeddings.shape[0]
+    if T == 1 and embeddings is None and not all_logits and trace is None and (noise is None or noise.scale <= 0):
+        step = ws.decode_step(cfg, w)
+        if step is not None:                                                   # the whole token in one call
+            return step(rope, cache, int(tokens[0]))
     P0 = cache.length
     if T > ws.rows:
         raise ValueError(f"{T} tokens exceed the workspace's {ws.rows} rows")

@@ -1,0 +1,116 @@
+"""The decode step (one token, T == 1) in one Numba call: kernels_decode.decode_token.
+
+A token of decode streams every layer's weights once; between two layers the Python of
+transformer.forward (a dozen dispatches and numpy statements) runs on caches those
+weights have just flushed. Measured on bench-mixtral f16, one process alternating both:
+the whole token in one call is 2-5% faster per token, with the same logits bit for bit.
+
+DecodeStep owns the argument tuples, built once per (weights, workspace): each per-layer
+weight as a tuple over the layers, absent q/k norms as empty arrays. It covers the models
+whose every piece the fused kernel computes with forward's own kernels: one thread, MoE in
+every layer without a shared expert or biases (Mixtral, Qwen3-MoE, OLMoE), weights in
+f16/bf16 (rows or panels) or quantized. Anything else (f32 weights, which forward sends
+through BLAS; dense layers; Qwen2-MoE's shared expert and biases; threads) gets None from
+`build`, and forward keeps its general path.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from . import kernels_decode as KD
+from .panels import kernel_array
+
+__all__ = ["DecodeStep"]
+
+_NONE = np.zeros(0, np.float32)
+
+
+def _weight(W):
+    """The kernel's form of a matrix: a float array, or the pair (q, s); None for f32 (BLAS)."""
+    if hasattr(W, "q"):
+        return (W.q, W.s)
+    a = kernel_array(W)
+    return None if a.dtype == np.float32 else a
+
+
+def _uniform(items):
+    """items as a tuple Numba indexes at run time (one type for all layers), else None."""
+    t = tuple(items)
+    return t if isinstance(numba.typeof(t), numba.types.UniTuple) else None
+
+
+class DecodeStep:
+    """One decode token of a model, fused; build() says whether this model is covered."""
+
+    def __init__(self, cfg, ws, args):
+        self.cfg, self.ws, self.args = cfg, ws, args
+        H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qd, kvd = cfg.q_dim, cfg.kv_dim
+        E, A = cfg.num_experts, cfg.top_k
+        qkv = ws.qkv[:1]
+        self.ids = np.zeros(1, np.int64)
+        self.views = (ws.x[:1], ws.h[:1], ws.sub[:1], qkv, qkv[0, :qd].reshape(1, H, hd),
+                      qkv[0, qd:qd + kvd].reshape(1, Hkv, hd), qkv[0, qd + kvd:].reshape(1, Hkv, hd),
+                      ws.attn[:1].reshape(1, H, hd), ws.router[:1, :E], ws.route_idx[:1, :A], ws.route_w[:1, :A],
+                      ws.h1, ws.h3, ws.xs[0], ws.xi[0])
+        self.scale = 1.0 / math.sqrt(hd)
+
+    @classmethod
+    def build(cls, cfg, w, ws) -> "DecodeStep | None":
+        Ls = w.layers
+        if ws.threads != 1 or not Ls:
+            return None
+        if any(L.gate is None or L.w1 is None or L.shared_w1 is not None for L in Ls):
+            return None
+        if any(b is not None for L in Ls for b in (L.bq, L.bk, L.bv, L.bo)):
+            return None                                    # Qwen2's biases: with its shared expert, not covered
+        if len({(L.top_k, L.renorm) for L in Ls}) != 1:
+            return None
+
+        def qkv(L):
+            if L.wqkv is not None:
+                return _weight(L.wqkv)
+            if L.qkv_stack is not None:
+                return L.qkv_stack
+            ws_ = tuple(_weight(W) for W in (L.wq, L.wk, L.wv))
+            return ws_ if all(isinstance(p, tuple) for p in ws_) else None
+
+        def opt(a):
+            return _NONE if a is None else a
+
+        per_layer = [
+            [L.attn_norm for L in Ls], [qkv(L) for L in Ls], [_weight(L.wo) for L in Ls],
+            [opt(L.q_norm) for L in Ls], [opt(L.k_norm) for L in Ls],
+            [L.ffn_norm for L in Ls], [L.gate for L in Ls],
+            [_weight(L.w1) for L in Ls], [_weight(L.w3) for L in Ls], [_weight(L.w2) for L in Ls]]
+        if any(x is None for col in per_layer for x in col):
+            return None
+        tuples = [_uniform(col) for col in per_layer]
+        wout = _weight(w.output)
+        if any(t is None for t in tuples) or wout is None:
+            return None
+        anorm, wqkv, wo, qnorm, knorm, fnorm, gate, w1, w3, w2 = tuples
+        qk_mode = {"none": 0, "full": 1, "head": 2}.get(cfg.qk_norm)
+        if qk_mode is None:
+            return None
+        args = (w.token_embd, anorm, wqkv, wo, qnorm, knorm, qk_mode,
+                np.float32(cfg.clip_qkv or 0.0), fnorm, gate, w1, w3, w2, Ls[0].top_k, Ls[0].renorm,
+                cfg.rms_norm_eps)
+        return cls(cfg, ws, (args, w.output_norm, wout))
+
+    def __call__(self, rope, cache, token: int) -> np.ndarray:
+        """Token `token` at position cache.length -> the workspace's (1,V) logits; cache advanced."""
+        cfg, ws = self.cfg, self.ws
+        P0 = cache.length
+        if P0 + 1 > cache.capacity:
+            raise ValueError(f"sequence of {P0 + 1} tokens exceeds the context of {cache.capacity}")
+        self.ids[0] = token
+        head, onorm, wout = self.args
+        scores = ws.score_buffer((cfg.num_heads // cfg.num_kv_heads) * cache.capacity)
+        KD.decode_token(self.ids, *head, cache.k, cache.v, P0, rope[0], rope[1], cfg.sliding_window, self.scale,
+                        onorm, wout, *self.views, scores, ws.positions[:1], ws.logits)
+        cache.length = P0 + 1
+        return ws.logits
