@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri_server.model import kernels as K
+from colibri_server.model import kernels_attention_ir as KA_IR
 
 RTOL = 1e-5
 DTYPES = ["f32", "f16", "bf16"]
@@ -273,6 +274,38 @@ def test_attention_long_context_groups_of_four(rng, T, start, window):
     np.testing.assert_allclose(out, K.attention_ref(q, k, v, start, window, 0.125), rtol=1e-5, atol=2e-6)
     with pytest.raises(ValueError, match="scores scratch"):
         K.attention(q, k, v, start, window, 0.125, out, np.empty(S, np.float32))
+
+
+@pytest.mark.parametrize("hd", [64, 72, 136, 12])
+@pytest.mark.parametrize("T,start,window", [(1, 77, 0), (1, 150, 40), (4, 60, 0)])
+def test_attention_vector_loops_every_head_dim(rng, hd, T, start, window):
+    # kernels_attention_ir: scores of 8 keys at a time and V rows summed in registers (8-register
+    # blocks of 64 columns, then single registers: 72 and 136 take both), the last keys of a block
+    # and head dims not a multiple of 8 (12) in Numba's loops
+    H, Hkv, S = 8, 2, 160
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
+    v = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
+    k[:, start + T:] = np.nan
+    v[:, start + T:] = np.nan
+    out = np.full((T, H, hd), np.nan, np.float32)
+    scale = 1.0 / np.sqrt(hd)
+    K.attention(q, k, v, start, window, scale, out, np.empty(H // Hkv * S, np.float32))
+    np.testing.assert_allclose(out, K.attention_ref(q, k, v, start, window, scale), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.skipif(not KA_IR.HAVE_ATTN_IR, reason="the attention IR needs AVX2 and FMA")
+def test_attention_inner_loops_are_vector_fmas(rng):
+    from colibri_server.model import kernels_attention as KA
+    q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+    kv = rng.standard_normal((1, 32, 64)).astype(np.float32)
+    K.attention(q, kv, kv, 20, 0, 0.125, np.empty((1, 4, 64), np.float32), np.empty(4 * 32, np.float32))
+    for f in (KA._scores_group, KA._weighted_sum_group):
+        asm = f.inspect_asm(f.signatures[0])
+        fmas = [ln for ln in asm.splitlines() if "vfmadd" in ln and "ymm" in ln]
+        assert len(fmas) >= 8, f.__name__                    # 8 keys, or 8 registers of a V block
+        if f is KA._scores_group:                            # 8 keys' sums reduced together
+            assert "vhaddps" in asm
 
 
 def test_attention_window_and_group_matter(rng):

@@ -9,6 +9,13 @@ query head matters as the context grows: the cache of one layer is 2 * Hkv * pos
 floats (bench-mixtral at 4096 positions: 8.4 MB a layer, 67 MB a token), more than the weights
 of a q4 model at a few thousand positions. Every loop runs over a slice starting at 0: an index
 Numba cannot prove non-negative gets wraparound code that blocks vectorisation.
+
+With AVX2 and FMA and a head dim that is a multiple of 8, the two inner loops are LLVM IR
+(kernels_attention_ir): scores 8 keys at a time (KEY_BLOCK), the sum of V in registers over
+chunks of ROW_CHUNK rows, both kept small enough that the group's heads read them from L1.
+Measured on a Zen 3 VM at bench-mixtral's shape (16 heads, 4 kv heads, head dim 64), one layer,
+one token: 192 positions 34.9 -> 26.3 us (scores 14.1 -> 10.2, V sum 10.8 -> 6.3 for the 4 kv
+heads); 4096 positions 926 -> 826 us.
 """
 from __future__ import annotations
 
@@ -16,6 +23,10 @@ import numpy as np
 from numba import njit
 
 from .kernels import _REDUCE_FM, _max_finite, expf
+from .kernels_attention_ir import HAVE_ATTN_IR, scores8, wsum_rows
+
+KEY_BLOCK = 8      # keys per scores8 call: each block's rows read from L1 by all the group's heads
+ROW_CHUNK = 64     # V rows per wsum_rows call, for the same reason (64 x hd floats stay in L1)
 
 __all__ = ["attention", "attention_ref"]
 
@@ -25,7 +36,13 @@ def _scores_group(Q, K, sc, S):
     # Q (g,hd) the query heads of one kv head, K (P,hd) -> S (g,P) = sc * Q @ K.T, each key row read once
     g, hd = Q.shape
     P = K.shape[0]
-    for j in range(P):
+    j0 = 0
+    if HAVE_ATTN_IR and hd % 8 == 0:
+        while j0 + KEY_BLOCK <= P:
+            for h in range(g):
+                scores8(K, j0, Q[h], sc, S[h])
+            j0 += KEY_BLOCK
+    for j in range(j0, P):
         k = K[j]
         for h in range(g):
             q = Q[h]
@@ -56,6 +73,12 @@ def _weighted_sum_group(S, V, O):
     for h in range(g):
         for c in range(hd):
             O[h, c] = np.float32(0.0)
+    if HAVE_ATTN_IR and hd % 8 == 0:
+        for j0 in range(0, P, ROW_CHUNK):
+            j1 = min(P, j0 + ROW_CHUNK)
+            for h in range(g):
+                wsum_rows(S[h, j0:j1], V[j0:j1], O[h])
+        return
     j = 0
     while j + 4 <= P:
         v0 = V[j]
