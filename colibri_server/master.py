@@ -130,7 +130,7 @@ class Arbiter:
             pass
         t0 = time.perf_counter()
         m = Model.open(path, context=s.context, populate=populate, routing_noise=s.routing_noise,
-                       seed=None if s.seed < 0 else s.seed)
+                       seed=None if s.seed < 0 else s.seed, hugepages=s.hugepages)
         if s.mlock:
             _mlock(m.file, path)
         t1 = time.perf_counter()
@@ -142,9 +142,11 @@ class Arbiter:
             m.compile_threaded()           # compiled here, launched only in the forked workers
         st = os.stat(path)
         self.model_identity = {path: (st.st_ino, st.st_size, st.st_mtime_ns)}
-        log.info("model %s: %s, %d layers, %d experts, %s, %.1f MiB mapped in %.2fs, kernels ready in %.2fs",
+        huge = m.file.huge_bytes
+        log.info("model %s: %s, %d layers, %d experts, %s, %.1f MiB mapped in %.2fs (%s), kernels ready in %.2fs",
                  path, m.config.arch, m.config.num_layers, m.config.num_experts, m.config.dtype,
-                 size / 2**20, t1 - t0, time.perf_counter() - t1)
+                 size / 2**20, t1 - t0, "2 MiB pages: unknown" if huge is None else
+                 f"{huge / 2**20:.0f} MiB on 2 MiB pages", time.perf_counter() - t1)
         return m
 
     def _init_signals(self):

@@ -67,7 +67,8 @@ class Model:
     @classmethod
     def open(cls, path, *, context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
              populate: bool = False, deep: bool = False, routing_noise: float = 0.0, seed=None,
-             blas_threads: int | None = 1, threads: int = 1, prefill_bf16: bool = False) -> "Model":
+             blas_threads: int | None = 1, threads: int = 1, prefill_bf16: bool = False,
+             hugepages: bool = True) -> "Model":
         """Map and validate a .colibri file (deep: also every tensor checksum). Raises
         FileNotFoundError, or a ColibriFormatError subclass naming the field or tensor.
 
@@ -80,11 +81,14 @@ class Model:
         compile_threaded() instead; each forked worker then calls set_threads(n).
 
         prefill_bf16: prefill bf16 weights with bf16-rounded activations (see
-        set_prefill_bf16). Off by default: outputs then match the weights run in f32."""
+        set_prefill_bf16). Off by default: outputs then match the weights run in f32.
+
+        hugepages: ask for the mapping on 2 MiB pages (model/hugepages.py; with populate, a large
+        file mostly on 4 KiB pages is read again once). file.huge_bytes says how much got them."""
         if blas_threads is not None:
             from threadpoolctl import threadpool_limits
             threadpool_limits(blas_threads, user_api="blas")
-        cf = fmt.ColibriFile.open(path, populate=populate)
+        cf = fmt.ColibriFile.open(path, populate=populate, hugepages=hugepages)
         try:
             raw = fmt.read_json_blob(cf.path, "config", cf.config_json)
             try:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import hugepages as HP
+
 MAGIC = b"COLI"
 VERSION = 1
 HEADER_SIZE = 128
@@ -179,11 +181,33 @@ class ColibriFile:
         self.record_list = records
         self.config_json, self.metadata_json, self.tokenizer_json, self.chat_template = blobs
         self._buf = np.frombuffer(mm, dtype=np.uint8)
+        self.huge_bytes = None          # bytes mapped on 2 MiB pages, when open() measured it
 
     # -- opening and validation -------------------------------------------------
     @classmethod
-    def open(cls, path, populate: bool = False) -> "ColibriFile":
+    def open(cls, path, populate: bool = False, hugepages: bool = True) -> "ColibriFile":
+        """Map and validate. populate: fault every page in now. hugepages: advise 2 MiB pages and,
+        when populating a large file that came back mostly on 4 KiB pages, re-read it once
+        (hugepages.py); `huge_bytes` then says how much is on 2 MiB pages (None: unknown)."""
         path = os.fspath(path)
+        mm, size = cls._map(path, populate, hugepages)
+        huge = HP.pmd_mapped(path) if hugepages and populate else None
+        if huge is not None and size >= HP.MIN_RECACHE and huge < size // 2:
+            mm.close()                                  # pages we map cannot be dropped
+            HP.drop_cached(path)
+            mm, size = cls._map(path, populate, hugepages)
+            huge = HP.pmd_mapped(path)
+        try:
+            header, records, routing, blobs = _validate(path, mm, size)
+        except BaseException:
+            mm.close()
+            raise
+        cf = cls(path, mm, header, records, routing, blobs)
+        cf.huge_bytes = huge
+        return cf
+
+    @staticmethod
+    def _map(path, populate, hugepages):
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -195,16 +219,14 @@ class ColibriFile:
             size = st.st_size
             if size < HEADER_SIZE:
                 raise Truncated(path, "header", f"file is {size} bytes, the header alone is {HEADER_SIZE}")
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        try:
-            header, records, routing, blobs = _validate(path, mm, size)
-        except BaseException:
-            mm.close()
-            raise
-        return cls(path, mm, header, records, routing, blobs)
+        if hugepages:
+            HP.advise(mm)
+        if populate:
+            HP.populate(mm, size)
+        return mm, size
 
     def close(self) -> None:
         """Drop the mapping. Views taken from it must not be used afterwards."""
@@ -542,6 +564,9 @@ class ColibriWriter:
         finally:
             os.close(dfd)
         self._fh = None
+        # the written pages sit in the page cache as 4 KiB folios; dropped, the first open reads
+        # the file back on 2 MiB pages (hugepages.py)
+        HP.drop_cached(self.path)
 
     def abort(self) -> None:
         if self._fh is not None:
