@@ -18,8 +18,9 @@ two at once), warm-up then the median of --reps; with --rounds R the systems of 
 (precision, threads) group take turns R times (A B A B ...) and the median covers all samples,
 so a drift of the machine during the group falls on every system alike. Bandwidth: Numba read
 kernels, 1 and 2 threads, measured at the start and at the end of the run (median of both), over a
-1 GiB array and over a populated MAP_SHARED mapping of the f16 .colibri file (4 KiB page-cache
-pages, the memory both colibri and llama.cpp decode from), each read as one stream and as 4
+1 GiB array and over a populated MAP_SHARED mapping of the f16 .colibri file (the page cache's
+folios, 2 MiB ones PMD-mapped: `file_huge_mib` in the JSON, and each colibri row's `huge_mib`; the
+memory both colibri and llama.cpp decode from), each read as one stream and as 4
 streams (blocks of 4 MiB, 4 streams 1 MiB apart, step by step: on a Zen 3 VM one stream read
 16.5 GB/s and 4 streams 21.3 on the array, 16.7 and 19.8 on the file); the limit is the fastest of the
 four. "% roofline" = decode tok/s / (limit / weight bytes read per decoded token); "% roofline, per
@@ -265,7 +266,8 @@ def worker_colibri(a, prefill_bf16=False):
         for _ in range(NEW_TOKENS):
             tok = int(np.argmax(m.decode(cache, tok)[0]))
         return time.perf_counter() - t
-    return _timed_runs(prefill, decode, a.reps)
+    huge = m.file.huge_bytes
+    return {**_timed_runs(prefill, decode, a.reps), "huge_mib": None if huge is None else round(huge / 2**20)}
 
 
 def worker_llama(a):
@@ -368,11 +370,14 @@ def worker_membw(a):
     out = dict(GBps=GBps, samples=samples)
     out["read4_GBps"], out["read4_samples"] = rate(read4, arr.view(np.int64))
     if a.path != "-":       # the same read over a populated MAP_SHARED mapping of a model file: what decode
-        import mmap         # streams (4 KiB page-cache pages, where the array above gets transparent huge pages)
+        import mmap         # streams (the page cache's folios: 2 MiB ones are PMD-mapped, file_huge_mib)
         with open(a.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                            prot=mmap.PROT_READ)
         buf = np.frombuffer(mm, np.int64, count=os.path.getsize(a.path) // 8)
+        from colibri_server.model.hugepages import pmd_mapped
+        huge = pmd_mapped(a.path)
+        out["file_huge_mib"] = None if huge is None else round(huge / 2**20)
         out["file_GBps"], out["file_samples"] = rate(read_int, buf)
         out["file4_GBps"], out["file4_samples"] = rate(read4, buf[:buf.size // (1 << 19) * (1 << 19)])
         del buf

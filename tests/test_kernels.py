@@ -9,6 +9,7 @@ error of a dot product), elementwise kernels against rtol=1e-6/atol=1e-6.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -297,14 +298,24 @@ def test_attention_vector_loops_every_head_dim(rng, hd, T, start, window):
 @pytest.mark.skipif(not KA_IR.HAVE_ATTN_IR, reason="the attention IR needs AVX2 and FMA")
 def test_attention_inner_loops_are_vector_fmas(rng):
     from colibri_server.model import kernels_attention as KA
-    q = rng.standard_normal((1, 4, 64)).astype(np.float32)
-    kv = rng.standard_normal((1, 32, 64)).astype(np.float32)
-    K.attention(q, kv, kv, 20, 0, 0.125, np.empty((1, 4, 64), np.float32), np.empty(4 * 32, np.float32))
-    for f in (KA._scores_group, KA._weighted_sum_group):
+    Q = rng.standard_normal((4, 64)).astype(np.float32)
+    kv = rng.standard_normal((32, 64)).astype(np.float32)
+    S = np.empty((4, 32), np.float32)
+
+    @numba.njit                                              # not cached: its asm can be inspected
+    def scores(Q, K, S):
+        KA._scores_group(Q, K, np.float32(0.125), S)
+
+    @numba.njit
+    def wsum(S, V, O):
+        KA._weighted_sum_group(S, V, O)
+    scores(Q, kv, S)
+    wsum(S, kv, np.empty((4, 64), np.float32))
+    for f in (scores, wsum):
         asm = f.inspect_asm(f.signatures[0])
         fmas = [ln for ln in asm.splitlines() if "vfmadd" in ln and "ymm" in ln]
         assert len(fmas) >= 8, f.__name__                    # 8 keys, or 8 registers of a V block
-        if f is KA._scores_group:                            # 8 keys' sums reduced together
+        if f is scores:                                      # 8 keys' sums reduced together
             assert "vhaddps" in asm
 
 

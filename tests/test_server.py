@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -316,6 +318,12 @@ def test_memory_one_copy_of_the_weights(tmp_path):
     from synth_model import write_model
     path = tmp_path / "big.colibri"
     size = write_model(path)
+    # the kernels for this model's types into Numba's cache first, as after a service's first start
+    # (systemd: NUMBA_CACHE_DIR): a master compiling them cold holds LLVM's memory, 50-100 MiB shared
+    # copy-on-write with its workers, which the Anonymous bound below would count
+    subprocess.run([sys.executable, "-c", "import sys; from colibri_server.model import Model; "
+                    "Model.open(sys.argv[1]).generate([1, 1], max_tokens=2, ignore_eos=True)", str(path)],
+                   check=True, timeout=600)
     s = Server(path, tmp_path, workers=4, name="mem")
     try:
         s.wait_ready(4, timeout=180)
