@@ -24,8 +24,8 @@ memory both colibri and llama.cpp decode from), each read as one stream and as 4
 streams (blocks of 4 MiB, 4 streams 1 MiB apart, step by step: on a Zen 3 VM one stream read
 16.5 GB/s and 4 streams 21.3 on the array, 16.7 and 19.8 on the file); the limit is the fastest of the
 four. "% roofline" = decode tok/s / (limit / weight bytes read per decoded token); "% roofline, per
-round": the bandwidth is also measured at the start of every round of a group, and each round's
-decode is divided by its own round's limit (median over the rounds, and their range): this VM's
+round": the bandwidth is also measured before and after every round of a group, and each round's
+decode is divided by its own round's limit, the mean of the two (median over the rounds, and their range): this VM's
 bandwidth drifts by a quarter within minutes, so a figure from the start and end of a 20-minute run
 can miss the moment of the runs. "% of 1-stream read" divides by the one-stream array read instead (this table's roofline before the 4-stream
 reads were measured). The array gets transparent huge pages where the kernel's THP mode is
@@ -478,9 +478,13 @@ def main():
             if p == "bf16" and not a.no_hf:
                 jobs.append(("transformers", "bf16", hf_dir))
             merged = {}
+
+            def limit_now():                     # the bandwidth limit at this moment: the fastest read
+                bw = run_worker("membw", col.get("f16", "-"), th, 5)
+                return max(bw.get(k, 0.0) for k in READS)
+            edge = limit_now()
             for rnd in range(a.rounds):          # round-robin: drift during the group hits every system alike
-                bw = run_worker("membw", col.get("f16", "-"), th, 5)     # this round's bandwidth, beside its runs
-                res["round_bw"].append(dict(group=p, threads=th, round=rnd, limit=max(bw.get(k, 0.0) for k in READS)))
+                res["round_bw"].append(dict(group=p, threads=th, round=rnd, limit=edge))   # just before the round
                 for system, prec, path in jobs:
                     kind = {"colibri": "colibri", "llama.cpp": "llama", "transformers": "hf"}[system]
                     kind = "colibri-pbf16" if prec.endswith("prefill_bf16") else kind
@@ -489,6 +493,8 @@ def main():
                         print(f"  round {rnd + 1}: {system} {prec} {th}T prefill {r.get('prefill_tok_s', float('nan')):.1f} "
                               f"decode {r.get('decode_tok_s', float('nan')):.1f}", flush=True)
                     merged[(system, prec)] = _merge(merged.get((system, prec)), r)
+                edge = limit_now()               # after this round: the next one's "before"
+                res["round_bw"][-1]["limit_after"] = edge
             for system, prec, path in jobs:
                 r = merged[(system, prec)]
                 mb = (colibri_bytes_per_token(path) if system == "colibri" else
@@ -561,9 +567,12 @@ def bandwidths(res):
 
 
 def per_round(res, r):
-    """The median over rounds of decode / roofline, each round against the bandwidth measured just before
-    it (res["round_bw"]): on a drifting machine a round's runs and its bandwidth share their moment."""
-    lim = {b["round"]: b["limit"] for b in res.get("round_bw", [])
+    """The median over rounds of decode / roofline, each round against the bandwidth measured beside it
+    (res["round_bw"]: the mean of the limits just before and just after the round, or the one before in
+    runs recorded before the after-reads): on a drifting machine a round's runs and its bandwidth share
+    their moment."""
+    lim = {b["round"]: (b["limit"] + b["limit_after"]) / 2 if b.get("limit_after", 0) > 0 else b["limit"]
+           for b in res.get("round_bw", [])
            if b["group"] == r["group"] and b["threads"] == r["threads"] and b["limit"] > 0}
     reps = res.get("reps", 1)
     ds = r.get("decode_s", [])
