@@ -261,16 +261,21 @@ def test_attention(rng, T, start, window, H, Hkv):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("T,start,window", [(1, 299, 0), (1, 299, 64), (3, 150, 0)])
-def test_attention_long_context_groups_of_four(rng, T, start, window):
-    # each kv head's 4 query heads read its keys and values together (kernels_attention)
-    H, Hkv, S, hd = 8, 2, 320, 64
+def _attention_case(rng, T, H, Hkv, S, hd, start):
+    # random q (T,H,hd) and caches (Hkv,S,hd) whose positions past the queries are NaN (never read), NaN out
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
     k = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
     v = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
     k[:, start + T:] = np.nan
     v[:, start + T:] = np.nan
-    out = np.full((T, H, hd), np.nan, np.float32)
+    return q, k, v, np.full((T, H, hd), np.nan, np.float32)
+
+
+@pytest.mark.parametrize("T,start,window", [(1, 299, 0), (1, 299, 64), (3, 150, 0)])
+def test_attention_long_context_groups_of_four(rng, T, start, window):
+    # each kv head's 4 query heads read its keys and values together (kernels_attention)
+    H, Hkv, S, hd = 8, 2, 320, 64
+    q, k, v, out = _attention_case(rng, T, H, Hkv, S, hd, start)
     K.attention(q, k, v, start, window, 0.125, out, np.empty(H // Hkv * S, np.float32))
     np.testing.assert_allclose(out, K.attention_ref(q, k, v, start, window, 0.125), rtol=1e-5, atol=2e-6)
     with pytest.raises(ValueError, match="scores scratch"):
@@ -284,12 +289,7 @@ def test_attention_vector_loops_every_head_dim(rng, hd, T, start, window):
     # blocks of 64 columns, then single registers: 72 and 136 take both), the last keys of a block
     # and head dims not a multiple of 8 (12) in Numba's loops
     H, Hkv, S = 8, 2, 160
-    q = rng.standard_normal((T, H, hd)).astype(np.float32)
-    k = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
-    v = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
-    k[:, start + T:] = np.nan
-    v[:, start + T:] = np.nan
-    out = np.full((T, H, hd), np.nan, np.float32)
+    q, k, v, out = _attention_case(rng, T, H, Hkv, S, hd, start)
     scale = 1.0 / np.sqrt(hd)
     K.attention(q, k, v, start, window, scale, out, np.empty(H // Hkv * S, np.float32))
     np.testing.assert_allclose(out, K.attention_ref(q, k, v, start, window, scale), rtol=1e-5, atol=2e-6)

@@ -86,9 +86,7 @@ def _qkv(W, x, out, xs, xi):
 def _qkv_overload(W, x, out, xs, xi):
     # out (qd+2kvd,) = q|k|v @ x: one view, a float stack (rows streamed together), or three pairs
     if isinstance(W, types.Array):
-        def impl(W, x, out, xs, xi):
-            _matvec_core(W, x, out, np.float32(1.0), False)
-        return impl
+        return lambda W, x, out, xs, xi: _proj(W, x, out, xs, xi)
     if isinstance(W, types.BaseTuple) and len(W) == 3 and all(_is_pair(p) for p in W):
         def impl(W, x, out, xs, xi):
             o = 0
