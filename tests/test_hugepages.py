@@ -26,11 +26,16 @@ def test_pmd_mapped_sums_this_files_mappings(tmp_path):
         "Size:               4096 kB\nFilePmdMapped:      4096 kB\n"
         f"7f0000800000-7f0000a00000 r--s 00000000 fe:00 13 {other}\n"
         "FilePmdMapped:      2048 kB\n"
+        f"7f1000000000-7f1000200000 r--s 00000000 fe:00 12 {model}\n"
+        "FilePmdMapped:      2048 kB\n"
         "7f0000a00000-7f0000c00000 rw-p 00000000 00:00 0\n"
         "FilePmdMapped:         0 kB\n")
-    assert HP.pmd_mapped(str(model), str(smaps)) == 6 << 20
-    assert HP.pmd_mapped(str(tmp_path / "absent"), str(smaps)) is None      # no mapping: unknown
-    assert HP.pmd_mapped(str(model), str(tmp_path / "no-smaps")) is None
+    assert HP.pmd_mapped(str(model), smaps=str(smaps)) == 8 << 20              # every mapping of the file
+    # one mapping's range only (a reload maps the file twice in one process)
+    assert HP.pmd_mapped(str(model), 0x7f0000000000, 8 << 20, smaps=str(smaps)) == 6 << 20
+    assert HP.pmd_mapped(str(model), 0x7f1000000000, 2 << 20, smaps=str(smaps)) == 2 << 20
+    assert HP.pmd_mapped(str(tmp_path / "absent"), smaps=str(smaps)) is None      # no mapping: unknown
+    assert HP.pmd_mapped(str(model), smaps=str(tmp_path / "no-smaps")) is None
 
 
 def test_open_reads_a_large_file_found_on_small_pages_again_once(tmp_path, monkeypatch):
@@ -38,7 +43,7 @@ def test_open_reads_a_large_file_found_on_small_pages_again_once(tmp_path, monke
     size = write_model(path, **SMALL)
     assert size >= HP.MIN_RECACHE
     calls, answers = [], iter([0, size - (1 << 20)])
-    monkeypatch.setattr(HP, "pmd_mapped", lambda p: next(answers))
+    monkeypatch.setattr(HP, "pmd_mapped", lambda p, start, size: next(answers))
     monkeypatch.setattr(HP, "drop_cached", lambda p: calls.append(p))
     m = Model.open(path, populate=True)
     assert calls == [path]                                  # dropped once, mapped and faulted again
@@ -47,9 +52,9 @@ def test_open_reads_a_large_file_found_on_small_pages_again_once(tmp_path, monke
     assert np.isfinite(m.prefill(cache, np.array([1, 2, 3]))).all()
 
     calls.clear()
-    monkeypatch.setattr(HP, "pmd_mapped", lambda p: size)   # already on 2 MiB pages: nothing to do
+    monkeypatch.setattr(HP, "pmd_mapped", lambda p, start, size_: size)   # already on 2 MiB pages: nothing to do
     assert Model.open(path, populate=True).file.huge_bytes == size and not calls
-    monkeypatch.setattr(HP, "pmd_mapped", lambda p: 0)
+    monkeypatch.setattr(HP, "pmd_mapped", lambda p, start, size: 0)
     assert Model.open(path, populate=True, hugepages=False).file.huge_bytes is None and not calls
     assert Model.open(path, populate=False).file.huge_bytes is None and not calls
 
@@ -58,7 +63,7 @@ def test_a_small_file_is_never_read_again(tmp_path, monkeypatch):
     path = str(tmp_path / "m.colibri")
     write_model(path, hidden_size=64, num_layers=1, moe_intermediate_size=128, vocab_size=512)
     calls = []
-    monkeypatch.setattr(HP, "pmd_mapped", lambda p: 0)
+    monkeypatch.setattr(HP, "pmd_mapped", lambda p, start, size: 0)
     monkeypatch.setattr(HP, "drop_cached", lambda p: calls.append(p))
     assert Model.open(path, populate=True).file.huge_bytes == 0 and not calls
 

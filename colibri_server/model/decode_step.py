@@ -101,16 +101,14 @@ class DecodeStep:
                 cfg.rms_norm_eps)
         return cls(cfg, ws, (args, w.output_norm, wout))
 
-    def __call__(self, rope, cache, token: int) -> np.ndarray:
-        """Token `token` at position cache.length -> the workspace's (1,V) logits; cache advanced."""
+    def __call__(self, rope, cache, token: int, scores) -> np.ndarray:
+        """Token `token` at position cache.length (forward has checked that the cache has room;
+        scores: its attention scratch) -> the workspace's (1,V) logits; cache advanced."""
         cfg, ws = self.cfg, self.ws
         P0 = cache.length
-        if P0 + 1 > cache.capacity:
-            raise ValueError(f"sequence of {P0 + 1} tokens exceeds the context of {cache.capacity}")
         self.ids[0] = token
-        head, onorm, wout = self.args
-        scores = ws.score_buffer((cfg.num_heads // cfg.num_kv_heads) * cache.capacity)
-        KD.decode_token(self.ids, *head, cache.k, cache.v, P0, rope[0], rope[1], cfg.sliding_window, self.scale,
+        layers, onorm, wout = self.args
+        KD.decode_token(self.ids, *layers, cache.k, cache.v, P0, rope[0], rope[1], cfg.sliding_window, self.scale,
                         onorm, wout, *self.views, scores, ws.positions[:1], ws.logits)
         cache.length = P0 + 1
         return ws.logits

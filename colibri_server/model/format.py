@@ -191,12 +191,12 @@ class ColibriFile:
         (hugepages.py); `huge_bytes` then says how much is on 2 MiB pages (None: unknown)."""
         path = os.fspath(path)
         mm, size = cls._map(path, populate, hugepages)
-        huge = HP.pmd_mapped(path) if hugepages and populate else None
+        huge = HP.pmd_mapped(path, HP.address(mm), size) if hugepages and populate else None
         if huge is not None and size >= HP.MIN_RECACHE and huge < size // 2:
             mm.close()                                  # pages we map cannot be dropped
             HP.drop_cached(path)
             mm, size = cls._map(path, populate, hugepages)
-            huge = HP.pmd_mapped(path)
+            huge = HP.pmd_mapped(path, HP.address(mm), size)
         try:
             header, records, routing, blobs = _validate(path, mm, size)
         except BaseException:

@@ -19,9 +19,8 @@ from __future__ import annotations
 import mmap
 import os
 
-__all__ = ["PMD", "advise", "populate", "pmd_mapped", "drop_cached", "MIN_RECACHE"]
+__all__ = ["advise", "populate", "address", "pmd_mapped", "drop_cached", "MIN_RECACHE"]
 
-PMD = 2 << 20
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)     # Linux >= 5.14
 MIN_RECACHE = 64 << 20          # smaller files: too little to gain for a re-read
 
@@ -47,8 +46,15 @@ def populate(mm: mmap.mmap, size: int) -> None:
     int(buf[::mmap.PAGESIZE].sum(dtype=np.uint64))
 
 
-def pmd_mapped(path: str, smaps: str = "/proc/self/smaps") -> int | None:
-    """Bytes of this process's mappings of `path` mapped with 2 MiB entries (FilePmdMapped);
+def address(mm: mmap.mmap) -> int:
+    """The mapping's first address (read-only mappings refuse ctypes' from_buffer; numpy doesn't)."""
+    import numpy as np
+    return int(np.frombuffer(mm, np.uint8, count=1).ctypes.data)
+
+
+def pmd_mapped(path: str, start: int | None = None, size: int = 0, smaps: str = "/proc/self/smaps") -> int | None:
+    """Bytes of this process's mappings of `path` mapped with 2 MiB entries (FilePmdMapped), only
+    those within [start, start + size) when start is given (one mapping: a reload maps the file twice);
     None where smaps does not say (not Linux, or a kernel without the field)."""
     real = os.path.realpath(path)
     total, mine, seen = 0, False, False
@@ -59,6 +65,8 @@ def pmd_mapped(path: str, smaps: str = "/proc/self/smaps") -> int | None:
                 if "-" in first and not first.endswith(":"):              # a mapping header
                     fields = line.split(None, 5)
                     mine = len(fields) > 5 and fields[5].rstrip("\n") == real
+                    if mine and start is not None:
+                        mine = start <= int(first.split("-")[0], 16) < start + size
                 elif mine and first == "FilePmdMapped:":
                     total += int(line.split()[1]) * 1024
                     seen = True

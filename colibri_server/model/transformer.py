@@ -213,10 +213,6 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     """Run T new tokens (ids (T,), or embeddings (T,D)) at positions cache.length.. and
     return logits: (T,V) if all_logits (into `out` when given), else the last row (1,V)."""
     T = len(tokens) if tokens is not None else embeddings.shape[0]
-    if T == 1 and embeddings is None and not all_logits and trace is None and (noise is None or noise.scale <= 0):
-        step = ws.decode_step(cfg, w)
-        if step is not None:                                                   # the whole token in one call
-            return step(rope, cache, int(tokens[0]))
     P0 = cache.length
     if T > ws.rows:
         raise ValueError(f"{T} tokens exceed the workspace's {ws.rows} rows")
@@ -232,6 +228,10 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     else:
         pos[:] = np.arange(P0, P0 + T)
     scores = ws.score_buffer((H // Hkv) * cache.capacity)                   # (H/Hkv*S,) attention scratch
+    if T == 1 and embeddings is None and not all_logits and trace is None and (noise is None or noise.scale <= 0):
+        step = ws.decode_step(cfg, w)
+        if step is not None:                                                   # the whole token in one call
+            return step(rope, cache, int(tokens[0]), scores)
     scale = 1.0 / math.sqrt(hd)
 
     # token embedding (or caller-supplied embeddings)
