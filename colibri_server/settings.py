@@ -461,8 +461,8 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("mlock", BOOL, False, "lock the model mapping in RAM (needs RLIMIT_MEMLOCK)",
             reload=RESTART),
     Setting("populate", BOOL, True, "fault every model page in at start", reload=USR1),
-    Setting("hugepages", BOOL, True, "map the model on 2 MiB pages where the kernel can (re-reads a "
-            "large file found on 4 KiB pages once)", reload=USR1),
+    Setting("hugepages", BOOL, True, "map the model on 2 MiB pages where the kernel can (re-reads "
+            "once the parts of a large file found on 4 KiB pages)", reload=USR1),
     Setting("log_level", ENUM("debug", "info", "warning", "error"), "info", "log verbosity"),
     Setting("routing_noise", FLOAT, 0.0, "Gumbel noise scale on MoE expert routing (0: off)",
             Range(0.0)),

@@ -38,39 +38,70 @@ def test_pmd_mapped_sums_this_files_mappings(tmp_path):
     assert HP.pmd_mapped(str(model), smaps=str(tmp_path / "no-smaps")) is None
 
 
-def test_open_reads_a_large_file_found_on_small_pages_again_once(tmp_path, monkeypatch):
+def test_gaps_are_whole_2mib_pieces_outside_the_huge_runs():
+    M = HP.PMD_SIZE
+    base = 0x7f0000000000
+    assert HP.gaps([], base, base + 4 * M) == [(0, 4 * M)]
+    assert HP.gaps([(base, base + 4 * M)], base, base + 4 * M) == []
+    assert HP.gaps([(base + M, base + 2 * M), (base + 3 * M, base + 5 * M)], base, base + 6 * M) == \
+        [(0, M), (2 * M, M), (5 * M, M)]
+    assert HP.gaps([(base + 2 * M, base + 9 * M)], base, base + 4 * M) == [(0, 2 * M)]   # clipped to the end
+
+
+def _spy_rehome(monkeypatch, huge, pieces):
+    """Stub the kernel's answers; record what open() drops and faults again."""
+    calls = {"drop": [], "fault": []}
+    answers = iter(huge)
+    monkeypatch.setattr(HP, "pmd_mapped", lambda p, start, size: next(answers))
+    monkeypatch.setattr(HP, "small_pieces", lambda start, size: pieces)
+    monkeypatch.setattr(HP, "drop_cached", lambda p, pc=None: calls["drop"].append((p, pc)))
+    real = HP.populate
+    monkeypatch.setattr(HP, "populate", lambda mm, size, start=0: (calls["fault"].append((start, size)),
+                                                                   real(mm, size, start)))
+    return calls
+
+
+def test_open_reads_the_pieces_found_on_small_pages_again_last_first(tmp_path, monkeypatch):
     path = str(tmp_path / "m.colibri")
     size = write_model(path, **SMALL)
     assert size >= HP.MIN_RECACHE
-    calls, answers = [], iter([0, size - (1 << 20)])
-    monkeypatch.setattr(HP, "pmd_mapped", lambda p, start, size: next(answers))
-    monkeypatch.setattr(HP, "drop_cached", lambda p: calls.append(p))
+    M = HP.PMD_SIZE
+    calls = _spy_rehome(monkeypatch, [size - 8 * M, size - M], [(2 * M, M), (10 * M, 3 * M)])
     m = Model.open(path, populate=True)
-    assert calls == [path]                                  # dropped once, mapped and faulted again
-    assert m.file.huge_bytes == size - (1 << 20)
+    assert calls["drop"] == [(path, [(2 * M, M), (10 * M, 3 * M)])]
+    assert calls["fault"][-2:] == [(10 * M, 3 * M), (2 * M, M)]     # after the whole-file populate
+    assert m.file.huge_bytes == size - M
     cache = m.new_cache()
-    assert np.isfinite(m.prefill(cache, np.array([1, 2, 3]))).all()
-
-    calls.clear()
-    monkeypatch.setattr(HP, "pmd_mapped", lambda p, start, size_: size)   # already on 2 MiB pages: nothing to do
-    assert Model.open(path, populate=True).file.huge_bytes == size and not calls
-    monkeypatch.setattr(HP, "pmd_mapped", lambda p, start, size: 0)
-    assert Model.open(path, populate=True, hugepages=False).file.huge_bytes is None and not calls
-    assert Model.open(path, populate=False).file.huge_bytes is None and not calls
+    assert np.isfinite(m.prefill(cache, np.array([1, 2, 3]))).all()    # the zapped pieces read back
 
 
-def test_a_small_file_is_never_read_again(tmp_path, monkeypatch):
+def test_without_pagemap_scan_a_mostly_small_file_is_read_again_whole(tmp_path, monkeypatch):
     path = str(tmp_path / "m.colibri")
-    write_model(path, hidden_size=64, num_layers=1, moe_intermediate_size=128, vocab_size=512)
-    calls = []
-    monkeypatch.setattr(HP, "pmd_mapped", lambda p, start, size: 0)
-    monkeypatch.setattr(HP, "drop_cached", lambda p: calls.append(p))
-    assert Model.open(path, populate=True).file.huge_bytes == 0 and not calls
+    size = write_model(path, **SMALL)
+    calls = _spy_rehome(monkeypatch, [0, size], None)
+    assert Model.open(path, populate=True).file.huge_bytes == size
+    assert calls["drop"] == [(path, [(0, size)])]
+    calls = _spy_rehome(monkeypatch, [size // 2], None)         # half on 2 MiB pages: left alone
+    assert Model.open(path, populate=True).file.huge_bytes == size // 2 and not calls["drop"]
+
+
+def test_nothing_is_read_again_when_it_cannot_help(tmp_path, monkeypatch):
+    path = str(tmp_path / "m.colibri")
+    size = write_model(path, **SMALL)
+    calls = _spy_rehome(monkeypatch, [size], [])                 # every piece already on 2 MiB pages
+    assert Model.open(path, populate=True).file.huge_bytes == size and not calls["drop"]
+    calls = _spy_rehome(monkeypatch, [0], [(0, size)])
+    assert Model.open(path, populate=True, hugepages=False).file.huge_bytes is None
+    assert Model.open(path, populate=False).file.huge_bytes is None and not calls["drop"]
+    small = str(tmp_path / "small.colibri")
+    write_model(small, hidden_size=64, num_layers=1, moe_intermediate_size=128, vocab_size=512)
+    calls = _spy_rehome(monkeypatch, [0], [(0, HP.PMD_SIZE)])
+    assert Model.open(small, populate=True).file.huge_bytes == 0 and not calls["drop"]
 
 
 def test_the_writer_drops_its_pages_from_the_cache(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(HP, "drop_cached", lambda p: calls.append(p))
+    monkeypatch.setattr(HP, "drop_cached", lambda p, pieces=None: calls.append(p))
     path = str(tmp_path / "m.colibri")
     write_model(path, hidden_size=64, num_layers=1, moe_intermediate_size=128, vocab_size=512)
     assert calls == [path]
@@ -84,5 +115,42 @@ def test_a_large_file_is_mapped_on_2mib_pages_where_the_kernel_can(tmp_path):
         if not cf.huge_bytes:
             pytest.skip("this kernel or filesystem keeps the file on 4 KiB page-cache folios")
         assert cf.huge_bytes >= size // 2
+    finally:
+        cf.close()
+
+
+def test_pieces_evicted_and_read_back_small_come_back_on_2mib_pages(tmp_path):
+    """The real kernel: part of the file evicted, then read back by read() without readahead (small
+    folios, as a backup tool or a cold start's stray reader leaves it); the next open mends it."""
+    import os
+    path = str(tmp_path / "m.colibri")
+    size = write_model(path, **SMALL)
+    cf = fmt.ColibriFile.open(path, populate=True)
+    start = HP.address(cf._mm)
+    pieces = HP.small_pieces(start, size)
+    cf.close()
+    if pieces is None:
+        pytest.skip("this kernel has no PAGEMAP_SCAN (Linux < 6.7)")
+    if not cf.huge_bytes:
+        pytest.skip("this kernel or filesystem keeps the file on 4 KiB page-cache folios")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for lo in range(16 << 20, 100 << 20, 6 << 20):      # holes between huge pieces: the order matters
+            os.posix_fadvise(fd, lo, 4 << 20, os.POSIX_FADV_DONTNEED)
+            for off in range(lo, lo + (4 << 20), 1 << 20):
+                os.pread(fd, 1 << 20, off)
+    finally:
+        os.close(fd)
+    mm, _ = fmt.ColibriFile._map(path, True, True)                 # mapped, not mended
+    try:
+        small = HP.small_pieces(HP.address(mm), size)
+    finally:
+        mm.close()
+    assert sum(n for _, n in small) >= 28 << 20                      # the experiment made small pieces
+    cf = fmt.ColibriFile.open(path, populate=True)
+    try:
+        assert HP.small_pieces(HP.address(cf._mm), size) == []
+        assert cf.huge_bytes >= size // HP.PMD_SIZE * HP.PMD_SIZE
     finally:
         cf.close()

@@ -83,8 +83,8 @@ class Model:
         prefill_bf16: prefill bf16 weights with bf16-rounded activations (see
         set_prefill_bf16). Off by default: outputs then match the weights run in f32.
 
-        hugepages: ask for the mapping on 2 MiB pages (model/hugepages.py; with populate, a large
-        file mostly on 4 KiB pages is read again once). file.huge_bytes says how much got them."""
+        hugepages: ask for the mapping on 2 MiB pages (model/hugepages.py; with populate, the parts
+        of a large file found on 4 KiB pages are read again once). file.huge_bytes says how much got them."""
         if blas_threads is not None:
             from threadpoolctl import threadpool_limits
             threadpool_limits(blas_threads, user_api="blas")

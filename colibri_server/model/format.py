@@ -187,16 +187,11 @@ class ColibriFile:
     @classmethod
     def open(cls, path, populate: bool = False, hugepages: bool = True) -> "ColibriFile":
         """Map and validate. populate: fault every page in now. hugepages: advise 2 MiB pages and,
-        when populating a large file that came back mostly on 4 KiB pages, re-read it once
+        when populating a large file, re-read once the parts that came back on 4 KiB pages
         (hugepages.py); `huge_bytes` then says how much is on 2 MiB pages (None: unknown)."""
         path = os.fspath(path)
         mm, size = cls._map(path, populate, hugepages)
-        huge = HP.pmd_mapped(path, HP.address(mm), size) if hugepages and populate else None
-        if huge is not None and size >= HP.MIN_RECACHE and huge < size // 2:
-            mm.close()                                  # pages we map cannot be dropped
-            HP.drop_cached(path)
-            mm, size = cls._map(path, populate, hugepages)
-            huge = HP.pmd_mapped(path, HP.address(mm), size)
+        huge = HP.rehome(path, mm, size) if hugepages and populate else None
         try:
             header, records, routing, blobs = _validate(path, mm, size)
         except BaseException:
