@@ -1,0 +1,206 @@
+"""The MoE kernels: the SwiGLU expert (one matvec per weight, or split across Numba threads),
+top-k routing and the grouping of prefill tokens by expert, each with its numpy twin.
+Split out of kernels.py, whose conventions they follow (kernels.py re-exports them).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .kernels import _matvec_core, expf, matvec_ref, nrows, row_slice
+
+__all__ = ["silu_mul", "silu_mul_ref", "expert_ffn", "expert_ffn_ref", "matvec_par", "expert_ffn_par",
+           "route", "route_ref", "group_by_expert", "group_by_expert_ref"]
+
+
+# ---------------------------------------------------------------------------
+# SwiGLU pieces
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True, error_model="numpy")   # no ZeroDivision check: it blocks vectorisation
+def silu_mul(g, u, out):
+    # g (T,I), u (T,I) f32 -> out (T,I) = g / (1 + exp(-g)) * u; out may be g (in place) or apart
+    T, I = g.shape
+    one = np.float32(1.0)
+    inplace = out.ctypes.data == g.ctypes.data
+    for t in range(T):
+        if inplace:
+            # LLVM's overlap check fails when out is g, and its fallback is the scalar loop
+            # (measured: 50 ns an element in prefill); the in-place loop has no such check
+            _silu_mul_1d(g[t], u[t])
+            continue
+        gt = g[t]
+        ut = u[t]
+        ot = out[t]
+        for j in range(I):
+            gv = gt[j]
+            ot[j] = gv / (one + expf(-gv)) * ut[j]
+
+
+def silu_mul_ref(g, u, out=None):
+    g = np.asarray(g, np.float32)
+    with np.errstate(over="ignore"):
+        r = (g / (np.float32(1.0) + np.exp(-g)) * u).astype(np.float32)
+    if out is not None:
+        out[...] = r
+    return r
+
+
+@njit(cache=True, error_model="numpy")   # no ZeroDivision check: it blocks vectorisation
+def _silu_mul_1d(g, u):
+    # g (I,) f32 in place = silu(g) * u
+    one = np.float32(1.0)
+    for j in range(g.shape[0]):
+        gv = g[j]
+        g[j] = gv / (one + expf(-gv)) * u[j]
+
+
+@njit(cache=True)
+def expert_ffn(w1, w3, w2, e, x, weight, h1, h3, out):
+    # w1,w3 (E,I,D), w2 (E,D,I) any, x (D,) f32 -> out (D,) += weight * w2[e] @ (silu(w1[e]@x) * (w3[e]@x)); h1,h3 (I,) scratch
+    one = np.float32(1.0)
+    _matvec_core(w1[e], x, h1, one, False)
+    _matvec_core(w3[e], x, h3, one, False)
+    _silu_mul_1d(h1, h3)
+    _matvec_core(w2[e], h1, out, np.float32(weight), True)
+
+
+@njit(cache=True, parallel=True)
+def _matvec_par(W, x, out, nchunks, alpha, accumulate):
+    # W (d,n) any or panels, x (n,) -> out (d,) = alpha * W@x (+=), rows split in nchunks (multiples of 8)
+    d = nrows(W)
+    for c in prange(nchunks):
+        r0 = (c * d // nchunks) // 8 * 8
+        r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // 8 * 8
+        if r1 > r0:
+            _matvec_core(row_slice(W, r0, r1), x, out[r0:r1], alpha, accumulate)
+
+
+@njit(cache=True)
+def matvec_par(W, x, out, nchunks):
+    # matvec with the rows split in nchunks run by Numba threads (threads > 1 only)
+    _matvec_par(W, x, out, nchunks, np.float32(1.0), False)
+
+
+@njit(cache=True, parallel=True)
+def _matvec_pair_par(W1, W3, x, h1, h3, nchunks):
+    # h1 = W1@x and h3 = W3@x (W1, W3 (d,n)) in ONE parallel region of 2*nchunks row chunks:
+    # a workqueue launch costs ~50 us here, so launches are counted
+    d = nrows(W1)
+    for c2 in prange(2 * nchunks):
+        c = c2 % nchunks
+        r0 = (c * d // nchunks) // 8 * 8
+        r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // 8 * 8
+        if r1 > r0:
+            if c2 < nchunks:
+                _matvec_core(row_slice(W1, r0, r1), x, h1[r0:r1], np.float32(1.0), False)
+            else:
+                _matvec_core(row_slice(W3, r0, r1), x, h3[r0:r1], np.float32(1.0), False)
+
+
+@njit(cache=True)
+def expert_ffn_par(w1, w3, w2, e, x, weight, h1, h3, out, nchunks):
+    # expert_ffn on Numba threads: two parallel regions (w1 and w3 together, then w2)
+    _matvec_pair_par(w1[e], w3[e], x, h1, h3, nchunks)
+    _silu_mul_1d(h1, h3)
+    _matvec_par(w2[e], h1, out, nchunks, np.float32(weight), True)
+
+
+def expert_ffn_ref(w1, w3, w2, e, x, weight, out):
+    """Returns out + weight * ffn(x) (does not modify out)."""
+    g = matvec_ref(w1[e], x)
+    u = matvec_ref(w3[e], x)
+    h = silu_mul_ref(g[None], u[None])[0]
+    return (out + np.float32(weight) * matvec_ref(w2[e], h)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# routing
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def route(logits, top_k, renorm, idx_out, w_out):
+    # logits (T,E) f32 -> idx_out (T,k) i32, w_out (T,k) f32: top-k of softmax (desc, ties -> lower index), renorm optional
+    T, E = logits.shape
+    if top_k < 1 or top_k > E:
+        raise ValueError("route: top_k must be in 1..E")
+    for t in range(T):
+        row = logits[t]
+        m = row[0]
+        for e in range(1, E):
+            if row[e] > m:
+                m = row[e]
+        tot = np.float32(0.0)
+        for e in range(E):
+            tot += np.exp(row[e] - m)
+        inv = np.float32(1.0) / tot
+        # selection on the probabilities: slot s takes the largest (p, -index)
+        # strictly after slot s-1 in the order (p desc, index asc)
+        pv = np.float32(np.inf)
+        pi = -1
+        wsum = np.float32(0.0)
+        for s in range(top_k):
+            bi = -1
+            bv = np.float32(0.0)
+            for e in range(E):
+                v = np.exp(row[e] - m) * inv
+                if v < pv or (v == pv and e > pi):
+                    if bi < 0 or v > bv:
+                        bi = e
+                        bv = v
+            idx_out[t, s] = bi
+            w_out[t, s] = bv
+            wsum += bv
+            pv = bv
+            pi = bi
+        if renorm:
+            for s in range(top_k):
+                w_out[t, s] = w_out[t, s] / wsum
+
+
+def route_ref(logits, top_k, renorm):
+    """Returns (idx (T,k) int32, w (T,k) float32)."""
+    logits = np.asarray(logits, np.float32)
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    p = (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)
+    # stable sort of -p: descending probability, ties by ascending index
+    idx = np.argsort(-p, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+    w = np.take_along_axis(p, idx, axis=-1)
+    if renorm:
+        w = (w / w.sum(axis=-1, keepdims=True)).astype(np.float32)
+    return idx, w.astype(np.float32)
+
+
+@njit(cache=True)
+def group_by_expert(idx, E, counts, offsets, order):
+    # idx (T,k) i32, E -> counts (E,) i64, offsets (E+1,) i64, order (T*k,) i64: stable counting sort of flat t*k+s by expert
+    T, k = idx.shape
+    for e in range(E):
+        counts[e] = 0
+    for t in range(T):
+        for s in range(k):
+            e = idx[t, s]
+            if e < 0 or e >= E:
+                raise ValueError("group_by_expert: expert index out of range")
+            counts[e] += 1
+    offsets[0] = 0
+    for e in range(E):
+        offsets[e + 1] = offsets[e] + counts[e]
+        counts[e] = 0  # reused as the fill cursor, restored by the fill below
+    for t in range(T):
+        for s in range(k):
+            e = idx[t, s]
+            order[offsets[e] + counts[e]] = t * k + s
+            counts[e] += 1
+
+
+def group_by_expert_ref(idx, E):
+    """Returns (counts, offsets, order) as int64 arrays."""
+    flat = np.asarray(idx).reshape(-1).astype(np.int64)
+    counts = np.bincount(flat, minlength=E).astype(np.int64)
+    offsets = np.zeros(E + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    order = np.argsort(flat, kind="stable").astype(np.int64)
+    return counts, offsets, order
