@@ -138,6 +138,54 @@ def test_matmul(rng, kind, T):
     assert_dot_close(out, K.matmul_ref(X, W), np.abs(X) @ np.abs(Wf).T)
 
 
+class _CountingPool:
+    """concurrent.futures' thread pool, counting the runs handed to it."""
+
+    def __init__(self, n):
+        from concurrent.futures import ThreadPoolExecutor
+        self.pool, self.runs = ThreadPoolExecutor(n), 0
+
+    def submit(self, *a):
+        self.runs += 1
+        return self.pool.submit(*a)
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16", "f16-panels", "q8"])
+@pytest.mark.parametrize("d,threads", [(704, 2), (704, 3), (192, 2), (1024, 2)])
+def test_matmul_par_is_matmul_bit_for_bit(rng, monkeypatch, kind, d, threads):
+    """Prefill on threads (kernels.matmul_par): each thread converts and multiplies whole tiles
+    of its own run of rows, exactly as matmul does, so the product has the same bits; fewer
+    tiles than threads (192 rows: one tile) leaves the pool unused. Quantized weights take these
+    tiles only without the integer GEMM (switched off here)."""
+    from colibri_server.model import quant
+    from colibri_server.model.panels import Panels, to_panels
+    n, T, tile = 512, 5, 256
+    W = as_weights(rng.standard_normal((d, n)), kind.split("-")[0] if kind != "q8" else "f32")
+    if kind == "f16-panels":
+        W = Panels(to_panels(W))
+    elif kind == "q8":
+        W = quant.QTensor("q8", *quant.quantize("q8", W, 32))
+        monkeypatch.setattr(K._GEMM, "HAVE_GEMM", False)
+    X = rng.standard_normal((T, n)).astype(np.float32)
+    want = np.full((T, d), np.nan, np.float32)
+    K.matmul(X, W, want, np.empty((tile, n), np.float32))
+    got = np.full((T, d), np.nan, np.float32)
+    pool = _CountingPool(threads - 1)
+    K.matmul_par(X, W, got, [np.empty((tile, n), np.float32) for _ in range(threads)],
+                 [np.empty((T, tile), np.float32) for _ in range(threads)], pool)
+    np.testing.assert_array_equal(got, want)
+    assert pool.runs == min(threads, -(-d // tile)) - 1
+
+
+def test_matmul_par_raises_a_thread_s_error_after_the_others_finish(rng):
+    W = as_weights(rng.standard_normal((600, 64)), "f16")
+    X = rng.standard_normal((3, 64)).astype(np.float32)
+    bad = np.empty((256, 32), np.float32)                 # the second run's tile has the wrong width
+    with pytest.raises(ValueError, match="scratch shape"):
+        K.matmul_par(X, W, np.empty((3, 600), np.float32), [np.empty((256, 64), np.float32), bad],
+                     [np.empty((3, 256), np.float32)] * 2, _CountingPool(1))
+
+
 # --------------------------------------------------------------------------
 # norms, embedding, rope
 # --------------------------------------------------------------------------
@@ -525,6 +573,9 @@ def test_workspace_decode_vectors_are_aligned():
     assert ws.score_buffer(100).ctypes.data % 64 == 0
     for row in list(ws.xs) + list(ws.xi):          # one scratch row per thread chunk
         assert row.ctypes.data % 64 == 0
+    assert len(ws.tiles) == len(ws.mm_tmps) == 3       # prefill's tiles, one per thread
+    for a in ws.tiles + ws.mm_tmps:
+        assert a.ctypes.data % 64 == 0
     assert KQ.scratch_len(1000) % 16 == 0 and KQ.xi_len(1000) % 32 == 0
 
 

@@ -149,6 +149,17 @@ def test_prefill_bf16_opt_in_is_no_worse_than_transformers_bf16(built, arch):
     assert Model.open(b.colibri("f16")).set_prefill_bf16(True) is False      # no bf16 matrices
 
 
+@pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("qwen2_moe", "bf16")])
+def test_float_prefill_on_two_threads_keeps_the_bits(built, arch, dtype):
+    """threads_per_worker = 2: prefill's f16/bf16 tiles are converted and multiplied on two
+    threads (kernels.matmul_par), each tile as on one thread: the same logits, bit for bit."""
+    path = built(arch).colibri(dtype)
+    one, two = Model.open(path), Model.open(path)
+    two.set_threads(2)
+    np.testing.assert_array_equal(two.logits(PROMPT), one.logits(PROMPT))
+    assert two.workspace._pool is not None                  # the second thread took part
+
+
 def test_prefill_bf16_on_threads_is_compiled_before_fork_and_keeps_the_bits(built):
     """compile_threaded (the master, before fork) compiles the threaded bf16 GEMM for the file's
     bf16 matrices; on 2 threads the rows split and every row is computed as on one."""

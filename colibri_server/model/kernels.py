@@ -377,7 +377,7 @@ def matvec_ref(W, x, out=None):
     return r
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)      # nogil: matmul_par's threads convert tiles side by side
 def rows_to_f32(W, r0, r1, out):
     # W (d,n) any, rows r0:r1 -> out (r1-r0, n) f32
     n = W.shape[1]
@@ -388,7 +388,7 @@ def rows_to_f32(W, r0, r1, out):
             dst[j] = to_f32(src[j])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def panel_rows_to_f32(W, r0, r1, out):
     # W (nb,d,P) panels, rows r0:r1 -> out (r1-r0, nb*P) f32 (the same rows as rows_to_f32 of the matrix)
     nb, _, P = W.shape
@@ -442,17 +442,30 @@ def matmul(X, W, out, scratch, tmp=None):
     if q is not None and _GEMM.HAVE_GEMM:              # integer GEMM, no float tiles (kernels_gemm)
         (_GEMM.matmul_q4_i8 if q.dtype == np.uint8 else _GEMM.matmul_q8_i16)(q, W.s, X, out)
         return out
-    tile = scratch.shape[0]
-    if tile < 1 or scratch.shape[1] != n:
+    _check_tile(scratch, n)
+    return _tiles(X, W, out, scratch, tmp, 0, d)
+
+
+def _check_tile(scratch, n):
+    if scratch.shape[0] < 1 or scratch.shape[1] != n:
         raise ValueError(f"matmul scratch shape {scratch.shape} for n={n}")
+
+
+def _tiles(X, W, out, scratch, tmp, r_lo, r_hi):
+    """out[:, r_lo:r_hi] = X @ W[r_lo:r_hi].T, W's rows converted to f32 scratch.shape[0] at a
+    time from r_lo (f16/bf16 rows or panels, or a quantized matrix) and multiplied with BLAS."""
+    T = X.shape[0]
+    tile = scratch.shape[0]
+    q = getattr(W, "q", None)
+    pan = W.p if hasattr(W, "p") else None
     # numpy does not hand a column slice out[:, r0:r1] to sgemm (measured 2.4x
     # slower), so each tile goes through one contiguous (T, tile) temporary.
     if tmp is None or tmp.shape[1] < tile or tmp.shape[0] < T:
         tmp = np.empty((T, tile), np.float32)
     else:
         tmp = tmp.reshape(-1)[:T * tile].reshape(T, tile)
-    for r0 in range(0, d, tile):
-        r1 = min(d, r0 + tile)
+    for r0 in range(r_lo, r_hi, tile):
+        r1 = min(r_hi, r0 + tile)
         rows = r1 - r0
         buf = scratch[:rows]
         if pan is not None:
@@ -466,6 +479,28 @@ def matmul(X, W, out, scratch, tmp=None):
             out[:, r0:r1] = tmp
         else:
             out[:, r0:r1] = np.matmul(X, buf.T)
+    return out
+
+
+def matmul_par(X, W, out, scratches, tmps, pool):
+    """matmul of T > 1 rows X with a converted (non-f32) W, its tiles split in len(scratches)
+    contiguous runs: the first on this thread, the others on `pool` (a concurrent.futures
+    executor), each with its own tile scratch and temporary. Every tile is converted and
+    multiplied exactly as matmul does it, so out has the same bits."""
+    d = W.shape[0] if getattr(W, "q", None) is None else W.q.shape[0]
+    n = X.shape[1]
+    for sc in scratches:
+        _check_tile(sc, n)
+    tile = scratches[0].shape[0]
+    ntiles = -(-d // tile)
+    k = min(len(scratches), ntiles)
+    bounds = [min(d, (ntiles * i // k) * tile) for i in range(k + 1)]
+    futs = [pool.submit(_tiles, X, W, out, scratches[i], tmps[i], bounds[i], bounds[i + 1]) for i in range(1, k)]
+    try:
+        _tiles(X, W, out, scratches[0], tmps[0], bounds[0], bounds[1])
+    finally:
+        for f in futs:
+            f.result()
     return out
 
 

@@ -274,7 +274,7 @@ def _deq_row_overload(sg, src, dst):
     return None
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)      # nogil: kernels.matmul_par's threads
 def rows_to_f32_q(q, s, r0, r1, out):
     # (q, s) quantized (d,n), rows r0:r1 -> out (r1-r0, n) f32 dequantized
     G = q.shape[0] // s.shape[0]

@@ -80,9 +80,12 @@ class Workspace:
         self.h1 = aligned_zeros(cfg.moe_intermediate_size, f32)
         self.h3 = aligned_zeros(cfg.moe_intermediate_size, f32)
         n_max = max(D, F, cfg.q_dim)
-        self.tile = aligned_zeros((self.TILE_ROWS, n_max), f32)
-        self.mm_tmp = aligned_zeros((rows, self.TILE_ROWS), f32)   # one BLAS tile's product
         self.threads = max(1, int(threads))
+        # the tiles of f16/bf16 weights for BLAS and one tile's product, one pair per thread
+        self.tiles = [aligned_zeros((self.TILE_ROWS, n_max), f32) for _ in range(self.threads)]
+        self.mm_tmps = [aligned_zeros((rows, self.TILE_ROWS), f32) for _ in range(self.threads)]
+        self.tile, self.mm_tmp = self.tiles[0], self.mm_tmps[0]
+        self._pool = None                                  # prefill's threads, started on first use
         # opt-in: prefill of bf16 weights with bf16 activations (kernels_gemm.matmul_bf16)
         self.prefill_bf16 = bool(prefill_bf16) and GE.HAVE_BF16_GEMM
         self.xs, self.xi = KQ.scratch(n_max, 2 * self.threads)  # quantized matvec scratch, one row per chunk
@@ -91,13 +94,22 @@ class Workspace:
         self.scores = None                                 # (H/Hkv*S,) attention scratch, sized on use
         self._step = None                                  # (weights, DecodeStep or None), see decode_step()
 
-    def tile_for(self, n: int) -> np.ndarray:
-        """Tile scratch with exactly n columns (rows, n) f32, for matmul of f16/bf16 weights."""
-        return self.tile.reshape(-1)[:self.TILE_ROWS * n].reshape(self.TILE_ROWS, n)
+    def tile_for(self, n: int, i: int = 0) -> np.ndarray:
+        """Thread i's tile scratch with exactly n columns (rows, n) f32, for matmul of f16/bf16 weights."""
+        return self.tiles[i].reshape(-1)[:self.TILE_ROWS * n].reshape(self.TILE_ROWS, n)
+
+    def pool(self):
+        """The threads - 1 threads that convert and multiply prefill tiles beside the caller's
+        (matmul_par: the conversion kernels release the GIL, and so does BLAS)."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="colibri-prefill")
+        return self._pool
 
     def mm(self, X, W, out):
         """X (T,n) f32 @ W (d,n).T -> out (T,d): W float or a QTensor; decode (T == 1) on
-        `threads` threads when > 1, and so is the prefill of quantized weights (integer GEMM)."""
+        `threads` threads when > 1, and so is prefill (T > 1): the integer GEMM's row groups for
+        quantized weights, the converted tiles of f16/bf16 ones (f32 weights: one BLAS call)."""
         n = X.shape[1]
         if X.shape[0] == 1 and self.threads > 1 and out.shape[1] * n >= self.PAR_MIN_WEIGHTS:
             if hasattr(W, "q"):
@@ -119,6 +131,10 @@ class Workspace:
             # prefill of a quantized matrix: the integer GEMM's row groups split over the threads
             (GE.matmul_q4_i8_par if W.q.dtype == np.uint8 else GE.matmul_q8_i16_par)(W.q, W.s, X, out, self.threads)
             return out
+        if X.shape[0] > 1 and self.threads > 1 and (hasattr(W, "q") or W.dtype != np.float32):
+            # prefill of f16/bf16 weights (or quantized without the integer GEMM): tiles on threads
+            return K.matmul_par(X, W, out, [self.tile_for(n, i) for i in range(self.threads)], self.mm_tmps,
+                                self.pool())
         return K.matmul(X, W, out, self.tile_for(n), self.mm_tmp)
 
     def expert(self, w1, w3, w2, e, x, weight, out):
