@@ -177,13 +177,30 @@ def test_matmul_par_is_matmul_bit_for_bit(rng, monkeypatch, kind, d, threads):
     assert pool.runs == min(threads, -(-d // tile)) - 1
 
 
-def test_matmul_par_raises_a_thread_s_error_after_the_others_finish(rng):
+def test_matmul_par_raises_a_thread_s_error_after_every_run_finished(rng, monkeypatch):
     W = as_weights(rng.standard_normal((600, 64)), "f16")
     X = rng.standard_normal((3, 64)).astype(np.float32)
     bad = np.empty((256, 32), np.float32)                 # the second run's tile has the wrong width
     with pytest.raises(ValueError, match="scratch shape"):
         K.matmul_par(X, W, np.empty((3, 600), np.float32), [np.empty((256, 64), np.float32), bad],
                      [np.empty((3, 256), np.float32)] * 2, _CountingPool(1))
+    # the first pool run fails at once while the second still works: the error leaves only after it
+    import time
+    K.matmul(X, W, np.empty((3, 600), np.float32), np.empty((256, 64), np.float32))   # compiled or loaded now
+    done, real = [], K._tiles
+
+    def tiles(X, W, out, scratch, tmp, r_lo, r_hi):
+        if r_lo == 256:
+            raise RuntimeError("run 2 failed")
+        if r_lo == 512:
+            time.sleep(0.5)
+            done.append(r_lo)
+        return real(X, W, out, scratch, tmp, r_lo, r_hi)
+    monkeypatch.setattr(K, "_tiles", tiles)
+    with pytest.raises(RuntimeError, match="run 2 failed"):
+        K.matmul_par(X, W, np.empty((3, 600), np.float32), [np.empty((256, 64), np.float32)] * 3,
+                     [np.empty((3, 256), np.float32)] * 3, _CountingPool(2))
+    assert done == [512]
 
 
 # --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ Conventions (shared with the rest of the project):
 from __future__ import annotations
 
 import os
+from concurrent.futures import wait
 
 import numba
 import numpy as np
@@ -499,8 +500,9 @@ def matmul_par(X, W, out, scratches, tmps, pool):
     try:
         _tiles(X, W, out, scratches[0], tmps[0], bounds[0], bounds[1])
     finally:
-        for f in futs:
-            f.result()
+        wait(futs)                       # every run done before anything returns or raises: none
+    for f in futs:                       # may still write into the workspace afterwards
+        f.result()
     return out
 
 
