@@ -154,3 +154,33 @@ def test_pieces_evicted_and_read_back_small_come_back_on_2mib_pages(tmp_path):
         assert cf.huge_bytes >= size // HP.PMD_SIZE * HP.PMD_SIZE
     finally:
         cf.close()
+
+
+def test_a_piece_that_cannot_be_zapped_stops_the_re_read_there(tmp_path, monkeypatch):
+    """madvise refused on the second piece: only the first (zapped) piece is dropped and faulted
+    again; the rest stay mapped as they were."""
+    import mmap
+    import os
+    path = str(tmp_path / "m.colibri")
+    size = write_model(path, **SMALL)
+    M = HP.PMD_SIZE
+
+    class Refusing(mmap.mmap):
+        calls = 0
+
+        def madvise(self, option, start=0, length=0):
+            if option == mmap.MADV_DONTNEED:
+                Refusing.calls += 1
+                if Refusing.calls == 2:
+                    raise OSError("refused")
+            return super().madvise(option, start, length)
+
+    fd = os.open(path, os.O_RDONLY)
+    mm = Refusing(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    os.close(fd)
+    calls = _spy_rehome(monkeypatch, [0, 5 * M], [(2 * M, M), (10 * M, M), (20 * M, M)])
+    try:
+        assert HP.rehome(path, mm, size) == 5 * M
+        assert calls["drop"] == [(path, [(2 * M, M)])] and calls["fault"] == [(2 * M, M)]
+    finally:
+        mm.close()

@@ -585,7 +585,7 @@ def test_workspace_decode_vectors_are_aligned():
                       num_kv_heads=2, head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=96,
                       rms_norm_eps=1e-5, max_position_embeddings=64, rope_theta=1e4, dtype="f16")
     ws = Workspace(cfg, rows=8, threads=3)
-    for name in ("x", "h", "qkv", "attn", "sub", "ffn_g", "h1", "h3", "logits", "router", "tile"):
+    for name in ("x", "h", "qkv", "attn", "sub", "ffn_g", "h1", "h3", "logits", "router"):
         assert getattr(ws, name).ctypes.data % 64 == 0, name
     assert ws.score_buffer(100).ctypes.data % 64 == 0
     for row in list(ws.xs) + list(ws.xi):          # one scratch row per thread chunk

@@ -96,10 +96,10 @@ class _Region(ctypes.Structure):         # struct page_region
 
 
 PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 16   # _IOWR('f', 16, ...)
-PAGE_IS_PRESENT, PAGE_IS_HUGE = 1 << 3, 1 << 6
+PAGE_IS_HUGE = 1 << 6                  # the page is mapped by a 2 MiB entry
 
 
-def small_pieces(start: int, size: int, pagemap: str = "/proc/self/pagemap") -> list[tuple[int, int]] | None:
+def small_pieces(start: int, size: int) -> list[tuple[int, int]] | None:
     """The 2 MiB-aligned pieces of this process's mapping [start, start + size) that are not
     mapped with 2 MiB entries, as merged (offset, length) pairs from the mapping's start; only
     whole pieces (the file's tail short of 2 MiB can never be one). None where the kernel has no
@@ -110,7 +110,7 @@ def small_pieces(start: int, size: int, pagemap: str = "/proc/self/pagemap") -> 
     vec = (_Region * 512)()
     huge, pos = [], start
     try:
-        with open(pagemap, "rb", buffering=0) as f:
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
             while pos < end:
                 arg = _ScanArg(size=ctypes.sizeof(_ScanArg), start=pos, end=end, vec=ctypes.addressof(vec),
                                vec_len=len(vec), category_mask=PAGE_IS_HUGE, return_mask=PAGE_IS_HUGE)
@@ -149,13 +149,17 @@ def rehome(path: str, mm: mmap.mmap, size: int) -> int | None:
         pieces = [(0, size)] if huge < size // 2 else []
     if not pieces:
         return huge
+    zapped = []
     for off, length in pieces:
         try:
             mm.madvise(mmap.MADV_DONTNEED, off, length)     # our entries: pages we map cannot be dropped
         except (AttributeError, OSError, ValueError):
-            return huge
-    drop_cached(path, pieces)
-    for off, length in reversed(pieces):        # last first: a fault's readahead runs forward and would
+            break
+        zapped.append((off, length))
+    if not zapped:
+        return huge
+    drop_cached(path, zapped)
+    for off, length in reversed(zapped):        # last first: a fault's readahead runs forward and would
         populate(mm, length, off)               # fill a later hole with small folios before its turn
     return pmd_mapped(path, start, size)
 

@@ -421,9 +421,7 @@ def matmul(X, W, out, scratch, tmp=None):
     from the two ends of ``scratch``)."""
     T, n = X.shape
     q = getattr(W, "q", None)
-    d = W.shape[0] if q is None else q.shape[0]
-    if (W.shape[1] if q is None else W.s.shape[1]) != n or out.shape != (T, d):
-        raise ValueError(f"matmul shapes: X {X.shape}, W {W.shape}, out {out.shape}")
+    d = _check_shapes(X, W, out)
     if q is None and W.dtype == np.float32:
         np.matmul(X, W.T, out=out)
         return out
@@ -445,6 +443,15 @@ def matmul(X, W, out, scratch, tmp=None):
         return out
     _check_tile(scratch, n)
     return _tiles(X, W, out, scratch, tmp, 0, d)
+
+
+def _check_shapes(X, W, out):
+    """W's row count, after checking X (T,n) @ W (d,n).T -> out (T,d)."""
+    q = getattr(W, "q", None)
+    d = W.shape[0] if q is None else q.shape[0]
+    if (W.shape[1] if q is None else W.s.shape[1]) != X.shape[1] or out.shape != (X.shape[0], d):
+        raise ValueError(f"matmul shapes: X {X.shape}, W {W.shape}, out {out.shape}")
+    return d
 
 
 def _check_tile(scratch, n):
@@ -488,7 +495,7 @@ def matmul_par(X, W, out, scratches, tmps, pool):
     contiguous runs: the first on this thread, the others on `pool` (a concurrent.futures
     executor), each with its own tile scratch and temporary. Every tile is converted and
     multiplied exactly as matmul does it, so out has the same bits."""
-    d = W.shape[0] if getattr(W, "q", None) is None else W.q.shape[0]
+    d = _check_shapes(X, W, out)
     n = X.shape[1]
     for sc in scratches:
         _check_tile(sc, n)

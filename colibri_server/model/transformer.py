@@ -84,7 +84,6 @@ class Workspace:
         # the tiles of f16/bf16 weights for BLAS and one tile's product, one pair per thread
         self.tiles = [aligned_zeros((self.TILE_ROWS, n_max), f32) for _ in range(self.threads)]
         self.mm_tmps = [aligned_zeros((rows, self.TILE_ROWS), f32) for _ in range(self.threads)]
-        self.tile, self.mm_tmp = self.tiles[0], self.mm_tmps[0]
         self._pool = None                                  # prefill's threads, started on first use
         # opt-in: prefill of bf16 weights with bf16 activations (kernels_gemm.matmul_bf16)
         self.prefill_bf16 = bool(prefill_bf16) and GE.HAVE_BF16_GEMM
@@ -135,7 +134,7 @@ class Workspace:
             # prefill of f16/bf16 weights (or quantized without the integer GEMM): tiles on threads
             return K.matmul_par(X, W, out, [self.tile_for(n, i) for i in range(self.threads)], self.mm_tmps,
                                 self.pool())
-        return K.matmul(X, W, out, self.tile_for(n), self.mm_tmp)
+        return K.matmul(X, W, out, self.tile_for(n), self.mm_tmps[0])
 
     def expert(self, w1, w3, w2, e, x, weight, out):
         """out (D,) += weight * expert e's SwiGLU of x (D,): one fused kernel call."""
