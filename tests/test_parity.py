@@ -281,16 +281,43 @@ def test_decode_step_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtyp
         m.decode(m.new_cache(), cfg.vocab_size)
 
 
-def test_decode_step_declines_what_it_does_not_compute(built):
-    """f32 weights (forward multiplies them with BLAS), Qwen2-MoE's shared expert and biases, a
-    dense layer (the qwen3_moe test config's layer 1) and threads keep the general path: build()
-    gives None, forward still decodes."""
+@pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("mixtral", "q4"), ("olmoe", "q8")])
+def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, tmp_path, arch, dtype):
+    """threads_per_worker 2: the fused token splits every matrix's rows (q|k|v in one region, wo,
+    the experts, the head) over Numba threads inside its one call. Each row is computed as on one
+    thread, so the logits are the one-thread token's bit for bit, and the general path's on threads
+    (a routing trace) too. q4 files keep k and v in q8: q|k|v mixes the two there."""
+    from colibri_server.model.convert import convert
     from colibri_server.model.decode_step import DecodeStep
-    for path, threads in ((built("mixtral").colibri("f32"), 1), (built("qwen2_moe").colibri("f16"), 1),
-                          (built("qwen3_moe").colibri("f16"), 1), (built("mixtral").colibri("f16"), 2)):
+    from colibri_server.model.transformer import forward
+    path = built(arch).colibri(dtype) if dtype == "f16" else str(tmp_path / f"{dtype}.colibri")
+    if dtype != "f16":
+        convert(built(arch).hf_dir, path, "f16", progress=False, quantize=dtype, quant_group=32)
+    one, two = Model.open(path), Model.open(path)
+    two.compile_threaded()
+    two.set_threads(2)
+    assert isinstance(two.workspace.decode_step(two.config, two.weights), DecodeStep)
+
+    def run(m, trace=None):
+        cache = m.new_cache(capacity=12)
+        forward(m.config, m.weights, m.rope, m.workspace, cache, tokens=np.array(PROMPT[:6]))
+        return np.stack([forward(m.config, m.weights, m.rope, m.workspace, cache, tokens=np.array([t]),
+                                 trace=trace)[0].copy() for t in PROMPT[6:12]])
+
+    fused = run(one)
+    np.testing.assert_array_equal(run(two), fused)
+    trace = []
+    np.testing.assert_array_equal(run(two, trace), fused)
+    assert trace                                                   # the general path ran
+
+
+def test_decode_step_declines_what_it_does_not_compute(built):
+    """f32 weights (forward multiplies them with BLAS), Qwen2-MoE's shared expert and biases and a
+    dense layer (the qwen3_moe test config's layer 1) keep the general path: build() gives None,
+    forward still decodes."""
+    from colibri_server.model.decode_step import DecodeStep
+    for path in (built("mixtral").colibri("f32"), built("qwen2_moe").colibri("f16"), built("qwen3_moe").colibri("f16")):
         m = Model.open(path)
-        if threads > 1:
-            m.set_threads(threads)
         assert DecodeStep.build(m.config, m.weights, m.workspace) is None
         cache = m.new_cache()
         m.prefill(cache, np.array(PROMPT[:3]))

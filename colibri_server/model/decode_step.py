@@ -7,11 +7,16 @@ the whole token in one call is 2-5% faster per token, with the same logits bit f
 
 DecodeStep owns the argument tuples, built once per (weights, workspace): each per-layer
 weight as a tuple over the layers, absent q/k norms as empty arrays. It covers the models
-whose every piece the fused kernel computes with forward's own kernels: one thread, MoE in
-every layer without a shared expert or biases (Mixtral, Qwen3-MoE, OLMoE), weights in
-f16/bf16 (rows or panels) or quantized. Anything else (f32 weights, which forward sends
-through BLAS; dense layers; Qwen2-MoE's shared expert and biases; threads) gets None from
-`build`, and forward keeps its general path.
+whose every piece the fused kernel computes with forward's own kernels: MoE in every layer
+without a shared expert or biases (Mixtral, Qwen3-MoE, OLMoE), weights in f16/bf16 (rows or
+panels) or quantized. Anything else (f32 weights, which forward sends through BLAS; dense
+layers; Qwen2-MoE's shared expert and biases) gets None from `build`, and forward keeps its
+general path.
+
+With threads > 1 (a workspace of several scratch rows) every matrix's rows, q|k|v, wo, the
+experts and the head, are split over Numba threads inside the one call; the router and
+attention stay on the calling thread. forward's general path on threads runs only matrices
+of PAR_MIN_WEIGHTS and more on threads and pays a Python dispatch per matrix.
 """
 from __future__ import annotations
 
@@ -55,13 +60,13 @@ class DecodeStep:
         self.views = (ws.x[:1], ws.h[:1], ws.sub[:1], qkv, qkv[0, :qd].reshape(1, H, hd),
                       qkv[0, qd:qd + kvd].reshape(1, Hkv, hd), qkv[0, qd + kvd:].reshape(1, Hkv, hd),
                       ws.attn[:1].reshape(1, H, hd), ws.router[:1, :E], ws.route_idx[:1, :A], ws.route_w[:1, :A],
-                      ws.h1, ws.h3, ws.xs[0], ws.xi[0])
+                      ws.h1, ws.h3, *((ws.xs[0], ws.xi[0]) if ws.threads == 1 else (ws.xs, ws.xi)))
         self.scale = 1.0 / math.sqrt(hd)
 
     @classmethod
     def build(cls, cfg, w, ws) -> "DecodeStep | None":
         Ls = w.layers
-        if ws.threads != 1 or not Ls:
+        if not Ls:
             return None
         if any(L.gate is None or L.w1 is None or L.shared_w1 is not None for L in Ls):
             return None
@@ -101,14 +106,20 @@ class DecodeStep:
                 cfg.rms_norm_eps)
         return cls(cfg, ws, (args, w.output_norm, wout))
 
+    def _call_args(self, rope, cache, scores) -> tuple:
+        layers, onorm, wout = self.args
+        return (self.ids, *layers, cache.k, cache.v, cache.length, rope[0], rope[1], self.cfg.sliding_window,
+                self.scale, onorm, wout, *self.views, scores, self.ws.positions[:1], self.ws.logits)
+
     def __call__(self, rope, cache, token: int, scores) -> np.ndarray:
         """Token `token` at position cache.length (forward has checked that the cache has room;
         scores: its attention scratch) -> the workspace's (1,V) logits; cache advanced."""
-        cfg, ws = self.cfg, self.ws
-        P0 = cache.length
         self.ids[0] = token
-        layers, onorm, wout = self.args
-        KD.decode_token(self.ids, *layers, cache.k, cache.v, P0, rope[0], rope[1], cfg.sliding_window, self.scale,
-                        onorm, wout, *self.views, scores, ws.positions[:1], ws.logits)
-        cache.length = P0 + 1
-        return ws.logits
+        KD.decode_token(*self._call_args(rope, cache, scores))
+        cache.length += 1
+        return self.ws.logits
+
+    def compile(self, rope, cache, scores) -> None:
+        """Compile decode_token for these arguments' types without running it (a pre-fork master
+        compiles the threaded token this way: nothing is launched)."""
+        KD.decode_token.compile(tuple(numba.typeof(a) for a in self._call_args(rope, cache, scores)))

@@ -136,8 +136,15 @@ class Model:
     def compile_threaded(self) -> None:
         """Compile the parallel decode kernels for this model's weight types without running
         them (safe in a pre-fork master: nothing is launched)."""
+        from .decode_step import DecodeStep
         from .transformer import compile_parallel
-        compile_parallel(self.weights, Workspace(self.config, 1, threads=2))
+        ws = Workspace(self.config, 1, threads=2)
+        compile_parallel(self.weights, ws)
+        step = DecodeStep.build(self.config, self.weights, ws)       # the fused token on threads
+        if step is not None:
+            cache = self.new_cache(1)
+            step.compile(self.rope, cache, ws.score_buffer((self.config.num_heads // self.config.num_kv_heads)
+                                                           * cache.capacity))
 
     def close(self) -> None:
         self.weights = None

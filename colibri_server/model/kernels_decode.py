@@ -14,7 +14,8 @@ from numba import literal_unroll, njit, types
 from numba.extending import overload
 
 from .kernels import _matvec_core, attention, embed, expert_ffn, matvec_stack, rmsnorm, rope, route
-from .kernels_quant import expert_ffn_q, matvec_q
+from .kernels_moe import _matvec_par, expert_ffn_par, matvec_qkv_par
+from .kernels_quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
 
 __all__ = ["decode_token", "moe_float", "moe_quant", "rope_cache_attend"]
 
@@ -23,21 +24,13 @@ __all__ = ["decode_token", "moe_float", "moe_quant", "rope_cache_attend"]
 def moe_float(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out):
     # x (D,) normed hidden; gate (E,D) f32; w1,w3 (E,I,D), w2 (E,D,I) float -> out (D,) = sum_a w_a * expert_a(x)
     # logits (1,E), idx (1,k) i32, wts (1,k) f32: the routing, as moe() leaves it
-    _matvec_core(gate, x, logits[0], np.float32(1.0), False)
-    route(logits, top_k, renorm, idx, wts)
-    out[:] = 0.0
-    for a in range(top_k):
-        expert_ffn(w1, w3, w2, idx[0, a], x, wts[0, a], h1, h3, out)
+    _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, x[:0], x[:0])   # no scratch
 
 
 @njit(cache=True)
 def moe_quant(gate, q1, s1, q3, s3, q2, s2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
     # moe_float for quantized experts (values q*, scales s*; xs/xi the matvec scratch)
-    _matvec_core(gate, x, logits[0], np.float32(1.0), False)
-    route(logits, top_k, renorm, idx, wts)
-    out[:] = 0.0
-    for a in range(top_k):
-        expert_ffn_q(q1, s1, q3, s3, q2, s2, idx[0, a], x, wts[0, a], h1, h3, out, xs, xi)
+    _experts(gate, (q1, s1), (q3, s3), (q2, s2), x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi)
 
 
 @njit(cache=True)
@@ -55,10 +48,17 @@ def rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache, vcache, start, window, 
 # -- the whole token --------------------------------------------------------------------------
 # A weight reaches these kernels as: a float array (f16/bf16 rows or panels, or a q|k|v view),
 # a quantized pair (q, s), or for q|k|v a tuple of three float arrays (a stack) or of three pairs.
+# The scratch xs/xi picks the threads: one row (1-D) runs every matrix on the calling thread; a
+# workspace's (2*chunks, ...) rows split each matrix's rows over Numba threads (prange, `chunks`
+# chunks; the experts' w1 and w3 take 2*chunks in one region). Rows give the same bits either way.
 
 def _is_pair(W):
     return (isinstance(W, types.BaseTuple) and len(W) == 2 and isinstance(W[0], types.Array)
             and W[0].dtype in (types.int8, types.uint8))
+
+
+def _threaded(xs):
+    return isinstance(xs, types.Array) and xs.ndim == 2
 
 
 def _proj(W, x, out, xs, xi):
@@ -68,9 +68,19 @@ def _proj(W, x, out, xs, xi):
 @overload(_proj)
 def _proj_overload(W, x, out, xs, xi):
     # out (d,) = W @ x for a float array or a quantized pair
+    par = _threaded(xs)
+    if isinstance(W, types.Array) and par:
+        def impl(W, x, out, xs, xi):
+            _matvec_par(W, x, out, xs.shape[0] // 2, np.float32(1.0), False)
+        return impl
     if isinstance(W, types.Array):
         def impl(W, x, out, xs, xi):
             _matvec_core(W, x, out, np.float32(1.0), False)
+        return impl
+    if _is_pair(W) and par:
+        def impl(W, x, out, xs, xi):
+            n = xs.shape[0] // 2
+            _qmv_par(W[0], W[1], x, out, xs[:n], xi[:n], np.float32(1.0), False)
         return impl
     if _is_pair(W):
         def impl(W, x, out, xs, xi):
@@ -85,9 +95,16 @@ def _qkv(W, x, out, xs, xi):
 @overload(_qkv)
 def _qkv_overload(W, x, out, xs, xi):
     # out (qd+2kvd,) = q|k|v @ x: one view, a float stack (rows streamed together), or three pairs
+    par = _threaded(xs)
     if isinstance(W, types.Array):
         return lambda W, x, out, xs, xi: _proj(W, x, out, xs, xi)
     if isinstance(W, types.BaseTuple) and len(W) == 3 and all(_is_pair(p) for p in W):
+        if par:
+            def impl(W, x, out, xs, xi):
+                n = xs.shape[0] // 2
+                matvec_q_qkv_par(W[0][0], W[0][1], W[1][0], W[1][1], W[2][0], W[2][1], x, out, xs[:n], xi[:n])
+            return impl
+
         def impl(W, x, out, xs, xi):
             o = 0
             for p in literal_unroll(W):
@@ -96,26 +113,41 @@ def _qkv_overload(W, x, out, xs, xi):
                 o += d
         return impl
     if isinstance(W, types.BaseTuple) and all(isinstance(a, types.Array) for a in W):
-        def impl(W, x, out, xs, xi):
-            matvec_stack(W, x, out)
-        return impl
+        if par and len(W) == 3:
+            return lambda W, x, out, xs, xi: matvec_qkv_par(W[0], W[1], W[2], x, out, xs.shape[0] // 2)
+        if par:
+            return None
+        return lambda W, x, out, xs, xi: matvec_stack(W, x, out)
 
 
-def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+def _expert(w1, w3, w2, e, x, weight, h1, h3, out, xs, xi):
     pass
 
 
-@overload(_experts)
-def _experts_overload(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+@overload(_expert)
+def _expert_overload(w1, w3, w2, e, x, weight, h1, h3, out, xs, xi):
+    # out (D,) += weight * expert e's SwiGLU of x: float (E,I,D)/(E,D,I) arrays or quantized pairs
+    par = _threaded(xs)
+    if isinstance(w1, types.Array) and par:
+        return lambda w1, w3, w2, e, x, weight, h1, h3, out, xs, xi: expert_ffn_par(
+            w1, w3, w2, e, x, weight, h1, h3, out, xs.shape[0] // 2)
     if isinstance(w1, types.Array):
-        def impl(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
-            moe_float(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out)
-        return impl
+        return lambda w1, w3, w2, e, x, weight, h1, h3, out, xs, xi: expert_ffn(w1, w3, w2, e, x, weight, h1, h3, out)
     if _is_pair(w1):
-        def impl(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
-            moe_quant(gate, w1[0], w1[1], w3[0], w3[1], w2[0], w2[1], x, top_k, renorm, logits, idx, wts, h1, h3,
-                      out, xs, xi)
-        return impl
+        ffn = expert_ffn_q_par if par else expert_ffn_q
+        return lambda w1, w3, w2, e, x, weight, h1, h3, out, xs, xi: ffn(
+            w1[0], w1[1], w3[0], w3[1], w2[0], w2[1], e, x, weight, h1, h3, out, xs, xi)
+
+
+@njit(cache=True, inline="always")
+def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+    # out (D,) = sum over the top_k routed experts of their weight * SwiGLU of x; the router's
+    # (E,D) f32 gate on the calling thread
+    _matvec_core(gate, x, logits[0], np.float32(1.0), False)
+    route(logits, top_k, renorm, idx, wts)
+    out[:] = 0.0
+    for a in range(top_k):
+        _expert(w1, w3, w2, idx[0, a], x, wts[0, a], h1, h3, out, xs, xi)
 
 
 @njit(cache=True, inline="always")

@@ -9,7 +9,8 @@ from numba import njit, prange
 
 from .kernels import _matvec_core, expf, matvec_ref, nrows, row_slice
 
-__all__ = ["silu_mul", "silu_mul_ref", "expert_ffn", "expert_ffn_ref", "matvec_par", "expert_ffn_par",
+__all__ = ["silu_mul", "silu_mul_ref", "expert_ffn", "expert_ffn_ref", "matvec_par", "matvec_qkv_par",
+           "expert_ffn_par",
            "route", "route_ref", "group_by_expert", "group_by_expert_ref"]
 
 
@@ -66,15 +67,40 @@ def expert_ffn(w1, w3, w2, e, x, weight, h1, h3, out):
     _matvec_core(w2[e], h1, out, np.float32(weight), True)
 
 
+@njit(cache=True, inline="always")
+def chunk_rows(c, d, nchunks):
+    # rows r0..r1 of chunk c when d rows are split in nchunks (boundaries multiples of 8)
+    r0 = (c * d // nchunks) // 8 * 8
+    r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // 8 * 8
+    return r0, r1
+
+
 @njit(cache=True, parallel=True)
 def _matvec_par(W, x, out, nchunks, alpha, accumulate):
     # W (d,n) any or panels, x (n,) -> out (d,) = alpha * W@x (+=), rows split in nchunks (multiples of 8)
     d = nrows(W)
     for c in prange(nchunks):
-        r0 = (c * d // nchunks) // 8 * 8
-        r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // 8 * 8
+        r0, r1 = chunk_rows(c, d, nchunks)
         if r1 > r0:
             _matvec_core(row_slice(W, r0, r1), x, out[r0:r1], alpha, accumulate)
+
+
+@njit(cache=True, parallel=True)
+def matvec_qkv_par(W0, W1, W2, x, out, nchunks):
+    # three float matrices (or panels) of one n, x (n,) -> out = their stacked rows @ x (decode's q|k|v):
+    # each chunk takes its share of every matrix's rows, one region for the three
+    d0, d1, d2 = nrows(W0), nrows(W1), nrows(W2)
+    one = np.float32(1.0)
+    for c in prange(nchunks):
+        r0, r1 = chunk_rows(c, d0, nchunks)
+        if r1 > r0:
+            _matvec_core(row_slice(W0, r0, r1), x, out[r0:r1], one, False)
+        r0, r1 = chunk_rows(c, d1, nchunks)
+        if r1 > r0:
+            _matvec_core(row_slice(W1, r0, r1), x, out[d0 + r0:d0 + r1], one, False)
+        r0, r1 = chunk_rows(c, d2, nchunks)
+        if r1 > r0:
+            _matvec_core(row_slice(W2, r0, r1), x, out[d0 + d1 + r0:d0 + d1 + r1], one, False)
 
 
 @njit(cache=True)
@@ -89,9 +115,7 @@ def _matvec_pair_par(W1, W3, x, h1, h3, nchunks):
     # a workqueue launch costs ~50 us here, so launches are counted
     d = nrows(W1)
     for c2 in prange(2 * nchunks):
-        c = c2 % nchunks
-        r0 = (c * d // nchunks) // 8 * 8
-        r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) // 8 * 8
+        r0, r1 = chunk_rows(c2 % nchunks, d, nchunks)
         if r1 > r0:
             if c2 < nchunks:
                 _matvec_core(row_slice(W1, r0, r1), x, h1[r0:r1], np.float32(1.0), False)

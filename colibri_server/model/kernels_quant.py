@@ -28,7 +28,7 @@ from .kernels import _REDUCE_FM, _silu_mul_1d, to_f32
 from .kernels_simd import ACT_GROUPS, HAVE_AVX2, SUMS_MAX, q4_groups_i8, q8_groups_i16
 
 __all__ = ["matvec_q", "matvec_q_ref", "rows_to_f32_q", "rows_to_f32_q_ref", "expert_ffn_q",
-           "expert_ffn_q_ref", "matvec_q_par", "expert_ffn_q_par"]
+           "expert_ffn_q_ref", "matvec_q_par", "matvec_q_qkv_par", "expert_ffn_q_par"]
 
 
 # ---------------------------------------------------------------------------- scale folding
@@ -325,6 +325,20 @@ def _qmv_par(q, s, x, out, xs2, xi2, alpha, accumulate):
 def matvec_q_par(q, s, x, out, xs2, xi2):
     # matvec_q with the row groups split over xs2.shape[0] chunks run by Numba threads
     _qmv_par(q, s, x, out, xs2, xi2, np.float32(1.0), False)
+
+
+@njit(cache=True, parallel=True)
+def matvec_q_qkv_par(q0, s0, q1, s1, q2, s2, x, out, xs2, xi2):
+    # three quantized pairs (q, k, v: one n, q8 and q4 may mix), x (n,) -> out = their stacked rows @ x;
+    # chunk c (one per row of xs2/xi2) takes its share of each matrix's row groups: one region for the three
+    nt = xs2.shape[0]
+    d0, d1 = q0.shape[0], q1.shape[0]
+    n0, n1, n2 = s0.shape[0], s1.shape[0], s2.shape[0]
+    one = np.float32(1.0)
+    for c in prange(nt):
+        _qmv_groups(q0, s0, x, out[:d0], xs2[c], xi2[c], c * n0 // nt, (c + 1) * n0 // nt, one, False)
+        _qmv_groups(q1, s1, x, out[d0:d0 + d1], xs2[c], xi2[c], c * n1 // nt, (c + 1) * n1 // nt, one, False)
+        _qmv_groups(q2, s2, x, out[d0 + d1:], xs2[c], xi2[c], c * n2 // nt, (c + 1) * n2 // nt, one, False)
 
 
 @njit(cache=True, parallel=True)
