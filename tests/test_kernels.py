@@ -347,6 +347,27 @@ def test_attention_long_context_groups_of_four(rng, T, start, window):
         K.attention(q, k, v, start, window, 0.125, out, np.empty(S, np.float32))
 
 
+@pytest.mark.parametrize("T,start,window,Hkv", [(1, 299, 0, 4), (1, 299, 64, 2), (5, 150, 0, 4), (3, 0, 0, 1)])
+def test_attention_par_is_attention_bit_for_bit(rng, T, start, window, Hkv):
+    # a worker on threads runs the kv heads side by side, one scratch row each: same bits as one thread
+    import numba
+    H, S, hd = 4 * Hkv, 320, 64
+    q, k, v, out = _attention_case(rng, T, H, Hkv, S, hd, start)
+    K.attention(q, k, v, start, window, 0.125, out, np.empty(H // Hkv * S, np.float32))
+    par = np.full_like(out, np.nan)
+    numba.set_num_threads(2)
+    try:
+        K.attention_par(q, k, v, start, window, 0.125, par, np.full((Hkv, H // Hkv * S), np.nan, np.float32))
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    assert np.isfinite(par).all()
+    np.testing.assert_array_equal(par, out)
+    with pytest.raises(ValueError, match="fewer rows than kv heads"):
+        K.attention_par(q, k, v, start, window, 0.125, par, np.empty((Hkv - 1, H // Hkv * S), np.float32))
+    with pytest.raises(ValueError, match="scores scratch"):
+        K.attention_par(q, k, v, start, window, 0.125, par, np.empty((Hkv, 4 * (start + T) - 1), np.float32))
+
+
 @pytest.mark.parametrize("hd", [64, 72, 136, 12])
 @pytest.mark.parametrize("T,start,window", [(1, 77, 0), (1, 150, 40), (4, 60, 0)])
 def test_attention_vector_loops_every_head_dim(rng, hd, T, start, window):

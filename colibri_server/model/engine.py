@@ -136,15 +136,19 @@ class Model:
     def compile_threaded(self) -> None:
         """Compile the parallel decode kernels for this model's weight types without running
         them (safe in a pre-fork master: nothing is launched)."""
+        import numba
+        from . import kernels_attention as KA
         from .decode_step import DecodeStep
         from .transformer import compile_parallel
-        ws = Workspace(self.config, 1, threads=2)
+        cfg, ws, cache = self.config, Workspace(self.config, 1, threads=2), self.new_cache(1)
         compile_parallel(self.weights, ws)
-        step = DecodeStep.build(self.config, self.weights, ws)       # the fused token on threads
+        scores = ws.attention_scores(cfg, cache.capacity)
+        step = DecodeStep.build(cfg, self.weights, ws)               # the fused token on threads
         if step is not None:
-            cache = self.new_cache(1)
-            step.compile(self.rope, cache, ws.score_buffer((self.config.num_heads // self.config.num_kv_heads)
-                                                           * cache.capacity))
+            step.compile(self.rope, cache, scores)
+        q3 = ws.q[:1].reshape(1, cfg.num_heads, cfg.head_dim)       # prefill's attention (forward, T > 1)
+        KA.attention_par.compile(tuple(numba.typeof(a) for a in (
+            q3, cache.k[0], cache.v[0], 0, cfg.sliding_window, 1.0, ws.attn[:1].reshape(q3.shape), scores)))
 
     def close(self) -> None:
         self.weights = None

@@ -668,4 +668,4 @@ from . import kernels_float as _KF  # noqa: E402
 from . import kernels_quant as _KQ  # noqa: E402
 from . import panels as _panels  # noqa: E402
 from . import kernels_gemm as _GEMM  # noqa: E402
-from .kernels_attention import attention, attention_ref  # noqa: E402,F401
+from .kernels_attention import attend, attention, attention_par, attention_ref  # noqa: E402,F401

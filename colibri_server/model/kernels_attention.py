@@ -20,7 +20,8 @@ heads); 4096 positions 926 -> 826 us.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .kernels import _REDUCE_FM, _max_finite, expf
 from .kernels_attention_ir import HAVE_ATTN_IR, scores8, wsum_rows
@@ -28,7 +29,7 @@ from .kernels_attention_ir import HAVE_ATTN_IR, scores8, wsum_rows
 KEY_BLOCK = 8      # keys per scores8 call: each block's rows read from L1 by all the group's heads
 ROW_CHUNK = 64     # V rows per wsum_rows call, for the same reason (64 x hd floats stay in L1)
 
-__all__ = ["attention", "attention_ref"]
+__all__ = ["attend", "attention", "attention_par", "attention_ref"]
 
 
 @njit(cache=True, fastmath=_REDUCE_FM)
@@ -105,38 +106,91 @@ def _weighted_sum_group(S, V, O):
 
 
 @njit(cache=True)
-def attention(q, kcache, vcache, start, window, scale, out, scores):
-    # q (T,H,hd), k/vcache (Hkv,S,hd), causal GQA from abs pos start(+t), sliding window if >0 -> out (T,H,hd);
-    # scores (>= H//Hkv * S,) scratch
-    T, H, hd = q.shape
+def _checked_group(q, kcache, start, nscores):
+    # the query heads per kv head, after attention's checks of the shapes and the scratch
+    T, H, _ = q.shape
     Hkv, S, _ = kcache.shape
     if H % Hkv != 0:
         raise ValueError("attention: H must be a multiple of Hkv")
     if start < 0 or start + T > S:
         raise ValueError("attention: positions beyond the cache")
     group = H // Hkv
-    if scores.shape[0] < group * (start + T):
+    if nscores < group * (start + T):
         raise ValueError("attention: the scores scratch is smaller than (H/Hkv) x positions")
+    return group
+
+
+@njit(cache=True, inline="always")
+def _first(p, window):
+    # the first position position p attends to
+    lo = 0
+    if window > 0:
+        lo = p - window + 1
+        if lo < 0:
+            lo = 0
+    return lo
+
+
+@njit(cache=True)
+def _attend_kv(qt, kcache, vcache, kh, lo, p, sc, sv, ot):
+    # the query heads of kv head kh (qt (H,hd) one position's) over positions lo..p -> ot's rows of them;
+    # sv (g, p+1-lo) the scores scratch
+    group = sv.shape[0]
+    h0 = kh * group
+    _scores_group(qt[h0:h0 + group], kcache[kh, lo:p + 1], sc, sv)
+    for h in range(group):
+        row = sv[h]
+        tot = _softmax_weights(row, _max_finite(row))
+        inv = np.float32(1.0) / tot
+        for j in range(row.shape[0]):
+            row[j] *= inv
+    _weighted_sum_group(sv, vcache[kh, lo:p + 1], ot[h0:h0 + group])
+
+
+@njit(cache=True)
+def attention(q, kcache, vcache, start, window, scale, out, scores):
+    # q (T,H,hd), k/vcache (Hkv,S,hd), causal GQA from abs pos start(+t), sliding window if >0 -> out (T,H,hd);
+    # scores (>= H//Hkv * S,) scratch
+    group = _checked_group(q, kcache, start, scores.shape[0])
     sc = np.float32(scale)
-    for t in range(T):
+    for t in range(q.shape[0]):
         p = start + t
-        lo = 0
-        if window > 0:
-            lo = p - window + 1
-            if lo < 0:
-                lo = 0
-        n = p + 1 - lo
-        sv = scores[:group * n].reshape((group, n))                      # (g,n)
-        for kh in range(Hkv):
-            h0 = kh * group
-            _scores_group(q[t, h0:h0 + group], kcache[kh, lo:p + 1], sc, sv)
-            for h in range(group):
-                row = sv[h]
-                tot = _softmax_weights(row, _max_finite(row))
-                inv = np.float32(1.0) / tot
-                for j in range(n):
-                    row[j] *= inv
-            _weighted_sum_group(sv, vcache[kh, lo:p + 1], out[t, h0:h0 + group])
+        lo = _first(p, window)
+        sv = scores[:group * (p + 1 - lo)].reshape((group, p + 1 - lo))                   # (g,n)
+        for kh in range(kcache.shape[0]):
+            _attend_kv(q[t], kcache, vcache, kh, lo, p, sc, sv, out[t])
+
+
+@njit(cache=True, parallel=True)
+def attention_par(q, kcache, vcache, start, window, scale, out, scores2):
+    # attention with the kv heads split over Numba threads (each position's heads in one region);
+    # scores2 (>= Hkv, >= H//Hkv * S) one scratch row per kv head. The same bits as attention.
+    Hkv = kcache.shape[0]
+    if scores2.shape[0] < Hkv:
+        raise ValueError("attention: the scores scratch has fewer rows than kv heads")
+    group = _checked_group(q, kcache, start, scores2.shape[1])
+    sc = np.float32(scale)
+    for kh in prange(Hkv):                       # one region: each thread's kv heads at every position
+        for t in range(q.shape[0]):
+            p = start + t
+            lo = _first(p, window)
+            n = p + 1 - lo
+            _attend_kv(q[t], kcache, vcache, kh, lo, p, sc, scores2[kh, :group * n].reshape((group, n)), out[t])
+
+
+def attend(q, kcache, vcache, start, window, scale, out, scores):
+    """attention, or attention_par when the scratch is 2-D (one row per kv head): a call site's
+    threads are those of the scratch it is given (Workspace.attention_scores)."""
+    (attention_par if scores.ndim == 2 else attention)(q, kcache, vcache, start, window, scale, out, scores)
+
+
+@overload(attend)
+def _attend_overload(q, kcache, vcache, start, window, scale, out, scores):
+    if isinstance(scores, types.Array) and scores.ndim == 2:
+        return lambda q, kcache, vcache, start, window, scale, out, scores: attention_par(
+            q, kcache, vcache, start, window, scale, out, scores)
+    return lambda q, kcache, vcache, start, window, scale, out, scores: attention(
+        q, kcache, vcache, start, window, scale, out, scores)
 
 
 def attention_ref(q, kcache, vcache, start, window, scale, out=None):

@@ -13,7 +13,7 @@ import numpy as np
 from numba import literal_unroll, njit, types
 from numba.extending import overload
 
-from .kernels import _matvec_core, attention, embed, expert_ffn, matvec_stack, rmsnorm, rope, route
+from .kernels import _matvec_core, attend, embed, expert_ffn, matvec_stack, rmsnorm, rope, route
 from .kernels_moe import _matvec_par, expert_ffn_par, matvec_qkv_par
 from .kernels_quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
 
@@ -36,13 +36,13 @@ def moe_quant(gate, q1, s1, q3, s3, q2, s2, x, top_k, renorm, logits, idx, wts, 
 @njit(cache=True)
 def rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache, vcache, start, window, scale, out, scores):
     # one token: RoPE on q3 (1,H,hd) and k3 (1,Hkv,hd) in place, k3/v3 into the cache (Hkv,S,hd) at
-    # position `start`, attention of q3 over 0..start -> out (1,H,hd)
+    # position `start`, attention of q3 over 0..start -> out (1,H,hd); a 2-D scores scratch: kv heads on threads
     rope(q3, pos, cos, sin)
     rope(k3, pos, cos, sin)
     for h in range(k3.shape[1]):
         kcache[h, start] = k3[0, h]
         vcache[h, start] = v3[0, h]
-    attention(q3, kcache, vcache, start, window, scale, out, scores)
+    attend(q3, kcache, vcache, start, window, scale, out, scores)
 
 
 # -- the whole token --------------------------------------------------------------------------

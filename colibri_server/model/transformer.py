@@ -90,7 +90,7 @@ class Workspace:
         self.xs, self.xi = KQ.scratch(n_max, 2 * self.threads)  # quantized matvec scratch, one row per chunk
         self.logits = aligned_zeros((1, cfg.vocab_size), f32)
         self.positions = aligned_zeros(rows, np.int64)
-        self.scores = None                                 # (H/Hkv*S,) attention scratch, sized on use
+        self.scores = None                                 # the attention scratch, sized on use (attention_scores)
         self._step = None                                  # (weights, DecodeStep or None), see decode_step()
 
     def tile_for(self, n: int, i: int = 0) -> np.ndarray:
@@ -162,6 +162,16 @@ class Workspace:
         if self.scores is None or self.scores.shape[0] < capacity:
             self.scores = aligned_zeros(capacity, np.float32)
         return self.scores
+
+    def attention_scores(self, cfg: ModelConfig, capacity: int) -> np.ndarray:
+        """The attention scratch for a cache of `capacity` positions: (H/Hkv * capacity,) on one
+        thread; on threads one such row per kv head, (Hkv, H/Hkv * capacity), and the kv heads
+        run side by side (kernels_attention.attend)."""
+        n = cfg.num_heads // cfg.num_kv_heads * capacity
+        if self.threads == 1:
+            return self.score_buffer(n)
+        Hkv = cfg.num_kv_heads
+        return self.score_buffer(Hkv * n)[:Hkv * n].reshape(Hkv, n)
 
 
 def compile_parallel(weights, ws: Workspace) -> None:
@@ -242,7 +252,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
         pos[0] = P0
     else:
         pos[:] = np.arange(P0, P0 + T)
-    scores = ws.score_buffer((H // Hkv) * cache.capacity)                   # (H/Hkv*S,) attention scratch
+    scores = ws.attention_scores(cfg, cache.capacity)                         # (H/Hkv*S,), on threads (Hkv, ...)
     if T == 1 and embeddings is None and not all_logits and trace is None and (noise is None or noise.scale <= 0):
         step = ws.decode_step(cfg, w)
         if step is not None:                                                   # the whole token in one call
@@ -295,7 +305,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
             # append to the cache, attend over positions 0..P0+T-1
             cache.k[l, :, P0:P0 + T] = k3.transpose(1, 0, 2)                   # (Hkv,T,hd)
             cache.v[l, :, P0:P0 + T] = v.reshape(T, Hkv, hd).transpose(1, 0, 2)
-            K.attention(q3, cache.k[l], cache.v[l], P0, cfg.sliding_window, scale, attn.reshape(T, H, hd), scores)
+            K.attend(q3, cache.k[l], cache.v[l], P0, cfg.sliding_window, scale, attn.reshape(T, H, hd), scores)
         ws.mm(attn, L.wo, sub)
         if L.bo is not None:
             sub += L.bo
