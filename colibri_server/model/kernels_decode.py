@@ -139,7 +139,7 @@ def _expert_overload(w1, w3, w2, e, x, weight, h1, h3, out, xs, xi):
             w1[0], w1[1], w3[0], w3[1], w2[0], w2[1], e, x, weight, h1, h3, out, xs, xi)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
     # out (D,) = sum over the top_k routed experts of their weight * SwiGLU of x; the router's
     # (E,D) f32 gate on the calling thread

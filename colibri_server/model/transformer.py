@@ -48,9 +48,10 @@ class Workspace:
     where the CPU has avx512bf16: about 2x the f32 path, with the activations' rounding)."""
 
     TILE_ROWS = 256   # rows of a f16/bf16/quantized weight converted to f32 at once for BLAS
-    # a parallel region costs ~50 us to launch (Numba workqueue, measured here): decode runs the
-    # experts (two regions per expert) and matrices of at least this many weights on threads,
-    # the rest (attention projections) on the calling thread
+    # forward's general decode path on threads (models the fused token does not cover: decode_step.py):
+    # a parallel region costs ~50 us to launch on Numba's workqueue (7-13 us on tbb, both measured
+    # on VMs), so it runs the experts (two regions per expert) and matrices of at least this many
+    # weights on threads, the rest (attention projections) on the calling thread
     PAR_MIN_WEIGHTS = 4 << 20
 
     def __init__(self, cfg: ModelConfig, rows: int, threads: int = 1, prefill_bf16: bool = False):
