@@ -663,7 +663,7 @@ def argmax_ref(x):
 # quantized kernels and attention (they build on the loaders and kernels above)
 from .kernels_moe import (  # noqa: E402,F401
     _matvec_pair_par, _matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, expert_ffn_ref, group_by_expert,
-    group_by_expert_ref, matvec_par, route, route_ref, silu_mul, silu_mul_ref)
+    group_by_expert_ref, matvec_par, matvec_qkv_par, route, route_ref, silu_mul, silu_mul_ref)
 from . import kernels_float as _KF  # noqa: E402
 from . import kernels_quant as _KQ  # noqa: E402
 from . import panels as _panels  # noqa: E402

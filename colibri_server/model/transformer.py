@@ -220,6 +220,11 @@ def compile_parallel(weights, ws: Workspace) -> None:
                     seen.add(key)
                     compile_for(GE._bf16_rows_par, *args)
     for L in weights.layers:
+        if L.qkv_stack is not None and len(L.qkv_stack) == 3:      # forward's q|k|v stack on threads
+            key = ("qkv",) + tuple(numba.typeof(a) for a in L.qkv_stack)
+            if key not in seen:
+                seen.add(key)
+                compile_for(K.matvec_qkv_par, *L.qkv_stack, x, x, ws.threads)
         if L.w1 is None:
             continue
         if hasattr(L.w1, "q"):
@@ -273,6 +278,8 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
             qkv = ws.qkv[:1]                                                   # (1,H*hd+2*Hkv*hd)
             if L.wqkv is not None:                                             # one view: one stream
                 ws.mm(h, L.wqkv, qkv)
+            elif ws.threads > 1 and len(L.qkv_stack) == 3:                      # stacked, rows over the threads
+                K.matvec_qkv_par(*L.qkv_stack, h[0], qkv[0], ws.threads)
             else:                                                              # f16/bf16 q, k, v stacked
                 K.matvec_stack(L.qkv_stack, h[0], qkv[0])
             q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
