@@ -355,7 +355,7 @@ def test_attention_par_is_attention_bit_for_bit(rng, T, start, window, Hkv):
     q, k, v, out = _attention_case(rng, T, H, Hkv, S, hd, start)
     K.attention(q, k, v, start, window, 0.125, out, np.empty(H // Hkv * S, np.float32))
     par = np.full_like(out, np.nan)
-    numba.set_num_threads(2)
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     try:
         K.attention_par(q, k, v, start, window, 0.125, par, np.full((Hkv, H // Hkv * S), np.nan, np.float32))
     finally:

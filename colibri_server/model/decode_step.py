@@ -14,9 +14,10 @@ layers; Qwen2-MoE's shared expert and biases) gets None from `build`, and forwar
 general path.
 
 With threads > 1 (a workspace of several scratch rows) every matrix's rows, q|k|v, wo, the
-experts and the head, are split over Numba threads inside the one call; the router and
-attention stay on the calling thread. forward's general path on threads runs only matrices
-of PAR_MIN_WEIGHTS and more on threads and pays a Python dispatch per matrix.
+experts and the head, are split over Numba threads inside the one call, and attention's kv
+heads run side by side (a 2-D scores scratch); the router stays on the calling thread.
+forward's general path on threads runs the q|k|v stack and matrices of PAR_MIN_WEIGHTS and
+more on threads, and pays a Python dispatch per matrix.
 """
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def _checked_group(q, kcache, start, nscores):
 
 @njit(cache=True, inline="always")
 def _first(p, window):
-    # the first position position p attends to
+    # the first position that position p attends to
     lo = 0
     if window > 0:
         lo = p - window + 1
@@ -156,14 +156,15 @@ def attention(q, kcache, vcache, start, window, scale, out, scores):
     for t in range(q.shape[0]):
         p = start + t
         lo = _first(p, window)
-        sv = scores[:group * (p + 1 - lo)].reshape((group, p + 1 - lo))                   # (g,n)
+        n = p + 1 - lo
+        sv = scores[:group * n].reshape((group, n))                                       # (g,n)
         for kh in range(kcache.shape[0]):
             _attend_kv(q[t], kcache, vcache, kh, lo, p, sc, sv, out[t])
 
 
 @njit(cache=True, parallel=True)
 def attention_par(q, kcache, vcache, start, window, scale, out, scores2):
-    # attention with the kv heads split over Numba threads (each position's heads in one region);
+    # attention with the kv heads split over Numba threads (one region for every position);
     # scores2 (>= Hkv, >= H//Hkv * S) one scratch row per kv head. The same bits as attention.
     Hkv = kcache.shape[0]
     if scores2.shape[0] < Hkv:
