@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri_server.model import kernels as K
-from colibri_server.model import kernels_attention_ir as KA_IR
+from colibri_server.model.kernels import attn_ir as KA_IR
 
 RTOL = 1e-5
 DTYPES = ["f32", "f16", "bf16"]
@@ -158,6 +158,7 @@ def test_matmul_par_is_matmul_bit_for_bit(rng, monkeypatch, kind, d, threads):
     tiles than threads (192 rows: one tile) leaves the pool unused. Quantized weights take these
     tiles only without the integer GEMM (switched off here)."""
     from colibri_server.model import quant
+    from colibri_server.model.kernels import matmuls as K      # the module whose _GEMM is switched off
     from colibri_server.model.panels import Panels, to_panels
     n, T, tile = 512, 5, 256
     W = as_weights(rng.standard_normal((d, n)), kind.split("-")[0] if kind != "q8" else "f32")
@@ -178,6 +179,7 @@ def test_matmul_par_is_matmul_bit_for_bit(rng, monkeypatch, kind, d, threads):
 
 
 def test_matmul_par_raises_a_thread_s_error_after_every_run_finished(rng, monkeypatch):
+    from colibri_server.model.kernels import matmuls as K      # the module whose _tiles is replaced
     W = as_weights(rng.standard_normal((600, 64)), "f16")
     X = rng.standard_normal((3, 64)).astype(np.float32)
     bad = np.empty((256, 32), np.float32)                 # the second run's tile has the wrong width
@@ -383,7 +385,7 @@ def test_attention_vector_loops_every_head_dim(rng, hd, T, start, window):
 
 @pytest.mark.skipif(not KA_IR.HAVE_ATTN_IR, reason="the attention IR needs AVX2 and FMA")
 def test_attention_inner_loops_are_vector_fmas(rng):
-    from colibri_server.model import kernels_attention as KA
+    from colibri_server.model.kernels import attn as KA
     Q = rng.standard_normal((4, 64)).astype(np.float32)
     kv = rng.standard_normal((32, 64)).astype(np.float32)
     S = np.empty((4, 32), np.float32)
@@ -588,7 +590,7 @@ def test_argmax_nan_and_inf_like_numpy(rng, pos):
 @pytest.mark.parametrize("shape,dtype", [((3, 1024), np.float32), (7, np.float32), ((2, 5), np.int64),
                                          ((1, 1536), np.float32), (0, np.int16), ((4, 33), np.int16)])
 def test_aligned_zeros_start_on_a_cache_line(shape, dtype):
-    from colibri_server.model.buffers import ALIGN, aligned_zeros
+    from colibri_server.model.kernels.buffers import ALIGN, aligned_zeros
     for _ in range(8):                      # several allocations: malloc's offsets vary
         a = aligned_zeros(shape, dtype)
         assert a.shape == ((shape,) if np.isscalar(shape) else shape) and a.dtype == dtype
@@ -599,7 +601,7 @@ def test_aligned_zeros_start_on_a_cache_line(shape, dtype):
 def test_workspace_decode_vectors_are_aligned():
     """Every vector a decode matvec reads or writes starts on a cache line (see buffers.py: a
     16-byte-aligned input cost the f16 head a fifth of its streaming rate)."""
-    from colibri_server.model import kernels_quant as KQ
+    from colibri_server.model.kernels import quant as KQ
     from colibri_server.model.config import ModelConfig
     from colibri_server.model.transformer import Workspace
     cfg = ModelConfig(arch="mixtral", vocab_size=100, hidden_size=64, num_layers=1, num_heads=4,
@@ -621,14 +623,14 @@ def test_workspace_decode_vectors_are_aligned():
 # bf16 GEMM (opt-in prefill of bf16 weights with bf16 activations)
 # --------------------------------------------------------------------------
 
-needs_bf16 = pytest.mark.skipif(not __import__("colibri_server.model.kernels_gemm", fromlist=["x"]).HAVE_BF16_GEMM,
+needs_bf16 = pytest.mark.skipif(not __import__("colibri_server.model.kernels.gemm", fromlist=["x"]).HAVE_BF16_GEMM,
                                 reason="CPU without avx512bf16")
 
 
 def test_round_bf16_is_round_to_nearest_even(rng):
     import torch
 
-    from colibri_server.model import kernels_gemm as GE
+    from colibri_server.model.kernels import gemm as GE
     x = np.concatenate([rng.standard_normal(997).astype(np.float32) * 10,
                         np.array([0.0, -0.0, np.inf, -np.inf, 3.3895314e38, 1e-40, -1e-45, 1.0 + 2**-8,
                                   1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20], np.float32)]).reshape(1, -1)
@@ -648,7 +650,7 @@ def test_bf16_gemm_is_the_bf16_products_summed_in_f32(rng, T, d, n):
     """matmul_bf16 = round_bf16(X) @ W.T exactly but for f32 summation order: every shape tail
     (tokens not a multiple of 4, rows not of BF16_R or BF16_ROWS, columns not of 32) included;
     the threaded form gives the same bits."""
-    from colibri_server.model import kernels_gemm as GE
+    from colibri_server.model.kernels import gemm as GE
     X = (rng.standard_normal((T, n)) * 3).astype(np.float32)
     W = as_weights(rng.standard_normal((d, n)).astype(np.float32), "bf16")
     out = np.full((T, d), np.nan, np.float32)
@@ -670,7 +672,7 @@ def test_float_ir_rows_take_whole_steps_and_keep_alpha_and_accumulate(rng, kind)
     and applies alpha and accumulate like _matvec_core."""
     from numba import njit
 
-    from colibri_server.model import kernels_float as KF
+    from colibri_server.model.kernels import float_ir as KF
     if not (KF.HAVE_FLOAT_IR or KF.HAVE_FLOAT_IR8):
         pytest.skip("CPU without AVX-512 or AVX2+F16C")
     step = KF.STEP if KF.HAVE_FLOAT_IR else KF.STEP8
@@ -706,7 +708,7 @@ def test_avx2_float_kernels_vector_code_and_rows_independent_of_their_neighbours
     slice (the threaded split), a remainder row, a fastmath caller (_matvec_core)."""
     from numba import njit
 
-    from colibri_server.model import kernels_float as KF
+    from colibri_server.model.kernels import float_ir as KF
     from colibri_server.model.panels import to_panels
     if not KF.HAVE_FLOAT_IR8:
         pytest.skip("not an AVX2 CPU without AVX-512")

@@ -21,7 +21,7 @@ import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model import format as fmt
 from colibri_server.model import kernels as K
-from colibri_server.model.kernels_float import HAVE_FLOAT_IR
+from colibri_server.model.kernels.float_ir import HAVE_FLOAT_IR
 from colibri_server.model.panels import PANEL, Panels, from_panels, to_panels
 
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 512, size=24)]
@@ -86,7 +86,7 @@ def test_panel_matvec_matches_the_row_major_twin(dtype, d, n):
 def test_panel_kernel_is_vector_code_without_x_loads_in_the_row_loop(dtype):
     from numba import njit
 
-    from colibri_server.model import kernels_float as KF
+    from colibri_server.model.kernels import float_ir as KF
     kern = KF._panels_f16 if dtype == "f16" else KF._panels_bf16
 
     @njit
@@ -290,7 +290,7 @@ def test_prefill_bf16_takes_panels_with_the_sums_of_rows(wide, tmp_path):
     the same products and sums as the row-major file (bit for bit per matmul; the model's
     logits agree to float rounding, as single-token experts take the matvec, whose order
     differs), on one thread and on two."""
-    from colibri_server.model import kernels_gemm as GE
+    from colibri_server.model.kernels import gemm as GE
     hf_dir, _ = wide("mixtral", "bf16")
     rows = Model.open(_convert(hf_dir, tmp_path / "r.colibri", "bf16", "rows"), prefill_bf16=True)
     pan = Model.open(_convert(hf_dir, tmp_path / "p.colibri", "bf16", "panels"), prefill_bf16=True)

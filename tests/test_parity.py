@@ -127,7 +127,7 @@ def test_prefill_bf16_opt_in_is_no_worse_than_transformers_bf16(built, arch):
     arithmetic it matches), and decode keeps f32 activations."""
     import copy
 
-    from colibri_server.model import kernels_gemm as GE
+    from colibri_server.model.kernels import gemm as GE
     if not GE.HAVE_BF16_GEMM:
         pytest.skip("CPU without avx512bf16")
     b = built(arch)
@@ -163,7 +163,7 @@ def test_float_prefill_on_two_threads_keeps_the_bits(built, arch, dtype):
 def test_prefill_bf16_on_threads_is_compiled_before_fork_and_keeps_the_bits(built):
     """compile_threaded (the master, before fork) compiles the threaded bf16 GEMM for the file's
     bf16 matrices; on 2 threads the rows split and every row is computed as on one."""
-    from colibri_server.model import kernels_gemm as GE
+    from colibri_server.model.kernels import gemm as GE
     if not GE.HAVE_BF16_GEMM:
         pytest.skip("CPU without avx512bf16")
     path = built("mixtral").colibri("bf16")

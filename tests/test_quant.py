@@ -8,7 +8,7 @@ import pytest
 from colibri_server.model import Model
 from colibri_server.model import format as fmt
 from colibri_server.model import kernels as K
-from colibri_server.model import kernels_quant as KQ
+from colibri_server.model.kernels import quant as KQ
 from colibri_server.model import quant as Q
 from colibri_server.model.config import ModelConfig, expected_tensors
 
@@ -91,7 +91,7 @@ def test_rows_must_fill_groups():
 def _close_q(got, ref, kind, W, x):
     """Within float rounding of the twin, plus (on AVX2, where the activations are rounded to
     int8 (q4) / int16 (q8) per chunk) the bound that rounding implies."""
-    from colibri_server.model.kernels_simd import HAVE_AVX2, act_error_bound
+    from colibri_server.model.kernels.quant_ir import HAVE_AVX2, act_error_bound
     scale = np.abs(Q.dequantize(W)) @ np.abs(x).astype(np.float64)
     bound = 2e-5 * scale + (act_error_bound(kind, W.q, W.s, x) if HAVE_AVX2 else 0) + 1e-30
     assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / bound)
@@ -148,7 +148,7 @@ def test_matmul_q(rng, kind, T):
     out = np.zeros((T, 320), np.float32)
     K.matmul(X, W, out, np.zeros((256, 64), np.float32), np.zeros((T, 256), np.float32))
     ref = K.matmul_ref(X, W)
-    from colibri_server.model.kernels_gemm import HAVE_GEMM
+    from colibri_server.model.kernels.gemm import HAVE_GEMM
     for t in range(T):
         if T == 1 or HAVE_GEMM:
             _close_q(out[t], ref[t], kind, W, X[t])       # the matvec kernel, or the integer GEMM (VNNI)
@@ -162,7 +162,7 @@ def test_matmul_q(rng, kind, T):
 def test_integer_gemm_is_the_matvec_kernel_per_token(rng, kind, d, n, G, T):
     # prefill's integer GEMM (AVX2, VNNI) rounds each token's activations exactly as decode's matvec does,
     # so a token's logits do not depend on how it was batched; n=2200 and n=40 leave tails
-    from colibri_server.model import kernels_gemm as GE
+    from colibri_server.model.kernels import gemm as GE
     if not GE.HAVE_GEMM:
         pytest.skip("the integer GEMM needs AVX2")
     _, W = _qt(rng, kind, (d, n), G)
@@ -183,8 +183,8 @@ def test_integer_kernels_are_vector_code(rng, kind):
     (vpdpbusd q4, vpdpwssd q8), or on AVX2 vpmaddubsw (q4) and vpmaddwd on ymm registers."""
     from numba import njit
 
-    from colibri_server.model import kernels_gemm as GE
-    from colibri_server.model import kernels_simd as KS
+    from colibri_server.model.kernels import gemm as GE
+    from colibri_server.model.kernels import quant_ir as KS
     if not KS.HAVE_AVX2:
         pytest.skip("the integer kernels need AVX2")
     _, W = _qt(rng, kind, (64, 256), 32)
@@ -372,7 +372,7 @@ def test_threaded_model_gives_the_same_logits(mixtral_files, kind):
 def test_prefill_bf16_beside_quantized_matrices(built, tmp_path):
     """A bf16 file with q8 experts and attention: prefill_bf16 takes the bf16 matrices only (the
     quantized ones keep the integer GEMM), and the logits stay within the activations' rounding."""
-    from colibri_server.model import kernels_gemm as GE
+    from colibri_server.model.kernels import gemm as GE
     from colibri_server.model.convert import convert
     path = str(tmp_path / "bf16-q8.colibri")
     convert(built("mixtral").hf_dir, path, "bf16", progress=False, quantize="q8", quant_group=32,

@@ -137,7 +137,7 @@ def test_prefill_bf16_setting_reaches_the_workers(server, built, model_path):
     """prefill_bf16 is applied in each worker: in effect on a bf16 file (where the CPU has
     avx512bf16), and on a file without bf16 matrices the worker says why it has no effect;
     the server answers either way."""
-    from colibri_server.model import kernels_gemm as GE
+    from colibri_server.model.kernels import gemm as GE
     s = server(workers=1, extra=("--prefill-bf16",))
     s.wait_for(lambda: "prefill_bf16 has no effect: the model has no bf16 matrices" in s.logs(),
                what="the worker's prefill_bf16 warning")

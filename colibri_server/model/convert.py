@@ -364,7 +364,7 @@ def quant_config(cfg: ModelConfig, quantize: str, head: str | None = None, group
         # llama.cpp's Q4_0 mix: the small k and v projections at 8 bits too (2% of the bytes
         # read per token, a visible share of the error); head == "q4" asks for everything in q4
         over["attn_k"] = over["attn_v"] = "q8"
-    from .quant import CONVERT_GROUP
+    from .kernels.packing import CONVERT_GROUP
     q = replace(cfg, quant=quantize, quant_overrides=dict(over), quant_group=group or CONVERT_GROUP)
     for name, shape, _ in _expected_plain(q):
         key = name.split(".", 2)[-1]
@@ -377,7 +377,7 @@ def quant_config(cfg: ModelConfig, quantize: str, head: str | None = None, group
 
 def _quantized_blocks(blocks, kind: str, G: int, src_dtype: str):
     """Row blocks of one source matrix -> (values, scales) per block of a multiple of G rows."""
-    from .quant import quantize
+    from .kernels.packing import quantize
     pending = []
     have = 0
     for b in blocks:

@@ -1,4 +1,4 @@
-"""The decode step (one token, T == 1) in one Numba call: kernels_decode.decode_token.
+"""The decode step (one token, T == 1) in one Numba call: kernels/decode.decode_token.
 
 A token of decode streams every layer's weights once; between two layers the Python of
 transformer.forward (a dozen dispatches and numpy statements) runs on caches those
@@ -26,7 +26,7 @@ import math
 import numba
 import numpy as np
 
-from . import kernels_decode as KD
+from .kernels import decode as KD
 from .panels import kernel_array
 
 __all__ = ["DecodeStep"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import format as fmt
-from . import kernels_gemm as GE
+from .kernels import gemm as GE
 from . import weights as W
 from .config import ConfigError, ModelConfig
 from .moe import RoutingNoise
@@ -137,7 +137,7 @@ class Model:
         """Compile the parallel decode kernels for this model's weight types without running
         them (safe in a pre-fork master: nothing is launched)."""
         import numba
-        from . import kernels_attention as KA
+        from .kernels import attn as KA
         from .decode_step import DecodeStep
         from .transformer import compile_parallel
         cfg, ws, cache = self.config, Workspace(self.config, 1, threads=2), self.new_cache(1)
@@ -218,6 +218,22 @@ class Model:
             last = forward(self.config, self.weights, self.rope, self.workspace, cache,
                            embeddings=e[s:s + self.workspace.rows], noise=self.noise)
         return last
+
+    def generate_from_embeddings(self, embeddings: np.ndarray, max_tokens: int, temperature: float = 0.0,
+                                 seed: int | None = None) -> list[int]:
+        """Sample up to max_tokens token ids after raw input embeddings (T,D) (debugging: `colibri run
+        --embedding`); stops early when the context is full."""
+        cache = self.new_cache()
+        logits = self.embed_forward(cache, embeddings)
+        s = Sampler(SamplingParams(temperature=temperature, seed=seed), self.config.vocab_size)
+        out: list[int] = []
+        for _ in range(max_tokens):
+            t = s.sample(logits[0], out)
+            out.append(t)
+            if cache.length >= cache.capacity:
+                break
+            logits = self.decode(cache, t)
+        return out
 
     # -- high level -------------------------------------------------------------
     def logits(self, token_ids) -> np.ndarray:

@@ -4,16 +4,17 @@ Legend: T tokens in this step, D hidden, E experts, A active experts per token (
 I expert intermediate, S shared-expert intermediate, F dense intermediate, c tokens routed
 to one expert.
 
-Dispatch is grouped by expert (a counting sort of the T*A assignments), so each selected
-expert's weights are streamed once per step, not once per token. Decode (T == 1) calls
-one fused kernel per selected expert.
+Dispatch is grouped by expert (a counting sort of the T*A assignments), so within one call
+(one sequence's prefill chunk of T tokens) each selected expert's weights are streamed once,
+not once per token; separate sequences and separate decode steps each stream them again.
+Decode (T == 1) runs the router, top-k and the selected experts in one Numba call (kernels/decode).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import kernels as K
-from . import kernels_decode as KD
+from .kernels import decode as KD
 from .panels import kernel_array
 
 
@@ -64,7 +65,7 @@ def moe(layer, x, ws, out, noise=None, trace=None):
     logits = ws.router[:T, :E]                                                 # (T,E)
     idx, wts = ws.route_idx[:T, :A], ws.route_w[:T, :A]                       # (T,A) i32, (T,A) f32
     if T == 1 and ws.threads == 1 and trace is None and (noise is None or noise.scale <= 0):
-        # decode: router, top-k and the experts in one Numba call (kernels_decode), same kernels
+        # decode: router, top-k and the experts in one Numba call (kernels/decode), same kernels
         if hasattr(layer.w1, "q"):
             KD.moe_quant(layer.gate, layer.w1.q, layer.w1.s, layer.w3.q, layer.w3.s, layer.w2.q, layer.w2.s, x[0],
                          A, layer.renorm, logits, idx, wts, ws.h1, ws.h3, out[0], ws.xs[0], ws.xi[0])

@@ -1,11 +1,12 @@
 """Keep Numba's on-disk cache (`cache=True`) in step with the kernel sources.
 
 Numba invalidates a cached function when *its own* source file changes, but the kernels inline
-each other across files (kernels.matvec compiles kernels_float's IR into itself; kernels_decode
-calls kernels_quant): after an edit of kernels_float.py, the cached kernels.matvec would still run
-the old code. So the whole cache of this package is tied to one digest of every kernel source: when
-the digest in __pycache__/colibri-kernels.digest differs from the sources', the cached `.nbi`/`.nbc`
-files are removed before any is loaded, and Numba compiles afresh (and caches again).
+each other across files (kernels/dense.matvec compiles kernels/float_ir's IR into itself;
+kernels/decode calls kernels/quant): after an edit of float_ir.py, the cached dense.matvec would
+still run the old code. So the whole cache is tied to one digest of every kernel source (the
+kernels/ package, and any kernels*.py beside it): when the digest in __pycache__/colibri-kernels.digest
+differs from the sources', the cached `.nbi`/`.nbc` files (here and in kernels/__pycache__) are
+removed before any is loaded, and Numba compiles afresh (and caches again).
 
 Runs once, at import of colibri_server.model, before any kernel module is imported. A cache
 directory that cannot be written (a read-only install) is left alone: Numba then does not cache
@@ -22,10 +23,10 @@ STAMP = "colibri-kernels.digest"
 
 
 def sources_digest(folder: pathlib.Path = HERE) -> str:
-    """sha256 over the names and bytes of the package's kernel sources (kernels*.py)."""
+    """sha256 over the names and bytes of the kernel sources (kernels*.py and kernels/*.py)."""
     h = hashlib.sha256()
-    for f in sorted(folder.glob("kernels*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    for f in sorted(folder.glob("kernels*.py")) + sorted(folder.glob("kernels/*.py")):
+        h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -44,7 +45,7 @@ def refresh(folder: pathlib.Path = HERE) -> bool:
         pass
     removed = False
     try:
-        for f in cache.glob("*.nb[ic]"):
+        for f in [*cache.glob("*.nb[ic]"), *(folder / "kernels" / "__pycache__").glob("*.nb[ic]")]:
             try:
                 f.unlink()
                 removed = True

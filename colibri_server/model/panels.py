@@ -1,7 +1,7 @@
 """Float matrices stored in panels of columns (dtypes f16p / bf16p, docs/format.md).
 
 A matrix W (d, n) in panels is the array P (n/PANEL, d, PANEL) with P[b, i] = W[i, b*PANEL:
-(b+1)*PANEL]. The decode matvec (kernels_float) loads x[b*PANEL:(b+1)*PANEL] into registers
+(b+1)*PANEL]. The decode matvec (kernels/float_ir) loads x[b*PANEL:(b+1)*PANEL] into registers
 once per panel and streams the panel's d rows as one sequence; row-major, every 64 weights
 read 256 bytes of x from L1 beside the stream, which cost ~10% of the streaming rate here.
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .format import PANEL
+from .kernels.packing import from_panels, to_panels
 
 __all__ = ["PANEL", "Panels", "to_panels", "from_panels", "kernel_array"]
 
@@ -48,21 +49,6 @@ class Panels:
         if self.p.ndim < 4:
             raise IndexError("a single panel matrix has no stack axis to index")
         return Panels(self.p[e])
-
-
-def to_panels(w: np.ndarray) -> np.ndarray:
-    """(..., d, n) -> the contiguous panel array (..., n/PANEL, d, PANEL), any element type."""
-    *lead, d, n = w.shape
-    if n % PANEL:
-        raise ValueError(f"{n} columns are not a multiple of the panel width {PANEL}")
-    v = w.reshape(*lead, d, n // PANEL, PANEL)
-    return np.ascontiguousarray(np.moveaxis(v, -2, -3))
-
-
-def from_panels(p: np.ndarray) -> np.ndarray:
-    """Inverse of to_panels: (..., n/PANEL, d, PANEL) -> contiguous (..., d, n)."""
-    *lead, nb, d, w = p.shape
-    return np.ascontiguousarray(np.moveaxis(p, -3, -2)).reshape(*lead, d, nb * w)
 
 
 def kernel_array(W):

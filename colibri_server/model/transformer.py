@@ -15,10 +15,10 @@ import math
 import numpy as np
 
 from . import kernels as K
-from . import kernels_decode as KD
-from . import kernels_gemm as GE
-from . import kernels_quant as KQ
-from .buffers import aligned_zeros, lazy_zeros
+from .kernels import aligned_zeros, lazy_zeros
+from .kernels import decode as KD
+from .kernels import gemm as GE
+from .kernels import quant as KQ
 from .config import ModelConfig
 from .decode_step import DecodeStep
 from .moe import moe, swiglu
@@ -86,7 +86,7 @@ class Workspace:
         self.tiles = [aligned_zeros((self.TILE_ROWS, n_max), f32) for _ in range(self.threads)]
         self.mm_tmps = [aligned_zeros((rows, self.TILE_ROWS), f32) for _ in range(self.threads)]
         self._pool = None                                  # prefill's threads, started on first use
-        # opt-in: prefill of bf16 weights with bf16 activations (kernels_gemm.matmul_bf16)
+        # opt-in: prefill of bf16 weights with bf16 activations (kernels/gemm.matmul_bf16)
         self.prefill_bf16 = bool(prefill_bf16) and GE.HAVE_BF16_GEMM
         self.xs, self.xi = KQ.scratch(n_max, 2 * self.threads)  # quantized matvec scratch, one row per chunk
         self.logits = aligned_zeros((1, cfg.vocab_size), f32)
@@ -167,7 +167,7 @@ class Workspace:
     def attention_scores(self, cfg: ModelConfig, capacity: int) -> np.ndarray:
         """The attention scratch for a cache of `capacity` positions: (H/Hkv * capacity,) on one
         thread; on threads one such row per kv head, (Hkv, H/Hkv * capacity), and the kv heads
-        run side by side (kernels_attention.attend)."""
+        run side by side (kernels/attn.attend)."""
         n = cfg.num_heads // cfg.num_kv_heads * capacity
         if self.threads == 1:
             return self.score_buffer(n)
@@ -304,7 +304,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
             K.rmsnorm(q.reshape(T * H, hd), L.q_norm, cfg.rms_norm_eps, q.reshape(T * H, hd))
             K.rmsnorm(k.reshape(T * Hkv, hd), L.k_norm, cfg.rms_norm_eps, k.reshape(T * Hkv, hd))
         attn = ws.attn[:T]                                                     # (T,H*hd)
-        if T == 1:                                                             # one call (kernels_decode)
+        if T == 1:                                                             # one call (kernels/decode)
             KD.rope_cache_attend(q3, k3, v.reshape(1, Hkv, hd), pos, cos, sin, cache.k[l], cache.v[l], P0,
                                  cfg.sliding_window, scale, attn.reshape(1, H, hd), scores)
         else:

@@ -145,3 +145,17 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
     emb = cf.view("token_embd")
     return Weights(token_embd=emb, layers=tuple(layers), output_norm=cf.view("output_norm"),
                    output=emb if cfg.tie_word_embeddings else v("output"))
+
+
+def first_rows(cf: fmt.ColibriFile, name: str, rows: int) -> tuple[np.ndarray, int]:
+    """The first `rows` rows of tensor `name` (of its first matrix, for a stack in panels) as f32,
+    and how many rows there are (`colibri inspect --tensor`)."""
+    from .kernels import weights_to_f32
+    from .kernels.packing import from_panels
+    v, r = cf.view(name), cf.records[name]
+    if r.dtype in fmt.PANEL_DTYPES:              # the first matrix's first rows, gathered from its panels
+        p = v.reshape((-1,) + v.shape[-3:])[0]
+        total = v.size // (p.shape[0] * p.shape[2])
+        return weights_to_f32(from_panels(p[:, :rows])), total
+    v2 = v.reshape(-1, v.shape[-1])
+    return weights_to_f32(v2[:rows]), v2.shape[0]

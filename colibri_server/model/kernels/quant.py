@@ -10,12 +10,12 @@ its integer values with xs: one long inner loop with 8 rows per pass, which LLVM
 vectorises to `vpmovsxbd`/`vpmovzxbd` + `vcvtdq2ps` + `vfmadd231ps` (asm checked on
 znver3/AVX2). For q4 the offset 8 is taken out once per group: v.xs = u.xs - 8*sum(xs).
 
-Prefill: on AVX2 and AVX-512 VNNI the integer GEMM of kernels_gemm (the same rounding as decode);
+Prefill: on AVX2 and AVX-512 VNNI the integer GEMM of kernels/gemm (the same rounding as decode);
 elsewhere rows_to_f32 dequantizes a tile of rows for BLAS (kernels.matmul).
 
 Kernels allocate nothing: the scratch xs (n,) f32 is passed in. Parallel variants split
 the row groups across Numba threads (prange) and are used only when a Model runs with
-threads > 1 (see kernels.set_threading_layer).
+threads > 1 (the threading layer: base.py).
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from .base import _REDUCE_FM, to_f32
 from .buffers import aligned_zeros
-from .kernels import _REDUCE_FM, _silu_mul_1d, to_f32
-from .kernels_simd import ACT_GROUPS, HAVE_AVX2, SUMS_MAX, q4_groups_i8, q8_groups_i16
+from .moe import _silu_mul_1d
+from .quant_ir import ACT_GROUPS, HAVE_AVX2, SUMS_MAX, q4_groups_i8, q8_groups_i16
 
 __all__ = ["matvec_q", "matvec_q_ref", "rows_to_f32_q", "rows_to_f32_q_ref", "expert_ffn_q",
            "expert_ffn_q_ref", "matvec_q_par", "matvec_q_qkv_par", "expert_ffn_q_par"]
@@ -162,7 +163,7 @@ def _q4_group(q, xs, off, out, i0, G, alpha, accumulate):
 
 def _groups(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
     """Rows of the row groups g0..g1. Compile-time dispatch on the value dtype (int8 -> q8, uint8 ->
-    q4) and the CPU (AVX2: the integer kernels of kernels_simd; else the float ones above). Numba only."""
+    q4) and the CPU (AVX2: the integer kernels of kernels/quant_ir; else the float ones above). Numba only."""
     raise NotImplementedError
 
 
@@ -229,7 +230,7 @@ def matvec_q(q, s, x, out, xs, xi):
 
 
 def _dequant(q, s):
-    from .quant import dequantize_q4, dequantize_q8
+    from .packing import dequantize_q4, dequantize_q8
     return dequantize_q8(q, s) if q.dtype == np.int8 else dequantize_q4(q, s)
 
 
@@ -301,7 +302,7 @@ def expert_ffn_q(w1q, w1s, w3q, w3s, w2q, w2s, e, x, weight, h1, h3, out, xs, xi
 
 def expert_ffn_q_ref(w1q, w1s, w3q, w3s, w2q, w2s, e, x, weight, out):
     """Returns out + weight * ffn(x) (does not modify out)."""
-    from .kernels import silu_mul_ref
+    from .moe import silu_mul_ref
     g = matvec_q_ref(w1q[e], w1s[e], x)
     u = matvec_q_ref(w3q[e], w3s[e], x)
     h = silu_mul_ref(g[None], u[None])[0]

@@ -6,14 +6,14 @@ dequantizes 256-row tiles to f32 and calls sgemm; on bench-mixtral those GEMMs w
 
 * per row group g (G rows sharing one scale per column, quant.py) the scales are folded into
   each token's activations and these are rounded to int8 per chunk of Q4_CHUNK packed bytes,
-  exactly as the q4 decode kernel does (kernels_simd.q4_groups_i8), so a token's logits do not
+  exactly as the q4 decode kernel does (kernels/quant_ir.q4_groups_i8), so a token's logits do not
   depend on whether it was prefilled or decoded;
 * `_gemm_u4_i8` multiplies 2 rows by 4 tokens per pass, 64 packed bytes (128 weights) at a
   time: two weight loads, their low and high nibbles, and 16 `vpdpbusd` (u8 x s8 sums of four
   products into i32 lanes, no saturation) into 8 zmm accumulators; each weight load serves 4
   tokens and each activation load 2 rows.
 
-* q8 likewise, with the decode kernel's int16 activations (kernels_simd.q8_groups_i16): the
+* q8 likewise, with the decode kernel's int16 activations (kernels/quant_ir.q8_groups_i16): the
   weights sign-extended to i16 and `vpdpwssd`, 2 rows x 4 tokens, 32 columns at a time.
 
 * bf16 weights, opt-in (`Workspace(prefill_bf16=True)`): the activations rounded to bf16 (to
@@ -41,9 +41,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .kernels import nrows, to_f32
-from .format import PANEL
-from .kernels_simd import _FEATURES, HAVE_AVX2, HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, _f32_bits, _vec, act_chunk_q4, act_chunk_q8
+from ..format import PANEL
+from .base import nrows, to_f32
+from .cpu import FEATURES as _FEATURES
+from .quant_ir import HAVE_AVX2, HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, _f32_bits, _vec, act_chunk_q4, act_chunk_q8
 
 __all__ = ["HAVE_GEMM", "HAVE_BF16_GEMM", "matmul_q4_i8", "matmul_q8_i16", "matmul_q4_i8_par", "matmul_q8_i16_par",
            "matmul_bf16", "matmul_bf16_par", "round_bf16"]

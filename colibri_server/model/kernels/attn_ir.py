@@ -5,7 +5,7 @@ Numba's loops reduce each score's dot product across the lanes on its own (a ser
 load and store the output row for every V row; here 8 keys' partial sums are reduced together by a
 transpose-and-add tree, and up to 64 columns of the output stay in 8 registers while the V rows
 stream. The kernels assume rows with contiguous elements (the cache's and the scores' rows are).
-Figures: kernels_attention.
+Figures: kernels/attn.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .kernels_simd import _FEATURES
+from .cpu import FEATURES as _FEATURES
 
 __all__ = ["HAVE_ATTN_IR", "scores8", "wsum_rows"]
 

@@ -22,7 +22,7 @@ Q8_CHUNK columns) with their own scale, so one outlier costs precision only in i
 q4 int8 (step max/127, below the 4-bit weight error), q8 int16 in +-16383 (step max/16383,
 negligible; the bound keeps an i32 chunk sum exact: 127 * 16383 * 1024 < 2^31).
 
-HAVE_AVX2 is False on other CPUs (arm64, old x86): kernels_quant then uses its float path.
+HAVE_AVX2 is False on other CPUs (arm64, old x86): kernels/quant then uses its float path.
 """
 from __future__ import annotations
 
@@ -32,29 +32,18 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .kernels import to_f32
+from .base import to_f32
+from .cpu import FEATURES as _FEATURES  # noqa: F401
+from .cpu import HAVE_AVX2, HAVE_VNNI512
 
 Q4_CHUNK = 1024     # packed bytes (2048 weights) per int8 activation scale
 Q8_CHUNK = 1024     # columns per int16 activation scale (127 * 16383 * 1024 < 2^31)
 X16_MAX = 16383
 
 
-def _host_features() -> set:
-    try:
-        import llvmlite.binding as llvm
-        return {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")}
-    except Exception:      # pragma: no cover - no feature query: take the portable path
-        return set()
-
-
-_FEATURES = _host_features()
-HAVE_AVX2 = "avx2" in _FEATURES
-# Zen 4, Ice Lake and later: 512-bit integer dots with VNNI (vpdpbusd u8 x s8, vpdpwssd s16 x s16,
-# each a multiply and an accumulate in one instruction, 64 bytes of weights at a time)
-HAVE_VNNI512 = HAVE_AVX2 and {"avx512f", "avx512bw", "avx512vnni"} <= _FEATURES
 Q4_STEP = 128 if HAVE_VNNI512 else 64      # packed q4 bytes per iteration of _dot_u4_i8
 Q8_STEP = 64 if HAVE_VNNI512 else 32       # q8 columns per iteration of _dot_i8_i16
-# Rows the AVX2 integer dots stream at once, far apart (split_rows; kernels_float has its own
+# Rows the AVX2 integer dots stream at once, far apart (split_rows; kernels/float_ir has its own
 # STREAMS8). Measured on a Zen 3 VM, bench-mixtral's expert matrices from DRAM, whole matvec, one
 # thread, alternating processes: q4 8.0-9.7 GB/s one row at a time, 10.2-13.2 with 2, 12.7-14.5 with 4 (one run 8.2);
 # q8 9.2-11.3, 10.4-14.1, 14.0-16.4 (bench/README.md). AVX-512 VNNI machines keep one stream (measured
@@ -311,7 +300,7 @@ def _quant_i16(xs, inv, x16):
 def act_chunk_q4(sg, x, xs, x8, h, k0, k1):
     # packed columns k0..k1 (and k0+h..k1+h) of one group's activations: xs = sg * x, x8 = round(xs / c)
     # with c = max|xs| / 127; returns (c, 8 * sum(x8)), the scale and the nibbles' offset. Decode and
-    # prefill (kernels_gemm) both round with this, so their results are identical
+    # prefill (kernels/gemm) both round with this, so their results are identical
     m = max(_fold_absmax(sg[k0:k1], x[k0:k1], xs[k0:k1]),
             _fold_absmax(sg[k0 + h:k1 + h], x[k0 + h:k1 + h], xs[k0 + h:k1 + h]))
     c = m / np.float32(127.0) if m > 0 else np.float32(1.0)
@@ -423,7 +412,7 @@ def q8_groups_i16(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
 def act_error_bound(kind, q, s, x):
     """numpy: a bound on |integer kernel - exact dequantized matvec| per row, from the
     activation rounding (half a step of each chunk's scale times |value| summed)."""
-    from .quant import unpack_q4
+    from .packing import unpack_q4
     d = q.shape[0]
     G = d // s.shape[0]
     sf = s.view(np.float16).astype(np.float64)

@@ -13,9 +13,10 @@ import numpy as np
 from numba import literal_unroll, njit, types
 from numba.extending import overload
 
-from .kernels import _matvec_core, attend, embed, expert_ffn, matvec_stack, rmsnorm, rope, route
-from .kernels_moe import _matvec_par, expert_ffn_par, matvec_qkv_par
-from .kernels_quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
+from .attn import attend
+from .dense import _matvec_core, embed, matvec_stack, rmsnorm, rope
+from .moe import _matvec_par, expert_ffn, expert_ffn_par, matvec_qkv_par, route
+from .quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
 
 __all__ = ["decode_token", "moe_float", "moe_quant", "rope_cache_attend"]
 

@@ -1,13 +1,14 @@
 """The MoE kernels: the SwiGLU expert (one matvec per weight, or split across Numba threads),
 top-k routing and the grouping of prefill tokens by expert, each with its numpy twin.
-Split out of kernels.py, whose conventions they follow (kernels.py re-exports them).
+Conventions: base.py; the package's face re-exports them.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .kernels import _matvec_core, expf, matvec_ref, nrows, row_slice
+from .base import expf, nrows, row_slice
+from .dense import _matvec_core, matvec_ref
 
 __all__ = ["silu_mul", "silu_mul_ref", "expert_ffn", "expert_ffn_ref", "matvec_par", "matvec_qkv_par",
            "expert_ffn_par",

@@ -1,5 +1,5 @@
 """Attention over the KV cache (causal, grouped-query, optional sliding window), with its
-numpy twin. Split from kernels.py (re-exported there as kernels.attention / attention_ref).
+numpy twin. The package's face re-exports attend, attention, attention_par and attention_ref.
 
 Per kv head, for the `group` query heads that share it at once: scores = K @ q of every head
 with each key row read once (the group's dots beside each other), the max, exp with
@@ -11,7 +11,7 @@ of a q4 model at a few thousand positions. Every loop runs over a slice starting
 Numba cannot prove non-negative gets wraparound code that blocks vectorisation.
 
 With AVX2 and FMA and a head dim that is a multiple of 8, the two inner loops are LLVM IR
-(kernels_attention_ir): scores 8 keys at a time (KEY_BLOCK), the sum of V in registers over
+(kernels/attn_ir): scores 8 keys at a time (KEY_BLOCK), the sum of V in registers over
 chunks of ROW_CHUNK rows, both kept small enough that the group's heads read them from L1.
 Measured on a Zen 3 VM at bench-mixtral's shape (16 heads, 4 kv heads, head dim 64), one layer,
 one token: 192 positions 34.9 -> 26.3 us (scores 14.1 -> 10.2, V sum 10.8 -> 6.3 for the 4 kv
@@ -23,8 +23,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .kernels import _REDUCE_FM, _max_finite, expf
-from .kernels_attention_ir import HAVE_ATTN_IR, scores8, wsum_rows
+from .attn_ir import HAVE_ATTN_IR, scores8, wsum_rows
+from .base import _REDUCE_FM, _max_finite, expf
 
 KEY_BLOCK = 8      # keys per scores8 call: each block's rows read from L1 by all the group's heads
 ROW_CHUNK = 64     # V rows per wsum_rows call, for the same reason (64 x hd floats stay in L1)

@@ -1,13 +1,13 @@
 """The f16 and bf16 decode matvec as LLVM IR: the whole row loop in one intrinsic, for
 row-major matrices and for matrices stored in panels (panels.py).
 
-Numba's own loop (kernels._matvec_core) vectorises each row as 4 x 16 lanes, converts with
+Numba's own loop (dense._matvec_core) vectorises each row as 4 x 16 lanes, converts with
 `vcvtph2ps` (f16) or a zero-extend and shift (bf16) and FMAs with x; here the same
 arithmetic (the same 4 accumulators and the same order of sums, so the bits match) runs
 with the row loop in IR and 4 steps of 64 columns unrolled. Measured on this Zen 4 VM, the
 f16 expert matrices of bench-mixtral streamed from DRAM at 23.0-24.0 GB/s with Numba's loop
 and 24.6-25.1 GB/s with this one (3 rounds, one process). It needs AVX-512 and rows of a
-multiple of STEP columns; kernels.matvec falls back to the Numba loop otherwise.
+multiple of STEP columns; dense.matvec falls back to the Numba loop otherwise.
 
 Panels (nb, d, PANEL): x's PANEL columns of one panel sit in 16 zmm registers while the d rows
 of the panel stream by, 4 accumulators per row, one horizontal sum per row and panel added
@@ -32,9 +32,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .kernels_simd import _FEATURES, split_rows
+from .cpu import FEATURES as _FEATURES
+from .quant_ir import split_rows
 
-from .format import PANEL
+from ..format import PANEL
 
 __all__ = ["HAVE_FLOAT_IR", "HAVE_FLOAT_IR8", "STEP", "STEP8", "STREAMS8", "float_rows", "float_rows_stack"]
 
@@ -43,7 +44,7 @@ STEP = 64            # columns per step: 4 accumulators of 16 f32 lanes
 # AVX2 without AVX-512 (Zen 3, Haswell..Alder Lake): the same loops on ymm registers
 HAVE_FLOAT_IR8 = not HAVE_FLOAT_IR and {"avx2", "fma", "f16c"} <= _FEATURES
 STEP8 = 32           # columns per step there (4 vectors of 8 f32 lanes)
-# Rows streamed at once there (far apart: kernels_simd.split_rows) and accumulators per row, measured
+# Rows streamed at once there (far apart: kernels/quant_ir.split_rows) and accumulators per row, measured
 # on a Zen 3 VM: bench-mixtral's f16 expert matrices (panels) from DRAM, one thread, kernels alternating
 # matrix by matrix, w1 and w2 in two runs: 4 rows x 4 accumulators 19.8-20.5 GB/s (3 of them spill),
 # 4 x 2 19.9-20.4, 5 x 2 20.4-21.1, 6 x 2 20.5-21.2, 6 x 4 20.4-20.9, 8 x 2 18.9-20.4.

@@ -1,0 +1,29 @@
+"""The Numba CPU kernels: every loop over weights or activations, each kernel with a plain-numpy twin.
+
+Rooms, imports running upward only (a module imports only those above it):
+  cpu       what the CPU can run (AVX2, AVX-512 VNNI, ...), asked of LLVM once
+  packing   pure numpy: q8/q4 group quantization and the f16/bf16 panel layout (converter and twins)
+  buffers   aligned and lazily mapped allocation of activations and scratch
+  base      threading layer, f16/bf16 -> f32 loads (to_f32), expf, shape helpers; the conventions
+  quant_ir, float_ir, attn_ir   LLVM IR inner loops (integer dots, f16/bf16 rows, attention rows)
+  dense     float rmsnorm, matvec family, embed, rope, argmax
+  moe       router, expert grouping, SwiGLU experts, threaded float matvecs
+  quant     q8/q4 matvecs and experts      gemm   q8/q4 and bf16 GEMMs for prefill
+  attn      causal attention               matmuls   X @ W.T for any weight kind (BLAS tiles or GEMM)
+  decode    the whole decode token fused into one Numba call
+
+Kernels never allocate (outputs and scratch are passed in), never import a model-level module
+(only ..format's constants), and know nothing of configs, files or requests. Model code imports
+them through this face: `from . import kernels as K` and the families as `from .kernels import quant as KQ`.
+"""
+from .base import expf, nrows, row_slice, to_f32, weights_to_f32  # noqa: F401  (sets the threading layer first)
+from .buffers import ALIGN, aligned_zeros, lazy_zeros  # noqa: F401
+from .dense import _matvec_core, _panels_loop  # noqa: F401  (the Numba loops, for the tests)
+from .dense import (argmax, argmax_ref, embed, embed_ref, matvec, matvec_ref, matvec_stack,  # noqa: F401
+                    panel_rows_to_f32, rmsnorm, rmsnorm_heads, rmsnorm_heads_ref, rmsnorm_ref, rope, rope_ref,
+                    rows_to_f32, rows_to_f32_ref)
+from .moe import (expert_ffn, expert_ffn_par, expert_ffn_ref, group_by_expert, group_by_expert_ref,  # noqa: F401
+                  matvec_par, matvec_qkv_par, route, route_ref, silu_mul, silu_mul_ref)
+from .attn import attend, attention, attention_par, attention_ref  # noqa: F401
+from .matmuls import matmul, matmul_par, matmul_ref  # noqa: F401
+from . import attn, attn_ir, cpu, decode, dense, float_ir, gemm, packing, quant, quant_ir  # noqa: F401,E402
