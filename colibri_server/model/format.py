@@ -33,7 +33,38 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import hugepages as HP
+
+class _KernelPages:
+    """The page policy until the memory layer installs its own: pages as the kernel makes them."""
+
+    @staticmethod
+    def advise(mm) -> bool:
+        return False
+
+    @staticmethod
+    def populate(mm, size: int, start: int = 0) -> None:
+        int(np.frombuffer(mm, np.uint8, count=size, offset=start)[::mmap.PAGESIZE].sum(dtype=np.uint64))  # touch each page
+
+    @staticmethod
+    def rehome(path, mm, size: int):
+        return None
+
+    @staticmethod
+    def drop_cached(path, pieces=None) -> None:
+        pass
+
+
+# How a mapping gets its pages (2 MiB advice, pre-faulting, dropping a written file's pages from
+# the cache) is the memory layer's business, not the byte layout's: hugepages.py installs itself
+# here (use_pages) when colibri_server.model is imported; format only calls it where it maps.
+PAGES = _KernelPages
+
+
+def use_pages(pages) -> None:
+    """Install the page policy: an object with advise, populate, rehome and drop_cached."""
+    global PAGES
+    PAGES = pages
+
 
 MAGIC = b"COLI"
 VERSION = 1
@@ -191,7 +222,7 @@ class ColibriFile:
         (hugepages.py); `huge_bytes` then says how much is on 2 MiB pages (None: unknown)."""
         path = os.fspath(path)
         mm, size = cls._map(path, populate, hugepages)
-        huge = HP.rehome(path, mm, size) if hugepages and populate else None
+        huge = PAGES.rehome(path, mm, size) if hugepages and populate else None
         try:
             header, records, routing, blobs = _validate(path, mm, size)
         except BaseException:
@@ -218,9 +249,9 @@ class ColibriFile:
         finally:
             os.close(fd)
         if hugepages:
-            HP.advise(mm)
+            PAGES.advise(mm)
         if populate:
-            HP.populate(mm, size)
+            PAGES.populate(mm, size)
         return mm, size
 
     def close(self) -> None:
@@ -561,7 +592,7 @@ class ColibriWriter:
         self._fh = None
         # the written pages sit in the page cache as 4 KiB folios; dropped, the first open reads
         # the file back on 2 MiB pages (hugepages.py)
-        HP.drop_cached(self.path)
+        PAGES.drop_cached(self.path)
 
     def abort(self) -> None:
         if self._fh is not None:

@@ -178,3 +178,13 @@ def drop_cached(path: str, pieces: list[tuple[int, int]] | None = None) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _install() -> None:
+    import sys
+
+    from . import format as fmt
+    fmt.use_pages(sys.modules[__name__])     # the module itself: a monkeypatched function is the one called
+
+
+_install()
