@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 
+from .bundled import BUNDLED_MODEL
+
 EXIT_ERROR = 1
 
 
@@ -20,8 +22,6 @@ def _die(msg: str, code: int = EXIT_ERROR):
     print(f"colibri: error: {msg}", file=sys.stderr)
     sys.exit(code)
 
-
-BUNDLED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tiny-stdlib.colibri")
 
 
 def default_model_path(path):
@@ -83,17 +83,7 @@ def _run_embedding(m, a):
         _die(f"--embedding {a.embedding}: {err}")
     if e.ndim != 2 or e.shape[1] != m.config.hidden_size:
         _die(f"--embedding {a.embedding}: shape {e.shape}, expected (T, {m.config.hidden_size})")
-    cache = m.new_cache()
-    logits = m.embed_forward(cache, e)
-    from .model.sampler import Sampler, SamplingParams
-    s = Sampler(SamplingParams(temperature=a.temperature, seed=a.seed), m.config.vocab_size)
-    out = []
-    for _ in range(a.max_tokens):
-        t = s.sample(logits[0], out)
-        out.append(t)
-        if cache.length >= cache.capacity:
-            break
-        logits = m.decode(cache, t)
+    out = m.generate_from_embeddings(e, a.max_tokens, temperature=a.temperature, seed=a.seed)
     text = m.tokenizer.decode(out) if m.file.tokenizer_json else ""
     print(text if text else " ".join(map(str, out)))
 
@@ -137,18 +127,9 @@ def cmd_inspect(a):
 
 
 def _print_rows(cf, name, rows):
-    from .model.format import PANEL_DTYPES
-    from .model.kernels import weights_to_f32
-    from .model.panels import from_panels
-    v, r = cf.view(name), cf.records[name]
-    if r.dtype in PANEL_DTYPES:                  # the first matrix's first rows, gathered from its panels
-        p = v.reshape((-1,) + v.shape[-3:])[0]
-        total = v.size // (p.shape[0] * p.shape[2])
-        a = weights_to_f32(from_panels(p[:, :rows]))
-    else:
-        v2 = v.reshape(-1, v.shape[-1])
-        total = v2.shape[0]
-        a = weights_to_f32(v2[:rows])
+    from .model.weights import first_rows
+    r = cf.records[name]
+    a, total = first_rows(cf, name, rows)
     print(f"{name} {r.dtype}{list(r.shape)}: first {len(a)} of {total} rows")
     with np.printoptions(precision=5, suppress=True, linewidth=120, threshold=64, edgeitems=6):
         for i, row in enumerate(a):

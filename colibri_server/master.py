@@ -555,7 +555,7 @@ def _default_workers():
 
 def _model_path(path):
     if not path:
-        from .cli import BUNDLED_MODEL
+        from .bundled import BUNDLED_MODEL
         path = BUNDLED_MODEL
     if not os.path.exists(path):
         raise HaltServer(f"model file not found: {path}", EXIT_LOAD)
