@@ -282,9 +282,13 @@ class Sequence:
     def __init__(self, model: Model, prompt, cache: KVCache, params: SamplingParams):
         self.model, self.params, self.cache = model, params, cache
         self.prompt_ids = model._ids(prompt)
-        if len(self.prompt_ids) > cache.capacity:
-            raise ValueError(f"prompt of {len(self.prompt_ids)} tokens exceeds the context of {cache.capacity}")
-        cache.reset()
+        # cache None: the sequence's keys and values live elsewhere (a BatchEngine's paged pool), which
+        # calls _sample with each step's logits; the context is then the model's
+        self.capacity = cache.capacity if cache is not None else model.context
+        if len(self.prompt_ids) > self.capacity:
+            raise ValueError(f"prompt of {len(self.prompt_ids)} tokens exceeds the context of {self.capacity}")
+        if cache is not None:
+            cache.reset()
         tok = model.tokenizer if model.file.tokenizer_json else None
         self.decoder = IncrementalDecoder(tok) if tok is not None else None
         self.stops = StopChecker(params.stop, params.stop_token_ids, model.config.eos_token_ids,
@@ -322,7 +326,7 @@ class Sequence:
         self.generated.append(t)
         self.last = t
         emit, finished, reason = self.stops.push(t, self.decoder.push(t) if self.decoder is not None else "")
-        if not finished and (len(self.generated) >= p.max_tokens or self.cache.length >= self.cache.capacity):
+        if not finished and (len(self.generated) >= p.max_tokens or len(self.history) - 1 >= self.capacity):
             tail = self.decoder.flush() if self.decoder is not None else ""
             emit += self.stops.push(None, tail)[0] + self.stops.flush()
             finished, reason = True, "length"

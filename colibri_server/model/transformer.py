@@ -19,10 +19,11 @@ from .kernels import aligned_zeros, lazy_zeros
 from .kernels import decode as KD
 from .kernels import gemm as GE
 from .kernels import quant as KQ
+from .kernels import rowgemm as RG
 from .config import ModelConfig
 from .decode_step import DecodeStep
 from .moe import moe, swiglu
-from .panels import kernel_array
+from .panels import Panels, kernel_array
 
 
 class KVCache:
@@ -53,6 +54,10 @@ class Workspace:
     # on VMs), so it runs the experts (two regions per expert) and matrices of at least this many
     # weights on threads, the rest (attention projections) on the calling thread
     PAR_MIN_WEIGHTS = 4 << 20
+    # up to this many rows, f16/bf16 matrices go through kernels.rowgemm (each weight converted once, in a
+    # register, for every row) instead of converting 256-row tiles to f32 for BLAS, which pays off from
+    # a few dozen rows on
+    ROWGEMM_MAX_ROWS = 48
 
     def __init__(self, cfg: ModelConfig, rows: int, threads: int = 1, prefill_bf16: bool = False):
         D, E, A = cfg.hidden_size, cfg.num_experts, cfg.top_k
@@ -122,6 +127,15 @@ class Workspace:
             return out
         if X.shape[0] == 1 and W.dtype != np.float32:      # f16/bf16 rows or panels: straight to the kernel
             K.matvec(kernel_array(W), X[0], out[0])
+            return out
+        if 1 < X.shape[0] <= self.ROWGEMM_MAX_ROWS and not hasattr(W, "q") and W.dtype != np.float32 \
+                and not self.prefill_bf16:
+            # a few rows (a serving step, an expert's rows): each f16/bf16 weight converted once for all of them
+            P = W.p if isinstance(W, Panels) else W[None]                      # (nb,d,P) or (1,d,n), a view
+            if self.threads > 1:
+                RG.rowgemm_par(P, X, out, self.threads)
+            else:
+                RG.rowgemm(P, X, out)
             return out
         if X.shape[0] > 1 and self.prefill_bf16 and not hasattr(W, "q") and W.dtype == np.int16:   # rows or panels
             if self.threads > 1:

@@ -1,0 +1,106 @@
+"""forward_batch(): one step of the decoder over the rows of many sequences, top to bottom.
+
+A serving step holds N rows: the next token of every decoding sequence and prefill chunks of
+others (scheduler.py). Every matrix multiplies all N rows at once (Workspace.mm: the small-row
+kernels stream each weight row once for the batch); RoPE runs at each row's own position;
+attention reads each row's own sequence through its block table in the paged pool (kv.py);
+the MoE routes every row and groups the rows of the whole batch by expert, so each selected
+expert's weights are read once per step however many sequences chose it. Only the rows whose
+next token is sampled go through the output head.
+
+Legend: N rows, S sequences, D hidden, H heads, Hkv kv heads, hd head dim, V vocab,
+M rows that are sampled.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import kernels as K
+from .kernels import paged as KP
+from .config import ModelConfig
+from .moe import moe, swiglu
+
+
+class Rows:
+    """The rows of one step and where each one lives: built by the serving engine from the
+    scheduler's segments, read by forward_batch."""
+
+    def __init__(self, tokens, seq_index, positions, tables, block_size: int, sample_rows):
+        self.tokens = np.ascontiguousarray(tokens, np.int64)                     # (N,)
+        self.seq = np.ascontiguousarray(seq_index, np.int64)                     # (N,) row -> table
+        self.pos = np.ascontiguousarray(positions, np.int64)                     # (N,) absolute
+        self.tables = np.ascontiguousarray(tables, np.int32)                     # (S,maxb)
+        self.blocks = self.tables[self.seq, self.pos // block_size].astype(np.int64)   # (N,) where each row writes
+        self.offsets = self.pos % block_size                                     # (N,)
+        self.sample = np.ascontiguousarray(sample_rows, np.int64)                # (M,)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, noise=None) -> np.ndarray:
+    """Run every row of the step; write their keys and values into the pool; return the logits of
+    the sampled rows (M,V), a view of logits_out (>= M,V)."""
+    N = len(rows)
+    if N > ws.rows:
+        raise ValueError(f"{N} rows exceed the workspace's {ws.rows}")
+    H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qd, kvd = cfg.q_dim, cfg.kv_dim
+    cos, sin = rope
+    scale = 1.0 / math.sqrt(hd)
+    attend = KP.paged_attention_par if ws.threads > 1 else KP.paged_attention
+    x, h, sub = ws.x[:N], ws.h[:N], ws.sub[:N]                                 # (N,D)
+
+    K.embed(w.token_embd, rows.tokens, x)
+    for l, L in enumerate(w.layers):
+        # attention: RMSNorm -> q, k, v (+ bias) -> [clip] -> [q/k norm] -> RoPE at each row's position
+        K.rmsnorm(x, L.attn_norm, cfg.rms_norm_eps, h)
+        q, k, v = ws.q[:N], ws.k[:N], ws.v[:N]                                 # (N,H*hd) (N,Hkv*hd) (N,Hkv*hd)
+        ws.mm(h, L.wq, q)
+        ws.mm(h, L.wk, k)
+        ws.mm(h, L.wv, v)
+        if L.bq is not None:
+            q += L.bq
+            k += L.bk
+            v += L.bv
+        if cfg.qk_norm == "full":
+            K.rmsnorm(q, L.q_norm, cfg.rms_norm_eps, q)
+            K.rmsnorm(k, L.k_norm, cfg.rms_norm_eps, k)
+        if cfg.clip_qkv:
+            np.clip(q, -cfg.clip_qkv, cfg.clip_qkv, out=q)
+            np.clip(k, -cfg.clip_qkv, cfg.clip_qkv, out=k)
+            np.clip(v, -cfg.clip_qkv, cfg.clip_qkv, out=v)
+        q3, k3, v3 = q.reshape(N, H, hd), k.reshape(N, Hkv, hd), v.reshape(N, Hkv, hd)
+        if cfg.qk_norm == "head":
+            K.rmsnorm(q.reshape(N * H, hd), L.q_norm, cfg.rms_norm_eps, q.reshape(N * H, hd))
+            K.rmsnorm(k.reshape(N * Hkv, hd), L.k_norm, cfg.rms_norm_eps, k.reshape(N * Hkv, hd))
+        K.rope(q3, rows.pos, cos, sin)
+        K.rope(k3, rows.pos, cos, sin)
+        # the step's keys and values into their slots, then every row over its own sequence
+        KP.write_kv(k3, v3, pool.k[l], pool.v[l], rows.blocks, rows.offsets)
+        attn = ws.attn[:N]                                                     # (N,H*hd)
+        attend(q3, pool.k[l], pool.v[l], rows.tables, rows.seq, rows.pos, cfg.sliding_window, scale,
+               attn.reshape(N, H, hd))
+        ws.mm(attn, L.wo, sub)
+        if L.bo is not None:
+            sub += L.bo
+        x += sub
+
+        # feed-forward: RMSNorm -> MoE over the whole batch (rows grouped by expert) or dense MLP
+        K.rmsnorm(x, L.ffn_norm, cfg.rms_norm_eps, h)
+        if L.gate is not None:
+            moe(L, h, ws, sub, noise=noise)
+        else:
+            swiglu(h, L.mlp_w1, L.mlp_w3, L.mlp_w2, ws, sub)
+        x += sub
+
+    # final norm and the output head, for the sampled rows only
+    M = rows.sample.shape[0]
+    hs = ws.gather[:M]                                                         # (M,D)
+    np.take(x, rows.sample, axis=0, out=hs)
+    K.rmsnorm(hs, w.output_norm, cfg.rms_norm_eps, hs)
+    logits = logits_out[:M]                                                    # (M,V)
+    ws.mm(hs, w.output, logits)
+    return logits

@@ -1,0 +1,169 @@
+"""Attention over a paged KV cache: the keys and values of many sequences in one pool of blocks.
+
+A pool layer is (NB, Hkv, BS, hd): NB blocks of BS positions, f32, or f16 stored as uint16 bits.
+A sequence owns a block table (its blocks in position order): position p lives in block
+table[p // BS] at offset p % BS. A serving step's rows belong to several sequences; each row
+carries the index of its sequence's table and its absolute position, so one call attends every
+row of the step (decode tokens and prefill chunks alike), causally, with an optional sliding
+window, grouped-query (H/Hkv query heads per kv head), each query head's keys read in place.
+
+write_kv stores the step's new keys and values at their rows' slots first, so a prefill chunk's
+rows see each other (positions < their own) like the contiguous cache's attention does.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from .base import _REDUCE_FM, _max_finite, expf, to_f32
+
+__all__ = ["write_kv", "paged_attention", "paged_attention_par", "paged_attention_ref", "to_f16_bits"]
+
+
+@intrinsic
+def _f32_to_f16_bits(typingctx, v):
+    """float32 -> IEEE half bits (uint16), round to nearest even (fptrunc)."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        h = builder.fptrunc(args[0], ir.HalfType())
+        return builder.bitcast(h, ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+def to_f16_bits(x: np.ndarray) -> np.ndarray:
+    """numpy twin of the f16 store: float32 -> uint16 half bits."""
+    return np.asarray(x, np.float32).astype(np.float16).view(np.uint16)
+
+
+def _put_row(src, dst):
+    """src (hd,) f32 -> dst (hd,): f32, or uint16 f16 bits (Numba specialises on dst's type)."""
+    dst[:] = src.astype(np.float16).view(np.uint16) if dst.dtype == np.uint16 else src
+
+
+@overload(_put_row, inline="always")
+def _put_row_overload(src, dst):
+    if dst.dtype == types.uint16:
+        def put_f16(src, dst):
+            for c in range(src.shape[0]):
+                dst[c] = _f32_to_f16_bits(src[c])
+        return put_f16
+
+    def put(src, dst):
+        for c in range(src.shape[0]):
+            dst[c] = src[c]
+    return put
+
+
+@njit(cache=True)
+def write_kv(k, v, kpool, vpool, blocks, offsets):
+    # k, v (N,Hkv,hd) f32 -> kpool/vpool (NB,Hkv,BS,hd) at [blocks[r], :, offsets[r]] for every row r
+    for r in range(k.shape[0]):
+        b, o = blocks[r], offsets[r]
+        for kh in range(k.shape[1]):
+            _put_row(k[r, kh], kpool[b, kh, o])
+            _put_row(v[r, kh], vpool[b, kh, o])
+
+
+@njit(cache=True, fastmath=_REDUCE_FM, error_model="numpy")
+def _attend_row(q, kpool, vpool, table, p, window, scale, out, sc, acc):
+    # q (H,hd) one row at position p -> out (H,hd); table (>= p//BS + 1,) its sequence's blocks;
+    # sc (>= p+1,) f32 and acc (hd,) f32 scratch
+    H, hd = q.shape
+    Hkv, BS = kpool.shape[1], kpool.shape[2]
+    group = H // Hkv
+    lo = 0
+    if window > 0:
+        lo = max(0, p - window + 1)
+    n = p + 1 - lo
+    s = sc[:n]
+    for h in range(H):
+        kh = h // group
+        qh = q[h]
+        for j in range(n):
+            pos = lo + j
+            kr = kpool[table[pos // BS], kh, pos % BS]
+            a = np.float32(0.0)
+            for c in range(hd):
+                a += qh[c] * to_f32(kr[c])
+            s[j] = np.float32(scale) * a
+        m = _max_finite(s)
+        tot = np.float32(0.0)
+        for j in range(n):
+            e = expf(s[j] - m)
+            s[j] = e
+            tot += e
+        inv = np.float32(1.0) / tot
+        for c in range(hd):
+            acc[c] = 0.0
+        for j in range(n):
+            pos = lo + j
+            vr = vpool[table[pos // BS], kh, pos % BS]
+            w = s[j] * inv
+            for c in range(hd):
+                acc[c] += w * to_f32(vr[c])
+        o = out[h]
+        for c in range(hd):
+            o[c] = acc[c]
+
+
+@njit(cache=True)
+def paged_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out):
+    # q (N,H,hd) f32 rows of a step, kpool/vpool (NB,Hkv,BS,hd), tables (S,maxb) i32 block tables,
+    # row_seq (N,) index into tables, row_pos (N,) absolute positions -> out (N,H,hd)
+    N, H, hd = q.shape
+    if H % kpool.shape[1] != 0:
+        raise ValueError("paged attention: H must be a multiple of Hkv")
+    maxp = 1
+    for r in range(N):
+        maxp = max(maxp, row_pos[r] + 1)
+    if (maxp + kpool.shape[2] - 1) // kpool.shape[2] > tables.shape[1]:
+        raise ValueError("paged attention: a position beyond its block table")
+    sc = np.empty(maxp, np.float32)
+    acc = np.empty(hd, np.float32)
+    for r in range(N):
+        _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc)
+
+
+@njit(cache=True, parallel=True)
+def paged_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out):
+    # paged_attention with the rows split over Numba threads (the same bits: rows are independent)
+    N, H, hd = q.shape
+    if H % kpool.shape[1] != 0:
+        raise ValueError("paged attention: H must be a multiple of Hkv")
+    maxp = 1
+    for r in range(N):
+        maxp = max(maxp, row_pos[r] + 1)
+    if (maxp + kpool.shape[2] - 1) // kpool.shape[2] > tables.shape[1]:
+        raise ValueError("paged attention: a position beyond its block table")
+    for r in prange(N):
+        sc = np.empty(row_pos[r] + 1, np.float32)
+        acc = np.empty(hd, np.float32)
+        _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc)
+
+
+def paged_attention_ref(q, kpool, vpool, tables, row_seq, row_pos, window, scale):
+    """numpy twin, float64 inside."""
+    N, H, hd = q.shape
+    Hkv, BS = kpool.shape[1], kpool.shape[2]
+    group = H // Hkv
+
+    def f32(a):
+        return a.view(np.float16).astype(np.float64) if a.dtype == np.uint16 else a.astype(np.float64)
+    out = np.zeros((N, H, hd), np.float32)
+    for r in range(N):
+        p = int(row_pos[r])
+        lo = max(0, p - window + 1) if window > 0 else 0
+        pos = np.arange(lo, p + 1)
+        blk = np.asarray(tables[row_seq[r]])[pos // BS]
+        for h in range(H):
+            K = f32(kpool[blk, h // group, pos % BS])                           # (n,hd)
+            V = f32(vpool[blk, h // group, pos % BS])
+            s = K @ q[r, h].astype(np.float64) * scale
+            w = np.exp(s - s.max())
+            out[r, h] = (w / w.sum()) @ V
+    return out

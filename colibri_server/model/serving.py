@@ -1,0 +1,142 @@
+"""BatchEngine: a worker's requests stepped together, one forward per step over all of them.
+
+    eng = BatchEngine(model, max_seqs=16, max_batch_tokens=256)
+    eng.add("r1", [1, 2, 3], max_tokens=32)          # or a prompt string; sampling fields as Model.stream
+    while eng.has_work():
+        for rid, ev in eng.step():                   # a StreamEvent per sampled token
+            ...                                      # ev.finish_reason set on a request's last event
+
+Each step: the scheduler picks the rows (every decoding sequence's next token, prefill chunks under
+the token budget), forward_batch runs them in one pass over the weights, each sequence whose rows
+reached its last known token samples its next one with its own sampler (engine.Sequence: the same
+sampling, stop strings and detokenization as Model.stream). Finished and cancelled requests leave
+the pool at once; their prompt blocks stay in the prefix cache.
+
+Owns: the KV pool, the scheduler, the step's row arrays and logits buffer, per-request timings.
+Never: touches a socket or a process (worker.py does), or decides routing (the router does).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .batch import Rows, forward_batch
+from .engine import Sequence
+from .kernels import aligned_zeros
+from .kv import BLOCK_SIZE, KVPool, block_bytes
+from .sampler import SamplingParams
+from .scheduler import Scheduler
+from .transformer import Workspace
+
+
+class RequestTooLarge(ValueError):
+    """A prompt and max_tokens beyond the context, or beyond what the KV pool can ever hold."""
+
+
+class BatchEngine:
+    def __init__(self, model, *, max_seqs: int = 16, max_batch_tokens: int = 256, kv_cache_memory: int = 0,
+                 kv_dtype: str = "f16", block_size: int = BLOCK_SIZE, prefix_cache: bool = True):
+        cfg = model.config
+        self.model = model
+        per_block = block_bytes(cfg, block_size, kv_dtype)
+        full = max_seqs * -(-model.context // block_size)            # every slot at full context
+        blocks = full if kv_cache_memory <= 0 else max(1, min(full, kv_cache_memory // per_block))
+        self.pool = KVPool(cfg, blocks, block_size, kv_dtype)
+        self.sched = Scheduler(self.pool, max_seqs, max_batch_tokens, prefix_cache)
+        self.ws = Workspace(cfg, self.sched.max_batch_tokens, model.threads, prefill_bf16=model.prefill_bf16)
+        self.logits = aligned_zeros((max_seqs, cfg.vocab_size), np.float32)   # (M,V), M <= max_seqs
+        self.states = {}                                              # rid -> SeqState
+        self.steps = 0
+        self.rows_total = 0
+        self.last_rows = 0
+
+    # -- requests -------------------------------------------------------------------------
+    def add(self, rid, prompt, **params):
+        """Queue a request; raises ValueError (a bad prompt or parameter) or RequestTooLarge."""
+        if rid in self.states:
+            raise ValueError(f"request {rid!r} is already running")
+        m = self.model
+        seq = Sequence(m, prompt, None, SamplingParams(**params))
+        P, mt = len(seq.prompt_ids), seq.params.max_tokens
+        if P + mt > m.context:
+            raise RequestTooLarge(f"prompt of {P} tokens plus max_tokens {mt} exceeds the context of {m.context} "
+                                  f"tokens: shorten the prompt or lower max_tokens to {max(0, m.context - P)}")
+        try:
+            st = self.sched.add(rid, seq.prompt_ids.tolist(), P + mt)
+        except ValueError as e:
+            raise RequestTooLarge(str(e)) from None
+        st.seq = seq
+        self.states[rid] = st
+        return st
+
+    def cancel(self, rid) -> bool:
+        st = self.states.pop(rid, None)
+        if st is None:
+            return False
+        st.seq.cancel()
+        self.sched.finish(st)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list:
+        """Run one batched forward; return [(rid, StreamEvent)] for every token sampled in it."""
+        plan = self.sched.schedule()
+        if not plan:
+            return []
+        t0 = time.perf_counter()
+        rows = self._rows(plan)
+        m = self.model
+        logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, self.logits, noise=m.noise)
+        dt = time.perf_counter() - t0
+        events, j = [], 0
+        for seg in plan:
+            st = seg.state
+            self.sched.advance(seg)
+            prefill = seg.start < len(st.seq.prompt_ids)
+            st.seq.timings["prefill_s" if prefill else "decode_s"] += dt
+            if not seg.sample:
+                continue
+            ev = st.seq._sample(logits[j:j + 1])
+            j += 1
+            st.tokens.append(ev.token_id)
+            events.append((st.rid, ev))
+            if st.seq.finished:
+                self.sched.finish(st)
+                del self.states[st.rid]
+        self.steps += 1
+        self.last_rows = len(rows)
+        self.rows_total += len(rows)
+        return events
+
+    def _rows(self, plan) -> Rows:
+        n = sum(seg.n for seg in plan)
+        maxb = max(len(seg.state.blocks) for seg in plan)
+        tokens = np.empty(n, np.int64)
+        seq = np.empty(n, np.int64)
+        pos = np.empty(n, np.int64)
+        tables = np.zeros((len(plan), maxb), np.int32)
+        sample, r = [], 0
+        for i, seg in enumerate(plan):
+            st = seg.state
+            tokens[r:r + seg.n] = st.tokens[seg.start:seg.start + seg.n]
+            seq[r:r + seg.n] = i
+            pos[r:r + seg.n] = np.arange(seg.start, seg.start + seg.n)
+            tables[i, :len(st.blocks)] = st.blocks
+            r += seg.n
+            if seg.sample:
+                sample.append(r - 1)
+        return Rows(tokens, seq, pos, tables, self.pool.block_size, sample)
+
+    def stats(self) -> dict:
+        s = dict(self.pool.stats())
+        s.update(self.sched.stats())
+        s.update(steps=self.steps, batch_rows_last=self.last_rows,
+                 batch_rows_mean=round(self.rows_total / self.steps, 2) if self.steps else 0.0)
+        return s
