@@ -1,4 +1,4 @@
-# gunicorn settings for the colibri OpenAI-compatible HTTP gateway (colibri_server/http.py).
+# gunicorn settings for the colibri OpenAI-compatible HTTP gateway (colibri_server/http/).
 #
 #   COLIBRI_HTTP_CONNECT=tcp://127.0.0.1:5555 \
 #       gunicorn 'colibri_server.http:app_from_env()' -c configs/gunicorn.conf.py
@@ -20,7 +20,7 @@ bind = os.environ.get("COLIBRI_HTTP_BIND", "127.0.0.1:8000")
 # `threads` bounds the concurrent HTTP requests (streams included) of one process.
 worker_class = "gthread"
 threads = int(os.environ.get("COLIBRI_HTTP_THREADS", "8"))
-# One process by default: request metrics are per process (see colibri_server/http_metrics.py).
+# One process by default: request metrics are per process (see colibri_server/http/metrics.py).
 workers = int(os.environ.get("COLIBRI_HTTP_WORKERS", "1"))
 
 # gthread heartbeats from its main loop, so long streams do not trip this; it only catches a

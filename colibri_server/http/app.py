@@ -1,5 +1,6 @@
-"""OpenAI-compatible HTTP gateway: a plain-WSGI app, served by gunicorn (gthread), that
-talks to a running colibri server over ZeroMQ with `colibri_server.client.Client`.
+"""The gateway's WSGI app: `Gateway` routes each request, checks the API key, and answers from a
+running colibri server through a per-thread `colibri_server.client.Client`; `create_app` and
+`app_from_env` build it (gunicorn loads `colibri_server.http:app_from_env()`).
 
     colibri http --connect tcp://127.0.0.1:5555 --bind 127.0.0.1:8000
     COLIBRI_HTTP_CONNECT=ipc:///run/colibri/colibri.sock \\
@@ -30,40 +31,36 @@ Threads: a Client is not thread-safe, so each gunicorn thread lazily creates its
 (`threading.local`); a streaming response is iterated by the thread that created it, as
 gunicorn's gthread worker does.
 
-The rest of the gateway lives beside this module: `http_openai` (request fields and their
-validation, error mapping, the shapes of answers), `http_template` (the model's info and
-chat template), `http_metrics` (the Prometheus registry) and `http_config` (the COLIBRI_HTTP_*
-environment).  Their names that callers use are importable from here as well.
+The rest of the gateway lives beside this module (the package's face re-exports what callers
+use): `openai` (request fields and their validation, error mapping, the shapes of answers),
+`template` (the model's info and chat template), `metrics` (the Prometheus registry), `config`
+(the COLIBRI_HTTP_* environment) and `serve` (gunicorn and `colibri http`).
 """
 from __future__ import annotations
 
-import argparse
 import hmac
-import ipaddress
 import json
 import logging
 import os
-import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .client import Client, ColibriError, ColibriTimeout
-from .http_config import DEFAULT_CONNECT, ENV, ENV_VARS, _env_bool, _read_key_file, options_from_env  # noqa: F401
-from .http_metrics import _Metrics, _ServerCollector
-from .http_openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _chat_messages,  # noqa: F401
+from ..client import Client, ColibriError, ColibriTimeout
+from .config import DEFAULT_CONNECT, ENV, ENV_VARS, _env_bool, _read_key_file, options_from_env  # noqa: F401
+from .metrics import _Metrics, _ServerCollector
+from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _chat_messages,  # noqa: F401
                           _chat_unsupported, _check_known, _completion_prompt, _error_resp, _Fields, _is_int,
                           _is_num, _json, _json_bytes, _Resp, _sampling, _sse, _stream_options, _StreamBody,
                           http_error_for)
-from .http_template import (CHATML, STATS_TIMEOUT, ModelInfo, fetch_template, model_info_from_stats,  # noqa: F401
+from .template import (CHATML, STATS_TIMEOUT, ModelInfo, fetch_template, model_info_from_stats,  # noqa: F401
                             render_chat)
 
 log = logging.getLogger("colibri.http")
 
-__all__ = ["create_app", "app_from_env", "fetch_template", "ModelInfo", "render_chat", "Gateway",
-           "serve", "add_http_arguments", "cmd_http", "main", "HTTPError"]
+__all__ = ["create_app", "app_from_env", "fetch_template", "ModelInfo", "render_chat", "Gateway", "HTTPError"]
 
 DEFAULT_BIND = "127.0.0.1:8000"
 DEFAULT_TIMEOUT = 120.0        # seconds to wait for the next message of a request (queueing included)
@@ -561,110 +558,3 @@ def app_from_env() -> Gateway:
     DEFAULT_MAX_TOKENS, METRICS_AUTH, CURVE_SERVERKEY)."""
     opts = options_from_env()
     return create_app(opts.pop("connect"), **opts)
-
-
-def _is_loopback(bind: str) -> bool:
-    if bind.startswith("unix:"):
-        return True
-    host = bind.rsplit(":", 1)[0].strip("[]") if ":" in bind else bind
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def serve(connect: str, bind: str = DEFAULT_BIND, workers: int = 1, threads: int = 8,
-          api_key: Optional[str] = None, *, model_name: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT,
-          log_level: str = "info", gunicorn_options: Optional[dict] = None, **app_options):
-    """Run the gateway under gunicorn (gthread workers) in this process; does not return."""
-    from gunicorn.app.base import BaseApplication
-    if not api_key and not _is_loopback(bind):
-        log.warning("the HTTP gateway listens on %s without an API key: anyone who can reach it can use the model",
-                    bind)
-    # build one app now so that bad options fail here, not in every worker
-    create_app(connect, api_key, model_name, timeout, **app_options)
-    options = {"bind": bind, "workers": workers, "threads": threads, "worker_class": "gthread",
-               "timeout": 120, "graceful_timeout": 30, "keepalive": 5, "loglevel": log_level,
-               "proc_name": "colibri-http", "accesslog": None, "errorlog": "-",
-               # gunicorn >= 24 opens a control socket at a fixed per-user path: two gateways
-               # on one host would fight over it, and nothing here uses it
-               "control_socket_disable": True}
-    options.update(gunicorn_options or {})
-
-    class _Application(BaseApplication):
-        def load_config(self):
-            for k, v in options.items():
-                if k in self.cfg.settings and (v is not None or k == "accesslog"):
-                    self.cfg.set(k, v)
-
-        def load(self):
-            return create_app(connect, api_key, model_name, timeout, **app_options)
-
-    _Application().run()
-
-
-def add_http_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The `colibri http` options (defaults from the COLIBRI_HTTP_* environment; string
-    defaults, so that a malformed variable is reported by argparse only for `colibri http`)."""
-    env = os.environ.get
-    p.add_argument("--connect", default=env("COLIBRI_HTTP_CONNECT", DEFAULT_CONNECT),
-                   help="address of the colibri server (tcp://host:port or ipc:///path) [COLIBRI_HTTP_CONNECT]")
-    p.add_argument("--bind", default=env("COLIBRI_HTTP_BIND", DEFAULT_BIND),
-                   help=f"HTTP address to listen on (default {DEFAULT_BIND}) [COLIBRI_HTTP_BIND]")
-    p.add_argument("--workers", type=int, default=env("COLIBRI_HTTP_WORKERS", "1"),
-                   help="gunicorn worker processes (each exports its own request metrics)")
-    p.add_argument("--threads", type=int, default=env("COLIBRI_HTTP_THREADS", "8"),
-                   help="threads per worker process = concurrent HTTP requests per process")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file or "
-                        "COLIBRI_HTTP_API_KEY)")
-    p.add_argument("--api-key-file", default=env("COLIBRI_HTTP_API_KEY_FILE"),
-                   help="read the API key from this file [COLIBRI_HTTP_API_KEY_FILE]")
-    p.add_argument("--model-name", default=env("COLIBRI_HTTP_MODEL_NAME"),
-                   help="model id to serve as (default: the model file's metadata name) [COLIBRI_HTTP_MODEL_NAME]")
-    p.add_argument("--timeout", type=float, default=env("COLIBRI_HTTP_TIMEOUT", str(DEFAULT_TIMEOUT)),
-                   help="seconds to wait for the next message of a request, queueing included")
-    p.add_argument("--max-body", type=int, default=env("COLIBRI_HTTP_MAX_BODY", str(MAX_BODY)),
-                   help="largest request body in bytes (413 beyond)")
-    p.add_argument("--default-max-tokens", type=int,
-                   default=env("COLIBRI_HTTP_DEFAULT_MAX_TOKENS", str(DEFAULT_CHAT_MAX_TOKENS)),
-                   help="max_tokens of a chat completion that gives none")
-    p.add_argument("--metrics-auth", action="store_true", default=None,
-                   help="require the API key on /metrics too [COLIBRI_HTTP_METRICS_AUTH=1]")
-    p.add_argument("--log-level", default=env("COLIBRI_HTTP_LOG_LEVEL", "info"),
-                   choices=("debug", "info", "warning", "error", "critical"))
-    return p
-
-
-def cmd_http(a):
-    """`colibri http`: run the gateway (gunicorn, gthread) until stopped."""
-    try:
-        key = a.api_key or os.environ.get("COLIBRI_HTTP_API_KEY") or None
-        if not key and a.api_key_file:
-            key = _read_key_file(a.api_key_file)
-        metrics_auth = a.metrics_auth
-        if metrics_auth is None:
-            metrics_auth = _env_bool("COLIBRI_HTTP_METRICS_AUTH", os.environ.get("COLIBRI_HTTP_METRICS_AUTH", "0"))
-        if a.workers < 1 or a.threads < 1:
-            raise ValueError("--workers and --threads must be >= 1")
-        logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.INFO), stream=sys.stderr,
-                            format="%(asctime)s [%(process)d] %(name)s %(levelname)s: %(message)s")
-        serve(a.connect, bind=a.bind, workers=a.workers, threads=a.threads, api_key=key, model_name=a.model_name,
-              timeout=a.timeout, log_level=a.log_level, max_body=a.max_body,
-              default_max_tokens=a.default_max_tokens, metrics_auth=metrics_auth,
-              curve=os.environ.get("COLIBRI_HTTP_CURVE_SERVERKEY") or None)
-    except ValueError as e:
-        print(f"colibri: error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="colibri-http", description="OpenAI-compatible HTTP gateway to a colibri server")
-    add_http_arguments(p)
-    cmd_http(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

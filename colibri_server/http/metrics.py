@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from .http_openai import _is_num
+from .openai import _is_num
 
 log = logging.getLogger("colibri.http")
 
@@ -92,9 +92,8 @@ class _ServerCollector:
                 if _is_num(v):
                     ev.add_metric([str(k)], float(v))
             yield ev
-            restarts = next((counters[k] for k in ("worker_restarts", "restarts", "respawns", "worker_respawns")
-                             if _is_num(counters.get(k))), None)
-            if restarts is not None:
+            restarts = counters.get("worker_restarts")          # the router's count (router.py)
+            if _is_num(restarts):
                 yield CounterMetricFamily("colibri_worker_restarts", "workers replaced after dying", value=restarts)
 
 

@@ -32,7 +32,7 @@ import math
 import re
 from typing import Any, Callable, Iterator, Optional
 
-from .client import ColibriError
+from ..client import ColibriError
 
 log = logging.getLogger("colibri.http")
 

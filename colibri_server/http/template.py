@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .client import Client
-from .http_openai import HTTPError, _bad
+from ..client import Client
+from .openai import HTTPError, _bad
 
 log = logging.getLogger("colibri.http")
 
@@ -61,7 +61,7 @@ def model_info_from_stats(stats: dict, model_name: Optional[str] = None) -> Mode
     path = stats.get("model") or ""
     gen = stats.get("generation")
     try:
-        from .model.format import ColibriFile
+        from ..model.format import ColibriFile
         cf = ColibriFile.open(path)
     except Exception as e:  # another host, permissions, a replaced file, ...
         log.warning("cannot read the model file %r (%s): chat completions fall back to ChatML; "

@@ -1,0 +1,20 @@
+"""The OpenAI-compatible HTTP gateway: a plain-WSGI app served by gunicorn that talks to a running
+colibri server over ZeroMQ through `colibri_server.client`.
+
+  app       Gateway (routing, API key, completions/chat/models/tokenize/health/metrics), create_app, app_from_env
+  openai    the OpenAI request fields, their validation, error mapping and answer shapes
+  template  the model's info and chat template (read from the server's stats / the model file)
+  metrics   the Prometheus registry and the server collector
+  config    the COLIBRI_HTTP_* environment          serve   gunicorn in-process, `colibri http`
+
+It never runs a model: every token comes from the server (the model file is only read for its
+chat template and name, when the gateway runs beside the server).
+Users load `colibri_server.http:app_from_env()` (gunicorn) or run `colibri http` /
+`python -m colibri_server.http`.
+"""
+from .app import (CHATML, DEFAULT_BIND, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT,  # noqa: F401
+                  MAX_BODY, STATS_TIMEOUT, Gateway, app_from_env, create_app)
+from .config import DEFAULT_CONNECT, ENV, ENV_VARS, options_from_env  # noqa: F401
+from .openai import HTTPError  # noqa: F401
+from .serve import add_http_arguments, cmd_http, main, serve  # noqa: F401
+from .template import ModelInfo, fetch_template, model_info_from_stats, render_chat  # noqa: F401

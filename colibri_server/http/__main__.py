@@ -1,0 +1,4 @@
+"""`python -m colibri_server.http`: the gateway, as `colibri http`."""
+from .serve import main
+
+main()
