@@ -1,0 +1,406 @@
+"""What the synchronous and the asyncio clients share: request bodies and their checks, the
+frames on the wire, the per-request state of a generation, and the socket-independent cores of a
+client and a stream. The public API is colibri_server.client's.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import secrets
+from collections import deque
+from typing import Optional, Sequence, Union
+
+import zmq
+import zmq.asyncio
+
+from . import protocol
+from .protocol import MAGIC, MAX_BODY, ProtocolError
+
+Prompt = Union[str, Sequence[int]]
+# answers may be larger than requests (a tokenize of a long text: more ids than a request may carry)
+RESPONSE_MAX_BODY = 64 << 20
+RESPONSE_MAX_ARRAY = 1 << 24
+
+from .client_types import (  # noqa: F401,E402  (re-exported by client.py)
+    ColibriError, BadRequest, UnsupportedVersion, UnknownType, TooLarge,
+    Overloaded, DeadlineExceeded, Cancelled, WorkerLost, ShuttingDown, DuplicateId,
+    NotFound, InternalError, ColibriTimeout, ERRORS, error_for, _internal,
+    Completion, Chunk,
+)
+
+
+class _Failure:
+    """Queued in place of a body: the request must fail with `exc` (e.g. a malformed,
+    unattributable server message, or the client being closed)."""
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: ColibriError):
+        self.exc = exc
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_list(v):
+    return isinstance(v, list) and all(_is_int(t) for t in v)
+
+
+def _opt(body, name, check, default, rid, what):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not check(v):
+        raise _internal(f"malformed {body.get('type')!r} message: field {name!r} is not {what}", rid)
+    return v
+
+
+def _raise_if_error(item, rid):
+    """A queued item -> a body dict; raise for failures and "error" bodies."""
+    if isinstance(item, _Failure):
+        exc = item.exc
+        if exc.request_id is None:
+            exc = type(exc)(exc.message, code=exc.code, request_id=rid)
+        raise exc
+    if item.get("type") == "error":
+        code = item.get("code")
+        message = item.get("message", "")
+        if not isinstance(code, str):
+            raise _internal(f"malformed error message (code {code!r})", rid)
+        if not isinstance(message, str):
+            message = repr(message)
+        raise error_for(code, message, rid)
+    return item
+
+
+def _cut(streamed, full):
+    """What `full` (the done message's text or ids) adds beyond what was streamed.
+
+    The spec says done carries all text and ids; a server may also send only the tail or
+    nothing in stream mode.  Full copy -> the unstreamed suffix; otherwise -> `full` itself."""
+    n = len(streamed)
+    if len(full) >= n and full[:n] == streamed:
+        return full[n:]
+    return full
+
+
+class _GenState:
+    """Turns the messages of one generate into Chunks and the final Completion."""
+
+    def __init__(self, rid):
+        self.rid = rid
+        self.text = []
+        self.ids = []
+        self.n_chunks = 0
+        self.ended = False          # the server ended the request (done or error)
+        self.final: Optional[Chunk] = None
+
+    def feed(self, item) -> Chunk:
+        rid = self.rid
+        try:
+            body = _raise_if_error(item, rid)
+        except ColibriError:
+            if not isinstance(item, _Failure):
+                self.ended = True   # an "error" message ends the request on the server
+            raise
+        t = body.get("type")
+        if t == "token":
+            text = body.get("text")
+            ids = body.get("ids")
+            if not isinstance(text, str) or not _int_list(ids):
+                raise _internal("malformed token message (text must be a str, ids a list of ints)", rid)
+            index = _opt(body, "index", _is_int, self.n_chunks, rid, "an int")
+            self.text.append(text)
+            self.ids.extend(ids)
+            self.n_chunks += 1
+            return Chunk(text, ids, index)
+        if t == "done":
+            fr = body.get("finish_reason")
+            if not isinstance(fr, str) or not fr:
+                raise _internal("malformed done message: finish_reason is missing", rid)
+            text = _opt(body, "text", lambda v: isinstance(v, str), "", rid, "a str")
+            ids = _opt(body, "ids", _int_list, [], rid, "a list of ints")
+            usage = _opt(body, "usage", lambda v: isinstance(v, dict), {}, rid, "a map")
+            timings = _opt(body, "timings", lambda v: isinstance(v, dict), {}, rid, "a map")
+            generation = _opt(body, "generation", _is_int, None, rid, "an int")
+            pid = _opt(body, "worker_pid", _is_int, None, rid, "an int")
+            streamed_text = "".join(self.text)
+            tail_text = _cut(streamed_text, text)
+            tail_ids = _cut(self.ids, ids)
+            self.text.append(tail_text)
+            self.ids.extend(tail_ids)
+            self.ended = True
+            self.final = Chunk(tail_text, list(tail_ids), self.n_chunks, fr, usage, timings, generation, pid)
+            return self.final
+        raise _internal(f"unexpected message type {t!r} for a generate", rid)
+
+    def completion(self) -> Completion:
+        f = self.final
+        return Completion("".join(self.text), list(self.ids), f.finish_reason, f.usage, f.timings,
+                          f.generation, f.worker_pid, self.rid)
+
+
+def _result_body(item, rid) -> dict:
+    body = _raise_if_error(item, rid)
+    if body.get("type") != "result":
+        raise _internal(f"unexpected message type {body.get('type')!r} (expected 'result')", rid)
+    return {k: v for k, v in body.items() if k not in ("type", "id")}
+
+
+def _tokenize_result(r, rid):
+    ids = r.get("ids")
+    if not _int_list(ids):
+        raise _internal("malformed tokenize result: 'ids' is not a list of ints", rid)
+    return ids
+
+
+def _detokenize_result(r, rid):
+    text = r.get("text")
+    if not isinstance(text, str):
+        raise _internal("malformed detokenize result: 'text' is not a str", rid)
+    return text
+
+
+_GEN_PARAMS = (set(protocol.SAMPLING_FIELDS) | {"stop", "stop_token_ids", "deadline_ms"}) - {"max_tokens", "temperature"}
+
+
+def _generate_body(rid, prompt, max_tokens, temperature, params) -> dict:
+    unknown = sorted(set(params) - _GEN_PARAMS)
+    if unknown:
+        raise TypeError(f"generate() got an unexpected parameter {unknown[0]!r} "
+                        f"(known: max_tokens, temperature, {', '.join(sorted(_GEN_PARAMS))})")
+    if not isinstance(prompt, str):
+        prompt = [int(t) for t in prompt]   # tuples, numpy arrays, ...
+    body = {"type": "generate", "id": rid, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": temperature, "stream": True}
+    for k, v in params.items():
+        if v is not None:
+            body[k] = list(v) if k in ("stop", "stop_token_ids") and not isinstance(v, str) else v
+    return body
+
+
+def _encode(body) -> list:
+    data = protocol.pack(body)
+    if len(data) > MAX_BODY:
+        raise TooLarge(f"request body of {len(data)} bytes exceeds {MAX_BODY}", code="too_large",
+                       request_id=body.get("id"))
+    return [MAGIC, data]
+
+
+def _decode(parts):
+    """Received frames -> (rid, body) for a well-formed message, or (None, _Failure) for
+    one that cannot be attributed to a request."""
+    if len(parts) != 2 or parts[0] != MAGIC:
+        head = bytes(parts[0][:16]) if parts else b""
+        return None, _Failure(_internal(f"malformed server message ({len(parts)} frames, "
+                                        f"first {head!r}; expected [{MAGIC!r}, body])"))
+    try:
+        body = protocol.unpack(parts[1], max_body=RESPONSE_MAX_BODY, max_array=RESPONSE_MAX_ARRAY)
+    except ProtocolError as e:
+        return None, _Failure(_internal(f"malformed server message: {e.message}"))
+    rid = body.get("id")
+    if rid is None:
+        if body.get("type") == "error" and isinstance(body.get("code"), str):
+            # the server could not read the id of one of our messages: it cannot be routed,
+            # so every request in flight learns of it rather than waiting for its timeout
+            return None, _Failure(error_for(body.get("code"), str(body.get("message", ""))))
+        return None, _Failure(_internal(f"server message of type {body.get('type')!r} without an id"))
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        return False, body      # cannot be one of ours: discarded
+    return rid, body
+
+
+def _apply_options(sock, timeout, curve):
+    sock.setsockopt(zmq.LINGER, 0)
+    # never let our receive pipe fill up: a ROUTER drops messages for a peer at its HWM
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDTIMEO, _ms(timeout))
+    if curve is not None:
+        if isinstance(curve, (bytes, str)):
+            server_key, (pub, sec) = curve, zmq.curve_keypair()
+        else:
+            server_key, pub, sec = curve
+        enc = (lambda k: k.encode("ascii") if isinstance(k, str) else k)
+        sock.curve_serverkey = enc(server_key)
+        sock.curve_publickey = enc(pub)
+        sock.curve_secretkey = enc(sec)
+
+
+def _ms(seconds) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+class _Ids:
+    def __init__(self):
+        self._prefix = secrets.token_hex(4)
+        self._n = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self._prefix}-{next(self._n)}"
+
+
+# ---------------------------------------------------------------------------- what Client and AsyncClient share
+
+
+def _timeout_error(what, seconds, rid) -> ColibriTimeout:
+    return ColibriTimeout(f"{what} within {seconds:g} s", code="timeout", request_id=rid)
+
+
+def _cancel_body(rid) -> dict:
+    return {"type": "cancel", "id": rid}
+
+
+class _Request:
+    """A request answered by one "result" message: its body, and `finish(fields, rid)`, which
+    turns the result's fields into the method's return value (None: the fields themselves)."""
+    __slots__ = ("body", "id", "finish")
+
+    def __init__(self, body: dict, finish=None):
+        self.body, self.id, self.finish = body, body["id"], finish
+
+    def result(self, item):
+        r = _result_body(item, self.id)
+        return r if self.finish is None else self.finish(r, self.id)
+
+
+class _Deque(deque):
+    """The sync client's per-request queue, with the one asyncio.Queue method `_dispatch` uses."""
+    put_nowait = deque.append
+
+
+class _ClientCore:
+    """The sans-IO part of Client and AsyncClient: the socket's setup, request ids and bodies,
+    the per-request queues and the routing of every received message to one (or, for an
+    unattributable failure, to all) of them.  Subclasses send, receive and wait."""
+
+    _context = zmq.Context      # the subclass's ZeroMQ context class
+    _new_queue = _Deque         # and per-request queue class
+
+    def __init__(self, addr: str, *, timeout: float = 60.0, curve=None):
+        self.addr = addr
+        self.timeout = float(timeout)
+        self._ids = _Ids()
+        self._queues: dict = {}
+        self._closed = True
+        self._ctx = self._context()
+        try:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            _apply_options(self._sock, self.timeout, curve)
+            self._sock.connect(addr)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        self._closed = False
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("the client is closed")
+
+    def _timeout_for(self, timeout) -> float:
+        return self.timeout if timeout is None else timeout
+
+    # -- per-request queues
+
+    def _open(self, rid):
+        self._queues[rid] = self._new_queue()
+
+    def _forget(self, rid):
+        """Stop awaiting rid: its later messages are discarded."""
+        self._queues.pop(rid, None)
+
+    @contextlib.contextmanager
+    def _awaiting(self, rid):
+        self._open(rid)
+        try:
+            yield
+        finally:
+            self._forget(rid)
+
+    def _dispatch(self, parts):
+        rid, item = _decode(parts)
+        if rid is None:                       # unattributable: every waiter fails
+            for q in self._queues.values():
+                q.put_nowait(item)
+            return
+        q = self._queues.get(rid) if rid is not False else None
+        if q is not None:
+            q.put_nowait(item)
+        # else: a message for an id nobody awaits (finished, timed out, closed): discarded
+
+    def _fail_all(self, exc):
+        for q in self._queues.values():
+            q.put_nowait(_Failure(exc))
+
+    def _mark_closed(self) -> bool:
+        """Mark the client closed, failing whatever awaits an answer; False if it already was."""
+        if self._closed:
+            return False
+        self._closed = True
+        self._fail_all(_internal("the client was closed"))
+        self._queues.clear()
+        return True
+
+    # -- request bodies
+
+    def _generate(self, prompt, max_tokens, temperature, params) -> dict:
+        self._check_open()
+        return _generate_body(self._ids(), prompt, max_tokens, temperature, params)
+
+    def _tokenize(self, text, add_special_tokens) -> _Request:
+        return _Request({"type": "tokenize", "id": self._ids(), "text": text,
+                         "add_special_tokens": add_special_tokens}, _tokenize_result)
+
+    def _detokenize(self, ids) -> _Request:
+        return _Request({"type": "detokenize", "id": self._ids(), "ids": [int(t) for t in ids]}, _detokenize_result)
+
+    def _query(self, kind) -> _Request:
+        """health, stats: answered by the result's fields."""
+        return _Request({"type": kind, "id": self._ids()})
+
+
+class _StreamCore:
+    """What Stream and AsyncStream share: the request's queue on its client, turning its
+    messages into Chunks (closing the stream when it ends or fails), and the cancel sent when
+    it is closed after being sent and before the server ended the request."""
+
+    def __init__(self, client: _ClientCore, body: dict, timeout: float):
+        self._client = client
+        self.id = body["id"]
+        self._timeout = timeout
+        self._state = _GenState(self.id)
+        self._sent = False
+        self._finished = False
+        client._open(self.id)
+
+    def _chunk(self, item) -> Chunk:
+        try:
+            chunk = self._state.feed(item)
+        except BaseException:
+            self.close()
+            raise
+        if self._state.final is not None:
+            self.close()
+        return chunk
+
+    def _completion(self) -> Completion:
+        if self._state.final is None:
+            raise RuntimeError("the stream was closed before it ended")
+        return self._state.completion()
+
+    def close(self):
+        if self._finished:
+            return
+        self._finished = True
+        self._client._forget(self.id)
+        if self._sent and not self._state.ended:
+            self._client._cancel_nowait(self.id)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------- sync client
