@@ -408,7 +408,7 @@ class Router:
         if w is None:
             return      # a worker we consider gone; its messages are stale
         if kind == b"HB":
-            return
+            return      # liveness only (last_seen, above): free slots are counted here, HB's `free` is not read
         if kind == b"BYE":
             w.state = "draining"
             return

@@ -2,13 +2,15 @@
 
 `Worker.__init__` runs in the master before fork and changes nothing process-wide.
 `init_process()` runs in the child: signals, core pinning, thread limits, its own RNG
-seed and its own ZeroMQ context. Then `run()`: a loop that answers the router, advances
-each active sequence by one bounded step (one prefill chunk or one token), heartbeats,
-and exits when told (TERM: finish the sequences in hand; QUIT/INT: now), when its parent
+seed and its own ZeroMQ context. Then `run()`: a loop that answers the router, runs one
+step of its BatchEngine (model/serving.py: the next token of every decoding sequence and
+prefill chunks of new ones, in one forward), streams what it sampled, heartbeats, and exits when told (TERM: finish the sequences in hand; QUIT/INT: now), when its parent
 changes, or after max_requests.
 
 Backend messages (worker DEALER <-> router ROUTER), two frames: kind, msgpack body.
     worker -> router  READY {pid, wid, generation, slots, cores}   HB {free}   BYE {}
+                      (HB says the worker is alive; the router counts free slots itself, from
+                      WORK and DONE/ERROR, and does not read HB's `free`)
                       TOKEN {rid, text, ids, index}   DONE {rid, finish_reason, ids, usage, timings, ...}
                       ERROR {rid, code, message}      REJECT {rid}  (draining: the router requeues it)
     router -> worker  WORK {rid, request}   CANCEL {rid}   PING {}
@@ -64,7 +66,7 @@ class Worker:
         self.served = 0
         self.max_requests = 0
         self.seqs = {}          # rid -> _Active
-        self._free_caches = []  # KV caches of finished sequences, reused (allocated lazily, after fork)
+        self.engine = None      # BatchEngine, built after fork (its KV pool is this process's own)
 
     # -- after fork ---------------------------------------------------------------
     def init_process(self) -> None:
@@ -77,7 +79,6 @@ class Worker:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         from .pinning import apply
         apply(self.cpus)
-        self._check_memory_budget()
         self._limit_threads(self.settings.threads_per_worker)
         if self.settings.threads_per_worker > 1:
             self.model.set_threads(self.settings.threads_per_worker)   # decode matvecs split over threads
@@ -90,6 +91,7 @@ class Worker:
             log.warning("worker %d: prefill_bf16 has no effect: %s", self.wid,
                         "this CPU has no avx512bf16" if self.model.has_bf16_weights()
                         else "the model has no bf16 matrices")
+        self.engine = self._engine()
         seed = self.settings.seed if self.settings.seed >= 0 else None
         random.seed(seed if seed is not None else os.urandom(16))
         if self.model.noise is not None:
@@ -105,21 +107,36 @@ class Worker:
         self.sock.connect(self.backend)
         self.heartbeats.beat(self.slot)
 
-    def _check_memory_budget(self) -> None:
+    def _engine(self):
+        """The batch engine: `slots` sequences at once, a KV pool of `kv_cache_memory` (0: every slot at
+        full context, at most a quarter of the memory available now shared by the workers)."""
+        from .model.kv import block_bytes
+        from .model.serving import BatchEngine
+        st, cfg = self.settings, self.model.config
+        mem = st.kv_cache_memory
+        if not mem:
+            import psutil
+            per_block = block_bytes(cfg, kv_dtype=st.kv_dtype)
+            full = st.slots * -(-self.model.context // 16) * per_block
+            mem = min(full, psutil.virtual_memory().available // (4 * max(1, st.workers or 1)))
+        eng = BatchEngine(self.model, max_seqs=st.slots, max_batch_tokens=st.max_batch_tokens, kv_cache_memory=mem,
+                          kv_dtype=st.kv_dtype, prefix_cache=st.prefix_cache)
+        self._check_memory_budget(eng)
+        return eng
+
+    def _check_memory_budget(self, eng) -> None:
         """memory_limit: refuse to boot (exit 3, the master halts) rather than be OOM-killed later."""
         limit = self.settings.memory_limit
         if not limit:
             return
         from .memory import mib, process_memory
-        cfg = self.model.config
-        ctx = min(self.settings.context, self.model.context)
-        kv = 2 * 4 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ctx * self.settings.slots
-        ws = sum(a.nbytes for a in vars(self.model.workspace).values() if hasattr(a, "nbytes"))
+        kv = eng.pool.num_blocks * eng.pool.bytes_per_block
+        ws = sum(a.nbytes for w in (self.model.workspace, eng.ws) for a in vars(w).values() if hasattr(a, "nbytes"))
         need = kv + ws + process_memory(os.getpid())["uss"]
         if need > limit:
-            raise MemoryError(f"worker needs about {mib(need)} of private memory ({self.settings.slots} slots x "
-                              f"{ctx} tokens of KV cache = {mib(kv)}, activations {mib(ws)}) but memory_limit "
-                              f"is {mib(limit)}: lower slots or context, or raise memory_limit")
+            raise MemoryError(f"worker needs about {mib(need)} of private memory (a KV pool of {mib(kv)} for "
+                              f"{self.settings.slots} slots, activations {mib(ws)}) but memory_limit "
+                              f"is {mib(limit)}: lower kv_cache_memory, slots or max_batch_tokens, or raise memory_limit")
 
     @staticmethod
     def _limit_threads(n: int) -> None:
@@ -163,7 +180,7 @@ class Worker:
             now = time.monotonic()
             if now - last_hb >= hb_every:
                 self.heartbeats.beat(self.slot)
-                self.send(b"HB", {"free": self.settings.slots - len(self.seqs)})
+                self.send(b"HB", {"free": self.settings.slots - len(self.seqs), "engine": self.engine.stats()})
                 last_hb = now
                 if os.getppid() != self.ppid:
                     log.warning("worker %d: parent changed, exiting", self.pid)
@@ -182,8 +199,8 @@ class Worker:
                         continue
                     last_router = time.monotonic()
                     self.handle(kind, body)
-            for rid in list(self.seqs):
-                self.advance(rid)
+            if self.seqs:
+                self.step()
             if not self.seqs and (self.draining or (self.max_requests and self.served >= self.max_requests)):
                 self.send(b"BYE", {"served": self.served})
                 return 0
@@ -200,7 +217,7 @@ class Worker:
         elif kind == b"CANCEL":
             a = self.seqs.pop(body.get("rid"), None)
             if a is not None:
-                a.seq.cancel()
+                self.engine.cancel(a.rid)
                 self.finish(a)
         elif kind == b"PING":
             pass
@@ -214,42 +231,43 @@ class Worker:
             return
         params = {k: req[k] for k in P.SAMPLING_FIELDS if k in req}
         params.update(stop=tuple(req.get("stop") or ()), stop_token_ids=tuple(req.get("stop_token_ids") or ()))
+        from .model.serving import RequestTooLarge
         try:
-            seq = self.model.sequence(req.get("prompt"), self._cache(), **params)
+            st = self.engine.add(rid, req.get("prompt"), **params)
+        except RequestTooLarge as e:
+            self.send(b"ERROR", {"rid": rid, "code": "too_large", "message": str(e)})
+            return
         except ValueError as e:
             self.send(b"ERROR", {"rid": rid, "code": "bad_request", "message": str(e)})
             return
-        self.seqs[rid] = _Active(rid, seq, bool(req.get("stream", True)))
+        self.seqs[rid] = _Active(rid, st.seq, bool(req.get("stream", True)))
 
-    def _cache(self):
-        if self._free_caches:
-            return self._free_caches.pop()
-        return self.model.new_cache(self.settings.context)
-
-    def advance(self, rid) -> None:
-        a = self.seqs[rid]
+    def step(self) -> None:
+        """One batched step over every active sequence; stream each sampled token, finish the done."""
         try:
-            ev = a.seq.step()
-        except Exception as e:  # a bug or a numerical fault: answer it, keep serving
-            log.exception("worker %d: request %s failed", self.pid, rid)
-            del self.seqs[rid]
-            self._free_caches.append(a.seq.cache)
-            self.send(b"ERROR", {"rid": rid, "code": "internal", "message": f"{e.__class__.__name__}: {e}"})
+            events = self.engine.step()
+        except Exception as e:  # a bug or a numerical fault: answer every request of the step, keep serving
+            log.exception("worker %d: a batched step failed", self.pid)
+            for rid in list(self.seqs):
+                self.engine.cancel(rid)
+                del self.seqs[rid]
+                self.send(b"ERROR", {"rid": rid, "code": "internal", "message": f"{e.__class__.__name__}: {e}"})
             return
-        if ev is None:
-            return
-        a.ids.append(ev.token_id)
-        a.text.append(ev.text)
-        if a.stream:
-            self.send(b"TOKEN", {"rid": rid, "text": ev.text, "ids": [ev.token_id], "index": len(a.ids) - 1})
-        if a.seq.finished:
-            del self.seqs[rid]
-            self.finish(a)
+        for rid, ev in events:
+            a = self.seqs.get(rid)
+            if a is None:
+                continue
+            a.ids.append(ev.token_id)
+            a.text.append(ev.text)
+            if a.stream:
+                self.send(b"TOKEN", {"rid": rid, "text": ev.text, "ids": [ev.token_id], "index": len(a.ids) - 1})
+            if a.seq.finished:
+                del self.seqs[rid]
+                self.finish(a)
 
     def finish(self, a) -> None:
         s = a.seq
         self.served += 1
-        self._free_caches.append(s.cache)
         self.send(b"DONE", {"rid": a.rid, "finish_reason": s.finish_reason, "ids": a.ids,
                             "text": "".join(a.text),
                             "usage": {"prompt_tokens": len(s.prompt_ids), "completion_tokens": len(a.ids)},
