@@ -1,4 +1,11 @@
-"""The model core: the .colibri format, the converter, and the forward pass."""
+"""The model core: the .colibri format, the converter, the forward pass, and the API the roles use.
+
+`Model` (engine.py) is the face: open a file, prefill/decode/stream, plus what the cli needs
+(`generate_from_embeddings`, `weights.first_rows`). Below it: transformer/moe/decode_step (one
+sequence), batch/kv/scheduler/serving (many), weights/panels/quant (views of the mapping),
+format (bytes) and hugepages (pages), convert (HF -> .colibri), kernels/ (every Numba loop).
+It never imports the roles (master, router, worker), the wire (protocol, client) or the gateway.
+"""
 from . import numba_cache as _numba_cache
 
 _numba_cache.refresh()      # before any kernel module is imported: a stale cached kernel never loads
