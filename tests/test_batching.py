@@ -1,0 +1,153 @@
+"""Continuous batching (model/serving.py, scheduler.py, kv.py, batch.py): the answers of requests
+stepped together are the answers of each request run alone, whatever joins or leaves, is preempted
+or reuses a prefix; the context and the pool are checked before a request starts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hf_models as H
+from colibri_server.model import Model
+from colibri_server.model.batch import Rows, forward_batch
+from colibri_server.model.kv import KVPool
+from colibri_server.model.scheduler import Scheduler
+from colibri_server.model.serving import BatchEngine, RequestTooLarge
+
+
+def _requests(V, n=16, seed=1, long_prompts=False):
+    rng = np.random.default_rng(seed)
+    hi = 90 if long_prompts else 40
+    prompts = [rng.integers(3, V, size=int(rng.integers(1, hi))).tolist() for _ in range(n)]
+    lengths = [int(rng.integers(1, 20)) for _ in range(n)]
+    return prompts, lengths
+
+
+def _run(eng, prompts, lengths, join_every=2, per_join=3):
+    """Add the requests a few at a time (every `join_every` steps) while stepping; the tokens of each."""
+    out = {i: [] for i in range(len(prompts))}
+    waiting, steps = list(range(len(prompts))), 0
+    while waiting or eng.has_work():
+        if waiting and steps % join_every == 0:
+            for _ in range(per_join):
+                if waiting:
+                    i = waiting.pop(0)
+                    eng.add(i, prompts[i], max_tokens=lengths[i], ignore_eos=True)
+        for rid, ev in eng.step():
+            out[rid].append(ev.token_id)
+        steps += 1
+        assert steps < 10_000
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("arch", H.ARCHS)
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_batched_greedy_is_each_request_alone(built, arch, dtype):
+    """16 requests of different prompt and output lengths, joining at different steps, through one
+    batched forward per step: every request's tokens are those it gets alone (Model.generate)."""
+    m = Model.open(built(arch).colibri(dtype))
+    prompts, lengths = _requests(m.config.vocab_size, long_prompts=True)
+    alone = [m.generate(p, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+    eng = BatchEngine(m, max_seqs=16, max_batch_tokens=64, kv_dtype="f32")
+    assert _run(eng, prompts, lengths) == alone
+    assert eng.stats()["batch_rows_mean"] > 4          # the rows really were stepped together
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_f16_kv_pool_keeps_the_greedy_tokens(built, arch):
+    """The default kv_dtype f16 rounds keys and values to half precision: on these models the greedy
+    tokens stay those of the f32 cache."""
+    m = Model.open(built(arch).colibri("f32"))
+    prompts, lengths = _requests(m.config.vocab_size, seed=3)
+    alone = [m.generate(p, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+    got = _run(BatchEngine(m, max_seqs=16, max_batch_tokens=64, kv_dtype="f16"), prompts, lengths)
+    assert sum(a == b for a, b in zip(got, alone)) >= 15
+
+
+def test_batched_step_logits_equal_the_one_sequence_forward(built):
+    """One step holding a decode row of one sequence and a prefill chunk of another: each row's logits
+    equal Model.logits of its own sequence within 1e-5 (f32), so no row reads another's KV."""
+    m = Model.open(built("qwen3_moe").colibri("f32"))
+    V = m.config.vocab_size
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(3, V, size=21).tolist(), rng.integers(3, V, size=13).tolist()
+    eng = BatchEngine(m, max_seqs=4, max_batch_tokens=64, kv_dtype="f32", prefix_cache=False)
+    pool, ws = eng.pool, eng.ws
+    ta = [pool.allocate() for _ in range(pool.blocks_for(len(a)))]
+    tb = [pool.allocate() for _ in range(pool.blocks_for(len(b)))]
+    tables = np.zeros((2, max(len(ta), len(tb))), np.int32)
+    tables[0, :len(ta)], tables[1, :len(tb)] = ta, tb
+    # a's first 20 tokens, then one step: a's 21st token (decode) beside all of b (prefill)
+    first = Rows(a[:20], [0] * 20, range(20), tables, pool.block_size, [19])
+    forward_batch(m.config, m.weights, m.rope, ws, pool, first, eng.logits)
+    rows = Rows([a[20]] + b, [0] + [1] * len(b), [20] + list(range(len(b))), tables, pool.block_size,
+                list(range(len(b) + 1)))
+    got = forward_batch(m.config, m.weights, m.rope, ws, pool, rows, np.zeros((len(b) + 1, V), np.float32))
+    ref_a, ref_b = m.logits(a), m.logits(b)
+    assert np.abs(got[0] - ref_a[20]).max() < 1e-5
+    assert np.abs(got[1:] - ref_b).max() < 1e-5
+
+
+def test_preemption_recomputes_and_keeps_the_tokens(built):
+    """A pool far smaller than the requests need: sequences are preempted and recomputed from their
+    tokens, and every answer is still the one it gets alone; none is refused."""
+    m = Model.open(built("mixtral").colibri("f32"))
+    prompts, lengths = _requests(m.config.vocab_size, seed=7)
+    alone = [m.generate(p, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+    per_block = KVPool(m.config, 1, 4, "f32").bytes_per_block
+    eng = BatchEngine(m, max_seqs=8, max_batch_tokens=32, kv_dtype="f32", block_size=4,
+                      kv_cache_memory=16 * per_block, prefix_cache=False)
+    assert _run(eng, prompts, lengths, per_join=6) == alone
+    assert eng.sched.preemptions > 0
+    assert eng.pool.used() == 0
+
+
+def test_prefix_reuse_skips_the_shared_prompt_and_keeps_the_tokens(built):
+    """Requests sharing a 40-token system prompt: after the first, each reuses its full blocks (not
+    prefilled again: fewer rows run) and answers exactly as a cold run does."""
+    m = Model.open(built("olmoe").colibri("f32"))
+    V = m.config.vocab_size
+    rng = np.random.default_rng(11)
+    system = rng.integers(3, V, size=40).tolist()
+    prompts = [system + rng.integers(3, V, size=int(rng.integers(1, 9))).tolist() for _ in range(6)]
+    lengths = [6] * 6
+    alone = [m.generate(p, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+    cold = BatchEngine(m, max_seqs=8, max_batch_tokens=64, kv_dtype="f32", block_size=8, prefix_cache=False)
+    warm = BatchEngine(m, max_seqs=8, max_batch_tokens=64, kv_dtype="f32", block_size=8)
+    assert _run(cold, prompts, lengths, join_every=100, per_join=1) == alone
+    assert _run(warm, prompts, lengths, join_every=100, per_join=1) == alone
+    assert warm.pool.hits == 5 * 5                      # 5 full blocks of 8, reused by the 5 later requests
+    assert warm.rows_total == cold.rows_total - 5 * 40
+
+
+def test_context_and_pool_are_checked_before_the_request_starts(built):
+    m = Model.open(built("mixtral").colibri("f32"), context=64)
+    eng = BatchEngine(m, max_seqs=2, max_batch_tokens=16, kv_dtype="f32")
+    with pytest.raises(RequestTooLarge, match="exceeds the context of 64"):
+        eng.add("a", list(range(3, 53)), max_tokens=20)
+    small = BatchEngine(m, max_seqs=2, max_batch_tokens=16, kv_dtype="f32", block_size=4,
+                        kv_cache_memory=3 * KVPool(m.config, 1, 4, "f32").bytes_per_block)
+    with pytest.raises(RequestTooLarge, match="KV blocks"):
+        small.add("b", [5] * 10, max_tokens=4)            # 14 positions: 4 blocks of 4 > 3
+    assert not small.has_work() and not eng.has_work()
+
+
+def test_scheduler_puts_decode_rows_first_and_chunks_long_prompts(built):
+    m = Model.open(built("mixtral").colibri("f32"))
+    pool = KVPool(m.config, 64, 4, "f32")
+    s = Scheduler(pool, max_seqs=4, max_batch_tokens=10)
+    a = s.add("a", [5] * 3, 8)
+    plan = s.schedule()
+    assert [(g.state.rid, g.start, g.n, g.sample) for g in plan] == [("a", 0, 3, True)]
+    s.advance(plan[0])
+    a.tokens.append(7)                                    # a sampled; now it decodes
+    b = s.add("b", [6] * 25, 30)
+    plan = s.schedule()
+    assert [(g.state.rid, g.start, g.n, g.sample) for g in plan] == [("a", 3, 1, True), ("b", 0, 9, False)]
+    for g in plan:
+        s.advance(g)
+    a.tokens.append(8)
+    plan = s.schedule()
+    assert [(g.state.rid, g.start, g.n) for g in plan] == [("a", 4, 1), ("b", 9, 9)]
+    s.finish(a)
+    s.finish(b)
+    assert pool.used() == 0 and len(s) == 0
