@@ -1,21 +1,29 @@
-"""Serving overhead and throughput, measured against the in-process Model in the same run.
+"""Serving under load: colibri (its DEFAULT settings) against llama.cpp's llama-server, taking turns.
 
-    python bench/serve.py [--data DIR] [--requests 200] [--seconds 20] [--json OUT]
+    python bench/serve.py --llama-bin DIR [--precisions f16 q4] [--conc 1 4 8 16 32] [--json OUT]
 
-1. Round-trip overhead of a 1-token request through client -> router -> worker -> router ->
-   client, against the same request made in-process (Model.complete): p50 / p99 of each
-   and of the difference. Model: a tiny Mixtral (bench-mixtral shape with 2 layers, f16).
-2. Aggregate decode throughput (tokens/s) on bench-mixtral (f16, 933 MiB) with 1 and 2
-   workers, 4 concurrent clients each asking for 64 tokens, for --seconds each; beside the
-   in-process single-stream decode rate.
-Prints a table and writes JSON. Not part of the test suite.
+DIR holds llama-server and llama-quantize, built from the pinned llama.cpp source with
+-DGGML_NATIVE=ON (bench/README.md, "Serving"). The model is bench-mixtral (bench/decode.py builds
+it, the .colibri files and the GGUFs, once, under --data). For each precision and each number of
+concurrent clients C, llama-server (continuous batching, -np C, -t/-tb = the machine's cores) and
+`colibri serve --model FILE` (nothing else: what a user gets) take turns, --rounds times. Each
+client streams --reqs requests one after another: a --prompt-token prompt of random ids (a different
+one per request), --tokens greedy new tokens, EOS ignored. Figures per system and C: aggregate
+completion tokens / wall seconds, time to first token (p50, p99) and inter-token latency (the gaps
+between a request's streamed tokens; p50, p99), and colibri / llama-server. Prints a table, writes JSON.
+The machine must be quiet (nothing else running): the two systems share its cores in turns.
 """
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import pathlib
+import shutil
+import socket
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,109 +32,225 @@ import time
 import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
 
-from server_harness import Server  # noqa: E402
-from synth_model import write_model  # noqa: E402
+import decode as D  # noqa: E402  (bench-mixtral, its .colibri files and GGUFs)
 
-from colibri_server.model import Model  # noqa: E402
-
-
-def pct(a, q):
-    return float(np.percentile(np.asarray(a) * 1e3, q))
+GGUF = {"f16": "F16", "q8": "Q8_0", "q4": "Q4_0"}
 
 
-def timed(call, n, warmup=5):
-    """Seconds taken by each of n calls, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        call()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t0)
-    return out
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
 
 
-def overhead(model_path, tmp, n):
-    m = Model.open(model_path)
-    prompt = [5, 6, 7, 8]
-    local = timed(lambda: m.complete(prompt, max_tokens=1), n)
-    s = Server(model_path, tmp, workers=1, name="ovh")
-    try:
-        s.wait_ready(1)
-        with s.client() as c:
-            remote = timed(lambda: c.generate(prompt, max_tokens=1), n)
-    finally:
-        s.stop()
-    return {"in_process_ms": {"p50": pct(local, 50), "p99": pct(local, 99)},
-            "served_ms": {"p50": pct(remote, 50), "p99": pct(remote, 99)},
-            "overhead_ms": {"p50": pct(remote, 50) - pct(local, 50), "p99": pct(remote, 99) - pct(local, 99)}}
+def prompts(n, length, seed=7):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, D.VOCAB, length)] for _ in range(n)]
 
 
-def throughput(model_path, tmp, workers, seconds, clients=4, max_tokens=64):
-    s = Server(model_path, tmp, workers=workers, name=f"tp{workers}")
-    tokens, stop = [0], threading.Event()
-    lock = threading.Lock()
+def build(data: pathlib.Path, precisions, llama_bin: pathlib.Path):
+    hf = D.build_hf(data)
+    col = D.build_colibri(data, hf, precisions)
+    ggufs = {}
+    for p in precisions:
+        name = GGUF[p]
+        path = data / f"bench-mixtral-{name}.gguf"
+        if not path.exists():
+            if name in ("F16", "F32"):
+                D.write_gguf(hf, path, name)
+            else:
+                f32 = data / "bench-mixtral-F32.gguf"
+                if not f32.exists():
+                    D.write_gguf(hf, f32, "F32")
+                subprocess.run([str(llama_bin / "llama-quantize"), str(f32), str(path), name, "2"], check=True,
+                               stdout=subprocess.DEVNULL)
+        ggufs[p] = path
+    return col, ggufs
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.tokens, self.ttft, self.itl, self.errors = 0, [], [], []
+
+    def add(self, stamps, t0):
+        with self.lock:
+            self.tokens += len(stamps)
+            if stamps:
+                self.ttft.append(stamps[0] - t0)
+                self.itl.extend(np.diff(stamps).tolist())
+
+    def error(self, e):
+        with self.lock:
+            self.errors.append(repr(e)[:200])
+
+
+def run_clients(conc, reqs, one, P):
+    st = Stats()
 
     def client(i):
-        with s.client(300) as c:
-            while not stop.is_set():
-                r = c.generate([5 + i, 6, 7, 8], max_tokens=max_tokens, ignore_eos=True)
-                with lock:
-                    tokens[0] += len(r.token_ids)
+        for j in range(reqs):
+            t0 = time.perf_counter()
+            try:
+                st.add(one(i, P[(i * reqs + j) % len(P)]), t0)
+            except Exception as e:  # noqa: BLE001  (counted and printed, the run goes on)
+                st.error(e)
+    ts = [threading.Thread(target=client, args=(i,)) for i in range(conc)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return st, time.perf_counter() - t0
+
+
+def wait_until(check, what, timeout=600):
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001  (not up yet)
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not start in {timeout}s")
+
+
+def llama_round(a, gguf, conc, P):
+    port = free_port()
+    ctx = conc * (a.prompt + a.tokens + 16)
+    cmd = [str(a.llama_bin / "llama-server"), "-m", str(gguf), "-t", str(a.threads), "-tb", str(a.threads),
+           "-np", str(conc), "-c", str(ctx), "--port", str(port), "--host", "127.0.0.1", "-b", "512", "-ub", "512"]
+    log = open(os.path.join(a.tmp, f"llama-{conc}.log"), "w")
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        s.wait_ready(workers, timeout=180)
-        with s.client(300) as c:
-            c.generate([5, 6, 7], max_tokens=4)       # warm
-        ts = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        time.sleep(seconds)
-        stop.set()
-        for t in ts:
-            t.join()
-        dt = time.perf_counter() - t0
+        def health():
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/health")
+            return c.getresponse().status == 200
+        wait_until(health, "llama-server")
+
+        def one(i, prompt):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+            body = json.dumps({"prompt": prompt, "n_predict": a.tokens, "temperature": 0, "ignore_eos": True,
+                               "cache_prompt": False, "stream": True})
+            c.request("POST", "/completion", body, {"Content-Type": "application/json"})
+            r = c.getresponse()
+            stamps = []
+            for line in r:
+                if not line.startswith(b"data: "):
+                    continue
+                d = json.loads(line[6:])
+                if d.get("stop"):
+                    break
+                stamps.append(time.perf_counter())
+            c.close()
+            return stamps
+        one(0, P[-1])                                   # warm-up
+        return run_clients(conc, a.reqs, one, P)
     finally:
-        s.stop()
-    return tokens[0] / dt
+        p.terminate()
+        p.wait(30)
+        log.close()
 
 
-def local_decode(model_path, n=64):
-    m = Model.open(model_path)
-    m.complete([5, 6, 7, 8], max_tokens=4, ignore_eos=True)
-    c = m.complete([5, 6, 7, 8], max_tokens=n, ignore_eos=True)
-    return (n - 1) / c.timings["decode_s"]
+def colibri_round(a, path, conc, P):
+    from colibri_server.client import Client
+    sock = os.path.join(a.tmp, f"c{conc}.sock")
+    cmd = [a.colibri_bin, "serve", "--model", str(path), "--bind", f"ipc://{sock}",
+           "--runtime-dir", os.path.join(a.tmp, f"run{conc}")] + a.colibri_args
+    log = open(os.path.join(a.tmp, f"colibri-{conc}.log"), "w")
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        with Client(f"ipc://{sock}", timeout=2.0) as c:
+            def ready():
+                if p.poll() is not None:
+                    raise SystemExit(f"colibri exited: see {log.name}")
+                h = c.health()
+                return h["status"] == "ok" and h["workers_ready"] >= 1
+            wait_until(ready, "colibri")
+        local = threading.local()
+
+        def one(i, prompt):
+            if not hasattr(local, "c"):
+                local.c = Client(f"ipc://{sock}", timeout=600)
+            stamps = []
+            with local.c.stream(prompt, max_tokens=a.tokens, temperature=0.0, ignore_eos=True) as s:
+                for chunk in s:
+                    stamps.extend([time.perf_counter()] * len(chunk.token_ids))
+            return stamps
+        one(0, P[-1])
+        return run_clients(conc, a.reqs, one, P)
+    finally:
+        p.terminate()
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        log.close()
+
+
+def pct(v, q):
+    return round(float(np.percentile(v, q)) * 1e3, 1) if v else None
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default=os.path.expanduser("~/.cache/colibri-bench"))
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-bin", type=pathlib.Path, default=os.environ.get("LLAMA_CPP_BIN"),
+                    help="directory with llama-server and llama-quantize (or $LLAMA_CPP_BIN)")
+    ap.add_argument("--data", type=pathlib.Path,
+                    default=pathlib.Path(os.environ.get("COLIBRI_BENCH_DATA", "~/.cache/colibri-speed")).expanduser())
+    ap.add_argument("--precisions", nargs="+", default=["f16", "q4"], choices=sorted(GGUF))
+    ap.add_argument("--conc", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--reqs", type=int, default=2, help="requests per client, one after another")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t/-tb")
+    ap.add_argument("--colibri-bin", default=shutil.which("colibri") or str(pathlib.Path(sys.executable).parent / "colibri"))
+    ap.add_argument("--colibri-args", nargs=argparse.REMAINDER, default=[],
+                    help="extra `colibri serve` options (default none: the user's defaults)")
+    ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
-    data = pathlib.Path(a.data)
-    data.mkdir(parents=True, exist_ok=True)
-    small, big = data / "synth-small-f16.colibri", data / "synth-bench-mixtral-f16.colibri"
-    if not small.exists():
-        write_model(small, num_layers=2)
-    if not big.exists():
-        write_model(big)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="colibri-bench-serve-"))
-    res = {"overhead": overhead(small, tmp, a.requests)}
-    res["decode_in_process_tok_s"] = local_decode(big)
-    res["aggregate_tok_s"] = {w: throughput(big, tmp, w, a.seconds) for w in (1, 2)}
-    o = res["overhead"]
-    print(f"1-token request, {a.requests} times (ms)      p50      p99")
-    for k in ("in_process_ms", "served_ms", "overhead_ms"):
-        print(f"  {k:34} {o[k]['p50']:8.3f} {o[k]['p99']:8.3f}")
-    print(f"bench-mixtral f16: in-process decode {res['decode_in_process_tok_s']:.1f} tok/s (1 stream)")
-    for w, v in res["aggregate_tok_s"].items():
-        print(f"  served, {w} worker(s), 4 clients x 64 tokens: {v:.1f} tok/s aggregate")
+    if a.llama_bin is None or not (a.llama_bin / "llama-server").exists():
+        ap.error("--llama-bin DIR with llama-server (bench/README.md says how to build it)")
+    a.data.mkdir(parents=True, exist_ok=True)
+    a.tmp = tempfile.mkdtemp(prefix="bench-serve-")
+    col, ggufs = build(a.data, a.precisions, a.llama_bin)
+    P = prompts(512, a.prompt)
+    rows = []
+    for prec in a.precisions:
+        for conc in a.conc:
+            for rnd in range(a.rounds):
+                for system, fn, path in (("llama-server", llama_round, ggufs[prec]), ("colibri", colibri_round, col[prec])):
+                    st, wall = fn(a, path, conc, P)
+                    row = dict(precision=prec, conc=conc, round=rnd, system=system, tokens=st.tokens,
+                               wall_s=round(wall, 2), tok_s=round(st.tokens / wall, 1),
+                               ttft_p50_ms=pct(st.ttft, 50), ttft_p99_ms=pct(st.ttft, 99),
+                               itl_p50_ms=pct(st.itl, 50), itl_p99_ms=pct(st.itl, 99), errors=st.errors[:3])
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    print(f"\nbench-mixtral, {a.prompt}-token prompts, {a.tokens} new tokens, {a.reqs} requests per client; "
+          f"colibri defaults{' + ' + ' '.join(a.colibri_args) if a.colibri_args else ''}\n")
+    print("| precision | clients | llama-server tok/s | colibri tok/s | ratio | TTFT p50/p99 ms (llama) | "
+          "ITL p50/p99 ms (llama) |")
+    print("|---|---|---|---|---|---|---|")
+    for prec in a.precisions:
+        for conc in a.conc:
+            sel = {s: [r for r in rows if r["precision"] == prec and r["conc"] == conc and r["system"] == s]
+                   for s in ("llama-server", "colibri")}
+            ll = statistics.median(r["tok_s"] for r in sel["llama-server"])
+            co = statistics.median(r["tok_s"] for r in sel["colibri"])
+            c0, l0 = sel["colibri"][-1], sel["llama-server"][-1]
+            print(f"| {prec} | {conc} | {ll} | {co} | {co / ll:.2f}x | {c0['ttft_p50_ms']}/{c0['ttft_p99_ms']} "
+                  f"({l0['ttft_p50_ms']}/{l0['ttft_p99_ms']}) | {c0['itl_p50_ms']}/{c0['itl_p99_ms']} "
+                  f"({l0['itl_p50_ms']}/{l0['itl_p99_ms']}) |")
     if a.json:
-        pathlib.Path(a.json).write_text(json.dumps(res, indent=1))
+        pathlib.Path(a.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

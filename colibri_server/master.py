@@ -115,7 +115,7 @@ class Arbiter:
 
     def _open_model(self, path):
         """Open, validate, map (and pre-fault / lock) a model; compile the kernels on it."""
-        from .model import Model
+        from .model import Model, serving
         s = self.settings
         size = os.path.getsize(path)
         populate = s.populate
@@ -138,8 +138,10 @@ class Arbiter:
         m.set_prefill_bf16(s.prefill_bf16)
         bos = m.config.bos_token_id if m.config.bos_token_id >= 0 else 0
         m.generate([bos, bos], max_tokens=2, ignore_eos=True)
+        serving.warm_up(m, s.kv_dtype)     # the workers' batched step
         if s.threads_per_worker > 1:
             m.compile_threaded()           # compiled here, launched only in the forked workers
+            serving.compile_threaded(m, s.kv_dtype)
         st = os.stat(path)
         self.model_identity = {path: (st.st_ino, st.st_size, st.st_mtime_ns)}
         huge = m.file.huge_bytes

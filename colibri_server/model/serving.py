@@ -140,3 +140,49 @@ class BatchEngine:
         s.update(steps=self.steps, batch_rows_last=self.last_rows,
                  batch_rows_mean=round(self.rows_total / self.steps, 2) if self.steps else 0.0)
         return s
+
+
+def warm_up(model, kv_dtype: str = "f16") -> None:
+    """Compile the batched step's kernels for this model (a pre-fork master runs it once): two short
+    requests stepped together, then, where the model will run on threads, the threaded kernels by
+    signature (compiled, not launched)."""
+    eng = BatchEngine(model, max_seqs=2, max_batch_tokens=8, kv_dtype=kv_dtype, kv_cache_memory=1,
+                      prefix_cache=False)
+    eng.pool = KVPool(model.config, 4, 4, kv_dtype)
+    eng.sched.pool = eng.pool
+    bos = max(0, model.config.bos_token_id)
+    for rid in (0, 1):
+        eng.add(rid, [bos, bos, bos], max_tokens=2, ignore_eos=True)
+    while eng.has_work():
+        eng.step()
+
+
+def compile_threaded(model, kv_dtype: str = "f16") -> None:
+    """The threaded kernels of the batched step, compiled by signature without running them."""
+    import numba
+    from .kernels import paged as KP
+    from .kernels import rowgemm as RG
+    from .panels import Panels
+
+    def sig(*args):
+        return tuple(numba.typeof(a) for a in args)
+    cfg, w = model.config, model.weights
+    X = np.zeros((2, max(cfg.hidden_size, cfg.q_dim, cfg.moe_intermediate_size, cfg.intermediate_size)), np.float32)
+    seen = set()
+    mats = [m for L in w.layers for m in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w3, L.w2, L.mlp_w1, L.mlp_w3, L.mlp_w2,
+                                          L.shared_w1, L.shared_w3, L.shared_w2)] + [w.output]
+    for W in mats:
+        if W is None or hasattr(W, "q") or W.dtype == np.float32:
+            continue
+        if isinstance(W, Panels):
+            P = W.p if W.p.ndim == 3 else W.p[0]
+        else:
+            P = (W if W.ndim == 2 else W[0])[None]
+        s = sig(P, X[:, :P.shape[0] * P.shape[2]], X[:, :P.shape[1]], 2)
+        if s not in seen:
+            seen.add(s)
+            RG.rowgemm_par.compile(s)
+    pool = KVPool(cfg, 1, 1, kv_dtype)
+    q = np.zeros((1, cfg.num_heads, cfg.head_dim), np.float32)
+    KP.paged_attention_par.compile(sig(q, pool.k[0], pool.v[0], np.zeros((1, 1), np.int32), np.zeros(1, np.int64),
+                                       np.zeros(1, np.int64), cfg.sliding_window, 1.0, q))
