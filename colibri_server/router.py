@@ -28,6 +28,7 @@ from . import protocol as P
 log = logging.getLogger("colibri.router")
 
 MAX_ATTEMPTS = 3          # dispatches of one request (retries after a worker died before any token)
+PREFIX_OWNERS = 4096      # prompt prefixes whose worker the router remembers (LRU)
 MAX_TEXT_BYTES_PER_TOKEN = 16   # a text prompt longer than this x max_prompt_tokens is refused untokenized
 
 
@@ -47,9 +48,17 @@ class Req:
         self.deadline = now + dl / 1000.0 if dl else None
 
 
+def _prefix_key(prompt):
+    """The key of a tokenized prompt's first KV block (model/kv.py's chain hash), None if shorter."""
+    from .model.kv import BLOCK_SIZE, chain_hash
+    if not isinstance(prompt, list) or len(prompt) <= BLOCK_SIZE:
+        return None
+    return chain_hash(0, tuple(prompt[:BLOCK_SIZE]))
+
+
 class W:
     __slots__ = ("ident", "pid", "wid", "generation", "slots", "running", "last_seen", "state", "cores",
-                 "served", "t_start", "last_dispatch")
+                 "served", "t_start", "last_dispatch", "engine")
 
     def __init__(self, ident, body, now):
         self.ident = ident
@@ -62,6 +71,7 @@ class W:
         self.served = 0
         self.t_start = now
         self.last_dispatch = 0.0
+        self.engine = {}                # the worker's batch engine figures, from its last heartbeat
 
     @property
     def free(self):
@@ -78,6 +88,7 @@ class Router:
         self.reqs = {}                     # rid -> Req
         self.by_client = {}                # (client, cid) -> rid
         self.queue = collections.deque()   # rids
+        self.prefix_owner = collections.OrderedDict()   # first KV block's key -> worker ident
         self.workers = {}                  # ident -> W
         self.by_pid = {}                   # pid -> ident
         self.next_rid = 1
@@ -281,7 +292,8 @@ class Router:
             fm = file_mapping(w.pid, path)
             workers.append({"pid": w.pid, "wid": w.wid, "generation": w.generation, "state": w.state,
                             "cores": w.cores, "slots": w.slots, "running": len(w.running), "served": w.served,
-                            "uptime_s": round(time.monotonic() - w.t_start, 1), **process_memory(w.pid),
+                            "uptime_s": round(time.monotonic() - w.t_start, 1), "engine": w.engine,
+                            **process_memory(w.pid),
                             "model_rss": fm["rss"], "model_pss": fm["pss"]})
         master = file_mapping(self.ppid, path)
         size = os.path.getsize(self.model_path) if os.path.exists(self.model_path) else 0
@@ -295,10 +307,17 @@ class Router:
     # -- scheduling ----------------------------------------------------------------------
     def dispatch(self):
         while self.queue:
-            w = self._pick_worker()
+            r = self.reqs[self.queue[0]]
+            key = _prefix_key(r.request.get("prompt"))
+            w = self._pick_worker(self.prefix_owner.get(key))
             if w is None:
                 return
-            r = self.reqs[self.queue.popleft()]
+            self.queue.popleft()
+            if key is not None:
+                self.prefix_owner[key] = w.ident        # the worker that now holds this prompt's first block
+                self.prefix_owner.move_to_end(key)
+                if len(self.prefix_owner) > PREFIX_OWNERS:
+                    self.prefix_owner.popitem(last=False)
             r.state, r.worker, r.t_dispatch = "running", w.ident, time.monotonic()
             r.attempts += 1
             w.running.add(r.rid)
@@ -310,7 +329,10 @@ class Router:
                 w.state = "unresponsive"
                 self._requeue(r, front=True)
 
-    def _pick_worker(self):
+    def _pick_worker(self, preferred=None):
+        """A worker with a free slot: `preferred` (the one holding the request's prompt prefix in its
+        KV cache) when it has one and is of the newest generation with free slots, else the newest
+        generation, the most free slots, the longest idle."""
         best = None
         for w in self.workers.values():
             if w.free <= 0:
@@ -319,6 +341,9 @@ class Router:
             key = (w.generation, w.free, -w.last_dispatch)
             if best is None or key > (best.generation, best.free, -best.last_dispatch):
                 best = w
+        p = self.workers.get(preferred) if preferred is not None else None
+        if p is not None and best is not None and p.free > 0 and p.generation >= best.generation:
+            best = p
         if best is not None:
             best.last_dispatch = time.monotonic()
         return best
@@ -408,7 +433,12 @@ class Router:
         if w is None:
             return      # a worker we consider gone; its messages are stale
         if kind == b"HB":
-            return      # liveness only (last_seen, above): free slots are counted here, HB's `free` is not read
+            # liveness (last_seen, above) and the batch engine's figures for status; free slots are
+            # counted here from WORK and DONE/ERROR, HB's `free` is not read
+            eng = body.get("engine")
+            if isinstance(eng, dict):
+                w.engine = eng
+            return
         if kind == b"BYE":
             w.state = "draining"
             return
