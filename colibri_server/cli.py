@@ -265,6 +265,14 @@ def format_status(st) -> str:
         out.append(f"{w['pid']:>8} {w['wid']:>4} {w['generation']:>4} {w['state']:13} {str(w['cores']):10} "
                    f"{w['running']:>4} {w['served']:>7} {mib(w['rss']):>11} {mib(w['uss']):>11} {mib(w['pss']):>11} "
                    f"{mib(w['anon_private']):>11}")
+    for w in st["workers"]:
+        e = w.get("engine") or {}
+        if e:
+            out.append(f"{w['pid']:>8} batch: {e.get('running', 0)} running, {e.get('waiting', 0)} waiting, "
+                       f"{e.get('batch_rows_last', 0)} rows last step ({e.get('batch_rows_mean', 0)} mean over "
+                       f"{e.get('steps', 0)}); KV {e.get('kv_blocks_used', 0)}/{e.get('kv_blocks', 0)} blocks used "
+                       f"({e.get('kv_blocks_cached', 0)} cached, {e.get('kv_dtype', '?')}), "
+                       f"{e.get('preemptions', 0)} preemptions, {e.get('prefix_hits', 0)} prefix hits")
     if "master" in st:
         resident = st["master"]["model_pss"] + sum(w.get("model_pss", 0) for w in st["workers"])
         out.append(f"weights    one copy: the {mib(st['model_bytes'])} model file's pages, shared by the master and "

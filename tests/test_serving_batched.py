@@ -88,3 +88,24 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_refused(server):
             c.generate(list(range(3, 253)), max_tokens=100)
         assert e.value.code == "too_large" and "max_tokens 100" in str(e.value) and "256" in str(e.value)
         assert len(c.generate(list(range(3, 253)), max_tokens=6, ignore_eos=True).token_ids) == 6
+
+
+def test_engine_figures_reach_metrics_and_status():
+    """The heartbeat's engine figures become colibri_worker_* families (counters and gauges) in the
+    gateway's /metrics and a `batch:` line per worker in `colibri status`."""
+    from colibri_server.cli import format_status
+    from colibri_server.http.metrics import _engine_families
+    eng = {"running": 3, "waiting": 1, "steps": 40, "batch_rows_last": 4, "batch_rows_mean": 3.5,
+           "kv_blocks": 100, "kv_blocks_used": 12, "kv_blocks_free": 80, "kv_blocks_cached": 8, "kv_dtype": "f16",
+           "preemptions": 2, "prefix_hits": 7}
+    w = {"pid": 11, "wid": 0, "generation": 1, "engine": eng}
+    fams = {f.name: f for f in _engine_families([w], ["pid", "wid", "generation"])}
+    assert fams["colibri_worker_kv_blocks_used"].samples[0].value == 12
+    assert fams["colibri_worker_preemptions"].type == "counter"
+    assert fams["colibri_worker_prefix_hits"].samples[0].value == 7
+    assert fams["colibri_worker_batch_rows_mean"].samples[0].labels == {"pid": "11", "wid": "0", "generation": "1"}
+    st = {"model": "m", "model_bytes": 1, "generation": 1, "queue": 0, "in_flight": 3, "draining": False,
+          "router": {"pid": 1, "rss": 0}, "workers": [dict(w, state="ready", cores=[0], running=3, served=5, rss=0,
+                                                             uss=0, pss=0, anon_private=0)]}
+    text = format_status(st)
+    assert "12/100 blocks used (8 cached, f16), 2 preemptions, 7 prefix hits" in text

@@ -81,6 +81,7 @@ class _ServerCollector:
         yield from fams.values()
         yield running
         yield served
+        yield from _engine_families(workers, labels)
         router = st.get("router") or {}
         if isinstance(router, dict):
             yield gauge("colibri_router_rss_bytes", "router resident set size", router.get("rss"))
@@ -117,3 +118,26 @@ class _Metrics:
                              "tokens", registry=r,
                              buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 
+
+
+# the batch engine's figures each worker reports in its heartbeat (model/serving.py BatchEngine.stats)
+_ENGINE = (("kv_blocks_used", "gauge", "KV pool blocks held by running sequences"),
+           ("kv_blocks_free", "gauge", "KV pool blocks never used or released without a prefix"),
+           ("kv_blocks_cached", "gauge", "KV pool blocks kept for prefix reuse (evicted on demand)"),
+           ("batch_rows_last", "gauge", "rows (tokens) in the worker's last batched step"),
+           ("batch_rows_mean", "gauge", "mean rows per batched step since the worker started"),
+           ("steps", "counter", "batched steps run"),
+           ("preemptions", "counter", "sequences preempted for KV memory (recomputed later)"),
+           ("prefix_hits", "counter", "KV blocks reused from the prefix cache"))
+
+
+def _engine_families(workers, labels):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    for key, kind, doc in _ENGINE:
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        fam = cls(f"colibri_worker_{key}", doc, labels=labels)
+        for w in workers:
+            eng = w.get("engine") if isinstance(w.get("engine"), dict) else {}
+            if _is_num(eng.get(key)):
+                fam.add_metric([str(w.get("pid")), str(w.get("wid")), str(w.get("generation"))], float(eng[key]))
+        yield fam
