@@ -67,7 +67,7 @@ def _dots_1x4(w0, x0, x1, x2, x3):
     return a0, a1, a2, a3
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=_REDUCE_FM)   # (the inlined dots keep their reassociation only so)
 def _rows(P, X, out, r0, r1):
     # P (nb,d,Pw) weights, X (T,nb*Pw) f32 -> out[:, r0:r1] = (X @ W.T)[:, r0:r1]
     nb, d, Pw = P.shape
