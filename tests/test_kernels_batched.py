@@ -1,0 +1,98 @@
+"""The serving step's kernels against their numpy twins: rowgemm (X (B,n) @ W.T, each weight row read
+once for the batch; f32/f16/bf16, rows or panels, threads) and the paged KV cache (write_kv,
+paged_attention over block tables, f32 and f16 pools, sliding windows, threads)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_server.model.kernels import paged as KP
+from colibri_server.model.kernels import rowgemm as RG
+from colibri_server.model.kernels.packing import to_panels
+
+
+def _weights(kind, d, n, rng):
+    w = (rng.standard_normal((d, n)) * 0.1).astype(np.float32)
+    if kind == "f16":
+        bits = w.astype(np.float16).view(np.uint16)
+        return bits, bits.view(np.float16).astype(np.float32)
+    if kind == "bf16":
+        bits = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+        return bits, (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return w, w
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("layout", ["rows", "panels"])
+def test_rowgemm_is_the_product_for_every_batch_size(kind, layout):
+    rng = np.random.default_rng(0)
+    d, n = 37, 512                                     # an odd row count: the 1-row tail
+    bits, logical = _weights(kind, d, n, rng)
+    P = to_panels(bits) if layout == "panels" else bits[None]
+    for B in (1, 2, 3, 4, 5, 8, 9, 17):
+        X = rng.standard_normal((B, n)).astype(np.float32)
+        out = np.full((B, d), np.nan, np.float32)
+        RG.rowgemm(P, X, out)
+        ref = RG.rowgemm_ref(logical, X)
+        assert np.abs(out - ref).max() < 1e-4 * np.abs(ref).max()
+        out2 = np.full((B, d), np.nan, np.float32)
+        RG.rowgemm_par(P, X, out2, 3)
+        assert np.array_equal(out, out2)               # threads split rows, never a row's sum
+
+
+def test_rowgemm_row_does_not_depend_on_its_neighbours():
+    """A row's result is the same alone and inside a batch (the batch shares weights, never sums)."""
+    rng = np.random.default_rng(1)
+    bits, _ = _weights("f16", 64, 256, rng)
+    X = rng.standard_normal((7, 256)).astype(np.float32)
+    full = np.zeros((7, 64), np.float32)
+    RG.rowgemm(bits[None], X, full)
+    for t in range(7):
+        one = np.zeros((1, 64), np.float32)
+        RG.rowgemm(bits[None], X[t:t + 1], one)
+        assert np.abs(one[0] - full[t]).max() < 1e-5
+
+
+def _pool(kvdt, rng, NB=12, Hkv=2, BS=4, hd=16):
+    return np.zeros((NB, Hkv, BS, hd), kvdt), np.zeros((NB, Hkv, BS, hd), kvdt)
+
+
+@pytest.mark.parametrize("kvdt", [np.float32, np.uint16])
+@pytest.mark.parametrize("window", [0, 3])
+def test_paged_attention_is_attention_over_each_rows_own_blocks(kvdt, window):
+    """Two sequences with scattered blocks, rows of a decode and of a prefill chunk in one call: each
+    row attends to its own sequence's positions only (causal, window), the threaded call the same bits."""
+    rng = np.random.default_rng(2)
+    kp, vp = _pool(kvdt, rng)
+    Hkv, BS, hd, H = kp.shape[1], kp.shape[2], kp.shape[3], 4
+    tables = np.array([[3, 7, 1, 0], [5, 2, 9, 11]], np.int32)
+    hist = 8                                            # sequence 1 already holds positions 0..7
+    pos = np.arange(hist)
+    k1, v1 = (rng.standard_normal((hist, Hkv, hd)).astype(np.float32) for _ in range(2))
+    KP.write_kv(k1, v1, kp, vp, tables[1][pos // BS].astype(np.int64), (pos % BS).astype(np.int64))
+    row_seq = np.array([0, 0, 0, 1, 1], np.int64)
+    row_pos = np.array([0, 1, 2, 8, 9], np.int64)
+    k, v = (rng.standard_normal((5, Hkv, hd)).astype(np.float32) for _ in range(2))
+    blocks = tables[row_seq, row_pos // BS].astype(np.int64)
+    KP.write_kv(k, v, kp, vp, blocks, row_pos % BS)
+    if kvdt == np.uint16:
+        assert np.array_equal(kp[blocks[0], :, 0], KP.to_f16_bits(k[0]))
+    q = rng.standard_normal((5, H, hd)).astype(np.float32)
+    out, out2 = np.zeros_like(q), np.zeros_like(q)
+    KP.paged_attention(q, kp, vp, tables, row_seq, row_pos, window, 0.25, out)
+    KP.paged_attention_par(q, kp, vp, tables, row_seq, row_pos, window, 0.25, out2)
+    ref = KP.paged_attention_ref(q, kp, vp, tables, row_seq, row_pos, window, 0.25)
+    assert np.abs(out - ref).max() < 1e-5
+    assert np.array_equal(out, out2)
+    # a row pointed at the other sequence's table gives another answer (the test can see a mix-up)
+    wrong = np.zeros_like(q)
+    KP.paged_attention(q, kp, vp, tables, np.array([0, 0, 0, 0, 1]), row_pos, window, 0.25, wrong)
+    assert np.abs(wrong[3] - ref[3]).max() > 1e-3
+
+
+def test_paged_attention_refuses_a_position_beyond_its_table():
+    kp, vp = _pool(np.float32, None)
+    q = np.zeros((1, 4, 16), np.float32)
+    with pytest.raises(ValueError, match="beyond its block table"):
+        KP.paged_attention(q, kp, vp, np.zeros((1, 2), np.int32), np.zeros(1, np.int64), np.array([8]), 0, 1.0,
+                           np.zeros_like(q))
