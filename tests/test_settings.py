@@ -45,7 +45,8 @@ def test_schema_names_flags_env():
 def test_defaults():
     d = S.defaults()
     assert (d.model, d.bind, d.workers, d.threads_per_worker, d.pin) == ("", "tcp://127.0.0.1:5555", 0, 1, "cores")
-    assert (d.slots, d.context, d.timeout, d.graceful_timeout, d.heartbeat_interval) == (1, 4096, 30.0, 30.0, 1.0)
+    assert (d.slots, d.context, d.timeout, d.graceful_timeout, d.heartbeat_interval) == (16, 4096, 30.0, 30.0, 1.0)
+    assert (d.max_batch_tokens, d.kv_cache_memory, d.kv_dtype, d.prefix_cache) == (256, 0, "f16", True)
     assert (d.max_requests, d.max_requests_jitter, d.max_queue) == (0, 0, 64)
     assert (d.max_prompt_tokens, d.max_tokens, d.max_stop, d.max_body) == (8192, 4096, 16, 1 << 20)
     assert (d.mlock, d.populate, d.pidfile, d.runtime_dir, d.log_level) == (False, True, "", "", "info")

@@ -44,7 +44,10 @@ class BatchEngine:
         blocks = full if kv_cache_memory <= 0 else max(1, min(full, kv_cache_memory // per_block))
         self.pool = KVPool(cfg, blocks, block_size, kv_dtype)
         self.sched = Scheduler(self.pool, max_seqs, max_batch_tokens, prefix_cache)
-        self.ws = Workspace(cfg, self.sched.max_batch_tokens, model.threads, prefill_bf16=model.prefill_bf16)
+        ws = model.workspace            # the model's own activations when they hold a step (a worker runs no other path)
+        if ws.rows < self.sched.max_batch_tokens or ws.threads != model.threads:
+            ws = Workspace(cfg, self.sched.max_batch_tokens, model.threads, prefill_bf16=model.prefill_bf16)
+        self.ws = ws
         self.logits = aligned_zeros((max_seqs, cfg.vocab_size), np.float32)   # (M,V), M <= max_seqs
         self.states = {}                                              # rid -> SeqState
         self.steps = 0
