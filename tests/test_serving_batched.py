@@ -10,26 +10,12 @@ import pytest
 
 from colibri_server.client import ColibriError
 from colibri_server.model import Model
-from server_harness import Server
+from test_server import server  # noqa: F401,F811  (the fixture: start(workers, extra=...))
 
 
 @pytest.fixture(scope="module")
 def model_path(built):
     return built("mixtral").colibri("f32")
-
-
-@pytest.fixture
-def server(model_path, tmp_path):
-    servers = []
-
-    def start(workers=1, extra=()):
-        s = Server(model_path, tmp_path, workers=workers, extra=extra, name=f"s{len(servers)}")
-        servers.append(s)
-        s.wait_ready(workers)
-        return s
-    yield start
-    for s in servers:
-        s.stop()
 
 
 def test_sixteen_streams_in_one_worker_answer_as_alone(server, model_path):

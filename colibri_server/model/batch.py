@@ -21,6 +21,7 @@ from . import kernels as K
 from .kernels import paged as KP
 from .config import ModelConfig
 from .moe import moe, swiglu
+from .transformer import qkv_finish
 
 
 class Rows:
@@ -47,7 +48,6 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
     if N > ws.rows:
         raise ValueError(f"{N} rows exceed the workspace's {ws.rows}")
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qd, kvd = cfg.q_dim, cfg.kv_dim
     cos, sin = rope
     scale = 1.0 / math.sqrt(hd)
     attend = KP.paged_attention_par if ws.threads > 1 else KP.paged_attention
@@ -61,21 +61,8 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
         ws.mm(h, L.wq, q)
         ws.mm(h, L.wk, k)
         ws.mm(h, L.wv, v)
-        if L.bq is not None:
-            q += L.bq
-            k += L.bk
-            v += L.bv
-        if cfg.qk_norm == "full":
-            K.rmsnorm(q, L.q_norm, cfg.rms_norm_eps, q)
-            K.rmsnorm(k, L.k_norm, cfg.rms_norm_eps, k)
-        if cfg.clip_qkv:
-            np.clip(q, -cfg.clip_qkv, cfg.clip_qkv, out=q)
-            np.clip(k, -cfg.clip_qkv, cfg.clip_qkv, out=k)
-            np.clip(v, -cfg.clip_qkv, cfg.clip_qkv, out=v)
-        q3, k3, v3 = q.reshape(N, H, hd), k.reshape(N, Hkv, hd), v.reshape(N, Hkv, hd)
-        if cfg.qk_norm == "head":
-            K.rmsnorm(q.reshape(N * H, hd), L.q_norm, cfg.rms_norm_eps, q.reshape(N * H, hd))
-            K.rmsnorm(k.reshape(N * Hkv, hd), L.k_norm, cfg.rms_norm_eps, k.reshape(N * Hkv, hd))
+        q3, k3 = qkv_finish(cfg, L, q, k, v)                                   # (N,H,hd) (N,Hkv,hd)
+        v3 = v.reshape(N, Hkv, hd)
         K.rope(q3, rows.pos, cos, sin)
         K.rope(k3, rows.pos, cos, sin)
         # the step's keys and values into their slots, then every row over its own sequence

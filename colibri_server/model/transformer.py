@@ -253,6 +253,28 @@ def compile_parallel(weights, ws: Workspace) -> None:
             compile_for(kernel, *args)
 
 
+def qkv_finish(cfg: ModelConfig, L, q, k, v):
+    """After the projections, in place: biases (Qwen2 qkv_bias, attention_bias), OLMoE's q/k norm over
+    the whole projection, clip_qkv, Qwen3's q/k norm per head. q (T,H*hd), k and v (T,Hkv*hd) ->
+    the (T,H,hd) and (T,Hkv,hd) views of q and k."""
+    T, H, Hkv, hd = q.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if L.bq is not None:
+        q += L.bq
+        k += L.bk
+        v += L.bv
+    if cfg.qk_norm == "full":
+        K.rmsnorm(q, L.q_norm, cfg.rms_norm_eps, q)
+        K.rmsnorm(k, L.k_norm, cfg.rms_norm_eps, k)
+    if cfg.clip_qkv:
+        np.clip(q, -cfg.clip_qkv, cfg.clip_qkv, out=q)
+        np.clip(k, -cfg.clip_qkv, cfg.clip_qkv, out=k)
+        np.clip(v, -cfg.clip_qkv, cfg.clip_qkv, out=v)
+    if cfg.qk_norm == "head":
+        K.rmsnorm(q.reshape(T * H, hd), L.q_norm, cfg.rms_norm_eps, q.reshape(T * H, hd))
+        K.rmsnorm(k.reshape(T * Hkv, hd), L.k_norm, cfg.rms_norm_eps, k.reshape(T * Hkv, hd))
+    return q.reshape(T, H, hd), k.reshape(T, Hkv, hd)
+
+
 def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=None, embeddings=None,
             all_logits: bool = False, noise=None, trace=None, out=None) -> np.ndarray:
     """Run T new tokens (ids (T,), or embeddings (T,D)) at positions cache.length.. and
@@ -302,21 +324,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
             ws.mm(h, L.wq, q)
             ws.mm(h, L.wk, k)
             ws.mm(h, L.wv, v)
-        if L.bq is not None:
-            q += L.bq                                                          # biases (Qwen2 qkv_bias, attention_bias)
-            k += L.bk
-            v += L.bv
-        if cfg.qk_norm == "full":                                              # OLMoE: over the whole projection
-            K.rmsnorm(q, L.q_norm, cfg.rms_norm_eps, q)
-            K.rmsnorm(k, L.k_norm, cfg.rms_norm_eps, k)
-        if cfg.clip_qkv:
-            np.clip(q, -cfg.clip_qkv, cfg.clip_qkv, out=q)
-            np.clip(k, -cfg.clip_qkv, cfg.clip_qkv, out=k)
-            np.clip(v, -cfg.clip_qkv, cfg.clip_qkv, out=v)
-        q3, k3 = q.reshape(T, H, hd), k.reshape(T, Hkv, hd)                    # (T,H,hd) (T,Hkv,hd)
-        if cfg.qk_norm == "head":                                              # Qwen3: per head over hd
-            K.rmsnorm(q.reshape(T * H, hd), L.q_norm, cfg.rms_norm_eps, q.reshape(T * H, hd))
-            K.rmsnorm(k.reshape(T * Hkv, hd), L.k_norm, cfg.rms_norm_eps, k.reshape(T * Hkv, hd))
+        q3, k3 = qkv_finish(cfg, L, q, k, v)                                     # (T,H,hd) (T,Hkv,hd)
         attn = ws.attn[:T]                                                     # (T,H*hd)
         if T == 1:                                                             # one call (kernels/decode)
             KD.rope_cache_attend(q3, k3, v.reshape(1, Hkv, hd), pos, cos, sin, cache.k[l], cache.v[l], P0,

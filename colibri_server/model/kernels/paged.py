@@ -112,17 +112,24 @@ def _attend_row(q, kpool, vpool, table, p, window, scale, out, sc, acc):
 
 
 @njit(cache=True)
+def _checked(q, kpool, tables, row_pos):
+    # the shapes' checks of both entry points; returns the positions the longest row attends to
+    if q.shape[1] % kpool.shape[1] != 0:
+        raise ValueError("paged attention: H must be a multiple of Hkv")
+    maxp = 1
+    for r in range(q.shape[0]):
+        maxp = max(maxp, row_pos[r] + 1)
+    if (maxp + kpool.shape[2] - 1) // kpool.shape[2] > tables.shape[1]:
+        raise ValueError("paged attention: a position beyond its block table")
+    return maxp
+
+
+@njit(cache=True)
 def paged_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out):
     # q (N,H,hd) f32 rows of a step, kpool/vpool (NB,Hkv,BS,hd), tables (S,maxb) i32 block tables,
     # row_seq (N,) index into tables, row_pos (N,) absolute positions -> out (N,H,hd)
     N, H, hd = q.shape
-    if H % kpool.shape[1] != 0:
-        raise ValueError("paged attention: H must be a multiple of Hkv")
-    maxp = 1
-    for r in range(N):
-        maxp = max(maxp, row_pos[r] + 1)
-    if (maxp + kpool.shape[2] - 1) // kpool.shape[2] > tables.shape[1]:
-        raise ValueError("paged attention: a position beyond its block table")
+    maxp = _checked(q, kpool, tables, row_pos)
     sc = np.empty(maxp, np.float32)
     acc = np.empty(hd, np.float32)
     for r in range(N):
@@ -133,13 +140,7 @@ def paged_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, ou
 def paged_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out):
     # paged_attention with the rows split over Numba threads (the same bits: rows are independent)
     N, H, hd = q.shape
-    if H % kpool.shape[1] != 0:
-        raise ValueError("paged attention: H must be a multiple of Hkv")
-    maxp = 1
-    for r in range(N):
-        maxp = max(maxp, row_pos[r] + 1)
-    if (maxp + kpool.shape[2] - 1) // kpool.shape[2] > tables.shape[1]:
-        raise ValueError("paged attention: a position beyond its block table")
+    _checked(q, kpool, tables, row_pos)
     for r in prange(N):
         sc = np.empty(row_pos[r] + 1, np.float32)
         acc = np.empty(hd, np.float32)
