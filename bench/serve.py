@@ -108,7 +108,7 @@ def run_clients(conc, reqs, one, P):
     return st, time.perf_counter() - t0
 
 
-def wait_until(check, what, timeout=600):
+def wait_until(check, what, timeout=180):
     t_end = time.time() + timeout
     while time.time() < t_end:
         try:
@@ -124,7 +124,8 @@ def llama_round(a, gguf, conc, P):
     port = free_port()
     ctx = conc * (a.prompt + a.tokens + 16)
     cmd = [str(a.llama_bin / "llama-server"), "-m", str(gguf), "-t", str(a.threads), "-tb", str(a.threads),
-           "-np", str(conc), "-c", str(ctx), "--port", str(port), "--host", "127.0.0.1", "-b", "512", "-ub", "512"]
+           "-np", str(conc), "-c", str(ctx), "--port", str(port), "--host", "127.0.0.1", "-b", "512", "-ub", "512",
+           "--no-warmup"]
     log = open(os.path.join(a.tmp, f"llama-{conc}.log"), "w")
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
