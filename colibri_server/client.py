@@ -43,7 +43,7 @@ __all__ = [
     "ColibriError", "ColibriTimeout", "ERRORS", "error_for",
     "BadRequest", "UnsupportedVersion", "UnknownType", "TooLarge", "Overloaded",
     "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "DuplicateId",
-    "NotFound", "InternalError",
+    "NotFound", "InternalError", "NumericalFault", "ConnectionLost",
 ]
 
 Prompt = Union[str, Sequence[int]]
@@ -54,7 +54,7 @@ RESPONSE_MAX_ARRAY = 1 << 24
 from .client_types import (  # noqa: F401  (re-exported: the public API lives here)
     ColibriError, BadRequest, UnsupportedVersion, UnknownType, TooLarge,
     Overloaded, DeadlineExceeded, Cancelled, WorkerLost, ShuttingDown, DuplicateId,
-    NotFound, InternalError, ColibriTimeout, ERRORS, error_for, _internal,
+    NotFound, InternalError, ColibriTimeout, ERRORS, error_for, _internal, NumericalFault, ConnectionLost,
     Completion, Chunk,
 )
 
@@ -316,6 +316,9 @@ class _ClientCore:
         try:
             self._sock = self._ctx.socket(zmq.DEALER)
             _apply_options(self._sock, self.timeout, curve)
+            # a dropped connection (the router died) fails the requests in flight: their answers
+            # would never come (ZeroMQ reconnects by itself; later requests go to the new router)
+            self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._sock.connect(addr)
         except BaseException:
             self._ctx.destroy(linger=0)
@@ -360,6 +363,26 @@ class _ClientCore:
     def _fail_all(self, exc):
         for q in self._queues.values():
             q.put_nowait(_Failure(exc))
+
+    def _connection_lost(self):
+        if self._queues:
+            self._fail_all(ConnectionLost(f"the connection to {self.addr} dropped with the request in flight "
+                                          "(the server's router restarted or stopped): no answer will come; "
+                                          "retry", code="connection_lost"))
+
+    def _drain_monitor(self):
+        while True:
+            try:
+                self._mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _close_monitor(self):
+        try:
+            self._sock.disable_monitor()
+        except Exception:
+            pass
+        self._mon.close(linger=0)
 
     def _mark_closed(self) -> bool:
         """Mark the client closed, failing whatever awaits an answer; False if it already was."""
@@ -489,6 +512,8 @@ class Client(_ClientCore):
     def _send(self, body):
         self._check_open()
         frames = _encode(body)
+        if not self._queues.keys() - {body.get("id")}:
+            self._drain_monitor()       # drops while nothing was in flight concern no request
         try:
             self._sock.send_multipart(frames)
         except zmq.Again:
@@ -512,13 +537,27 @@ class Client(_ClientCore):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _timeout_error("no message", timeout, rid)
-            if self._sock.poll(_ms(remaining), zmq.POLLIN):
-                for _ in range(10_000):
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._mon, zmq.POLLIN)
+            events = dict(poller.poll(_ms(remaining)))
+            if events:
+                for _ in range(10_000):         # answers that arrived before a disconnect count
                     try:
                         parts = self._sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._dispatch(parts)
+            if self._mon in events:
+                lost = False
+                while True:
+                    try:
+                        self._mon.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    lost = True
+                if lost:
+                    self._connection_lost()
         return q.popleft()
 
     def _call(self, req: _Request, timeout):
@@ -563,6 +602,7 @@ class Client(_ClientCore):
 
     def close(self):
         if self._mark_closed():
+            self._close_monitor()
             self._sock.close(linger=0)
             self._ctx.term()
 
@@ -633,9 +673,24 @@ class AsyncClient(_ClientCore):
 
     # -- I/O
 
+    _watcher: Optional[asyncio.Task] = None     # fails the requests in flight when the connection drops
+
     def _ensure_reader(self):
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_connection())
+
+    async def _watch_connection(self):
+        try:
+            while True:
+                await self._mon.recv_multipart()
+                await asyncio.sleep(0.05)       # answers that arrived before the drop are routed first
+                self._connection_lost()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            pass
 
     async def _read_loop(self):
         try:
@@ -719,13 +774,15 @@ class AsyncClient(_ClientCore):
     async def close(self):
         if not self._mark_closed():
             return
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._reader = None
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        self._reader = self._watcher = None
+        self._close_monitor()
         self._sock.close(linger=0)
         self._ctx.term()
 

@@ -12,6 +12,8 @@ Backend messages (worker DEALER <-> router ROUTER), two frames: kind, msgpack bo
                       TOKEN {rid, text, ids, index}   DONE {rid, finish_reason, ids, usage, timings, ...}
                       ERROR {rid, code, message}      REJECT {rid}  (draining: the router requeues it)
     router -> worker  WORK {rid, request}   CANCEL {rid}   PING {}
+                      HELLO {}  (a new router that does not know this worker: the old router died,
+                                 nobody waits for the sequences in hand; drop them, send READY)
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import sys
 import time
 
 from . import protocol as P
+from .model.engine import NumericalFault
 
 log = logging.getLogger("colibri.worker")
 
@@ -148,7 +151,8 @@ class Worker:
 
     def ready(self) -> None:
         self.send(b"READY", {"pid": self.pid, "wid": self.wid, "generation": self.generation,
-                             "slots": self.settings.slots, "cores": list(self.cpus or [])})
+                             "slots": self.settings.slots, "cores": list(self.cpus or []),
+                             "draining": self.draining})
 
     # -- main loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -204,6 +208,14 @@ class Worker:
                 self.finish(a)
         elif kind == b"PING":
             pass
+        elif kind == b"HELLO":
+            if self.seqs:
+                log.warning("worker %d: a new router; dropping %d sequences of the old one's requests",
+                            self.pid, len(self.seqs))
+            for a in self.seqs.values():
+                self._free_caches.append(a.seq.cache)
+            self.seqs.clear()
+            self.ready()
         else:
             log.error("worker %d: unknown message kind %r dropped", self.pid, kind[:16])
 
@@ -230,7 +242,13 @@ class Worker:
         a = self.seqs[rid]
         try:
             ev = a.seq.step()
-        except Exception as e:  # a bug or a numerical fault: answer it, keep serving
+        except NumericalFault as e:     # non-finite logits: corrupted weights or an overflow
+            log.error("worker %d: request %s: %s", self.pid, rid, e)
+            del self.seqs[rid]
+            self._free_caches.append(a.seq.cache)
+            self.send(b"ERROR", {"rid": rid, "code": "numerical_fault", "message": str(e)})
+            return
+        except Exception as e:  # a bug: answer it, keep serving
             log.exception("worker %d: request %s failed", self.pid, rid)
             del self.seqs[rid]
             self._free_caches.append(a.seq.cache)
