@@ -46,6 +46,12 @@ def check_finite(logits: np.ndarray, cache, start: int, n: int) -> None:
     one row of logits per step; the search runs only after a fault."""
     if np.isfinite(logits).all():
         return
+    raise numerical_fault(cache, start, n, f"non-finite logits at position {start + n - 1}")
+
+
+def numerical_fault(cache, start: int, n: int, what: str) -> NumericalFault:
+    """The NumericalFault for positions start..start+n-1, naming the first layer whose keys or
+    values there are non-finite."""
     layer = None
     for l in range(cache.k.shape[0]):
         if not (np.isfinite(cache.k[l, :, start:start + n]).all() and np.isfinite(cache.v[l, :, start:start + n]).all()):
@@ -54,7 +60,7 @@ def check_finite(logits: np.ndarray, cache, start: int, n: int) -> None:
     where = (f"first non-finite in layer {layer}'s keys/values (its input or attention projections)"
              if layer is not None else "every layer's keys/values are finite: the last layer's MLP/MoE, the "
              "final norm or the output head")
-    raise NumericalFault(f"non-finite logits at position {start + n - 1}: {where}", layer)
+    return NumericalFault(f"{what}: {where}", layer)
 
 
 @dataclass
@@ -312,17 +318,22 @@ class Sequence:
         if self.finished:
             return None
         m, t0 = self.model, time.perf_counter()
-        start = self.cache.length
-        if self.fed < len(self.prompt_ids):
-            part = self.prompt_ids[self.fed:self.fed + m.workspace.rows]
-            logits = m.prefill(self.cache, part)
-            self.fed += len(part)
-            self.timings["prefill_s"] += time.perf_counter() - t0
+        start, n = self.cache.length, 1
+        try:
             if self.fed < len(self.prompt_ids):
-                return None
-        else:
-            logits = m.decode(self.cache, self.last)
-        check_finite(logits, self.cache, start, self.cache.length - start)
+                part = self.prompt_ids[self.fed:self.fed + m.workspace.rows]
+                n = len(part)
+                logits = m.prefill(self.cache, part)
+                self.fed += len(part)
+                self.timings["prefill_s"] += time.perf_counter() - t0
+                if self.fed < len(self.prompt_ids):
+                    return None
+            else:
+                logits = m.decode(self.cache, self.last)
+        except ArithmeticError as e:        # a kernel met NaNs (the MoE router's weights sum to 0, ...)
+            raise numerical_fault(self.cache, start, n, f"{e.__class__.__name__} in the forward pass at "
+                                                        f"positions {start}..{start + n - 1}") from None
+        check_finite(logits, self.cache, start, n)
         ev = self._sample(logits)
         if self.generated[1:]:
             self.timings["decode_s"] += time.perf_counter() - t0
