@@ -35,19 +35,6 @@ def model_a(built):
     return built("mixtral").colibri("f32")
 
 
-@pytest.fixture(scope="module")
-def model_b(tmp_path_factory):
-    """Another model with another tokenizer (vocabulary 384, other merges) and other weights."""
-    import hf_models as H
-    from colibri_server.model.convert import convert
-    root = tmp_path_factory.mktemp("model-b")
-    H.build_hf_model("mixtral", root / "hf", seed=1, vocab_size=384)
-    H.train_tokenizer(root / "hf", vocab_size=384)
-    path = str(root / "b.colibri")
-    convert(root / "hf", path, "f32", progress=False)
-    return path
-
-
 def reference(path, max_tokens=6):
     """prompt (text or ids) -> the greedy ids the model at `path` gives, tokenized as the router does."""
     m = Model.open(path)
