@@ -272,9 +272,10 @@ class ColibriFile:
         r = self.records[name]
         return memoryview(self._mm)[r.offset:r.offset + r.size]
 
-    def verify_checksums(self, progress=None) -> None:
-        """Deep validation: the CRC-32 of every tensor's bytes against its record."""
-        for r in self.record_list:
+    def verify_checksums(self, progress=None, records=None) -> None:
+        """Deep validation: the CRC-32 of every tensor's bytes (of `records`, default all) against
+        its record."""
+        for r in self.record_list if records is None else records:
             crc = 0
             mv = memoryview(self._mm)
             for start in range(r.offset, r.offset + r.size, 1 << 24):
