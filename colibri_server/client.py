@@ -318,7 +318,9 @@ class _ClientCore:
             _apply_options(self._sock, self.timeout, curve)
             # a dropped connection (the router died) fails the requests in flight: their answers
             # would never come (ZeroMQ reconnects by itself; later requests go to the new router)
-            self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            # (only a connection that completed its handshake counts: a refused CURVE key is not a drop)
+            self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._up = False
             self._sock.connect(addr)
         except BaseException:
             self._ctx.destroy(linger=0)
@@ -370,12 +372,27 @@ class _ClientCore:
                                           "(the server's router restarted or stopped): no answer will come; "
                                           "retry", code="connection_lost"))
 
-    def _drain_monitor(self):
+    def _monitor_event(self, parts) -> bool:
+        """Track the connection from one monitor message; True when an established one dropped."""
+        from zmq.utils.monitor import parse_monitor_message
+        try:
+            ev = parse_monitor_message(parts)["event"]
+        except Exception:
+            return False
+        if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._up = True
+        elif ev == zmq.EVENT_DISCONNECTED:
+            lost, self._up = self._up, False
+            return lost
+        return False
+
+    def _drain_monitor(self) -> bool:
+        lost = False
         while True:
             try:
-                self._mon.recv_multipart(zmq.NOBLOCK)
+                lost |= self._monitor_event(self._mon.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
-                return
+                return lost
 
     def _close_monitor(self):
         try:
@@ -548,16 +565,8 @@ class Client(_ClientCore):
                     except zmq.Again:
                         break
                     self._dispatch(parts)
-            if self._mon in events:
-                lost = False
-                while True:
-                    try:
-                        self._mon.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    lost = True
-                if lost:
-                    self._connection_lost()
+            if self._mon in events and self._drain_monitor():
+                self._connection_lost()
         return q.popleft()
 
     def _call(self, req: _Request, timeout):
@@ -684,9 +693,9 @@ class AsyncClient(_ClientCore):
     async def _watch_connection(self):
         try:
             while True:
-                await self._mon.recv_multipart()
-                await asyncio.sleep(0.05)       # answers that arrived before the drop are routed first
-                self._connection_lost()
+                if self._monitor_event(await self._mon.recv_multipart()):
+                    await asyncio.sleep(0.05)   # answers that arrived before the drop are routed first
+                    self._connection_lost()
         except asyncio.CancelledError:
             raise
         except Exception:
