@@ -17,8 +17,8 @@ the old one's queue is empty). If any step fails, the new generation is rolled b
 one keeps serving, and the failure is logged, kept for `status` and sent as the systemd STATUS.
 Only the first start may halt the master.
 
-The router is supervised like a worker: it says "alive" over the pipe every heartbeat; one
-silent for `timeout` (stopped, hung) is killed; a dead router is restarted, with a growing
+The router is supervised like a worker: it says "alive" over the pipe every 0.5 s (also between
+the messages of a long burst); one silent for `timeout`, at least 5 s (stopped, hung), is killed; a dead router is restarted, with a growing
 delay while it keeps dying young. Its requests end with an explicit error on the client side
 (the client sees its connection drop); the workers re-announce to the new router at its first
 heartbeat ping.
@@ -55,6 +55,7 @@ SIGNALS = ("HUP", "TTIN", "TTOU", "USR1", "TERM", "INT", "QUIT", "CHLD")
 CRASH_WINDOW_S = 60.0
 CRASH_LIMIT = 5          # crashes in the window before respawns back off
 BACKOFF_MAX_S = 30.0
+ROUTER_TIMEOUT_MIN_S = 5.0   # a router silent this long (or `timeout` if longer) is killed and restarted
 ROUTER_YOUNG_S = 10.0    # a router that dies younger than this is restarted after a growing delay
 ROUTER_BACKOFF_MAX_S = 10.0
 RELOAD_CRASH_LIMIT = 3   # deaths of a reloading generation's workers (beyond its size) before rollback
@@ -503,9 +504,10 @@ class Arbiter:
                 self.spawn_router()
             return
         silent = now - self.router_seen
-        if silent > self.settings.timeout:
-            log.error("router %d silent for %.1fs (timeout %.1fs): killing it", self.router_pid, silent,
-                      self.settings.timeout)
+        limit = max(self.settings.timeout, ROUTER_TIMEOUT_MIN_S)
+        if silent > limit:
+            log.error("router %d silent for %.1fs (limit %.1fs: timeout, at least %.0fs): killing it",
+                      self.router_pid, silent, limit, ROUTER_TIMEOUT_MIN_S)
             self._kill_router()
             self.router_seen = now          # once; the reap restarts it
 

@@ -188,14 +188,20 @@ class Router:
             self.dispatch()
         self.shutdown()
 
-    @staticmethod
-    def _drain(sock, handler, budget=1000):
+    def _drain(self, sock, handler, budget=1000):
         for _ in range(budget):
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             handler(parts)
+            self.alive()        # a loop busy with slow requests is alive: the master judges progress
+
+    def alive(self, now=None):
+        now = time.monotonic() if now is None else now
+        if now - self.last_alive >= min(ALIVE_EVERY_S, self.settings.heartbeat_interval):
+            self.last_alive = now
+            self.to_master({"op": "alive"})
 
     # -- frontend ------------------------------------------------------------------------
     def reply(self, client, body) -> bool:
@@ -426,9 +432,7 @@ class Router:
             except zmq.ZMQError:
                 pass
         self.check_generations()
-        if now - self.last_alive >= min(ALIVE_EVERY_S, self.settings.heartbeat_interval):
-            self.last_alive = now
-            self.to_master({"op": "alive"})
+        self.alive(now)
         if os.getppid() != self.ppid:
             log.error("router: the master is gone, exiting")
             self.stopping = True
