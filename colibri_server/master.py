@@ -327,7 +327,10 @@ class Arbiter:
 
     def sleep(self):
         try:
-            r, _, _ = select.select([self._wake_r, self.pipe], [], [], min(0.5, self.watchdog or 0.5))
+            timeout = min(0.5, self.watchdog or 0.5)
+            if self.router_pid is None and not self.stopping:     # restart the router on time
+                timeout = min(timeout, max(0.0, self.router_next_start - time.monotonic()))
+            r, _, _ = select.select([self._wake_r, self.pipe], [], [], timeout)
             if self._wake_r in r:
                 while os.read(self._wake_r, 512):
                     pass
