@@ -113,7 +113,7 @@ class Arbiter:
         self.router_next_start = 0.0
         self.bind_error = None
         self.pending_reload = None      # "hup" | "usr1" arriving while a reload is under way
-        self.reload_prev = None         # (settings, num_workers) to restore on rollback
+        self.reload_prev = None         # num_workers to restore on rollback (settings change at commit)
         self.reload_deadline = None
         self.last_reload = None         # {"generation", "ok", "error", "time"} for status
         self.next_wid = 0
@@ -547,6 +547,7 @@ class Arbiter:
             return
         old = self.generation
         self.generation, self.reloading, self.reload_prev = g, None, None
+        self.settings = self.gens[g].settings
         self.model_path = self.gens[g].model.path
         self.to_router({"op": "commit", "generation": g, "settings": _settings_dict(self.settings)})
         log.info("generation %d serving (%d workers); generation %d drains once its queue is empty",
@@ -576,7 +577,7 @@ class Arbiter:
                 self._kill(w.pid, signal.SIGKILL)
         self.reloading = None
         if self.reload_prev is not None:
-            self.settings, self.num_workers = self.reload_prev
+            self.num_workers = self.reload_prev
             self.reload_prev = None
         self.to_router({"op": "abort", "generation": g})
         self._fail_reload(g, f"reload rolled back, generation {self.generation} keeps serving: {reason}")
@@ -665,8 +666,7 @@ class Arbiter:
             self._fail_reload(max(self.gens) + 1, f"{kind.upper()}: model {path} refused, generation "
                                                   f"{self.generation} keeps serving: {e}")
             return
-        self.reload_prev = (self.settings, self.num_workers)
-        self.settings = settings
+        self.reload_prev = self.num_workers       # the settings change only at the commit
         if kind == "hup":
             self.num_workers = settings.workers or _default_workers()
         log.info("%s: model %s validated: bringing up generation %d with %d workers", kind.upper(), path,
