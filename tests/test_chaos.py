@@ -128,7 +128,8 @@ class Chaos:
         tmp = self.tmp / "incoming.colibri"
         data = bytearray(open(self.files[self.in_place or "a"], "rb").read())
         if kind == "missing":
-            os.unlink(self.live)
+            if os.path.exists(self.live):
+                os.unlink(self.live)
         else:
             if kind == "truncated":
                 data = data[: len(data) * 2 // 3]
