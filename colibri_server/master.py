@@ -55,6 +55,7 @@ SIGNALS = ("HUP", "TTIN", "TTOU", "USR1", "TERM", "INT", "QUIT", "CHLD")
 CRASH_WINDOW_S = 60.0
 CRASH_LIMIT = 5          # crashes in the window before respawns back off
 BACKOFF_MAX_S = 30.0
+FLOOR_RESPAWN_S = 1.0    # during a crash backoff, an empty serving generation still gets a worker this often
 ROUTER_TIMEOUT_MIN_S = 5.0   # a router silent this long (or `timeout` if longer) is killed and restarted
 ROUTER_YOUNG_S = 10.0    # a router that dies younger than this is restarted after a growing delay
 ROUTER_BACKOFF_MAX_S = 10.0
@@ -119,6 +120,7 @@ class Arbiter:
         self.next_wid = 0
         self.crashes = []
         self.backoff_until = 0.0
+        self.last_floor_spawn = 0.0
         self.backoff = 1.0
         self.stopping = None            # None | "graceful" | "fast"
         self.stop_deadline = None
@@ -477,7 +479,14 @@ class Arbiter:
                 continue
             live = [w for w in self.workers.values() if w.generation == g and not w.stopping]
             if len(live) < self.num_workers:
-                if time.monotonic() < self.backoff_until:
+                now = time.monotonic()
+                if now < self.backoff_until:
+                    # backing off after repeated crashes, but never with the serving generation
+                    # empty: one worker at a time, at most one a second (a crash loop stays slow)
+                    if g == self.generation and not live and now - self.last_floor_spawn >= FLOOR_RESPAWN_S:
+                        self.last_floor_spawn = now
+                        log.warning("backing off after crashes, but generation %d has no worker: starting one", g)
+                        self.spawn_worker(g)
                     continue
                 for _ in range(self.num_workers - len(live)):
                     self.spawn_worker(g)
