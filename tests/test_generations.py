@@ -383,3 +383,18 @@ def test_non_finite_logits_answer_numerical_fault(server, model_a, tmp_path):
         assert ei.value.code == "numerical_fault" and "layer 0" in ei.value.message
         assert c.generate([5, 6, 7], max_tokens=3).finish_reason in ("length", "stop")
     assert "first non-finite in layer 0" in s.logs()
+
+
+def test_crash_backoff_keeps_one_worker_serving(server):
+    """Workers killed over and over (an operator, the OOM killer): the crash backoff slows the
+    respawns but never leaves the serving generation empty for more than a second or two."""
+    s = server(workers=1)
+    for i in range(7):
+        pid = s.wait_for(lambda: (s.worker_pids() or [None])[0], timeout=10, what=f"worker {i}")
+        os.kill(pid, signal.SIGKILL)
+        s.wait_for(lambda: pid not in s.worker_pids(), what="death noticed")
+    t0 = time.monotonic()
+    assert "before respawning" in s.logs()
+    with s.client(30) as c:
+        assert c.generate(PROMPTS[0], max_tokens=2).finish_reason in ("length", "stop")
+    assert time.monotonic() - t0 < 5
