@@ -188,17 +188,26 @@ class Arbiter:
         t0 = time.perf_counter()
         m = Model.open(path, context=s.context, populate=populate, routing_noise=s.routing_noise,
                        seed=None if s.seed < 0 else s.seed, hugepages=s.hugepages)
+        verify = getattr(s, "verify_checksums", True)
+        finish = None
         try:
             t_map = time.perf_counter() - t0
             t_crc = 0.0
-            if getattr(s, "verify_checksums", True):
+            if verify:      # the pages were just faulted in: read from memory, beside the compile
                 tc = time.perf_counter()
-                _verify_checksums(m.file)       # the pages were just faulted in: read from memory
+                finish = _start_checksums(m.file)
                 t_crc = time.perf_counter() - tc
             if s.mlock:
                 _mlock(m.file, path)
             t1 = time.perf_counter()
-            self._compile(m, s)
+            try:
+                self._compile(m, s)
+            finally:
+                if finish is not None:          # a mismatch explains a failing warm-up best
+                    tc = time.perf_counter()
+                    finish, f = None, finish
+                    f()
+                    t_crc += time.perf_counter() - tc
         except BaseException:
             m.close()
             raise
@@ -210,7 +219,7 @@ class Arbiter:
                  path, m.config.arch, m.config.num_layers, m.config.num_experts, m.config.dtype,
                  size / 2**20, t_map, "2 MiB pages: unknown" if huge is None else
                  f"{huge / 2**20:.0f} MiB on 2 MiB pages",
-                 f"verified in {t_crc:.2f}s" if getattr(s, "verify_checksums", True) else "not verified",
+                 f"verified (+{t_crc:.2f}s beside the compile)" if verify else "not verified",
                  time.perf_counter() - t1)
         return m
 
@@ -837,16 +846,22 @@ def _mlock(cf, path):
 
 
 def _verify_checksums(cf, procs=None, min_bytes=64 << 20):
-    """Every tensor's CRC-32, on up to `procs` forked processes (default: the CPUs this process
-    may use, at most 8): zlib's CRC runs at about 1 GB/s on one core, and the master starts no
-    thread (fork safety), so the file is split by bytes between children that share the mapping.
-    Raises the first ChecksumMismatch (naming the tensor)."""
+    """Every tensor's CRC-32 (see _start_checksums); raises the first ChecksumMismatch."""
+    _start_checksums(cf, procs, min_bytes)()
+
+
+def _start_checksums(cf, procs=None, min_bytes=64 << 20):
+    """Start checking every tensor's CRC-32 on up to `procs` forked processes (default: the CPUs
+    this process may use, at most 8) and return finish(), which waits for them and raises the
+    first ChecksumMismatch (naming the tensor). zlib's CRC runs at about 1 GB/s on one core and
+    the master starts no thread (fork safety), so the file is split by bytes between children
+    that share the mapping, and they run while the master compiles the kernels."""
     from .model import format as fmt
     n = procs or min(8, len(os.sched_getaffinity(0)))
     records = sorted(cf.record_list, key=lambda r: -r.size)
     if n <= 1 or cf.header["file_size"] < min_bytes:
         cf.verify_checksums()
-        return
+        return lambda: None
     parts, loads = [[] for _ in range(n)], [0] * n
     for r in records:                                   # largest first onto the least loaded
         i = loads.index(min(loads))
@@ -871,6 +886,11 @@ def _verify_checksums(cf, procs=None, min_bytes=64 << 20):
                 os._exit(code)
         os.close(wfd)
         children.append((pid, rfd))
+    return lambda: _finish_checksums(cf, children)
+
+
+def _finish_checksums(cf, children):
+    from .model import format as fmt
     failure = None
     for pid, rfd in children:
         data = b""
