@@ -213,6 +213,9 @@ class Chaos:
                 self.fault(name)
                 done.append(name)
                 time.sleep(self.rng.uniform(0.0, 0.5))
+        except BaseException:
+            self.s.stop()                        # never leave a server behind a failed run
+            raise
         finally:
             self.stop.set()
             for t in threads:
