@@ -398,3 +398,38 @@ def test_crash_backoff_keeps_one_worker_serving(server):
     with s.client(30) as c:
         assert c.generate(PROMPTS[0], max_tokens=2).finish_reason in ("length", "stop")
     assert time.monotonic() - t0 < 4
+
+
+def test_async_client_in_flight_requests_get_connection_lost(server):
+    """The same promise through AsyncClient (the HTTP gateway's client): kill -9 of the router
+    ends the requests in flight with connection_lost at once; the next ones are answered."""
+    import asyncio
+    from colibri_server.client import AsyncClient
+    s = server(workers=1)
+    old = router_pid(s)
+
+    async def main():
+        errors, done, stop = [], [], asyncio.Event()
+        async with AsyncClient(s.addr, timeout=30) as c:
+            async def loop(i):
+                while not stop.is_set():
+                    t = time.monotonic()
+                    try:
+                        done.append(await c.generate(PROMPTS[i], max_tokens=100, ignore_eos=True))
+                    except ColibriError as e:
+                        errors.append((e.code, time.monotonic() - t))
+            tasks = [asyncio.ensure_future(loop(i)) for i in range(3)]
+            await asyncio.sleep(0.5)
+            os.kill(old, signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            n = len(done)
+            for _ in range(100):
+                if len(done) > n + 3:
+                    break
+                await asyncio.sleep(0.1)
+            stop.set()
+            await asyncio.gather(*tasks)
+            return errors, len(done) - n
+    errors, after = asyncio.run(main())
+    assert errors and all(code == "connection_lost" and took < 5 for code, took in errors), errors
+    assert after > 3
