@@ -281,6 +281,10 @@ def format_status(st) -> str:
                f"private anonymous {', '.join(mib(w['anon_private']) for w in st['workers'])}")
     if st.get("counters"):
         out.append("counters   " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
+    lr = st.get("last_reload")
+    if lr:
+        out.append(f"reload     generation {lr.get('generation')} " +
+                   ("committed" if lr.get("ok") else f"ROLLED BACK: {lr.get('error')}"))
     return "\n".join(out)
 
 

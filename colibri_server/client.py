@@ -32,7 +32,7 @@ from .client_async import AsyncClient, AsyncStream  # noqa: F401
 from .client_core import (  # noqa: F401  (re-exported: the public API lives here)
     ERRORS, BadRequest, Cancelled, Chunk, ColibriError, ColibriTimeout, Completion, DeadlineExceeded,
     DuplicateId, InternalError, NotFound, Overloaded, Prompt, ShuttingDown, TooLarge, UnknownType,
-    UnsupportedVersion, WorkerLost, _ClientCore, _Request, _StreamCore, _cancel_body, _encode, _ms,
+    UnsupportedVersion, WorkerLost, NumericalFault, ConnectionLost, _ClientCore, _Request, _StreamCore, _cancel_body, _encode, _ms,
     _timeout_error, error_for)
 
 __all__ = [
@@ -40,7 +40,7 @@ __all__ = [
     "ColibriError", "ColibriTimeout", "ERRORS", "error_for",
     "BadRequest", "UnsupportedVersion", "UnknownType", "TooLarge", "Overloaded",
     "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "DuplicateId",
-    "NotFound", "InternalError",
+    "NotFound", "InternalError", "NumericalFault", "ConnectionLost",
 ]
 
 
@@ -98,6 +98,8 @@ class Client(_ClientCore):
     def _send(self, body):
         self._check_open()
         frames = _encode(body)
+        if not self._queues.keys() - {body.get("id")}:
+            self._drain_monitor()       # drops while nothing was in flight concern no request
         try:
             self._sock.send_multipart(frames)
         except zmq.Again:
@@ -121,13 +123,19 @@ class Client(_ClientCore):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _timeout_error("no message", timeout, rid)
-            if self._sock.poll(_ms(remaining), zmq.POLLIN):
-                for _ in range(10_000):
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._mon, zmq.POLLIN)
+            events = dict(poller.poll(_ms(remaining)))
+            if events:
+                for _ in range(10_000):         # answers that arrived before a disconnect count
                     try:
                         parts = self._sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._dispatch(parts)
+            if self._mon in events and self._drain_monitor():
+                self._connection_lost()
         return q.popleft()
 
     def _call(self, req: _Request, timeout):
@@ -172,6 +180,7 @@ class Client(_ClientCore):
 
     def close(self):
         if self._mark_closed():
+            self._close_monitor()
             self._sock.close(linger=0)
             self._ctx.term()
 

@@ -25,7 +25,7 @@ RESPONSE_MAX_ARRAY = 1 << 24
 from .client_types import (  # noqa: F401,E402  (re-exported by client.py)
     ColibriError, BadRequest, UnsupportedVersion, UnknownType, TooLarge,
     Overloaded, DeadlineExceeded, Cancelled, WorkerLost, ShuttingDown, DuplicateId,
-    NotFound, InternalError, ColibriTimeout, ERRORS, error_for, _internal,
+    NotFound, InternalError, ColibriTimeout, ERRORS, error_for, _internal, NumericalFault, ConnectionLost,
     Completion, Chunk,
 )
 
@@ -287,6 +287,11 @@ class _ClientCore:
         try:
             self._sock = self._ctx.socket(zmq.DEALER)
             _apply_options(self._sock, self.timeout, curve)
+            # a dropped connection (the router died) fails the requests in flight: their answers
+            # would never come (ZeroMQ reconnects by itself; later requests go to the new router)
+            # (only a connection that completed its handshake counts: a refused CURVE key is not a drop)
+            self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._up = False
             self._sock.connect(addr)
         except BaseException:
             self._ctx.destroy(linger=0)
@@ -331,6 +336,41 @@ class _ClientCore:
     def _fail_all(self, exc):
         for q in self._queues.values():
             q.put_nowait(_Failure(exc))
+
+    def _connection_lost(self):
+        if self._queues:
+            self._fail_all(ConnectionLost(f"the connection to {self.addr} dropped with the request in flight "
+                                          "(the server's router restarted or stopped): no answer will come; "
+                                          "retry", code="connection_lost"))
+
+    def _monitor_event(self, parts) -> bool:
+        """Track the connection from one monitor message; True when an established one dropped."""
+        from zmq.utils.monitor import parse_monitor_message
+        try:
+            ev = parse_monitor_message(parts)["event"]
+        except Exception:
+            return False
+        if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._up = True
+        elif ev == zmq.EVENT_DISCONNECTED:
+            lost, self._up = self._up, False
+            return lost
+        return False
+
+    def _drain_monitor(self) -> bool:
+        lost = False
+        while True:
+            try:
+                lost |= self._monitor_event(self._mon.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return lost
+
+    def _close_monitor(self):
+        try:
+            self._sock.disable_monitor()
+        except Exception:
+            pass
+        self._mon.close(linger=0)
 
     def _mark_closed(self) -> bool:
         """Mark the client closed, failing whatever awaits an answer; False if it already was."""

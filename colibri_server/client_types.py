@@ -76,6 +76,12 @@ class WorkerLost(ColibriError):
     code = "worker_lost"
 
 
+class NumericalFault(ColibriError):
+    """The forward pass gave non-finite logits (corrupted weights or an overflow); the server
+    logged the layer. Retrying the same request gives the same fault."""
+    code = "numerical_fault"
+
+
 class ShuttingDown(ColibriError):
     code = "shutting_down"
 
@@ -98,9 +104,15 @@ class ColibriTimeout(ColibriError):
     code = "timeout"
 
 
+class ConnectionLost(ColibriError):
+    """The connection to the server dropped while the request was in flight (client-side): the
+    router that held it is gone (it restarts); its answer will never come. Safe to retry."""
+    code = "connection_lost"
+
+
 ERRORS = {cls.code: cls for cls in (
     BadRequest, UnsupportedVersion, UnknownType, TooLarge, Overloaded, DeadlineExceeded,
-    Cancelled, WorkerLost, ShuttingDown, DuplicateId, NotFound, InternalError)}
+    Cancelled, WorkerLost, NumericalFault, ShuttingDown, DuplicateId, NotFound, InternalError)}
 assert set(ERRORS) == set(protocol.ERROR_CODES), "client.ERRORS is out of date with protocol.ERROR_CODES"
 
 

@@ -9,6 +9,12 @@ queue and beyond it the client gets "overloaded" at once. A ledger holds every r
 flight: when a worker dies, each of its requests that streamed no token yet is retried on
 another worker, and each that did gets "worker_lost". Every request ends in exactly one
 "done" or "error". Malformed frames are answered or logged, and never fatal.
+
+Generations: the router holds each live generation's tokenizer, vocabulary and context (the
+master hands them over: in memory at fork, or in a file it wrote for a new generation). A
+request is tokenized and checked with the serving generation's, is bound to that generation
+from arrival to end, and goes only to workers of it (a retry too). Once no queued request of
+an older generation is left, the router tells the master to retire it.
 """
 from __future__ import annotations
 
@@ -30,14 +36,34 @@ log = logging.getLogger("colibri.router")
 MAX_ATTEMPTS = 3          # dispatches of one request (retries after a worker died before any token)
 PREFIX_OWNERS = 4096      # prompt prefixes whose worker the router remembers (LRU)
 MAX_TEXT_BYTES_PER_TOKEN = 16   # a text prompt longer than this x max_prompt_tokens is refused untokenized
+EXIT_ROUTER_BIND = 5      # the client address cannot be bound (the master's EXIT_BIND at start)
+ALIVE_EVERY_S = 0.5       # "alive" to the master (it kills a router silent for `timeout`)
+
+
+class Gen:
+    """What the router needs of one generation: its tokenizer, vocabulary and context."""
+    __slots__ = ("number", "model_path", "tokenizer", "vocab_size", "context", "limits")
+
+    def __init__(self, info, settings):
+        from .model.tokenizer import Tokenizer
+        self.number, self.model_path = info["generation"], info["model"]
+        self.vocab_size, self.context = info["vocab_size"], info["context"]
+        tj = info.get("tokenizer_json") or ""
+        self.tokenizer = Tokenizer.from_json(tj) if tj else None
+        self.set_limits(settings)
+
+    def set_limits(self, s):
+        self.limits = P.Limits(max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens, max_stop=s.max_stop,
+                               max_body=s.max_body, vocab_size=self.vocab_size)
 
 
 class Req:
     __slots__ = ("rid", "client", "cid", "request", "stream", "state", "worker", "attempts", "streamed",
-                 "t_arrive", "t_dispatch", "deadline")
+                 "t_arrive", "t_dispatch", "deadline", "generation")
 
-    def __init__(self, rid, client, cid, request, now):
+    def __init__(self, rid, client, cid, request, now, generation):
         self.rid, self.client, self.cid, self.request = rid, client, cid, request
+        self.generation = generation    # tokenized and checked for it: runs only on its workers
         self.stream = request["stream"]
         self.state = "queued"           # queued | running
         self.worker = None
@@ -80,10 +106,15 @@ class W:
 
 class Router:
     def __init__(self, *, frontend: str, backend: str, pipe_fd: int, settings, generation: int, model_path: str,
-                 curve=None):
+                 curve=None, generations=None, last_reload=None):
         self.frontend_addr, self.backend_addr, self.pipe_fd = frontend, backend, pipe_fd
         self.settings, self.generation = settings, generation
         self.model_path = model_path
+        self.gen_infos = generations or {}  # generation -> info dict (parsed after fork)
+        self.gens = {}                     # generation -> Gen
+        self.retired = set()               # older generations the master was told to retire
+        self.last_reload = last_reload
+        self.last_alive = 0.0
         self.curve = curve
         self.reqs = {}                     # rid -> Req
         self.by_client = {}                # (client, cid) -> rid
@@ -106,8 +137,18 @@ class Router:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.ppid = os.getppid()
-        self.limits = self._limits()
-        self._load_tokenizer(self.model_path)
+        self.pipe = socket.socket(fileno=self.pipe_fd)
+        self.pipe.setblocking(False)
+        for g, info in sorted(self.gen_infos.items()):
+            try:
+                self.gens[g] = Gen(info, self.settings)
+            except Exception as e:
+                log.error("router: generation %d's tokenizer cannot be loaded: %s", g, e)
+                self.to_master({"op": "generation_failed", "generation": g, "error": str(e)})
+        if self.generation not in self.gens:
+            raise RuntimeError(f"the serving generation {self.generation} has no usable tokenizer")
+        self.gen_infos = None
+        self._select(self.generation)
         self.ctx = zmq.Context(io_threads=1)
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -116,34 +157,24 @@ class Router:
         self.front.setsockopt(zmq.SNDHWM, 100000)
         if self.curve is not None:
             self.curve.apply_server(self.ctx, self.front)
-        self.front.bind(self.frontend_addr)
+        try:
+            self.front.bind(self.frontend_addr)
+        except zmq.ZMQError as e:
+            raise BindFailed(_bind_message(self.frontend_addr, e)) from None
         _chmod_ipc(self.frontend_addr, 0o660)
         self.back = self.ctx.socket(zmq.ROUTER)
         self.back.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.back.setsockopt(zmq.LINGER, 0)
         self.back.bind(self.backend_addr)
         _chmod_ipc(self.backend_addr, 0o600)
-        self.pipe = socket.socket(fileno=self.pipe_fd)
-        self.pipe.setblocking(False)
+        self.to_master({"op": "up", "pid": os.getpid()})
 
-    def _limits(self):
-        s = self.settings
-        return P.Limits(max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens, max_stop=s.max_stop,
-                        max_body=s.max_body, vocab_size=self.vocab_size)
-
-    def _load_tokenizer(self, path):
-        from .model import format as fmt
-        from .model.config import ModelConfig
-        from .model.tokenizer import Tokenizer
-        cf = fmt.ColibriFile.open(path)
-        try:
-            cfg = ModelConfig.from_dict(fmt.read_json_blob(path, "config", cf.config_json))
-            self.vocab_size = cfg.vocab_size
-            self.tokenizer = Tokenizer.from_json(cf.tokenizer_json) if cf.tokenizer_json else None
-            self.context = min(self.settings.context, cfg.max_position_embeddings)
-        finally:
-            cf.close()
-        self.limits = self._limits()
+    def _select(self, g):
+        """Serve new requests with generation g's tokenizer, vocabulary and context."""
+        gen = self.gens[g]
+        self.generation, self.model_path = g, gen.model_path
+        self.tokenizer, self.vocab_size, self.context, self.limits = gen.tokenizer, gen.vocab_size, gen.context, \
+            gen.limits
 
     # -- loop ----------------------------------------------------------------------------
     def run(self):
@@ -168,14 +199,20 @@ class Router:
             self.dispatch()
         self.shutdown()
 
-    @staticmethod
-    def _drain(sock, handler, budget=1000):
+    def _drain(self, sock, handler, budget=1000):
         for _ in range(budget):
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             handler(parts)
+            self.alive()        # a loop busy with slow requests is alive: the master judges progress
+
+    def alive(self, now=None):
+        now = time.monotonic() if now is None else now
+        if now - self.last_alive >= min(ALIVE_EVERY_S, self.settings.heartbeat_interval):
+            self.last_alive = now
+            self.to_master({"op": "alive"})
 
     # -- frontend ------------------------------------------------------------------------
     def reply(self, client, body) -> bool:
@@ -240,7 +277,7 @@ class Router:
             raise P.ProtocolError("overloaded", f"{len(self.queue)} requests queued (max_queue "
                                                 f"{self.settings.max_queue})")
         now = time.monotonic()
-        r = Req(self.next_rid, client, cid, req, now)
+        r = Req(self.next_rid, client, cid, req, now, self.generation)
         self.next_rid += 1
         self.reqs[r.rid] = r
         self.by_client[(client, cid)] = r.rid
@@ -276,7 +313,7 @@ class Router:
         self.reply(client, {"type": "result", "id": cid, "text": self.tokenizer.decode(ids)})
 
     def on_health(self, client, cid, body):
-        ready = sum(1 for w in self.workers.values() if w.state == "ready")
+        ready = sum(1 for w in self.workers.values() if w.state == "ready" and w.generation == self.generation)
         status = "draining" if self.draining else ("ok" if ready else "starting")
         self.reply(client, {"type": "result", "id": cid, "status": status, "workers_ready": ready,
                             "generation": self.generation, "queue": len(self.queue)})
@@ -301,18 +338,32 @@ class Router:
                 "queue": len(self.queue), "in_flight": sum(len(w.running) for w in self.workers.values()),
                 "workers": workers, "counters": dict(self.counters), "draining": self.draining,
                 "router": {"pid": os.getpid(), **process_memory(os.getpid())},
+                "generations": sorted(self.gens), "last_reload": self.last_reload,
                 "master": {"pid": self.ppid, "model_rss": master["rss"], "model_pss": master["pss"]},
                 "uptime_s": round(time.monotonic() - self.t_start, 1)}
 
     # -- scheduling ----------------------------------------------------------------------
     def dispatch(self):
-        while self.queue:
-            r = self.reqs[self.queue[0]]
+        """Queued requests, in order, each to a worker of its own generation with a free slot (the
+        one holding its prompt's first KV block when it is of that generation and has one)."""
+        if not self.queue:
+            return
+        free = {}
+        for w in self.workers.values():
+            if w.free > 0:
+                free[w.generation] = free.get(w.generation, 0) + w.free
+        if not free:
+            return
+        for rid in list(self.queue):
+            r = self.reqs[rid]
+            if not free.get(r.generation):
+                continue
             key = _prefix_key(r.request.get("prompt"))
-            w = self._pick_worker(self.prefix_owner.get(key))
+            w = self._pick_worker(r.generation, self.prefix_owner.get(key))
             if w is None:
-                return
-            self.queue.popleft()
+                continue
+            self.queue.remove(rid)
+            free[r.generation] -= 1
             if key is not None:
                 self.prefix_owner[key] = w.ident        # the worker that now holds this prompt's first block
                 self.prefix_owner.move_to_end(key)
@@ -328,21 +379,24 @@ class Router:
                 w.running.discard(r.rid)
                 w.state = "unresponsive"
                 self._requeue(r, front=True)
+                return
+            if not any(free.values()):
+                return
 
-    def _pick_worker(self, preferred=None):
-        """A worker with a free slot: `preferred` (the one holding the request's prompt prefix in its
-        KV cache) when it has one and is of the newest generation with free slots, else the newest
-        generation, the most free slots, the longest idle."""
+    def _pick_worker(self, generation, preferred=None):
+        """A worker of `generation` with a free slot: `preferred` (the one holding the request's prompt
+        prefix in its KV cache) when it is of that generation and has one, else the most free slots,
+        the longest idle."""
         best = None
         for w in self.workers.values():
-            if w.free <= 0:
+            if w.free <= 0 or w.generation != generation:
                 continue
-            # newest generation first, then the most free slots, then the longest idle
-            key = (w.generation, w.free, -w.last_dispatch)
-            if best is None or key > (best.generation, best.free, -best.last_dispatch):
+            # the most free slots, then the longest idle
+            key = (w.free, -w.last_dispatch)
+            if best is None or key > (best.free, -best.last_dispatch):
                 best = w
         p = self.workers.get(preferred) if preferred is not None else None
-        if p is not None and best is not None and p.free > 0 and p.generation >= best.generation:
+        if p is not None and p.free > 0 and p.generation == generation:
             best = p
         if best is not None:
             best.last_dispatch = time.monotonic()
@@ -402,9 +456,30 @@ class Router:
                 self.back.send_multipart([w.ident, b"PING", b"\x80"], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        self.check_generations()
+        self.alive(now)
         if os.getppid() != self.ppid:
             log.error("router: the master is gone, exiting")
             self.stopping = True
+
+    def check_generations(self):
+        """Older generations: retire each once none of its requests is queued; a queued request of
+        one with no worker left ends with an error (it cannot run on another generation's)."""
+        queued = collections.Counter(self.reqs[rid].generation for rid in self.queue)
+        for g in sorted(self.gens):
+            if g >= self.generation:
+                continue
+            if queued[g] and not any(w.generation == g and w.state == "ready" for w in self.workers.values()):
+                for rid in list(self.queue):
+                    r = self.reqs[rid]
+                    if r.generation == g:
+                        self.counters["worker_lost"] += 1
+                        self.cancel(r, "worker_lost", f"generation {g}, which this request was tokenized and "
+                                                      "checked for, has no worker left")
+                queued[g] = 0
+            if not queued[g] and g not in self.retired:
+                self.retired.add(g)
+                self.to_master({"op": "retire", "generation": g})
 
     # -- backend -------------------------------------------------------------------------
     def on_backend(self, parts):
@@ -426,11 +501,20 @@ class Router:
         if kind == b"READY":
             if w is None:
                 w = self.workers[ident] = W(ident, body, now)
+                if body.get("draining"):
+                    w.state = "draining"
                 self.by_pid[w.pid] = ident
                 log.info("worker %s (generation %s) ready with %d slots", w.pid, w.generation, w.slots)
                 self.to_master({"op": "ready", "pid": w.pid, "generation": w.generation})
             return
         if w is None:
+            if kind == b"HB":
+                # a worker this router does not know: this router is new (the last one died). Ask it
+                # to announce itself, dropping the work it holds for the old router's requests
+                try:
+                    self.back.send_multipart([ident, b"HELLO", b"\x80"], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
             return      # a worker we consider gone; its messages are stale
         if kind == b"HB":
             # liveness (last_seen, above) and the batch engine's figures for status; free slots are
@@ -525,24 +609,57 @@ class Router:
             op = msg.get("op")
             if op == "exited":
                 self.worker_exited(msg["pid"])
-            elif op == "generation":
-                self.generation, self.model_path = msg["generation"], msg["model"]
-                self._load_tokenizer(self.model_path)
-                log.info("router: generation %d (%s)", self.generation, self.model_path)
+            elif op == "generation":       # a generation coming up: its tokenizer, not serving yet
+                g = msg["generation"]
+                try:
+                    with open(msg["info"], "rb") as f:
+                        info = msgpack.unpackb(f.read(), raw=False)
+                    self.gens[g] = Gen(info, self.settings)
+                except Exception as e:
+                    log.error("router: generation %d's tokenizer cannot be loaded: %s", g, e)
+                    self.to_master({"op": "generation_failed", "generation": g, "error": str(e)})
+                    continue
+                log.info("router: generation %d loaded (%s)", g, self.gens[g].model_path)
+            elif op == "commit":           # generation g is READY: new requests go to it
+                g = msg["generation"]
+                if g not in self.gens:
+                    log.error("router: commit of unknown generation %d", g)
+                    continue
+                if msg.get("settings") is not None:
+                    self._apply_settings(msg["settings"])
+                self._select(g)
+                self.last_reload = {"generation": g, "ok": True, "error": None, "time": time.time()}
+                log.info("router: generation %d serving (%s)", g, self.model_path)
+            elif op == "abort":            # it did not come up: forget it
+                g = msg["generation"]
+                if g != self.generation:
+                    self.gens.pop(g, None)
+            elif op == "forget":
+                g = msg["generation"]
+                if g != self.generation and not any(r.generation == g for r in self.reqs.values()):
+                    self.gens.pop(g, None)
+                    self.retired.discard(g)
+            elif op == "reload_status":
+                self.last_reload = msg.get("last_reload")
             elif op == "settings":
-                self.settings = msg["settings"] if not isinstance(msg["settings"], dict) else \
-                    _AttrDict(msg["settings"])
-                self.limits = self._limits()
-                if self.curve is not None:
-                    from .security import SecurityError
-                    try:
-                        self.curve.reload()
-                    except SecurityError as e:
-                        log.error("HUP: CURVE allowed keys not reloaded, the current ones stay: %s", e)
+                self._apply_settings(msg["settings"])
             elif op == "drain":
                 self.draining = True
             elif op == "exit":
                 self.stopping = True
+
+    def _apply_settings(self, settings):
+        self.settings = settings if not isinstance(settings, dict) else _AttrDict(settings)
+        for gen in self.gens.values():
+            gen.set_limits(self.settings)
+        if self.generation in self.gens:
+            self.limits = self.gens[self.generation].limits
+        if self.curve is not None:
+            from .security import SecurityError
+            try:
+                self.curve.reload()
+            except SecurityError as e:
+                log.error("HUP: CURVE allowed keys not reloaded, the current ones stay: %s", e)
 
     def shutdown(self):
         for r in list(self.reqs.values()):
@@ -578,11 +695,30 @@ def _chmod_ipc(addr, mode):
             log.warning("cannot chmod %s: %s", addr, e)
 
 
+class BindFailed(Exception):
+    pass
+
+
+def _bind_message(addr, e) -> str:
+    msg = f"cannot bind {addr}: {e.strerror if hasattr(e, 'strerror') else e}"
+    if addr.startswith("ipc://"):
+        d = os.path.dirname(addr[len("ipc://"):]) or "."
+        if not os.path.isdir(d):
+            msg += f" (the directory {d} does not exist: create it, or under systemd use RuntimeDirectory=)"
+    elif e.errno == zmq.EADDRINUSE:
+        msg += " (another process listens there: stop it or choose another bind)"
+    return msg
+
+
 def router_main(router: Router) -> None:
     code = 0
     try:
         router.init_process()
         router.run()
+    except BindFailed as e:
+        log.error("router: %s", e)
+        router.to_master({"op": "bind_failed", "error": str(e)})
+        code = EXIT_ROUTER_BIND
     except BaseException:
         log.exception("router crashed")
         code = 1

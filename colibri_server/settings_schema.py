@@ -434,6 +434,8 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("mlock", BOOL, False, "lock the model mapping in RAM (needs RLIMIT_MEMLOCK)",
             reload=RESTART),
     Setting("populate", BOOL, True, "fault every model page in at start", reload=USR1),
+    Setting("verify_checksums", BOOL, True, "verify every tensor's CRC-32 when the model is opened (start, "
+            "HUP, USR1): a corrupted file is refused naming the tensor", reload=USR1),
     Setting("hugepages", BOOL, True, "map the model on 2 MiB pages where the kernel can (re-reads "
             "once the parts of a large file found on 4 KiB pages)", reload=USR1),
     Setting("log_level", ENUM("debug", "info", "warning", "error"), "info", "log verbosity"),

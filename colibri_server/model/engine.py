@@ -30,6 +30,39 @@ DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 256
 
 
+class NumericalFault(ArithmeticError):
+    """A forward pass gave non-finite logits. `layer`: the first layer whose keys or values for
+    the new positions are non-finite (None: every layer's are finite, so the fault is after the
+    last layer's attention input: its MLP/MoE, the final norm or the output head)."""
+
+    def __init__(self, message, layer=None):
+        super().__init__(message)
+        self.layer = layer
+
+
+def check_finite(logits: np.ndarray, cache, start: int, n: int) -> None:
+    """Raise NumericalFault if the logits hold a NaN or an infinity, naming the layer where the
+    non-finite values first show in the KV cache (positions start..start+n-1). Costs a pass over
+    one row of logits per step; the search runs only after a fault."""
+    if np.isfinite(logits).all():
+        return
+    raise numerical_fault(cache, start, n, f"non-finite logits at position {start + n - 1}")
+
+
+def numerical_fault(cache, start: int, n: int, what: str) -> NumericalFault:
+    """The NumericalFault for positions start..start+n-1, naming the first layer whose keys or
+    values there are non-finite."""
+    layer = None
+    for l in range(cache.k.shape[0]):
+        if not (np.isfinite(cache.k[l, :, start:start + n]).all() and np.isfinite(cache.v[l, :, start:start + n]).all()):
+            layer = l
+            break
+    where = (f"first non-finite in layer {layer}'s keys/values (its input or attention projections)"
+             if layer is not None else "every layer's keys/values are finite: the last layer's MLP/MoE, the "
+             "final norm or the output head")
+    return NumericalFault(f"{what}: {where}", layer)
+
+
 @dataclass
 class StreamEvent:
     token_id: int | None        # None on the closing event
@@ -305,15 +338,22 @@ class Sequence:
         if self.finished:
             return None
         m, t0 = self.model, time.perf_counter()
-        if self.fed < len(self.prompt_ids):
-            part = self.prompt_ids[self.fed:self.fed + m.workspace.rows]
-            logits = m.prefill(self.cache, part)
-            self.fed += len(part)
-            self.timings["prefill_s"] += time.perf_counter() - t0
+        start, n = self.cache.length, 1
+        try:
             if self.fed < len(self.prompt_ids):
-                return None
-        else:
-            logits = m.decode(self.cache, self.last)
+                part = self.prompt_ids[self.fed:self.fed + m.workspace.rows]
+                n = len(part)
+                logits = m.prefill(self.cache, part)
+                self.fed += len(part)
+                self.timings["prefill_s"] += time.perf_counter() - t0
+                if self.fed < len(self.prompt_ids):
+                    return None
+            else:
+                logits = m.decode(self.cache, self.last)
+        except ArithmeticError as e:        # a kernel met NaNs (the MoE router's weights sum to 0, ...)
+            raise numerical_fault(self.cache, start, n, f"{e.__class__.__name__} in the forward pass at "
+                                                        f"positions {start}..{start + n - 1}") from None
+        check_finite(logits, self.cache, start, n)
         ev = self._sample(logits)
         if self.generated[1:]:
             self.timings["decode_s"] += time.perf_counter() - t0
