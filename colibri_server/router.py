@@ -29,6 +29,7 @@ log = logging.getLogger("colibri.router")
 
 MAX_ATTEMPTS = 3          # dispatches of one request (retries after a worker died before any token)
 MAX_TEXT_BYTES_PER_TOKEN = 16   # a text prompt longer than this x max_prompt_tokens is refused untokenized
+CONTROL_TYPES = ("tokenize", "detokenize", "stats", "health")   # rate-limited per client (control_rate)
 
 
 class Req:
@@ -86,6 +87,9 @@ class Router:
         self.counters = collections.Counter()
         self.tokenizer, self.vocab_size = None, None
         self.t_start = time.monotonic()
+        self.buckets = {}                  # client -> [tokens, last refill]: control_rate per client
+        from .memory import MemorySampler
+        self.memory = MemorySampler()      # smaps figures, read on a thread: never in this loop
 
     # -- setup -------------------------------------------------------------------------
     def init_process(self):
@@ -193,6 +197,8 @@ class Router:
             return
         cid, t = body["id"], body["type"]
         try:
+            if t in CONTROL_TYPES:
+                self._rate_limit(client, t)
             getattr(self, "on_" + t)(client, cid, body)
         except P.ProtocolError as e:
             self.error(client, cid, e.code, e.message)
@@ -200,16 +206,40 @@ class Router:
             log.exception("router: request %r (%s) failed", cid, t)
             self.error(client, cid, "internal", f"{e.__class__.__name__}: {e}")
 
+    def _rate_limit(self, client, t):
+        """Token bucket per client for control requests: control_rate a second, bursts of twice
+        that. A client pipelining thousands of stats or tokenizes gets 'overloaded' answers
+        instead of taking the loop's time from everyone's generates."""
+        rate = float(getattr(self.settings, "control_rate", 0) or 0)
+        if rate <= 0:
+            return
+        now = time.monotonic()
+        b = self.buckets.get(client)
+        burst = max(2.0 * rate, 1.0)
+        if b is None:
+            b = self.buckets[client] = [burst, now]
+        b[0] = min(burst, b[0] + (now - b[1]) * rate)
+        b[1] = now
+        if b[0] < 1.0:
+            self.counters["rate_limited"] += 1
+            raise P.ProtocolError("overloaded", f"more than {rate:g} control requests ({t}) a second from this "
+                                                f"client (control_rate): slow down")
+        b[0] -= 1.0
+
+    def _check_text(self, text, what):
+        """The size guard of text the router would tokenize in its loop."""
+        nbytes = len(text.encode("utf-8", "surrogatepass"))
+        if nbytes > MAX_TEXT_BYTES_PER_TOKEN * self.limits.max_prompt_tokens:
+            # refuse before tokenizing: tokenizing megabytes would stall this loop for seconds
+            raise P.ProtocolError("too_large", f"{what} of {nbytes} bytes cannot fit in max_prompt_tokens "
+                                               f"{self.limits.max_prompt_tokens}")
+
     def on_generate(self, client, cid, body):
         if self.draining:
             raise P.ProtocolError("shutting_down", "the server is stopping")
         req = P.validate_generate(body, self.limits)
         if isinstance(req["prompt"], str):
-            nbytes = len(req["prompt"].encode("utf-8", "surrogatepass"))
-            if nbytes > MAX_TEXT_BYTES_PER_TOKEN * self.limits.max_prompt_tokens:
-                # refuse before tokenizing: tokenizing megabytes would stall this loop for seconds
-                raise P.ProtocolError("too_large", f"prompt text of {nbytes} bytes cannot fit in max_prompt_tokens "
-                                                   f"{self.limits.max_prompt_tokens}")
+            self._check_text(req["prompt"], "prompt text")
             if self.tokenizer is None:
                 raise P.ProtocolError("bad_request", "this model has no tokenizer: send token ids")
             ids = self.tokenizer.encode(req["prompt"])
@@ -246,6 +276,7 @@ class Router:
         text = body.get("text")
         if not isinstance(text, str):
             raise P.ProtocolError("bad_request", "field 'text' must be a string")
+        self._check_text(text, "text")
         if self.tokenizer is None:
             raise P.ProtocolError("bad_request", "this model has no tokenizer")
         add = body.get("add_special_tokens", True)
@@ -257,6 +288,10 @@ class Router:
         ids = body.get("ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise P.ProtocolError("bad_request", "field 'ids' must be a list of token ids")
+        most = self.limits.max_prompt_tokens + self.limits.max_tokens
+        if len(ids) > most:
+            raise P.ProtocolError("too_large", f"{len(ids)} ids to detokenize exceed max_prompt_tokens + "
+                                               f"max_tokens = {most}")
         bad = [t for t in ids if not 0 <= t < (self.vocab_size or 0)]
         if bad:
             raise P.ProtocolError("bad_request", f"token id {bad[0]} is outside the vocabulary")
@@ -273,24 +308,33 @@ class Router:
     def on_stats(self, client, cid, body):
         self.reply(client, {"type": "result", "id": cid, **self.stats()})
 
+    def _sample_memory(self):
+        self.memory.refresh([w.pid for w in self.workers.values()] + [self.ppid, os.getpid()],
+                            os.path.realpath(self.model_path))
+
     def stats(self) -> dict:
-        from .memory import file_mapping, process_memory
-        path = os.path.realpath(self.model_path)
+        """Live scheduling figures; memory figures from the sampler's cache (memory_age_s old),
+        which this call only asks to refresh: reading smaps here would stall the loop."""
+        self._sample_memory()
+        mem = self.memory.get
         workers = []
         for w in sorted(self.workers.values(), key=lambda w: w.wid or 0):
-            fm = file_mapping(w.pid, path)
+            m = mem(w.pid)
             workers.append({"pid": w.pid, "wid": w.wid, "generation": w.generation, "state": w.state,
                             "cores": w.cores, "slots": w.slots, "running": len(w.running), "served": w.served,
-                            "uptime_s": round(time.monotonic() - w.t_start, 1), **process_memory(w.pid),
-                            "model_rss": fm["rss"], "model_pss": fm["pss"]})
-        master = file_mapping(self.ppid, path)
-        size = os.path.getsize(self.model_path) if os.path.exists(self.model_path) else 0
+                            "uptime_s": round(time.monotonic() - w.t_start, 1), **m})
+        master = mem(self.ppid)
+        me = {k: v for k, v in mem(os.getpid()).items() if not k.startswith("model_")}
+        try:
+            size = os.stat(self.model_path).st_size
+        except OSError:
+            size = 0
         return {"generation": self.generation, "model": self.model_path, "model_bytes": size,
                 "queue": len(self.queue), "in_flight": sum(len(w.running) for w in self.workers.values()),
                 "workers": workers, "counters": dict(self.counters), "draining": self.draining,
-                "router": {"pid": os.getpid(), **process_memory(os.getpid())},
-                "master": {"pid": self.ppid, "model_rss": master["rss"], "model_pss": master["pss"]},
-                "uptime_s": round(time.monotonic() - self.t_start, 1)}
+                "router": {"pid": os.getpid(), **me},
+                "master": {"pid": self.ppid, "model_rss": master["model_rss"], "model_pss": master["model_pss"]},
+                "memory_age_s": self.memory.age(), "uptime_s": round(time.monotonic() - self.t_start, 1)}
 
     # -- scheduling ----------------------------------------------------------------------
     def dispatch(self):
@@ -377,6 +421,8 @@ class Router:
                 self.back.send_multipart([w.ident, b"PING", b"\x80"], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        if len(self.buckets) > 4096 or (self.buckets and now - self.t_start > 60 and int(now) % 60 == 0):
+            self.buckets = {c: b for c, b in self.buckets.items() if now - b[1] < 60}
         if os.getppid() != self.ppid:
             log.error("router: the master is gone, exiting")
             self.stopping = True
@@ -403,6 +449,7 @@ class Router:
                 w = self.workers[ident] = W(ident, body, now)
                 self.by_pid[w.pid] = ident
                 log.info("worker %s (generation %s) ready with %d slots", w.pid, w.generation, w.slots)
+                self._sample_memory()
                 self.to_master({"op": "ready", "pid": w.pid, "generation": w.generation})
             return
         if w is None:
