@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 EXIT_ERROR = 1
+EXIT_LOAD = 4        # serve/demo: the model, pidfile, runtime directory or keys cannot be used (master.EXIT_LOAD)
 
 
 def _die(msg: str, code: int = EXIT_ERROR):
@@ -34,16 +35,49 @@ def default_model_path(path):
     return BUNDLED_MODEL
 
 
+def model_file_problem(path):
+    """None if `path` may be a model file, else one line naming what is wrong with it (missing,
+    a directory, not a regular file, empty, unreadable, not a .colibri file). Opens with
+    O_NONBLOCK so that a FIFO at the path cannot hang this check."""
+    import stat
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return f"model file not found: {path}"
+    except IsADirectoryError:
+        return f"model path {path} is a directory: give a .colibri file"
+    except OSError as e:
+        return f"model file {path}: {e.strerror}"
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return f"model path {path} is a directory: give a .colibri file"
+        if not stat.S_ISREG(st.st_mode):
+            return f"model path {path} is not a regular file"
+        if st.st_size == 0:
+            return f"model file {path} is empty"
+        head = os.pread(fd, 8, 0)
+    except OSError as e:
+        return f"model file {path}: {e.strerror}"
+    finally:
+        os.close(fd)
+    from .model.format import MAGIC
+    if not head.startswith(MAGIC[:min(len(MAGIC), 8)]):
+        return f"{path} is not a .colibri model file (convert a checkpoint with `colibri convert`)"
+    return None
+
+
 def _open_model(path, **kw):
     from .model import Model
     from .model.format import ColibriFormatError
     path = default_model_path(path)
-    if not os.path.exists(path):
-        _die(f"model file not found: {path}")
+    problem = model_file_problem(path)
+    if problem:
+        _die(problem)
     try:
         return Model.open(path, **kw)
-    except ColibriFormatError as e:
-        _die(f"invalid model file: {e}")
+    except (ColibriFormatError, OSError) as e:
+        _die(f"invalid model file {path}: {e}")
 
 
 # ---------------------------------------------------------------------------- run
@@ -175,6 +209,11 @@ def cmd_convert(a):
     from .model.convert import ConvertError, convert
     if os.path.isdir(a.output):
         _die(f"output {a.output} is a directory; give a file name such as model.colibri")
+    out_dir = os.path.dirname(os.path.abspath(a.output))
+    if not os.path.isdir(out_dir):
+        _die(f"output directory {out_dir} does not exist")
+    if not os.path.isdir(a.hf_dir):
+        _die(f"checkpoint directory {a.hf_dir} does not exist or is not a directory")
     t0 = time.perf_counter()
     try:
         cfg = convert(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
@@ -182,6 +221,9 @@ def cmd_convert(a):
                       quantize_head=a.quantize_head, quant_group=a.quant_group, layout=a.layout)
     except ConvertError as e:
         _die(str(e))
+    except OSError as e:          # a full disk, a read-only directory...: the partial file is removed
+        _die(f"cannot write {a.output}: {e.strerror or e}" if e.filename in (None, a.output) or
+             str(e.filename).startswith(out_dir) else f"{e.filename}: {e.strerror or e}")
     size = os.path.getsize(a.output)
     print(f"wrote {a.output}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_experts} experts, {a.dtype}"
           f"{' in panels' if cfg.layout == 'panels' else ''}{'' if a.quantize == 'none' else ' + ' + a.quantize}, "
@@ -239,7 +281,10 @@ def cmd_config(a):
 
 def _client(a):
     from .client import Client
-    return Client(a.connect, timeout=a.timeout)
+    try:
+        return Client(a.connect, timeout=a.timeout)
+    except ValueError as e:
+        _die(f"--connect: {e}", 2)
 
 
 def cmd_generate(a):
@@ -302,6 +347,9 @@ def cmd_demo(a):
     import tempfile
     from .client import Client, ColibriError
     model = default_model_path(a.model)
+    problem = model_file_problem(model)
+    if problem:
+        _die(problem, EXIT_LOAD)
     d = tempfile.mkdtemp(prefix="colibri-demo-")
     addr = f"ipc://{d}/colibri.sock"
     print(f"$ colibri serve --model {model} --workers {a.workers} --bind {addr}", file=sys.stderr)
@@ -312,7 +360,7 @@ def cmd_demo(a):
             deadline = time.monotonic() + 300
             while True:
                 if proc.poll() is not None:
-                    _die(f"the server exited with code {proc.returncode}")
+                    _die(f"the server exited with code {proc.returncode} (its log is above)", proc.returncode or 1)
                 try:
                     h = c.health()
                     if h["status"] == "ok" and h["workers_ready"] >= a.workers:

@@ -97,7 +97,12 @@ class Arbiter:
                 raise HaltServer(str(e), EXIT_LOAD)
         for w in check_bind_security(s.bind, self.curve is not None):
             log.warning("%s", w)
-        model = self._open_model(self.model_path)
+        try:
+            model = self._open_model(self.model_path)
+        except HaltServer:
+            raise
+        except (OSError, ValueError) as e:      # ColibriFormatError is a ValueError
+            raise HaltServer(f"model {self.model_path}: {e}", EXIT_LOAD) from None
         self.generation = 1
         self.models[1] = model
         self.heartbeats = HeartbeatTable(MAX_WORKER_SLOTS)
@@ -554,18 +559,22 @@ def _default_workers():
 
 
 def _model_path(path):
+    from .cli import BUNDLED_MODEL, model_file_problem
     if not path:
-        from .cli import BUNDLED_MODEL
         path = BUNDLED_MODEL
-    if not os.path.exists(path):
-        raise HaltServer(f"model file not found: {path}", EXIT_LOAD)
+    problem = model_file_problem(path)
+    if problem:
+        raise HaltServer(problem, EXIT_LOAD)
     return os.path.abspath(path)
 
 
 def _runtime_dir(settings):
     from .settings import resolve_runtime_dir
     d = resolve_runtime_dir(settings)
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise HaltServer(f"runtime directory {d}: {e.strerror}", EXIT_LOAD) from None
     return d
 
 
@@ -580,9 +589,13 @@ def _write_pidfile(path, pid):
         except (ValueError, ProcessLookupError, PermissionError):
             pass
     tmp = f"{path}.{pid}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{pid}\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{pid}\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        what = "its directory does not exist" if isinstance(e, FileNotFoundError) else e.strerror
+        raise HaltServer(f"pidfile {path}: {what}", EXIT_LOAD) from None
 
 
 def _mlock(cf, path):
