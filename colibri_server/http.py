@@ -58,7 +58,7 @@ from .http_openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _b
                           _is_num, _json, _json_bytes, _Resp, _sampling, _sse, _stream_options, _StreamBody,
                           http_error_for)
 from .http_template import (CHATML, STATS_TIMEOUT, ModelInfo, fetch_template, model_info_from_stats,  # noqa: F401
-                            render_chat)
+                            render_chat, render_chat_segments)
 
 log = logging.getLogger("colibri.http")
 
@@ -451,8 +451,8 @@ class Gateway:
         _chat_unsupported(f)
         add_gen = f.bool("add_generation_prompt", True)
         info = self._check_model(f)
-        text, special = render_chat(info, messages, add_gen)
-        ids = self._call(lambda c: c.tokenize(text, add_special_tokens=special), "messages")
+        segments, special = render_chat_segments(info, messages, add_gen)
+        ids = self._call(lambda c: c.tokenize(segments, add_special_tokens=special), "messages")
         if not ids:
             raise _bad("the messages render to an empty prompt", "messages")
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())

@@ -34,7 +34,7 @@ CONTROL_TYPES = ("tokenize", "detokenize", "stats", "health")   # rate-limited p
 
 class Req:
     __slots__ = ("rid", "client", "cid", "request", "stream", "state", "worker", "attempts", "streamed",
-                 "t_arrive", "t_dispatch", "deadline")
+                 "t_arrive", "t_dispatch", "deadline", "key")
 
     def __init__(self, rid, client, cid, request, now):
         self.rid, self.client, self.cid, self.request = rid, client, cid, request
@@ -44,6 +44,7 @@ class Req:
         self.attempts = 0
         self.streamed = False
         self.t_arrive, self.t_dispatch = now, None
+        self.key = None                 # the client's CURVE key (ZAP User-Id), when CURVE is on
         dl = request.get("deadline_ms")
         self.deadline = now + dl / 1000.0 if dl else None
 
@@ -151,7 +152,7 @@ class Router:
             if self.back in events:
                 self._drain(self.back, self.on_backend)
             if self.front in events:
-                self._drain(self.front, self.on_frontend)
+                self._drain(self.front, self.on_frontend, copy=self.curve is None)
             if self.pipe.fileno() in events:
                 self.on_pipe()
             now = time.monotonic()
@@ -162,10 +163,10 @@ class Router:
         self.shutdown()
 
     @staticmethod
-    def _drain(sock, handler, budget=1000):
+    def _drain(sock, handler, budget=1000, copy=True):
         for _ in range(budget):
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 return
             handler(parts)
@@ -187,7 +188,20 @@ class Router:
         self.reply(client, P.error_body(cid, code, message))
 
     def on_frontend(self, parts):
+        key = None
+        if not isinstance(parts[0], bytes):        # zmq.Frames (CURVE on): each carries its ZAP User-Id
+            try:
+                key = parts[-1].get("User-Id")
+            except zmq.ZMQError:
+                key = None
+            parts = [f.bytes for f in parts]
+            if not self.curve.is_allowed(key):
+                # the handshake let this connection in, but its key has been removed since (HUP)
+                self.counters["unauthorized"] += 1
+                self._unauthorized(parts[0], _salvage_id(parts[1:]), key)
+                return
         client, rest = parts[0], parts[1:]
+        self._key = key
         try:
             body = P.parse_frames(rest, self.settings.max_body)
         except P.ProtocolError as e:
@@ -260,6 +274,7 @@ class Router:
                                                 f"{self.settings.max_queue})")
         now = time.monotonic()
         r = Req(self.next_rid, client, cid, req, now)
+        r.key = getattr(self, "_key", None)
         self.next_rid += 1
         self.reqs[r.rid] = r
         self.by_client[(client, cid)] = r.rid
@@ -273,16 +288,15 @@ class Router:
         self.cancel(self.reqs[rid], "cancelled", "cancelled by the client")
 
     def on_tokenize(self, client, cid, body):
-        text = body.get("text")
-        if not isinstance(text, str):
-            raise P.ProtocolError("bad_request", "field 'text' must be a string")
-        self._check_text(text, "text")
+        segments = P.tokenize_segments(body)
+        self._check_text("".join(t for t, _ in segments), "text")
         if self.tokenizer is None:
             raise P.ProtocolError("bad_request", "this model has no tokenizer")
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
             raise P.ProtocolError("bad_request", "field 'add_special_tokens' must be a boolean")
-        self.reply(client, {"type": "result", "id": cid, "ids": self.tokenizer.encode(text, add_special_tokens=add)})
+        # user text never yields control tokens; only segments marked as template text are parsed
+        self.reply(client, {"type": "result", "id": cid, "ids": self.tokenizer.encode_segments(segments, add)})
 
     def on_detokenize(self, client, cid, body):
         ids = body.get("ids")
@@ -395,6 +409,22 @@ class Router:
         self._stop_on_worker(r)
         self._end(r)
         self.error(r.client, r.cid, code, message)
+
+    def _unauthorized(self, client, cid, key):
+        self.client_gone(client)
+        self.error(client, cid, "unauthorized", "this client's CURVE key is no longer allowed")
+        log.warning("refused a message from client %s: its CURVE key %s was removed from curve_allowed_keys",
+                    client.hex()[:12], key)
+
+    def revoke_removed_keys(self):
+        """After the allowed keys were re-read: end every request of a client whose key is gone."""
+        for r in list(self.reqs.values()):
+            if r.key is not None and not self.curve.is_allowed(r.key):
+                self._stop_on_worker(r)
+                self._end(r)
+                self.counters["unauthorized"] += 1
+                self.error(r.client, r.cid, "unauthorized", "this client's CURVE key was removed from "
+                                                            "curve_allowed_keys")
 
     def client_gone(self, client):
         for (c, cid), rid in list(self.by_client.items()):
@@ -556,6 +586,8 @@ class Router:
                         self.curve.reload()
                     except SecurityError as e:
                         log.error("HUP: CURVE allowed keys not reloaded, the current ones stay: %s", e)
+                    else:
+                        self.revoke_removed_keys()
             elif op == "drain":
                 self.draining = True
             elif op == "exit":
