@@ -180,12 +180,20 @@ class Arbiter:
         log.info("router %d started on %s", pid, self.settings.bind)
 
     def spawn_worker(self, generation):
-        from .pinning import plan_for
+        from .pinning import plan_free
         wid = self.next_wid
         self.next_wid += 1
         used = {w.slot for w in self.workers.values()}
         slot = next(i for i in range(MAX_WORKER_SLOTS) if i not in used)
-        cpus = plan_for(self.settings, self.num_workers, slot)
+        # the CPUs the workers that stay do not hold (draining workers and older generations
+        # are leaving: their CPUs go to their replacements)
+        taken = [w.cpus for w in self.workers.values()
+                 if w.generation == generation and not w.stopping and w.cpus]
+        cpus, plan = plan_free(self.settings, self.num_workers, taken)
+        if plan is not None and plan.warnings and getattr(self, "_pin_warned", None) != plan.warnings:
+            self._pin_warned = plan.warnings
+            for msg in plan.warnings:
+                log.warning("pinning: %s", msg)
         self.heartbeats.beat(slot)
         w = Worker(wid=wid, slot=slot, generation=generation, model=self.models[generation],
                    settings=self.settings, backend=self.backend, cpus=cpus, heartbeats=self.heartbeats)

@@ -293,3 +293,34 @@ def test_integer_beyond_64_bits_is_a_400_not_a_502(live):
         got = {}
         out = b"".join(app(env, lambda status, headers: got.update(status=status)))
         assert got["status"].startswith("400"), (got, out)
+
+
+# ---------------------------------------------------------------------------- item 15: pinning
+
+
+def test_each_worker_keeps_a_core_of_its_own_after_hup_and_ttin(model_path, tmp_path):
+    import signal
+
+    from colibri_server.pinning import current_affinity
+    ncpu = len(current_affinity() or [])
+    if ncpu < 2:
+        pytest.skip("needs 2 allowed CPUs")
+    s = Server(model_path, tmp_path, workers=1, extra=("--pin", "cores"), name="pin")
+    try:
+        s.wait_ready(1, timeout=120)
+
+        def cores(n, generation=None):
+            ws = [w for w in s.stats()["workers"] if w["state"] == "ready"
+                  and (generation is None or w["generation"] == generation)]
+            return [tuple(w["cores"]) for w in ws] if len(ws) == n else None
+        s.signal(signal.SIGHUP)                     # generation 2 replaces the worker
+        s.wait_for(lambda: cores(1, 2) and len(s.stats()["workers"]) == 1, timeout=60, what="HUP done")
+        for n in range(2, ncpu + 2):                # TTIN up to one worker more than the CPUs
+            s.signal(signal.SIGTTIN)
+            got = s.wait_for(lambda: cores(n), timeout=60, what=f"{n} workers")
+            if n <= ncpu:
+                assert len(set(got)) == n, f"two workers share a core: {got}"
+        s.wait_for(lambda: "pinning: " in s.logs() and "share CPUs" in s.logs(), timeout=10,
+                   what="the oversubscription warning")
+    finally:
+        s.stop()
