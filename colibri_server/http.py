@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP gateway: a plain-WSGI app, served by gunicorn (gthread), that
+"""OpenAI-compatible HTTP gateway: a plain-WSGI app, served by gunicorn (gthread, with request
+heads read off-thread: `HeadFirstWorker`, so idle or slowloris connections hold no thread), that
 talks to a running colibri server over ZeroMQ with `colibri_server.client.Client`.
 
     colibri http --connect tcp://127.0.0.1:5555 --bind 127.0.0.1:8000
@@ -75,7 +76,8 @@ DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions when neither max_tokens no
 INFO_TTL = 30.0                # seconds a fetched ModelInfo is trusted without a new generation seen
 
 _STATUS_TEXT = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-                413: "Payload Too Large", 429: "Too Many Requests", 500: "Internal Server Error",
+                408: "Request Timeout", 413: "Payload Too Large", 429: "Too Many Requests",
+                499: "Client Closed Request", 500: "Internal Server Error",
                 502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
 # ---------------------------------------------------------------------------- the app
@@ -354,14 +356,24 @@ class Gateway:
         ct = u.get("completion_tokens", 0)
         return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
 
-    def _generate(self, prompt, params, prompt_param):
-        """Non-streaming: (text, final chunk)."""
+    def _generate(self, prompt, params, prompt_param, environ=None):
+        """Non-streaming: (text, final chunk).  The HTTP client's socket is probed between
+        tokens: when it has hung up, the request is cancelled (closing the stream sends the
+        cancel) and its worker is free at once, not after the whole completion."""
         stream, first = self._start(prompt, params, prompt_param)
-        try:
-            parts, final = [], None
-            for ch in self._call(lambda c: list(self._chunks(stream, first)), prompt_param):
+        gone = _hangup_probe(environ)
+        parts, final = [], None
+
+        def collect(c):
+            nonlocal final
+            for ch in self._chunks(stream, first):
                 parts.append(ch.text)
                 final = ch
+                if not ch.is_final and gone():
+                    raise HTTPError(499, "the client closed the connection", code="client_gone",
+                                    outcome="disconnected")
+        try:
+            self._call(collect, prompt_param)
         finally:
             stream.close()
         if final.finish_reason not in ("stop", "length"):
@@ -433,7 +445,7 @@ class Gateway:
             return {"text": text, "index": 0, "logprobs": None, "finish_reason": fr}
 
         if not stream_mode:
-            text, final = self._generate(prompt, params, "prompt")
+            text, final = self._generate(prompt, params, "prompt", environ)
             return _json(obj([choice(text, final.finish_reason)], self._usage(final)))
         stream, first = self._start(prompt, params, "prompt")
         return self._streaming(lambda state: self._events(
@@ -469,7 +481,7 @@ class Gateway:
             return obj("chat.completion.chunk", [{"index": 0, "delta": d, "logprobs": None, "finish_reason": fr}])
 
         if not stream_mode:
-            out, final = self._generate(ids, params, "messages")
+            out, final = self._generate(ids, params, "messages", environ)
             return _json(obj("chat.completion", [{
                 "index": 0, "message": {"role": "assistant", "content": out, "refusal": None},
                 "logprobs": None, "finish_reason": final.finish_reason}], self._usage(final, len(ids))))
@@ -545,6 +557,31 @@ class Gateway:
         return _Resp(200, generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
 
 
+def _hangup_probe(environ, every: float = 0.2):
+    """A cheap `gone()` for the connection of a WSGI request (gunicorn puts its socket in the
+    environ): True once the peer has closed it (a zero-byte peek), checked at most every
+    `every` seconds.  Pipelined bytes of a next request do not count as a hang-up."""
+    import socket as _socket
+    sock = (environ or {}).get("gunicorn.socket")
+    if sock is None:
+        return lambda: False
+    state = {"next": 0.0, "gone": False}
+
+    def gone():
+        now = time.monotonic()
+        if state["gone"] or now < state["next"]:
+            return state["gone"]
+        state["next"] = now + every
+        try:
+            state["gone"] = sock.recv(1, _socket.MSG_PEEK | _socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            state["gone"] = True        # reset, or the socket was closed
+        return state["gone"]
+    return gone
+
+
 def create_app(connect: str, api_key: Optional[str] = None, model_name: Optional[str] = None,
                timeout: float = DEFAULT_TIMEOUT, **options) -> Gateway:
     """The WSGI callable.  options: max_body, default_max_tokens, metrics_auth, curve,
@@ -561,6 +598,101 @@ def app_from_env() -> Gateway:
     DEFAULT_MAX_TOKENS, METRICS_AUTH, CURVE_SERVERKEY)."""
     opts = options_from_env()
     return create_app(opts.pop("connect"), **opts)
+
+
+HEADER_TIMEOUT = 10.0          # seconds a connection may take to send its request line and headers
+WORKER_CLASS = "colibri_server.http.HeadFirstWorker"
+
+
+def _head_first_worker():
+    """gunicorn's gthread worker, except that a connection gets a thread only once its request
+    head (request line and headers) has fully arrived.  The main loop reads heads without
+    blocking, each with a deadline (HEADER_TIMEOUT, COLIBRI_HTTP_HEADER_TIMEOUT): idle and
+    half-sent connections (slowloris) wait in the poller, costing a file descriptor, never a
+    thread, and are closed at their deadline.  Plain gthread hands a connection to a thread
+    as soon as a byte arrives and that thread then blocks reading the rest: ten idle
+    half-sent requests stopped the gateway answering anything, /health included."""
+    import selectors
+    from functools import partial
+
+    from gunicorn.workers.gthread import ThreadWorker
+
+    timeout = float(os.environ.get("COLIBRI_HTTP_HEADER_TIMEOUT") or HEADER_TIMEOUT)
+
+    class HeadFirstWorker(ThreadWorker):
+        max_head = 65536 + 8190     # limit_request_fields x field size is gunicorn's own check
+
+        def init_process(self):
+            self.heads = {}         # conn -> (bytearray, deadline)
+            super().init_process()
+
+        def enqueue_req(self, conn):
+            if self.cfg.is_ssl or getattr(conn, "is_http2", False) or getattr(conn, "_head_done", False):
+                conn._head_done = False
+                return super().enqueue_req(conn)
+            buf = bytearray()
+            if conn.parser is not None:          # kept alive: what was read ahead is the next head's start
+                buf += conn.parser.unreader.buf.getvalue()
+                conn.parser.unreader.buf = type(conn.parser.unreader.buf)()
+            conn.sock.setblocking(False)
+            self.heads[conn] = (buf, time.monotonic() + timeout)
+            if not self._head_complete(conn):
+                self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_head_readable, conn))
+
+        def _head_complete(self, conn) -> bool:
+            buf, _ = self.heads[conn]
+            if b"\r\n\r\n" not in buf and len(buf) <= self.max_head:
+                return False
+            del self.heads[conn]
+            if conn.parser is None:
+                conn.init()                      # plain HTTP/1: makes the parser, reads nothing
+            conn.parser.unreader.unread(bytes(buf))
+            conn.data_ready = True
+            conn._head_done = True
+            self.enqueue_req(conn)
+            return True
+
+        def _on_head_readable(self, conn, client):
+            buf, _ = self.heads[conn]
+            try:
+                data = conn.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:                          # the client hung up
+                self._drop_head(conn)
+                return
+            buf += data
+            if b"\r\n\r\n" in buf or len(buf) > self.max_head:
+                self.poller.unregister(conn.sock)
+                self._head_complete(conn)
+
+        def _drop_head(self, conn):
+            self.heads.pop(conn, None)
+            try:
+                self.poller.unregister(conn.sock)
+            except (OSError, KeyError, ValueError):
+                pass
+            self.nr_conns -= 1
+            conn.close()
+
+        def murder_pending(self):
+            super().murder_pending()
+            now = time.monotonic()
+            for conn in [c for c, (_, deadline) in self.heads.items() if deadline < now]:
+                self._drop_head(conn)
+
+    return HeadFirstWorker
+
+
+def __getattr__(name):
+    # gunicorn imports worker_class = "colibri_server.http.HeadFirstWorker"; built on first use
+    # so that importing this module does not import gunicorn's worker machinery
+    if name == "HeadFirstWorker":
+        cls = globals()["HeadFirstWorker"] = _head_first_worker()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_loopback(bind: str) -> bool:
@@ -585,7 +717,7 @@ def serve(connect: str, bind: str = DEFAULT_BIND, workers: int = 1, threads: int
                     bind)
     # build one app now so that bad options fail here, not in every worker
     create_app(connect, api_key, model_name, timeout, **app_options)
-    options = {"bind": bind, "workers": workers, "threads": threads, "worker_class": "gthread",
+    options = {"bind": bind, "workers": workers, "threads": threads, "worker_class": WORKER_CLASS,
                "timeout": 120, "graceful_timeout": 30, "keepalive": 5, "loglevel": log_level,
                "proc_name": "colibri-http", "accesslog": None, "errorlog": "-",
                # gunicorn >= 24 opens a control socket at a fixed per-user path: two gateways

@@ -535,6 +535,49 @@ def test_client_hanging_up_mid_stream_cancels_the_generation(stack):
     assert r.choices[0].finish_reason == "length"
 
 
+def test_client_hanging_up_on_a_non_streaming_request_frees_its_worker(stack):
+    """Issue 20 item 9: no write reveals the hang-up of a non-streaming request; the gateway
+    probes the connection between tokens, cancels the request and the worker is free."""
+    s = stack.server
+    before = s.stats()["counters"]
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0}).encode()
+    req = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+    def cancelled():
+        st = s.stats()
+        return st["counters"].get("error:cancelled", 0) > before.get("error:cancelled", 0) and st["in_flight"] == 0
+    with Throttle(s.worker_pids()) as throttle:
+        sock = socket.create_connection(("127.0.0.1", stack.port), timeout=10)
+        sock.sendall(req)
+        s.wait_for(lambda: s.stats()["in_flight"] == 1, timeout=10, what="dispatch")
+        sock.close()
+        throttle.start()
+        s.wait_for(cancelled, timeout=20, what="the router cancelling the abandoned request")
+    assert s.stats()["counters"].get("done", 0) == before.get("done", 0), "the abandoned request ran to its end"
+
+
+def test_idle_and_half_sent_connections_do_not_stop_health(stack):
+    """Issue 20 item 8 (slowloris): 12 connections that sent half a request head and 12 that
+    sent nothing hold no gateway thread: /health and the API still answer at once."""
+    conns = []
+    try:
+        for i in range(24):
+            c = socket.create_connection(("127.0.0.1", stack.port), timeout=10)
+            if i % 2:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+            conns.append(c)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        r = requests.get(f"http://127.0.0.1:{stack.port}/health", timeout=10)
+        assert r.status_code == 200 and time.monotonic() - t0 < 2.0
+        r = stack.oa.completions.create(model=model_id(stack), prompt=PROMPT, max_tokens=2, temperature=0)
+        assert r.choices[0].finish_reason == "length" and time.monotonic() - t0 < 5.0
+    finally:
+        for c in conns:
+            c.close()
+
+
 # ---------------------------------------------------------------------------- serve() without a server
 
 
