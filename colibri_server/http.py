@@ -766,7 +766,8 @@ def add_http_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--metrics-auth", action="store_true", default=None,
                    help="require the API key on /metrics too [COLIBRI_HTTP_METRICS_AUTH=1]")
     p.add_argument("--log-level", default=env("COLIBRI_HTTP_LOG_LEVEL", "info"),
-                   choices=("debug", "info", "warning", "error", "critical"))
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="gunicorn and gateway log verbosity [COLIBRI_HTTP_LOG_LEVEL]")
     return p
 
 

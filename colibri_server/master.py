@@ -141,8 +141,7 @@ class Arbiter:
         t1 = time.perf_counter()
         # compile every kernel specialisation the workers will use, here, once (non-parallel kernels)
         m.set_prefill_bf16(s.prefill_bf16)
-        bos = m.config.bos_token_id if m.config.bos_token_id >= 0 else 0
-        m.generate([bos, bos], max_tokens=2, ignore_eos=True)
+        m.warm_up(announce=log.info)       # says so on stderr when the kernels compile (first start)
         if s.threads_per_worker > 1:
             m.compile_threaded()           # compiled here, launched only in the forked workers
         st = os.stat(path)

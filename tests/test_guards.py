@@ -324,3 +324,71 @@ def test_each_worker_keeps_a_core_of_its_own_after_hup_and_ttin(model_path, tmp_
                    what="the oversubscription warning")
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------------------- item 16: help, version, compile notice
+
+
+def _subparsers(p, path=()):
+    import argparse
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sp in a.choices.items():
+                yield path + (name,), sp
+                yield from _subparsers(sp, path + (name,))
+
+
+def test_every_subcommand_has_a_description_and_every_option_help_and_its_default():
+    import argparse
+
+    from colibri_server.cli import build_parser
+    p = build_parser()
+    seen = 0
+    for path, sp in _subparsers(p):
+        assert sp.description, f"colibri {' '.join(path)} --help has no description"
+        text = sp.format_help()
+        for a in sp._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            seen += 1
+            assert a.help, f"colibri {' '.join(path)}: {a.option_strings or a.dest} has no help"
+            if a.option_strings and a.default not in (None, False, argparse.SUPPRESS):
+                assert "default" in sp._get_formatter()._get_help_string(a).lower() or "default" in a.help, \
+                    f"colibri {' '.join(path)} {a.option_strings[0]}: no default shown"
+        if any(a.option_strings and a.default not in (None, False, argparse.SUPPRESS) for a in sp._actions
+               if not isinstance(a, argparse._HelpAction)):
+            assert "default" in text
+    assert seen > 60
+
+
+def test_version(capsys):
+    from colibri_server import __version__
+    from colibri_server.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and __version__ in capsys.readouterr().out
+
+
+def test_a_slow_kernel_compile_is_announced_and_not_counted(model_path, monkeypatch):
+    from colibri_server.model import Model
+    m = Model.open(str(model_path))
+    said = []
+    m.warm_up(announce=said.append)                  # compiles or loads the cache: quick or announced
+    said.clear()
+    assert m.warm_up(announce=said.append) < 1.0 and said == []     # warm: nothing to say
+    real = Model.generate
+
+    def slow(self, *a, **k):                         # as a first run's compile
+        time.sleep(0.6)
+        return real(self, *a, **k)
+    monkeypatch.setattr(Model, "generate", slow)
+    t0 = time.monotonic()
+    m.warm_up(announce=lambda msg: said.append((msg, time.monotonic() - t0)), after=0.2)
+    assert len(said) == 1 and "compiling" in said[0][0] and said[0][1] < 0.5    # said while it went on
+    m.close()
+
+
+def test_run_reports_tok_s_without_the_compile(model_path):
+    code, out, err = _cli("run", "--model", model_path, "--max-tokens", "4", "--ignore-eos", "--token-ids", "5,6,7")
+    assert code == 0, err
+    assert "kernels ready in" in err and "not counted" in err
