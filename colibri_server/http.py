@@ -44,6 +44,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -600,13 +601,15 @@ def app_from_env() -> Gateway:
     return create_app(opts.pop("connect"), **opts)
 
 
-HEADER_TIMEOUT = 10.0          # seconds a connection may take to send its request line and headers
+HEADER_TIMEOUT = 10.0          # seconds a connection may take to send its request head (and a body up to 2 MiB)
+_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d{1,12})[ \t]*\r\n", re.IGNORECASE)
 WORKER_CLASS = "colibri_server.http.HeadFirstWorker"
 
 
 def _head_first_worker():
     """gunicorn's gthread worker, except that a connection gets a thread only once its request
-    head (request line and headers) has fully arrived.  The main loop reads heads without
+    head (request line and headers) has fully arrived, and its body when Content-Length says
+    it is at most 2 MiB.  The main loop reads heads without
     blocking, each with a deadline (HEADER_TIMEOUT, COLIBRI_HTTP_HEADER_TIMEOUT): idle and
     half-sent connections (slowloris) wait in the poller, costing a file descriptor, never a
     thread, and are closed at their deadline.  Plain gthread hands a connection to a thread
@@ -621,6 +624,7 @@ def _head_first_worker():
 
     class HeadFirstWorker(ThreadWorker):
         max_head = 65536 + 8190     # limit_request_fields x field size is gunicorn's own check
+        max_prebody = 2 << 20       # bodies up to this are read here too (the app's limit is 1 MiB)
 
         def init_process(self):
             self.heads = {}         # conn -> (bytearray, deadline)
@@ -639,9 +643,21 @@ def _head_first_worker():
             if not self._head_complete(conn):
                 self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_head_readable, conn))
 
+        def _ready(self, buf) -> bool:
+            """The head is in, and so is the body when its Content-Length is small enough to
+            buffer here (a slow body would hold a thread as surely as a slow head)."""
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return len(buf) > self.max_head
+            m = _CONTENT_LENGTH.search(bytes(buf[:end + 2]))
+            if m is None or b"transfer-encoding" in bytes(buf[:end]).lower():
+                return True
+            n = int(m.group(1))
+            return n > self.max_prebody or len(buf) >= end + 4 + n
+
         def _head_complete(self, conn) -> bool:
             buf, _ = self.heads[conn]
-            if b"\r\n\r\n" not in buf and len(buf) <= self.max_head:
+            if not self._ready(buf):
                 return False
             del self.heads[conn]
             if conn.parser is None:
@@ -664,7 +680,7 @@ def _head_first_worker():
                 self._drop_head(conn)
                 return
             buf += data
-            if b"\r\n\r\n" in buf or len(buf) > self.max_head:
+            if self._ready(buf):
                 self.poller.unregister(conn.sock)
                 self._head_complete(conn)
 

@@ -202,6 +202,19 @@ def test_client_of_a_server_that_is_not_running_fails_fast_naming_address_and_ca
         assert time.monotonic() - t0 < 6, "waited for the whole timeout"
         assert addr in e.value.message and cause in e.value.message, e.value.message
 
+    async def agen():
+        from colibri_server.client import AsyncClient
+        c = AsyncClient(f"tcp://127.0.0.1:{port}", timeout=60)
+        try:
+            await c.generate("hello", max_tokens=2)
+        finally:
+            await c.close()
+    import asyncio
+    t0 = time.monotonic()
+    with pytest.raises(Unreachable):
+        asyncio.run(agen())
+    assert time.monotonic() - t0 < 6
+
 
 def test_gateway_to_a_server_that_is_not_running_answers_503_fast():
     import io

@@ -558,14 +558,17 @@ def test_client_hanging_up_on_a_non_streaming_request_frees_its_worker(stack):
 
 
 def test_idle_and_half_sent_connections_do_not_stop_health(stack):
-    """Issue 20 item 8 (slowloris): 12 connections that sent half a request head and 12 that
-    sent nothing hold no gateway thread: /health and the API still answer at once."""
+    """Issue 20 item 8 (slowloris): 12 connections that sent half a request head, 12 that sent
+    nothing and 12 that sent a head and part of the body hold no gateway thread: /health and
+    the API still answer at once."""
     conns = []
     try:
-        for i in range(24):
+        for i in range(36):
             c = socket.create_connection(("127.0.0.1", stack.port), timeout=10)
-            if i % 2:
+            if i % 3 == 1:
                 c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+            elif i % 3 == 2:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
             conns.append(c)
         time.sleep(0.5)
         t0 = time.monotonic()
