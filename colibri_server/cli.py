@@ -336,6 +336,8 @@ def format_status(st) -> str:
                    f"{len(st['workers'])} workers, add up to {mib(resident)} resident (PSS of the mapping)")
     out.append(f"per worker own memory (USS) {', '.join(mib(w['uss']) for w in st['workers'])}; "
                f"private anonymous {', '.join(mib(w['anon_private']) for w in st['workers'])}")
+    if st.get("memory_age_s") is not None:
+        out.append(f"memory     figures sampled {st['memory_age_s']:.1f}s ago (off the router's loop)")
     if st.get("counters"):
         out.append("counters   " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
     return "\n".join(out)

@@ -560,8 +560,10 @@ class Stream(_StreamCore):
 class Client(_ClientCore):
     """Synchronous client: one ZeroMQ context and DEALER socket.  NOT thread-safe.
 
-    addr: "tcp://host:port" or "ipc:///path".  timeout: seconds to wait for the next
-    message of a request (and for a send to be accepted).  curve: None, the server's
+    addr: "tcp://host:port" or "ipc:///path" (anything else: ValueError).  timeout: seconds
+    to wait for the next message of a request.  connect_timeout (3 s): seconds a send waits
+    for a connection; with no server listening it raises `Unreachable` naming the address and
+    the likely cause, instead of waiting out `timeout`.  curve: None, the server's
     public key (an ephemeral client key pair is made), or (server_public, client_public,
     client_secret), Z85 text or bytes.
     """

@@ -26,6 +26,14 @@ generator.  The gateway waits for the first token before answering, so an error 
 token gets its proper HTTP status.  When the HTTP client goes away, gunicorn's write fails and
 it closes the response iterable: that closes the colibri Stream, which sends a `cancel`, and
 the router frees the worker.  (A disconnect is noticed at the next write, i.e. the next token.)
+A non-streaming request writes nothing until it ends: between its tokens the gateway peeks at
+the connection and, once the client has hung up, cancels the request the same way.
+
+Slow clients: `HeadFirstWorker` (the default worker class of `colibri http` and
+configs/gunicorn.conf.py) reads each request's head, and a body up to 2 MiB, in gunicorn's
+main loop, and hands the request to a thread only when it is all there; a connection that
+takes longer than COLIBRI_HTTP_HEADER_TIMEOUT (10 s) is closed.  Idle or half-sent
+connections (slowloris) therefore hold no thread.
 
 Threads: a Client is not thread-safe, so each gunicorn thread lazily creates its own
 (`threading.local`); a streaming response is iterated by the thread that created it, as
