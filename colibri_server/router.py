@@ -29,7 +29,8 @@ log = logging.getLogger("colibri.router")
 
 MAX_ATTEMPTS = 3          # dispatches of one request (retries after a worker died before any token)
 MAX_TEXT_BYTES_PER_TOKEN = 16   # a text prompt longer than this x max_prompt_tokens is refused untokenized
-CONTROL_TYPES = ("tokenize", "detokenize", "stats", "health")   # rate-limited per client (control_rate)
+CONTROL_TYPES = ("tokenize", "detokenize", "stats")   # rate-limited per client (control_rate); health is
+                                                      # O(workers) and what probes poll: never refused
 
 
 class Req:
