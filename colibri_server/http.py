@@ -657,9 +657,11 @@ def _head_first_worker():
             end = buf.find(b"\r\n\r\n")
             if end < 0:
                 return len(buf) > self.max_head
-            m = _CONTENT_LENGTH.search(bytes(buf[:end + 2]))
-            if m is None or b"transfer-encoding" in bytes(buf[:end]).lower():
-                return True
+            head = bytes(buf[:end + 2])
+            m = _CONTENT_LENGTH.search(head)
+            low = head.lower()
+            if m is None or b"\r\ntransfer-encoding:" in low or b"\r\nexpect:" in low:
+                return True         # chunked, or a client waiting for "100 Continue" (curl): a thread's job
             n = int(m.group(1))
             return n > self.max_prebody or len(buf) >= end + 4 + n
 
