@@ -32,15 +32,15 @@ from .client_async import AsyncClient, AsyncStream  # noqa: F401
 from .client_core import (  # noqa: F401  (re-exported: the public API lives here)
     ERRORS, BadRequest, Cancelled, Chunk, ColibriError, ColibriTimeout, Completion, DeadlineExceeded,
     DuplicateId, InternalError, NotFound, Overloaded, Prompt, ShuttingDown, TooLarge, UnknownType,
-    UnsupportedVersion, WorkerLost, NumericalFault, ConnectionLost, _ClientCore, _Request, _StreamCore, _cancel_body, _encode, _ms,
-    _timeout_error, error_for)
+    UnsupportedVersion, WorkerLost, NumericalFault, ConnectionLost, Unauthorized, Unreachable, _ClientCore, _Request,
+    _StreamCore, _cancel_body, _encode, _ms, _timeout_error, _unreachable, error_for)
 
 __all__ = [
     "Client", "AsyncClient", "Completion", "Chunk", "Stream", "AsyncStream",
     "ColibriError", "ColibriTimeout", "ERRORS", "error_for",
     "BadRequest", "UnsupportedVersion", "UnknownType", "TooLarge", "Overloaded",
     "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "DuplicateId",
-    "NotFound", "InternalError", "NumericalFault", "ConnectionLost",
+    "NotFound", "Unauthorized", "InternalError", "Unreachable", "NumericalFault", "ConnectionLost",
 ]
 
 
@@ -87,8 +87,10 @@ class Stream(_StreamCore):
 class Client(_ClientCore):
     """Synchronous client: one ZeroMQ context and DEALER socket.  NOT thread-safe.
 
-    addr: "tcp://host:port" or "ipc:///path".  timeout: seconds to wait for the next
-    message of a request (and for a send to be accepted).  curve: None, the server's
+    addr: "tcp://host:port" or "ipc:///path" (anything else: ValueError).  timeout: seconds
+    to wait for the next message of a request.  connect_timeout (3 s): seconds a send waits
+    for a connection; with no server listening it raises `Unreachable` naming the address and
+    the likely cause, instead of waiting out `timeout`.  curve: None, the server's
     public key (an ephemeral client key pair is made), or (server_public, client_public,
     client_secret), Z85 text or bytes.
     """
@@ -103,7 +105,7 @@ class Client(_ClientCore):
         try:
             self._sock.send_multipart(frames)
         except zmq.Again:
-            raise _timeout_error("send not accepted", self.timeout, body.get("id")) from None
+            raise _unreachable(self.addr, self.connect_timeout, body.get("id"), self._curve) from None
 
     def _cancel_nowait(self, rid):
         if self._closed:
@@ -161,7 +163,9 @@ class Client(_ClientCore):
         with self.stream(prompt, max_tokens, temperature, timeout=timeout, **params) as s:
             return s.completion()
 
-    def tokenize(self, text: str, add_special_tokens: bool = True, *, timeout=None) -> list:
+    def tokenize(self, text, add_special_tokens: bool = True, *, timeout=None) -> list:
+        """Token ids of `text` (special-token text in it stays text), or of a list of
+        (text, is_template_text) segments, where template text's special tokens are parsed."""
         return self._call(self._tokenize(text, add_special_tokens), timeout)
 
     def detokenize(self, ids: Sequence[int], *, timeout=None) -> str:

@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from .client_core import (Chunk, Completion, Prompt, _ClientCore, _internal, _Request, _StreamCore, _cancel_body,
-                          _encode, _timeout_error)
+                          _encode, _timeout_error, _unreachable)
 
 
 class AsyncStream(_StreamCore):
@@ -101,9 +101,9 @@ class AsyncClient(_ClientCore):
         self._check_open()
         self._ensure_reader()
         try:
-            await self._sock.send_multipart(frames)
-        except zmq.Again:
-            raise _timeout_error("send not accepted", self.timeout, rid) from None
+            await asyncio.wait_for(self._sock.send_multipart(frames), self.connect_timeout)
+        except (zmq.Again, asyncio.TimeoutError):
+            raise _unreachable(self.addr, self.connect_timeout, rid, self._curve) from None
 
     def _cancel_nowait(self, rid):
         """Best-effort cancel that never blocks or awaits (usable while being cancelled and

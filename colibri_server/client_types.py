@@ -94,6 +94,11 @@ class NotFound(ColibriError):
     code = "not_found"
 
 
+class Unauthorized(ColibriError):
+    """The server no longer allows this client's CURVE key (it was removed on a reload)."""
+    code = "unauthorized"
+
+
 class InternalError(ColibriError):
     """A server bug, or a malformed message from the server (detected by the client)."""
     code = "internal"
@@ -110,9 +115,16 @@ class ConnectionLost(ColibriError):
     code = "connection_lost"
 
 
+class Unreachable(ColibriTimeout):
+    """No connection to the server could be made within the client's connect_timeout; the
+    message names the address and the likely cause (nothing listening, a missing ipc socket
+    file, a CURVE handshake that never completes). Client-side, like ColibriTimeout."""
+    code = "unreachable"
+
+
 ERRORS = {cls.code: cls for cls in (
     BadRequest, UnsupportedVersion, UnknownType, TooLarge, Overloaded, DeadlineExceeded,
-    Cancelled, WorkerLost, NumericalFault, ShuttingDown, DuplicateId, NotFound, InternalError)}
+    Cancelled, WorkerLost, NumericalFault, ShuttingDown, DuplicateId, NotFound, Unauthorized, InternalError)}
 assert set(ERRORS) == set(protocol.ERROR_CODES), "client.ERRORS is out of date with protocol.ERROR_CODES"
 
 

@@ -153,8 +153,8 @@ class Arbiter:
             model = self._open_model(self.model_path, s)
         except HaltServer:
             raise
-        except Exception as e:
-            raise HaltServer(f"model {self.model_path} refused: {e}", EXIT_LOAD)
+        except Exception as e:      # ColibriFormatError and ChecksumMismatch are ValueErrors; a failing warm-up too
+            raise HaltServer(f"model {self.model_path} refused: {e}", EXIT_LOAD) from None
         self.generation = 1
         self.gens[1] = Generation(1, model, s)
         self.heartbeats = HeartbeatTable(MAX_WORKER_SLOTS)
@@ -228,8 +228,7 @@ class Arbiter:
         # compile every kernel specialisation the workers will use, here, once (non-parallel kernels)
         from .model import serving
         m.set_prefill_bf16(s.prefill_bf16)
-        bos = m.config.bos_token_id if m.config.bos_token_id >= 0 else 0
-        m.generate([bos, bos], max_tokens=2, ignore_eos=True)
+        m.warm_up(announce=log.info)       # says so on stderr when the kernels compile (first start)
         serving.warm_up(m, s.kv_dtype)     # the workers' batched step
         if s.threads_per_worker > 1:
             m.compile_threaded()           # compiled here, launched only in the forked workers
@@ -273,13 +272,21 @@ class Arbiter:
             pass
 
     def spawn_worker(self, generation):
-        from .pinning import plan_for
+        from .pinning import plan_free
         wid = self.next_wid
         self.next_wid += 1
         used = {w.slot for w in self.workers.values()}
         slot = next(i for i in range(MAX_WORKER_SLOTS) if i not in used)
         gen = self.gens[generation]
-        cpus = plan_for(gen.settings, self.num_workers, slot)
+        # the CPUs the workers that stay do not hold (draining workers and older generations
+        # are leaving: their CPUs go to their replacements)
+        taken = [w.cpus for w in self.workers.values()
+                 if w.generation == generation and not w.stopping and w.cpus]
+        cpus, plan = plan_free(gen.settings, self.num_workers, taken)
+        if plan is not None and plan.warnings and getattr(self, "_pin_warned", None) != plan.warnings:
+            self._pin_warned = plan.warnings
+            for msg in plan.warnings:
+                log.warning("pinning: %s", msg)
         self.heartbeats.beat(slot)
         w = Worker(wid=wid, slot=slot, generation=generation, model=gen.model,
                    settings=gen.settings, backend=self.backend, cpus=cpus, heartbeats=self.heartbeats)
@@ -800,18 +807,22 @@ def _default_workers():
 
 
 def _model_path(path):
+    from .bundled import BUNDLED_MODEL, model_file_problem
     if not path:
-        from .bundled import BUNDLED_MODEL
         path = BUNDLED_MODEL
-    if not os.path.exists(path):
-        raise HaltServer(f"model file not found: {path}", EXIT_LOAD)
+    problem = model_file_problem(path)
+    if problem:
+        raise HaltServer(problem, EXIT_LOAD)
     return os.path.abspath(path)
 
 
 def _runtime_dir(settings):
     from .settings import resolve_runtime_dir
     d = resolve_runtime_dir(settings)
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise HaltServer(f"runtime directory {d}: {e.strerror}", EXIT_LOAD) from None
     return d
 
 
@@ -826,9 +837,13 @@ def _write_pidfile(path, pid):
         except (ValueError, ProcessLookupError, PermissionError):
             pass
     tmp = f"{path}.{pid}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{pid}\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{pid}\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        what = "its directory does not exist" if isinstance(e, FileNotFoundError) else e.strerror
+        raise HaltServer(f"pidfile {path}: {what}", EXIT_LOAD) from None
 
 
 def _mlock(cf, path):

@@ -55,11 +55,13 @@ class Gen:
     def set_limits(self, s):
         self.limits = P.Limits(max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens, max_stop=s.max_stop,
                                max_body=s.max_body, vocab_size=self.vocab_size)
+CONTROL_TYPES = ("tokenize", "detokenize", "stats")   # rate-limited per client (control_rate); health is
+                                                      # O(workers) and what probes poll: never refused
 
 
 class Req:
     __slots__ = ("rid", "client", "cid", "request", "stream", "state", "worker", "attempts", "streamed",
-                 "t_arrive", "t_dispatch", "deadline", "generation")
+                 "t_arrive", "t_dispatch", "deadline", "generation", "key")
 
     def __init__(self, rid, client, cid, request, now, generation):
         self.rid, self.client, self.cid, self.request = rid, client, cid, request
@@ -70,6 +72,7 @@ class Req:
         self.attempts = 0
         self.streamed = False
         self.t_arrive, self.t_dispatch = now, None
+        self.key = None                 # the client's CURVE key (ZAP User-Id), when CURVE is on
         dl = request.get("deadline_ms")
         self.deadline = now + dl / 1000.0 if dl else None
 
@@ -128,6 +131,9 @@ class Router:
         self.counters = collections.Counter()
         self.tokenizer, self.vocab_size = None, None
         self.t_start = time.monotonic()
+        self.buckets = {}                  # client -> [tokens, last refill]: control_rate per client
+        from .memory import MemorySampler
+        self.memory = MemorySampler()      # smaps figures, read on a thread: never in this loop
 
     # -- setup -------------------------------------------------------------------------
     def init_process(self):
@@ -189,7 +195,7 @@ class Router:
             if self.back in events:
                 self._drain(self.back, self.on_backend)
             if self.front in events:
-                self._drain(self.front, self.on_frontend)
+                self._drain(self.front, self.on_frontend, copy=self.curve is None)
             if self.pipe.fileno() in events:
                 self.on_pipe()
             now = time.monotonic()
@@ -199,10 +205,10 @@ class Router:
             self.dispatch()
         self.shutdown()
 
-    def _drain(self, sock, handler, budget=1000):
+    def _drain(self, sock, handler, budget=1000, copy=True):
         for _ in range(budget):
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 return
             handler(parts)
@@ -231,7 +237,20 @@ class Router:
         self.reply(client, P.error_body(cid, code, message))
 
     def on_frontend(self, parts):
+        key = None
+        if not isinstance(parts[0], bytes):        # zmq.Frames (CURVE on): each carries its ZAP User-Id
+            try:
+                key = parts[-1].get("User-Id")
+            except zmq.ZMQError:
+                key = None
+            parts = [f.bytes for f in parts]
+            if not self.curve.is_allowed(key):
+                # the handshake let this connection in, but its key has been removed since (HUP)
+                self.counters["unauthorized"] += 1
+                self._unauthorized(parts[0], _salvage_id(parts[1:]), key)
+                return
         client, rest = parts[0], parts[1:]
+        self._key = key
         try:
             body = P.parse_frames(rest, self.settings.max_body)
         except P.ProtocolError as e:
@@ -241,6 +260,8 @@ class Router:
             return
         cid, t = body["id"], body["type"]
         try:
+            if t in CONTROL_TYPES:
+                self._rate_limit(client, t)
             getattr(self, "on_" + t)(client, cid, body)
         except P.ProtocolError as e:
             self.error(client, cid, e.code, e.message)
@@ -248,16 +269,40 @@ class Router:
             log.exception("router: request %r (%s) failed", cid, t)
             self.error(client, cid, "internal", f"{e.__class__.__name__}: {e}")
 
+    def _rate_limit(self, client, t):
+        """Token bucket per client for control requests: control_rate a second, bursts of twice
+        that. A client pipelining thousands of stats or tokenizes gets 'overloaded' answers
+        instead of taking the loop's time from everyone's generates."""
+        rate = float(getattr(self.settings, "control_rate", 0) or 0)
+        if rate <= 0:
+            return
+        now = time.monotonic()
+        b = self.buckets.get(client)
+        burst = max(2.0 * rate, 1.0)
+        if b is None:
+            b = self.buckets[client] = [burst, now]
+        b[0] = min(burst, b[0] + (now - b[1]) * rate)
+        b[1] = now
+        if b[0] < 1.0:
+            self.counters["rate_limited"] += 1
+            raise P.ProtocolError("overloaded", f"more than {rate:g} control requests ({t}) a second from this "
+                                                f"client (control_rate): slow down")
+        b[0] -= 1.0
+
+    def _check_text(self, text, what):
+        """The size guard of text the router would tokenize in its loop."""
+        nbytes = len(text.encode("utf-8", "surrogatepass"))
+        if nbytes > MAX_TEXT_BYTES_PER_TOKEN * self.limits.max_prompt_tokens:
+            # refuse before tokenizing: tokenizing megabytes would stall this loop for seconds
+            raise P.ProtocolError("too_large", f"{what} of {nbytes} bytes cannot fit in max_prompt_tokens "
+                                               f"{self.limits.max_prompt_tokens}")
+
     def on_generate(self, client, cid, body):
         if self.draining:
             raise P.ProtocolError("shutting_down", "the server is stopping")
         req = P.validate_generate(body, self.limits)
         if isinstance(req["prompt"], str):
-            nbytes = len(req["prompt"].encode("utf-8", "surrogatepass"))
-            if nbytes > MAX_TEXT_BYTES_PER_TOKEN * self.limits.max_prompt_tokens:
-                # refuse before tokenizing: tokenizing megabytes would stall this loop for seconds
-                raise P.ProtocolError("too_large", f"prompt text of {nbytes} bytes cannot fit in max_prompt_tokens "
-                                                   f"{self.limits.max_prompt_tokens}")
+            self._check_text(req["prompt"], "prompt text")
             if self.tokenizer is None:
                 raise P.ProtocolError("bad_request", "this model has no tokenizer: send token ids")
             ids = self.tokenizer.encode(req["prompt"])
@@ -278,6 +323,7 @@ class Router:
                                                 f"{self.settings.max_queue})")
         now = time.monotonic()
         r = Req(self.next_rid, client, cid, req, now, self.generation)
+        r.key = getattr(self, "_key", None)
         self.next_rid += 1
         self.reqs[r.rid] = r
         self.by_client[(client, cid)] = r.rid
@@ -291,20 +337,24 @@ class Router:
         self.cancel(self.reqs[rid], "cancelled", "cancelled by the client")
 
     def on_tokenize(self, client, cid, body):
-        text = body.get("text")
-        if not isinstance(text, str):
-            raise P.ProtocolError("bad_request", "field 'text' must be a string")
+        segments = P.tokenize_segments(body)
+        self._check_text("".join(t for t, _ in segments), "text")
         if self.tokenizer is None:
             raise P.ProtocolError("bad_request", "this model has no tokenizer")
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
             raise P.ProtocolError("bad_request", "field 'add_special_tokens' must be a boolean")
-        self.reply(client, {"type": "result", "id": cid, "ids": self.tokenizer.encode(text, add_special_tokens=add)})
+        # user text never yields control tokens; only segments marked as template text are parsed
+        self.reply(client, {"type": "result", "id": cid, "ids": self.tokenizer.encode_segments(segments, add)})
 
     def on_detokenize(self, client, cid, body):
         ids = body.get("ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise P.ProtocolError("bad_request", "field 'ids' must be a list of token ids")
+        most = self.limits.max_prompt_tokens + self.limits.max_tokens
+        if len(ids) > most:
+            raise P.ProtocolError("too_large", f"{len(ids)} ids to detokenize exceed max_prompt_tokens + "
+                                               f"max_tokens = {most}")
         bad = [t for t in ids if not 0 <= t < (self.vocab_size or 0)]
         if bad:
             raise P.ProtocolError("bad_request", f"token id {bad[0]} is outside the vocabulary")
@@ -321,26 +371,34 @@ class Router:
     def on_stats(self, client, cid, body):
         self.reply(client, {"type": "result", "id": cid, **self.stats()})
 
+    def _sample_memory(self):
+        self.memory.refresh([w.pid for w in self.workers.values()] + [self.ppid, os.getpid()],
+                            os.path.realpath(self.model_path))
+
     def stats(self) -> dict:
-        from .memory import file_mapping, process_memory
-        path = os.path.realpath(self.model_path)
+        """Live scheduling figures; memory figures from the sampler's cache (memory_age_s old),
+        which this call only asks to refresh: reading smaps here would stall the loop."""
+        self._sample_memory()
+        mem = self.memory.get
         workers = []
         for w in sorted(self.workers.values(), key=lambda w: w.wid or 0):
-            fm = file_mapping(w.pid, path)
+            m = mem(w.pid)
             workers.append({"pid": w.pid, "wid": w.wid, "generation": w.generation, "state": w.state,
                             "cores": w.cores, "slots": w.slots, "running": len(w.running), "served": w.served,
-                            "uptime_s": round(time.monotonic() - w.t_start, 1), "engine": w.engine,
-                            **process_memory(w.pid),
-                            "model_rss": fm["rss"], "model_pss": fm["pss"]})
-        master = file_mapping(self.ppid, path)
-        size = os.path.getsize(self.model_path) if os.path.exists(self.model_path) else 0
+                            "uptime_s": round(time.monotonic() - w.t_start, 1), "engine": w.engine, **m})
+        master = mem(self.ppid)
+        me = {k: v for k, v in mem(os.getpid()).items() if not k.startswith("model_")}
+        try:
+            size = os.stat(self.model_path).st_size
+        except OSError:
+            size = 0
         return {"generation": self.generation, "model": self.model_path, "model_bytes": size,
                 "queue": len(self.queue), "in_flight": sum(len(w.running) for w in self.workers.values()),
                 "workers": workers, "counters": dict(self.counters), "draining": self.draining,
-                "router": {"pid": os.getpid(), **process_memory(os.getpid())},
+                "router": {"pid": os.getpid(), **me},
                 "generations": sorted(self.gens), "last_reload": self.last_reload,
-                "master": {"pid": self.ppid, "model_rss": master["rss"], "model_pss": master["pss"]},
-                "uptime_s": round(time.monotonic() - self.t_start, 1)}
+                "master": {"pid": self.ppid, "model_rss": master["model_rss"], "model_pss": master["model_pss"]},
+                "memory_age_s": self.memory.age(), "uptime_s": round(time.monotonic() - self.t_start, 1)}
 
     # -- scheduling ----------------------------------------------------------------------
     def dispatch(self):
@@ -431,6 +489,22 @@ class Router:
         self._end(r)
         self.error(r.client, r.cid, code, message)
 
+    def _unauthorized(self, client, cid, key):
+        self.client_gone(client)
+        self.error(client, cid, "unauthorized", "this client's CURVE key is no longer allowed")
+        log.warning("refused a message from client %s: its CURVE key %s was removed from curve_allowed_keys",
+                    client.hex()[:12], key)
+
+    def revoke_removed_keys(self):
+        """After the allowed keys were re-read: end every request of a client whose key is gone."""
+        for r in list(self.reqs.values()):
+            if r.key is not None and not self.curve.is_allowed(r.key):
+                self._stop_on_worker(r)
+                self._end(r)
+                self.counters["unauthorized"] += 1
+                self.error(r.client, r.cid, "unauthorized", "this client's CURVE key was removed from "
+                                                            "curve_allowed_keys")
+
     def client_gone(self, client):
         for (c, cid), rid in list(self.by_client.items()):
             if c == client:
@@ -456,6 +530,8 @@ class Router:
                 self.back.send_multipart([w.ident, b"PING", b"\x80"], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        if len(self.buckets) > 4096 or (self.buckets and now - self.t_start > 60 and int(now) % 60 == 0):
+            self.buckets = {c: b for c, b in self.buckets.items() if now - b[1] < 60}
         self.check_generations()
         self.alive(now)
         if os.getppid() != self.ppid:
@@ -505,6 +581,7 @@ class Router:
                     w.state = "draining"
                 self.by_pid[w.pid] = ident
                 log.info("worker %s (generation %s) ready with %d slots", w.pid, w.generation, w.slots)
+                self._sample_memory()
                 self.to_master({"op": "ready", "pid": w.pid, "generation": w.generation})
             return
         if w is None:
@@ -660,6 +737,8 @@ class Router:
                 self.curve.reload()
             except SecurityError as e:
                 log.error("HUP: CURVE allowed keys not reloaded, the current ones stay: %s", e)
+            else:
+                self.revoke_removed_keys()
 
     def shutdown(self):
         for r in list(self.reqs.values()):

@@ -429,6 +429,9 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("max_tokens", INT, 4096, "most tokens one request may generate", Range(1, _MAXTOK)),
     Setting("max_stop", INT, 16, "most stop strings in one request", Range(0, 1024)),
     Setting("max_body", SIZE, "1MiB", "largest request message accepted", Range(1 << 10, 1 << 30)),
+    Setting("control_rate", FLOAT, 50.0,
+            "tokenize, detokenize and stats requests one client may send a second (bursts of twice "
+            "that); more are answered 'overloaded' (0: no limit)", Range(0.0)),
     Setting("memory_limit", SIZE, 0, "per-worker private memory budget checked at start (0: none)",
             Range(0)),
     Setting("mlock", BOOL, False, "lock the model mapping in RAM (needs RLIMIT_MEMLOCK)",

@@ -288,6 +288,31 @@ class Model:
                 yield ev
         self.last_timings = seq.timings
 
+    def warm_up(self, announce=None, after: float = 1.0) -> float:
+        """Run a two-token generation, so that every kernel this model uses is compiled (or
+        loaded from Numba's cache) now rather than inside the first request or measurement.
+        When that takes longer than `after` seconds (a first run, compiling: half a minute or
+        more), `announce(message)` is called once, while it goes on, so that the wait does
+        not look like a hang. Returns the seconds spent."""
+        import threading
+        import time
+        done = threading.Event()
+
+        def later():
+            if not done.wait(after) and announce is not None:
+                announce("compiling the CPU kernels for this model (the first run only; they are "
+                         "cached afterwards): this can take a minute")
+        t = threading.Thread(target=later, name="colibri-compile-notice", daemon=True)
+        t.start()
+        t0 = time.perf_counter()
+        try:
+            bos = self.config.bos_token_id if self.config.bos_token_id >= 0 else 0
+            self.generate([bos, bos], max_tokens=2, ignore_eos=True)
+        finally:
+            done.set()
+            t.join()
+        return time.perf_counter() - t0
+
     def generate(self, prompt, max_tokens: int = 16, temperature: float = 0.0, seed=None, **params) -> list:
         """Generated token ids (temperature 0 = greedy), through the decode path and the KV cache."""
         return [ev.token_id for ev in self.stream(prompt, max_tokens=max_tokens, temperature=temperature,
