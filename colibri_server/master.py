@@ -2,7 +2,7 @@
 
 No ZeroMQ context and no thread live in this process, so every fork is safe. It opens and
 validates the model (MAP_SHARED, read-only, optionally pre-faulted and locked), compiles the
-kernels by running one tiny non-parallel generation, calls gc.freeze(), then forks. Signal
+kernels by running one tiny non-parallel generation and one batched step, calls gc.freeze(), then forks. Signal
 handlers only queue the signal; the main loop dispatches handle_<name>(). It talks to the
 router over a SOCK_SEQPACKET socketpair (worker exited, generation switched, drain, exit)
 and hears back which workers announced READY and which went silent.
@@ -23,6 +23,10 @@ delay while it keeps dying young. Its requests end with an explicit error on the
 (the client sees its connection drop); the workers re-announce to the new router at its first
 heartbeat ping.
 
+Where the parts live: loading.py opens and checks what the master needs before it forks (the
+model, its checksums, the compile, the runtime directory, the pidfile); generations.py holds
+Generation and the reload transaction (`Reloads`, a part of the Arbiter).
+
 Exit codes: 0 clean stop; 3 a worker failed to boot at the first start (halt, do not respawn
 forever); 4 the model or settings could not be loaded at start; 5 the router cannot bind the
 client address at start (busy port, missing ipc directory). 3, 4 and 5 are in the unit's
@@ -42,13 +46,15 @@ import time
 
 import msgpack
 
+from .generations import Generation, Reloads
+from .loading import (EXIT_LOAD, HaltServer, _describe, _model_path, _runtime_dir,  # noqa: F401
+                      _verify_checksums, _write_pidfile, open_model)
 from .router import EXIT_ROUTER_BIND
 from .worker import EXIT_BOOT_FAILED, HeartbeatTable, Worker, worker_main
 
 log = logging.getLogger("colibri.master")
 
 EXIT_WORKER_BOOT = EXIT_BOOT_FAILED
-EXIT_LOAD = 4
 EXIT_BIND = 5
 MAX_WORKER_SLOTS = 1024
 SIGNALS = ("HUP", "TTIN", "TTOU", "USR1", "TERM", "INT", "QUIT", "CHLD")
@@ -62,28 +68,6 @@ ROUTER_BACKOFF_MAX_S = 10.0
 RELOAD_CRASH_LIMIT = 3   # deaths of a reloading generation's workers (beyond its size) before rollback
 
 
-class Generation:
-    """One generation: its own Model (mapping), settings and worker count, and the router's
-    view of it (tokenizer JSON, vocabulary, context) written for the router to read."""
-    __slots__ = ("number", "model", "settings", "info", "info_path", "started", "deaths", "kind")
-
-    def __init__(self, number, model, settings, kind="start"):
-        self.number, self.model, self.settings, self.kind = number, model, settings, kind
-        cfg = model.config
-        self.info = {"generation": number, "model": model.path, "vocab_size": cfg.vocab_size,
-                     "context": min(settings.context, cfg.max_position_embeddings),
-                     "tokenizer_json": model.file.tokenizer_json or ""}
-        self.info_path = None
-        self.started = time.monotonic()
-        self.deaths = 0
-
-
-class HaltServer(Exception):
-    def __init__(self, reason, code):
-        super().__init__(reason)
-        self.reason, self.code = reason, code
-
-
 class WorkerInfo:
     __slots__ = ("pid", "wid", "slot", "generation", "started", "ready", "cpus", "stopping", "killed")
 
@@ -95,7 +79,7 @@ class WorkerInfo:
         self.killed = False
 
 
-class Arbiter:
+class Arbiter(Reloads):
     def __init__(self, settings, reload_settings=None, notify=None):
         """settings: a Settings object; reload_settings(): re-read them (HUP);
         notify: an sd_notify-like callable(str) or None."""
@@ -171,68 +155,11 @@ class Arbiter:
         self.manage_workers()
 
     def _open_model(self, path, s):
-        """Open, validate, map (and pre-fault / lock) a model with settings s; verify its
-        checksums (verify_checksums); compile the kernels on it (the batched step's too)."""
-        from .model import Model
-        size = os.path.getsize(path)
-        populate = s.populate
-        try:
-            import psutil
-            avail = psutil.virtual_memory().available
-            if size > avail:
-                log.warning("model %s (%.1f GiB) is larger than available memory (%.1f GiB): it will page "
-                            "from disk; not pre-faulting it", path, size / 2**30, avail / 2**30)
-                populate = False
-        except Exception:
-            pass
-        t0 = time.perf_counter()
-        m = Model.open(path, context=s.context, populate=populate, routing_noise=s.routing_noise,
-                       seed=None if s.seed < 0 else s.seed, hugepages=s.hugepages)
-        verify = getattr(s, "verify_checksums", True)
-        finish = None
-        try:
-            t_map = time.perf_counter() - t0
-            t_crc = 0.0
-            if verify:      # the pages were just faulted in: read from memory, beside the compile
-                tc = time.perf_counter()
-                finish = _start_checksums(m.file)
-                t_crc = time.perf_counter() - tc
-            if s.mlock:
-                _mlock(m.file, path)
-            t1 = time.perf_counter()
-            try:
-                self._compile(m, s)
-            finally:
-                if finish is not None:          # a mismatch explains a failing warm-up best
-                    tc = time.perf_counter()
-                    finish, f = None, finish
-                    f()
-                    t_crc += time.perf_counter() - tc
-        except BaseException:
-            m.close()
-            raise
+        """loading.open_model, and the file's identity (check_model_file watches it)."""
+        m = open_model(path, s)
         st = os.stat(path)
         self.model_identity = {path: (st.st_ino, st.st_size, st.st_mtime_ns)}
-        huge = m.file.huge_bytes
-        log.info("model %s: %s, %d layers, %d experts, %s, %.1f MiB mapped in %.2fs (%s), checksums %s, "
-                 "kernels ready in %.2fs",
-                 path, m.config.arch, m.config.num_layers, m.config.num_experts, m.config.dtype,
-                 size / 2**20, t_map, "2 MiB pages: unknown" if huge is None else
-                 f"{huge / 2**20:.0f} MiB on 2 MiB pages",
-                 f"verified (+{t_crc:.2f}s beside the compile)" if verify else "not verified",
-                 time.perf_counter() - t1)
         return m
-
-    @staticmethod
-    def _compile(m, s):
-        # compile every kernel specialisation the workers will use, here, once (non-parallel kernels)
-        from .model import serving
-        m.set_prefill_bf16(s.prefill_bf16)
-        m.warm_up(announce=log.info)       # says so on stderr when the kernels compile (first start)
-        serving.warm_up(m, s.kv_dtype)     # the workers' batched step
-        if s.threads_per_worker > 1:
-            m.compile_threaded()           # compiled here, launched only in the forked workers
-            serving.compile_threaded(m, s.kv_dtype)
 
     def _init_signals(self):
         self._wake_r, self._wake_w = os.pipe()
@@ -556,97 +483,6 @@ class Arbiter:
                   f" in {self.router_backoff:.1f}s" if self.router_backoff else "")
         self.bind_error = None
 
-    # ------------------------------------------------------------------------ generations
-    def check_reload(self):
-        """Commit the generation being brought up once all its workers are READY (and the router
-        has its tokenizer); roll it back when it does not come up in time."""
-        if self.reloading is None:
-            if self.pending_reload and not self.stopping:
-                kind, self.pending_reload = self.pending_reload, None
-                getattr(self, "handle_" + kind)()
-            return
-        g = self.reloading
-        new = [w for w in self.workers.values() if w.generation == g and not w.stopping]
-        if len(new) < self.num_workers or not all(w.ready for w in new):
-            if time.monotonic() > self.reload_deadline:
-                ready = sum(1 for w in new if w.ready)
-                self.rollback(f"generation {g}: {ready} of {self.num_workers} workers ready after "
-                              f"{time.monotonic() - self.gens[g].started:.0f}s")
-            return
-        old = self.generation
-        self.generation, self.reloading, self.reload_prev = g, None, None
-        self.settings = self.gens[g].settings
-        self.model_path = self.gens[g].model.path
-        self.to_router({"op": "commit", "generation": g, "settings": _settings_dict(self.settings)})
-        log.info("generation %d serving (%d workers); generation %d drains once its queue is empty",
-                 g, len(new), old)
-        self.last_reload = {"generation": g, "ok": True, "error": None, "time": time.time()}
-        self.notify(f"READY=1\nSTATUS=serving generation {g} with {len(new)} workers")
-
-    def retire(self, g):
-        """The router has no queued request of generation g left: its workers may drain."""
-        if g is None or g in (self.generation, self.reloading):
-            return
-        old = [w for w in self.workers.values() if w.generation == g and not w.stopping]
-        for w in old:
-            self._kill(w.pid, signal.SIGTERM)
-        if old:
-            log.info("generation %d retired: draining its %d workers", g, len(old))
-
-    def rollback(self, reason):
-        """The generation being brought up failed: stop its workers, restore the settings; the
-        serving generation never stopped."""
-        g = self.reloading
-        if g is None:
-            return
-        for w in list(self.workers.values()):
-            if w.generation == g:
-                w.stopping = True
-                self._kill(w.pid, signal.SIGKILL)
-        self.reloading = None
-        if self.reload_prev is not None:
-            self.num_workers = self.reload_prev
-            self.reload_prev = None
-        self.to_router({"op": "abort", "generation": g})
-        self._fail_reload(g, f"reload rolled back, generation {self.generation} keeps serving: {reason}")
-
-    def _fail_reload(self, g, message):
-        log.error("%s", message)
-        self.last_reload = {"generation": g, "ok": False, "error": message, "time": time.time()}
-        self.to_router({"op": "reload_status", "last_reload": self.last_reload})
-        self.notify(f"READY=1\nSTATUS={message[:400]}")
-
-    def _close_unused_models(self):
-        """Unmap a generation's model once nothing can use it: not serving, not being brought up,
-        and no worker of it alive (a live worker holds its own inherited copy of the mapping, but
-        a replacement would be forked from this one)."""
-        live = {w.generation for w in self.workers.values()} | {self.generation, self.reloading}
-        for g in [g for g in self.gens if g not in live]:
-            gen = self.gens.pop(g)
-            log.info("generation %d: no workers left, unmapping %s", g, gen.model.path)
-            gen.model.close()
-            if gen.info_path:
-                try:
-                    os.unlink(gen.info_path)
-                except OSError:
-                    pass
-            self.to_router({"op": "forget", "generation": g})
-
-    def begin_generation(self, model, settings, kind):
-        """Start bringing up a new generation on `model` (which it owns from now on)."""
-        g = max(self.gens) + 1
-        gen = self.gens[g] = Generation(g, model, settings, kind)
-        gen.info_path = os.path.join(self.runtime_dir, f"generation-{self.pid}-{g}.msgpack")
-        tmp = gen.info_path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(msgpack.packb(gen.info))
-        os.replace(tmp, gen.info_path)
-        self.reloading = g
-        self.reload_deadline = time.monotonic() + max(60.0, 2 * settings.timeout)
-        self.to_router({"op": "generation", "generation": g, "info": gen.info_path})
-        for _ in range(self.num_workers):
-            self.spawn_worker(g)
-
     # ------------------------------------------------------------------------ signal handlers
     def handle_chld(self):
         self.reap()
@@ -668,38 +504,6 @@ class Arbiter:
     def handle_usr1(self):
         """Hot model reload: re-open the model path, validate, map; a bad file is refused."""
         self._reload("usr1")
-
-    def _reload(self, kind):
-        if self.stopping:
-            return
-        if self.reloading is not None:
-            # one transaction at a time: this one runs when the current one commits or rolls back
-            if self.pending_reload != "hup":
-                self.pending_reload = kind
-            log.info("%s: generation %d is still coming up; this reload follows it", kind.upper(), self.reloading)
-            return
-        self.notify("RELOADING=1")
-        settings = self.settings
-        if kind == "hup" and self.reload_settings is not None:
-            try:
-                settings = self.reload_settings()
-            except Exception as e:
-                self._fail_reload(self.generation + 1, f"HUP: settings not reloaded, generation "
-                                                       f"{self.generation} keeps serving: {e}")
-                return
-        path = self.model_path
-        try:
-            model = self._open_model(path, settings)
-        except Exception as e:
-            self._fail_reload(max(self.gens) + 1, f"{kind.upper()}: model {path} refused, generation "
-                                                  f"{self.generation} keeps serving: {e}")
-            return
-        self.reload_prev = self.num_workers       # the settings change only at the commit
-        if kind == "hup":
-            self.num_workers = settings.workers or _default_workers()
-        log.info("%s: model %s validated: bringing up generation %d with %d workers", kind.upper(), path,
-                 max(self.gens) + 1, self.num_workers)
-        self.begin_generation(model, settings, kind)
 
     def handle_term(self):
         if self.stopping:
@@ -797,137 +601,6 @@ class Arbiter:
 
 # ---------------------------------------------------------------------------- helpers
 
-def _describe(code):
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-
-
 def _default_workers():
     from .pinning import Topology, default_workers
     return default_workers(Topology.detect())
-
-
-def _model_path(path):
-    from .bundled import BUNDLED_MODEL, model_file_problem
-    if not path:
-        path = BUNDLED_MODEL
-    problem = model_file_problem(path)
-    if problem:
-        raise HaltServer(problem, EXIT_LOAD)
-    return os.path.abspath(path)
-
-
-def _runtime_dir(settings):
-    from .settings import resolve_runtime_dir
-    d = resolve_runtime_dir(settings)
-    try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise HaltServer(f"runtime directory {d}: {e.strerror}", EXIT_LOAD) from None
-    return d
-
-
-def _write_pidfile(path, pid):
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                old = int(f.read().strip() or 0)
-            if old and old != pid:
-                os.kill(old, 0)
-                raise HaltServer(f"pidfile {path} names a running process {old}: another master?", EXIT_LOAD)
-        except (ValueError, ProcessLookupError, PermissionError):
-            pass
-    tmp = f"{path}.{pid}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(f"{pid}\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        what = "its directory does not exist" if isinstance(e, FileNotFoundError) else e.strerror
-        raise HaltServer(f"pidfile {path}: {what}", EXIT_LOAD) from None
-
-
-def _mlock(cf, path):
-    import ctypes
-    import resource
-    size = cf.header["file_size"]
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft != resource.RLIM_INFINITY and soft < size:
-        raise HaltServer(f"mlock: the model needs {size / 2**20:.0f} MiB locked but RLIMIT_MEMLOCK is "
-                         f"{soft / 2**20:.0f} MiB (raise LimitMEMLOCK= in the unit, or ulimit -l, or turn "
-                         "mlock off)", EXIT_LOAD)
-    libc = ctypes.CDLL(None, use_errno=True)
-    addr = cf._buf.ctypes.data
-    if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(size)) != 0:
-        e = ctypes.get_errno()
-        raise HaltServer(f"mlock of {path} ({size / 2**20:.0f} MiB) failed: {os.strerror(e)}", EXIT_LOAD)
-    log.info("model %s locked in memory (%.0f MiB)", path, size / 2**20)
-
-
-def _verify_checksums(cf, procs=None, min_bytes=64 << 20):
-    """Every tensor's CRC-32 (see _start_checksums); raises the first ChecksumMismatch."""
-    _start_checksums(cf, procs, min_bytes)()
-
-
-def _start_checksums(cf, procs=None, min_bytes=64 << 20):
-    """Start checking every tensor's CRC-32 on up to `procs` forked processes (default: the CPUs
-    this process may use, at most 8) and return finish(), which waits for them and raises the
-    first ChecksumMismatch (naming the tensor). zlib's CRC runs at about 1 GB/s on one core and
-    the master starts no thread (fork safety), so the file is split by bytes between children
-    that share the mapping, and they run while the master compiles the kernels."""
-    from .model import format as fmt
-    n = procs or min(8, len(os.sched_getaffinity(0)))
-    records = sorted(cf.record_list, key=lambda r: -r.size)
-    if n <= 1 or cf.header["file_size"] < min_bytes:
-        cf.verify_checksums()
-        return lambda: None
-    parts, loads = [[] for _ in range(n)], [0] * n
-    for r in records:                                   # largest first onto the least loaded
-        i = loads.index(min(loads))
-        parts[i].append(r)
-        loads[i] += r.size
-    children = []
-    for part in parts:
-        rfd, wfd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(rfd)
-            code = 0
-            try:
-                cf.verify_checksums(records=part)
-            except fmt.ChecksumMismatch as e:
-                os.write(wfd, msgpack.packb([e.field, str(e)]))
-                code = 1
-            except BaseException as e:      # noqa: BLE001 - reported to the parent
-                os.write(wfd, msgpack.packb(["", f"{e.__class__.__name__}: {e}"]))
-                code = 2
-            finally:
-                os._exit(code)
-        os.close(wfd)
-        children.append((pid, rfd))
-    return lambda: _finish_checksums(cf, children)
-
-
-def _finish_checksums(cf, children):
-    from .model import format as fmt
-    failure = None
-    for pid, rfd in children:
-        data = b""
-        while True:
-            chunk = os.read(rfd, 65536)
-            if not chunk:
-                break
-            data += chunk
-        os.close(rfd)
-        _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0 and failure is None:
-            field, msg = msgpack.unpackb(data) if data else ("", f"checksum process {_describe(os.waitstatus_to_exitcode(status))}")
-            failure = (field, msg)
-    if failure is not None:
-        field, msg = failure
-        if field:
-            raise fmt.ChecksumMismatch(cf.path, field, msg.split(f"{field}: ", 1)[-1])
-        raise RuntimeError(f"checksum verification failed: {msg}")
-
-
-def _settings_dict(s):
-    return s.to_dict() if hasattr(s, "to_dict") else dict(vars(s))

@@ -15,6 +15,8 @@ master hands them over: in memory at fork, or in a file it wrote for a new gener
 request is tokenized and checked with the serving generation's, is bound to that generation
 from arrival to end, and goes only to workers of it (a retry too). Once no queued request of
 an older generation is left, the router tells the master to retire it.
+
+Its records (Gen, Req, W, the prefix key, the control_rate bucket) are router_records.py's.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ import msgpack
 import zmq
 
 from . import protocol as P
+from .router_records import (W, BindFailed, ControlRate, Gen, Req, _AttrDict, _bind_message, _chmod_ipc,  # noqa: F401
+                             _prefix_key, _salvage_id)
 
 log = logging.getLogger("colibri.router")
 
@@ -38,73 +42,8 @@ PREFIX_OWNERS = 4096      # prompt prefixes whose worker the router remembers (L
 MAX_TEXT_BYTES_PER_TOKEN = 16   # a text prompt longer than this x max_prompt_tokens is refused untokenized
 EXIT_ROUTER_BIND = 5      # the client address cannot be bound (the master's EXIT_BIND at start)
 ALIVE_EVERY_S = 0.5       # "alive" to the master (it kills a router silent for `timeout`)
-
-
-class Gen:
-    """What the router needs of one generation: its tokenizer, vocabulary and context."""
-    __slots__ = ("number", "model_path", "tokenizer", "vocab_size", "context", "limits")
-
-    def __init__(self, info, settings):
-        from .model.tokenizer import Tokenizer
-        self.number, self.model_path = info["generation"], info["model"]
-        self.vocab_size, self.context = info["vocab_size"], info["context"]
-        tj = info.get("tokenizer_json") or ""
-        self.tokenizer = Tokenizer.from_json(tj) if tj else None
-        self.set_limits(settings)
-
-    def set_limits(self, s):
-        self.limits = P.Limits(max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens, max_stop=s.max_stop,
-                               max_body=s.max_body, vocab_size=self.vocab_size)
 CONTROL_TYPES = ("tokenize", "detokenize", "stats")   # rate-limited per client (control_rate); health is
                                                       # O(workers) and what probes poll: never refused
-
-
-class Req:
-    __slots__ = ("rid", "client", "cid", "request", "stream", "state", "worker", "attempts", "streamed",
-                 "t_arrive", "t_dispatch", "deadline", "generation", "key")
-
-    def __init__(self, rid, client, cid, request, now, generation):
-        self.rid, self.client, self.cid, self.request = rid, client, cid, request
-        self.generation = generation    # tokenized and checked for it: runs only on its workers
-        self.stream = request["stream"]
-        self.state = "queued"           # queued | running
-        self.worker = None
-        self.attempts = 0
-        self.streamed = False
-        self.t_arrive, self.t_dispatch = now, None
-        self.key = None                 # the client's CURVE key (ZAP User-Id), when CURVE is on
-        dl = request.get("deadline_ms")
-        self.deadline = now + dl / 1000.0 if dl else None
-
-
-def _prefix_key(prompt):
-    """The key of a tokenized prompt's first KV block (model/kv.py's chain hash), None if shorter."""
-    from .model.kv import BLOCK_SIZE, chain_hash
-    if not isinstance(prompt, list) or len(prompt) <= BLOCK_SIZE:
-        return None
-    return chain_hash(0, tuple(prompt[:BLOCK_SIZE]))
-
-
-class W:
-    __slots__ = ("ident", "pid", "wid", "generation", "slots", "running", "last_seen", "state", "cores",
-                 "served", "t_start", "last_dispatch", "engine")
-
-    def __init__(self, ident, body, now):
-        self.ident = ident
-        self.pid, self.wid = body.get("pid"), body.get("wid")
-        self.generation, self.slots = body.get("generation", 0), max(1, int(body.get("slots", 1)))
-        self.cores = body.get("cores") or []
-        self.running = set()
-        self.last_seen = now
-        self.state = "ready"            # ready | draining | unresponsive
-        self.served = 0
-        self.t_start = now
-        self.last_dispatch = 0.0
-        self.engine = {}                # the worker's batch engine figures, from its last heartbeat
-
-    @property
-    def free(self):
-        return self.slots - len(self.running) if self.state == "ready" else 0
 
 
 class Router:
@@ -131,7 +70,7 @@ class Router:
         self.counters = collections.Counter()
         self.tokenizer, self.vocab_size = None, None
         self.t_start = time.monotonic()
-        self.buckets = {}                  # client -> [tokens, last refill]: control_rate per client
+        self.control = ControlRate()       # control_rate's token bucket per client
         from .memory import MemorySampler
         self.memory = MemorySampler()      # smaps figures, read on a thread: never in this loop
 
@@ -270,24 +209,13 @@ class Router:
             self.error(client, cid, "internal", f"{e.__class__.__name__}: {e}")
 
     def _rate_limit(self, client, t):
-        """Token bucket per client for control requests: control_rate a second, bursts of twice
-        that. A client pipelining thousands of stats or tokenizes gets 'overloaded' answers
-        instead of taking the loop's time from everyone's generates."""
+        """control_rate: a client pipelining thousands of stats or tokenizes gets 'overloaded'
+        answers instead of taking the loop's time from everyone's generates."""
         rate = float(getattr(self.settings, "control_rate", 0) or 0)
-        if rate <= 0:
-            return
-        now = time.monotonic()
-        b = self.buckets.get(client)
-        burst = max(2.0 * rate, 1.0)
-        if b is None:
-            b = self.buckets[client] = [burst, now]
-        b[0] = min(burst, b[0] + (now - b[1]) * rate)
-        b[1] = now
-        if b[0] < 1.0:
+        if not self.control.take(client, rate):
             self.counters["rate_limited"] += 1
             raise P.ProtocolError("overloaded", f"more than {rate:g} control requests ({t}) a second from this "
                                                 f"client (control_rate): slow down")
-        b[0] -= 1.0
 
     def _check_text(self, text, what):
         """The size guard of text the router would tokenize in its loop."""
@@ -530,8 +458,7 @@ class Router:
                 self.back.send_multipart([w.ident, b"PING", b"\x80"], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        if len(self.buckets) > 4096 or (self.buckets and now - self.t_start > 60 and int(now) % 60 == 0):
-            self.buckets = {c: b for c, b in self.buckets.items() if now - b[1] < 60}
+        self.control.prune(now, self.t_start)
         self.check_generations()
         self.alive(now)
         if os.getppid() != self.ppid:
@@ -749,44 +676,6 @@ class Router:
             self.curve.stop()
         self.back.close(linger=0)
         self.ctx.term()
-
-
-class _AttrDict(dict):
-    __getattr__ = dict.__getitem__
-
-
-def _salvage_id(rest):
-    """The id of a malformed request, when the body decodes at all (so the error can name it)."""
-    try:
-        body = P.unpack(rest[-1]) if rest else {}
-        rid = body.get("id")
-        P.check_id(rid)
-        return rid
-    except Exception:
-        return None
-
-
-def _chmod_ipc(addr, mode):
-    if addr.startswith("ipc://"):
-        try:
-            os.chmod(addr[len("ipc://"):], mode)
-        except OSError as e:
-            log.warning("cannot chmod %s: %s", addr, e)
-
-
-class BindFailed(Exception):
-    pass
-
-
-def _bind_message(addr, e) -> str:
-    msg = f"cannot bind {addr}: {e.strerror if hasattr(e, 'strerror') else e}"
-    if addr.startswith("ipc://"):
-        d = os.path.dirname(addr[len("ipc://"):]) or "."
-        if not os.path.isdir(d):
-            msg += f" (the directory {d} does not exist: create it, or under systemd use RuntimeDirectory=)"
-    elif e.errno == zmq.EADDRINUSE:
-        msg += " (another process listens there: stop it or choose another bind)"
-    return msg
 
 
 def router_main(router: Router) -> None:
