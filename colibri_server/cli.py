@@ -13,9 +13,10 @@ import time
 
 import numpy as np
 
-from .bundled import BUNDLED_MODEL
+from .bundled import BUNDLED_MODEL, model_file_problem
 
 EXIT_ERROR = 1
+EXIT_LOAD = 4        # serve/demo: the model, pidfile, runtime directory or keys cannot be used (master.EXIT_LOAD)
 
 
 def _die(msg: str, code: int = EXIT_ERROR):
@@ -38,12 +39,13 @@ def _open_model(path, **kw):
     from .model import Model
     from .model.format import ColibriFormatError
     path = default_model_path(path)
-    if not os.path.exists(path):
-        _die(f"model file not found: {path}")
+    problem = model_file_problem(path)
+    if problem:
+        _die(problem)
     try:
         return Model.open(path, **kw)
-    except ColibriFormatError as e:
-        _die(f"invalid model file: {e}")
+    except (ColibriFormatError, OSError) as e:
+        _die(f"invalid model file {path}: {e}")
 
 
 # ---------------------------------------------------------------------------- run
@@ -59,6 +61,8 @@ def cmd_run(a):
     if a.prompt is None:
         _die("give a prompt (or --embedding FILE.npy)", 2)
     prompt = [int(t) for t in a.prompt.split(",")] if a.token_ids else a.prompt
+    # compile (or load from Numba's cache) every kernel first: the figures below are the model's
+    compile_s = m.warm_up(announce=lambda msg: print(f"colibri: {msg}", file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     n, first = 0, None
     try:
@@ -73,7 +77,8 @@ def cmd_run(a):
     t1 = time.perf_counter()
     sys.stdout.write("\n")
     dec = (n - 1) / (t1 - first) if n > 1 and t1 > first else float("nan")
-    print(f"[{n} tokens; first token after {first - t0:.3f}s (prefill); decode {dec:.1f} tok/s]", file=sys.stderr)
+    print(f"[{n} tokens; first token after {first - t0:.3f}s (prefill); decode {dec:.1f} tok/s; "
+          f"kernels ready in {compile_s:.2f}s before, not counted]", file=sys.stderr)
 
 
 def _run_embedding(m, a):
@@ -156,6 +161,9 @@ def cmd_convert(a):
     from .model.convert import ConvertError, convert
     if os.path.isdir(a.output):
         _die(f"output {a.output} is a directory; give a file name such as model.colibri")
+    out_dir = os.path.dirname(os.path.abspath(a.output))
+    if not os.path.isdir(out_dir):
+        _die(f"output directory {out_dir} does not exist")
     t0 = time.perf_counter()
     try:
         cfg = convert(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
@@ -163,6 +171,9 @@ def cmd_convert(a):
                       quantize_head=a.quantize_head, quant_group=a.quant_group, layout=a.layout)
     except ConvertError as e:
         _die(str(e))
+    except OSError as e:          # a full disk, a read-only directory...: the partial file is removed
+        _die(f"cannot write {a.output}: {e.strerror or e}" if e.filename in (None, a.output) or
+             str(e.filename).startswith(out_dir) else f"{e.filename}: {e.strerror or e}")
     size = os.path.getsize(a.output)
     print(f"wrote {a.output}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_experts} experts, {a.dtype}"
           f"{' in panels' if cfg.layout == 'panels' else ''}{'' if a.quantize == 'none' else ' + ' + a.quantize}, "
@@ -220,7 +231,10 @@ def cmd_config(a):
 
 def _client(a):
     from .client import Client
-    return Client(a.connect, timeout=a.timeout)
+    try:
+        return Client(a.connect, timeout=a.timeout)
+    except ValueError as e:
+        _die(f"--connect: {e}", 2)
 
 
 def cmd_generate(a):
@@ -279,8 +293,14 @@ def format_status(st) -> str:
                    f"{len(st['workers'])} workers, add up to {mib(resident)} resident (PSS of the mapping)")
     out.append(f"per worker own memory (USS) {', '.join(mib(w['uss']) for w in st['workers'])}; "
                f"private anonymous {', '.join(mib(w['anon_private']) for w in st['workers'])}")
+    if st.get("memory_age_s") is not None:
+        out.append(f"memory     figures sampled {st['memory_age_s']:.1f}s ago (off the router's loop)")
     if st.get("counters"):
         out.append("counters   " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
+    lr = st.get("last_reload")
+    if lr:
+        out.append(f"reload     generation {lr.get('generation')} " +
+                   ("committed" if lr.get("ok") else f"ROLLED BACK: {lr.get('error')}"))
     return "\n".join(out)
 
 
@@ -291,6 +311,9 @@ def cmd_demo(a):
     import tempfile
     from .client import Client, ColibriError
     model = default_model_path(a.model)
+    problem = model_file_problem(model)
+    if problem:
+        _die(problem, EXIT_LOAD)
     d = tempfile.mkdtemp(prefix="colibri-demo-")
     addr = f"ipc://{d}/colibri.sock"
     print(f"$ colibri serve --model {model} --workers {a.workers} --bind {addr}", file=sys.stderr)
@@ -301,7 +324,7 @@ def cmd_demo(a):
             deadline = time.monotonic() + 300
             while True:
                 if proc.poll() is not None:
-                    _die(f"the server exited with code {proc.returncode}")
+                    _die(f"the server exited with code {proc.returncode} (its log is above)", proc.returncode or 1)
                 try:
                     h = c.health()
                     if h["status"] == "ok" and h["workers_ready"] >= a.workers:
@@ -345,9 +368,46 @@ def cmd_dequantize(a):
 
 # ---------------------------------------------------------------------------- main
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default (when it has one worth showing)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        d = action.default
+        if ("%(default)" in h or "default" in h.lower() or not action.option_strings or d is None
+                or d is argparse.SUPPRESS or isinstance(d, bool) or d == []):
+            return h
+        return h + " (default: %(default)s)"
+
+
+def _describe_subcommands(p: argparse.ArgumentParser):
+    """Each subcommand's --help opens with its one-line help as a description."""
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sp in action.choices.items():
+                if not sp.description and helps.get(name):
+                    sp.description = helps[name]
+                sp.formatter_class = _HelpFormatter
+                _describe_subcommands(sp)
+
+
+def _version() -> str:
+    from . import __version__
+    try:
+        from importlib.metadata import version
+        v = version("colibri-server")
+    except Exception:
+        v = __version__
+    import platform
+    return f"colibri {v} (Python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="colibri", description="CPU inference server for Mixture-of-Experts models")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="colibri", description="CPU inference server for Mixture-of-Experts models",
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     from .settings import add_arguments
 
     sv = sub.add_parser("serve", help="serve a model: master, router and pre-forked workers")
@@ -360,16 +420,19 @@ def build_parser() -> argparse.ArgumentParser:
     cf.set_defaults(fn=cmd_config)
 
     g = sub.add_parser("generate", help="send a prompt to a running server and stream the answer")
-    g.add_argument("prompt")
-    g.add_argument("--connect", default="tcp://127.0.0.1:5555")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--timeout", type=float, default=60.0)
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--connect", default="tcp://127.0.0.1:5555", metavar="ADDRESS",
+                   help="the server's address: tcp://HOST:PORT or ipc:///PATH")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the server's, 1)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens "
+                                                               "(default: the server's, 0 = all)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    g.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="longest wait for the next message (no server: fails after 3 s)")
     g.set_defaults(fn=cmd_generate)
 
     from .security import add_keys_parser
@@ -379,32 +442,33 @@ def build_parser() -> argparse.ArgumentParser:
                        ).set_defaults(fn=cmd_http)
 
     dm = sub.add_parser("demo", help="serve the bundled model with 2 workers, send one request, show memory, stop")
-    dm.add_argument("--model", default=None)
-    dm.add_argument("--workers", type=int, default=2)
-    dm.add_argument("--prompt", default="def fibonacci(n):")
-    dm.add_argument("--max-tokens", type=int, default=64)
-    dm.add_argument("--temperature", type=float, default=0.0)
+    dm.add_argument("--model", default=None, help="a .colibri file (default: the bundled tiny model)")
+    dm.add_argument("--workers", type=int, default=2, help="worker processes to start")
+    dm.add_argument("--prompt", default="def fibonacci(n):", help="what to ask")
+    dm.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    dm.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     dm.set_defaults(fn=cmd_demo)
 
     st = sub.add_parser("status", help="workers, pids, cores, generation, queue and memory of a running server")
-    st.add_argument("--connect", default="tcp://127.0.0.1:5555")
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--timeout", type=float, default=10.0)
+    st.add_argument("--connect", default="tcp://127.0.0.1:5555", metavar="ADDRESS",
+                    help="the server's address: tcp://HOST:PORT or ipc:///PATH")
+    st.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    st.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="longest wait for the answer")
     st.set_defaults(fn=cmd_status)
 
     r = sub.add_parser("run", help="generate from a prompt in this process (streams text)")
-    r.add_argument("prompt", nargs="?")
+    r.add_argument("prompt", nargs="?", help="the prompt text (or token ids with --token-ids)")
     r.add_argument("--model", default=None, help="path to a .colibri file (default: the bundled tiny model)")
-    r.add_argument("--max-tokens", type=int, default=64)
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--top-k", type=int, default=0)
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--min-p", type=float, default=0.0)
-    r.add_argument("--repetition-penalty", type=float, default=1.0)
-    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    r.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    r.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest")
+    r.add_argument("--repetition-penalty", type=float, default=1.0, help="penalty on tokens already seen (1: off)")
+    r.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     r.add_argument("--stop", action="append", help="stop string (repeatable)")
-    r.add_argument("--ignore-eos", action="store_true")
-    r.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens")
+    r.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    r.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens (default: the model's)")
     r.add_argument("--routing-noise", type=float, default=0.0, help="Gumbel top-k routing noise scale (0: off)")
     r.add_argument("--prefill-bf16", action="store_true",
                    help="prefill bf16 weights with bf16-rounded activations (avx512bf16 CPUs: ~2x faster prefill)")
@@ -417,28 +481,28 @@ def build_parser() -> argparse.ArgumentParser:
     dr = dsub.add_parser("routing", help="per token and layer: the top-k experts and weights; expert load")
     dr.add_argument("--model", default=None, help="a .colibri file (default: the bundled model)")
     dr.add_argument("--input", required=True, help="the text to route (or ids with --token-ids)")
-    dr.add_argument("--token-ids", action="store_true")
+    dr.add_argument("--token-ids", action="store_true", help="the input is comma-separated token ids")
     dr.set_defaults(fn=cmd_debug_routing)
 
     i = sub.add_parser("inspect", help="header, config, metadata, tensor table; rows of one tensor")
-    i.add_argument("model")
-    i.add_argument("--tensor")
+    i.add_argument("model", help="a .colibri file")
+    i.add_argument("--tensor", metavar="NAME", help="print the first rows of this tensor")
     i.add_argument("--gate", type=int, metavar="LAYER", help="print the router gate of LAYER")
-    i.add_argument("--rows", type=int, default=4)
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--rows", type=int, default=4, help="rows to print with --tensor or --gate")
+    i.add_argument("--json", action="store_true", help="header, config, metadata and tensor table as JSON")
     i.set_defaults(fn=cmd_inspect)
 
     v = sub.add_parser("validate", help="validate a model file (exit 0 if valid, 1 with the named error)")
-    v.add_argument("model")
+    v.add_argument("model", help="a .colibri file")
     v.add_argument("--deep", action="store_true", help="also verify every tensor checksum")
     v.set_defaults(fn=cmd_validate)
 
     c = sub.add_parser("convert", help="Hugging Face safetensors checkpoint directory -> .colibri")
-    c.add_argument("hf_dir")
-    c.add_argument("output")
-    c.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f16")
-    c.add_argument("--name")
-    c.add_argument("--license")
+    c.add_argument("hf_dir", help="the checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    c.add_argument("output", help="the .colibri file to write")
+    c.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f16", help="precision of the float tensors")
+    c.add_argument("--name", help="model name in the metadata (default: the directory's name)")
+    c.add_argument("--license", help="license string in the metadata")
     c.add_argument("--no-tokenizer", action="store_true", help="convert without tokenizer.json (token ids only)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--quantize", choices=("none", "q8", "q4"), default="none",
@@ -452,11 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_convert)
 
     dq = sub.add_parser("dequantize", help="write a float copy of a quantized .colibri file")
-    dq.add_argument("input")
-    dq.add_argument("output")
-    dq.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f16")
+    dq.add_argument("input", help="a quantized .colibri file")
+    dq.add_argument("output", help="the .colibri file to write")
+    dq.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f16", help="precision of the float copy")
     dq.add_argument("--layout", choices=("rows", "panels"), default=None, help=_LAYOUT_HELP)
     dq.set_defaults(fn=cmd_dequantize)
+    _describe_subcommands(p)
     return p
 
 

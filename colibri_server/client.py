@@ -32,15 +32,15 @@ from .client_async import AsyncClient, AsyncStream  # noqa: F401
 from .client_core import (  # noqa: F401  (re-exported: the public API lives here)
     ERRORS, BadRequest, Cancelled, Chunk, ColibriError, ColibriTimeout, Completion, DeadlineExceeded,
     DuplicateId, InternalError, NotFound, Overloaded, Prompt, ShuttingDown, TooLarge, UnknownType,
-    UnsupportedVersion, WorkerLost, _ClientCore, _Request, _StreamCore, _cancel_body, _encode, _ms,
-    _timeout_error, error_for)
+    UnsupportedVersion, WorkerLost, NumericalFault, ConnectionLost, Unauthorized, Unreachable, _ClientCore, _Request,
+    _StreamCore, _cancel_body, _encode, _ms, _timeout_error, _unreachable, error_for)
 
 __all__ = [
     "Client", "AsyncClient", "Completion", "Chunk", "Stream", "AsyncStream",
     "ColibriError", "ColibriTimeout", "ERRORS", "error_for",
     "BadRequest", "UnsupportedVersion", "UnknownType", "TooLarge", "Overloaded",
     "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "DuplicateId",
-    "NotFound", "InternalError",
+    "NotFound", "Unauthorized", "InternalError", "Unreachable", "NumericalFault", "ConnectionLost",
 ]
 
 
@@ -87,8 +87,10 @@ class Stream(_StreamCore):
 class Client(_ClientCore):
     """Synchronous client: one ZeroMQ context and DEALER socket.  NOT thread-safe.
 
-    addr: "tcp://host:port" or "ipc:///path".  timeout: seconds to wait for the next
-    message of a request (and for a send to be accepted).  curve: None, the server's
+    addr: "tcp://host:port" or "ipc:///path" (anything else: ValueError).  timeout: seconds
+    to wait for the next message of a request.  connect_timeout (3 s): seconds a send waits
+    for a connection; with no server listening it raises `Unreachable` naming the address and
+    the likely cause, instead of waiting out `timeout`.  curve: None, the server's
     public key (an ephemeral client key pair is made), or (server_public, client_public,
     client_secret), Z85 text or bytes.
     """
@@ -98,10 +100,12 @@ class Client(_ClientCore):
     def _send(self, body):
         self._check_open()
         frames = _encode(body)
+        if not self._queues.keys() - {body.get("id")}:
+            self._drain_monitor()       # drops while nothing was in flight concern no request
         try:
             self._sock.send_multipart(frames)
         except zmq.Again:
-            raise _timeout_error("send not accepted", self.timeout, body.get("id")) from None
+            raise _unreachable(self.addr, self.connect_timeout, body.get("id"), self._curve) from None
 
     def _cancel_nowait(self, rid):
         if self._closed:
@@ -121,13 +125,19 @@ class Client(_ClientCore):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _timeout_error("no message", timeout, rid)
-            if self._sock.poll(_ms(remaining), zmq.POLLIN):
-                for _ in range(10_000):
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._mon, zmq.POLLIN)
+            events = dict(poller.poll(_ms(remaining)))
+            if events:
+                for _ in range(10_000):         # answers that arrived before a disconnect count
                     try:
                         parts = self._sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._dispatch(parts)
+            if self._mon in events and self._drain_monitor():
+                self._connection_lost()
         return q.popleft()
 
     def _call(self, req: _Request, timeout):
@@ -153,7 +163,9 @@ class Client(_ClientCore):
         with self.stream(prompt, max_tokens, temperature, timeout=timeout, **params) as s:
             return s.completion()
 
-    def tokenize(self, text: str, add_special_tokens: bool = True, *, timeout=None) -> list:
+    def tokenize(self, text, add_special_tokens: bool = True, *, timeout=None) -> list:
+        """Token ids of `text` (special-token text in it stays text), or of a list of
+        (text, is_template_text) segments, where template text's special tokens are parsed."""
         return self._call(self._tokenize(text, add_special_tokens), timeout)
 
     def detokenize(self, ids: Sequence[int], *, timeout=None) -> str:
@@ -172,6 +184,7 @@ class Client(_ClientCore):
 
     def close(self):
         if self._mark_closed():
+            self._close_monitor()
             self._sock.close(linger=0)
             self._ctx.term()
 

@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from .client_core import (Chunk, Completion, Prompt, _ClientCore, _internal, _Request, _StreamCore, _cancel_body,
-                          _encode, _timeout_error)
+                          _encode, _timeout_error, _unreachable)
 
 
 class AsyncStream(_StreamCore):
@@ -63,11 +63,26 @@ class AsyncClient(_ClientCore):
     _new_queue = asyncio.Queue
     _reader: Optional[asyncio.Task] = None      # the receiving task, started by the first send
 
+    _watcher: Optional[asyncio.Task] = None     # fails the requests in flight when the connection drops
+
     # -- I/O
 
     def _ensure_reader(self):
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_connection())
+
+    async def _watch_connection(self):
+        try:
+            while True:
+                if self._monitor_event(await self._mon.recv_multipart()):
+                    await asyncio.sleep(0.05)   # answers that arrived before the drop are routed first
+                    self._connection_lost()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            pass
 
     async def _read_loop(self):
         try:
@@ -86,9 +101,9 @@ class AsyncClient(_ClientCore):
         self._check_open()
         self._ensure_reader()
         try:
-            await self._sock.send_multipart(frames)
-        except zmq.Again:
-            raise _timeout_error("send not accepted", self.timeout, rid) from None
+            await asyncio.wait_for(self._sock.send_multipart(frames), self.connect_timeout)
+        except (zmq.Again, asyncio.TimeoutError):
+            raise _unreachable(self.addr, self.connect_timeout, rid, self._curve) from None
 
     def _cancel_nowait(self, rid):
         """Best-effort cancel that never blocks or awaits (usable while being cancelled and
@@ -151,13 +166,15 @@ class AsyncClient(_ClientCore):
     async def close(self):
         if not self._mark_closed():
             return
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._reader = None
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        self._reader = self._watcher = None
+        self._close_monitor()
         self._sock.close(linger=0)
         self._ctx.term()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import secrets
 from collections import deque
 from typing import Optional, Sequence, Union
@@ -25,7 +26,8 @@ RESPONSE_MAX_ARRAY = 1 << 24
 from .client_types import (  # noqa: F401,E402  (re-exported by client.py)
     ColibriError, BadRequest, UnsupportedVersion, UnknownType, TooLarge,
     Overloaded, DeadlineExceeded, Cancelled, WorkerLost, ShuttingDown, DuplicateId,
-    NotFound, InternalError, ColibriTimeout, ERRORS, error_for, _internal,
+    NotFound, Unauthorized, InternalError, ColibriTimeout, Unreachable, ERRORS, error_for, _internal,
+    NumericalFault, ConnectionLost,
     Completion, Chunk,
 )
 
@@ -180,8 +182,31 @@ def _generate_body(rid, prompt, max_tokens, temperature, params) -> dict:
     return body
 
 
+def _out_of_range(v, path="request"):
+    """The path of the first integer msgpack cannot carry (outside -2^63..2^64-1), or None."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return path if not -(1 << 63) <= v < (1 << 64) else None
+    if isinstance(v, dict):
+        items = v.items()
+    elif isinstance(v, (list, tuple)):
+        items = ((f"[{i}]", x) for i, x in enumerate(v))
+    else:
+        return None
+    for k, x in items:
+        p = _out_of_range(x, f"{path}{k}" if str(k).startswith("[") else (k if path == "request" else f"{path}.{k}"))
+        if p:
+            return p
+    return None
+
+
 def _encode(body) -> list:
-    data = protocol.pack(body)
+    try:
+        data = protocol.pack(body)
+    except (OverflowError, ValueError, TypeError) as e:
+        where = _out_of_range(body)
+        raise BadRequest(f"field {where!r} is outside the 64-bit integer range" if where else
+                         f"the request cannot be encoded ({type(e).__name__}: {e})", code="bad_request",
+                         request_id=body.get("id")) from None
     if len(data) > MAX_BODY:
         raise TooLarge(f"request body of {len(data)} bytes exceeds {MAX_BODY}", code="too_large",
                        request_id=body.get("id"))
@@ -211,11 +236,18 @@ def _decode(parts):
     return rid, body
 
 
-def _apply_options(sock, timeout, curve):
+DEFAULT_CONNECT_TIMEOUT = 3.0   # seconds a send waits for a connection to the server
+
+
+def _apply_options(sock, timeout, curve, connect_timeout=DEFAULT_CONNECT_TIMEOUT):
     sock.setsockopt(zmq.LINGER, 0)
     # never let our receive pipe fill up: a ROUTER drops messages for a peer at its HWM
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SNDTIMEO, _ms(timeout))
+    # queue requests only on a completed connection (CURVE handshake included): with no server,
+    # a send fails after connect_timeout (Unreachable, naming the cause) instead of the request
+    # waiting in the socket for a whole `timeout` that no answer can end
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.SNDTIMEO, _ms(min(timeout, connect_timeout)))
     if curve is not None:
         if isinstance(curve, (bytes, str)):
             server_key, (pub, sec) = curve, zmq.curve_keypair()
@@ -241,6 +273,45 @@ class _Ids:
 
 
 # ---------------------------------------------------------------------------- what Client and AsyncClient share
+
+
+def _unreachable(addr, seconds, rid, curve) -> Unreachable:
+    """The error of a send that found no connection: the address and the likely cause."""
+    import socket
+    cause = ""
+    if addr.startswith("ipc://"):
+        path = addr[len("ipc://"):]
+        if not os.path.exists(path):
+            cause = f"the socket file {path} does not exist: is `colibri serve --bind {addr}` running?"
+        else:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(1.0)
+                    s.connect(path)
+                cause = "the socket accepts connections but no ZeroMQ/CURVE handshake completed " \
+                        "(not a colibri server, or a CURVE key mismatch)"
+            except PermissionError:
+                cause = f"permission denied on {path}: run as a member of the server's group"
+            except OSError as e:
+                cause = f"nothing accepts connections on {path} ({e.strerror}): a server that stopped?"
+    elif addr.startswith("tcp://"):
+        hostport = addr[len("tcp://"):]
+        host, _, port = hostport.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                pass
+            cause = ("the port accepts TCP connections but the ZeroMQ handshake did not complete: "
+                     + ("this client's CURVE key is not allowed, or the server key is wrong"
+                        if curve is not None else "the server wants CURVE (pass its public key), or it is "
+                        "not a colibri server"))
+        except ConnectionRefusedError:
+            cause = f"connection refused: nothing listens on {hostport}; is `colibri serve` running?"
+        except socket.timeout:
+            cause = f"no answer from {host}: host down or a firewall drops the packets"
+        except (OSError, ValueError) as e:
+            cause = f"{getattr(e, 'strerror', None) or e}"
+    msg = f"cannot reach the colibri server at {addr} within {seconds:g} s" + (f": {cause}" if cause else "")
+    return Unreachable(msg, code="unreachable", request_id=rid)
 
 
 def _timeout_error(what, seconds, rid) -> ColibriTimeout:
@@ -277,17 +348,30 @@ class _ClientCore:
     _context = zmq.Context      # the subclass's ZeroMQ context class
     _new_queue = _Deque         # and per-request queue class
 
-    def __init__(self, addr: str, *, timeout: float = 60.0, curve=None):
+    def __init__(self, addr: str, *, timeout: float = 60.0, curve=None,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT):
+        if not isinstance(addr, str) or not addr.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"server address {addr!r} must look like tcp://host:port or ipc:///path")
         self.addr = addr
         self.timeout = float(timeout)
+        self.connect_timeout = min(float(connect_timeout), self.timeout)
+        self._curve = curve
         self._ids = _Ids()
         self._queues: dict = {}
         self._closed = True
         self._ctx = self._context()
         try:
             self._sock = self._ctx.socket(zmq.DEALER)
-            _apply_options(self._sock, self.timeout, curve)
-            self._sock.connect(addr)
+            _apply_options(self._sock, self.timeout, curve, self.connect_timeout)
+            # a dropped connection (the router died) fails the requests in flight: their answers
+            # would never come (ZeroMQ reconnects by itself; later requests go to the new router)
+            # (only a connection that completed its handshake counts: a refused CURVE key is not a drop)
+            self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._up = False
+            try:
+                self._sock.connect(addr)
+            except zmq.ZMQError as e:
+                raise ValueError(f"server address {addr!r}: {e} (expected tcp://host:port or ipc:///path)") from None
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
@@ -332,6 +416,41 @@ class _ClientCore:
         for q in self._queues.values():
             q.put_nowait(_Failure(exc))
 
+    def _connection_lost(self):
+        if self._queues:
+            self._fail_all(ConnectionLost(f"the connection to {self.addr} dropped with the request in flight "
+                                          "(the server's router restarted or stopped): no answer will come; "
+                                          "retry", code="connection_lost"))
+
+    def _monitor_event(self, parts) -> bool:
+        """Track the connection from one monitor message; True when an established one dropped."""
+        from zmq.utils.monitor import parse_monitor_message
+        try:
+            ev = parse_monitor_message(parts)["event"]
+        except Exception:
+            return False
+        if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._up = True
+        elif ev == zmq.EVENT_DISCONNECTED:
+            lost, self._up = self._up, False
+            return lost
+        return False
+
+    def _drain_monitor(self) -> bool:
+        lost = False
+        while True:
+            try:
+                lost |= self._monitor_event(self._mon.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return lost
+
+    def _close_monitor(self):
+        try:
+            self._sock.disable_monitor()
+        except Exception:
+            pass
+        self._mon.close(linger=0)
+
     def _mark_closed(self) -> bool:
         """Mark the client closed, failing whatever awaits an answer; False if it already was."""
         if self._closed:
@@ -348,8 +467,12 @@ class _ClientCore:
         return _generate_body(self._ids(), prompt, max_tokens, temperature, params)
 
     def _tokenize(self, text, add_special_tokens) -> _Request:
-        return _Request({"type": "tokenize", "id": self._ids(), "text": text,
-                         "add_special_tokens": add_special_tokens}, _tokenize_result)
+        body = {"type": "tokenize", "id": self._ids(), "add_special_tokens": add_special_tokens}
+        if isinstance(text, str):
+            body["text"] = text
+        else:       # [(text, is_template_text), ...]: see protocol (tokenize segments)
+            body["segments"] = [[str(t), bool(p)] for t, p in text]
+        return _Request(body, _tokenize_result)
 
     def _detokenize(self, ids) -> _Request:
         return _Request({"type": "detokenize", "id": self._ids(), "ids": [int(t) for t in ids]}, _detokenize_result)

@@ -76,6 +76,12 @@ class WorkerLost(ColibriError):
     code = "worker_lost"
 
 
+class NumericalFault(ColibriError):
+    """The forward pass gave non-finite logits (corrupted weights or an overflow); the server
+    logged the layer. Retrying the same request gives the same fault."""
+    code = "numerical_fault"
+
+
 class ShuttingDown(ColibriError):
     code = "shutting_down"
 
@@ -88,6 +94,11 @@ class NotFound(ColibriError):
     code = "not_found"
 
 
+class Unauthorized(ColibriError):
+    """The server no longer allows this client's CURVE key (it was removed on a reload)."""
+    code = "unauthorized"
+
+
 class InternalError(ColibriError):
     """A server bug, or a malformed message from the server (detected by the client)."""
     code = "internal"
@@ -98,9 +109,22 @@ class ColibriTimeout(ColibriError):
     code = "timeout"
 
 
+class ConnectionLost(ColibriError):
+    """The connection to the server dropped while the request was in flight (client-side): the
+    router that held it is gone (it restarts); its answer will never come. Safe to retry."""
+    code = "connection_lost"
+
+
+class Unreachable(ColibriTimeout):
+    """No connection to the server could be made within the client's connect_timeout; the
+    message names the address and the likely cause (nothing listening, a missing ipc socket
+    file, a CURVE handshake that never completes). Client-side, like ColibriTimeout."""
+    code = "unreachable"
+
+
 ERRORS = {cls.code: cls for cls in (
     BadRequest, UnsupportedVersion, UnknownType, TooLarge, Overloaded, DeadlineExceeded,
-    Cancelled, WorkerLost, ShuttingDown, DuplicateId, NotFound, InternalError)}
+    Cancelled, WorkerLost, NumericalFault, ShuttingDown, DuplicateId, NotFound, Unauthorized, InternalError)}
 assert set(ERRORS) == set(protocol.ERROR_CODES), "client.ERRORS is out of date with protocol.ERROR_CODES"
 
 

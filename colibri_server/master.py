@@ -2,13 +2,35 @@
 
 No ZeroMQ context and no thread live in this process, so every fork is safe. It opens and
 validates the model (MAP_SHARED, read-only, optionally pre-faulted and locked), compiles the
-kernels by running one tiny non-parallel generation, calls gc.freeze(), then forks. Signal
+kernels by running one tiny non-parallel generation and one batched step, calls gc.freeze(), then forks. Signal
 handlers only queue the signal; the main loop dispatches handle_<name>(). It talks to the
 router over a SOCK_SEQPACKET socketpair (worker exited, generation switched, drain, exit)
 and hears back which workers announced READY and which went silent.
 
-Exit codes: 0 clean stop; 3 a worker failed to boot (halt, do not respawn forever);
-4 the model or settings could not be loaded at start.
+Generations: each one owns its Model (its own mapping of the file, as opened when the
+generation began), its settings and its tokenizer (the router holds a copy); a mapping is
+closed only when no worker of its generation is left and it is neither the serving nor the
+reloading generation. A reload (HUP: settings and model; USR1: model) is a transaction: the
+new generation's model is opened and checked and its workers boot and announce READY, and
+only then is it committed (the router sends new requests to it and retires the old one once
+the old one's queue is empty). If any step fails, the new generation is rolled back, the old
+one keeps serving, and the failure is logged, kept for `status` and sent as the systemd STATUS.
+Only the first start may halt the master.
+
+The router is supervised like a worker: it says "alive" over the pipe every 0.5 s (also between
+the messages of a long burst); one silent for `timeout`, at least 5 s (stopped, hung), is killed; a dead router is restarted, with a growing
+delay while it keeps dying young. Its requests end with an explicit error on the client side
+(the client sees its connection drop); the workers re-announce to the new router at its first
+heartbeat ping.
+
+Where the parts live: loading.py opens and checks what the master needs before it forks (the
+model, its checksums, the compile, the runtime directory, the pidfile); generations.py holds
+Generation and the reload transaction (`Reloads`, a part of the Arbiter).
+
+Exit codes: 0 clean stop; 3 a worker failed to boot at the first start (halt, do not respawn
+forever); 4 the model or settings could not be loaded at start; 5 the router cannot bind the
+client address at start (busy port, missing ipc directory). 3, 4 and 5 are in the unit's
+RestartPreventExitStatus: they do not get better by retrying.
 """
 from __future__ import annotations
 
@@ -24,23 +46,26 @@ import time
 
 import msgpack
 
+from .generations import Generation, Reloads
+from .loading import (EXIT_LOAD, HaltServer, _describe, _model_path, _runtime_dir,  # noqa: F401
+                      _verify_checksums, _write_pidfile, open_model)
+from .router import EXIT_ROUTER_BIND
 from .worker import EXIT_BOOT_FAILED, HeartbeatTable, Worker, worker_main
 
 log = logging.getLogger("colibri.master")
 
 EXIT_WORKER_BOOT = EXIT_BOOT_FAILED
-EXIT_LOAD = 4
+EXIT_BIND = 5
 MAX_WORKER_SLOTS = 1024
 SIGNALS = ("HUP", "TTIN", "TTOU", "USR1", "TERM", "INT", "QUIT", "CHLD")
 CRASH_WINDOW_S = 60.0
 CRASH_LIMIT = 5          # crashes in the window before respawns back off
 BACKOFF_MAX_S = 30.0
-
-
-class HaltServer(Exception):
-    def __init__(self, reason, code):
-        super().__init__(reason)
-        self.reason, self.code = reason, code
+FLOOR_RESPAWN_S = 1.0    # during a crash backoff, an empty serving generation still gets a worker this often
+ROUTER_TIMEOUT_MIN_S = 5.0   # a router silent this long (or `timeout` if longer) is killed and restarted
+ROUTER_YOUNG_S = 10.0    # a router that dies younger than this is restarted after a growing delay
+ROUTER_BACKOFF_MAX_S = 10.0
+RELOAD_CRASH_LIMIT = 3   # deaths of a reloading generation's workers (beyond its size) before rollback
 
 
 class WorkerInfo:
@@ -54,7 +79,7 @@ class WorkerInfo:
         self.killed = False
 
 
-class Arbiter:
+class Arbiter(Reloads):
     def __init__(self, settings, reload_settings=None, notify=None):
         """settings: a Settings object; reload_settings(): re-read them (HUP);
         notify: an sd_notify-like callable(str) or None."""
@@ -63,16 +88,27 @@ class Arbiter:
         self.notify = notify or (lambda msg: None)
         self.sig_queue = []
         self.workers = {}               # pid -> WorkerInfo
-        self.models = {}                # generation -> Model
-        self.generation = 0
+        self.gens = {}                  # generation number -> Generation (owns its Model)
+        self.generation = 0             # the serving (committed) generation
         self.router_pid = None
+        self.router_started = 0.0
+        self.router_seen = 0.0
+        self.router_up = False          # the router bound its sockets at least once
+        self.router_backoff = 0.0
+        self.router_next_start = 0.0
+        self.bind_error = None
+        self.pending_reload = None      # "hup" | "usr1" arriving while a reload is under way
+        self.reload_prev = None         # num_workers to restore on rollback (settings change at commit)
+        self.reload_deadline = None
+        self.last_reload = None         # {"generation", "ok", "error", "time"} for status
         self.next_wid = 0
         self.crashes = []
         self.backoff_until = 0.0
+        self.last_floor_spawn = 0.0
         self.backoff = 1.0
         self.stopping = None            # None | "graceful" | "fast"
         self.stop_deadline = None
-        self.reloading = None           # generation being brought up
+        self.reloading = None           # generation number being brought up (uncommitted)
         self.announced = False
         self.exit_code = 0
         from .systemd import watchdog_interval
@@ -97,9 +133,14 @@ class Arbiter:
                 raise HaltServer(str(e), EXIT_LOAD)
         for w in check_bind_security(s.bind, self.curve is not None):
             log.warning("%s", w)
-        model = self._open_model(self.model_path)
+        try:
+            model = self._open_model(self.model_path, s)
+        except HaltServer:
+            raise
+        except Exception as e:      # ColibriFormatError and ChecksumMismatch are ValueErrors; a failing warm-up too
+            raise HaltServer(f"model {self.model_path} refused: {e}", EXIT_LOAD) from None
         self.generation = 1
-        self.models[1] = model
+        self.gens[1] = Generation(1, model, s)
         self.heartbeats = HeartbeatTable(MAX_WORKER_SLOTS)
         self.num_workers = s.workers or _default_workers()
         self._init_signals()
@@ -113,42 +154,11 @@ class Arbiter:
                  self.num_workers, s.bind)
         self.manage_workers()
 
-    def _open_model(self, path):
-        """Open, validate, map (and pre-fault / lock) a model; compile the kernels on it."""
-        from .model import Model, serving
-        s = self.settings
-        size = os.path.getsize(path)
-        populate = s.populate
-        try:
-            import psutil
-            avail = psutil.virtual_memory().available
-            if size > avail:
-                log.warning("model %s (%.1f GiB) is larger than available memory (%.1f GiB): it will page "
-                            "from disk; not pre-faulting it", path, size / 2**30, avail / 2**30)
-                populate = False
-        except Exception:
-            pass
-        t0 = time.perf_counter()
-        m = Model.open(path, context=s.context, populate=populate, routing_noise=s.routing_noise,
-                       seed=None if s.seed < 0 else s.seed, hugepages=s.hugepages)
-        if s.mlock:
-            _mlock(m.file, path)
-        t1 = time.perf_counter()
-        # compile every kernel specialisation the workers will use, here, once (non-parallel kernels)
-        m.set_prefill_bf16(s.prefill_bf16)
-        bos = m.config.bos_token_id if m.config.bos_token_id >= 0 else 0
-        m.generate([bos, bos], max_tokens=2, ignore_eos=True)
-        serving.warm_up(m, s.kv_dtype)     # the workers' batched step
-        if s.threads_per_worker > 1:
-            m.compile_threaded()           # compiled here, launched only in the forked workers
-            serving.compile_threaded(m, s.kv_dtype)
+    def _open_model(self, path, s):
+        """loading.open_model, and the file's identity (check_model_file watches it)."""
+        m = open_model(path, s)
         st = os.stat(path)
         self.model_identity = {path: (st.st_ino, st.st_size, st.st_mtime_ns)}
-        huge = m.file.huge_bytes
-        log.info("model %s: %s, %d layers, %d experts, %s, %.1f MiB mapped in %.2fs (%s), kernels ready in %.2fs",
-                 path, m.config.arch, m.config.num_layers, m.config.num_experts, m.config.dtype,
-                 size / 2**20, t1 - t0, "2 MiB pages: unknown" if huge is None else
-                 f"{huge / 2**20:.0f} MiB on 2 MiB pages", time.perf_counter() - t1)
         return m
 
     def _init_signals(self):
@@ -166,26 +176,47 @@ class Arbiter:
     # ------------------------------------------------------------------------ forking
     def spawn_router(self):
         from .router import Router, router_main
+        # the router is forked with every live generation's tokenizer in memory: nothing to re-read
+        gens = {g: dict(gen.info) for g, gen in self.gens.items()}
         router = Router(frontend=self.settings.bind, backend=self.backend, pipe_fd=self._router_end.fileno(),
                         settings=self.settings, generation=self.generation, model_path=self.model_path,
-                        curve=self.curve)
+                        curve=self.curve, generations=gens, last_reload=self.last_reload)
+        self._drain_pipe()          # whatever the dead router left unread is stale
         pid = os.fork()
         if pid == 0:
             self._in_child()
             router_main(router)
         self.router_pid = pid
+        self.router_started = self.router_seen = time.monotonic()
         log.info("router %d started on %s", pid, self.settings.bind)
 
+    def _drain_pipe(self):
+        try:
+            self._router_end.setblocking(False)
+            while self._router_end.recv(65536):
+                pass
+        except (BlockingIOError, InterruptedError, OSError):
+            pass
+
     def spawn_worker(self, generation):
-        from .pinning import plan_for
+        from .pinning import plan_free
         wid = self.next_wid
         self.next_wid += 1
         used = {w.slot for w in self.workers.values()}
         slot = next(i for i in range(MAX_WORKER_SLOTS) if i not in used)
-        cpus = plan_for(self.settings, self.num_workers, slot)
+        gen = self.gens[generation]
+        # the CPUs the workers that stay do not hold (draining workers and older generations
+        # are leaving: their CPUs go to their replacements)
+        taken = [w.cpus for w in self.workers.values()
+                 if w.generation == generation and not w.stopping and w.cpus]
+        cpus, plan = plan_free(gen.settings, self.num_workers, taken)
+        if plan is not None and plan.warnings and getattr(self, "_pin_warned", None) != plan.warnings:
+            self._pin_warned = plan.warnings
+            for msg in plan.warnings:
+                log.warning("pinning: %s", msg)
         self.heartbeats.beat(slot)
-        w = Worker(wid=wid, slot=slot, generation=generation, model=self.models[generation],
-                   settings=self.settings, backend=self.backend, cpus=cpus, heartbeats=self.heartbeats)
+        w = Worker(wid=wid, slot=slot, generation=generation, model=gen.model,
+                   settings=gen.settings, backend=self.backend, cpus=cpus, heartbeats=self.heartbeats)
         pid = os.fork()
         if pid == 0:
             self._in_child()
@@ -233,6 +264,7 @@ class Arbiter:
                     self.manage_workers()
                     self.check_reload()
                     self.check_router()
+                    self._close_unused_models()
         except HaltServer as h:
             log.error("halting: %s", h.reason)
             self.exit_code = h.code
@@ -243,7 +275,10 @@ class Arbiter:
 
     def sleep(self):
         try:
-            r, _, _ = select.select([self._wake_r, self.pipe], [], [], min(0.5, self.watchdog or 0.5))
+            timeout = min(0.5, self.watchdog or 0.5)
+            if self.router_pid is None and not self.stopping:     # restart the router on time
+                timeout = min(timeout, max(0.0, self.router_next_start - time.monotonic()))
+            r, _, _ = select.select([self._wake_r, self.pipe], [], [], timeout)
             if self._wake_r in r:
                 while os.read(self._wake_r, 512):
                     pass
@@ -271,6 +306,7 @@ class Arbiter:
                 msg = msgpack.unpackb(data, raw=False)
             except Exception:
                 continue
+            self.router_seen = time.monotonic()
             op = msg.get("op")
             w = self.workers.get(msg.get("pid"))
             if op == "ready" and w is not None:
@@ -278,6 +314,16 @@ class Arbiter:
             elif op == "unresponsive" and w is not None and not w.killed:
                 log.error("worker %d unresponsive to the router: killing it", w.pid)
                 self._kill(w.pid, signal.SIGKILL)
+            elif op == "up":
+                if not self.router_up:
+                    log.info("router %s: listening on %s", msg.get("pid"), self.settings.bind)
+                self.router_up = True
+            elif op == "bind_failed":
+                self.bind_error = str(msg.get("error"))
+            elif op == "retire":
+                self.retire(msg.get("generation"))
+            elif op == "generation_failed" and msg.get("generation") == self.reloading:
+                self.rollback(f"the router could not load its tokenizer: {msg.get('error')}")
 
     def to_router(self, msg):
         try:
@@ -297,20 +343,38 @@ class Arbiter:
             code = os.waitstatus_to_exitcode(status)
             if pid == self.router_pid:
                 self.router_pid = None
+                self.read_router()          # its last words (bind_failed) are in the pipe
                 if not self.stopping:
-                    log.error("router %d exited (%s): restarting it", pid, _describe(code))
+                    self._router_died(pid, code)
                 continue
             w = self.workers.pop(pid, None)
             if w is None:
                 continue
             self.heartbeats.clear(w.slot)
             self.to_router({"op": "exited", "pid": pid})
-            if code == EXIT_BOOT_FAILED and not w.ready:
-                raise HaltServer(f"worker {pid} failed to boot (exit {code}); see its traceback above",
-                                 EXIT_WORKER_BOOT)
             if w.stopping or self.stopping:
                 log.info("worker %d exited (%s)", pid, _describe(code))
-            elif code == 0:
+                continue
+            if code == EXIT_BOOT_FAILED and not w.ready:
+                if w.generation == self.reloading:
+                    self.rollback(f"worker {pid} of generation {w.generation} failed to boot (exit {code}); "
+                                  "see its log line above")
+                    continue
+                if not self.announced:      # only the first start may halt
+                    raise HaltServer(f"worker {pid} failed to boot (exit {code}); see its traceback above",
+                                     EXIT_WORKER_BOOT)
+                log.error("worker %d failed to boot (exit %d): replacing it after a delay", pid, code)
+                self._note_crash()
+                continue
+            if w.generation == self.reloading:
+                gen = self.gens.get(w.generation)
+                if gen is not None:
+                    gen.deaths += 1
+                    if gen.deaths > RELOAD_CRASH_LIMIT:
+                        self.rollback(f"{gen.deaths} workers of generation {w.generation} died before it "
+                                      f"was ready (last: {_describe(code)})")
+                        continue
+            if code == 0:
                 log.info("worker %d exited after serving its max_requests: replacing it", pid)
             else:
                 log.error("worker %d died (%s): replacing it", pid, _describe(code))
@@ -354,17 +418,29 @@ class Arbiter:
             self._kill(pid, sig)
 
     def manage_workers(self):
-        """Keep num_workers live workers of the current generation (not counting draining ones)."""
+        """Keep num_workers live workers of the serving generation and of the one being brought
+        up (not counting draining ones)."""
+        for g in (self.generation, self.reloading):
+            if g is None:
+                continue
+            live = [w for w in self.workers.values() if w.generation == g and not w.stopping]
+            if len(live) < self.num_workers:
+                now = time.monotonic()
+                if now < self.backoff_until:
+                    # backing off after repeated crashes, but never with the serving generation
+                    # empty: one worker at a time, at most one a second (a crash loop stays slow)
+                    if g == self.generation and not live and now - self.last_floor_spawn >= FLOOR_RESPAWN_S:
+                        self.last_floor_spawn = now
+                        log.warning("backing off after crashes, but generation %d has no worker: starting one", g)
+                        self.spawn_worker(g)
+                    continue
+                for _ in range(self.num_workers - len(live)):
+                    self.spawn_worker(g)
+            elif len(live) > self.num_workers:
+                for w in sorted(live, key=lambda w: w.started)[: len(live) - self.num_workers]:
+                    log.info("worker %d: stopping (TTOU)", w.pid)
+                    self._kill(w.pid, signal.SIGTERM)
         current = [w for w in self.workers.values() if w.generation == self.generation and not w.stopping]
-        if len(current) < self.num_workers:
-            if time.monotonic() < self.backoff_until:
-                return
-            for _ in range(self.num_workers - len(current)):
-                self.spawn_worker(self.generation)
-        elif len(current) > self.num_workers:
-            for w in sorted(current, key=lambda w: w.started)[: len(current) - self.num_workers]:
-                log.info("worker %d: stopping (TTOU)", w.pid)
-                self._kill(w.pid, signal.SIGTERM)
         if not self.announced and current and all(w.ready for w in current) and len(current) >= self.num_workers:
             self.announced = True
             self._ready_line()
@@ -373,47 +449,39 @@ class Arbiter:
         from .memory import mib, process_memory
         ws = [w for w in self.workers.values() if w.generation == self.generation]
         uss = [process_memory(w.pid)["uss"] for w in ws]
-        size = os.path.getsize(self.model_path)
+        size = self.gens[self.generation].model.file.header["file_size"]
         log.info("ready: %s on %s, %d workers (pids %s), model %s mapped once (%s), worker USS %s",
                  os.path.basename(self.model_path), self.settings.bind, len(ws),
                  ",".join(str(w.pid) for w in ws), self.model_path, mib(size), "/".join(mib(u) for u in uss))
         self.notify(f"READY=1\nSTATUS=serving generation {self.generation} with {len(ws)} workers")
 
     def check_router(self):
-        if self.router_pid is None and not self.stopping:
-            self.spawn_router()
-
-    # ------------------------------------------------------------------------ generations
-    def check_reload(self):
-        """A new generation is up when all its workers are READY: then drain the old ones."""
-        if self.reloading is None:
+        now = time.monotonic()
+        if self.router_pid is None:
+            if not self.stopping and now >= self.router_next_start:
+                self.spawn_router()
             return
-        new = [w for w in self.workers.values() if w.generation == self.reloading and not w.stopping]
-        if len(new) < self.num_workers or not all(w.ready for w in new):
-            return
-        old = [w for w in self.workers.values() if w.generation < self.reloading and not w.stopping]
-        for w in old:
-            self._kill(w.pid, signal.SIGTERM)
-        log.info("generation %d serving; draining %d workers of older generations", self.reloading, len(old))
-        self.reloading = None
-        self.notify(f"READY=1\nSTATUS=serving generation {self.generation} with {len(new)} workers")
-        self._close_unused_models()
+        silent = now - self.router_seen
+        limit = max(self.settings.timeout, ROUTER_TIMEOUT_MIN_S)
+        if silent > limit:
+            log.error("router %d silent for %.1fs (limit %.1fs: timeout, at least %.0fs): killing it",
+                      self.router_pid, silent, limit, ROUTER_TIMEOUT_MIN_S)
+            self._kill_router()
+            self.router_seen = now          # once; the reap restarts it
 
-    def _close_unused_models(self):
-        live = {w.generation for w in self.workers.values()} | {self.generation}
-        for g in [g for g in self.models if g not in live]:
-            m = self.models.pop(g)
-            log.info("generation %d: no workers left, unmapping %s", g, m.path)
-            m.close()
-
-    def new_generation(self, model=None):
-        g = self.generation + 1
-        self.models[g] = model or self.models[self.generation]
-        self.generation = g
-        self.reloading = g
-        self.to_router({"op": "generation", "generation": g, "model": self.models[g].path})
-        for _ in range(self.num_workers):
-            self.spawn_worker(g)
+    def _router_died(self, pid, code):
+        if code == EXIT_ROUTER_BIND and self.bind_error and not self.router_up:
+            raise HaltServer(self.bind_error, EXIT_BIND)
+        now = time.monotonic()
+        if now - self.router_started < ROUTER_YOUNG_S:
+            self.router_backoff = min(max(0.1, self.router_backoff * 2), ROUTER_BACKOFF_MAX_S)
+        else:
+            self.router_backoff = 0.0
+        self.router_next_start = now + self.router_backoff
+        why = f": {self.bind_error}" if code == EXIT_ROUTER_BIND and self.bind_error else ""
+        log.error("router %d exited (%s%s): restarting it%s", pid, _describe(code), why,
+                  f" in {self.router_backoff:.1f}s" if self.router_backoff else "")
+        self.bind_error = None
 
     # ------------------------------------------------------------------------ signal handlers
     def handle_chld(self):
@@ -429,33 +497,13 @@ class Arbiter:
         log.info("TTOU: %d workers", self.num_workers)
 
     def handle_hup(self):
-        """Re-read the settings and start a new generation of workers on them; drain the old."""
-        self.notify("RELOADING=1")
-        if self.reload_settings is not None:
-            try:
-                new = self.reload_settings()
-            except Exception as e:
-                log.error("HUP: settings not reloaded, keeping the current ones: %s", e)
-                self.notify("READY=1")
-                return
-            self.settings = new
-            self.num_workers = new.workers or _default_workers()
-            self.to_router({"op": "settings", "settings": _settings_dict(new)})
-        log.info("HUP: new generation %d with %d workers", self.generation + 1, self.num_workers)
-        self.new_generation()
+        """Re-read the settings, open the model again (the new generation owns its own mapping) and
+        bring up a new generation on them; the old one drains only once the new one is READY."""
+        self._reload("hup")
 
     def handle_usr1(self):
         """Hot model reload: re-open the model path, validate, map; a bad file is refused."""
-        self.notify("RELOADING=1")
-        path = self.model_path
-        try:
-            model = self._open_model(path)
-        except Exception as e:
-            log.error("USR1: model %s refused, generation %d keeps serving: %s", path, self.generation, e)
-            self.notify(f"READY=1\nSTATUS=model reload refused: {e}")
-            return
-        log.info("USR1: model %s validated: starting generation %d", path, self.generation + 1)
-        self.new_generation(model)
+        self._reload("usr1")
 
     def handle_term(self):
         if self.stopping:
@@ -467,6 +515,7 @@ class Arbiter:
                  self.settings.graceful_timeout)
         self.to_router({"op": "drain"})
         self.kill_all(signal.SIGTERM)
+        self.reloading = None
 
     def handle_int(self):
         self.stopping = "fast"
@@ -527,6 +576,12 @@ class Arbiter:
                 os.waitpid(self.router_pid, 0)
             except ChildProcessError:
                 pass
+        for gen in self.gens.values():
+            if gen.info_path and os.path.exists(gen.info_path):
+                try:
+                    os.unlink(gen.info_path)
+                except OSError:
+                    pass
         for path in (self.backend[len("ipc://"):] if getattr(self, "backend", None) else None,
                      self.settings.bind[len("ipc://"):] if self.settings.bind.startswith("ipc://") else None):
             if path and os.path.exists(path):
@@ -546,63 +601,6 @@ class Arbiter:
 
 # ---------------------------------------------------------------------------- helpers
 
-def _describe(code):
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-
-
 def _default_workers():
     from .pinning import Topology, default_workers
     return default_workers(Topology.detect())
-
-
-def _model_path(path):
-    if not path:
-        from .bundled import BUNDLED_MODEL
-        path = BUNDLED_MODEL
-    if not os.path.exists(path):
-        raise HaltServer(f"model file not found: {path}", EXIT_LOAD)
-    return os.path.abspath(path)
-
-
-def _runtime_dir(settings):
-    from .settings import resolve_runtime_dir
-    d = resolve_runtime_dir(settings)
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    return d
-
-
-def _write_pidfile(path, pid):
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                old = int(f.read().strip() or 0)
-            if old and old != pid:
-                os.kill(old, 0)
-                raise HaltServer(f"pidfile {path} names a running process {old}: another master?", EXIT_LOAD)
-        except (ValueError, ProcessLookupError, PermissionError):
-            pass
-    tmp = f"{path}.{pid}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{pid}\n")
-    os.replace(tmp, path)
-
-
-def _mlock(cf, path):
-    import ctypes
-    import resource
-    size = cf.header["file_size"]
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft != resource.RLIM_INFINITY and soft < size:
-        raise HaltServer(f"mlock: the model needs {size / 2**20:.0f} MiB locked but RLIMIT_MEMLOCK is "
-                         f"{soft / 2**20:.0f} MiB (raise LimitMEMLOCK= in the unit, or ulimit -l, or turn "
-                         "mlock off)", EXIT_LOAD)
-    libc = ctypes.CDLL(None, use_errno=True)
-    addr = cf._buf.ctypes.data
-    if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(size)) != 0:
-        e = ctypes.get_errno()
-        raise HaltServer(f"mlock of {path} ({size / 2**20:.0f} MiB) failed: {os.strerror(e)}", EXIT_LOAD)
-    log.info("model %s locked in memory (%.0f MiB)", path, size / 2**20)
-
-
-def _settings_dict(s):
-    return s.to_dict() if hasattr(s, "to_dict") else dict(vars(s))

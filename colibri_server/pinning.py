@@ -32,7 +32,7 @@ from typing import NamedTuple, Sequence
 import psutil
 
 __all__ = ["PinningError", "Node", "Topology", "Plan", "MODES", "SYSFS", "parse_cpulist",
-           "format_cpulist", "detect", "default_workers", "plan", "plan_for", "apply",
+           "format_cpulist", "detect", "default_workers", "plan", "plan_for", "plan_free", "apply",
            "current_affinity"]
 
 SYSFS = "/sys"
@@ -299,6 +299,31 @@ def plan_for(settings, workers: int, index: int, topology: Topology | None = Non
             topology = _TOPOLOGY_CACHE[key] = detect()
     workers = workers or default_workers(topology, settings.threads_per_worker)
     return plan(topology, workers, settings.threads_per_worker, settings.pin)[index % workers]
+
+
+def plan_free(settings, workers: int, taken, topology: Topology | None = None):
+    """(CPU list or None, Plan) for a NEW worker beside the workers that keep running, whose CPU
+    lists are `taken`: the first set of the plan for max(workers, len(taken) + 1) workers that
+    shares no CPU with them, else the one sharing the fewest. A worker's CPUs follow from the
+    CPUs free when it starts, not from a slot number: after TTIN, TTOU, HUP or a crash each
+    worker has a core of its own while there are enough (plan_for by slot could hand two
+    workers the same core once slots and the worker count drifted apart)."""
+    if settings.pin == "none":
+        return None, None
+    if topology is None:
+        key = tuple(current_affinity() or ())
+        topology = _TOPOLOGY_CACHE.get(key)
+        if topology is None:
+            topology = _TOPOLOGY_CACHE[key] = detect()
+    taken = [list(t) for t in taken if t]
+    n = max(workers or default_workers(topology, settings.threads_per_worker), len(taken) + 1)
+    p = plan(topology, n, settings.threads_per_worker, settings.pin)
+    load: dict = {}
+    for t in taken:
+        for c in t:
+            load[c] = load.get(c, 0) + 1
+    best = min(range(len(p)), key=lambda i: (sum(load.get(c, 0) for c in p[i]), i))
+    return p[best], p
 
 
 def apply(cpus: Sequence[int] | None, pid: int | None = None) -> None:

@@ -18,6 +18,10 @@ Requests (client -> server)
                stream: bool = true   (false: one "done" carrying all text and ids),
                deadline_ms: int | None  (the whole request, from arrival at the router)
     tokenize   text: str, add_special_tokens: bool = true
+               (special-token text such as "</s>" in `text` stays text: user content never
+               becomes control tokens.  A chat template's rendering sends instead
+               segments: [[str, bool], ...], where true marks the template's own text, whose
+               special tokens are parsed, and false user content)
     detokenize ids: [int]
     cancel     (the id of a request in flight; answered by that request's end)
     health     -
@@ -68,9 +72,11 @@ ERROR_CODES = {
     "deadline_exceeded":  "the request's deadline passed",
     "cancelled":          "cancelled before it started",
     "worker_lost":        "the worker died after streaming tokens; the request cannot be retried",
+    "numerical_fault":    "the forward pass gave non-finite logits (corrupted weights or an overflow)",
     "shutting_down":      "the server is stopping and takes no new requests",
     "duplicate_id":       "a request with this id is already in flight on this connection",
     "not_found":          "cancel of an id that is not in flight",
+    "unauthorized":       "the client's CURVE key is no longer allowed (removed from curve_allowed_keys)",
     "internal":           "a server bug; the message says more",
 }
 REQUEST_TYPES = ("generate", "tokenize", "detokenize", "cancel", "health", "stats")
@@ -239,6 +245,26 @@ def validate_generate(body: dict, limits: Limits) -> dict:
         raise ProtocolError("bad_request", "field 'deadline_ms' must be an integer in 1..86400000")
     req["deadline_ms"] = dl
     return req
+
+
+MAX_SEGMENTS = 4096
+
+
+def tokenize_segments(body: dict) -> list:
+    """A tokenize body -> [(text, parse_special)]: `text` (user text, never parsed for special
+    tokens) or `segments` (see the module doc). Raises ProtocolError naming the field."""
+    text, segs = body.get("text"), body.get("segments")
+    if segs is None:
+        if not isinstance(text, str):
+            raise ProtocolError("bad_request", "field 'text' must be a string")
+        return [(text, False)]
+    if text is not None:
+        raise ProtocolError("bad_request", "give either 'text' or 'segments', not both")
+    if not isinstance(segs, list) or not 0 < len(segs) <= MAX_SEGMENTS or not all(
+            isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], bool) for x in segs):
+        raise ProtocolError("bad_request", f"field 'segments' must be a list of 1..{MAX_SEGMENTS} "
+                                           "[text, is_template_text] pairs")
+    return [(t, p) for t, p in segs]
 
 
 def error_body(rid, code: str, message: str) -> dict:

@@ -9,6 +9,14 @@ queue and beyond it the client gets "overloaded" at once. A ledger holds every r
 flight: when a worker dies, each of its requests that streamed no token yet is retried on
 another worker, and each that did gets "worker_lost". Every request ends in exactly one
 "done" or "error". Malformed frames are answered or logged, and never fatal.
+
+Generations: the router holds each live generation's tokenizer, vocabulary and context (the
+master hands them over: in memory at fork, or in a file it wrote for a new generation). A
+request is tokenized and checked with the serving generation's, is bound to that generation
+from arrival to end, and goes only to workers of it (a retry too). Once no queued request of
+an older generation is left, the router tells the master to retire it.
+
+Its records (Gen, Req, W, the prefix key, the control_rate bucket) are router_records.py's.
 """
 from __future__ import annotations
 
@@ -24,66 +32,31 @@ import msgpack
 import zmq
 
 from . import protocol as P
+from .router_records import (W, BindFailed, ControlRate, Gen, Req, _AttrDict, _bind_message, _chmod_ipc,  # noqa: F401
+                             _prefix_key, _salvage_id)
 
 log = logging.getLogger("colibri.router")
 
 MAX_ATTEMPTS = 3          # dispatches of one request (retries after a worker died before any token)
 PREFIX_OWNERS = 4096      # prompt prefixes whose worker the router remembers (LRU)
 MAX_TEXT_BYTES_PER_TOKEN = 16   # a text prompt longer than this x max_prompt_tokens is refused untokenized
-
-
-class Req:
-    __slots__ = ("rid", "client", "cid", "request", "stream", "state", "worker", "attempts", "streamed",
-                 "t_arrive", "t_dispatch", "deadline")
-
-    def __init__(self, rid, client, cid, request, now):
-        self.rid, self.client, self.cid, self.request = rid, client, cid, request
-        self.stream = request["stream"]
-        self.state = "queued"           # queued | running
-        self.worker = None
-        self.attempts = 0
-        self.streamed = False
-        self.t_arrive, self.t_dispatch = now, None
-        dl = request.get("deadline_ms")
-        self.deadline = now + dl / 1000.0 if dl else None
-
-
-def _prefix_key(prompt):
-    """The key of a tokenized prompt's first KV block (model/kv.py's chain hash), None if shorter."""
-    from .model.kv import BLOCK_SIZE, chain_hash
-    if not isinstance(prompt, list) or len(prompt) <= BLOCK_SIZE:
-        return None
-    return chain_hash(0, tuple(prompt[:BLOCK_SIZE]))
-
-
-class W:
-    __slots__ = ("ident", "pid", "wid", "generation", "slots", "running", "last_seen", "state", "cores",
-                 "served", "t_start", "last_dispatch", "engine")
-
-    def __init__(self, ident, body, now):
-        self.ident = ident
-        self.pid, self.wid = body.get("pid"), body.get("wid")
-        self.generation, self.slots = body.get("generation", 0), max(1, int(body.get("slots", 1)))
-        self.cores = body.get("cores") or []
-        self.running = set()
-        self.last_seen = now
-        self.state = "ready"            # ready | draining | unresponsive
-        self.served = 0
-        self.t_start = now
-        self.last_dispatch = 0.0
-        self.engine = {}                # the worker's batch engine figures, from its last heartbeat
-
-    @property
-    def free(self):
-        return self.slots - len(self.running) if self.state == "ready" else 0
+EXIT_ROUTER_BIND = 5      # the client address cannot be bound (the master's EXIT_BIND at start)
+ALIVE_EVERY_S = 0.5       # "alive" to the master (it kills a router silent for `timeout`)
+CONTROL_TYPES = ("tokenize", "detokenize", "stats")   # rate-limited per client (control_rate); health is
+                                                      # O(workers) and what probes poll: never refused
 
 
 class Router:
     def __init__(self, *, frontend: str, backend: str, pipe_fd: int, settings, generation: int, model_path: str,
-                 curve=None):
+                 curve=None, generations=None, last_reload=None):
         self.frontend_addr, self.backend_addr, self.pipe_fd = frontend, backend, pipe_fd
         self.settings, self.generation = settings, generation
         self.model_path = model_path
+        self.gen_infos = generations or {}  # generation -> info dict (parsed after fork)
+        self.gens = {}                     # generation -> Gen
+        self.retired = set()               # older generations the master was told to retire
+        self.last_reload = last_reload
+        self.last_alive = 0.0
         self.curve = curve
         self.reqs = {}                     # rid -> Req
         self.by_client = {}                # (client, cid) -> rid
@@ -97,6 +70,9 @@ class Router:
         self.counters = collections.Counter()
         self.tokenizer, self.vocab_size = None, None
         self.t_start = time.monotonic()
+        self.control = ControlRate()       # control_rate's token bucket per client
+        from .memory import MemorySampler
+        self.memory = MemorySampler()      # smaps figures, read on a thread: never in this loop
 
     # -- setup -------------------------------------------------------------------------
     def init_process(self):
@@ -106,8 +82,18 @@ class Router:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.ppid = os.getppid()
-        self.limits = self._limits()
-        self._load_tokenizer(self.model_path)
+        self.pipe = socket.socket(fileno=self.pipe_fd)
+        self.pipe.setblocking(False)
+        for g, info in sorted(self.gen_infos.items()):
+            try:
+                self.gens[g] = Gen(info, self.settings)
+            except Exception as e:
+                log.error("router: generation %d's tokenizer cannot be loaded: %s", g, e)
+                self.to_master({"op": "generation_failed", "generation": g, "error": str(e)})
+        if self.generation not in self.gens:
+            raise RuntimeError(f"the serving generation {self.generation} has no usable tokenizer")
+        self.gen_infos = None
+        self._select(self.generation)
         self.ctx = zmq.Context(io_threads=1)
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -116,34 +102,24 @@ class Router:
         self.front.setsockopt(zmq.SNDHWM, 100000)
         if self.curve is not None:
             self.curve.apply_server(self.ctx, self.front)
-        self.front.bind(self.frontend_addr)
+        try:
+            self.front.bind(self.frontend_addr)
+        except zmq.ZMQError as e:
+            raise BindFailed(_bind_message(self.frontend_addr, e)) from None
         _chmod_ipc(self.frontend_addr, 0o660)
         self.back = self.ctx.socket(zmq.ROUTER)
         self.back.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.back.setsockopt(zmq.LINGER, 0)
         self.back.bind(self.backend_addr)
         _chmod_ipc(self.backend_addr, 0o600)
-        self.pipe = socket.socket(fileno=self.pipe_fd)
-        self.pipe.setblocking(False)
+        self.to_master({"op": "up", "pid": os.getpid()})
 
-    def _limits(self):
-        s = self.settings
-        return P.Limits(max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens, max_stop=s.max_stop,
-                        max_body=s.max_body, vocab_size=self.vocab_size)
-
-    def _load_tokenizer(self, path):
-        from .model import format as fmt
-        from .model.config import ModelConfig
-        from .model.tokenizer import Tokenizer
-        cf = fmt.ColibriFile.open(path)
-        try:
-            cfg = ModelConfig.from_dict(fmt.read_json_blob(path, "config", cf.config_json))
-            self.vocab_size = cfg.vocab_size
-            self.tokenizer = Tokenizer.from_json(cf.tokenizer_json) if cf.tokenizer_json else None
-            self.context = min(self.settings.context, cfg.max_position_embeddings)
-        finally:
-            cf.close()
-        self.limits = self._limits()
+    def _select(self, g):
+        """Serve new requests with generation g's tokenizer, vocabulary and context."""
+        gen = self.gens[g]
+        self.generation, self.model_path = g, gen.model_path
+        self.tokenizer, self.vocab_size, self.context, self.limits = gen.tokenizer, gen.vocab_size, gen.context, \
+            gen.limits
 
     # -- loop ----------------------------------------------------------------------------
     def run(self):
@@ -158,7 +134,7 @@ class Router:
             if self.back in events:
                 self._drain(self.back, self.on_backend)
             if self.front in events:
-                self._drain(self.front, self.on_frontend)
+                self._drain(self.front, self.on_frontend, copy=self.curve is None)
             if self.pipe.fileno() in events:
                 self.on_pipe()
             now = time.monotonic()
@@ -168,14 +144,20 @@ class Router:
             self.dispatch()
         self.shutdown()
 
-    @staticmethod
-    def _drain(sock, handler, budget=1000):
+    def _drain(self, sock, handler, budget=1000, copy=True):
         for _ in range(budget):
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 return
             handler(parts)
+            self.alive()        # a loop busy with slow requests is alive: the master judges progress
+
+    def alive(self, now=None):
+        now = time.monotonic() if now is None else now
+        if now - self.last_alive >= min(ALIVE_EVERY_S, self.settings.heartbeat_interval):
+            self.last_alive = now
+            self.to_master({"op": "alive"})
 
     # -- frontend ------------------------------------------------------------------------
     def reply(self, client, body) -> bool:
@@ -194,7 +176,20 @@ class Router:
         self.reply(client, P.error_body(cid, code, message))
 
     def on_frontend(self, parts):
+        key = None
+        if not isinstance(parts[0], bytes):        # zmq.Frames (CURVE on): each carries its ZAP User-Id
+            try:
+                key = parts[-1].get("User-Id")
+            except zmq.ZMQError:
+                key = None
+            parts = [f.bytes for f in parts]
+            if not self.curve.is_allowed(key):
+                # the handshake let this connection in, but its key has been removed since (HUP)
+                self.counters["unauthorized"] += 1
+                self._unauthorized(parts[0], _salvage_id(parts[1:]), key)
+                return
         client, rest = parts[0], parts[1:]
+        self._key = key
         try:
             body = P.parse_frames(rest, self.settings.max_body)
         except P.ProtocolError as e:
@@ -204,6 +199,8 @@ class Router:
             return
         cid, t = body["id"], body["type"]
         try:
+            if t in CONTROL_TYPES:
+                self._rate_limit(client, t)
             getattr(self, "on_" + t)(client, cid, body)
         except P.ProtocolError as e:
             self.error(client, cid, e.code, e.message)
@@ -211,16 +208,29 @@ class Router:
             log.exception("router: request %r (%s) failed", cid, t)
             self.error(client, cid, "internal", f"{e.__class__.__name__}: {e}")
 
+    def _rate_limit(self, client, t):
+        """control_rate: a client pipelining thousands of stats or tokenizes gets 'overloaded'
+        answers instead of taking the loop's time from everyone's generates."""
+        rate = float(getattr(self.settings, "control_rate", 0) or 0)
+        if not self.control.take(client, rate):
+            self.counters["rate_limited"] += 1
+            raise P.ProtocolError("overloaded", f"more than {rate:g} control requests ({t}) a second from this "
+                                                f"client (control_rate): slow down")
+
+    def _check_text(self, text, what):
+        """The size guard of text the router would tokenize in its loop."""
+        nbytes = len(text.encode("utf-8", "surrogatepass"))
+        if nbytes > MAX_TEXT_BYTES_PER_TOKEN * self.limits.max_prompt_tokens:
+            # refuse before tokenizing: tokenizing megabytes would stall this loop for seconds
+            raise P.ProtocolError("too_large", f"{what} of {nbytes} bytes cannot fit in max_prompt_tokens "
+                                               f"{self.limits.max_prompt_tokens}")
+
     def on_generate(self, client, cid, body):
         if self.draining:
             raise P.ProtocolError("shutting_down", "the server is stopping")
         req = P.validate_generate(body, self.limits)
         if isinstance(req["prompt"], str):
-            nbytes = len(req["prompt"].encode("utf-8", "surrogatepass"))
-            if nbytes > MAX_TEXT_BYTES_PER_TOKEN * self.limits.max_prompt_tokens:
-                # refuse before tokenizing: tokenizing megabytes would stall this loop for seconds
-                raise P.ProtocolError("too_large", f"prompt text of {nbytes} bytes cannot fit in max_prompt_tokens "
-                                                   f"{self.limits.max_prompt_tokens}")
+            self._check_text(req["prompt"], "prompt text")
             if self.tokenizer is None:
                 raise P.ProtocolError("bad_request", "this model has no tokenizer: send token ids")
             ids = self.tokenizer.encode(req["prompt"])
@@ -240,7 +250,8 @@ class Router:
             raise P.ProtocolError("overloaded", f"{len(self.queue)} requests queued (max_queue "
                                                 f"{self.settings.max_queue})")
         now = time.monotonic()
-        r = Req(self.next_rid, client, cid, req, now)
+        r = Req(self.next_rid, client, cid, req, now, self.generation)
+        r.key = getattr(self, "_key", None)
         self.next_rid += 1
         self.reqs[r.rid] = r
         self.by_client[(client, cid)] = r.rid
@@ -254,20 +265,24 @@ class Router:
         self.cancel(self.reqs[rid], "cancelled", "cancelled by the client")
 
     def on_tokenize(self, client, cid, body):
-        text = body.get("text")
-        if not isinstance(text, str):
-            raise P.ProtocolError("bad_request", "field 'text' must be a string")
+        segments = P.tokenize_segments(body)
+        self._check_text("".join(t for t, _ in segments), "text")
         if self.tokenizer is None:
             raise P.ProtocolError("bad_request", "this model has no tokenizer")
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
             raise P.ProtocolError("bad_request", "field 'add_special_tokens' must be a boolean")
-        self.reply(client, {"type": "result", "id": cid, "ids": self.tokenizer.encode(text, add_special_tokens=add)})
+        # user text never yields control tokens; only segments marked as template text are parsed
+        self.reply(client, {"type": "result", "id": cid, "ids": self.tokenizer.encode_segments(segments, add)})
 
     def on_detokenize(self, client, cid, body):
         ids = body.get("ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise P.ProtocolError("bad_request", "field 'ids' must be a list of token ids")
+        most = self.limits.max_prompt_tokens + self.limits.max_tokens
+        if len(ids) > most:
+            raise P.ProtocolError("too_large", f"{len(ids)} ids to detokenize exceed max_prompt_tokens + "
+                                               f"max_tokens = {most}")
         bad = [t for t in ids if not 0 <= t < (self.vocab_size or 0)]
         if bad:
             raise P.ProtocolError("bad_request", f"token id {bad[0]} is outside the vocabulary")
@@ -276,7 +291,7 @@ class Router:
         self.reply(client, {"type": "result", "id": cid, "text": self.tokenizer.decode(ids)})
 
     def on_health(self, client, cid, body):
-        ready = sum(1 for w in self.workers.values() if w.state == "ready")
+        ready = sum(1 for w in self.workers.values() if w.state == "ready" and w.generation == self.generation)
         status = "draining" if self.draining else ("ok" if ready else "starting")
         self.reply(client, {"type": "result", "id": cid, "status": status, "workers_ready": ready,
                             "generation": self.generation, "queue": len(self.queue)})
@@ -284,35 +299,57 @@ class Router:
     def on_stats(self, client, cid, body):
         self.reply(client, {"type": "result", "id": cid, **self.stats()})
 
+    def _sample_memory(self):
+        self.memory.refresh([w.pid for w in self.workers.values()] + [self.ppid, os.getpid()],
+                            os.path.realpath(self.model_path))
+
     def stats(self) -> dict:
-        from .memory import file_mapping, process_memory
-        path = os.path.realpath(self.model_path)
+        """Live scheduling figures; memory figures from the sampler's cache (memory_age_s old),
+        which this call only asks to refresh: reading smaps here would stall the loop."""
+        self._sample_memory()
+        mem = self.memory.get
         workers = []
         for w in sorted(self.workers.values(), key=lambda w: w.wid or 0):
-            fm = file_mapping(w.pid, path)
+            m = mem(w.pid)
             workers.append({"pid": w.pid, "wid": w.wid, "generation": w.generation, "state": w.state,
                             "cores": w.cores, "slots": w.slots, "running": len(w.running), "served": w.served,
-                            "uptime_s": round(time.monotonic() - w.t_start, 1), "engine": w.engine,
-                            **process_memory(w.pid),
-                            "model_rss": fm["rss"], "model_pss": fm["pss"]})
-        master = file_mapping(self.ppid, path)
-        size = os.path.getsize(self.model_path) if os.path.exists(self.model_path) else 0
+                            "uptime_s": round(time.monotonic() - w.t_start, 1), "engine": w.engine, **m})
+        master = mem(self.ppid)
+        me = {k: v for k, v in mem(os.getpid()).items() if not k.startswith("model_")}
+        try:
+            size = os.stat(self.model_path).st_size
+        except OSError:
+            size = 0
         return {"generation": self.generation, "model": self.model_path, "model_bytes": size,
                 "queue": len(self.queue), "in_flight": sum(len(w.running) for w in self.workers.values()),
                 "workers": workers, "counters": dict(self.counters), "draining": self.draining,
-                "router": {"pid": os.getpid(), **process_memory(os.getpid())},
-                "master": {"pid": self.ppid, "model_rss": master["rss"], "model_pss": master["pss"]},
-                "uptime_s": round(time.monotonic() - self.t_start, 1)}
+                "router": {"pid": os.getpid(), **me},
+                "generations": sorted(self.gens), "last_reload": self.last_reload,
+                "master": {"pid": self.ppid, "model_rss": master["model_rss"], "model_pss": master["model_pss"]},
+                "memory_age_s": self.memory.age(), "uptime_s": round(time.monotonic() - self.t_start, 1)}
 
     # -- scheduling ----------------------------------------------------------------------
     def dispatch(self):
-        while self.queue:
-            r = self.reqs[self.queue[0]]
+        """Queued requests, in order, each to a worker of its own generation with a free slot (the
+        one holding its prompt's first KV block when it is of that generation and has one)."""
+        if not self.queue:
+            return
+        free = {}
+        for w in self.workers.values():
+            if w.free > 0:
+                free[w.generation] = free.get(w.generation, 0) + w.free
+        if not free:
+            return
+        for rid in list(self.queue):
+            r = self.reqs[rid]
+            if not free.get(r.generation):
+                continue
             key = _prefix_key(r.request.get("prompt"))
-            w = self._pick_worker(self.prefix_owner.get(key))
+            w = self._pick_worker(r.generation, self.prefix_owner.get(key))
             if w is None:
-                return
-            self.queue.popleft()
+                continue
+            self.queue.remove(rid)
+            free[r.generation] -= 1
             if key is not None:
                 self.prefix_owner[key] = w.ident        # the worker that now holds this prompt's first block
                 self.prefix_owner.move_to_end(key)
@@ -328,21 +365,24 @@ class Router:
                 w.running.discard(r.rid)
                 w.state = "unresponsive"
                 self._requeue(r, front=True)
+                return
+            if not any(free.values()):
+                return
 
-    def _pick_worker(self, preferred=None):
-        """A worker with a free slot: `preferred` (the one holding the request's prompt prefix in its
-        KV cache) when it has one and is of the newest generation with free slots, else the newest
-        generation, the most free slots, the longest idle."""
+    def _pick_worker(self, generation, preferred=None):
+        """A worker of `generation` with a free slot: `preferred` (the one holding the request's prompt
+        prefix in its KV cache) when it is of that generation and has one, else the most free slots,
+        the longest idle."""
         best = None
         for w in self.workers.values():
-            if w.free <= 0:
+            if w.free <= 0 or w.generation != generation:
                 continue
-            # newest generation first, then the most free slots, then the longest idle
-            key = (w.generation, w.free, -w.last_dispatch)
-            if best is None or key > (best.generation, best.free, -best.last_dispatch):
+            # the most free slots, then the longest idle
+            key = (w.free, -w.last_dispatch)
+            if best is None or key > (best.free, -best.last_dispatch):
                 best = w
         p = self.workers.get(preferred) if preferred is not None else None
-        if p is not None and best is not None and p.free > 0 and p.generation >= best.generation:
+        if p is not None and p.free > 0 and p.generation == generation:
             best = p
         if best is not None:
             best.last_dispatch = time.monotonic()
@@ -377,6 +417,22 @@ class Router:
         self._end(r)
         self.error(r.client, r.cid, code, message)
 
+    def _unauthorized(self, client, cid, key):
+        self.client_gone(client)
+        self.error(client, cid, "unauthorized", "this client's CURVE key is no longer allowed")
+        log.warning("refused a message from client %s: its CURVE key %s was removed from curve_allowed_keys",
+                    client.hex()[:12], key)
+
+    def revoke_removed_keys(self):
+        """After the allowed keys were re-read: end every request of a client whose key is gone."""
+        for r in list(self.reqs.values()):
+            if r.key is not None and not self.curve.is_allowed(r.key):
+                self._stop_on_worker(r)
+                self._end(r)
+                self.counters["unauthorized"] += 1
+                self.error(r.client, r.cid, "unauthorized", "this client's CURVE key was removed from "
+                                                            "curve_allowed_keys")
+
     def client_gone(self, client):
         for (c, cid), rid in list(self.by_client.items()):
             if c == client:
@@ -402,9 +458,31 @@ class Router:
                 self.back.send_multipart([w.ident, b"PING", b"\x80"], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        self.control.prune(now, self.t_start)
+        self.check_generations()
+        self.alive(now)
         if os.getppid() != self.ppid:
             log.error("router: the master is gone, exiting")
             self.stopping = True
+
+    def check_generations(self):
+        """Older generations: retire each once none of its requests is queued; a queued request of
+        one with no worker left ends with an error (it cannot run on another generation's)."""
+        queued = collections.Counter(self.reqs[rid].generation for rid in self.queue)
+        for g in sorted(self.gens):
+            if g >= self.generation:
+                continue
+            if queued[g] and not any(w.generation == g and w.state == "ready" for w in self.workers.values()):
+                for rid in list(self.queue):
+                    r = self.reqs[rid]
+                    if r.generation == g:
+                        self.counters["worker_lost"] += 1
+                        self.cancel(r, "worker_lost", f"generation {g}, which this request was tokenized and "
+                                                      "checked for, has no worker left")
+                queued[g] = 0
+            if not queued[g] and g not in self.retired:
+                self.retired.add(g)
+                self.to_master({"op": "retire", "generation": g})
 
     # -- backend -------------------------------------------------------------------------
     def on_backend(self, parts):
@@ -426,11 +504,21 @@ class Router:
         if kind == b"READY":
             if w is None:
                 w = self.workers[ident] = W(ident, body, now)
+                if body.get("draining"):
+                    w.state = "draining"
                 self.by_pid[w.pid] = ident
                 log.info("worker %s (generation %s) ready with %d slots", w.pid, w.generation, w.slots)
+                self._sample_memory()
                 self.to_master({"op": "ready", "pid": w.pid, "generation": w.generation})
             return
         if w is None:
+            if kind == b"HB":
+                # a worker this router does not know: this router is new (the last one died). Ask it
+                # to announce itself, dropping the work it holds for the old router's requests
+                try:
+                    self.back.send_multipart([ident, b"HELLO", b"\x80"], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
             return      # a worker we consider gone; its messages are stale
         if kind == b"HB":
             # liveness (last_seen, above) and the batch engine's figures for status; free slots are
@@ -525,24 +613,59 @@ class Router:
             op = msg.get("op")
             if op == "exited":
                 self.worker_exited(msg["pid"])
-            elif op == "generation":
-                self.generation, self.model_path = msg["generation"], msg["model"]
-                self._load_tokenizer(self.model_path)
-                log.info("router: generation %d (%s)", self.generation, self.model_path)
+            elif op == "generation":       # a generation coming up: its tokenizer, not serving yet
+                g = msg["generation"]
+                try:
+                    with open(msg["info"], "rb") as f:
+                        info = msgpack.unpackb(f.read(), raw=False)
+                    self.gens[g] = Gen(info, self.settings)
+                except Exception as e:
+                    log.error("router: generation %d's tokenizer cannot be loaded: %s", g, e)
+                    self.to_master({"op": "generation_failed", "generation": g, "error": str(e)})
+                    continue
+                log.info("router: generation %d loaded (%s)", g, self.gens[g].model_path)
+            elif op == "commit":           # generation g is READY: new requests go to it
+                g = msg["generation"]
+                if g not in self.gens:
+                    log.error("router: commit of unknown generation %d", g)
+                    continue
+                if msg.get("settings") is not None:
+                    self._apply_settings(msg["settings"])
+                self._select(g)
+                self.last_reload = {"generation": g, "ok": True, "error": None, "time": time.time()}
+                log.info("router: generation %d serving (%s)", g, self.model_path)
+            elif op == "abort":            # it did not come up: forget it
+                g = msg["generation"]
+                if g != self.generation:
+                    self.gens.pop(g, None)
+            elif op == "forget":
+                g = msg["generation"]
+                if g != self.generation and not any(r.generation == g for r in self.reqs.values()):
+                    self.gens.pop(g, None)
+                    self.retired.discard(g)
+            elif op == "reload_status":
+                self.last_reload = msg.get("last_reload")
             elif op == "settings":
-                self.settings = msg["settings"] if not isinstance(msg["settings"], dict) else \
-                    _AttrDict(msg["settings"])
-                self.limits = self._limits()
-                if self.curve is not None:
-                    from .security import SecurityError
-                    try:
-                        self.curve.reload()
-                    except SecurityError as e:
-                        log.error("HUP: CURVE allowed keys not reloaded, the current ones stay: %s", e)
+                self._apply_settings(msg["settings"])
             elif op == "drain":
                 self.draining = True
             elif op == "exit":
                 self.stopping = True
+
+    def _apply_settings(self, settings):
+        self.settings = settings if not isinstance(settings, dict) else _AttrDict(settings)
+        for gen in self.gens.values():
+            gen.set_limits(self.settings)
+        if self.generation in self.gens:
+            self.limits = self.gens[self.generation].limits
+        if self.curve is not None:
+            from .security import SecurityError
+            try:
+                self.curve.reload()
+            except SecurityError as e:
+                log.error("HUP: CURVE allowed keys not reloaded, the current ones stay: %s", e)
+            else:
+                self.revoke_removed_keys()
 
     def shutdown(self):
         for r in list(self.reqs.values()):
@@ -555,34 +678,15 @@ class Router:
         self.ctx.term()
 
 
-class _AttrDict(dict):
-    __getattr__ = dict.__getitem__
-
-
-def _salvage_id(rest):
-    """The id of a malformed request, when the body decodes at all (so the error can name it)."""
-    try:
-        body = P.unpack(rest[-1]) if rest else {}
-        rid = body.get("id")
-        P.check_id(rid)
-        return rid
-    except Exception:
-        return None
-
-
-def _chmod_ipc(addr, mode):
-    if addr.startswith("ipc://"):
-        try:
-            os.chmod(addr[len("ipc://"):], mode)
-        except OSError as e:
-            log.warning("cannot chmod %s: %s", addr, e)
-
-
 def router_main(router: Router) -> None:
     code = 0
     try:
         router.init_process()
         router.run()
+    except BindFailed as e:
+        log.error("router: %s", e)
+        router.to_master({"op": "bind_failed", "error": str(e)})
+        code = EXIT_ROUTER_BIND
     except BaseException:
         log.exception("router crashed")
         code = 1

@@ -513,6 +513,16 @@ class CurveServer:
                  len(keys), len(added), len(removed))
         return len(keys)
 
+    def is_allowed(self, user_id) -> bool:
+        """Whether the client key behind a message (its ZAP User-Id: the Z85 public key) is
+        allowed now. A connection outlives the handshake that let it in: the router asks this
+        of every message, so a key removed on HUP stops working on connections already open."""
+        if self.allow_any:
+            return True
+        if isinstance(user_id, str):
+            user_id = user_id.encode("ascii", "replace")
+        return bool(user_id) and user_id in self.allowed
+
     @property
     def denied(self) -> int:
         return self._auth.denied if self._auth is not None else 0

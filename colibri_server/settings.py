@@ -293,11 +293,13 @@ def add_arguments(parser, names=None, exclude=()) -> None:
     for s in SCHEMA:
         if (names is not None and s.name not in names) or s.name in exclude:
             continue
+        shown = "unset" if s.default in ("", None) else _toml_value(s.name, s.value).strip('"')
+        doc = f"{s.doc} (default: {shown}; {ENV_PREFIX}{s.name.upper()})".replace("%", "%%")
         if isinstance(s.type, _Bool):
-            parser.add_argument(s.flag, dest=s.name, default=None, help=s.doc,
+            parser.add_argument(s.flag, dest=s.name, default=None, help=doc,
                                 action=argparse.BooleanOptionalAction)
         else:
-            parser.add_argument(s.flag, dest=s.name, default=None, help=s.doc,
+            parser.add_argument(s.flag, dest=s.name, default=None, help=doc,
                                 metavar=s.metavar or s.type.metavar)
 
 

@@ -429,11 +429,16 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("max_tokens", INT, 4096, "most tokens one request may generate", Range(1, _MAXTOK)),
     Setting("max_stop", INT, 16, "most stop strings in one request", Range(0, 1024)),
     Setting("max_body", SIZE, "1MiB", "largest request message accepted", Range(1 << 10, 1 << 30)),
+    Setting("control_rate", FLOAT, 50.0,
+            "tokenize, detokenize and stats requests one client may send a second (bursts of twice "
+            "that); more are answered 'overloaded' (0: no limit)", Range(0.0)),
     Setting("memory_limit", SIZE, 0, "per-worker private memory budget checked at start (0: none)",
             Range(0)),
     Setting("mlock", BOOL, False, "lock the model mapping in RAM (needs RLIMIT_MEMLOCK)",
             reload=RESTART),
     Setting("populate", BOOL, True, "fault every model page in at start", reload=USR1),
+    Setting("verify_checksums", BOOL, True, "verify every tensor's CRC-32 when the model is opened (start, "
+            "HUP, USR1): a corrupted file is refused naming the tensor", reload=USR1),
     Setting("hugepages", BOOL, True, "map the model on 2 MiB pages where the kernel can (re-reads "
             "once the parts of a large file found on 4 KiB pages)", reload=USR1),
     Setting("log_level", ENUM("debug", "info", "warning", "error"), "info", "log verbosity"),

@@ -14,6 +14,8 @@ Backend messages (worker DEALER <-> router ROUTER), two frames: kind, msgpack bo
                       TOKEN {rid, text, ids, index}   DONE {rid, finish_reason, ids, usage, timings, ...}
                       ERROR {rid, code, message}      REJECT {rid}  (draining: the router requeues it)
     router -> worker  WORK {rid, request}   CANCEL {rid}   PING {}
+                      HELLO {}  (a new router that does not know this worker: the old router died,
+                                 nobody waits for the sequences in hand; drop them, send READY)
 """
 from __future__ import annotations
 
@@ -165,7 +167,8 @@ class Worker:
 
     def ready(self) -> None:
         self.send(b"READY", {"pid": self.pid, "wid": self.wid, "generation": self.generation,
-                             "slots": self.settings.slots, "cores": list(self.cpus or [])})
+                             "slots": self.settings.slots, "cores": list(self.cpus or []),
+                             "draining": self.draining})
 
     # -- main loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -221,6 +224,14 @@ class Worker:
                 self.finish(a)
         elif kind == b"PING":
             pass
+        elif kind == b"HELLO":
+            if self.seqs:
+                log.warning("worker %d: a new router; dropping %d sequences of the old one's requests",
+                            self.pid, len(self.seqs))
+            for rid in self.seqs:
+                self.engine.cancel(rid)
+            self.seqs.clear()
+            self.ready()
         else:
             log.error("worker %d: unknown message kind %r dropped", self.pid, kind[:16])
 
@@ -246,13 +257,17 @@ class Worker:
         """One batched step over every active sequence; stream each sampled token, finish the done."""
         try:
             events = self.engine.step()
-        except Exception as e:  # a bug or a numerical fault: answer every request of the step, keep serving
+        except Exception as e:  # a bug: answer every request of the step, keep serving
             log.exception("worker %d: a batched step failed", self.pid)
             for rid in list(self.seqs):
                 self.engine.cancel(rid)
                 del self.seqs[rid]
                 self.send(b"ERROR", {"rid": rid, "code": "internal", "message": f"{e.__class__.__name__}: {e}"})
             return
+        for rid, e in self.engine.faults:   # non-finite logits: corrupted weights or an overflow
+            log.error("worker %d: request %s: %s", self.pid, rid, e)
+            if self.seqs.pop(rid, None) is not None:
+                self.send(b"ERROR", {"rid": rid, "code": "numerical_fault", "message": str(e)})
         for rid, ev in events:
             a = self.seqs.get(rid)
             if a is None:

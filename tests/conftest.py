@@ -43,3 +43,17 @@ def built(tmp_path_factory):
             cache[arch] = _Built(arch, root)
         return cache[arch]
     return get
+
+
+@pytest.fixture(scope="session")
+def model_b(tmp_path_factory):
+    """A second mixtral file with another tokenizer (vocabulary 384, other merges) and other
+    weights: a reload between it and built("mixtral").colibri() changes how text tokenizes."""
+    import hf_models as H
+    from colibri_server.model.convert import convert
+    root = tmp_path_factory.mktemp("model-b")
+    H.build_hf_model("mixtral", root / "hf", seed=1, vocab_size=384)
+    H.train_tokenizer(root / "hf", vocab_size=384)
+    path = str(root / "b.colibri")
+    convert(root / "hf", path, "f32", progress=False)
+    return path

@@ -269,8 +269,8 @@ def expected_chat_ids(st, messages):
     assert template, "the test model has a chat template"
     text = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(
         messages=messages, add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
-    with st.server.client(10) as c:
-        return c.tokenize(text, add_special_tokens=False)
+    with st.server.client(10) as c:     # the template's text: its control tokens are parsed
+        return c.tokenize([(text, True)], add_special_tokens=False)
 
 
 def test_chat_completion_uses_the_models_template_and_streams_the_same_text(stack):
@@ -535,10 +535,56 @@ def test_client_hanging_up_mid_stream_cancels_the_generation(stack):
     assert r.choices[0].finish_reason == "length"
 
 
+def test_client_hanging_up_on_a_non_streaming_request_frees_its_worker(stack):
+    """Issue 20 item 9: no write reveals the hang-up of a non-streaming request; the gateway
+    probes the connection between tokens, cancels the request and the worker is free."""
+    s = stack.server
+    before = s.stats()["counters"]
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0}).encode()
+    req = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+    def cancelled():
+        st = s.stats()
+        return st["counters"].get("error:cancelled", 0) > before.get("error:cancelled", 0) and st["in_flight"] == 0
+    with Throttle(s.worker_pids()) as throttle:
+        sock = socket.create_connection(("127.0.0.1", stack.port), timeout=10)
+        sock.sendall(req)
+        s.wait_for(lambda: s.stats()["in_flight"] == 1, timeout=10, what="dispatch")
+        sock.close()
+        throttle.start()
+        s.wait_for(cancelled, timeout=20, what="the router cancelling the abandoned request")
+    assert s.stats()["counters"].get("done", 0) == before.get("done", 0), "the abandoned request ran to its end"
+
+
+def test_idle_and_half_sent_connections_do_not_stop_health(stack):
+    """Issue 20 item 8 (slowloris): 12 connections that sent half a request head, 12 that sent
+    nothing and 12 that sent a head and part of the body hold no gateway thread: /health and
+    the API still answer at once."""
+    conns = []
+    try:
+        for i in range(36):
+            c = socket.create_connection(("127.0.0.1", stack.port), timeout=10)
+            if i % 3 == 1:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+            elif i % 3 == 2:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+            conns.append(c)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        r = requests.get(f"http://127.0.0.1:{stack.port}/health", timeout=10)
+        assert r.status_code == 200 and time.monotonic() - t0 < 2.0
+        r = stack.oa.completions.create(model=model_id(stack), prompt=PROMPT, max_tokens=2, temperature=0)
+        assert r.choices[0].finish_reason == "length" and time.monotonic() - t0 < 5.0
+    finally:
+        for c in conns:
+            c.close()
+
+
 # ---------------------------------------------------------------------------- serve() without a server
 
 
-def test_serve_without_a_server_answers_503_and_504(tmp_path):
+def test_serve_without_a_server_answers_503(tmp_path):
     """`python -m colibri_server.http` (serve(): gunicorn run programmatically), no API key,
     pointed at an address where nothing listens."""
     port = free_port()
@@ -554,7 +600,9 @@ def test_serve_without_a_server_answers_503_and_504(tmp_path):
             comp = ex.submit(requests.post, url + "/v1/completions", json={"prompt": "x"}, timeout=10)
             scrape = ex.submit(requests.get, url + "/metrics", timeout=10)
             r, m = comp.result(), scrape.result()
-        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text   # no key needed
+        # no key needed; nothing listens: 503 naming the address at once, not a 504 after the timeout
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unreachable", r.text
+        assert "nobody.sock" in r.json()["error"]["message"]
         fams = {f.name: f for f in text_string_to_metric_families(m.text)}
         assert sample(fams, "colibri_up") == 0
         assert sample(fams, "colibri_http_requests", endpoint="/health", outcome="unavailable") == 1

@@ -330,7 +330,12 @@ def test_memory_one_copy_of_the_weights(tmp_path):
         with s.client(120) as c:
             for i in range(8):
                 c.generate(PROMPTS[i], max_tokens=4, ignore_eos=True)
-        st = s.stats()
+        done = time.monotonic()
+        # memory figures come from the router's sampling thread (never read in its loop): wait
+        # for a sample taken after the generates
+        st = s.wait_for(lambda: (lambda st: st if st["memory_age_s"] is not None and
+                                 st["memory_age_s"] < time.monotonic() - done else None)(s.stats()),
+                        timeout=30, what="a fresh memory sample")
         ws = st["workers"]
     finally:
         s.stop()

@@ -352,7 +352,7 @@ def test_add_arguments():
     assert all(getattr(ns, n) is None for n in SETTINGS)  # "not given" is distinguishable
     helps = {a.dest: a for a in p._actions}
     for s in SCHEMA:
-        assert helps[s.name].help == s.doc
+        assert helps[s.name].help.startswith(s.doc + " (default: ")      # the doc, then default and variable
         assert s.flag in helps[s.name].option_strings
     assert "--no-mlock" in helps["mlock"].option_strings
     assert isinstance(helps["mlock"], argparse.BooleanOptionalAction)

@@ -1,6 +1,7 @@
 """systemd integration: the units verify cleanly; the master's sd_notify sequence."""
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import signal
@@ -89,3 +90,24 @@ def test_sd_notify_sequence(built, tmp_path):
     reload_msg = next(m for m in sd.messages if "RELOADING=1" in m)
     assert "MONOTONIC_USEC=" in reload_msg
     assert any("STATUS=serving generation 3" in m for m in sd.messages)
+
+
+def test_failed_reload_is_rolled_back_and_shown_in_status(built, tmp_path):
+    """A USR1 to a file that is gone: RELOADING=1, then READY=1 with a STATUS that says the
+    reload was refused and which generation keeps serving; exit 5 (bind) is not restarted."""
+    import shutil
+    assert "RestartPreventExitStatus=3 4 5" in (UNITS / "colibri.service").read_text()
+    live = tmp_path / "live.colibri"
+    shutil.copy(built("mixtral").colibri("f32"), live)
+    sd = FakeSystemd(tmp_path / "notify.sock")
+    s = Server(live, tmp_path, workers=1, env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
+    try:
+        sd.collect(lambda m: "READY=1" in sd.kinds())
+        os.unlink(live)
+        s.signal(signal.SIGUSR1)
+        sd.collect(lambda m: sd.kinds().count("READY=1") >= 2)
+        status = [m for m in sd.messages if "STATUS=" in m][-1]
+        assert "refused" in status and "generation 1 keeps serving" in status, status
+        assert s.proc.poll() is None
+    finally:
+        s.stop()

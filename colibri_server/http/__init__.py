@@ -6,6 +6,7 @@ colibri server over ZeroMQ through `colibri_server.client`.
   template  the model's info and chat template (read from the server's stats / the model file)
   metrics   the Prometheus registry and the server collector
   config    the COLIBRI_HTTP_* environment          serve   gunicorn in-process, `colibri http`
+  headfirst HeadFirstWorker: gthread that reads request heads (and small bodies) before taking a thread
 
 It never runs a model: every token comes from the server (the model file is only read for its
 chat template and name, when the gateway runs beside the server).
@@ -15,6 +16,17 @@ Users load `colibri_server.http:app_from_env()` (gunicorn) or run `colibri http`
 from .app import (CHATML, DEFAULT_BIND, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT,  # noqa: F401
                   MAX_BODY, STATS_TIMEOUT, Gateway, app_from_env, create_app)
 from .config import DEFAULT_CONNECT, ENV, ENV_VARS, options_from_env  # noqa: F401
+from .headfirst import HEADER_TIMEOUT, WORKER_CLASS  # noqa: F401
 from .openai import HTTPError  # noqa: F401
 from .serve import add_http_arguments, cmd_http, main, serve  # noqa: F401
-from .template import ModelInfo, fetch_template, model_info_from_stats, render_chat  # noqa: F401
+from .template import ModelInfo, fetch_template, model_info_from_stats, render_chat, render_chat_segments  # noqa: F401
+
+
+def __getattr__(name):
+    # gunicorn imports worker_class = "colibri_server.http.HeadFirstWorker"; built on first use
+    # so that importing the gateway does not import gunicorn's worker machinery
+    if name == "HeadFirstWorker":
+        from . import headfirst
+        cls = globals()["HeadFirstWorker"] = headfirst.HeadFirstWorker
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,6 +26,14 @@ generator.  The gateway waits for the first token before answering, so an error 
 token gets its proper HTTP status.  When the HTTP client goes away, gunicorn's write fails and
 it closes the response iterable: that closes the colibri Stream, which sends a `cancel`, and
 the router frees the worker.  (A disconnect is noticed at the next write, i.e. the next token.)
+A non-streaming request writes nothing until it ends: between its tokens the gateway peeks at
+the connection and, once the client has hung up, cancels the request the same way.
+
+Slow clients: `HeadFirstWorker` (the default worker class of `colibri http` and
+configs/gunicorn.conf.py) reads each request's head, and a body up to 2 MiB, in gunicorn's
+main loop, and hands the request to a thread only when it is all there; a connection that
+takes longer than COLIBRI_HTTP_HEADER_TIMEOUT (10 s) is closed.  Idle or half-sent
+connections (slowloris) therefore hold no thread.
 
 Threads: a Client is not thread-safe, so each gunicorn thread lazily creates its own
 (`threading.local`); a streaming response is iterated by the thread that created it, as
@@ -34,7 +42,8 @@ gunicorn's gthread worker does.
 The rest of the gateway lives beside this module (the package's face re-exports what callers
 use): `openai` (request fields and their validation, error mapping, the shapes of answers),
 `template` (the model's info and chat template), `metrics` (the Prometheus registry), `config`
-(the COLIBRI_HTTP_* environment) and `serve` (gunicorn and `colibri http`).
+(the COLIBRI_HTTP_* environment), `serve` (gunicorn and `colibri http`) and `headfirst`
+(HeadFirstWorker).
 """
 from __future__ import annotations
 
@@ -56,7 +65,7 @@ from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _
                           _is_num, _json, _json_bytes, _Resp, _sampling, _sse, _stream_options, _StreamBody,
                           http_error_for)
 from .template import (CHATML, STATS_TIMEOUT, ModelInfo, fetch_template, model_info_from_stats,  # noqa: F401
-                            render_chat)
+                       render_chat, render_chat_segments)
 
 log = logging.getLogger("colibri.http")
 
@@ -72,7 +81,8 @@ DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions when neither max_tokens no
 INFO_TTL = 30.0                # seconds a fetched ModelInfo is trusted without a new generation seen
 
 _STATUS_TEXT = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-                413: "Payload Too Large", 429: "Too Many Requests", 500: "Internal Server Error",
+                408: "Request Timeout", 413: "Payload Too Large", 429: "Too Many Requests",
+                499: "Client Closed Request", 500: "Internal Server Error",
                 502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
 # ---------------------------------------------------------------------------- the app
@@ -351,14 +361,24 @@ class Gateway:
         ct = u.get("completion_tokens", 0)
         return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
 
-    def _generate(self, prompt, params, prompt_param):
-        """Non-streaming: (text, final chunk)."""
+    def _generate(self, prompt, params, prompt_param, environ=None):
+        """Non-streaming: (text, final chunk).  The HTTP client's socket is probed between
+        tokens: when it has hung up, the request is cancelled (closing the stream sends the
+        cancel) and its worker is free at once, not after the whole completion."""
         stream, first = self._start(prompt, params, prompt_param)
-        try:
-            parts, final = [], None
-            for ch in self._call(lambda c: list(self._chunks(stream, first)), prompt_param):
+        gone = _hangup_probe(environ)
+        parts, final = [], None
+
+        def collect(c):
+            nonlocal final
+            for ch in self._chunks(stream, first):
                 parts.append(ch.text)
                 final = ch
+                if not ch.is_final and gone():
+                    raise HTTPError(499, "the client closed the connection", code="client_gone",
+                                    outcome="disconnected")
+        try:
+            self._call(collect, prompt_param)
         finally:
             stream.close()
         if final.finish_reason not in ("stop", "length"):
@@ -430,7 +450,7 @@ class Gateway:
             return {"text": text, "index": 0, "logprobs": None, "finish_reason": fr}
 
         if not stream_mode:
-            text, final = self._generate(prompt, params, "prompt")
+            text, final = self._generate(prompt, params, "prompt", environ)
             return _json(obj([choice(text, final.finish_reason)], self._usage(final)))
         stream, first = self._start(prompt, params, "prompt")
         return self._streaming(lambda state: self._events(
@@ -448,8 +468,8 @@ class Gateway:
         _chat_unsupported(f)
         add_gen = f.bool("add_generation_prompt", True)
         info = self._check_model(f)
-        text, special = render_chat(info, messages, add_gen)
-        ids = self._call(lambda c: c.tokenize(text, add_special_tokens=special), "messages")
+        segments, special = render_chat_segments(info, messages, add_gen)
+        ids = self._call(lambda c: c.tokenize(segments, add_special_tokens=special), "messages")
         if not ids:
             raise _bad("the messages render to an empty prompt", "messages")
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
@@ -466,7 +486,7 @@ class Gateway:
             return obj("chat.completion.chunk", [{"index": 0, "delta": d, "logprobs": None, "finish_reason": fr}])
 
         if not stream_mode:
-            out, final = self._generate(ids, params, "messages")
+            out, final = self._generate(ids, params, "messages", environ)
             return _json(obj("chat.completion", [{
                 "index": 0, "message": {"role": "assistant", "content": out, "refusal": None},
                 "logprobs": None, "finish_reason": final.finish_reason}], self._usage(final, len(ids))))
@@ -540,6 +560,31 @@ class Gateway:
     def metrics_endpoint(self, environ) -> _Resp:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         return _Resp(200, generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def _hangup_probe(environ, every: float = 0.2):
+    """A cheap `gone()` for the connection of a WSGI request (gunicorn puts its socket in the
+    environ): True once the peer has closed it (a zero-byte peek), checked at most every
+    `every` seconds.  Pipelined bytes of a next request do not count as a hang-up."""
+    import socket as _socket
+    sock = (environ or {}).get("gunicorn.socket")
+    if sock is None:
+        return lambda: False
+    state = {"next": 0.0, "gone": False}
+
+    def gone():
+        now = time.monotonic()
+        if state["gone"] or now < state["next"]:
+            return state["gone"]
+        state["next"] = now + every
+        try:
+            state["gone"] = sock.recv(1, _socket.MSG_PEEK | _socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            state["gone"] = True        # reset, or the socket was closed
+        return state["gone"]
+    return gone
 
 
 def create_app(connect: str, api_key: Optional[str] = None, model_name: Optional[str] = None,

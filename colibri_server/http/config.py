@@ -21,7 +21,8 @@ ENV = {  # env variable -> (create_app option, parser)
 # every COLIBRI_HTTP_* variable read here or by configs/gunicorn.conf.py (`colibri serve` must
 # not take them for unknown settings: settings.ENV_NOT_SETTINGS)
 ENV_VARS = frozenset(ENV) | {"COLIBRI_HTTP_API_KEY_FILE", "COLIBRI_HTTP_BIND", "COLIBRI_HTTP_WORKERS",
-                             "COLIBRI_HTTP_THREADS", "COLIBRI_HTTP_LOG_LEVEL", "COLIBRI_HTTP_ACCESS_LOG"}
+                             "COLIBRI_HTTP_THREADS", "COLIBRI_HTTP_LOG_LEVEL", "COLIBRI_HTTP_ACCESS_LOG",
+                             "COLIBRI_HTTP_HEADER_TIMEOUT"}
 
 
 def _env_bool(name, v):

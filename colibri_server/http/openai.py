@@ -62,7 +62,8 @@ def _bad(message, param=None, code="invalid_value"):
 # colibri error code -> HTTP status (the OpenAI "code" and the metrics outcome are the colibri code)
 _COLIBRI_STATUS = {
     "bad_request": 400, "too_large": 400, "overloaded": 429, "deadline_exceeded": 504, "timeout": 504,
-    "shutting_down": 503, "cancelled": 503, "worker_lost": 502, "internal": 500,
+    "shutting_down": 503, "cancelled": 503, "worker_lost": 502, "internal": 500, "unreachable": 503,
+    "unauthorized": 502,
     # the gateway's own bugs if they ever happen
     "unsupported_version": 500, "unknown_type": 500, "duplicate_id": 500, "not_found": 500,
 }

@@ -1,5 +1,5 @@
 """Running the gateway: `colibri http` (its arguments, COLIBRI_HTTP_* defaults) and `serve`, which
-runs gunicorn (gthread workers) programmatically in this process; `python -m colibri_server.http`."""
+runs gunicorn (HeadFirstWorker, a gthread) programmatically in this process; `python -m colibri_server.http`."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ from typing import Optional
 
 from .app import DEFAULT_BIND, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_TIMEOUT, MAX_BODY, create_app, log
 from .config import DEFAULT_CONNECT, _env_bool, _read_key_file
+from .headfirst import WORKER_CLASS
 
 __all__ = ["serve", "add_http_arguments", "cmd_http", "main"]
 
@@ -37,7 +38,7 @@ def serve(connect: str, bind: str = DEFAULT_BIND, workers: int = 1, threads: int
                     bind)
     # build one app now so that bad options fail here, not in every worker
     create_app(connect, api_key, model_name, timeout, **app_options)
-    options = {"bind": bind, "workers": workers, "threads": threads, "worker_class": "gthread",
+    options = {"bind": bind, "workers": workers, "threads": threads, "worker_class": WORKER_CLASS,
                "timeout": 120, "graceful_timeout": 30, "keepalive": 5, "loglevel": log_level,
                "proc_name": "colibri-http", "accesslog": None, "errorlog": "-",
                # gunicorn >= 24 opens a control socket at a fixed per-user path: two gateways
@@ -86,7 +87,8 @@ def add_http_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--metrics-auth", action="store_true", default=None,
                    help="require the API key on /metrics too [COLIBRI_HTTP_METRICS_AUTH=1]")
     p.add_argument("--log-level", default=env("COLIBRI_HTTP_LOG_LEVEL", "info"),
-                   choices=("debug", "info", "warning", "error", "critical"))
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="gunicorn and gateway log verbosity [COLIBRI_HTTP_LOG_LEVEL]")
     return p
 
 

@@ -8,7 +8,8 @@ model name and the bos/eos token strings.  This needs the gateway to run on the 
 (or see the same path); when the file cannot be read the gateway logs a warning and falls
 back to ChatML.  The rendered prompt is tokenized by the server with add_special_tokens=False
 (the template writes its own special tokens, as in `apply_chat_template`); a ChatML fallback
-is tokenized with them.  The template runs in jinja2's ImmutableSandboxedEnvironment.  The
+is tokenized with them.  It is sent as segments (`render_chat_segments`): only the template's
+own text is parsed for special tokens, never the messages' content.  The template runs in jinja2's ImmutableSandboxedEnvironment.  The
 model info is cached per process and refreshed every `http.INFO_TTL` seconds, and as soon as an
 answer reveals a new model generation (`colibri reload`).
 """
@@ -147,11 +148,60 @@ def _compile(source: str):
         return _ENV.from_string(source)
 
 
+def render_chat_segments(info: ModelInfo, messages: list, add_generation_prompt: bool = True) -> tuple:
+    """messages -> ([(text, is_template_text), ...], add_special_tokens), for the server's
+    tokenize: the template's own text is parsed for special tokens, the messages' content is
+    not, so "</s>" typed by a user stays text and can neither end a turn nor forge one.
+
+    The template is rendered once with each content replaced by a unique marker, and the
+    output is split at the markers. A template that transforms content (so that a marker does
+    not come out exactly once) is rendered again with the real content, located by search;
+    content that cannot be located is refused rather than parsed for control tokens."""
+    import secrets
+    nonce = secrets.token_hex(6)
+    marked, contents = [], []
+    for m in messages:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str) and c:
+            marked.append({**m, "content": f"\ue000{nonce}.{len(contents)}\ue001"})
+            contents.append(c)
+        else:
+            marked.append(m)
+    text, special = render_chat(info, marked, add_generation_prompt)
+    import re
+    pieces = re.split(f"\ue000{nonce}\\.(\\d+)\ue001", text)
+    found = [int(x) for x in pieces[1::2]]
+    if sorted(found) == list(range(len(contents))):
+        segs = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                if piece:
+                    segs.append((piece, True))
+            else:
+                segs.append((contents[int(piece)], False))
+        return segs or [("", True)], special
+    text, special = render_chat(info, messages, add_generation_prompt)
+    segs, pos = [], 0
+    for c in contents:
+        at = text.find(c, pos)
+        if at < 0:
+            raise _bad("the model's chat template transforms message content in a way that cannot be kept "
+                       "apart from its control tokens", "messages")
+        if at > pos:
+            segs.append((text[pos:at], True))
+        segs.append((c, False))
+        pos = at + len(c)
+    if pos < len(text):
+        segs.append((text[pos:], True))
+    return segs or [("", True)], special
+
+
 def render_chat(info: ModelInfo, messages: list, add_generation_prompt: bool = True) -> tuple:
     """messages -> (prompt text, add_special_tokens for tokenizing it).
 
     The model's template when it has one (and it compiles), else ChatML.  Raises HTTPError
-    (400 when the template refuses these messages)."""
+    (400 when the template refuses these messages).  To tokenize, use render_chat_segments:
+    this text mixes the template's control tokens with user content."""
     import jinja2
     compiled = None
     if info.chat_template and info._compile_error is None:

@@ -30,6 +30,39 @@ DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 256
 
 
+class NumericalFault(ArithmeticError):
+    """A forward pass gave non-finite logits. `layer`: the first layer whose keys or values for
+    the new positions are non-finite (None: every layer's are finite, so the fault is after the
+    last layer's attention input: its MLP/MoE, the final norm or the output head)."""
+
+    def __init__(self, message, layer=None):
+        super().__init__(message)
+        self.layer = layer
+
+
+def check_finite(logits: np.ndarray, cache, start: int, n: int) -> None:
+    """Raise NumericalFault if the logits hold a NaN or an infinity, naming the layer where the
+    non-finite values first show in the KV cache (positions start..start+n-1). Costs a pass over
+    one row of logits per step; the search runs only after a fault."""
+    if np.isfinite(logits).all():
+        return
+    raise numerical_fault(cache, start, n, f"non-finite logits at position {start + n - 1}")
+
+
+def numerical_fault(cache, start: int, n: int, what: str) -> NumericalFault:
+    """The NumericalFault for positions start..start+n-1, naming the first layer whose keys or
+    values there are non-finite."""
+    layer = None
+    for l in range(cache.k.shape[0]):
+        if not (np.isfinite(cache.k[l, :, start:start + n]).all() and np.isfinite(cache.v[l, :, start:start + n]).all()):
+            layer = l
+            break
+    where = (f"first non-finite in layer {layer}'s keys/values (its input or attention projections)"
+             if layer is not None else "every layer's keys/values are finite: the last layer's MLP/MoE, the "
+             "final norm or the output head")
+    return NumericalFault(f"{what}: {where}", layer)
+
+
 @dataclass
 class StreamEvent:
     token_id: int | None        # None on the closing event
@@ -255,6 +288,31 @@ class Model:
                 yield ev
         self.last_timings = seq.timings
 
+    def warm_up(self, announce=None, after: float = 1.0) -> float:
+        """Run a two-token generation, so that every kernel this model uses is compiled (or
+        loaded from Numba's cache) now rather than inside the first request or measurement.
+        When that takes longer than `after` seconds (a first run, compiling: half a minute or
+        more), `announce(message)` is called once, while it goes on, so that the wait does
+        not look like a hang. Returns the seconds spent."""
+        import threading
+        import time
+        done = threading.Event()
+
+        def later():
+            if not done.wait(after) and announce is not None:
+                announce("compiling the CPU kernels for this model (the first run only; they are "
+                         "cached afterwards): this can take a minute")
+        t = threading.Thread(target=later, name="colibri-compile-notice", daemon=True)
+        t.start()
+        t0 = time.perf_counter()
+        try:
+            bos = self.config.bos_token_id if self.config.bos_token_id >= 0 else 0
+            self.generate([bos, bos], max_tokens=2, ignore_eos=True)
+        finally:
+            done.set()
+            t.join()
+        return time.perf_counter() - t0
+
     def generate(self, prompt, max_tokens: int = 16, temperature: float = 0.0, seed=None, **params) -> list:
         """Generated token ids (temperature 0 = greedy), through the decode path and the KV cache."""
         return [ev.token_id for ev in self.stream(prompt, max_tokens=max_tokens, temperature=temperature,
@@ -305,15 +363,22 @@ class Sequence:
         if self.finished:
             return None
         m, t0 = self.model, time.perf_counter()
-        if self.fed < len(self.prompt_ids):
-            part = self.prompt_ids[self.fed:self.fed + m.workspace.rows]
-            logits = m.prefill(self.cache, part)
-            self.fed += len(part)
-            self.timings["prefill_s"] += time.perf_counter() - t0
+        start, n = self.cache.length, 1
+        try:
             if self.fed < len(self.prompt_ids):
-                return None
-        else:
-            logits = m.decode(self.cache, self.last)
+                part = self.prompt_ids[self.fed:self.fed + m.workspace.rows]
+                n = len(part)
+                logits = m.prefill(self.cache, part)
+                self.fed += len(part)
+                self.timings["prefill_s"] += time.perf_counter() - t0
+                if self.fed < len(self.prompt_ids):
+                    return None
+            else:
+                logits = m.decode(self.cache, self.last)
+        except ArithmeticError as e:        # a kernel met NaNs (the MoE router's weights sum to 0, ...)
+            raise numerical_fault(self.cache, start, n, f"{e.__class__.__name__} in the forward pass at "
+                                                        f"positions {start}..{start + n - 1}") from None
+        check_finite(logits, self.cache, start, n)
         ev = self._sample(logits)
         if self.generated[1:]:
             self.timings["decode_s"] += time.perf_counter() - t0

@@ -235,13 +235,20 @@ class ColibriFile:
     @staticmethod
     def _map(path, populate, hugepages):
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; fstat then refuses
+            # anything but a regular file before a single blocking read
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise FileNotFoundError(f"model file not found: {path}") from None
+        except IsADirectoryError:
+            raise NotARegularFile(path, "file", "is a directory, not a regular file") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise NotARegularFile(path, "file", "is not a regular file (a directory or a device?)")
+                kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) \
+                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
+                raise NotARegularFile(path, "file", f"is {kind}, not a regular file")
+            os.set_blocking(fd, True)
             size = st.st_size
             if size < HEADER_SIZE:
                 raise Truncated(path, "header", f"file is {size} bytes, the header alone is {HEADER_SIZE}")
@@ -296,9 +303,10 @@ class ColibriFile:
         r = self.records[name]
         return memoryview(self._mm)[r.offset:r.offset + r.size]
 
-    def verify_checksums(self, progress=None) -> None:
-        """Deep validation: the CRC-32 of every tensor's bytes against its record."""
-        for r in self.record_list:
+    def verify_checksums(self, progress=None, records=None) -> None:
+        """Deep validation: the CRC-32 of every tensor's bytes (of `records`, default all) against
+        its record."""
+        for r in self.record_list if records is None else records:
             crc = 0
             mv = memoryview(self._mm)
             for start in range(r.offset, r.offset + r.size, 1 << 24):

@@ -168,7 +168,7 @@ def drop_cached(path: str, pieces: list[tuple[int, int]] | None = None) -> None:
     """Drop the file's cached pages (in `pieces`, (offset, length) pairs; default all) that no
     process maps and that are clean (best effort)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)      # a FIFO put at the path must not block
     except OSError:
         return
     try:

@@ -12,6 +12,13 @@ reached its last known token samples its next one with its own sampler (engine.S
 sampling, stop strings and detokenization as Model.stream). Finished and cancelled requests leave
 the pool at once; their prompt blocks stay in the prefix cache.
 
+Non-finite logits (corrupted weights, an overflow) end only the requests whose rows gave them:
+after a step, `eng.faults` lists (rid, engine.NumericalFault naming the first layer whose keys or
+values of that request are non-finite); those requests have left the engine, the others go on.
+A kernel's ArithmeticError on NaNs (the MoE router's ZeroDivisionError) aborts the forward: the
+requests whose new keys/values are non-finite are faulted the same way (all of the step's, when
+none is), the others are recomputed by the next step.
+
 Owns: the KV pool, the scheduler, the step's row arrays and logits buffer, per-request timings.
 Never: touches a socket or a process (worker.py does), or decides routing (the router does).
 """
@@ -22,7 +29,7 @@ import time
 import numpy as np
 
 from .batch import Rows, forward_batch
-from .engine import Sequence
+from .engine import NumericalFault, Sequence
 from .kernels import aligned_zeros
 from .kv import BLOCK_SIZE, KVPool, block_bytes
 from .sampler import SamplingParams
@@ -50,6 +57,7 @@ class BatchEngine:
         self.ws = ws
         self.logits = aligned_zeros((max_seqs, cfg.vocab_size), np.float32)   # (M,V), M <= max_seqs
         self.states = {}                                              # rid -> SeqState
+        self.faults = []                                              # [(rid, NumericalFault)] of the last step
         self.steps = 0
         self.rows_total = 0
         self.last_rows = 0
@@ -90,17 +98,27 @@ class BatchEngine:
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list:
         """Run one batched forward; return [(rid, StreamEvent)] for every token sampled in it."""
+        self.faults = []
         plan = self.sched.schedule()
         if not plan:
             return []
         t0 = time.perf_counter()
         rows = self._rows(plan)
         m = self.model
-        logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, self.logits, noise=m.noise)
+        try:
+            logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, self.logits, noise=m.noise)
+        except ArithmeticError as e:        # a kernel met NaNs: fault whose rows hold them, recompute the rest
+            self._arithmetic_fault(plan, e)
+            return []
         dt = time.perf_counter() - t0
         events, j = [], 0
         for seg in plan:
             st = seg.state
+            if seg.sample and not np.isfinite(logits[j]).all():
+                j += 1
+                self._fault(st, self._numerical_fault(st, seg.start + seg.n, f"non-finite logits at position "
+                                                                             f"{seg.start + seg.n - 1}"))
+                continue
             self.sched.advance(seg)
             prefill = seg.start < len(st.seq.prompt_ids)
             st.seq.timings["prefill_s" if prefill else "decode_s"] += dt
@@ -117,6 +135,44 @@ class BatchEngine:
         self.last_rows = len(rows)
         self.rows_total += len(rows)
         return events
+
+    # -- numerical faults -------------------------------------------------------------------
+    def _nonfinite_layer(self, st, end: int):
+        """The first layer whose keys or values at st's positions 0..end-1 are non-finite, or None."""
+        pool, BS = self.pool, self.pool.block_size
+        for l in range(pool.k.shape[0]):
+            for i, b in enumerate(st.blocks[:-(-end // BS)]):
+                n = min(BS, end - i * BS)
+                for arr in (pool.k, pool.v):
+                    x = arr[l, b, :, :n]
+                    bad = ((x & 0x7C00) == 0x7C00).any() if x.dtype == np.uint16 else not np.isfinite(x).all()
+                    if bad:
+                        return l
+        return None
+
+    def _numerical_fault(self, st, end: int, what: str) -> NumericalFault:
+        layer = self._nonfinite_layer(st, end)
+        where = (f"first non-finite in layer {layer}'s keys/values (its input or attention projections)"
+                 if layer is not None else "every layer's keys/values are finite: the last layer's MLP/MoE, the "
+                 "final norm or the output head")
+        return NumericalFault(f"{what}: {where}", layer)
+
+    def _fault(self, st, exc: NumericalFault) -> None:
+        self.faults.append((st.rid, exc))
+        st.seq.cancel()
+        for b in st.blocks[st.registered:]:     # no stale NaNs for the block's next owner to be blamed for
+            self.pool.k[:, b] = 0
+            self.pool.v[:, b] = 0
+        self.sched.finish(st)
+        del self.states[st.rid]
+
+    def _arithmetic_fault(self, plan, e: ArithmeticError) -> None:
+        what = lambda seg: (f"{e.__class__.__name__} in the forward pass at positions "    # noqa: E731
+                            f"{seg.start}..{seg.start + seg.n - 1}")
+        found = [(seg, self._nonfinite_layer(seg.state, seg.start + seg.n)) for seg in plan]
+        bad = [seg for seg, layer in found if layer is not None] or list(plan)
+        for seg in bad:
+            self._fault(seg.state, self._numerical_fault(seg.state, seg.start + seg.n, what(seg)))
 
     def _rows(self, plan) -> Rows:
         n = sum(seg.n for seg in plan)

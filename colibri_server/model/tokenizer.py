@@ -114,18 +114,80 @@ class Tokenizer:
 
     # -- encode / decode -------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _plain(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that reads special-token text as ordinary text (the
+        library's own ``encode_special_tokens``): ``"</s>"`` in user content stays characters.
+        A copy, not a toggled flag, so that concurrent callers never see the other mode."""
+        tk = self.__dict__.get("_tk_plain")
+        if tk is None:
+            tk = tokenizers.Tokenizer.from_str(self._tk.to_str())
+            tk.encode_special_tokens = True
+            self.__dict__["_tk_plain"] = tk
+        return tk
+
+    def encode(self, text: str, add_special_tokens: bool = True, *, parse_special: bool = False) -> list[int]:
         """Token ids for ``text``.
 
         ``add_special_tokens`` runs the tokenizer's post-processor (which may
         add BOS/EOS) and, if ``add_bos``, prepends BOS when it is not already
-        first.  Pass ``False`` for text that already has its special tokens,
-        e.g. a rendered chat template.  Special-token strings that appear in
-        ``text`` (like ``"<s>"``) are parsed as special tokens, as in HF.
+        first.  ``parse_special``: special-token strings in ``text`` (like
+        ``"<s>"``) become their control tokens, as in HF.  Off by default: text
+        from users must never end a turn or forge one; only text that the
+        server's own templates wrote is parsed (see :meth:`encode_segments`).
         """
-        if not isinstance(text, str):
-            raise TypeError(f"text must be str, got {type(text).__name__}")
-        ids = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.encode_segments([(text, parse_special)], add_special_tokens)
+
+    def _special_re(self):
+        rx = self.__dict__.get("_special_rx", False)
+        if rx is False:
+            import re
+            words = sorted({t.content for t in self._tk.get_added_tokens_decoder().values() if t.special and t.content},
+                           key=len, reverse=True)
+            rx = re.compile("|".join(map(re.escape, words))) if words else None
+            self.__dict__["_special_rx"] = rx
+        return rx
+
+    def encode_segments(self, segments, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for the concatenation of ``segments``: ``(text, parse_special)`` pairs, e.g.
+        a rendered chat template's own text (True: its control tokens are parsed) around
+        pieces of user content (False: special-token text in them stays text).
+
+        The text between two control tokens is encoded in one piece, whichever segments it
+        comes from, so a template's text and the content beside it merge as they would in
+        one string (as `apply_chat_template` tokenizes): only where the template itself
+        writes a special token is the text cut."""
+        segments = [(t, bool(p)) for t, p in segments]
+        for text, _ in segments:
+            if not isinstance(text, str):
+                raise TypeError(f"text must be str, got {type(text).__name__}")
+        if len(segments) == 1:
+            text, parse = segments[0]
+            ids = (self._tk if parse else self._plain()).encode(text, add_special_tokens=add_special_tokens).ids
+        else:
+            rx = self._special_re()
+            encs, buf = [], []
+
+            def flush():
+                if buf:
+                    encs.append(self._plain().encode("".join(buf), add_special_tokens=False))
+                    buf.clear()
+            for text, parse in segments:
+                if not parse or rx is None:
+                    buf.append(text)
+                    continue
+                pos = 0
+                for m in rx.finditer(text):
+                    buf.append(text[pos:m.start()])
+                    flush()
+                    encs.append(self._tk.encode(m.group(0), add_special_tokens=False))
+                    pos = m.end()
+                buf.append(text[pos:])
+            flush()
+            merged = tokenizers.Encoding.merge(encs, growing_offsets=True) if encs else \
+                self._tk.encode("", add_special_tokens=False)
+            if add_special_tokens:
+                merged = self._tk.post_process(merged, add_special_tokens=True)
+            ids = merged.ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids

@@ -1,0 +1,168 @@
+"""Generations and the reload transaction of the master (the Arbiter's `Reloads` part).
+
+A Generation owns its Model (its own mapping of the file, as opened when it began), its settings
+and the router's view of it (tokenizer JSON, vocabulary, context). A reload (HUP: settings and
+model; USR1: model) opens and checks the model, brings up the new generation's workers and only
+when all are READY commits it (the router then serves new requests with it and retires the old
+one once the old one's queue is empty); if a step fails, or the workers do not come up in time,
+it is rolled back and the serving generation never stopped. One transaction at a time: a
+reload arriving during one follows it. A mapping is closed once nothing can use it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import msgpack
+
+log = logging.getLogger("colibri.master")
+
+
+class Generation:
+    """One generation: its own Model (mapping), settings and worker count, and the router's
+    view of it (tokenizer JSON, vocabulary, context) written for the router to read."""
+    __slots__ = ("number", "model", "settings", "info", "info_path", "started", "deaths", "kind")
+
+    def __init__(self, number, model, settings, kind="start"):
+        self.number, self.model, self.settings, self.kind = number, model, settings, kind
+        cfg = model.config
+        self.info = {"generation": number, "model": model.path, "vocab_size": cfg.vocab_size,
+                     "context": min(settings.context, cfg.max_position_embeddings),
+                     "tokenizer_json": model.file.tokenizer_json or ""}
+        self.info_path = None
+        self.started = time.monotonic()
+        self.deaths = 0
+
+
+class Reloads:
+    """The Arbiter's reload transaction (it uses the Arbiter's workers, gens, router pipe and
+    settings; see master.py)."""
+
+    def check_reload(self):
+        """Commit the generation being brought up once all its workers are READY (and the router
+        has its tokenizer); roll it back when it does not come up in time."""
+        if self.reloading is None:
+            if self.pending_reload and not self.stopping:
+                kind, self.pending_reload = self.pending_reload, None
+                getattr(self, "handle_" + kind)()
+            return
+        g = self.reloading
+        new = [w for w in self.workers.values() if w.generation == g and not w.stopping]
+        if len(new) < self.num_workers or not all(w.ready for w in new):
+            if time.monotonic() > self.reload_deadline:
+                ready = sum(1 for w in new if w.ready)
+                self.rollback(f"generation {g}: {ready} of {self.num_workers} workers ready after "
+                              f"{time.monotonic() - self.gens[g].started:.0f}s")
+            return
+        old = self.generation
+        self.generation, self.reloading, self.reload_prev = g, None, None
+        self.settings = self.gens[g].settings
+        self.model_path = self.gens[g].model.path
+        self.to_router({"op": "commit", "generation": g, "settings": _settings_dict(self.settings)})
+        log.info("generation %d serving (%d workers); generation %d drains once its queue is empty",
+                 g, len(new), old)
+        self.last_reload = {"generation": g, "ok": True, "error": None, "time": time.time()}
+        self.notify(f"READY=1\nSTATUS=serving generation {g} with {len(new)} workers")
+
+    def retire(self, g):
+        """The router has no queued request of generation g left: its workers may drain."""
+        if g is None or g in (self.generation, self.reloading):
+            return
+        old = [w for w in self.workers.values() if w.generation == g and not w.stopping]
+        for w in old:
+            self._kill(w.pid, signal.SIGTERM)
+        if old:
+            log.info("generation %d retired: draining its %d workers", g, len(old))
+
+    def rollback(self, reason):
+        """The generation being brought up failed: stop its workers, restore the settings; the
+        serving generation never stopped."""
+        g = self.reloading
+        if g is None:
+            return
+        for w in list(self.workers.values()):
+            if w.generation == g:
+                w.stopping = True
+                self._kill(w.pid, signal.SIGKILL)
+        self.reloading = None
+        if self.reload_prev is not None:
+            self.num_workers = self.reload_prev
+            self.reload_prev = None
+        self.to_router({"op": "abort", "generation": g})
+        self._fail_reload(g, f"reload rolled back, generation {self.generation} keeps serving: {reason}")
+
+    def _fail_reload(self, g, message):
+        log.error("%s", message)
+        self.last_reload = {"generation": g, "ok": False, "error": message, "time": time.time()}
+        self.to_router({"op": "reload_status", "last_reload": self.last_reload})
+        self.notify(f"READY=1\nSTATUS={message[:400]}")
+
+    def _close_unused_models(self):
+        """Unmap a generation's model once nothing can use it: not serving, not being brought up,
+        and no worker of it alive (a live worker holds its own inherited copy of the mapping, but
+        a replacement would be forked from this one)."""
+        live = {w.generation for w in self.workers.values()} | {self.generation, self.reloading}
+        for g in [g for g in self.gens if g not in live]:
+            gen = self.gens.pop(g)
+            log.info("generation %d: no workers left, unmapping %s", g, gen.model.path)
+            gen.model.close()
+            if gen.info_path:
+                try:
+                    os.unlink(gen.info_path)
+                except OSError:
+                    pass
+            self.to_router({"op": "forget", "generation": g})
+
+    def begin_generation(self, model, settings, kind):
+        """Start bringing up a new generation on `model` (which it owns from now on)."""
+        g = max(self.gens) + 1
+        gen = self.gens[g] = Generation(g, model, settings, kind)
+        gen.info_path = os.path.join(self.runtime_dir, f"generation-{self.pid}-{g}.msgpack")
+        tmp = gen.info_path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(msgpack.packb(gen.info))
+        os.replace(tmp, gen.info_path)
+        self.reloading = g
+        self.reload_deadline = time.monotonic() + max(60.0, 2 * settings.timeout)
+        self.to_router({"op": "generation", "generation": g, "info": gen.info_path})
+        for _ in range(self.num_workers):
+            self.spawn_worker(g)
+
+    def _reload(self, kind):
+        if self.stopping:
+            return
+        if self.reloading is not None:
+            # one transaction at a time: this one runs when the current one commits or rolls back
+            if self.pending_reload != "hup":
+                self.pending_reload = kind
+            log.info("%s: generation %d is still coming up; this reload follows it", kind.upper(), self.reloading)
+            return
+        self.notify("RELOADING=1")
+        settings = self.settings
+        if kind == "hup" and self.reload_settings is not None:
+            try:
+                settings = self.reload_settings()
+            except Exception as e:
+                self._fail_reload(self.generation + 1, f"HUP: settings not reloaded, generation "
+                                                       f"{self.generation} keeps serving: {e}")
+                return
+        path = self.model_path
+        try:
+            model = self._open_model(path, settings)
+        except Exception as e:
+            self._fail_reload(max(self.gens) + 1, f"{kind.upper()}: model {path} refused, generation "
+                                                  f"{self.generation} keeps serving: {e}")
+            return
+        self.reload_prev = self.num_workers       # the settings change only at the commit
+        if kind == "hup":
+            from .pinning import Topology, default_workers
+            self.num_workers = settings.workers or default_workers(Topology.detect())
+        log.info("%s: model %s validated: bringing up generation %d with %d workers", kind.upper(), path,
+                 max(self.gens) + 1, self.num_workers)
+        self.begin_generation(model, settings, kind)
+
+
+def _settings_dict(s):
+    return s.to_dict() if hasattr(s, "to_dict") else dict(vars(s))
