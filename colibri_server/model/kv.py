@@ -117,9 +117,10 @@ class KVPool:
             return                    # an equal prefix is registered already: keep the first
         self._key[block], self._tokens[block], self._by_key[key] = key, tokens, block
 
-    def match(self, tokens, limit: int) -> list:
+    def match(self, tokens, limit: int) -> tuple:
         """The blocks holding the longest registered prefix of tokens[:limit] in whole blocks, each
-        taken (refs + 1) for the caller; [] when the first block is not cached."""
+        taken (refs + 1) for the caller, and the chain hash of the last one: ([], 0) when the first
+        block is not cached."""
         BS, out, parent = self.block_size, [], 0
         for i in range(limit // BS):
             blk = tuple(tokens[i * BS:(i + 1) * BS])
@@ -134,7 +135,7 @@ class KVPool:
             parent = key
         self.hits += len(out)
         self.hit_tokens += len(out) * BS
-        return out
+        return out, parent
 
     def first_block_key(self, tokens) -> int | None:
         """The chain hash of the first full block of tokens (the router's affinity key), or None."""

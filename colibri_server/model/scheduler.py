@@ -120,15 +120,10 @@ class Scheduler:
 
     def _match(self, s: SeqState) -> None:
         s.matched = True
-        blocks = self.pool.match(s.tokens, len(s.tokens) - 1)        # at least one token left to compute
+        blocks, key = self.pool.match(s.tokens, len(s.tokens) - 1)  # at least one token left to compute
         if blocks:
-            s.blocks = blocks
-            s.computed = s.registered = len(blocks)
-            s.computed *= self.pool.block_size
-            parent = 0
-            for i in range(len(blocks)):
-                parent = chain_hash(parent, tuple(s.tokens[i * self.pool.block_size:(i + 1) * self.pool.block_size]))
-            s.parent = parent
+            s.blocks, s.registered, s.parent = blocks, len(blocks), key
+            s.computed = len(blocks) * self.pool.block_size
 
     def _insert_running(self, s: SeqState) -> None:
         i = len(self.running)

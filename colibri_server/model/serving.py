@@ -202,13 +202,10 @@ class BatchEngine:
 
 
 def warm_up(model, kv_dtype: str = "f16") -> None:
-    """Compile the batched step's kernels for this model (a pre-fork master runs it once): two short
-    requests stepped together, then, where the model will run on threads, the threaded kernels by
-    signature (compiled, not launched)."""
-    eng = BatchEngine(model, max_seqs=2, max_batch_tokens=8, kv_dtype=kv_dtype, kv_cache_memory=1,
-                      prefix_cache=False)
-    eng.pool = KVPool(model.config, 4, 4, kv_dtype)
-    eng.sched.pool = eng.pool
+    """Compile the batched step's one-thread kernels for this model (a pre-fork master runs it once):
+    two short requests stepped together in a pool of 4 blocks of 4 positions."""
+    eng = BatchEngine(model, max_seqs=2, max_batch_tokens=8, kv_dtype=kv_dtype, block_size=4,
+                      kv_cache_memory=4 * block_bytes(model.config, 4, kv_dtype), prefix_cache=False)
     bos = max(0, model.config.bos_token_id)
     for rid in (0, 1):
         eng.add(rid, [bos, bos, bos], max_tokens=2, ignore_eos=True)
