@@ -99,13 +99,32 @@ class Client(_ClientCore):
 
     def _send(self, body):
         self._check_open()
-        frames = _encode(body)
-        if not self._queues.keys() - {body.get("id")}:
-            self._drain_monitor()       # drops while nothing was in flight concern no request
+        frames, rid = _encode(body), body.get("id")
+        if self._drain_monitor():       # a drop already seen fails what was sent before it, not this one
+            self._connection_lost(self._queues.keys() - {rid})
+        if not self._up:
+            self._wait_connected(rid)
         try:
             self._sock.send_multipart(frames)
         except zmq.Again:
-            raise _unreachable(self.addr, self.connect_timeout, body.get("id"), self._curve) from None
+            raise _unreachable(self.addr, self.connect_timeout, rid, self._curve) from None
+
+    def _wait_connected(self, rid):
+        """Block until a connection completed its handshake (at most connect_timeout).
+
+        After a drop, the socket may still hold the dead connection's pipe for a moment (the
+        IO thread's 'pipe ended' command is not yet processed) and IMMEDIATE discards whatever
+        was queued in it: a request sent then would vanish without an error.  The handshake of
+        the next connection comes after that command; processing the socket's commands
+        (reading EVENTS) then leaves only live pipes to send on."""
+        deadline = time.monotonic() + min(self.timeout, self.connect_timeout)
+        while not self._up:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _unreachable(self.addr, self.connect_timeout, rid, self._curve)
+            if self._mon.poll(_ms(remaining)) and self._drain_monitor():
+                self._connection_lost(self._queues.keys() - {rid})
+        self._sock.get(zmq.EVENTS)
 
     def _cancel_nowait(self, rid):
         if self._closed:

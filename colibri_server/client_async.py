@@ -73,12 +73,25 @@ class AsyncClient(_ClientCore):
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch_connection())
 
+    _connected: Optional[asyncio.Event] = None  # set while a handshaken connection is up (mirrors _up)
+    _unsent: set = frozenset()                  # ids waiting in _send for a connection: not in flight
+
+    def _connection(self) -> asyncio.Event:
+        if self._connected is None:
+            self._connected = asyncio.Event()
+            if self._up:
+                self._connected.set()
+        return self._connected
+
     async def _watch_connection(self):
         try:
             while True:
-                if self._monitor_event(await self._mon.recv_multipart()):
+                lost = self._monitor_event(await self._mon.recv_multipart())
+                (self._connection().set if self._up else self._connection().clear)()
+                if lost:
+                    in_flight = self._queues.keys() - self._unsent
                     await asyncio.sleep(0.05)   # answers that arrived before the drop are routed first
-                    self._connection_lost()
+                    self._connection_lost(in_flight)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -101,6 +114,15 @@ class AsyncClient(_ClientCore):
         self._check_open()
         self._ensure_reader()
         try:
+            if not self._up:
+                # after a drop the dead connection's pipe may linger a moment and IMMEDIATE
+                # discards what is queued in it: wait for the next handshake (see Client._wait_connected)
+                self._unsent = set(self._unsent) | {rid}
+                try:
+                    await asyncio.wait_for(self._connection().wait(), min(self.timeout, self.connect_timeout))
+                finally:
+                    self._unsent = self._unsent - {rid}
+                self._sock.get(zmq.EVENTS)      # process the socket's commands: only live pipes remain
             await asyncio.wait_for(self._sock.send_multipart(frames), self.connect_timeout)
         except (zmq.Again, asyncio.TimeoutError):
             raise _unreachable(self.addr, self.connect_timeout, rid, self._curve) from None

@@ -412,15 +412,17 @@ class _ClientCore:
             q.put_nowait(item)
         # else: a message for an id nobody awaits (finished, timed out, closed): discarded
 
-    def _fail_all(self, exc):
-        for q in self._queues.values():
-            q.put_nowait(_Failure(exc))
+    def _fail_all(self, exc, rids=None):
+        for rid, q in self._queues.items():
+            if rids is None or rid in rids:
+                q.put_nowait(_Failure(exc))
 
-    def _connection_lost(self):
+    def _connection_lost(self, rids=None):
+        """Fail the requests in flight (rids: those of them, default all) when the connection dropped."""
         if self._queues:
             self._fail_all(ConnectionLost(f"the connection to {self.addr} dropped with the request in flight "
                                           "(the server's router restarted or stopped): no answer will come; "
-                                          "retry", code="connection_lost"))
+                                          "retry", code="connection_lost"), rids)
 
     def _monitor_event(self, parts) -> bool:
         """Track the connection from one monitor message; True when an established one dropped."""
