@@ -8,6 +8,14 @@ element is loaded and converted once, in a register, and multiplied into 4 rows 
 (2 weight rows x 4 rows of X: 8 accumulators), so 16 rows cost 4 passes over L1-resident
 activations and one pass over the weights.
 
+With AVX-512 (or AVX2) and f16/bf16 weights whose panel width is whole vectors, the tile is
+LLVM IR instead (`_tile`): R weight rows x C rows of X (4 x 4 on zmm, 2 x 4 on ymm), R*C vector
+accumulators kept across all the panels of a row and reduced once per row, the R rows' weights
+read from memory once for every group of C rows of X (they stay in L1 for the next group).
+The Numba loop above reduces its 8 sums once per panel and ran at ~34 GFLOP/s on one core of the
+session-9 Xeon whatever T; the IR tile at 50-65 (bench-mixtral's shapes, T = 4..32; 4 x 4 was the
+best of 2x8, 3x8, 4x6, 6x4, 8x2 over those shapes: /tmp scratch measurement, one thread).
+
 Weights are 3-D float arrays (nb, d, P): the panels of a f16p/bf16p matrix as stored (panels.py),
 or a row-major (d, n) matrix viewed as one panel (1, d, n); f32, f16 (uint16 bits) or bf16 (int16
 bits), converted by base.to_f32. Each output row t is its own sum over n: the rows of X do not
@@ -16,9 +24,13 @@ interact, so a row's result does not depend on which other rows share the call.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from .base import _REDUCE_FM, to_f32
+from .float_ir import HAVE_FLOAT_IR, HAVE_FLOAT_IR8, _widen
 
 __all__ = ["rowgemm", "rowgemm_par", "rowgemm_ref"]
 
@@ -111,20 +123,118 @@ def _rows(P, X, out, r0, r1):
                     out[t + 3, i] += a3
 
 
+# -- the IR tile ---------------------------------------------------------------------------------
+
+TILE_R, TILE_C, LANES = (4, 4, 16) if HAVE_FLOAT_IR else (2, 4, 8) if HAVE_FLOAT_IR8 else (2, 4, 0)
+
+
+def _make_tile(R, C, L, bf16):
+    @intrinsic
+    def tile(typingctx, P, i, X, t):
+        # P (nb,d,Pw) 16-bit weights, C-contiguous, Pw a multiple of L; X (T,n) f32 with contiguous rows;
+        # t (C,) int64 rows of X -> the R*C dots sum_b P[b,i+r] . X[t[c], b*Pw:(b+1)*Pw], r-major
+        ret = types.UniTuple(types.float32, R * C)
+
+        def codegen(context, builder, sig, args):
+            pa = context.make_array(sig.args[0])(context, builder, args[0])
+            xa = context.make_array(sig.args[2])(context, builder, args[2])
+            ta = context.make_array(sig.args[3])(context, builder, args[3])
+            i = args[1]
+            f32, i16, i8, idx = ir.FloatType(), ir.IntType(16), ir.IntType(8), ir.IntType(64)
+            vf, vi = ir.VectorType(f32, L), ir.VectorType(i16, L)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{L}f32")
+            fadd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, vf]),
+                                                  f"llvm.vector.reduce.fadd.v{L}f32")
+            nb, d, Pw = cgutils.unpack_tuple(builder, pa.shape, 3)
+            xstride = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
+            wbase = builder.bitcast(pa.data, i16.as_pointer())
+            xbase = builder.bitcast(xa.data, i8.as_pointer())
+            tbase = builder.bitcast(ta.data, idx.as_pointer())
+            xrows = [builder.bitcast(builder.gep(xbase, [builder.mul(builder.load(builder.gep(tbase, [ir.Constant(idx, c)])),
+                                                                     xstride)]), f32.as_pointer()) for c in range(C)]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(R * C)]
+            with cgutils.for_range(builder, nb) as bl:
+                b = bl.index
+                wrows = [builder.gep(wbase, [builder.mul(builder.add(builder.mul(b, d), builder.add(i, ir.Constant(idx, r))),
+                                                         Pw)]) for r in range(R)]
+                xoff = builder.mul(b, Pw)
+                with cgutils.for_range(builder, builder.sdiv(Pw, ir.Constant(idx, L))) as kl:
+                    k = builder.mul(kl.index, ir.Constant(idx, L))
+                    xk = builder.add(xoff, k)
+                    xs = [builder.load(builder.bitcast(builder.gep(xrows[c], [xk]), vf.as_pointer()), align=4)
+                          for c in range(C)]
+                    for r in range(R):
+                        raw = builder.load(builder.bitcast(builder.gep(wrows[r], [k]), vi.as_pointer()), align=2)
+                        w = _widen(builder, raw, bf16, lanes=L)
+                        for c in range(C):
+                            a = accs[r * C + c]
+                            builder.store(builder.call(fma, [w, xs[c], builder.load(a)]), a)
+            sums = [builder.call(fadd, [ir.Constant(f32, 0.0), builder.load(a)], fastmath=("reassoc",)) for a in accs]
+            return context.make_tuple(builder, sig.return_type, sums)
+        return ret(P, i, X, t), codegen
+    return tile
+
+
+_tiles = {bf16: _make_tile(TILE_R, TILE_C, LANES, bf16) for bf16 in (False, True)} if LANES else {}
+
+
+def _tiled(P, X, out, r0, r1):
+    """Python stand-in (never called): Numba picks the overload below by the types."""
+    raise NotImplementedError
+
+
+@overload(_tiled)
+def _tiled_overload(P, X, out, r0, r1):
+    # the IR tile over rows r0.. in steps of TILE_R; returns the first row it did not do (r0 when it cannot)
+    ok = (LANES and isinstance(P, types.Array) and P.dtype in (types.uint16, types.int16)
+          and isinstance(X, types.Array) and X.dtype == types.float32)
+    if not ok:
+        return lambda P, X, out, r0, r1: r0
+    tile = _tiles[P.dtype == types.int16]
+    R, C = TILE_R, TILE_C
+
+    def impl(P, X, out, r0, r1):
+        nb, d, Pw = P.shape
+        T = X.shape[0]
+        if (Pw % LANES != 0 or P.strides[2] != 2 or P.strides[1] != 2 * Pw or P.strides[0] != 2 * Pw * d
+                or X.strides[1] != 4 or X.shape[1] < nb * Pw):
+            return r0
+        t = np.empty(C, np.int64)
+        i = r0
+        while i + R <= r1:
+            for t0 in range(0, T, C):
+                for c in range(C):                  # past the end the last row is read again, its sums dropped
+                    t[c] = min(t0 + c, T - 1)
+                s = tile(P, i, X, t)
+                for c in range(min(C, T - t0)):
+                    for r in range(R):
+                        out[t0 + c, i + r] = s[r * C + c]
+            i += R
+        return i
+    return impl
+
+
+@njit(cache=True)
+def _any_rows(P, X, out, r0, r1):
+    i = _tiled(P, X, out, r0, r1)
+    if i < r1:
+        _rows(P, X, out, i, r1)
+
+
 @njit(cache=True)
 def rowgemm(P, X, out):
     # P (nb,d,Pw) f32/f16/bf16 weights, X (T,n) f32 -> out (T,d) f32 = X @ W.T
-    _rows(P, X, out, 0, P.shape[1])
+    _any_rows(P, X, out, 0, P.shape[1])
 
 
 @njit(cache=True, parallel=True)
 def rowgemm_par(P, X, out, nchunks):
-    # rowgemm with the weight rows split into nchunks runs of even length on Numba threads
+    # rowgemm with the weight rows split into nchunks runs (multiples of 4 rows) on Numba threads
     d = P.shape[1]
     for c in prange(nchunks):
-        r0 = (c * d // nchunks) & ~1
-        r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) & ~1
-        _rows(P, X, out, r0, r1)
+        r0 = (c * d // nchunks) & ~3
+        r1 = d if c == nchunks - 1 else ((c + 1) * d // nchunks) & ~3
+        _any_rows(P, X, out, r0, r1)
 
 
 def rowgemm_ref(W, X):
