@@ -87,6 +87,35 @@ def test_batched_step_logits_equal_the_one_sequence_forward(built):
     assert np.abs(got[1:] - ref_b).max() < 1e-5
 
 
+def test_one_sequence_step_is_the_fused_token_on_the_pool(built):
+    """A step of ONE decoding sequence runs the fused decode token on the paged pool (decode_step.py,
+    as fast as batch-1 decode was before batching): it stores the keys/values forward_batch stores and
+    gives its logits; the engine takes that path whenever a step holds a single decode row."""
+    m = Model.open(built("mixtral").colibri("f16"))
+    V = m.config.vocab_size
+    a = np.random.default_rng(11).integers(3, V, size=21).tolist()
+    eng = BatchEngine(m, max_seqs=2, max_batch_tokens=64, kv_dtype="f16", prefix_cache=False)
+    assert eng.single is not None
+    pool, ws = eng.pool, eng.ws
+    tables = np.array([[pool.allocate() for _ in range(pool.blocks_for(len(a)))]], np.int32)
+    forward_batch(m.config, m.weights, m.rope, ws, pool, Rows(a[:20], [0] * 20, range(20), tables, pool.block_size,
+                                                                [19]), eng.logits)
+    k0, v0 = pool.k[:, tables[0]].copy(), pool.v[:, tables[0]].copy()
+    fused = eng.single.paged(m.rope, pool, tables[0], 20, a[20], eng.scores)[0].copy()
+    kf, vf = pool.k[:, tables[0]].copy(), pool.v[:, tables[0]].copy()
+    pool.k[:, tables[0]], pool.v[:, tables[0]] = k0, v0
+    ref = forward_batch(m.config, m.weights, m.rope, ws, pool, Rows([a[20]], [0], [20], tables, pool.block_size, [0]),
+                        np.zeros((1, V), np.float32))[0]
+    assert not np.array_equal(kf, k0)                                   # position 20 was written
+    assert np.array_equal(kf, pool.k[:, tables[0]]) and np.array_equal(vf, pool.v[:, tables[0]])
+    assert np.abs(fused - ref).max() < 1e-4 * np.abs(ref).max()
+    calls = []
+    real = eng.single.paged
+    eng.single.paged = lambda *args: calls.append(args[3]) or real(*args)
+    got = _run(eng, [a[:5]], [4])
+    assert calls == [5, 6, 7] and got == [m.generate(a[:5], max_tokens=4, ignore_eos=True)]
+
+
 def test_preemption_recomputes_and_keeps_the_tokens(built):
     """A pool far smaller than the requests need: sequences are preempted and recomputed from their
     tokens, and every answer is still the one it gets alone; none is refused."""

@@ -32,6 +32,7 @@ from .panels import kernel_array
 __all__ = ["DecodeStep"]
 
 _NONE = np.zeros(0, np.float32)
+_NO_TABLE = np.zeros(0, np.int32)     # the block table argument of a sequence's own cache (unused)
 
 
 def _weight(W):
@@ -107,20 +108,34 @@ class DecodeStep:
                 cfg.rms_norm_eps)
         return cls(cfg, ws, (args, w.output_norm, wout))
 
-    def _call_args(self, rope, cache, scores) -> tuple:
+    def _call_args(self, rope, k, v, table, start, scores) -> tuple:
         layers, onorm, wout = self.args
-        return (self.ids, *layers, cache.k, cache.v, cache.length, rope[0], rope[1], self.cfg.sliding_window,
+        return (self.ids, *layers, k, v, table, start, rope[0], rope[1], self.cfg.sliding_window,
                 self.scale, onorm, wout, *self.views, scores, self.ws.positions[:1], self.ws.logits)
 
     def __call__(self, rope, cache, token: int, scores) -> np.ndarray:
         """Token `token` at position cache.length (forward has checked that the cache has room;
         scores: its attention scratch) -> the workspace's (1,V) logits; cache advanced."""
         self.ids[0] = token
-        KD.decode_token(*self._call_args(rope, cache, scores))
+        KD.decode_token(*self._call_args(rope, cache.k, cache.v, _NO_TABLE, cache.length, scores))
         cache.length += 1
+        return self.ws.logits
+
+    def paged(self, rope, pool, table, pos: int, token: int, scores) -> np.ndarray:
+        """Token `token` at position `pos` of the sequence whose blocks are `table` (int32, the
+        block of pos allocated) in a paged pool (kv.KVPool); scores: a 1-D scratch of >= pos+1
+        -> the workspace's (1,V) logits (a serving step of one decoding sequence)."""
+        self.ids[0] = token
+        KD.decode_token(*self._call_args(rope, pool.k, pool.v, table, pos, scores))
         return self.ws.logits
 
     def compile(self, rope, cache, scores) -> None:
         """Compile decode_token for these arguments' types without running it (a pre-fork master
         compiles the threaded token this way: nothing is launched)."""
-        KD.decode_token.compile(tuple(numba.typeof(a) for a in self._call_args(rope, cache, scores)))
+        KD.decode_token.compile(tuple(numba.typeof(a) for a in self._call_args(
+            rope, cache.k, cache.v, _NO_TABLE, cache.length, scores)))
+
+    def compile_paged(self, rope, pool) -> None:
+        """compile() for the paged form (`paged`)."""
+        KD.decode_token.compile(tuple(numba.typeof(a) for a in self._call_args(
+            rope, pool.k, pool.v, _NO_TABLE, 0, _NONE)))

@@ -55,6 +55,10 @@ class BatchEngine:
         if ws.rows < self.sched.max_batch_tokens or ws.threads != model.threads:
             ws = Workspace(cfg, self.sched.max_batch_tokens, model.threads, prefill_bf16=model.prefill_bf16)
         self.ws = ws
+        # a step of one decoding sequence runs the fused decode token on the pool (decode_step.py), at
+        # least as fast as batch-1 decode was before batching; None for models it does not cover
+        self.single = ws.decode_step(cfg, model.weights)
+        self.scores = aligned_zeros(model.context, np.float32) if self.single is not None else None
         self.logits = aligned_zeros((max_seqs, cfg.vocab_size), np.float32)   # (M,V), M <= max_seqs
         self.states = {}                                              # rid -> SeqState
         self.faults = []                                              # [(rid, NumericalFault)] of the last step
@@ -106,7 +110,13 @@ class BatchEngine:
         rows = self._rows(plan)
         m = self.model
         try:
-            logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, self.logits, noise=m.noise)
+            if len(rows) == 1 and len(plan) == 1 and plan[0].sample and self.single is not None \
+                    and (m.noise is None or m.noise.scale <= 0):
+                logits = self.single.paged(m.rope, self.pool, rows.tables[0], int(rows.pos[0]), int(rows.tokens[0]),
+                                           self.scores)
+            else:
+                logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, self.logits,
+                                       noise=m.noise)
         except ArithmeticError as e:        # a kernel met NaNs: fault whose rows hold them, recompute the rest
             self._arithmetic_fault(plan, e)
             return []
@@ -203,12 +213,15 @@ class BatchEngine:
 
 def warm_up(model, kv_dtype: str = "f16") -> None:
     """Compile the batched step's one-thread kernels for this model (a pre-fork master runs it once):
-    two short requests stepped together in a pool of 4 blocks of 4 positions."""
+    two short requests stepped together in a pool of 4 blocks of 4 positions, then one alone."""
     eng = BatchEngine(model, max_seqs=2, max_batch_tokens=8, kv_dtype=kv_dtype, block_size=4,
                       kv_cache_memory=4 * block_bytes(model.config, 4, kv_dtype), prefix_cache=False)
     bos = max(0, model.config.bos_token_id)
     for rid in (0, 1):
         eng.add(rid, [bos, bos, bos], max_tokens=2, ignore_eos=True)
+    while eng.has_work():
+        eng.step()
+    eng.add(2, [bos, bos, bos], max_tokens=2, ignore_eos=True)      # alone: the fused one-sequence step
     while eng.has_work():
         eng.step()
 
@@ -239,6 +252,9 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
             seen.add(s)
             RG.rowgemm_par.compile(s)
     pool = KVPool(cfg, 1, 1, kv_dtype)
+    step = Workspace(cfg, 1, threads=2).decode_step(cfg, w)                  # the fused one-sequence step
+    if step is not None:
+        step.compile_paged(model.rope, pool)
     q = np.zeros((1, cfg.num_heads, cfg.head_dim), np.float32)
     KP.paged_attention_par.compile(sig(q, pool.k[0], pool.v[0], np.zeros((1, 1), np.int32), np.zeros(1, np.int64),
                                        np.zeros(1, np.int64), cfg.sliding_window, 1.0, q))

@@ -4,6 +4,10 @@ layers of a dozen dispatches and numpy statements each cost colibri ~200 us).
 
 decode_token runs the whole token (every layer and the head) for the models decode_step.py
 covers; moe_float/moe_quant and rope_cache_attend are the per-layer steps forward uses otherwise.
+Its cache is either a sequence's own (L,Hkv,S,hd) arrays (Model.decode) or a paged pool
+(L,NB,Hkv,BS,hd) with the sequence's block table (a serving step of one decoding sequence:
+serving.BatchEngine), chosen by the arrays' rank; the paged keys/values are stored and read as
+forward_batch does (paged.write_kv's rounding, paged.paged_attention's row kernel).
 Each function calls the same kernels, in the same order, as transformer.forward's general
 path, so the logits are bit for bit the same (tests/test_parity.py checks it).
 """
@@ -14,6 +18,7 @@ from numba import literal_unroll, njit, types
 from numba.extending import overload
 
 from .attn import attend
+from .paged import _attend_row, _put_row
 from .dense import _matvec_core, embed, matvec_stack, rmsnorm, rope
 from .moe import _matvec_par, expert_ffn, expert_ffn_par, matvec_qkv_par, route
 from .quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
@@ -44,6 +49,32 @@ def rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache, vcache, start, window, 
         kcache[h, start] = k3[0, h]
         vcache[h, start] = v3[0, h]
     attend(q3, kcache, vcache, start, window, scale, out, scores)
+
+
+def _layer_attend(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
+    """Python stand-in (never called): layer l's RoPE, cache store and attention, by the cache's rank."""
+    raise NotImplementedError
+
+
+@overload(_layer_attend, inline="always")
+def _layer_attend_overload(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
+    if kc.ndim == 4:            # (L,Hkv,S,hd): the sequence's own cache
+        def own(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
+            rope_cache_attend(q3, k3, v3, pos, cos, sin, kc[l], vc[l], start, window, scale, out, scores)
+        return own
+
+    def paged(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
+        # (L,NB,Hkv,BS,hd) pool, table the sequence's blocks; scores a 1-D scratch of >= start+1
+        rope(q3, pos, cos, sin)
+        rope(k3, pos, cos, sin)
+        BS = kc.shape[3]
+        b, o = table[start // BS], start % BS
+        for h in range(k3.shape[1]):
+            _put_row(k3[0, h], kc[l, b, h, o])
+            _put_row(v3[0, h], vc[l, b, h, o])
+        acc = np.empty(q3.shape[2], np.float32)
+        _attend_row(q3[0], kc[l], vc[l], table, start, window, scale, out[0], scores, acc)
+    return paged
 
 
 # -- the whole token --------------------------------------------------------------------------
@@ -171,13 +202,14 @@ def _clip(a, c):
 
 @njit(cache=True)
 def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, gate, w1, w3, w2,
-                 top_k, renorm, eps, kcache, vcache, start, cos, sin, window, scale, onorm, wout,
+                 top_k, renorm, eps, kcache, vcache, table, start, cos, sin, window, scale, onorm, wout,
                  x, h, sub, qkv, q3, k3, v3, attn3, logits_e, idx, wts, h1, h3, xs, xi, scores, pos, logits):
     # One token ids (1,) at position `start` through every layer and the head -> logits (1,V), the
     # kernels and order of transformer.forward's T == 1 path. Per-layer weights are tuples over the
     # layers (anorm..w2, one type each; no biases); qnorm/knorm size 0 when absent; qk_mode 0 none, 1 over the
     # whole projection, 2 per head; clip 0 off. x, h, sub (1,D), qkv (1,qd+2kvd) with q3 (1,H,hd),
     # k3, v3 (1,Hkv,hd) its views; attn3 (1,H,hd); logits_e (1,E), idx/wts (1,k) the routing.
+    # kcache/vcache: (L,Hkv,S,hd) (table unused) or a paged pool (L,NB,Hkv,BS,hd) with the table.
     embed(emb, ids, x)
     pos[0] = start
     _, H, hd = q3.shape
@@ -196,7 +228,7 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
         if qk_mode == 2:
             rmsnorm(q3.reshape(H, hd), qnorm[l], eps, q3.reshape(H, hd))
             rmsnorm(k3.reshape(Hkv, hd), knorm[l], eps, k3.reshape(Hkv, hd))
-        rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache[l], vcache[l], start, window, scale, attn3, scores)
+        _layer_attend(kcache, vcache, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, attn3, scores)
         _proj(wo[l], attn3.reshape(H * hd), sub[0], xs, xi)
         _add(x[0], sub[0])
         rmsnorm(x, fnorm[l], eps, h)
