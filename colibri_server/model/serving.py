@@ -232,6 +232,8 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
     from .kernels import paged as KP
     from .kernels import rowgemm as RG
     from .panels import Panels
+    from .kernels import parallel_runtime
+    parallel_runtime()
 
     def sig(*args):
         return tuple(numba.typeof(a) for a in args)

@@ -53,7 +53,7 @@ class Workspace:
     # a parallel region costs ~50 us to launch on Numba's workqueue (7-13 us on tbb, both measured
     # on VMs), so it runs the experts (two regions per expert) and matrices of at least this many
     # weights on threads, the rest (attention projections) on the calling thread
-    PAR_MIN_WEIGHTS = 4 << 20
+    PAR_MIN_WEIGHTS = 1 << 20
     # up to this many rows, f16/bf16 matrices go through kernels.rowgemm (each weight converted once, in a
     # register, for every row) instead of converting 256-row tiles to f32 for BLAS, which pays off from
     # a few dozen rows on
@@ -193,6 +193,7 @@ def compile_parallel(weights, ws: Workspace) -> None:
     """Compile, without running, the threaded decode kernels for the types of these weights
     (ws: a Workspace with threads > 1). Safe before fork with a fork-safe threading layer."""
     import numba
+    K.parallel_runtime()
 
     def compile_for(kernel, *args):
         kernel.compile(tuple(numba.typeof(a) for a in args))

@@ -17,7 +17,7 @@ Kernels never allocate (outputs and scratch are passed in), never import a model
 (only ..format's constants), and know nothing of configs, files or requests. Model code imports
 them through this face: `from . import kernels as K` and the families as `from .kernels import quant as KQ`.
 """
-from .base import expf, nrows, row_slice, to_f32, weights_to_f32  # noqa: F401  (sets the threading layer first)
+from .base import expf, nrows, parallel_runtime, row_slice, to_f32, weights_to_f32  # noqa: F401  (sets the threading layer first)
 from .buffers import ALIGN, aligned_zeros, lazy_zeros  # noqa: F401
 from .dense import _matvec_core, _panels_loop  # noqa: F401  (the Numba loops, for the tests)
 from .dense import (argmax, argmax_ref, embed, embed_ref, matvec, matvec_ref, matvec_stack,  # noqa: F401

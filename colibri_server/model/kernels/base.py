@@ -67,6 +67,16 @@ def _load_tbb() -> bool:
 if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
     numba.config.THREADING_LAYER = "tbb" if _load_tbb() else "workqueue"
 
+
+def parallel_runtime() -> None:
+    """Load the threading layer and register its symbols (allocate_sched, ...) with LLVM, as compiling
+    any parallel kernel does. Call it before compiling or loading threaded kernels: a cached function
+    that was compiled in a process where its parallel callees came from the cache carries no reload
+    hook for them, and loading it where the layer was never loaded aborts the process ("LLVM ERROR:
+    Symbol not found: allocate_sched"), seen in a pre-fork master on its second start."""
+    from numba.np.ufunc.parallel import _launch_threads
+    _launch_threads()
+
 # Flags for reduction-only functions (needed for LLVM to vectorise the
 # floating point reductions; changes only the summation order).
 _REDUCE_FM = {"reassoc", "contract"}
