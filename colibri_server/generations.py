@@ -158,7 +158,7 @@ class Reloads:
         self.reload_prev = self.num_workers       # the settings change only at the commit
         if kind == "hup":
             from .pinning import Topology, default_workers
-            self.num_workers = settings.workers or default_workers(Topology.detect())
+            self.num_workers = settings.workers or default_workers(Topology.detect(), settings.threads_per_worker)
         log.info("%s: model %s validated: bringing up generation %d with %d workers", kind.upper(), path,
                  max(self.gens) + 1, self.num_workers)
         self.begin_generation(model, settings, kind)

@@ -81,14 +81,13 @@ def open_model(path, s):
 
 
 def _compile(m, s):
-    # compile every kernel specialisation the workers will use, here, once (non-parallel kernels)
+    # compile every kernel specialisation the workers will use, here, once: the batched engine's
+    # (workers run nothing else); says so on stderr when the kernels compile (first start)
     from .model import serving
     m.set_prefill_bf16(s.prefill_bf16)
-    m.warm_up(announce=log.info)       # says so on stderr when the kernels compile (first start)
-    serving.warm_up(m, s.kv_dtype)     # the workers' batched step
+    m.warm_up(announce=log.info, run=lambda: serving.warm_up(m, s.kv_dtype, s.threads_per_worker))
     if s.threads_per_worker > 1:
-        m.compile_threaded()           # compiled here, launched only in the forked workers
-        serving.compile_threaded(m, s.kv_dtype)
+        serving.compile_threaded(m, s.kv_dtype)     # compiled here, launched only in the forked workers
 
 
 def _model_path(path):

@@ -142,7 +142,7 @@ class Arbiter(Reloads):
         self.generation = 1
         self.gens[1] = Generation(1, model, s)
         self.heartbeats = HeartbeatTable(MAX_WORKER_SLOTS)
-        self.num_workers = s.workers or _default_workers()
+        self.num_workers = s.workers or _default_workers(s.threads_per_worker)
         self._init_signals()
         self.pipe, router_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._router_end = router_end
@@ -601,6 +601,6 @@ class Arbiter(Reloads):
 
 # ---------------------------------------------------------------------------- helpers
 
-def _default_workers():
+def _default_workers(threads_per_worker: int = 1):
     from .pinning import Topology, default_workers
-    return default_workers(Topology.detect())
+    return default_workers(Topology.detect(), threads_per_worker)

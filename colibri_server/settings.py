@@ -139,7 +139,22 @@ class Settings:
 
 
 def defaults() -> Settings:
-    return Settings({s.name: s.value for s in SCHEMA})
+    return Settings(_layout({s.name: s.value for s in SCHEMA}))
+
+
+def _layout(values: dict, topology=None) -> dict:
+    """The automatic worker layout made concrete: threads_per_worker 0 shares the allowed physical
+    cores among the workers (workers 0 with it: one worker per NUMA node). A worker steps all its
+    sequences together (continuous batching), so one worker with every core of a node reads each
+    weight once per step for all of them, and one request alone still decodes on every core.
+    workers 0 with threads_per_worker set stays 0: one worker per that many cores (pinning)."""
+    if values.get("threads_per_worker") == 0:
+        from .pinning import detect
+        topology = topology or detect()
+        if not values.get("workers"):
+            values["workers"] = max(1, len(topology.nodes))
+        values["threads_per_worker"] = max(1, topology.physical_cores // values["workers"])
+    return values
 
 
 # ------------------------------------------------------------------ loading
@@ -252,7 +267,7 @@ def load_settings(argv_namespace_or_dict=None, config_path=None, env=None) -> Se
         problems.extend(_cross_check(values, sources))
     if problems:
         raise SettingsError(problems)
-    return Settings(values, sources)
+    return Settings(_layout(values), sources)
 
 
 def _cross_check(v, src) -> list[str]:

@@ -392,8 +392,10 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("curve_allowed_keys", PATH, "",
             "directory of allowed client CURVE public keys (empty: any client with the server key)",
             reload=RESTART),
-    Setting("workers", INT, 0, "worker processes (0: one per physical core)", Range(0, 1024)),
-    Setting("threads_per_worker", INT, 1, "compute threads in each worker", Range(1, 256)),
+    Setting("workers", INT, 0, "worker processes (0: one per NUMA node when threads_per_worker is 0, else one "
+            "per threads_per_worker physical cores)", Range(0, 1024)),
+    Setting("threads_per_worker", INT, 0, "compute threads in each worker (0: the physical cores shared out "
+            "among the workers, so one worker steps its batch on every core)", Range(0, 256)),
     Setting("prefill_bf16", BOOL, False,
             "prefill bf16 weights with bf16-rounded activations (avx512bf16 CPUs; ~2x faster prefill, "
             "logits move by the rounding)"),

@@ -44,7 +44,9 @@ def test_schema_names_flags_env():
 
 def test_defaults():
     d = S.defaults()
-    assert (d.model, d.bind, d.workers, d.threads_per_worker, d.pin) == ("", "tcp://127.0.0.1:5555", 0, 1, "cores")
+    assert (d.model, d.bind, d.pin) == ("", "tcp://127.0.0.1:5555", "cores")
+    assert d.source("workers") == d.source("threads_per_worker") == "default"
+    assert d.workers * d.threads_per_worker <= max(1, __import__("psutil").cpu_count()) and d.threads_per_worker >= 1
     assert (d.slots, d.context, d.timeout, d.graceful_timeout, d.heartbeat_interval) == (16, 4096, 30.0, 30.0, 1.0)
     assert (d.max_batch_tokens, d.kv_cache_memory, d.kv_dtype, d.prefix_cache) == (256, 0, "f16", True)
     assert (d.max_requests, d.max_requests_jitter, d.max_queue) == (0, 0, 64)
@@ -67,8 +69,9 @@ def test_reload_kinds():
     for n in restart:
         assert SETTINGS[n].reload == S.RESTART, n
     assert SETTINGS["model"].reload == S.USR1
-    old = S.defaults()
-    new = load_settings({"workers": 3, "bind": "ipc:///tmp/x.sock", "model": "m.colibri"}, env={})
+    old = load_settings({"threads_per_worker": 1}, env={})
+    new = load_settings({"workers": 3, "bind": "ipc:///tmp/x.sock", "model": "m.colibri", "threads_per_worker": 1},
+                        env={})
     assert old.diff(new) == {"workers": (0, 3), "bind": ("tcp://127.0.0.1:5555", "ipc:///tmp/x.sock"),
                              "model": ("", "m.colibri")}
     assert old.changes_needing(new, S.RESTART) == ["bind"]
@@ -106,7 +109,7 @@ def test_config_path_sources(tmp_path):
     # the caller's default path; skipped silently if it does not exist
     assert load_settings(config_path=a, env={}).workers == 5
     s = load_settings(config_path=str(tmp_path / "nope.toml"), env={})
-    assert (s.workers, s.config) == (0, "")
+    assert (s.workers, s.config) == (S.defaults().workers, "")
     # COLIBRI_CONFIG beats the default path, --config beats COLIBRI_CONFIG
     assert load_settings(config_path=a, env={"COLIBRI_CONFIG": b}).workers == 6
     s = load_settings({"config": a}, config_path=b, env={"COLIBRI_CONFIG": b})
@@ -193,7 +196,7 @@ INVALID = [
     # name, raw string, fragment of "allowed"
     ("workers", "2000", "an integer from 0 to 1024"),
     ("workers", "four", "an integer from 0 to 1024"),
-    ("threads_per_worker", "0", "from 1 to 256"),
+    ("threads_per_worker", "-1", "from 0 to 256"),
     ("slots", "257", "from 1 to 256"),
     ("pin", "all", "one of none, cores, numa"),
     ("timeout", "0.5", "at least 1.0"),
@@ -407,3 +410,16 @@ def test_gateway_and_soak_variables_are_not_settings():
     import pytest
     with pytest.raises(SettingsError, match="COLIBRI_HTTPX"):
         load_settings({}, env={"COLIBRI_HTTPX": "1"})
+
+
+def test_automatic_layout_gives_each_node_one_worker_on_all_its_cores():
+    """threads_per_worker 0 (the default): one worker per NUMA node stepping its batch on every
+    physical core of it; workers set: the cores shared out among them; threads set: workers stay 0."""
+    from colibri_server.pinning import Topology
+    two_nodes = Topology.from_cores([[c] for c in range(8)], nodes=[[0, 1, 2, 3], [4, 5, 6, 7]])
+    one = Topology.from_cores([[0], [1]])
+    assert S._layout({"workers": 0, "threads_per_worker": 0}, one) == {"workers": 1, "threads_per_worker": 2}
+    assert S._layout({"workers": 0, "threads_per_worker": 0}, two_nodes) == {"workers": 2, "threads_per_worker": 4}
+    assert S._layout({"workers": 3, "threads_per_worker": 0}, two_nodes) == {"workers": 3, "threads_per_worker": 2}
+    assert S._layout({"workers": 4, "threads_per_worker": 0}, one) == {"workers": 4, "threads_per_worker": 1}
+    assert S._layout({"workers": 0, "threads_per_worker": 2}, two_nodes) == {"workers": 0, "threads_per_worker": 2}

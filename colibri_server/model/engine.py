@@ -288,12 +288,12 @@ class Model:
                 yield ev
         self.last_timings = seq.timings
 
-    def warm_up(self, announce=None, after: float = 1.0) -> float:
-        """Run a two-token generation, so that every kernel this model uses is compiled (or
-        loaded from Numba's cache) now rather than inside the first request or measurement.
-        When that takes longer than `after` seconds (a first run, compiling: half a minute or
-        more), `announce(message)` is called once, while it goes on, so that the wait does
-        not look like a hang. Returns the seconds spent."""
+    def warm_up(self, announce=None, after: float = 1.0, run=None) -> float:
+        """Run a two-token generation (or `run()`: what a server's workers will run), so that every
+        kernel this model uses is compiled (or loaded from Numba's cache) now rather than inside the
+        first request or measurement. When that takes longer than `after` seconds (a first run,
+        compiling: half a minute or more), `announce(message)` is called once, while it goes on,
+        so that the wait does not look like a hang. Returns the seconds spent."""
         import threading
         import time
         done = threading.Event()
@@ -306,8 +306,11 @@ class Model:
         t.start()
         t0 = time.perf_counter()
         try:
-            bos = self.config.bos_token_id if self.config.bos_token_id >= 0 else 0
-            self.generate([bos, bos], max_tokens=2, ignore_eos=True)
+            if run is not None:
+                run()
+            else:
+                bos = self.config.bos_token_id if self.config.bos_token_id >= 0 else 0
+                self.generate([bos, bos], max_tokens=2, ignore_eos=True)
         finally:
             done.set()
             t.join()

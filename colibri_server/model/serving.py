@@ -211,19 +211,26 @@ class BatchEngine:
         return s
 
 
-def warm_up(model, kv_dtype: str = "f16") -> None:
+def warm_up(model, kv_dtype: str = "f16", threads: int = 1) -> None:
     """Compile the batched step's one-thread kernels for this model (a pre-fork master runs it once):
-    two short requests stepped together in a pool of 4 blocks of 4 positions, then one alone."""
-    eng = BatchEngine(model, max_seqs=2, max_batch_tokens=8, kv_dtype=kv_dtype, block_size=4,
-                      kv_cache_memory=4 * block_bytes(model.config, 4, kv_dtype), prefix_cache=False)
+    two short requests stepped together, one prompt longer than the few-row kernels take (prefill's
+    tiles or GEMM), and, for one-thread workers, one request alone (the fused one-sequence step;
+    threaded workers run its threaded form: compile_threaded)."""
+    long = Workspace.ROWGEMM_MAX_ROWS + 1
+    eng = BatchEngine(model, max_seqs=2, max_batch_tokens=long + 1, kv_dtype=kv_dtype, block_size=4,
+                      kv_cache_memory=32 * block_bytes(model.config, 4, kv_dtype), prefix_cache=False)
     bos = max(0, model.config.bos_token_id)
-    for rid in (0, 1):
-        eng.add(rid, [bos, bos, bos], max_tokens=2, ignore_eos=True)
-    while eng.has_work():
-        eng.step()
-    eng.add(2, [bos, bos, bos], max_tokens=2, ignore_eos=True)      # alone: the fused one-sequence step
-    while eng.has_work():
-        eng.step()
+
+    def run(*prompts):
+        for rid, p in enumerate(prompts):
+            eng.add(rid, p, max_tokens=2 if len(p) < long else 1, ignore_eos=True)
+        while eng.has_work():
+            eng.step()
+    run([bos] * 3, [bos] * 3)
+    if model.context > long:
+        run([bos] * long)
+    if threads <= 1:
+        run([bos] * 3)
 
 
 def compile_threaded(model, kv_dtype: str = "f16") -> None:
@@ -233,6 +240,7 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
     from .kernels import rowgemm as RG
     from .panels import Panels
     from .kernels import parallel_runtime
+    from .transformer import compile_parallel
     parallel_runtime()
 
     def sig(*args):
@@ -249,12 +257,18 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
             P = W.p if W.p.ndim == 3 else W.p[0]
         else:
             P = (W if W.ndim == 2 else W[0])[None]
-        s = sig(P, X[:, :P.shape[0] * P.shape[2]], X[:, :P.shape[1]], 2)
-        if s not in seen:
-            seen.add(s)
-            RG.rowgemm_par.compile(s)
+        n, d = P.shape[0] * P.shape[2], P.shape[1]
+        # activations and outputs whole (ws.h[:N], ws.q[:N]) or column slices (moe's ffn_g/ffn_u)
+        for x in (X[:, :n], np.zeros((2, n), np.float32)):
+            for out in (X[:, :d], np.zeros((2, d), np.float32)):
+                s = sig(P, x, out, 2)
+                if s not in seen:
+                    seen.add(s)
+                    RG.rowgemm_par.compile(s)
+    ws = Workspace(cfg, 1, threads=2)
+    compile_parallel(w, ws)                                                  # mm's threaded matvecs and GEMMs
     pool = KVPool(cfg, 1, 1, kv_dtype)
-    step = Workspace(cfg, 1, threads=2).decode_step(cfg, w)                  # the fused one-sequence step
+    step = ws.decode_step(cfg, w)                                            # the fused one-sequence step
     if step is not None:
         step.compile_paged(model.rope, pool)
     q = np.zeros((1, cfg.num_heads, cfg.head_dim), np.float32)

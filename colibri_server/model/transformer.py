@@ -200,6 +200,8 @@ def compile_parallel(weights, ws: Workspace) -> None:
     x, seen = ws.x[0], set()
     mats = [w for L in weights.layers for w in (L.wq, L.wk, L.wv, L.wo, L.shared_w1, L.shared_w3, L.shared_w2,
                                                   L.mlp_w1, L.mlp_w3, L.mlp_w2)] + [weights.output]
+    # one expert of each stack: a serving step's expert with one routed row is a matvec (Workspace.mm)
+    mats += [E[0] for L in weights.layers for E in (L.w1, L.w3, L.w2) if E is not None and not hasattr(E, "q")]
     for W in mats:
         if W is None:
             continue
