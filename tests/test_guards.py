@@ -318,7 +318,7 @@ def test_each_worker_keeps_a_core_of_its_own_after_hup_and_ttin(model_path, tmp_
     ncpu = len(current_affinity() or [])
     if ncpu < 2:
         pytest.skip("needs 2 allowed CPUs")
-    s = Server(model_path, tmp_path, workers=1, extra=("--pin", "cores"), name="pin")
+    s = Server(model_path, tmp_path, workers=1, extra=("--pin", "cores", "--threads-per-worker", "1"), name="pin")
     try:
         s.wait_ready(1, timeout=120)
 

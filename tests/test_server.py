@@ -353,7 +353,9 @@ def test_memory_one_copy_of_the_weights(tmp_path):
     print(f"summed PSS {pss / mib:.0f} MiB <= file + 4 x USS + 10% = {(size + 4 * uss + size / 10) / mib:.0f} MiB")
     assert len(ws) == 4 and all(w["served"] >= 1 for w in ws)
     for w in ws:
-        assert w["anon_private"] < size / 10 and w["uss"] < size / 10 and w["anon"] < size / 10
+        # no private copy of anything large; `anon` (printed) also counts the master's heap shared
+        # copy-on-write (interpreter, numpy, LLVM: ~80 MiB, ~135 when the master compiled cold)
+        assert w["anon_private"] < size / 10 and w["uss"] < size / 10
     assert pss < size + 4 * uss + size / 10
 
 
