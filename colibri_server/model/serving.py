@@ -218,7 +218,7 @@ def warm_up(model, kv_dtype: str = "f16", threads: int = 1) -> None:
     threaded workers run its threaded form: compile_threaded)."""
     long = Workspace.ROWGEMM_MAX_ROWS + 1
     eng = BatchEngine(model, max_seqs=2, max_batch_tokens=long + 1, kv_dtype=kv_dtype, block_size=4,
-                      kv_cache_memory=32 * block_bytes(model.config, 4, kv_dtype), prefix_cache=False)
+                      kv_cache_memory=(long // 4 + 8) * block_bytes(model.config, 4, kv_dtype), prefix_cache=False)
     bos = max(0, model.config.bos_token_id)
 
     def run(*prompts):

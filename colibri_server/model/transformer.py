@@ -55,9 +55,10 @@ class Workspace:
     # weights on threads, the rest (attention projections) on the calling thread
     PAR_MIN_WEIGHTS = 1 << 20
     # up to this many rows, f16/bf16 matrices go through kernels.rowgemm (each weight converted once, in a
-    # register, for every row) instead of converting 256-row tiles to f32 for BLAS, which pays off from
-    # a few dozen rows on
-    ROWGEMM_MAX_ROWS = 48
+    # register, for every row) instead of converting 256-row tiles to f32 for BLAS: since rowgemm's IR
+    # tile, a 256-row serving step (8 prompts of 32 tokens, bench-mixtral f16, 2 threads) took 727 ms
+    # with it against 808 with tiles above 48 rows (session 9, /tmp/bt/pf.py); both run at the FMA peak
+    ROWGEMM_MAX_ROWS = 256
 
     def __init__(self, cfg: ModelConfig, rows: int, threads: int = 1, prefill_bf16: bool = False):
         D, E, A = cfg.hidden_size, cfg.num_experts, cfg.top_k
