@@ -402,7 +402,7 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("pin", ENUM("none", "cores", "numa"), "cores",
             "CPU pinning: none, cores (distinct physical cores per worker) or numa (workers round-robin over "
             "the NUMA nodes, each pinned to its node's CPUs; a CPU mask only, memory is not bound)"),
-    Setting("slots", INT, 16, "sequences one worker runs at once, all in one batched forward per step",
+    Setting("slots", INT, 32, "sequences one worker runs at once, all in one batched forward per step",
             Range(1, 256)),
     Setting("context", INT, 4096, "most tokens of one sequence (prompt + generated)", Range(1, _MAXTOK)),
     Setting("max_batch_tokens", INT, 256,

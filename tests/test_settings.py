@@ -47,7 +47,7 @@ def test_defaults():
     assert (d.model, d.bind, d.pin) == ("", "tcp://127.0.0.1:5555", "cores")
     assert d.source("workers") == d.source("threads_per_worker") == "default"
     assert d.workers * d.threads_per_worker <= max(1, __import__("psutil").cpu_count()) and d.threads_per_worker >= 1
-    assert (d.slots, d.context, d.timeout, d.graceful_timeout, d.heartbeat_interval) == (16, 4096, 30.0, 30.0, 1.0)
+    assert (d.slots, d.context, d.timeout, d.graceful_timeout, d.heartbeat_interval) == (32, 4096, 30.0, 30.0, 1.0)
     assert (d.max_batch_tokens, d.kv_cache_memory, d.kv_dtype, d.prefix_cache) == (256, 0, "f16", True)
     assert (d.max_requests, d.max_requests_jitter, d.max_queue) == (0, 0, 64)
     assert (d.max_prompt_tokens, d.max_tokens, d.max_stop, d.max_body) == (8192, 4096, 16, 1 << 20)
