@@ -125,7 +125,7 @@ def llama_round(a, gguf, conc, P):
     ctx = conc * (a.prompt + a.tokens + 16)
     cmd = [str(a.llama_bin / "llama-server"), "-m", str(gguf), "-t", str(a.threads), "-tb", str(a.threads),
            "-np", str(conc), "-c", str(ctx), "--port", str(port), "--host", "127.0.0.1", "-b", "512", "-ub", "512",
-           "--no-warmup"]
+           "--no-warmup"] + (["--no-repack"] if a.llama_no_repack else [])
     log = open(os.path.join(a.tmp, f"llama-{conc}.log"), "w")
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -212,6 +212,8 @@ def main():
     ap.add_argument("--reqs", type=int, default=2, help="requests per client, one after another")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t/-tb")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama-server --no-repack (on the session-9 Xeon VM it hangs at load repacking Q4_0)")
     ap.add_argument("--colibri-bin", default=shutil.which("colibri") or str(pathlib.Path(sys.executable).parent / "colibri"))
     ap.add_argument("--colibri-args", nargs=argparse.REMAINDER, default=[],
                     help="extra `colibri serve` options (default none: the user's defaults)")
