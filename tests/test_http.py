@@ -581,6 +581,34 @@ def test_idle_and_half_sent_connections_do_not_stop_health(stack):
             c.close()
 
 
+def test_a_head_not_finished_in_time_is_closed(tmp_path):
+    """Issue 20 item 8: the gateway closes a connection whose request head has not arrived within the
+    header timeout (COLIBRI_HTTP_HEADER_TIMEOUT, 10 s by default; 1 s here), while a connection that
+    sends its head in time is answered."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    g = Gateway([sys.executable, "-m", "colibri_server.http", "--connect", f"ipc://{tmp_path}/nobody.sock",
+                 "--bind", f"127.0.0.1:{port}", "--threads", "2", "--timeout", "1"],
+                {"COLIBRI_HTTP_HEADER_TIMEOUT": "1"}, tmp_path / "g.log")
+    try:
+        g.wait_listening(url)
+        half = socket.create_connection(("127.0.0.1", port), timeout=10)
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")          # no blank line: never finished
+        t0 = time.monotonic()
+        assert half.recv(4096) == b""                                      # closed by the gateway
+        waited = time.monotonic() - t0
+        assert 0.8 < waited < 5.0, waited
+        late = socket.create_connection(("127.0.0.1", port), timeout=10)
+        late.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(0.3)
+        late.sendall(b"\r\n")                                               # finished within the timeout
+        assert late.recv(4096).startswith(b"HTTP/1.1 ")
+        half.close()
+        late.close()
+    finally:
+        g.stop()
+
+
 # ---------------------------------------------------------------------------- serve() without a server
 
 
