@@ -116,6 +116,21 @@ def test_one_sequence_step_is_the_fused_token_on_the_pool(built):
     assert calls == [5, 6, 7] and got == [m.generate(a[:5], max_tokens=4, ignore_eos=True)]
 
 
+def test_moe_of_a_step_in_one_call_is_the_per_expert_path(built, monkeypatch):
+    """moe() over a step's rows with f16 panel experts runs them in one Numba call (rowgemm.experts_rows);
+    its output is the per-expert path's (each expert's rows gathered, three matrix calls, scattered)."""
+    from colibri_server.model.moe import moe
+    from colibri_server.model.transformer import Workspace
+    m = Model.open(built("mixtral").colibri("f16"))
+    L, ws = m.weights.layers[1], m.workspace
+    x = np.random.default_rng(2).standard_normal((12, m.config.hidden_size)).astype(np.float32)
+    assert ws.experts_in_one_call(L, len(x), 2)
+    one = moe(L, x, ws, np.zeros_like(x)).copy()
+    monkeypatch.setattr(Workspace, "experts_in_one_call", lambda self, layer, T, active: False)
+    each = moe(L, x, ws, np.zeros_like(x))
+    assert np.abs(one - each).max() < 1e-5 * np.abs(each).max()
+
+
 def test_preemption_recomputes_and_keeps_the_tokens(built):
     """A pool far smaller than the requests need: sequences are preempted and recomputed from their
     tokens, and every answer is still the one it gets alone; none is refused."""

@@ -53,6 +53,37 @@ def test_rowgemm_row_does_not_depend_on_its_neighbours():
         assert np.abs(one[0] - full[t]).max() < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_experts_rows_are_each_chosen_experts_swiglu(kind):
+    """A step's experts in one call: row t*k+a of the result is the SwiGLU of the a-th expert row t
+    chose (one-row experts through the matvec, the others through the tile), threads give the same
+    bits, and weighted_rows sums them with the routing weights."""
+    from colibri_server.model.kernels import moe as KM
+    rng = np.random.default_rng(4)
+    E, D, I, T, k = 5, 512, 256, 9, 2
+    w1, w3, w2 = [[_weights(kind, a, b, rng) for _ in range(E)] for a, b in ((I, D), (I, D), (D, I))]
+    P1, P3, P2 = (np.stack([to_panels(bits) for bits, _ in w]) for w in (w1, w3, w2))
+    X = rng.standard_normal((T, D)).astype(np.float32)
+    idx = np.array([[0, 1]] * 5 + [[2, 1], [3, 0], [1, 2], [2, 0]], np.int32)      # expert 3: one row, 4: none
+    counts, offsets, order = np.zeros(E, np.int64), np.zeros(E + 1, np.int64), np.zeros(T * k, np.int64)
+    KM.group_by_expert(idx, E, counts, offsets, order)
+    Y = np.full((T * k, D), np.nan, np.float32)
+    RG.experts_rows(P1, P3, P2, X, order, offsets, k, Y)
+    for t in range(T):
+        for a in range(k):
+            e = idx[t, a]
+            g, u = w1[e][1] @ X[t].astype(np.float64), w3[e][1] @ X[t].astype(np.float64)
+            ref = w2[e][1] @ (g / (1 + np.exp(-g)) * u)
+            assert np.abs(Y[t * k + a] - ref).max() < 1e-4 * np.abs(ref).max()
+    Y2 = np.full_like(Y, np.nan)
+    RG.experts_rows_par(P1, P3, P2, X, order, offsets, k, Y2, np.flatnonzero(counts))
+    assert np.array_equal(Y, Y2)
+    wts = rng.random((T, k)).astype(np.float32)
+    out = np.full((T, D), np.nan, np.float32)
+    RG.weighted_rows(Y, wts, out)
+    assert np.allclose(out, (Y.reshape(T, k, D) * wts[:, :, None]).sum(1), rtol=1e-5, atol=1e-6)
+
+
 def _pool(kvdt, rng, NB=12, Hkv=2, BS=4, hd=16):
     return np.zeros((NB, Hkv, BS, hd), kvdt), np.zeros((NB, Hkv, BS, hd), kvdt)
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import kernels as K
 from .kernels import decode as KD
+from .kernels import rowgemm as RG
 from .panels import kernel_array
 
 
@@ -83,13 +84,25 @@ def moe(layer, x, ws, out, noise=None, trace=None):
         K.route(logits, A, layer.renorm, idx, wts)
     if trace is not None:
         trace.append((idx.copy(), wts.copy()))
+    if T > 1:
+        counts, offsets, order = ws.counts[:E], ws.offsets[:E + 1], ws.order[:T * A]
+        K.group_by_expert(idx, E, counts, offsets, order)
+        active = np.flatnonzero(counts)
+        if ws.experts_in_one_call(layer, T, len(active)):
+            # a serving step's (or a short prompt's) experts in one Numba call (kernels/rowgemm.experts_rows)
+            Y = ws.expert_rows(T * A)                                          # (T*A,D) one row per choice
+            w1, w3, w2 = kernel_array(layer.w1), kernel_array(layer.w3), kernel_array(layer.w2)
+            if ws.threads > 1:
+                RG.experts_rows_par(w1, w3, w2, x, order, offsets, A, Y, active)
+            else:
+                RG.experts_rows(w1, w3, w2, x, order, offsets, A, Y)
+            RG.weighted_rows(Y, wts, out)
+            return _shared_expert(layer, x, ws, out)
     out[...] = 0.0
     if T == 1:
         for a in range(A):
             ws.expert(layer.w1, layer.w3, layer.w2, int(idx[0, a]), x[0], float(wts[0, a]), out[0])
     else:
-        counts, offsets, order = ws.counts[:E], ws.offsets[:E + 1], ws.order[:T * A]
-        K.group_by_expert(idx, E, counts, offsets, order)
         I = layer.w1.shape[1]
         for e in np.flatnonzero(counts):
             flat = order[offsets[e]:offsets[e + 1]]                            # (c,) positions t*A + a

@@ -238,7 +238,7 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
     import numba
     from .kernels import paged as KP
     from .kernels import rowgemm as RG
-    from .panels import Panels
+    from .panels import Panels, kernel_array
     from .kernels import parallel_runtime
     from .transformer import compile_parallel
     parallel_runtime()
@@ -267,6 +267,14 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
                     RG.rowgemm_par.compile(s)
     ws = Workspace(cfg, 1, threads=2)
     compile_parallel(w, ws)                                                  # mm's threaded matvecs and GEMMs
+    for L in w.layers:                                                       # moe's experts in one call
+        if L.w1 is not None and ws.experts_in_one_call(L, 2, ws.threads):
+            i64 = np.zeros(2, np.int64)
+            h = np.zeros((2, cfg.hidden_size), np.float32)
+            s = sig(kernel_array(L.w1), kernel_array(L.w3), kernel_array(L.w2), h, i64, i64, 2, h, i64)
+            if s not in seen:
+                seen.add(s)
+                RG.experts_rows_par.compile(s)
     pool = KVPool(cfg, 1, 1, kv_dtype)
     step = ws.decode_step(cfg, w)                                            # the fused one-sequence step
     if step is not None:

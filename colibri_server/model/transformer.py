@@ -59,6 +59,11 @@ class Workspace:
     # tile, a 256-row serving step (8 prompts of 32 tokens, bench-mixtral f16, 2 threads) took 727 ms
     # with it against 808 with tiles above 48 rows (session 9, /tmp/bt/pf.py); both run at the FMA peak
     ROWGEMM_MAX_ROWS = 256
+    # on threads, moe() runs a step's experts in one call (each expert on one thread) up to this many rows,
+    # beyond it one expert after another with each matrix's rows split over the threads: bench-mixtral
+    # f16, 2 threads, BatchEngine step one call / per expert: B=8 64.8/81.5 ms, 16 95.6/112.2, 24
+    # 120.6/129.6, 32 134.4/127.8 (session 9, /tmp/bt/moe_ab.py); one thread: one call at every size
+    EXPERTS_ONE_CALL_MAX_ROWS = 24
 
     def __init__(self, cfg: ModelConfig, rows: int, threads: int = 1, prefill_bf16: bool = False):
         D, E, A = cfg.hidden_size, cfg.num_experts, cfg.top_k
@@ -99,6 +104,7 @@ class Workspace:
         self.positions = aligned_zeros(rows, np.int64)
         self.scores = None                                 # the attention scratch, sized on use (attention_scores)
         self._step = None                                  # (weights, DecodeStep or None), see decode_step()
+        self._expert_rows = None                           # moe's per-choice rows, sized on use (expert_rows)
 
     def tile_for(self, n: int, i: int = 0) -> np.ndarray:
         """Thread i's tile scratch with exactly n columns (rows, n) f32, for matmul of f16/bf16 weights."""
@@ -166,6 +172,28 @@ class Workspace:
                              out, self.threads)
         else:
             K.expert_ffn(kernel_array(w1), kernel_array(w3), kernel_array(w2), e, x, weight, self.h1, self.h3, out)
+
+    def experts_in_one_call(self, layer, T: int, active: int) -> bool:
+        """Whether moe() runs a T-row step's experts (`active` of them got rows) in one call
+        (kernels/rowgemm.experts_rows): f16/bf16 expert stacks (rows or panels), rows few enough for
+        rowgemm (what mm would give each expert), not the bf16 prefill GEMM; on threads (each expert on
+        one of them) only while the experts outnumber the threads and T <= EXPERTS_ONE_CALL_MAX_ROWS."""
+        if T > self.ROWGEMM_MAX_ROWS or self.prefill_bf16:
+            return False
+        if self.threads > 1 and (T > self.EXPERTS_ONE_CALL_MAX_ROWS or active < self.threads):
+            return False
+        for W in (layer.w1, layer.w3, layer.w2):
+            a = kernel_array(W) if W is not None and not hasattr(W, "q") else None
+            if a is None or a.dtype not in (np.uint16, np.int16) or a.ndim != (4 if isinstance(W, Panels) else 3) \
+                    or not a.flags.c_contiguous:
+                return False
+        return True
+
+    def expert_rows(self, n: int) -> np.ndarray:
+        """(n, D) f32 scratch: one output row per (row, chosen expert) of a step."""
+        if self._expert_rows is None or self._expert_rows.shape[0] < n:
+            self._expert_rows = aligned_zeros((max(n, 2 * self.rows), self.x.shape[1]), np.float32)
+        return self._expert_rows[:n]
 
     def decode_step(self, cfg: ModelConfig, w):
         """The fused decode step for these weights (decode_step.DecodeStep), None where not covered;
