@@ -236,6 +236,7 @@ def warm_up(model, kv_dtype: str = "f16", threads: int = 1) -> None:
 def compile_threaded(model, kv_dtype: str = "f16") -> None:
     """The threaded kernels of the batched step, compiled by signature without running them."""
     import numba
+    from . import kernels as K
     from .kernels import paged as KP
     from .kernels import rowgemm as RG
     from .panels import Panels, kernel_array
@@ -267,6 +268,13 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
                     RG.rowgemm_par.compile(s)
     ws = Workspace(cfg, 1, threads=2)
     compile_parallel(w, ws)                                                  # mm's threaded matvecs and GEMMs
+    for W in mats:                                       # and its one-thread matvec for the matrices below that
+        if W is not None and not hasattr(W, "q") and W.dtype != np.float32 and W.ndim == 2 \
+                and W.shape[0] * W.shape[1] < ws.PAR_MIN_WEIGHTS:
+            s = sig(kernel_array(W), X[0, :W.shape[1]], X[1, :W.shape[0]])
+            if s not in seen:
+                seen.add(s)
+                K.matvec.compile(s)
     for L in w.layers:                                                       # moe's experts in one call
         if L.w1 is not None and ws.experts_in_one_call(L, 2, ws.threads):
             i64 = np.zeros(2, np.int64)
