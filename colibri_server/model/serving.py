@@ -212,23 +212,26 @@ class BatchEngine:
 
 
 def warm_up(model, kv_dtype: str = "f16", threads: int = 1) -> None:
-    """Compile the batched step's one-thread kernels for this model (a pre-fork master runs it once):
-    two short requests stepped together, one prompt longer than the few-row kernels take (prefill's
-    tiles or GEMM), and, for one-thread workers, one request alone (the fused one-sequence step;
-    threaded workers run its threaded form: compile_threaded)."""
-    long = Workspace.ROWGEMM_MAX_ROWS + 1
-    eng = BatchEngine(model, max_seqs=2, max_batch_tokens=long + 1, kv_dtype=kv_dtype, block_size=4,
-                      kv_cache_memory=(long // 4 + 8) * block_bytes(model.config, 4, kv_dtype), prefix_cache=False)
+    """Compile the batched step's one-thread kernels for this model (a pre-fork master runs it once, at
+    every start): two short requests stepped together, a 5-token prompt on a workspace whose few-row
+    limit is 4 (so it takes prefill's tiles or GEMM, as a long prompt would, without a long prefill at
+    start), and, for one-thread workers, one request alone (the fused one-sequence step; threaded
+    workers run its threaded form: compile_threaded)."""
+    eng = BatchEngine(model, max_seqs=2, max_batch_tokens=8, kv_dtype=kv_dtype, block_size=4,
+                      kv_cache_memory=8 * block_bytes(model.config, 4, kv_dtype), prefix_cache=False)
     bos = max(0, model.config.bos_token_id)
 
     def run(*prompts):
         for rid, p in enumerate(prompts):
-            eng.add(rid, p, max_tokens=2 if len(p) < long else 1, ignore_eos=True)
+            eng.add(rid, p, max_tokens=2, ignore_eos=True)
         while eng.has_work():
             eng.step()
     run([bos] * 3, [bos] * 3)
-    if model.context > long:
-        run([bos] * long)
+    if model.context > Workspace.ROWGEMM_MAX_ROWS:  # else no step can exceed the few-row kernels
+        if eng.ws is model.workspace:               # the limit goes on a workspace of the warm-up's own
+            eng.ws = Workspace(model.config, eng.ws.rows, eng.ws.threads, prefill_bf16=eng.ws.prefill_bf16)
+        eng.ws.ROWGEMM_MAX_ROWS = 4
+        run([bos] * 5)
     if threads <= 1:
         run([bos] * 3)
 
