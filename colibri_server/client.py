@@ -30,13 +30,13 @@ import zmq
 
 from .client_async import AsyncClient, AsyncStream  # noqa: F401
 from .client_core import (  # noqa: F401  (re-exported: the public API lives here)
-    ERRORS, BadRequest, Cancelled, Chunk, ColibriError, ColibriTimeout, Completion, DeadlineExceeded,
+    ERRORS, BadRequest, Cancelled, Choice, Chunk, ColibriError, ColibriTimeout, Completion, DeadlineExceeded,
     DuplicateId, InternalError, NotFound, Overloaded, Prompt, ShuttingDown, TooLarge, UnknownType,
     UnsupportedVersion, WorkerLost, NumericalFault, ConnectionLost, Unauthorized, Unreachable, _ClientCore, _Request,
     _StreamCore, _cancel_body, _encode, _ms, _timeout_error, _unreachable, error_for)
 
 __all__ = [
-    "Client", "AsyncClient", "Completion", "Chunk", "Stream", "AsyncStream",
+    "Client", "AsyncClient", "Completion", "Chunk", "Choice", "Stream", "AsyncStream",
     "ColibriError", "ColibriTimeout", "ERRORS", "error_for",
     "BadRequest", "UnsupportedVersion", "UnknownType", "TooLarge", "Overloaded",
     "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "DuplicateId",
@@ -170,7 +170,8 @@ class Client(_ClientCore):
                timeout: Optional[float] = None, **params) -> Stream:
         """Send a generate and return an iterator of Chunks (the last one has finish_reason).
 
-        params: top_k, top_p, min_p, repetition_penalty, seed, stop, stop_token_ids,
+        params: top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+        logit_bias ({id: bias}), n, logprobs, prompt_logprobs, seed, stop, stop_token_ids,
         ignore_eos, deadline_ms (see protocol).  Raises the ColibriError subclass of an
         error answer; ColibriTimeout (after sending a cancel) if no message arrives in time.
         """

@@ -28,7 +28,7 @@ from .client_types import (  # noqa: F401,E402  (re-exported by client.py)
     Overloaded, DeadlineExceeded, Cancelled, WorkerLost, ShuttingDown, DuplicateId,
     NotFound, Unauthorized, InternalError, ColibriTimeout, Unreachable, ERRORS, error_for, _internal,
     NumericalFault, ConnectionLost,
-    Completion, Chunk,
+    Completion, Chunk, Choice,
 )
 
 
@@ -96,6 +96,7 @@ class _GenState:
         self.ids = []
         self.n_chunks = 0
         self.ended = False          # the server ended the request (done or error)
+        self.logprobs = None
         self.final: Optional[Chunk] = None
 
     def feed(self, item) -> Chunk:
@@ -113,10 +114,14 @@ class _GenState:
             if not isinstance(text, str) or not _int_list(ids):
                 raise _internal("malformed token message (text must be a str, ids a list of ints)", rid)
             index = _opt(body, "index", _is_int, self.n_chunks, rid, "an int")
-            self.text.append(text)
-            self.ids.extend(ids)
+            choice = _opt(body, "choice", _is_int, 0, rid, "an int")
+            lp = _opt(body, "logprobs", lambda v: isinstance(v, list), None, rid, "a list")
+            plp = _opt(body, "prompt_logprobs", lambda v: isinstance(v, list), None, rid, "a list")
+            if choice == 0:                 # the first completion's pieces: what done's text/ids repeat
+                self.text.append(text)
+                self.ids.extend(ids)
             self.n_chunks += 1
-            return Chunk(text, ids, index)
+            return Chunk(text, ids, index, choice=choice, logprobs=lp, prompt_logprobs=plp)
         if t == "done":
             fr = body.get("finish_reason")
             if not isinstance(fr, str) or not fr:
@@ -127,20 +132,35 @@ class _GenState:
             timings = _opt(body, "timings", lambda v: isinstance(v, dict), {}, rid, "a map")
             generation = _opt(body, "generation", _is_int, None, rid, "an int")
             pid = _opt(body, "worker_pid", _is_int, None, rid, "an int")
+            is_list = lambda v: isinstance(v, list)     # noqa: E731
+            self.logprobs = _opt(body, "logprobs", is_list, None, rid, "a list")
+            prompt_lp = _opt(body, "prompt_logprobs", is_list, None, rid, "a list")
+            choices = _opt(body, "choices", lambda v: isinstance(v, list) and all(isinstance(c, dict) for c in v),
+                           None, rid, "a list of maps")
             streamed_text = "".join(self.text)
             tail_text = _cut(streamed_text, text)
             tail_ids = _cut(self.ids, ids)
             self.text.append(tail_text)
             self.ids.extend(tail_ids)
             self.ended = True
-            self.final = Chunk(tail_text, list(tail_ids), self.n_chunks, fr, usage, timings, generation, pid)
+            if choices is None:
+                choices = [Choice(0, "".join(self.text), list(self.ids), fr, self.logprobs)]
+            else:
+                try:
+                    choices = [Choice(int(c["index"]), str(c["text"]), [int(t) for t in c["ids"]],
+                                      str(c["finish_reason"]), c.get("logprobs")) for c in choices]
+                except (KeyError, TypeError, ValueError):
+                    raise _internal("malformed done message: a choice lacks index, text, ids or finish_reason",
+                                    rid) from None
+            self.final = Chunk(tail_text, list(tail_ids), self.n_chunks, fr, usage, timings, generation, pid,
+                               choices=choices, prompt_logprobs=prompt_lp)
             return self.final
         raise _internal(f"unexpected message type {t!r} for a generate", rid)
 
     def completion(self) -> Completion:
         f = self.final
         return Completion("".join(self.text), list(self.ids), f.finish_reason, f.usage, f.timings,
-                          f.generation, f.worker_pid, self.rid)
+                          f.generation, f.worker_pid, self.rid, self.logprobs, f.prompt_logprobs, f.choices)
 
 
 def _result_body(item, rid) -> dict:
@@ -164,7 +184,8 @@ def _detokenize_result(r, rid):
     return text
 
 
-_GEN_PARAMS = (set(protocol.SAMPLING_FIELDS) | {"stop", "stop_token_ids", "deadline_ms"}) - {"max_tokens", "temperature"}
+_GEN_PARAMS = (set(protocol.SAMPLING_FIELDS) | {"stop", "stop_token_ids", "deadline_ms", "n", "logit_bias"}) - \
+    {"max_tokens", "temperature"}
 
 
 def _generate_body(rid, prompt, max_tokens, temperature, params) -> dict:
@@ -178,6 +199,8 @@ def _generate_body(rid, prompt, max_tokens, temperature, params) -> dict:
             "temperature": temperature, "stream": True}
     for k, v in params.items():
         if v is not None:
+            if k == "logit_bias":           # {id: bias} or pairs -> [[id, bias], ...] on the wire
+                v = [[int(t), float(b)] for t, b in (v.items() if isinstance(v, dict) else v)]
             body[k] = list(v) if k in ("stop", "stop_token_ids") and not isinstance(v, str) else v
     return body
 

@@ -142,8 +142,20 @@ def _internal(message, request_id=None) -> InternalError:
 
 
 @dataclass
+class Choice:
+    """One of a generate's n completions. logprobs (when asked): one entry per token,
+    [token text, logprob, [[id, token text, logprob], ...top alternatives]] (see protocol)."""
+    index: int
+    text: str
+    token_ids: list
+    finish_reason: str
+    logprobs: Optional[list] = None
+
+
+@dataclass
 class Completion:
-    """The whole answer to a generate."""
+    """The whole answer to a generate: text, token_ids, finish_reason and logprobs are the first
+    completion's; `choices` holds all n (n = 1: just that one); usage counts them all."""
     text: str
     token_ids: list
     finish_reason: str
@@ -152,6 +164,9 @@ class Completion:
     generation: Optional[int] = None
     worker_pid: Optional[int] = None
     id: Any = None
+    logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list] = None        # one entry per prompt token, the first's logprob None
+    choices: list = field(default_factory=list)
 
 
 @dataclass
@@ -167,6 +182,10 @@ class Chunk:
     timings: Optional[dict] = None
     generation: Optional[int] = None
     worker_pid: Optional[int] = None
+    choice: int = 0                           # which of the n completions this piece belongs to
+    logprobs: Optional[list] = None           # one entry per id (when asked)
+    choices: Optional[list] = None            # the final chunk: every completion (Choice)
+    prompt_logprobs: Optional[list] = None    # the first token's chunk and the final chunk, when asked
 
     @property
     def is_final(self) -> bool:

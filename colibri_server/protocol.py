@@ -15,6 +15,13 @@ Requests (client -> server)
                max_tokens: int = 16, temperature: float = 0, top_k: int = 0, top_p: float = 1,
                min_p: float = 0, repetition_penalty: float = 1, seed: int | None,
                stop: [str] = [], stop_token_ids: [int] = [], ignore_eos: bool = false,
+               presence_penalty: float = 0, frequency_penalty: float = 0  (OpenAI's, in [-2, 2]),
+               logit_bias: [[id, bias], ...] = []  (bias in [-100, 100], at most 1024 ids),
+               n: int = 1  (completions sampled from one prefill of the prompt, 1..16 and at most a
+                            worker's slots: it holds n slots),
+               logprobs: int | None  (0..20: each sampled token's log-probability and that many top
+                                      alternatives, from the model's raw logits),
+               prompt_logprobs: int | None  (0..20: the same for every prompt token after the first),
                stream: bool = true   (false: one "done" carrying all text and ids),
                deadline_ms: int | None  (the whole request, from arrival at the router)
     tokenize   text: str, add_special_tokens: bool = true
@@ -28,14 +35,20 @@ Requests (client -> server)
     stats      -
 
 Responses (server -> client), each with the id of its request
-    token      text: str, ids: [int], index: int (the position of this token in the completion)
+    token      text: str, ids: [int], index: int (the position of this token in the completion),
+               choice: int (n > 1 only: which completion), logprobs: [entry] (one per id, when asked):
+               entry = [token text, logprob, [[id, token text, logprob], ...top alternatives]],
+               prompt_logprobs: [entry] (on the request's first token, when asked: see done)
                (stream=true only; text may be "" while it is held back for a stop string or an
                incomplete UTF-8 character: the held text comes in a later token)
     done       finish_reason: "stop" | "length" | "cancelled", text: str, ids: [int]: the WHOLE
                completion again (the concatenation of the tokens' text and ids when streaming),
                usage: {prompt_tokens, completion_tokens},
                timings: {queued_s, prefill_s, decode_s, total_s}, worker_pid: int, generation: int,
-               attempts: int (dispatches: > 1 when a worker died before streaming and it was retried)
+               attempts: int (dispatches: > 1 when a worker died before streaming and it was retried),
+               logprobs: [entry] (when asked; of the first completion), prompt_logprobs: [entry] (when
+               asked: one per prompt token, the first with logprob null), choices: [{index, text, ids, finish_reason, logprobs}] (n > 1: every
+               completion; the top-level text/ids/finish_reason are choice 0's, usage counts all)
     result     the answer, its fields directly in the body: tokenize {ids}, detokenize {text},
                health {status: "ok"|"starting"|"draining", workers_ready, generation, queue},
                stats {generation, model, model_bytes, queue, in_flight, workers: [...], counters, ...}
@@ -83,8 +96,12 @@ REQUEST_TYPES = ("generate", "tokenize", "detokenize", "cancel", "health", "stat
 SAMPLING_FIELDS = {  # name: (type, default)
     "max_tokens": (int, 16), "temperature": (float, 0.0), "top_k": (int, 0), "top_p": (float, 1.0),
     "min_p": (float, 0.0), "repetition_penalty": (float, 1.0), "seed": (int, None),
-    "ignore_eos": (bool, False),
+    "ignore_eos": (bool, False), "presence_penalty": (float, 0.0), "frequency_penalty": (float, 0.0),
+    "logprobs": (int, None), "prompt_logprobs": (int, None),
 }
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 
 
 class ProtocolError(Exception):
@@ -185,7 +202,8 @@ def _num(body, name, typ, default):
 
 def validate_generate(body: dict, limits: Limits) -> dict:
     """A generate body -> normalised request dict; raises ProtocolError naming the field."""
-    known = {"type", "id", "prompt", "stop", "stop_token_ids", "stream", "deadline_ms"} | set(SAMPLING_FIELDS)
+    known = {"type", "id", "prompt", "stop", "stop_token_ids", "stream", "deadline_ms", "n", "logit_bias"} | \
+        set(SAMPLING_FIELDS)
     extra = sorted((k for k in body if k not in known), key=repr)     # keys may be str or bytes
     if extra:
         raise ProtocolError("bad_request", f"unknown field {extra[0]!r:.40}")
@@ -225,6 +243,16 @@ def validate_generate(body: dict, limits: Limits) -> dict:
         raise ProtocolError("bad_request", "field 'repetition_penalty' must be in (0, 100]")
     if req["seed"] is not None and not 0 <= req["seed"] < (1 << 63):
         raise ProtocolError("bad_request", "field 'seed' must be in 0..2^63-1")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= req[name] <= 2:
+            raise ProtocolError("bad_request", f"field {name!r} must be in [-2, 2]")
+    for name in ("logprobs", "prompt_logprobs"):
+        if req[name] is not None and not 0 <= req[name] <= MAX_LOGPROBS:
+            raise ProtocolError("bad_request", f"field {name!r} must be in 0..{MAX_LOGPROBS}")
+    req["n"] = _num(body, "n", int, 1)
+    if not 1 <= req["n"] <= MAX_N:
+        raise ProtocolError("bad_request", f"field 'n' must be in 1..{MAX_N}")
+    req["logit_bias"] = _logit_bias(body.get("logit_bias", []), limits.vocab_size)
     stop = body.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
@@ -245,6 +273,26 @@ def validate_generate(body: dict, limits: Limits) -> dict:
         raise ProtocolError("bad_request", "field 'deadline_ms' must be an integer in 1..86400000")
     req["deadline_ms"] = dl
     return req
+
+
+def _logit_bias(lb, vocab_size) -> list:
+    """[[id, bias], ...] checked: ids in the vocabulary and unique, biases finite in [-100, 100]."""
+    if not isinstance(lb, list) or not all(isinstance(e, list) and len(e) == 2 for e in lb):
+        raise ProtocolError("bad_request", "field 'logit_bias' must be a list of [token id, bias] pairs")
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise ProtocolError("too_large", f"logit_bias of {len(lb)} ids exceeds {MAX_LOGIT_BIAS}")
+    seen, out = set(), []
+    for i, (t, b) in enumerate(lb):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ProtocolError("bad_request", f"logit_bias[{i}]: token id {t!r:.40} is outside the vocabulary "
+                                               f"0..{(vocab_size or 1) - 1}")
+        if t in seen:
+            raise ProtocolError("bad_request", f"logit_bias[{i}]: token id {t} is given twice")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise ProtocolError("bad_request", f"logit_bias[{i}]: the bias of token {t} must be a number in [-100, 100]")
+        seen.add(t)
+        out.append([t, float(b)])
+    return out
 
 
 MAX_SEGMENTS = 4096

@@ -240,6 +240,8 @@ class Router:
                 raise P.ProtocolError("too_large", f"prompt of {len(ids)} tokens exceeds "
                                                    f"{self.limits.max_prompt_tokens}")
             req["prompt"] = ids
+        if req["n"] > self.settings.slots:
+            raise P.ProtocolError("bad_request", f"field 'n' ({req['n']}) exceeds a worker's slots ({self.settings.slots})")
         if len(req["prompt"]) >= self.context:
             raise P.ProtocolError("too_large", f"prompt of {len(req['prompt'])} tokens leaves no room in the "
                                                f"context of {self.context}")
@@ -342,14 +344,15 @@ class Router:
             return
         for rid in list(self.queue):
             r = self.reqs[rid]
-            if not free.get(r.generation):
+            n = r.request.get("n", 1)
+            if free.get(r.generation, 0) < n:
                 continue
             key = _prefix_key(r.request.get("prompt"))
-            w = self._pick_worker(r.generation, self.prefix_owner.get(key))
+            w = self._pick_worker(r.generation, self.prefix_owner.get(key), n)
             if w is None:
                 continue
             self.queue.remove(rid)
-            free[r.generation] -= 1
+            free[r.generation] -= n
             if key is not None:
                 self.prefix_owner[key] = w.ident        # the worker that now holds this prompt's first block
                 self.prefix_owner.move_to_end(key)
@@ -357,32 +360,32 @@ class Router:
                     self.prefix_owner.popitem(last=False)
             r.state, r.worker, r.t_dispatch = "running", w.ident, time.monotonic()
             r.attempts += 1
-            w.running.add(r.rid)
+            w.running[r.rid] = n
             try:
                 self.back.send_multipart([w.ident, b"WORK", P.pack({"rid": r.rid, "request": r.request})],
                                          zmq.NOBLOCK)
             except zmq.ZMQError:
-                w.running.discard(r.rid)
+                w.running.pop(r.rid, None)
                 w.state = "unresponsive"
                 self._requeue(r, front=True)
                 return
             if not any(free.values()):
                 return
 
-    def _pick_worker(self, generation, preferred=None):
-        """A worker of `generation` with a free slot: `preferred` (the one holding the request's prompt
-        prefix in its KV cache) when it is of that generation and has one, else the most free slots,
-        the longest idle."""
+    def _pick_worker(self, generation, preferred=None, need=1):
+        """A worker of `generation` with `need` free slots: `preferred` (the one holding the request's
+        prompt prefix in its KV cache) when it is of that generation and has them, else the most free
+        slots, the longest idle."""
         best = None
         for w in self.workers.values():
-            if w.free <= 0 or w.generation != generation:
+            if w.free < need or w.generation != generation:
                 continue
             # the most free slots, then the longest idle
             key = (w.free, -w.last_dispatch)
             if best is None or key > (best.free, -best.last_dispatch):
                 best = w
         p = self.workers.get(preferred) if preferred is not None else None
-        if p is not None and p.free > 0 and p.generation == generation:
+        if p is not None and p.free >= need and p.generation == generation:
             best = p
         if best is not None:
             best.last_dispatch = time.monotonic()
@@ -390,7 +393,7 @@ class Router:
 
     def _requeue(self, r, front=False):
         if r.worker is not None and r.worker in self.workers:
-            self.workers[r.worker].running.discard(r.rid)
+            self.workers[r.worker].running.pop(r.rid, None)
         r.state, r.worker = "queued", None
         (self.queue.appendleft if front else self.queue.append)(r.rid)
 
@@ -398,7 +401,7 @@ class Router:
         self.reqs.pop(r.rid, None)
         self.by_client.pop((r.client, r.cid), None)
         if r.worker is not None and r.worker in self.workers:
-            self.workers[r.worker].running.discard(r.rid)
+            self.workers[r.worker].running.pop(r.rid, None)
         try:
             self.queue.remove(r.rid)
         except ValueError:
@@ -540,13 +543,14 @@ class Router:
             return
         if r is None or r.worker != ident:
             if kind in (b"DONE", b"ERROR"):
-                w.running.discard(rid)
+                w.running.pop(rid, None)
             return      # cancelled or timed out meanwhile: dropped by design
         if kind == b"TOKEN":
             r.streamed = True
             if r.stream:
                 self.reply(r.client, {"type": "token", "id": r.cid, "text": body.get("text", ""),
-                                      "ids": body.get("ids", []), "index": body.get("index", 0)})
+                                      "ids": body.get("ids", []), "index": body.get("index", 0),
+                                      **{k: body[k] for k in ("choice", "logprobs", "prompt_logprobs") if k in body}})
         elif kind == b"DONE":
             w.served += 1
             self._end(r)
@@ -560,7 +564,8 @@ class Router:
                                               "decode_s": t.get("decode_s", 0.0),
                                               "total_s": round(now - r.t_arrive, 6)},
                                   "worker_pid": w.pid, "generation": w.generation,
-                                  "attempts": r.attempts})
+                                  "attempts": r.attempts,
+                                  **{k: body[k] for k in ("logprobs", "prompt_logprobs", "choices") if k in body}})
         elif kind == b"ERROR":
             self._end(r)
             code = body.get("code", "internal")

@@ -68,7 +68,7 @@ class W:
         self.pid, self.wid = body.get("pid"), body.get("wid")
         self.generation, self.slots = body.get("generation", 0), max(1, int(body.get("slots", 1)))
         self.cores = body.get("cores") or []
-        self.running = set()
+        self.running = {}               # rid -> the slots it holds (its n)
         self.last_seen = now
         self.state = "ready"            # ready | draining | unresponsive
         self.served = 0
@@ -78,7 +78,7 @@ class W:
 
     @property
     def free(self):
-        return self.slots - len(self.running) if self.state == "ready" else 0
+        return self.slots - sum(self.running.values()) if self.state == "ready" else 0
 
 
 class ControlRate:

@@ -11,7 +11,8 @@ Backend messages (worker DEALER <-> router ROUTER), two frames: kind, msgpack bo
     worker -> router  READY {pid, wid, generation, slots, cores}   HB {free}   BYE {}
                       (HB says the worker is alive; the router counts free slots itself, from
                       WORK and DONE/ERROR, and does not read HB's `free`)
-                      TOKEN {rid, text, ids, index}   DONE {rid, finish_reason, ids, usage, timings, ...}
+                      TOKEN {rid, text, ids, index, [choice], [logprobs]}
+                      DONE {rid, finish_reason, ids, usage, timings, [choices], [logprobs], [prompt_logprobs], ...}
                       ERROR {rid, code, message}      REJECT {rid}  (draining: the router requeues it)
     router -> worker  WORK {rid, request}   CANCEL {rid}   PING {}
                       HELLO {}  (a new router that does not know this worker: the old router died,
@@ -180,7 +181,7 @@ class Worker:
             now = time.monotonic()
             if now - last_hb >= hb_every:
                 self.heartbeats.beat(self.slot)
-                self.send(b"HB", {"free": self.settings.slots - len(self.seqs), "engine": self.engine.stats()})
+                self.send(b"HB", {"free": self.settings.slots - self.busy(), "engine": self.engine.stats()})
                 last_hb = now
                 if os.getppid() != self.ppid:
                     log.warning("worker %d: parent changed, exiting", self.pid)
@@ -232,23 +233,29 @@ class Worker:
         else:
             log.error("worker %d: unknown message kind %r dropped", self.pid, kind[:16])
 
+    def busy(self) -> int:
+        """Slots in use: a request of n completions holds n."""
+        return sum(a.n for a in self.seqs.values())
+
     def start(self, body: dict) -> None:
         rid, req = body.get("rid"), body.get("request") or {}
-        if self.draining or len(self.seqs) >= self.settings.slots:
+        n = req.get("n") or 1
+        if self.draining or self.busy() + n > self.settings.slots:
             self.send(b"REJECT", {"rid": rid})
             return
         params = {k: req[k] for k in P.SAMPLING_FIELDS if k in req}
-        params.update(stop=tuple(req.get("stop") or ()), stop_token_ids=tuple(req.get("stop_token_ids") or ()))
+        params.update(stop=tuple(req.get("stop") or ()), stop_token_ids=tuple(req.get("stop_token_ids") or ()),
+                      logit_bias=tuple(tuple(e) for e in req.get("logit_bias") or ()))
         from .model.serving import RequestTooLarge
         try:
-            st = self.engine.add(rid, req.get("prompt"), **params)
+            st = self.engine.add(rid, req.get("prompt"), n=n, **params)
         except RequestTooLarge as e:
             self.send(b"ERROR", {"rid": rid, "code": "too_large", "message": str(e)})
             return
         except ValueError as e:
             self.send(b"ERROR", {"rid": rid, "code": "bad_request", "message": str(e)})
             return
-        self.seqs[rid] = _Active(rid, st.seq, bool(req.get("stream", True)))
+        self.seqs[rid] = _Active(rid, st.seq, bool(req.get("stream", True)), n)
 
     def step(self) -> None:
         """One batched step over every active sequence; stream each sampled token, finish the done."""
@@ -269,29 +276,75 @@ class Worker:
             a = self.seqs.get(rid)
             if a is None:
                 continue
-            a.ids.append(ev.token_id)
-            a.text.append(ev.text)
+            c = a.choices[ev.choice]
+            c.ids.append(ev.token_id)
+            c.text.append(ev.text)
+            lp = self._logprob_entry(ev.token_id, ev.logprobs) if ev.logprobs is not None else None
+            if lp is not None:
+                c.logprobs.append(lp)
+            if ev.finish_reason is not None:
+                c.finish_reason = ev.finish_reason
             if a.stream:
-                self.send(b"TOKEN", {"rid": rid, "text": ev.text, "ids": [ev.token_id], "index": len(a.ids) - 1})
-            if a.seq.finished:
+                msg = {"rid": rid, "text": ev.text, "ids": [ev.token_id], "index": len(c.ids) - 1}
+                if a.n > 1:
+                    msg["choice"] = ev.choice
+                if lp is not None:
+                    msg["logprobs"] = [lp]
+                if not a.sent_prompt and a.seq.prompt_logprobs is not None:
+                    msg["prompt_logprobs"] = self._prompt_logprobs(a.seq)    # with the request's first token
+                a.sent_prompt = True
+                self.send(b"TOKEN", msg)
+            if all(c.finish_reason is not None for c in a.choices):
                 del self.seqs[rid]
                 self.finish(a)
+
+    def _logprob_entry(self, token_id, logprobs) -> list:
+        """[token text, log p, [[id, text, log p], ...]]: one position's logprobs on the wire."""
+        tok = self.model.tokenizer if self.model.file.tokenizer_json else None
+        text = (lambda i: tok.token_text(int(i))) if tok is not None else (lambda i: "")
+        lp, ids, lps = logprobs
+        return [text(token_id), None if lp is None else float(lp), [[int(i), text(i), float(v)] for i, v in zip(ids, lps)]]
+
+    def _prompt_logprobs(self, s) -> list:
+        """The prompt's entries: the first token with logprob None, then one per scored position."""
+        first = self._logprob_entry(int(s.prompt_ids[0]), (None, (), ()))
+        return [first] + [self._logprob_entry(int(t), e) for t, e in zip(s.prompt_ids[1:], s.prompt_logprobs[1:])]
 
     def finish(self, a) -> None:
         s = a.seq
         self.served += 1
-        self.send(b"DONE", {"rid": a.rid, "finish_reason": s.finish_reason, "ids": a.ids,
-                            "text": "".join(a.text),
-                            "usage": {"prompt_tokens": len(s.prompt_ids), "completion_tokens": len(a.ids)},
-                            "timings": {"prefill_s": s.timings["prefill_s"], "decode_s": s.timings["decode_s"]},
-                            "worker_pid": self.pid, "generation": self.generation})
+        c0 = a.choices[0]
+        body = {"rid": a.rid, "finish_reason": c0.finish_reason or s.finish_reason, "ids": c0.ids,
+                "text": "".join(c0.text),
+                "usage": {"prompt_tokens": len(s.prompt_ids), "completion_tokens": sum(len(c.ids) for c in a.choices)},
+                "timings": {"prefill_s": s.timings["prefill_s"], "decode_s": s.timings["decode_s"]},
+                "worker_pid": self.pid, "generation": self.generation}
+        lp = s.params.logprobs is not None
+        if lp:
+            body["logprobs"] = c0.logprobs
+        if s.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(s)
+        if a.n > 1:
+            body["choices"] = [{"index": i, "text": "".join(c.text), "ids": c.ids,
+                                "finish_reason": c.finish_reason or s.finish_reason,
+                                **({"logprobs": c.logprobs} if lp else {})} for i, c in enumerate(a.choices)]
+        self.send(b"DONE", body)
+
+
+class _Choice:
+    __slots__ = ("ids", "text", "logprobs", "finish_reason")
+
+    def __init__(self):
+        self.ids, self.text, self.logprobs, self.finish_reason = [], [], [], None
 
 
 class _Active:
-    __slots__ = ("rid", "seq", "stream", "ids", "text")
+    __slots__ = ("rid", "seq", "stream", "n", "choices", "sent_prompt")
 
-    def __init__(self, rid, seq, stream):
-        self.rid, self.seq, self.stream, self.ids, self.text = rid, seq, stream, [], []
+    def __init__(self, rid, seq, stream, n=1):
+        self.rid, self.seq, self.stream, self.n = rid, seq, stream, n
+        self.sent_prompt = False
+        self.choices = [_Choice() for _ in range(n)]
 
 
 def worker_main(worker: Worker) -> None:

@@ -216,3 +216,62 @@ def test_kv_pool_logits_against_transformers(built, arch):
         err = np.abs(got - ref).max()
         assert (err if kv_dtype == "f32" else err / np.abs(ref).max()) < bound, (kv_dtype, err)
         assert np.array_equal(got.argmax(1), ref.argmax(1))
+
+
+def _run_n(eng, reqs):
+    """reqs: [(prompt, params)] added at once; {(rid, choice): tokens}, and each request's first Sequence."""
+    out, seqs = {}, {}
+    for i, (p, kw) in enumerate(reqs):
+        seqs[i] = eng.add(i, p, **kw).seq
+    steps = 0
+    while eng.has_work():
+        for rid, ev in eng.step():
+            out.setdefault((rid, ev.choice), []).append(ev.token_id)
+        steps += 1
+        assert steps < 10_000
+    return out, seqs
+
+
+def test_n_completions_fork_after_one_prefill_and_survive_a_dry_pool(built):
+    """n = 3 sampled completions of a 21-token prompt: choice i is what a lone request seeded seed + i gives;
+    the prompt is computed once. On a pool too small for all of them, siblings are preempted or start by
+    recomputing, and the answers stay the same; the blocks all come back."""
+    m = Model.open(built("mixtral").colibri("f32"))
+    V = m.config.vocab_size
+    prompt = np.random.default_rng(5).integers(3, V, size=21).tolist()
+    kw = dict(max_tokens=7, temperature=1.0, seed=40, ignore_eos=True)
+    alone = {i: m.generate(prompt, **{**kw, "seed": 40 + i}) for i in range(3)}
+    big = BatchEngine(m, max_seqs=4, max_batch_tokens=32, kv_dtype="f32", block_size=4)
+    out, _ = _run_n(big, [(prompt, dict(n=3, **kw))])
+    assert {c: out[(0, c)] for c in range(3)} == alone
+    assert big.prefill_rows == 21 and big.pool.used() == 0
+    per_block = KVPool(m.config, 1, 4, "f32").bytes_per_block
+    small = BatchEngine(m, max_seqs=4, max_batch_tokens=8, kv_dtype="f32", block_size=4,
+                        kv_cache_memory=9 * per_block, prefix_cache=True)
+    other = np.random.default_rng(6).integers(3, V, size=9).tolist()
+    out, _ = _run_n(small, [(prompt, dict(n=3, **kw)), (other, dict(max_tokens=12, ignore_eos=True))])
+    assert {c: out[(0, c)] for c in range(3)} == alone
+    assert out[(1, 0)] == m.generate(other, max_tokens=12, ignore_eos=True)
+    assert small.sched.preemptions > 0 and small.pool.used() == 0
+
+
+def test_prompt_logprobs_score_every_prompt_token_once_even_when_preempted(built):
+    """A scored prompt computes all its rows (no prefix reuse) and keeps one entry per token through a
+    preemption; the values are a log-softmax of Model.logits."""
+    m = Model.open(built("mixtral").colibri("f32"))
+    V = m.config.vocab_size
+    prompt = np.random.default_rng(8).integers(3, V, size=30).tolist()
+    x = m.logits(prompt).astype(np.float64)
+    ref = x - (x.max(1, keepdims=True) + np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)))
+    per_block = KVPool(m.config, 1, 4, "f32").bytes_per_block
+    eng = BatchEngine(m, max_seqs=4, max_batch_tokens=8, kv_dtype="f32", block_size=4,
+                      kv_cache_memory=12 * per_block)
+    _run_n(eng, [(prompt, dict(max_tokens=1))])                  # the prompt's blocks are now cached
+    filler = np.random.default_rng(9).integers(3, V, size=5).tolist()
+    out, seqs = _run_n(eng, [(prompt, dict(max_tokens=16, prompt_logprobs=2, ignore_eos=True)),
+                             (filler, dict(max_tokens=30, ignore_eos=True))])
+    lp = seqs[0].prompt_logprobs
+    assert len(lp) == 30 and lp[0] is None
+    assert max(abs(lp[i][0] - ref[i - 1, prompt[i]]) for i in range(1, 30)) < 1e-5
+    assert [e[1].tolist() for e in lp[1:]] == [np.argsort(-ref[i], kind="stable")[:2].tolist() for i in range(29)]
+    assert eng.sched.preemptions > 0

@@ -345,13 +345,14 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", "invalid_type"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty",
-     "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "echo": 1}, 400, "echo", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": -2.5}, 400, "presence_penalty", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 5}, 400, "frequency_penalty", "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 5}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 5}}, 400, "logit_bias", "bad_request"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 400, "model", "model_not_found"),
     ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus", "unknown_parameter"),
     # checked by the colibri server, mapped by the gateway
@@ -373,8 +374,10 @@ BAD = [
      "unsupported_parameter"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
                               "max_completion_tokens": 3}, 400, "max_completion_tokens", "invalid_value"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400,
-     "logprobs", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
     ("/tokenize", {"prompt": 3}, 400, "prompt", "invalid_type"),
     ("/tokenize", {"text": "x"}, 400, "text", "unknown_parameter"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "invalid_type"),
@@ -416,7 +419,7 @@ def test_size_limit_methods_and_unknown_paths(stack, session):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     # openai maps them to its exception classes
     with pytest.raises(openai.BadRequestError) as ei:
-        stack.oa.completions.create(model=model_id(stack), prompt="x", n=2)
+        stack.oa.completions.create(model=model_id(stack), prompt="x", n=17)
     assert ei.value.body["param"] == "n"
 
 

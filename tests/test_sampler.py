@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colibri_server.model.sampler import Sampler, SamplingParams, StopChecker, _cumsearch
+from colibri_server.model.sampler import Sampler, SamplingParams, StopChecker, _cumsearch, token_logprobs
 
 V = 32000
 
@@ -58,6 +58,15 @@ def _draws(params: SamplingParams, logits: np.ndarray, n: int) -> np.ndarray:
         ("stop_token_ids", [-1]),
         ("stop_token_ids", [True]),
         ("ignore_eos", "yes"),
+        ("presence_penalty", float("nan")),
+        ("frequency_penalty", "1"),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {3: float("inf")}),
+        ("logit_bias", [1, 2]),
+        ("logit_bias", 5),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("prompt_logprobs", 1.5),
     ],
 )
 def test_params_invalid_names_field(field, value):
@@ -392,3 +401,43 @@ def test_stop_checker_property(text, stops, cuts):
     assert fin == expect_fin
     assert emitted == expected
     assert not any(s in emitted for s in stops)
+
+
+# ---------------------------------------------------------------------------- OpenAI's penalties and bias
+
+
+def test_logit_bias_is_added_before_the_choice_and_checked_against_the_vocabulary():
+    x = np.array([0.0, 1.0, 2.0, 0.5], np.float32)
+    assert Sampler(SamplingParams(logit_bias={0: 2.5}), 4).sample(x) == 0
+    assert Sampler(SamplingParams(logit_bias=[(2, -100.0)]), 4).sample(x) == 1
+    assert SamplingParams(logit_bias={3: 1, 1: -2}).logit_bias == ((1, -2.0), (3, 1.0))
+    with pytest.raises(ValueError, match="logit_bias: token id 4 is outside"):
+        Sampler(SamplingParams(logit_bias={4: 1.0}), 4)
+    s = Sampler(SamplingParams(temperature=1.0, seed=0, logit_bias={3: -100.0}), 4)
+    assert 3 not in {s.sample(x) for _ in range(300)}
+
+
+def test_presence_and_frequency_penalties_count_the_sampled_tokens_only():
+    """logit[j] -= count_j * frequency + (count_j > 0) * presence, counts over what this sampler returned
+    (OpenAI's definition; the prompt in `history` is the repetition penalty's business only)."""
+    x = np.array([3.0, 2.9, 2.0, 0.0], np.float32)
+    s = Sampler(SamplingParams(frequency_penalty=0.06), 4)
+    assert [s.sample(x, history=[0, 0, 0]) for _ in range(4)] == [0, 0, 1, 0]     # 3-0.06k vs 2.9-0.06k'
+    s = Sampler(SamplingParams(presence_penalty=0.5), 4)
+    assert [s.sample(x) for _ in range(4)] == [0, 1, 0, 0]                        # once, not per count
+    s = Sampler(SamplingParams(presence_penalty=-1.0), 4)                          # negative: repeat
+    assert [s.sample(np.array([2.9, 3.0, 0.0, 0.0], np.float32)) for _ in range(3)] == [1, 1, 1]
+    assert x.tolist() == np.array([3.0, 2.9, 2.0, 0.0], np.float32).tolist()      # the caller's logits
+
+
+def test_token_logprobs_are_a_log_softmax_with_the_top_alternatives():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(1000) * 4).astype(np.float32)
+    ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum())
+    lp, ids, lps = token_logprobs(x, 17, 5)
+    assert abs(lp - ref[17]) < 1e-9
+    assert ids.tolist() == np.argsort(-ref, kind="stable")[:5].tolist()
+    assert np.allclose(lps, ref[ids], atol=1e-9) and (np.diff(lps) <= 0).all()
+    assert token_logprobs(x, 3, 0)[1].size == 0
+    lp, ids, _ = token_logprobs(np.zeros(4, np.float32), 2, 20)       # k beyond the vocabulary; ties by id
+    assert abs(lp - np.log(0.25)) < 1e-12 and ids.tolist() == [0, 1, 2, 3]

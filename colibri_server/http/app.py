@@ -63,7 +63,7 @@ from .metrics import _Metrics, _ServerCollector
 from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _chat_messages,  # noqa: F401
                           _chat_unsupported, _check_known, _completion_prompt, _error_resp, _Fields, _is_int,
                           _is_num, _json, _json_bytes, _Resp, _sampling, _sse, _stream_options, _StreamBody,
-                          http_error_for)
+                          chat_logprobs, chat_logprobs_obj, completion_logprobs, http_error_for, legacy_logprobs_obj)
 from .template import (CHATML, STATS_TIMEOUT, ModelInfo, fetch_template, model_info_from_stats,  # noqa: F401
                        render_chat, render_chat_segments)
 
@@ -386,19 +386,24 @@ class Gateway:
                             code="cancelled", outcome="cancelled")
         return "".join(parts), final
 
-    def _events(self, stream, first, piece, finish, usage_chunk, state, prompt_param, opening=None):
-        """SSE events of a started stream: opening, pieces, the finish chunk, usage, [DONE]."""
+    def _events(self, stream, first, piece, finish, usage_chunk, state, prompt_param, opening=()):
+        """SSE events of a started stream: the opening objects, a piece per chunk with text or
+        logprobs (piece(chunk) -> obj or None), the finish objects of every choice (finish(final)),
+        usage, [DONE]."""
         try:
-            if opening is not None:
-                yield _sse(opening)
+            for o in opening:
+                yield _sse(o)
             for ch in self._chunks(stream, first):
-                if ch.text:
-                    yield _sse(piece(ch.text))
+                if ch.text or ch.logprobs:
+                    o = piece(ch)
+                    if o is not None:
+                        yield _sse(o)
                 if ch.is_final:
                     if ch.finish_reason not in ("stop", "length"):
                         raise ColibriError(f"the server ended the request early (finish_reason "
                                            f"{ch.finish_reason!r})", code="cancelled")
-                    yield _sse(finish(ch.finish_reason))
+                    for o in finish(ch):
+                        yield _sse(o)
                     if usage_chunk is not None:
                         yield _sse(usage_chunk(self._usage(ch)))
             state["outcome"] = "ok"
@@ -430,14 +435,20 @@ class Gateway:
         _check_known(body, _COMPLETION_FIELDS)
         f = _Fields(body)
         prompt = _completion_prompt(body)
-        params = _sampling(f, DEFAULT_MAX_TOKENS, chat=False)
+        echo = f.bool("echo", False)
+        score_only = echo and body.get("max_tokens") == 0       # echo of a scored prompt, nothing generated
+        params = _sampling(_Fields({**body, "max_tokens": 1}) if score_only else f, DEFAULT_MAX_TOKENS, chat=False)
         stream_mode = f.bool("stream", False)
         include_usage = _stream_options(f, stream_mode)
-        f.neutral("echo", [False], "echo must be false")
-        f.neutral("logprobs", [], "logprobs must be null")
+        lp = completion_logprobs(f)
+        if lp is not None:
+            params["logprobs"] = lp
+            if echo:
+                params["prompt_logprobs"] = lp
         f.neutral("suffix", [], "suffix must be null")
         info = self._check_model(f)
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
+        n = params.get("n", 1)
 
         def obj(choices, usage=None):
             o = {"id": rid, "object": "text_completion", "created": created, "model": info.name,
@@ -446,16 +457,47 @@ class Gateway:
                 o["usage"] = usage
             return o
 
-        def choice(text, fr):
-            return {"text": text, "index": 0, "logprobs": None, "finish_reason": fr}
+        def choice(i, text, fr, entries=None, offset=0):
+            return {"text": text, "index": i, "finish_reason": fr,
+                    "logprobs": legacy_logprobs_obj(entries, offset) if lp is not None else None}
+
+        def echoed(prompt_entries):
+            """The prompt's text (as given, or its tokens' text) and its logprob entries."""
+            if isinstance(prompt, str):
+                return prompt, prompt_entries
+            return "".join(e[0] for e in prompt_entries or ()) if prompt_entries else \
+                self._call(lambda c: c.detokenize(prompt), "prompt"), prompt_entries
 
         if not stream_mode:
-            text, final = self._generate(prompt, params, "prompt", environ)
-            return _json(obj([choice(text, final.finish_reason)], self._usage(final)))
+            _, final = self._generate(prompt, params, "prompt", environ)
+            head, head_lp = echoed(final.prompt_logprobs) if echo else ("", [])
+            choices = [choice(c.index, head + ("" if score_only else c.text), "length" if score_only else
+                              c.finish_reason, (head_lp or []) + ([] if score_only else c.logprobs or []))
+                       for c in final.choices]
+            usage = self._usage(final)
+            if score_only:
+                usage["completion_tokens"], usage["total_tokens"] = 0, usage["prompt_tokens"]
+            return _json(obj(choices, usage))
         stream, first = self._start(prompt, params, "prompt")
+        opening = []
+        if echo:
+            head, head_lp = echoed(first.prompt_logprobs)
+            opening = [obj([choice(i, head, None, head_lp)]) for i in range(n)]
+        offsets = [len(opening[0]["choices"][0]["text"]) if opening else 0] * n
+
+        def piece(ch):
+            if score_only:
+                return None
+            o = obj([choice(ch.choice, ch.text, None, ch.logprobs, offsets[ch.choice])])
+            offsets[ch.choice] += sum(len(e[0]) for e in ch.logprobs or ())
+            return o
+
+        def finish(final):
+            return [obj([choice(c.index, "", "length" if score_only else c.finish_reason, [])])
+                    for c in final.choices]
         return self._streaming(lambda state: self._events(
-            stream, first, lambda t: obj([choice(t, None)]), lambda fr: obj([choice("", fr)]),
-            (lambda u: obj([], u)) if include_usage else None, state, "prompt"), stream)
+            stream, first, piece, finish, (lambda u: obj([], u)) if include_usage else None, state, "prompt",
+            opening=opening), stream)
 
     def chat_completions(self, environ) -> _Resp:
         body = self._read_json(environ)
@@ -466,6 +508,9 @@ class Gateway:
         stream_mode = f.bool("stream", False)
         include_usage = _stream_options(f, stream_mode)
         _chat_unsupported(f)
+        lp = chat_logprobs(f)
+        if lp is not None:
+            params["logprobs"] = lp
         add_gen = f.bool("add_generation_prompt", True)
         info = self._check_model(f)
         segments, special = render_chat_segments(info, messages, add_gen)
@@ -474,6 +519,7 @@ class Gateway:
             raise _bad("the messages render to an empty prompt", "messages")
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         fingerprint = f"colibri-g{info.generation}" if info.generation is not None else None
+        n = params.get("n", 1)
 
         def obj(kind, choices, usage=None):
             o = {"id": rid, "object": kind, "created": created, "model": info.name,
@@ -482,19 +528,22 @@ class Gateway:
                 o["usage"] = usage
             return o
 
-        def delta(d, fr=None):
-            return obj("chat.completion.chunk", [{"index": 0, "delta": d, "logprobs": None, "finish_reason": fr}])
+        def delta(i, d, fr=None, entries=None):
+            return obj("chat.completion.chunk", [{"index": i, "delta": d, "finish_reason": fr,
+                                                  "logprobs": chat_logprobs_obj(entries) if entries else None}])
 
         if not stream_mode:
-            out, final = self._generate(ids, params, "messages", environ)
+            _, final = self._generate(ids, params, "messages", environ)
             return _json(obj("chat.completion", [{
-                "index": 0, "message": {"role": "assistant", "content": out, "refusal": None},
-                "logprobs": None, "finish_reason": final.finish_reason}], self._usage(final, len(ids))))
+                "index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": chat_logprobs_obj(c.logprobs) if lp is not None else None,
+                "finish_reason": c.finish_reason} for c in final.choices], self._usage(final, len(ids))))
         stream, first = self._start(ids, params, "messages")
         return self._streaming(lambda state: self._events(
-            stream, first, lambda t: delta({"content": t}), lambda fr: delta({}, fr),
+            stream, first, lambda ch: delta(ch.choice, {"content": ch.text}, None, ch.logprobs),
+            lambda final: [delta(c.index, {}, c.finish_reason) for c in final.choices],
             (lambda u: obj("chat.completion.chunk", [], u)) if include_usage else None, state, "messages",
-            opening=delta({"role": "assistant", "content": ""})), stream)
+            opening=[delta(i, {"role": "assistant", "content": ""}) for i in range(n)]), stream)
 
     def _model_obj(self, info):
         return {"id": info.name, "object": "model", "created": info.created, "owned_by": "colibri",

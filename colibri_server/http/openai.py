@@ -4,16 +4,17 @@ mapping and the shapes of WSGI answers (JSON bodies, server-sent events).
 Sampling fields (completions and chat): max_tokens (chat: also max_completion_tokens; default
 16 for completions as in OpenAI, `default_max_tokens` for chat), temperature in [0, 2]
 (default 1, as in OpenAI: pass 0 for greedy), top_p in [0, 1] (0 means greedy: it is sent as
-top_k=1), seed >= 0, stop (str or list), stream, stream_options.include_usage, and the
-extensions top_k (0 or -1: off), min_p, repetition_penalty, stop_token_ids, ignore_eos.
-Accepted only at their neutral value (anything else is a 400 naming the field): n=1,
-best_of=1, echo=false, logprobs=null/false, top_logprobs=null/0, suffix=null, logit_bias={}
+top_k=1), seed >= 0 (with n > 1, completion i uses seed + i), stop (str or list), stream,
+stream_options.include_usage, n (1..16 completions from one prefill), presence_penalty and
+frequency_penalty in [-2, 2] (OpenAI's: on the tokens of the completion so far), logit_bias
+({"token id": bias in [-100, 100]}), and the extensions top_k (0 or -1: off), min_p,
+repetition_penalty (multiplicative, on the prompt and the completion), stop_token_ids,
+ignore_eos.  Log-probabilities are of the model's raw logits (before penalties, bias and
+temperature, as vLLM returns by default): chat takes logprobs=true with top_logprobs 0..20;
+completions take logprobs 0..20 and echo (the prompt's tokens and their logprobs first; with
+echo, max_tokens may be 0 to score a text, as evaluation harnesses do).  Accepted only at
+their neutral value (anything else is a 400 naming the field): best_of=1 (or n), suffix=null,
 and tools/functions empty.  Unknown fields are refused (400, "unknown_parameter"), as OpenAI does.
-
-Penalties: frequency_penalty and presence_penalty are accepted only as 0.  The engine has a
-multiplicative `repetition_penalty` (CTRL-style, on every token already in the prompt or the
-completion) and no additive count-based penalty; mapping one onto the other would silently
-change what a client asked for, so it is exposed under its own name (as vLLM does) instead.
 
 Errors are OpenAI-style `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
 JSON, field types or values (param names the field) and for an unknown model, 401, 404, 405,
@@ -33,6 +34,7 @@ import re
 from typing import Any, Callable, Iterator, Optional
 
 from ..client import ColibriError
+from ..protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 log = logging.getLogger("colibri.http")
 
@@ -76,6 +78,7 @@ def _param_of(message: str, prompt_param: str) -> Optional[str]:
         name = m.group(1)
         return prompt_param if name == "prompt" else name
     for prefix, param in (("prompt", prompt_param), ("max_tokens", "max_tokens"), ("at most", "stop"),
+                          ("logit_bias", "logit_bias"),
                           ("token id", prompt_param), ("this model has no tokenizer", prompt_param),
                           ("request body", prompt_param)):
         if message.startswith(prefix):
@@ -230,14 +233,32 @@ def _sampling(f: _Fields, max_tokens_default: int, chat: bool) -> dict:
         p["stop_token_ids"] = sids
     if f.bool("ignore_eos", False):
         p["ignore_eos"] = True
-    f.neutral("n", [1], "n must be 1: one choice per request")
-    f.neutral("best_of", [1], "best_of must be 1")
+    n = f.int("n", 1, lo=1, hi=MAX_N)
+    if n > 1:
+        p["n"] = n
+    bo = f.int("best_of", None, lo=1)
+    if bo is not None and bo != n:
+        raise _bad("'best_of' must equal n (candidates are not ranked by this server)", "best_of",
+                   "unsupported_parameter")
     for name in ("frequency_penalty", "presence_penalty"):
-        f.num(name, 0.0, -2.0, 2.0)
-        f.neutral(name, [0], "only 0; use the extension 'repetition_penalty' (multiplicative, > 1 penalises)")
+        v = f.num(name, 0.0, -2.0, 2.0)
+        if v:
+            p[name] = v
     lb = f.body.get("logit_bias")
-    if lb is not None and lb != {}:
-        raise _bad("'logit_bias' is not supported by this server", "logit_bias", "unsupported_parameter")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise _bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias", "invalid_type")
+        if len(lb) > MAX_LOGIT_BIAS:
+            raise _bad(f"'logit_bias' has {len(lb)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+        bias = {}
+        for k, v in lb.items():
+            if not (isinstance(k, str) and k.isdigit() and len(k) < 12):
+                raise _bad(f"'logit_bias' key {str(k)[:20]!r} is not a token id", "logit_bias")
+            if not _is_num(v) or not -100 <= v <= 100:
+                raise _bad(f"'logit_bias[{k}]' must be a number in [-100, 100]", "logit_bias")
+            bias[int(k)] = float(v)
+        if bias:
+            p["logit_bias"] = bias
     f.str("user")
     return p
 
@@ -335,6 +356,25 @@ def _chat_messages(body) -> list:
     return out
 
 
+def chat_logprobs(f: _Fields):
+    """Chat's logprobs (bool) and top_logprobs (0..20, needs logprobs) -> the protocol's logprobs or None."""
+    on = f.bool("logprobs", False)
+    top = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not on:
+        raise _bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def completion_logprobs(f: _Fields):
+    """Completions' logprobs (an integer 0..20, or null) -> the protocol's logprobs or None."""
+    v = f.body.get("logprobs")
+    if v is None or v is False:
+        return None
+    if v is True:
+        return 0
+    return f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+
+
 def _chat_unsupported(f: _Fields):
     for name in ("tools", "functions"):
         v = f.body.get(name)
@@ -354,10 +394,6 @@ def _chat_unsupported(f: _Fields):
     mod = f.body.get("modalities")
     if mod is not None and mod != ["text"]:
         raise _bad("'modalities' must be [\"text\"]", "modalities", "unsupported_parameter")
-    lp = f.body.get("logprobs")
-    if lp is not None and lp is not False:
-        raise _bad("'logprobs' is not supported by this server", "logprobs", "unsupported_parameter")
-    f.neutral("top_logprobs", [0], "logprobs are not supported")
     for name in ("parallel_tool_calls", "store"):
         f.bool(name, None)
     f.str("service_tier")
@@ -367,6 +403,30 @@ def _chat_unsupported(f: _Fields):
 
 
 # ---------------------------------------------------------------------------- responses
+
+# A logprobs entry from colibri (protocol): [token text, logprob, [[id, token text, logprob], ...]];
+# a prompt's first entry has logprob None (nothing predicts it).
+
+
+def chat_logprobs_obj(entries) -> dict:
+    """Chat's choice.logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}."""
+    def one(text, lp):
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**one(e[0], e[1]), "top_logprobs": [one(a[1], a[2]) for a in e[2]]} for e in entries or ()],
+            "refusal": None}
+
+
+def legacy_logprobs_obj(entries, offset: int = 0) -> dict:
+    """Completions' choice.logprobs: tokens, token_logprobs, top_logprobs ({token: logprob}) and
+    text_offset (each token's character offset in the choice's text, from `offset`)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries or ():
+        out["tokens"].append(e[0])
+        out["token_logprobs"].append(e[1])
+        out["top_logprobs"].append({a[1]: a[2] for a in e[2]} if e[1] is not None else None)
+        out["text_offset"].append(offset)
+        offset += len(e[0])
+    return out
 
 
 class _Resp:

@@ -22,7 +22,7 @@ from . import weights as W
 from .config import ConfigError, ModelConfig
 from .moe import RoutingNoise
 from .rope import rope_tables
-from .sampler import Sampler, SamplingParams, StopChecker
+from .sampler import Sampler, SamplingParams, StopChecker, token_logprobs
 from .tokenizer import IncrementalDecoder, Tokenizer
 from .transformer import KVCache, Workspace, forward
 
@@ -68,6 +68,8 @@ class StreamEvent:
     token_id: int | None        # None on the closing event
     text: str                   # text that became final with this event ("" when held back)
     finish_reason: str | None = None   # "stop" | "length" on the last event
+    logprobs: tuple | None = None      # (log p(token), top ids, their log p), when params.logprobs is set
+    choice: int = 0                    # which of a request's n completions (BatchEngine)
 
 
 @dataclass
@@ -361,6 +363,25 @@ class Sequence:
         self.last = None                 # the last sampled token, not yet fed
         self.finished, self.finish_reason = False, None
         self.timings = {"prompt_tokens": len(self.prompt_ids), "prefill_s": 0.0, "decode_s": 0.0}
+        # params.prompt_logprobs: one entry per prompt position, None for the first (nothing predicts it)
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+
+    def fork(self, seed) -> "Sequence":
+        """A sibling for another of a request's n completions: the same prompt, nothing sampled yet,
+        its own sampler (seeded with `seed`), stop checker and decoder."""
+        p = self.params
+        params = SamplingParams(**{**{f: getattr(p, f) for f in p.__dataclass_fields__}, "seed": seed,
+                                   "prompt_logprobs": None})
+        return Sequence(self.model, self.prompt_ids, self.cache, params)
+
+    def score_prompt(self, start: int, logits) -> None:
+        """Prompt logprobs from the logits of prompt rows start..start+len(logits)-1 (row r predicts
+        prompt token r+1); rows already scored (a recomputation after preemption) are skipped."""
+        if self.prompt_logprobs is None:
+            return
+        P, k = len(self.prompt_ids), self.params.prompt_logprobs
+        for r in range(max(start, len(self.prompt_logprobs) - 1), min(start + len(logits), P - 1)):
+            self.prompt_logprobs.append(token_logprobs(logits[r - start], int(self.prompt_ids[r + 1]), k))
 
     def step(self):
         if self.finished:
@@ -371,7 +392,12 @@ class Sequence:
             if self.fed < len(self.prompt_ids):
                 part = self.prompt_ids[self.fed:self.fed + m.workspace.rows]
                 n = len(part)
-                logits = m.prefill(self.cache, part)
+                if self.prompt_logprobs is not None:
+                    logits = m.prefill(self.cache, part, all_logits=True)
+                    self.score_prompt(self.fed, logits)
+                    logits = logits[-1:]
+                else:
+                    logits = m.prefill(self.cache, part)
                 self.fed += len(part)
                 self.timings["prefill_s"] += time.perf_counter() - t0
                 if self.fed < len(self.prompt_ids):
@@ -390,6 +416,7 @@ class Sequence:
     def _sample(self, logits) -> StreamEvent:
         p = self.params
         t = self.sampler.sample(logits[0], self.history)
+        lp = token_logprobs(logits[0], t, p.logprobs) if p.logprobs is not None else None
         self.history.append(t)
         self.generated.append(t)
         self.last = t
@@ -400,7 +427,7 @@ class Sequence:
             finished, reason = True, "length"
         if finished:
             self.finished, self.finish_reason = True, reason
-        return StreamEvent(t, emit, reason if finished else None)
+        return StreamEvent(t, emit, reason if finished else None, lp)
 
     def cancel(self) -> None:
         self.finished, self.finish_reason = True, "cancelled"

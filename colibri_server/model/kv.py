@@ -104,6 +104,11 @@ class KVPool:
                 else:
                     self._free.append(b)
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """dst gets src's keys and values in every layer (a sibling's own copy of a partial block)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
     def _forget(self, b: int) -> None:
         key = self._key.pop(b, None)
         self._tokens.pop(b, None)
@@ -136,6 +141,12 @@ class KVPool:
         self.hits += len(out)
         self.hit_tokens += len(out) * BS
         return out, parent
+
+    def unmatch(self, blocks) -> None:
+        """Undo a match() whose sequence could not start after all (it does not count as a hit)."""
+        self.release(blocks)
+        self.hits -= len(blocks)
+        self.hit_tokens -= len(blocks) * self.block_size
 
     def first_block_key(self, tokens) -> int | None:
         """The chain hash of the first full block of tokens (the router's affinity key), or None."""

@@ -4,8 +4,13 @@ Three pieces, all pure NumPy / pure Python and independent of the model:
 
 * :class:`SamplingParams` -- the per-request knobs (frozen, validated).
 * :class:`Sampler` -- turns one row of logits into one token id.  The order of
-  operations follows Hugging Face ``generate()``: repetition penalty, then
-  (unless greedy) temperature, top-k, top-p, min-p, renormalise, draw.
+  operations follows vLLM's: logit bias, repetition penalty (Hugging Face's, on
+  the prompt and the completion), presence and frequency penalties (OpenAI's, on
+  the completion), then (unless greedy) temperature, top-k, top-p, min-p,
+  renormalise, draw.
+* :func:`token_logprobs` -- the log-probability of a token and the top
+  alternatives, from the model's raw logits (before any of the above: what
+  vLLM returns by default and what a log-softmax of ``Model.logits`` gives).
 * :class:`StopChecker` -- stop strings / stop token ids / EOS for a streaming
   server, holding back text that might still turn into a stop string.
 
@@ -24,7 +29,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampler", "StopChecker"]
+__all__ = ["SamplingParams", "Sampler", "StopChecker", "token_logprobs", "MAX_LOGPROBS"]
+
+MAX_LOGPROBS = 20       # alternatives per position, as OpenAI and vLLM's default
 
 
 # --------------------------------------------------------------------------
@@ -48,7 +55,14 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding (argmax); ``top_k == 0``,
     ``top_p == 1`` and ``min_p == 0`` switch the respective filter off;
-    ``repetition_penalty == 1`` switches the penalty off.  ``stop`` holds stop
+    ``repetition_penalty == 1`` switches the penalty off.  ``presence_penalty`` and
+    ``frequency_penalty`` follow OpenAI: the logit of a token already sampled c times
+    in this completion drops by ``c * frequency_penalty + presence_penalty``.
+    ``logit_bias`` adds a bias to given token ids (a mapping or ``(id, bias)`` pairs;
+    stored as sorted pairs).  ``logprobs`` / ``prompt_logprobs``: None, or how many
+    top alternatives (0..MAX_LOGPROBS) to report beside each sampled / prompt
+    token's own log-probability (the sampler does not compute them; the caller
+    does, with :func:`token_logprobs`).  ``stop`` holds stop
     *strings* (excluded from the output, as in OpenAI's API); ``stop_token_ids``
     are extra token ids that end generation (EOS ids come from the tokenizer
     and are honoured unless ``ignore_eos``).
@@ -69,6 +83,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers first so that the frozen instance is hashable.
@@ -93,6 +112,18 @@ class SamplingParams:
                 f"stop_token_ids: expected a list of integers, got {type(ids).__name__}"
             )
         object.__setattr__(self, "stop_token_ids", ids)
+        lb = self.logit_bias
+        if lb is None:
+            lb = ()
+        elif isinstance(lb, dict):
+            lb = tuple(lb.items())
+        elif isinstance(lb, (list, tuple)):
+            if not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in lb):
+                raise ValueError("logit_bias: expected a mapping of token id to bias or a list of (id, bias) pairs")
+            lb = tuple(tuple(e) for e in lb)
+        else:
+            raise ValueError(f"logit_bias: expected a mapping of token id to bias, got {type(lb).__name__}")
+        object.__setattr__(self, "logit_bias", lb)
         self.validate()
         # Canonical Python scalar types (numpy scalars would leak into JSON etc.).
         object.__setattr__(self, "temperature", float(self.temperature))
@@ -104,6 +135,12 @@ class SamplingParams:
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        object.__setattr__(self, "presence_penalty", float(self.presence_penalty))
+        object.__setattr__(self, "frequency_penalty", float(self.frequency_penalty))
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(i), float(b)) for i, b in dict(lb).items())))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
     def validate(self) -> None:
         """Raise ``ValueError("<field>: ...")`` for the first invalid field."""
@@ -135,6 +172,19 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids: must be non-negative integers, got {i!r}")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v):
+                raise ValueError(f"{name}: must be a finite number, got {v!r}")
+        for i, b in self.logit_bias:
+            if not _is_int(i) or i < 0:
+                raise ValueError(f"logit_bias: token ids must be non-negative integers, got {i!r}")
+            if not _is_real(b) or not math.isfinite(b):
+                raise ValueError(f"logit_bias: the bias of token {i} must be a finite number, got {b!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name}: must be None or an integer in 0..{MAX_LOGPROBS}, got {v!r}")
 
     @property
     def greedy(self) -> bool:
@@ -219,6 +269,13 @@ class Sampler:
         self._top_p = params.top_p
         self._min_p = params.min_p
         self._inv_t = 0.0 if self._greedy else 1.0 / params.temperature
+        bad = [i for i, _ in params.logit_bias if i >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}")
+        self._bias_ids = np.array([i for i, _ in params.logit_bias], np.int64)
+        self._bias = np.array([b for _, b in params.logit_bias], np.float32)
+        self._presence, self._frequency = params.presence_penalty, params.frequency_penalty
+        self._counts: dict = {}          # token id -> times this sampler returned it (presence/frequency)
         # Scratch buffers, allocated lazily (greedy without penalty needs none).
         self._buf: np.ndarray | None = None  # penalised logits
         self._w: np.ndarray | None = None  # unnormalised probabilities
@@ -274,17 +331,29 @@ class Sampler:
                 raise ValueError(
                     f"logits: expected shape ({self.vocab_size},), got {x.shape}"
                 )
-        if self._penalty != 1.0 and len(history):
+        rep = self._penalty != 1.0 and len(history)
+        counted = bool(self._counts) and (self._presence != 0.0 or self._frequency != 0.0)
+        if rep or counted or self._bias_ids.size:
             buf = self._scratch()
             np.copyto(buf, x, casting="unsafe")
-            self.apply_repetition_penalty(buf, history)
+            if self._bias_ids.size:
+                buf[self._bias_ids] += self._bias
+            if rep:
+                self.apply_repetition_penalty(buf, history)
+            if counted:
+                ids = np.fromiter(self._counts.keys(), np.int64, len(self._counts))
+                c = np.fromiter(self._counts.values(), np.float32, len(self._counts))
+                buf[ids] -= c * np.float32(self._frequency) + np.float32(self._presence)
             x = buf
         if self._greedy:
             i = int(np.argmax(x))
             if x[i] != x[i]:
                 raise ValueError("logits contain NaN")
-            return i
-        return self._sample_temperature(x)
+        else:
+            i = self._sample_temperature(x)
+        if self._presence != 0.0 or self._frequency != 0.0:
+            self._counts[i] = self._counts.get(i, 0) + 1
+        return i
 
     def _sample_temperature(self, x: np.ndarray) -> int:
         m = float(x.max())  # propagates NaN
@@ -385,6 +454,21 @@ class Sampler:
             else:
                 i = int(nz[min(int(np.searchsorted(nz, i)), nz.shape[0] - 1)])
         return int(cand[i]) if cand is not None else int(i)
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int):
+    """(log p(token), top-k ids, their log-probabilities) of one row of raw logits: a log-softmax in
+    float64, the alternatives by decreasing probability (ties: lower id first). k may be 0."""
+    x = np.asarray(logits)
+    m = float(x.max())
+    lse = m + math.log(float(np.exp(x.astype(np.float64) - m).sum()))
+    if k <= 0:
+        return float(x[token]) - lse, np.zeros(0, np.int64), np.zeros(0, np.float64)
+    k = min(k, x.shape[0])
+    cand = np.argpartition(-x, k - 1)[:k] if k < x.shape[0] else np.arange(x.shape[0])
+    order = np.lexsort((cand, -x[cand]))
+    ids = cand[order]
+    return float(x[token]) - lse, ids.astype(np.int64), x[ids].astype(np.float64) - lse
 
 
 # --------------------------------------------------------------------------

@@ -35,6 +35,9 @@ class SeqState:
     parent: int = 0                   # chain hash of the last registered block
     matched: bool = False             # the prefix table was consulted (first admission)
     preemptions: int = 0
+    choice: int = 0                   # which of the request's n completions
+    width: int = 1                    # slots it holds: n until its siblings are forked from it, then 1
+    reuse: bool = True                # may start from cached prefix blocks (not when its prompt is scored)
 
     @property
     def pending(self) -> int:
@@ -104,12 +107,13 @@ class Scheduler:
             budget -= n
             if budget == 0:
                 break
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        while self.waiting and budget > 0 and self.occupied() + self.waiting[0].width <= self.max_seqs:
             s = self.waiting[0]
-            if not s.matched and self.prefix_cache:
+            if not s.matched and self.prefix_cache and s.reuse:
                 self._match(s)
-            if self.pool.blocks_for(len(s.tokens)) - len(s.blocks) > self.pool.available():
-                break                                                 # admission: the whole prompt fits
+            if self.pool.blocks_for(len(s.tokens)) - len(s.blocks) + s.width - 1 > self.pool.available():
+                self._unmatch(s)         # a waiting sequence holds no block: running ones may need them all
+                break                    # admission: the whole prompt fits (and its siblings' last blocks)
             self.waiting.pop(0)
             self._insert_running(s)
             n = min(s.pending, budget)
@@ -118,6 +122,32 @@ class Scheduler:
             budget -= n
         return plan
 
+    def occupied(self) -> int:
+        """Slots held by running sequences (a request of n completions holds n from its admission)."""
+        return sum(s.width for s in self.running)
+
+    def fork(self, s: SeqState, choice: int, seq) -> SeqState:
+        """A sibling of s (whose prompt is computed and nothing else): it shares s's full blocks and
+        gets a copy of its last, partial one. When the pool has no block for that copy, the sibling
+        waits at the head of the queue and recomputes its prompt instead (from cached prefix blocks)."""
+        c = SeqState(s.rid, list(s.tokens), s.max_positions, s.arrival, seq, choice=choice, reuse=s.reuse)
+        BS, P = self.pool.block_size, s.computed
+        full = P // BS
+        if P % BS and not self.pool.available():
+            c.preemptions += 1
+            self.waiting.insert(0, c)
+            return c
+        for b in s.blocks[:full]:
+            self.pool.refs[b] += 1
+        c.blocks = list(s.blocks[:full])
+        if P % BS:
+            b = self.pool.allocate()
+            self.pool.copy_block(s.blocks[full], b)
+            c.blocks.append(b)
+        c.computed, c.registered, c.parent, c.matched = P, s.registered, s.parent, True   # registered <= full
+        self.running.insert(self.running.index(s) + choice, c)
+        return c
+
     def _match(self, s: SeqState) -> None:
         s.matched = True
         blocks, key = self.pool.match(s.tokens, len(s.tokens) - 1)  # at least one token left to compute
@@ -125,9 +155,15 @@ class Scheduler:
             s.blocks, s.registered, s.parent = blocks, len(blocks), key
             s.computed = len(blocks) * self.pool.block_size
 
+    def _unmatch(self, s: SeqState) -> None:
+        """Give back the prefix blocks s took when it was matched (it stays waiting; matched again later)."""
+        if s.blocks:
+            self.pool.unmatch(s.blocks)
+            s.blocks, s.computed, s.registered, s.parent, s.matched = [], 0, 0, 0, False
+
     def _insert_running(self, s: SeqState) -> None:
         i = len(self.running)
-        while i > 0 and self.running[i - 1].arrival > s.arrival:
+        while i > 0 and (self.running[i - 1].arrival, self.running[i - 1].choice) > (s.arrival, s.choice):
             i -= 1
         self.running.insert(i, s)
 

@@ -63,14 +63,21 @@ class BatchEngine:
         self.states = {}                                              # rid -> SeqState
         self.faults = []                                              # [(rid, NumericalFault)] of the last step
         self.steps = 0
+        self.prefill_rows = 0                                         # prompt positions computed (recomputations too)
         self.rows_total = 0
         self.last_rows = 0
 
     # -- requests -------------------------------------------------------------------------
-    def add(self, rid, prompt, **params):
-        """Queue a request; raises ValueError (a bad prompt or parameter) or RequestTooLarge."""
+    def add(self, rid, prompt, n: int = 1, **params):
+        """Queue a request of n completions (sampled from one prefill of the prompt: the first
+        completion's prompt blocks are shared with the others when it samples its first token);
+        raises ValueError (a bad prompt or parameter) or RequestTooLarge."""
         if rid in self.states:
             raise ValueError(f"request {rid!r} is already running")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n: must be an integer >= 1, got {n!r}")
+        if n > self.sched.max_seqs:
+            raise RequestTooLarge(f"n = {n} completions exceed the worker's {self.sched.max_seqs} slots")
         m = self.model
         seq = Sequence(m, prompt, None, SamplingParams(**params))
         P, mt = len(seq.prompt_ids), seq.params.max_tokens
@@ -81,16 +88,18 @@ class BatchEngine:
             st = self.sched.add(rid, seq.prompt_ids.tolist(), P + mt)
         except ValueError as e:
             raise RequestTooLarge(str(e)) from None
-        st.seq = seq
-        self.states[rid] = st
+        st.seq, st.width = seq, n
+        st.reuse = seq.prompt_logprobs is None          # a scored prompt computes every row itself
+        self.states[rid] = [st]
         return st
 
     def cancel(self, rid) -> bool:
-        st = self.states.pop(rid, None)
-        if st is None:
+        group = self.states.pop(rid, None)
+        if group is None:
             return False
-        st.seq.cancel()
-        self.sched.finish(st)
+        for st in group:
+            st.seq.cancel()
+            self.sched.finish(st)
         return True
 
     def has_work(self) -> bool:
@@ -101,7 +110,8 @@ class BatchEngine:
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list:
-        """Run one batched forward; return [(rid, StreamEvent)] for every token sampled in it."""
+        """Run one batched forward; return [(rid, StreamEvent)] for every token sampled in it
+        (ev.choice: which of the request's n completions)."""
         self.faults = []
         plan = self.sched.schedule()
         if not plan:
@@ -109,42 +119,64 @@ class BatchEngine:
         t0 = time.perf_counter()
         rows = self._rows(plan)
         m = self.model
+        out = self.logits if len(rows.sample) <= self.logits.shape[0] else \
+            np.empty((len(rows.sample), self.logits.shape[1]), np.float32)      # a scored prompt's rows
         try:
             if len(rows) == 1 and len(plan) == 1 and plan[0].sample and self.single is not None \
                     and (m.noise is None or m.noise.scale <= 0):
                 logits = self.single.paged(m.rope, self.pool, rows.tables[0], int(rows.pos[0]), int(rows.tokens[0]),
                                            self.scores)
             else:
-                logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, self.logits,
-                                       noise=m.noise)
+                logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, out, noise=m.noise)
         except ArithmeticError as e:        # a kernel met NaNs: fault whose rows hold them, recompute the rest
             self._arithmetic_fault(plan, e)
             return []
         dt = time.perf_counter() - t0
-        events, j = [], 0
-        for seg in plan:
+        events = []
+        for seg, (first, j) in zip(plan, rows.seg_logits):
             st = seg.state
+            if st.rid not in self.states:
+                continue                                        # faulted by a sibling in this step
             if seg.sample and not np.isfinite(logits[j]).all():
-                j += 1
                 self._fault(st, self._numerical_fault(st, seg.start + seg.n, f"non-finite logits at position "
                                                                              f"{seg.start + seg.n - 1}"))
                 continue
             self.sched.advance(seg)
-            prefill = seg.start < len(st.seq.prompt_ids)
+            P = len(st.seq.prompt_ids)
+            prefill = seg.start < P
             st.seq.timings["prefill_s" if prefill else "decode_s"] += dt
+            self.prefill_rows += max(0, min(seg.start + seg.n, P) - seg.start)
+            if first is not None:
+                st.seq.score_prompt(seg.start, logits[first:first + seg.n])
             if not seg.sample:
                 continue
-            ev = st.seq._sample(logits[j:j + 1])
-            j += 1
-            st.tokens.append(ev.token_id)
-            events.append((st.rid, ev))
-            if st.seq.finished:
-                self.sched.finish(st)
-                del self.states[st.rid]
+            group = [st]
+            if st.width > 1:                                    # the first token of n: fork the siblings
+                group += [self.sched.fork(st, i, st.seq.fork(None if st.seq.params.seed is None
+                                                             else st.seq.params.seed + i))
+                          for i in range(1, st.width)]
+                st.width = 1
+                self.states[st.rid].extend(group[1:])
+            for s in group:
+                ev = s.seq._sample(logits[j:j + 1])
+                ev.choice = s.choice
+                s.tokens.append(ev.token_id)
+                events.append((s.rid, ev))
+                if s.seq.finished:
+                    self._leave(s)
         self.steps += 1
         self.last_rows = len(rows)
         self.rows_total += len(rows)
         return events
+
+    def _leave(self, st) -> None:
+        """st is finished: its blocks go back to the pool; the request leaves with its last completion."""
+        self.sched.finish(st)
+        group = self.states.get(st.rid)
+        if group is not None:
+            group.remove(st)
+            if not group:
+                del self.states[st.rid]
 
     # -- numerical faults -------------------------------------------------------------------
     def _nonfinite_layer(self, st, end: int):
@@ -168,13 +200,15 @@ class BatchEngine:
         return NumericalFault(f"{what}: {where}", layer)
 
     def _fault(self, st, exc: NumericalFault) -> None:
+        """The request of st ends with exc, every completion of it."""
         self.faults.append((st.rid, exc))
-        st.seq.cancel()
-        for b in st.blocks[st.registered:]:     # no stale NaNs for the block's next owner to be blamed for
-            self.pool.k[:, b] = 0
-            self.pool.v[:, b] = 0
-        self.sched.finish(st)
-        del self.states[st.rid]
+        for s in self.states.pop(st.rid, [st]):
+            s.seq.cancel()
+            for b in s.blocks[s.registered:]:   # no stale NaNs for the block's next owner to be blamed for
+                if self.pool.refs[b] == 1:
+                    self.pool.k[:, b] = 0
+                    self.pool.v[:, b] = 0
+            self.sched.finish(s)
 
     def _arithmetic_fault(self, plan, e: ArithmeticError) -> None:
         what = lambda seg: (f"{e.__class__.__name__} in the forward pass at positions "    # noqa: E731
@@ -182,31 +216,41 @@ class BatchEngine:
         found = [(seg, self._nonfinite_layer(seg.state, seg.start + seg.n)) for seg in plan]
         bad = [seg for seg, layer in found if layer is not None] or list(plan)
         for seg in bad:
-            self._fault(seg.state, self._numerical_fault(seg.state, seg.start + seg.n, what(seg)))
+            if seg.state.rid in self.states:
+                self._fault(seg.state, self._numerical_fault(seg.state, seg.start + seg.n, what(seg)))
 
     def _rows(self, plan) -> Rows:
+        """The step's rows; rows.seg_logits[i] = (first logits row of segment i's scored prompt rows or
+        None, its sampled row's logits row or None)."""
         n = sum(seg.n for seg in plan)
         maxb = max(len(seg.state.blocks) for seg in plan)
         tokens = np.empty(n, np.int64)
         seq = np.empty(n, np.int64)
         pos = np.empty(n, np.int64)
         tables = np.zeros((len(plan), maxb), np.int32)
-        sample, r = [], 0
+        sample, seg_logits, r = [], [], 0
         for i, seg in enumerate(plan):
             st = seg.state
             tokens[r:r + seg.n] = st.tokens[seg.start:seg.start + seg.n]
             seq[r:r + seg.n] = i
             pos[r:r + seg.n] = np.arange(seg.start, seg.start + seg.n)
             tables[i, :len(st.blocks)] = st.blocks
+            first = None
+            if st.seq.prompt_logprobs is not None and seg.start < len(st.seq.prompt_ids) - 1:
+                first = len(sample)                             # every row's logits: each scores a prompt token
+                sample.extend(range(r, r + seg.n))
+            elif seg.sample:
+                sample.append(r + seg.n - 1)
             r += seg.n
-            if seg.sample:
-                sample.append(r - 1)
-        return Rows(tokens, seq, pos, tables, self.pool.block_size, sample)
+            seg_logits.append((first, len(sample) - 1 if seg.sample else None))
+        rows = Rows(tokens, seq, pos, tables, self.pool.block_size, sample)
+        rows.seg_logits = seg_logits
+        return rows
 
     def stats(self) -> dict:
         s = dict(self.pool.stats())
         s.update(self.sched.stats())
-        s.update(steps=self.steps, batch_rows_last=self.last_rows,
+        s.update(steps=self.steps, prefill_tokens=self.prefill_rows, batch_rows_last=self.last_rows,
                  batch_rows_mean=round(self.rows_total / self.steps, 2) if self.steps else 0.0)
         return s
 

@@ -202,6 +202,15 @@ class Tokenizer:
         except (OverflowError, TypeError) as e:
             raise ValueError(f"invalid token ids: {e}") from None
 
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (special tokens included; a token that is part of a
+        UTF-8 character decodes to U+FFFD): what logprobs name each token by. Cached."""
+        cache = self.__dict__.setdefault("_token_text", {})
+        t = cache.get(token_id)
+        if t is None:
+            t = cache[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return t
+
     def token_to_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
 

@@ -1,0 +1,231 @@
+"""Issue 19, item 1: logprobs, n, presence/frequency penalties, logit_bias and echo, end to end: the
+native client against a real `colibri serve` (f32 file and f32 KV cache: the exact path), and the
+official `openai` package against the gateway in front of it.
+
+Every number is checked against the model itself: logprobs against a log-softmax of `Model.logits`
+on the same tokens (1e-5), penalties and biases against a greedy loop over `Model.logits` that
+applies OpenAI's definitions by hand, and `n` against the worker's own prefill counter.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import openai
+import pytest
+import requests
+
+from colibri_server.model import Model
+from server_harness import Server
+from test_http import KEY, ROOT, Gateway, free_port
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def st(built, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("oa-sampling")
+    path = built("mixtral").colibri("f32")
+
+    class S:
+        pass
+    s = S()
+    s.model = Model.open(path)
+    s.server = Server(path, tmp, workers=1, name="s", extra=["--kv-dtype", "f32"])
+    port = free_port()
+    s.url = f"http://127.0.0.1:{port}"
+    s.gateway = Gateway([sys.executable, "-m", "gunicorn", "colibri_server.http:app_from_env()",
+                         "-c", os.path.join(ROOT, "configs", "gunicorn.conf.py"),
+                         "--bind", f"127.0.0.1:{port}", "--threads", "2"],
+                        {"COLIBRI_HTTP_CONNECT": s.server.addr, "COLIBRI_HTTP_API_KEY": KEY}, tmp / "gateway.log")
+    try:
+        s.server.wait_ready(1)
+        s.gateway.wait_listening(s.url)
+        s.oa = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        s.name = s.oa.models.list().data[0].id
+        yield s
+    finally:
+        s.gateway.stop()
+        s.server.stop()
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+
+
+PROMPT = [5, 17, 99, 3, 250, 41, 7, 7, 300, 12, 64, 128, 200, 33, 90, 11, 21, 150]
+
+
+def test_logprobs_of_sampled_and_prompt_tokens_are_the_models_log_softmax(st):
+    """Native client: each sampled token's logprob and its 5 top alternatives (ids and values), and every
+    prompt token's, equal a log-softmax of Model.logits over prompt + completion (1e-5)."""
+    with st.server.client(60) as c:
+        r = c.generate(PROMPT, max_tokens=8, temperature=0.9, seed=4, logprobs=5, prompt_logprobs=3,
+                       ignore_eos=True)
+    ids = PROMPT + r.token_ids
+    ref = log_softmax(st.model.logits(ids))                                # row i predicts token i+1
+    assert len(r.logprobs) == len(r.token_ids) == 8
+    for k, (t, e) in enumerate(zip(r.token_ids, r.logprobs)):
+        row = ref[len(PROMPT) - 1 + k]
+        assert abs(e[1] - row[t]) < TOL
+        top = [a[0] for a in e[2]]
+        assert top == list(np.argsort(-row, kind="stable")[:5])
+        assert max(abs(a[2] - row[a[0]]) for a in e[2]) < TOL
+        assert e[0] == st.model.tokenizer.token_text(t)
+    p = r.prompt_logprobs
+    assert len(p) == len(PROMPT) and p[0][1] is None and p[0][2] == []
+    assert max(abs(p[i][1] - ref[i - 1][PROMPT[i]]) for i in range(1, len(PROMPT))) < TOL
+    assert all(len(e[2]) == 3 for e in p[1:])
+    # streamed: the same entries, one per token, and the prompt's with the first token
+    with st.server.client(60) as c:
+        chunks = list(c.stream(PROMPT, max_tokens=8, temperature=0.9, seed=4, logprobs=5, prompt_logprobs=3,
+                               ignore_eos=True))
+    streamed = [e for ch in chunks if not ch.is_final for e in ch.logprobs]
+    assert streamed == r.logprobs and chunks[0].prompt_logprobs == r.prompt_logprobs
+
+
+def test_n_completions_come_from_one_prefill(st):
+    """n = 4 sampled completions: four different texts, each of max_tokens, usage counting all four, the
+    same four again for the same seed, and the worker's prefill counter grows by the prompt once."""
+    prompt = list(range(40, 40 + 37))
+    before = settled_prefill(st.server)
+    with st.server.client(60) as c:
+        r = c.generate(prompt, max_tokens=6, temperature=1.0, seed=11, n=4, ignore_eos=True)
+        again = c.generate(prompt, max_tokens=6, temperature=1.0, seed=11, n=4, ignore_eos=True)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert all(len(ch.token_ids) == 6 and ch.finish_reason == "length" for ch in r.choices)
+    assert len({tuple(ch.token_ids) for ch in r.choices}) > 1
+    assert r.token_ids == r.choices[0].token_ids and r.usage["completion_tokens"] == 24
+    assert [ch.token_ids for ch in again.choices] == [ch.token_ids for ch in r.choices]
+    grown = settled_prefill(st.server) - before
+    # the second request found the prompt's two full blocks in the prefix cache: only its tail is computed
+    assert grown == len(prompt) + (len(prompt) - 32), grown
+
+
+def settled_prefill(server, quiet=2.5):
+    """The worker's prefill counter once heartbeats (every second) have stopped changing it."""
+    import time
+    last, since = None, time.monotonic()
+    while True:
+        v = server.stats()["workers"][0]["engine"].get("prefill_tokens", 0)
+        if v != last:
+            last, since = v, time.monotonic()
+        elif time.monotonic() - since > quiet:
+            return v
+        time.sleep(0.2)
+
+
+def greedy_reference(model, prompt, steps, presence=0.0, frequency=0.0, bias=None):
+    """OpenAI's penalties by hand: logit -= count * frequency + (count > 0) * presence; plus the bias."""
+    out, counts = [], {}
+    for _ in range(steps):
+        x = model.logits(prompt + out)[-1].astype(np.float64)
+        for t, b in (bias or {}).items():
+            x[t] += b
+        for t, n in counts.items():
+            x[t] -= n * frequency + presence
+        t = int(np.argmax(x))
+        out.append(t)
+        counts[t] = counts.get(t, 0) + 1
+    return out
+
+
+# greedy on the random test model never repeats a token by itself: the positive penalties are checked
+# where a bias makes token 129 come back (the precondition below: the penalty changes the output)
+@pytest.mark.parametrize("kw", [dict(frequency_penalty=2.0, logit_bias={129: 4.0}),
+                                dict(presence_penalty=2.0, logit_bias={129: 4.0}),
+                                dict(frequency_penalty=-2.0), dict(presence_penalty=-2.0),
+                                dict(presence_penalty=-1.0, frequency_penalty=0.5)])
+def test_presence_and_frequency_penalties_follow_openai(st, kw):
+    bias = kw.get("logit_bias")
+    with st.server.client(60) as c:
+        got = c.generate(PROMPT, max_tokens=16, ignore_eos=True, **kw).token_ids
+    want = greedy_reference(st.model, PROMPT, 16, kw.get("presence_penalty", 0.0), kw.get("frequency_penalty", 0.0),
+                            bias)
+    assert want != greedy_reference(st.model, PROMPT, 16, bias=bias)      # the penalty matters here
+    assert got == want
+
+
+def test_logit_bias_moves_the_choice_and_is_checked_against_the_vocabulary(st):
+    with st.server.client(60) as c:
+        plain = c.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids
+        banned = c.generate(PROMPT, max_tokens=6, ignore_eos=True, logit_bias={plain[0]: -100}).token_ids
+        forced = c.generate(PROMPT, max_tokens=4, ignore_eos=True, logit_bias={77: 100}).token_ids
+        with pytest.raises(Exception) as e:
+            c.generate(PROMPT, max_tokens=2, logit_bias={st.model.config.vocab_size: 1})
+    assert banned == greedy_reference(st.model, PROMPT, 6, bias={plain[0]: -100}) and banned[0] != plain[0]
+    assert forced == [77] * 4
+    assert e.value.code == "bad_request" and "outside the vocabulary" in e.value.message
+
+
+# ---------------------------------------------------------------------------- through the gateway
+
+
+def test_openai_chat_logprobs_and_n_sync_and_streaming(st):
+    msgs = [{"role": "user", "content": "def f():"}]
+    r = st.oa.chat.completions.create(model=st.name, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                      top_logprobs=3)
+    c0 = r.choices[0]
+    content = c0.logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(e.token for e in content).strip() != "" or c0.message.content == ""
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=TOL)    # greedy: the top one
+        assert e.bytes == list(e.token.encode("utf-8"))
+    chunks = list(st.oa.chat.completions.create(model=st.name, messages=msgs, max_tokens=6, temperature=0,
+                                                logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for ch in chunks for cc in ch.choices if cc.logprobs for e in cc.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < TOL
+    # n = 3 sampled: three choices, streamed pieces joined per index equal the non-streamed texts
+    kw = dict(model=st.name, messages=msgs, max_tokens=8, temperature=1.0, seed=3, n=3)
+    full = st.oa.chat.completions.create(**kw)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts = {0: "", 1: "", 2: ""}
+    finals = {}
+    for ch in st.oa.chat.completions.create(stream=True, **kw):
+        for cc in ch.choices:
+            texts[cc.index] += cc.delta.content or ""
+            if cc.finish_reason:
+                finals[cc.index] = cc.finish_reason
+    assert [texts[i] for i in range(3)] == [c.message.content for c in full.choices]
+    assert finals == {c.index: c.finish_reason for c in full.choices}
+
+
+def test_openai_completions_echo_scores_a_text_like_an_evaluation_harness(st):
+    """echo + logprobs + max_tokens 0: the prompt's tokens and logprobs (the first null), nothing generated;
+    the values are the model's log-softmax."""
+    ids = PROMPT[:10]
+    r = st.oa.completions.create(model=st.name, prompt=ids, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    lp = r.choices[0].logprobs
+    ref = log_softmax(st.model.logits(ids))
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+    assert max(abs(lp.token_logprobs[i] - ref[i - 1][ids[i]]) for i in range(1, len(ids))) < TOL
+    assert r.choices[0].text == "".join(lp.tokens) and r.usage.completion_tokens == 0
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    # echo with a completion: the prompt text, then the completion's tokens and logprobs
+    r2 = st.oa.completions.create(model=st.name, prompt="def main(args):", max_tokens=4, echo=True, logprobs=1,
+                                  temperature=0, presence_penalty=0.5, frequency_penalty=0.5,
+                                  logit_bias={"50": -100})
+    c2 = r2.choices[0]
+    assert c2.text.startswith("def main(args):") and len(c2.logprobs.tokens) == r2.usage.prompt_tokens + 4
+    # streamed echo: the prompt first, then the same completion
+    chunks = list(st.oa.completions.create(model=st.name, prompt="def main(args):", max_tokens=4, echo=True,
+                                           logprobs=1, temperature=0, presence_penalty=0.5, frequency_penalty=0.5,
+                                           logit_bias={"50": -100}, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c2.text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"n": 17}, "n"), ({"n": 0}, "n"), ({"best_of": 2}, "best_of"), ({"logprobs": 21}, "logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias"), ({"echo": "yes"}, "echo")])
+def test_bad_sampling_fields_name_the_field(st, body, param):
+    r = requests.post(st.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                      json={"prompt": "x", "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
