@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 import os
 import secrets
@@ -184,7 +185,8 @@ def _detokenize_result(r, rid):
     return text
 
 
-_GEN_PARAMS = (set(protocol.SAMPLING_FIELDS) | {"stop", "stop_token_ids", "deadline_ms", "n", "logit_bias"}) - \
+_GEN_PARAMS = (set(protocol.SAMPLING_FIELDS) | {"stop", "stop_token_ids", "deadline_ms", "n", "logit_bias",
+                                                 "grammar"}) - \
     {"max_tokens", "temperature"}
 
 
@@ -199,6 +201,8 @@ def _generate_body(rid, prompt, max_tokens, temperature, params) -> dict:
             "temperature": temperature, "stream": True}
     for k, v in params.items():
         if v is not None:
+            if k == "grammar" and isinstance(v, (tuple, list)):     # (type, value) -> {type, value}
+                v = {"type": v[0], "value": v[1] if isinstance(v[1], str) else json.dumps(v[1])}
             if k == "logit_bias":           # {id: bias} or pairs -> [[id, bias], ...] on the wire
                 v = [[int(t), float(b)] for t, b in (v.items() if isinstance(v, dict) else v)]
             body[k] = list(v) if k in ("stop", "stop_token_ids") and not isinstance(v, str) else v

@@ -22,6 +22,9 @@ Requests (client -> server)
                logprobs: int | None  (0..20: each sampled token's log-probability and that many top
                                       alternatives, from the model's raw logits),
                prompt_logprobs: int | None  (0..20: the same for every prompt token after the first),
+               grammar: {type: "json_schema" | "regex" | "lark", value: str} | None  (constrained
+                        decoding: the output stays inside it and ends when it is complete; a
+                        JSON schema is given as JSON text; see model/grammar.py),
                stream: bool = true   (false: one "done" carrying all text and ids),
                deadline_ms: int | None  (the whole request, from arrival at the router)
     tokenize   text: str, add_special_tokens: bool = true
@@ -102,6 +105,8 @@ SAMPLING_FIELDS = {  # name: (type, default)
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
+GRAMMAR_KINDS = ("json_schema", "regex", "lark")     # model/grammar.py's KINDS
+MAX_GRAMMAR = 256 << 10
 
 
 class ProtocolError(Exception):
@@ -202,7 +207,7 @@ def _num(body, name, typ, default):
 
 def validate_generate(body: dict, limits: Limits) -> dict:
     """A generate body -> normalised request dict; raises ProtocolError naming the field."""
-    known = {"type", "id", "prompt", "stop", "stop_token_ids", "stream", "deadline_ms", "n", "logit_bias"} | \
+    known = {"type", "id", "prompt", "stop", "stop_token_ids", "stream", "deadline_ms", "n", "logit_bias", "grammar"} | \
         set(SAMPLING_FIELDS)
     extra = sorted((k for k in body if k not in known), key=repr)     # keys may be str or bytes
     if extra:
@@ -253,6 +258,20 @@ def validate_generate(body: dict, limits: Limits) -> dict:
     if not 1 <= req["n"] <= MAX_N:
         raise ProtocolError("bad_request", f"field 'n' must be in 1..{MAX_N}")
     req["logit_bias"] = _logit_bias(body.get("logit_bias", []), limits.vocab_size)
+    g = body.get("grammar")
+    if g is not None:
+        if not isinstance(g, dict) or set(g) != {"type", "value"} or g["type"] not in GRAMMAR_KINDS \
+                or not isinstance(g["value"], str) or not g["value"]:
+            raise ProtocolError("bad_request", "field 'grammar' must be {type: " + " | ".join(GRAMMAR_KINDS) +
+                                ", value: a non-empty string}")
+        if len(g["value"]) > MAX_GRAMMAR:
+            raise ProtocolError("too_large", f"grammar of {len(g['value'])} characters exceeds {MAX_GRAMMAR}")
+        from .model.grammar import GrammarError, check       # (the router's import: clients never validate)
+        try:
+            check(g["type"], g["value"])
+        except GrammarError as e:
+            raise ProtocolError("bad_request", str(e)) from None
+    req["grammar"] = g
     stop = body.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]

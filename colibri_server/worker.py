@@ -246,6 +246,9 @@ class Worker:
         params = {k: req[k] for k in P.SAMPLING_FIELDS if k in req}
         params.update(stop=tuple(req.get("stop") or ()), stop_token_ids=tuple(req.get("stop_token_ids") or ()),
                       logit_bias=tuple(tuple(e) for e in req.get("logit_bias") or ()))
+        g = req.get("grammar")
+        if g:
+            params["grammar"] = (g["type"], g["value"])
         from .model.serving import RequestTooLarge
         try:
             st = self.engine.add(rid, req.get("prompt"), n=n, **params)

@@ -8,6 +8,7 @@ applies OpenAI's definitions by hand, and `n` against the worker's own prefill c
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -23,16 +24,12 @@ from test_http import KEY, ROOT, Gateway, free_port
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def st(built, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("oa-sampling")
-    path = built("mixtral").colibri("f32")
-
+def _stack(tmp, path, extra=()):
     class S:
         pass
     s = S()
     s.model = Model.open(path)
-    s.server = Server(path, tmp, workers=1, name="s", extra=["--kv-dtype", "f32"])
+    s.server = Server(path, tmp, workers=1, name="s", extra=list(extra))
     port = free_port()
     s.url = f"http://127.0.0.1:{port}"
     s.gateway = Gateway([sys.executable, "-m", "gunicorn", "colibri_server.http:app_from_env()",
@@ -48,6 +45,19 @@ def st(built, tmp_path_factory):
     finally:
         s.gateway.stop()
         s.server.stop()
+
+
+@pytest.fixture(scope="module")
+def st(built, tmp_path_factory):
+    """The random test model, f32 file and f32 KV cache: logprobs compare with Model.logits exactly."""
+    yield from _stack(tmp_path_factory.mktemp("oa-sampling"), built("mixtral").colibri("f32"), ["--kv-dtype", "f32"])
+
+
+@pytest.fixture(scope="module")
+def bst(tmp_path_factory):
+    """The bundled model (a trained tokenizer: the tools' JSON fits its context of 256 tokens)."""
+    from colibri_server.bundled import BUNDLED_MODEL
+    yield from _stack(tmp_path_factory.mktemp("oa-bundled"), BUNDLED_MODEL)
 
 
 def log_softmax(x):
@@ -228,4 +238,97 @@ def test_openai_completions_echo_scores_a_text_like_an_evaluation_harness(st):
 def test_bad_sampling_fields_name_the_field(st, body, param):
     r = requests.post(st.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
                       json={"prompt": "x", "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---------------------------------------------------------------------------- structured output and tools
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                           "units": {"enum": ["C", "F"]}},
+          "required": ["city", "days", "units"], "additionalProperties": False}
+# small: the test model's context is 256 tokens of a 512-token vocabulary, and the tools go in the prompt
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["a"]}}}]
+
+
+def test_openai_response_format_json_schema_and_json_object_validate(st):
+    import jsonschema
+    msgs = [{"role": "user", "content": "weather?"}]
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}
+    r = st.oa.chat.completions.create(model=st.name, messages=msgs, max_tokens=100, temperature=0, response_format=rf)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    text = "".join(ch.choices[0].delta.content or "" for ch in st.oa.chat.completions.create(
+        model=st.name, messages=msgs, max_tokens=100, temperature=0, response_format=rf, stream=True) if ch.choices)
+    assert text == r.choices[0].message.content
+    r = st.oa.chat.completions.create(model=st.name, messages=msgs, max_tokens=100, temperature=0.7, seed=1,
+                                      response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = st.oa.completions.create(model=st.name, prompt="x", max_tokens=20, temperature=0,
+                                 extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert r.choices[0].text in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_openai_tool_calls_parse_and_name_a_listed_tool(bst, tool_choice):
+    st = bst
+    import jsonschema
+    msgs = [{"role": "user", "content": "2+3?"}]
+    for stream in (False, True):
+        kw = dict(model=st.name, messages=msgs, max_tokens=40, temperature=0, tools=TOOLS, tool_choice=tool_choice)
+        if not stream:
+            r = st.oa.chat.completions.create(**kw)
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls" and c.message.content is None
+            call = c.message.tool_calls[0]
+            name, args = call.function.name, call.function.arguments
+        else:
+            chunks = list(st.oa.chat.completions.create(stream=True, **kw))
+            deltas = [cc.delta.tool_calls[0] for ch in chunks for cc in ch.choices if cc.delta.tool_calls]
+            assert [cc.finish_reason for ch in chunks for cc in ch.choices if cc.finish_reason] == ["tool_calls"]
+            call = deltas[0]
+            name, args = call.function.name, call.function.arguments
+        assert call.id.startswith("call_") and call.type == "function"
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        assert name in params and (tool_choice == "required" or name == "add")
+        jsonschema.validate(json.loads(args), params[name])
+    # the call and its result go back in the conversation: the next turn is accepted
+    follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": name, "arguments": args}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    r = st.oa.chat.completions.create(model=st.name, messages=follow, max_tokens=8, temperature=0, tools=TOOLS,
+                                      tool_choice="none")
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+
+
+def test_auto_tool_choice_returns_a_call_only_when_the_output_is_one(bst):
+    st = bst
+    from colibri_server.http.structured import Tools
+    t = Tools.from_body({"tools": TOOLS})
+    assert t.choice == "auto" and t.grammar() is None
+    call = t.parse('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert call[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert t.parse('```json\n{"name": "weather", "arguments": {}}\n```')[0]["function"]["name"] == "weather"
+    assert t.parse('{"name": "rm", "arguments": {}}') is None and t.parse("just text") is None
+    r = st.oa.chat.completions.create(model=st.name, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                      temperature=0, tools=TOOLS)
+    c = r.choices[0]
+    assert (c.message.tool_calls is None) == (c.finish_reason != "tool_calls")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}, "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice")])
+def test_bad_structured_fields_name_the_field(st, body, param):
+    r = requests.post(st.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -64,6 +64,7 @@ from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _
                           _chat_unsupported, _check_known, _completion_prompt, _error_resp, _Fields, _is_int,
                           _is_num, _json, _json_bytes, _Resp, _sampling, _sse, _stream_options, _StreamBody,
                           chat_logprobs, chat_logprobs_obj, completion_logprobs, http_error_for, legacy_logprobs_obj)
+from .structured import Tools, messages_for_template, response_grammar
 from .template import (CHATML, STATS_TIMEOUT, ModelInfo, fetch_template, model_info_from_stats,  # noqa: F401
                        render_chat, render_chat_segments)
 
@@ -446,6 +447,9 @@ class Gateway:
             if echo:
                 params["prompt_logprobs"] = lp
         f.neutral("suffix", [], "suffix must be null")
+        grammar = response_grammar(body)
+        if grammar is not None:
+            params["grammar"] = grammar
         info = self._check_model(f)
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
         n = params.get("n", 1)
@@ -511,9 +515,22 @@ class Gateway:
         lp = chat_logprobs(f)
         if lp is not None:
             params["logprobs"] = lp
+        tools = Tools.from_body(body)
+        calling = tools is not None and tools.choice != "none"
+        grammar = response_grammar(body)
+        if calling and tools.grammar() is not None:
+            if grammar is not None:
+                raise _bad("a required tool call and response_format cannot both constrain the output", "tool_choice")
+            grammar = tools.grammar()
+        if grammar is not None:
+            params["grammar"] = grammar
         add_gen = f.bool("add_generation_prompt", True)
         info = self._check_model(f)
-        segments, special = render_chat_segments(info, messages, add_gen)
+        template = info.chat_template or ""
+        if calling:
+            messages = tools.prompt_messages(messages, "tools" in template)
+        segments, special = render_chat_segments(info, messages_for_template(messages, "tool_calls" in template),
+                                                 add_gen, **({"tools": tools.tools} if calling else {}))
         ids = self._call(lambda c: c.tokenize(segments, add_special_tokens=special), "messages")
         if not ids:
             raise _bad("the messages render to an empty prompt", "messages")
@@ -532,12 +549,34 @@ class Gateway:
             return obj("chat.completion.chunk", [{"index": i, "delta": d, "finish_reason": fr,
                                                   "logprobs": chat_logprobs_obj(entries) if entries else None}])
 
-        if not stream_mode:
+        def answer(c):
+            """(message, finish_reason) of a finished choice: a tool call when the output is one."""
+            calls = tools.parse(c.text) if calling else None
+            if calls:
+                return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            return {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
+
+        if not stream_mode or calling:          # a tool call is known only at the end: streamed in one piece
             _, final = self._generate(ids, params, "messages", environ)
-            return _json(obj("chat.completion", [{
-                "index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": chat_logprobs_obj(c.logprobs) if lp is not None else None,
-                "finish_reason": c.finish_reason} for c in final.choices], self._usage(final, len(ids))))
+            usage = self._usage(final, len(ids))
+            answers = [(c, *answer(c)) for c in final.choices]
+            if not stream_mode:
+                return _json(obj("chat.completion", [{
+                    "index": c.index, "message": msg, "finish_reason": fr,
+                    "logprobs": chat_logprobs_obj(c.logprobs) if lp is not None else None}
+                    for c, msg, fr in answers], usage))
+            events = [delta(c.index, {"role": "assistant", "content": ""}) for c, _, _ in answers]
+            for c, msg, fr in answers:
+                if msg.get("tool_calls"):
+                    events.append(delta(c.index, {"tool_calls": [{"index": 0, **msg["tool_calls"][0]}]}))
+                else:
+                    events.append(delta(c.index, {"content": msg["content"]}, None, c.logprobs))
+                events.append(delta(c.index, {}, fr))
+            if include_usage:
+                events.append(obj("chat.completion.chunk", [], usage))
+            body = _StreamBody(iter([_sse(e) for e in events] + [_DONE]), {"outcome": "ok"}, lambda: None,
+                               lambda outcome: None)
+            return _Resp(200, body, content_type="text/event-stream; charset=utf-8")
         stream, first = self._start(ids, params, "messages")
         return self._streaming(lambda state: self._events(
             stream, first, lambda ch: delta(ch.choice, {"content": ch.text}, None, ch.logprobs),

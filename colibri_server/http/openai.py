@@ -181,9 +181,10 @@ class _Fields:
 
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                   "stream_options", "n", "best_of", "logprobs", "frequency_penalty", "presence_penalty",
-                  "repetition_penalty", "logit_bias", "user", "stop_token_ids", "ignore_eos"}
+                  "repetition_penalty", "logit_bias", "user", "stop_token_ids", "ignore_eos", "response_format",
+                  "structured_outputs"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                  "tool_choice", "functions", "function_call", "parallel_tool_calls", "store",
                                  "metadata", "service_tier", "modalities", "add_generation_prompt"}
 
@@ -342,10 +343,9 @@ def _chat_messages(body) -> list:
             content = "\n".join(parts)
         elif not isinstance(content, str):
             raise _bad(f"'{at}.content' must be a string or a list of text parts", f"{at}.content", "invalid_type")
-        if m.get("tool_calls"):
-            raise _bad(f"'{at}.tool_calls' is not supported by this server", f"{at}.tool_calls",
-                       "unsupported_parameter")
         msg = {"role": "system" if role == "developer" else role, "content": content}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{at}.tool_calls")
         for k in ("name", "tool_call_id"):
             v = m.get(k)
             if v is not None:
@@ -375,22 +375,25 @@ def completion_logprobs(f: _Fields):
     return f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
 
 
+def _tool_calls(calls, at) -> list:
+    """An assistant message's tool_calls, checked; arguments as objects (what chat templates read)."""
+    if not isinstance(calls, list):
+        raise _bad(f"'{at}' must be a list", at, "invalid_type")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise _bad(f"'{at}[{j}]' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                       f"\"arguments\": a JSON string}}}}", f"{at}[{j}]", "invalid_type")
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            raise _bad(f"'{at}[{j}].function.arguments' is not JSON", f"{at}[{j}].function.arguments") from None
+        out.append({"id": str(c.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
 def _chat_unsupported(f: _Fields):
-    for name in ("tools", "functions"):
-        v = f.body.get(name)
-        if v is not None and v != []:
-            raise _bad(f"'{name}' (tool calling) is not supported by this server", name, "unsupported_parameter")
-    tc = f.body.get("tool_choice")
-    if tc is not None and tc not in ("none", "auto"):
-        raise _bad("'tool_choice' must be 'none' or 'auto' (tool calling is not supported)", "tool_choice",
-                   "unsupported_parameter")
-    fc = f.body.get("function_call")
-    if fc is not None and fc not in ("none", "auto"):
-        raise _bad("'function_call' is not supported by this server", "function_call", "unsupported_parameter")
-    rf = f.body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise _bad("'response_format' must be {\"type\": \"text\"} (structured output is not supported)",
-                   "response_format", "unsupported_parameter")
     mod = f.body.get("modalities")
     if mod is not None and mod != ["text"]:
         raise _bad("'modalities' must be [\"text\"]", "modalities", "unsupported_parameter")

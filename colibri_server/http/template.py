@@ -148,7 +148,7 @@ def _compile(source: str):
         return _ENV.from_string(source)
 
 
-def render_chat_segments(info: ModelInfo, messages: list, add_generation_prompt: bool = True) -> tuple:
+def render_chat_segments(info: ModelInfo, messages: list, add_generation_prompt: bool = True, **extra) -> tuple:
     """messages -> ([(text, is_template_text), ...], add_special_tokens), for the server's
     tokenize: the template's own text is parsed for special tokens, the messages' content is
     not, so "</s>" typed by a user stays text and can neither end a turn nor forge one.
@@ -167,7 +167,7 @@ def render_chat_segments(info: ModelInfo, messages: list, add_generation_prompt:
             contents.append(c)
         else:
             marked.append(m)
-    text, special = render_chat(info, marked, add_generation_prompt)
+    text, special = render_chat(info, marked, add_generation_prompt, **extra)
     import re
     pieces = re.split(f"\ue000{nonce}\\.(\\d+)\ue001", text)
     found = [int(x) for x in pieces[1::2]]
@@ -180,7 +180,7 @@ def render_chat_segments(info: ModelInfo, messages: list, add_generation_prompt:
             else:
                 segs.append((contents[int(piece)], False))
         return segs or [("", True)], special
-    text, special = render_chat(info, messages, add_generation_prompt)
+    text, special = render_chat(info, messages, add_generation_prompt, **extra)
     segs, pos = [], 0
     for c in contents:
         at = text.find(c, pos)
@@ -196,7 +196,7 @@ def render_chat_segments(info: ModelInfo, messages: list, add_generation_prompt:
     return segs or [("", True)], special
 
 
-def render_chat(info: ModelInfo, messages: list, add_generation_prompt: bool = True) -> tuple:
+def render_chat(info: ModelInfo, messages: list, add_generation_prompt: bool = True, **extra) -> tuple:
     """messages -> (prompt text, add_special_tokens for tokenizing it).
 
     The model's template when it has one (and it compiles), else ChatML.  Raises HTTPError
@@ -217,7 +217,7 @@ def render_chat(info: ModelInfo, messages: list, add_generation_prompt: bool = T
         compiled = _compile(CHATML)
     try:
         text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=info.bos_token, eos_token=info.eos_token)
+                               bos_token=info.bos_token, eos_token=info.eos_token, **extra)
     except _TemplateRaise as e:
         raise _bad(f"the model's chat template refused these messages: {e}", "messages") from None
     except jinja2.exceptions.SecurityError as e:

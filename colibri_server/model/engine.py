@@ -357,6 +357,10 @@ class Sequence:
         self.stops = StopChecker(params.stop, params.stop_token_ids, model.config.eos_token_ids,
                                  ignore_eos=params.ignore_eos)
         self.sampler = Sampler(params, model.config.vocab_size)
+        self.constraint = None
+        if params.grammar is not None:                  # raises GrammarError (a ValueError) naming the problem
+            from .grammar import Constraint
+            self.constraint = Constraint.build(model, params.grammar)
         self.history = self.prompt_ids.tolist()
         self.fed = 0                     # prompt tokens fed so far
         self.generated = []              # token ids
@@ -415,12 +419,25 @@ class Sequence:
 
     def _sample(self, logits) -> StreamEvent:
         p = self.params
-        t = self.sampler.sample(logits[0], self.history)
+        allowed = None
+        if self.constraint is not None:
+            allowed = self.constraint.allowed()
+            if not allowed.any():                       # a matcher in error (never expected): let it end
+                allowed = np.zeros_like(allowed)
+                allowed[list(self.model.config.eos_token_ids) or slice(None)] = True
+        t = self.sampler.sample(logits[0], self.history, allowed)
         lp = token_logprobs(logits[0], t, p.logprobs) if p.logprobs is not None else None
         self.history.append(t)
         self.generated.append(t)
         self.last = t
         emit, finished, reason = self.stops.push(t, self.decoder.push(t) if self.decoder is not None else "")
+        if self.constraint is not None:
+            self.constraint.advance(t)
+            grammar_end = self.constraint.done or t in self.model.config.eos_token_ids
+            if grammar_end and not finished:            # complete (or ended by EOS under ignore_eos)
+                tail = self.decoder.flush() if self.decoder is not None else ""
+                emit += self.stops.push(None, tail)[0] + self.stops.flush()
+                finished, reason = True, "stop"
         if not finished and (len(self.generated) >= p.max_tokens or len(self.history) - 1 >= self.capacity):
             tail = self.decoder.flush() if self.decoder is not None else ""
             emit += self.stops.push(None, tail)[0] + self.stops.flush()

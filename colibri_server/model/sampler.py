@@ -88,6 +88,7 @@ class SamplingParams:
     logit_bias: tuple = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: tuple | None = None      # (kind, text): see grammar.py; compiled by the caller
 
     def __post_init__(self) -> None:
         # Normalise containers first so that the frozen instance is hashable.
@@ -138,6 +139,8 @@ class SamplingParams:
         object.__setattr__(self, "presence_penalty", float(self.presence_penalty))
         object.__setattr__(self, "frequency_penalty", float(self.frequency_penalty))
         object.__setattr__(self, "logit_bias", tuple(sorted((int(i), float(b)) for i, b in dict(lb).items())))
+        if self.grammar is not None:
+            object.__setattr__(self, "grammar", tuple(self.grammar))
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
@@ -181,6 +184,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token ids must be non-negative integers, got {i!r}")
             if not _is_real(b) or not math.isfinite(b):
                 raise ValueError(f"logit_bias: the bias of token {i} must be a finite number, got {b!r}")
+        g = self.grammar
+        if g is not None and not (isinstance(g, (tuple, list)) and len(g) == 2 and all(isinstance(x, str) for x in g)):
+            raise ValueError(f"grammar: expected a (kind, text) pair of strings, got {g!r:.60}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
@@ -314,12 +320,14 @@ class Sampler:
 
     # -- main entry point ------------------------------------------------
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] | np.ndarray = ()) -> int:
+    def sample(self, logits: np.ndarray, history: Sequence[int] | np.ndarray = (), allowed=None) -> int:
         """Return the next token id.
 
         ``logits``: 1-D array of ``vocab_size`` floats (float32 preferred).
         ``history``: previously seen token ids (prompt + generated), used only
         by the repetition penalty; a NumPy integer array is cheapest.
+        ``allowed``: None, or a (vocab_size,) bool mask (a grammar's): the other
+        tokens get -inf before anything else.
 
         Raises ``ValueError`` for a wrong shape, NaN logits, or when every
         logit is ``-inf``.
@@ -333,9 +341,11 @@ class Sampler:
                 )
         rep = self._penalty != 1.0 and len(history)
         counted = bool(self._counts) and (self._presence != 0.0 or self._frequency != 0.0)
-        if rep or counted or self._bias_ids.size:
+        if rep or counted or self._bias_ids.size or allowed is not None:
             buf = self._scratch()
             np.copyto(buf, x, casting="unsafe")
+            if allowed is not None:
+                np.putmask(buf, ~allowed, np.float32(-np.inf))
             if self._bias_ids.size:
                 buf[self._bias_ids] += self._bias
             if rep:
