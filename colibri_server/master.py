@@ -108,6 +108,7 @@ class Arbiter(Reloads):
         self.backoff = 1.0
         self.stopping = None            # None | "graceful" | "fast"
         self.stop_deadline = None
+        self.http = None                # HttpChild when settings.http: the gateway under this master
         self.reloading = None           # generation number being brought up (uncommitted)
         self.announced = False
         self.exit_code = 0
@@ -152,6 +153,13 @@ class Arbiter(Reloads):
         self.spawn_router()
         log.info("master %d: model %s (generation 1), %d workers, bind %s", self.pid, self.model_path,
                  self.num_workers, s.bind)
+        if s.http:
+            if self.curve is not None:
+                raise HaltServer("http: the gateway cannot join a CURVE-encrypted bind; bind ipc:// or a "
+                                 "loopback tcp:// address, or run `colibri http` with its CURVE keys", EXIT_LOAD)
+            from .http_child import HttpChild
+            self.http = HttpChild(s, s.bind)
+            self.http.poll()
         self.manage_workers()
 
     def _open_model(self, path, s):
@@ -264,6 +272,8 @@ class Arbiter(Reloads):
                     self.manage_workers()
                     self.check_reload()
                     self.check_router()
+                    if self.http is not None:
+                        self.http.poll()
                     self._close_unused_models()
         except HaltServer as h:
             log.error("halting: %s", h.reason)
@@ -341,6 +351,8 @@ class Arbiter(Reloads):
             if pid == 0:
                 return
             code = os.waitstatus_to_exitcode(status)
+            if self.http is not None and self.http.reaped(pid, code, _describe):
+                continue
             if pid == self.router_pid:
                 self.router_pid = None
                 self.read_router()          # its last words (bind_failed) are in the pipe
@@ -515,6 +527,8 @@ class Arbiter(Reloads):
                  self.settings.graceful_timeout)
         self.to_router({"op": "drain"})
         self.kill_all(signal.SIGTERM)
+        if self.http is not None:
+            self.http.stop(signal.SIGTERM)
         self.reloading = None
 
     def handle_int(self):
@@ -524,6 +538,8 @@ class Arbiter(Reloads):
         log.info("fast stop")
         self.to_router({"op": "drain"})
         self.kill_all(signal.SIGQUIT)
+        if self.http is not None:
+            self.http.stop(signal.SIGQUIT)
 
     handle_quit = handle_int
 
@@ -534,6 +550,11 @@ class Arbiter(Reloads):
             self.kill_all(signal.SIGKILL)
             self.stop_deadline = time.monotonic() + 5.0
         if self.workers:
+            return False
+        if self.http is not None and self.http.pid is not None:     # the gateway's requests end with the workers'
+            if time.monotonic() > self.stop_deadline:
+                self.http.stop(signal.SIGKILL)
+                self.stop_deadline = time.monotonic() + 5.0
             return False
         if self.router_pid is not None:
             if not getattr(self, "_router_told", False):
@@ -570,6 +591,8 @@ class Arbiter(Reloads):
                 self.model_identity[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def cleanup(self):
+        if self.http is not None and self.http.pid is not None:
+            self.http.stop(signal.SIGTERM)
         if self.router_pid is not None:
             self._kill_router()
             try:

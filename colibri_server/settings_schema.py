@@ -289,6 +289,23 @@ _IPC_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 
 
 @dataclass(frozen=True)
+class _HttpCheck:
+    def __call__(self, v: str) -> bool:
+        return self.problem(v) is None
+
+    @staticmethod
+    def problem(v: str):
+        if not v:
+            return None
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or "://" in v:
+            return "HOST:PORT with a port from 1 to 65535 (no scheme)"
+        return None
+
+    def text(self, typ):
+        return "HOST:PORT, or empty"
+
+
 class _BindCheck:
     def __call__(self, v: str) -> bool:
         return self.problem(v) is None
@@ -348,7 +365,7 @@ class Setting:
         """What values are allowed, in words: 'an integer from 0 to 1024'."""
         s = self.type.allowed
         if self.check is not None:
-            if isinstance(self.check, _BindCheck):
+            if isinstance(self.check, (_BindCheck, _HttpCheck)):
                 return self.check.text(self.type)
             s += " " + self.check.text(self.type)
         return s
@@ -369,7 +386,7 @@ class Setting:
         if isinstance(self.type, _Path) and v and base_dir and not os.path.isabs(v):
             v = os.path.normpath(os.path.join(base_dir, v))
         if self.check is not None and not self.check(v):
-            why = self.check.problem(v) if isinstance(self.check, _BindCheck) else None
+            why = self.check.problem(v) if isinstance(self.check, (_BindCheck, _HttpCheck)) else None
             raise _Invalid(f"invalid value for {self.name} ({where}): {_show(raw)}; "
                            f"{why + '; ' if why else ''}allowed: {self.allowed}")
         return v
@@ -383,6 +400,11 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("model", PATH, "", "the .colibri model file (empty: the bundled model)", reload=USR1),
     Setting("bind", STR, "tcp://127.0.0.1:5555", "client address: tcp://HOST:PORT or ipc://PATH",
             _BindCheck(), reload=RESTART, metavar="ADDRESS"),
+    Setting("http", STR, "", "also serve the OpenAI-compatible HTTP API on HOST:PORT (the gateway runs under "
+            "the master, restarted if it dies; empty: none, run `colibri http` yourself)", _HttpCheck(),
+            reload=RESTART, metavar="HOST:PORT"),
+    Setting("served_model_name", STR, "", "the model id the HTTP API answers to and lists (empty: the "
+            "model file's name)", reload=RESTART, metavar="NAME"),
     Setting("runtime_dir", PATH, "",
             "sockets and state (empty: $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/colibri, "
             "else /tmp/colibri-UID)", reload=RESTART),

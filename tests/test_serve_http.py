@@ -1,0 +1,79 @@
+"""One command for an HTTP API: `colibri serve --http HOST:PORT` starts the OpenAI gateway under the
+master (issue 19, item 4): it answers the openai package under --served-model-name, comes back when
+killed, and goes away with the server (the port is free again)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import openai
+import psutil
+import pytest
+import requests
+
+from server_harness import Server
+from test_http import free_port
+
+
+def _gateway_pid(server):
+    for c in psutil.Process(server.pid).children():
+        try:
+            if "colibri_server.http" in " ".join(c.cmdline()):
+                return c.pid
+        except psutil.NoSuchProcess:
+            pass
+    return None
+
+
+def _wait(pred, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def _health(url):
+    try:
+        return requests.get(url + "/health", timeout=5).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
+def test_serve_with_http_answers_restarts_and_stops_with_the_server(built, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    s = Server(built("mixtral").colibri("f32"), tmp_path, workers=1,
+               extra=["--http", f"127.0.0.1:{port}", "--served-model-name", "tiny-moe"])
+    try:
+        s.wait_ready(1)
+        _wait(lambda: _health(url), what="the gateway's /health")
+        oa = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in oa.models.list().data] == ["tiny-moe"]
+        r = oa.completions.create(model="tiny-moe", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        with s.client() as c:
+            assert r.choices[0].text == c.generate([5, 6, 7], max_tokens=4).text
+        assert f"http://127.0.0.1:{port}/v1" in s.logs()
+        # killed: the master starts another
+        first = _gateway_pid(s)
+        os.kill(first, signal.SIGKILL)
+        _wait(lambda: (_gateway_pid(s) or first) != first and _health(url), what="a new gateway")
+        assert "HTTP gateway" in s.logs() and "restarting it" in s.logs()
+        gw = _gateway_pid(s)
+    finally:
+        s.stop()
+    assert not psutil.pid_exists(gw) or psutil.Process(gw).status() == psutil.STATUS_ZOMBIE
+    with socket.socket() as sock:                    # nobody listens on the port any more (TIME_WAITs may stay)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+
+
+def test_a_bad_http_address_is_refused_by_name(built, tmp_path):
+    s = Server(built("mixtral").colibri("f32"), tmp_path, workers=1, extra=["--http", "http://x:80"])
+    code = s.proc.wait(30)
+    assert code != 0 and "invalid value for http" in s.logs(), s.logs()
