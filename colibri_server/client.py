@@ -171,7 +171,8 @@ class Client(_ClientCore):
         """Send a generate and return an iterator of Chunks (the last one has finish_reason).
 
         params: top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
-        logit_bias ({id: bias}), n, logprobs, prompt_logprobs, grammar ((type, value): "json_schema"
+        logit_bias ({id: bias}), n, logprobs, prompt_logprobs, prompt_embeds (an array (T, hidden) given
+        instead of the prompt: pass prompt=None), grammar ((type, value): "json_schema"
         with a schema dict or JSON text, "regex", "lark"), seed, stop, stop_token_ids,
         ignore_eos, deadline_ms (see protocol).  Raises the ColibriError subclass of an
         error answer; ColibriTimeout (after sending a cancel) if no message arrives in time.

@@ -186,7 +186,7 @@ def _detokenize_result(r, rid):
 
 
 _GEN_PARAMS = (set(protocol.SAMPLING_FIELDS) | {"stop", "stop_token_ids", "deadline_ms", "n", "logit_bias",
-                                                 "grammar"}) - \
+                                                 "grammar", "prompt_embeds"}) - \
     {"max_tokens", "temperature"}
 
 
@@ -195,12 +195,16 @@ def _generate_body(rid, prompt, max_tokens, temperature, params) -> dict:
     if unknown:
         raise TypeError(f"generate() got an unexpected parameter {unknown[0]!r} "
                         f"(known: max_tokens, temperature, {', '.join(sorted(_GEN_PARAMS))})")
-    if not isinstance(prompt, str):
+    if prompt is not None and not isinstance(prompt, str):
         prompt = [int(t) for t in prompt]   # tuples, numpy arrays, ...
-    body = {"type": "generate", "id": rid, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True}
+    body = {"type": "generate", "id": rid, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
+    if prompt is not None:
+        body["prompt"] = prompt
     for k, v in params.items():
         if v is not None:
+            if k == "prompt_embeds" and not isinstance(v, bytes):     # an array (T, hidden) -> float32 bytes
+                import numpy as np
+                v = np.ascontiguousarray(v, "<f4").tobytes()
             if k == "grammar" and isinstance(v, (tuple, list)):     # (type, value) -> {type, value}
                 v = {"type": v[0], "value": v[1] if isinstance(v[1], str) else json.dumps(v[1])}
             if k == "logit_bias":           # {id: bias} or pairs -> [[id, bias], ...] on the wire

@@ -29,6 +29,7 @@ class Generation:
         self.number, self.model, self.settings, self.kind = number, model, settings, kind
         cfg = model.config
         self.info = {"generation": number, "model": model.path, "vocab_size": cfg.vocab_size,
+                     "hidden_size": cfg.hidden_size,
                      "context": min(settings.context, cfg.max_position_embeddings),
                      "tokenizer_json": model.file.tokenizer_json or ""}
         self.info_path = None

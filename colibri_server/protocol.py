@@ -12,6 +12,8 @@ the router keys requests by (connection, id), so ids need only be unique per con
 
 Requests (client -> server)
     generate   prompt: str | [int]   text, or token ids
+               (or prompt_embeds: bytes  the prompt's input embeddings instead: little-endian float32,
+                T x hidden_size, row-major; T is len / (4 x hidden_size))
                max_tokens: int = 16, temperature: float = 0, top_k: int = 0, top_p: float = 1,
                min_p: float = 0, repetition_penalty: float = 1, seed: int | None,
                stop: [str] = [], stop_token_ids: [int] = [], ignore_eos: bool = false,
@@ -179,8 +181,9 @@ class Limits:
     """Server-side limits, checked at the router before a request is queued."""
 
     def __init__(self, max_prompt_tokens=8192, max_tokens=4096, max_stop=16, max_stop_len=256,
-                 max_body=MAX_BODY, vocab_size=None):
+                 max_body=MAX_BODY, vocab_size=None, hidden_size=None):
         self.max_prompt_tokens, self.max_tokens = max_prompt_tokens, max_tokens
+        self.hidden_size = hidden_size
         self.max_stop, self.max_stop_len, self.max_body = max_stop, max_stop_len, max_body
         self.vocab_size = vocab_size
 
@@ -207,13 +210,25 @@ def _num(body, name, typ, default):
 
 def validate_generate(body: dict, limits: Limits) -> dict:
     """A generate body -> normalised request dict; raises ProtocolError naming the field."""
-    known = {"type", "id", "prompt", "stop", "stop_token_ids", "stream", "deadline_ms", "n", "logit_bias", "grammar"} | \
+    known = {"type", "id", "prompt", "prompt_embeds", "stop", "stop_token_ids", "stream", "deadline_ms", "n", "logit_bias", "grammar"} | \
         set(SAMPLING_FIELDS)
     extra = sorted((k for k in body if k not in known), key=repr)     # keys may be str or bytes
     if extra:
         raise ProtocolError("bad_request", f"unknown field {extra[0]!r:.40}")
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
+    embeds = body.get("prompt_embeds")
+    if embeds is not None:
+        if prompt is not None:
+            raise ProtocolError("bad_request", "give 'prompt' or 'prompt_embeds', not both")
+        row = 4 * (limits.hidden_size or 1)
+        if not isinstance(embeds, bytes) or not embeds or len(embeds) % row:
+            raise ProtocolError("bad_request", f"field 'prompt_embeds' must be bytes: float32 rows of hidden_size "
+                                               f"{limits.hidden_size} ({row} bytes each), got {len(embeds or b'')} bytes"
+                                if isinstance(embeds, bytes) else "field 'prompt_embeds' must be bytes")
+        if len(embeds) // row > limits.max_prompt_tokens:
+            raise ProtocolError("too_large", f"prompt_embeds of {len(embeds) // row} rows exceeds "
+                                             f"{limits.max_prompt_tokens}")
+    elif isinstance(prompt, str):
         if not prompt:
             raise ProtocolError("bad_request", "field 'prompt' is empty")
     elif isinstance(prompt, list):
@@ -230,6 +245,8 @@ def validate_generate(body: dict, limits: Limits) -> dict:
     else:
         raise ProtocolError("bad_request", "field 'prompt' must be a string or a list of token ids")
     req = {"prompt": prompt}
+    if embeds is not None:
+        req["prompt_embeds"], req["prompt_len"] = embeds, len(embeds) // (4 * (limits.hidden_size or 1))
     for name, (typ, default) in SAMPLING_FIELDS.items():
         req[name] = _num(body, name, typ, default)
     if req["max_tokens"] < 1:

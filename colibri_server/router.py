@@ -242,8 +242,9 @@ class Router:
             req["prompt"] = ids
         if req["n"] > self.settings.slots:
             raise P.ProtocolError("bad_request", f"field 'n' ({req['n']}) exceeds a worker's slots ({self.settings.slots})")
-        if len(req["prompt"]) >= self.context:
-            raise P.ProtocolError("too_large", f"prompt of {len(req['prompt'])} tokens leaves no room in the "
+        plen = len(req["prompt"]) if req["prompt"] is not None else req["prompt_len"]
+        if plen >= self.context:
+            raise P.ProtocolError("too_large", f"prompt of {plen} tokens leaves no room in the "
                                                f"context of {self.context}")
         if (client, cid) in self.by_client:
             raise P.ProtocolError("duplicate_id", f"request id {cid!r} is already in flight")

@@ -18,19 +18,20 @@ log = logging.getLogger("colibri.router")
 
 class Gen:
     """What the router needs of one generation: its tokenizer, vocabulary and context."""
-    __slots__ = ("number", "model_path", "tokenizer", "vocab_size", "context", "limits")
+    __slots__ = ("number", "model_path", "tokenizer", "vocab_size", "hidden_size", "context", "limits")
 
     def __init__(self, info, settings):
         from .model.tokenizer import Tokenizer
         self.number, self.model_path = info["generation"], info["model"]
         self.vocab_size, self.context = info["vocab_size"], info["context"]
+        self.hidden_size = info.get("hidden_size")
         tj = info.get("tokenizer_json") or ""
         self.tokenizer = Tokenizer.from_json(tj) if tj else None
         self.set_limits(settings)
 
     def set_limits(self, s):
         self.limits = P.Limits(max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens, max_stop=s.max_stop,
-                               max_body=s.max_body, vocab_size=self.vocab_size)
+                               max_body=s.max_body, vocab_size=self.vocab_size, hidden_size=self.hidden_size)
 
 
 class Req:

@@ -251,7 +251,11 @@ class Worker:
             params["grammar"] = (g["type"], g["value"])
         from .model.serving import RequestTooLarge
         try:
-            st = self.engine.add(rid, req.get("prompt"), n=n, **params)
+            emb = req.get("prompt_embeds")
+            if emb is not None:
+                import numpy as np
+                emb = np.frombuffer(emb, "<f4").reshape(-1, self.model.config.hidden_size)
+            st = self.engine.add(rid, req.get("prompt"), n=n, embeddings=emb, **params)
         except RequestTooLarge as e:
             self.send(b"ERROR", {"rid": rid, "code": "too_large", "message": str(e)})
             return

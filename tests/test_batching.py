@@ -275,3 +275,24 @@ def test_prompt_logprobs_score_every_prompt_token_once_even_when_preempted(built
     assert max(abs(lp[i][0] - ref[i - 1, prompt[i]]) for i in range(1, 30)) < 1e-5
     assert [e[1].tolist() for e in lp[1:]] == [np.argsort(-ref[i], kind="stable")[:2].tolist() for i in range(29)]
     assert eng.sched.preemptions > 0
+
+
+def test_a_prompt_of_embeddings_is_its_tokens_through_preemption_and_never_cached(built):
+    """Input embeddings (the token rows of an f32 file) answer as the ids, also when preempted and recomputed;
+    their placeholder ids never enter the prefix cache (a later prompt of those ids matches nothing)."""
+    m = Model.open(built("mixtral").colibri("f32"))
+    V = m.config.vocab_size
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(3, V, size=int(rng.integers(5, 30))).tolist() for _ in range(6)]
+    alone = [m.generate(p, max_tokens=10, ignore_eos=True) for p in prompts]
+    per_block = KVPool(m.config, 1, 4, "f32").bytes_per_block
+    eng = BatchEngine(m, max_seqs=6, max_batch_tokens=16, kv_dtype="f32", block_size=4,
+                      kv_cache_memory=20 * per_block)
+    out, _ = _run_n(eng, [(None, dict(embeddings=np.asarray(m.weights.token_embd[p], np.float32), max_tokens=10,
+                                      ignore_eos=True)) for p in prompts])
+    assert [out[(i, 0)] for i in range(6)] == alone
+    assert eng.sched.preemptions > 0 and eng.pool.used() == 0 and eng.pool.hits == 0
+    _run_n(eng, [([0] * 8, dict(max_tokens=1))])
+    assert eng.pool.hits == 0
+    with pytest.raises(ValueError, match="prompt_embeds: expected"):
+        eng.add("bad", None, embeddings=np.zeros((3, m.config.hidden_size + 1), np.float32))

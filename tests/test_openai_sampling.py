@@ -332,3 +332,31 @@ def test_bad_structured_fields_name_the_field(st, body, param):
     r = requests.post(st.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
                       json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---------------------------------------------------------------------------- embeddings input
+
+
+def test_prompt_embeds_answer_as_the_tokens_they_embed(st):
+    """A prompt given as its token embeddings (the f32 file's rows) answers as the token ids do, over the
+    native client (an array) and the gateway (base64 and lists); a wrong width is refused by name."""
+    import base64
+    ids = PROMPT[:12]
+    E = np.asarray(st.model.weights.token_embd[ids], np.float32)
+    with st.server.client(60) as c:
+        want = c.generate(ids, max_tokens=8, ignore_eos=True)
+        got = c.generate(None, max_tokens=8, ignore_eos=True, prompt_embeds=E)
+        two = c.generate(None, max_tokens=8, ignore_eos=True, prompt_embeds=E, n=2, temperature=0)
+        with pytest.raises(Exception) as e:
+            c.generate(None, max_tokens=2, prompt_embeds=E[:, :-1])
+    assert got.token_ids == want.token_ids and got.usage["prompt_tokens"] == len(ids)
+    assert [ch.token_ids for ch in two.choices] == [want.token_ids] * 2
+    assert e.value.code == "bad_request" and "prompt_embeds" in e.value.message
+    b64 = base64.b64encode(E.astype("<f4").tobytes()).decode()
+    for pe in (b64, E.tolist()):
+        r = st.oa.completions.create(model=st.name, prompt=None, max_tokens=8, temperature=0,
+                                     extra_body={"prompt_embeds": pe, "ignore_eos": True})
+        assert r.choices[0].text == want.text
+    r = requests.post(st.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                      json={"prompt_embeds": base64.b64encode(E[:, :-1].tobytes()).decode(), "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_embeds", r.text

@@ -63,7 +63,7 @@ from .metrics import _Metrics, _ServerCollector
 from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _chat_messages,  # noqa: F401
                           _chat_unsupported, _check_known, _completion_prompt, _error_resp, _Fields, _is_int,
                           _is_num, _json, _json_bytes, _Resp, _sampling, _sse, _stream_options, _StreamBody,
-                          chat_logprobs, chat_logprobs_obj, completion_logprobs, http_error_for, legacy_logprobs_obj)
+                          chat_logprobs, chat_logprobs_obj, completion_embeds, completion_logprobs, http_error_for, legacy_logprobs_obj)
 from .structured import Tools, messages_for_template, response_grammar
 from .template import (CHATML, STATS_TIMEOUT, ModelInfo, fetch_template, model_info_from_stats,  # noqa: F401
                        render_chat, render_chat_segments)
@@ -435,8 +435,11 @@ class Gateway:
         body = self._read_json(environ)
         _check_known(body, _COMPLETION_FIELDS)
         f = _Fields(body)
-        prompt = _completion_prompt(body)
+        embeds = completion_embeds(body)
+        prompt = _completion_prompt(body) if embeds is None else None
         echo = f.bool("echo", False)
+        if echo and embeds is not None:
+            raise _bad("'echo' needs a prompt of tokens, not prompt_embeds", "echo")
         score_only = echo and body.get("max_tokens") == 0       # echo of a scored prompt, nothing generated
         params = _sampling(_Fields({**body, "max_tokens": 1}) if score_only else f, DEFAULT_MAX_TOKENS, chat=False)
         stream_mode = f.bool("stream", False)
@@ -447,6 +450,8 @@ class Gateway:
             if echo:
                 params["prompt_logprobs"] = lp
         f.neutral("suffix", [], "suffix must be null")
+        if embeds is not None:
+            params["prompt_embeds"] = embeds
         grammar = response_grammar(body)
         if grammar is not None:
             params["grammar"] = grammar

@@ -77,7 +77,8 @@ def _param_of(message: str, prompt_param: str) -> Optional[str]:
     if m:
         name = m.group(1)
         return prompt_param if name == "prompt" else name
-    for prefix, param in (("prompt", prompt_param), ("max_tokens", "max_tokens"), ("at most", "stop"),
+    for prefix, param in (("prompt_embeds", "prompt_embeds"), ("prompt", prompt_param), ("max_tokens", "max_tokens"),
+                          ("at most", "stop"),
                           ("logit_bias", "logit_bias"),
                           ("token id", prompt_param), ("this model has no tokenizer", prompt_param),
                           ("request body", prompt_param)):
@@ -183,7 +184,7 @@ _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p
                   "stream_options", "n", "best_of", "logprobs", "frequency_penalty", "presence_penalty",
                   "repetition_penalty", "logit_bias", "user", "stop_token_ids", "ignore_eos", "response_format",
                   "structured_outputs"}
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "prompt_embeds"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                  "tool_choice", "functions", "function_call", "parallel_tool_calls", "store",
                                  "metadata", "service_tier", "modalities", "add_generation_prompt"}
@@ -280,6 +281,34 @@ def _stream_options(f: _Fields, stream: bool) -> bool:
         raise _bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage",
                    "invalid_type")
     return bool(v)
+
+
+def completion_embeds(body) -> Optional[bytes]:
+    """prompt_embeds (the prompt as input embeddings, (T, hidden) float32): a base64 string of the raw
+    little-endian float32 values, row-major, or a list of rows of numbers -> the protocol's bytes."""
+    pe = body.get("prompt_embeds")
+    if pe is None:
+        return None
+    if body.get("prompt") is not None:
+        raise _bad("give 'prompt' or 'prompt_embeds', not both", "prompt_embeds")
+    if isinstance(pe, str):
+        import base64
+        import binascii
+        try:
+            raw = base64.b64decode(pe, validate=True)
+        except (binascii.Error, ValueError):
+            raise _bad("'prompt_embeds' is not valid base64", "prompt_embeds") from None
+    elif isinstance(pe, list) and pe and all(isinstance(r, list) and r and all(_is_num(v) for v in r) for r in pe):
+        if len({len(r) for r in pe}) != 1:
+            raise _bad("'prompt_embeds' rows must all have the same length", "prompt_embeds")
+        import numpy as np
+        raw = np.asarray(pe, "<f4").tobytes()
+    else:
+        raise _bad("'prompt_embeds' must be base64 of float32 values or a list of rows of numbers", "prompt_embeds",
+                   "invalid_type")
+    if not raw or len(raw) % 4:
+        raise _bad("'prompt_embeds' must hold whole float32 values", "prompt_embeds")
+    return raw
 
 
 def _completion_prompt(body):

@@ -36,6 +36,7 @@ class Rows:
         self.blocks = self.tables[self.seq, self.pos // block_size].astype(np.int64)   # (N,) where each row writes
         self.offsets = self.pos % block_size                                     # (N,)
         self.sample = np.ascontiguousarray(sample_rows, np.int64)                # (M,)
+        self.embeds = []                     # [(first row, (k,D) f32)]: rows whose input is given as embeddings
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -54,6 +55,8 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
     x, h, sub = ws.x[:N], ws.h[:N], ws.sub[:N]                                 # (N,D)
 
     K.embed(w.token_embd, rows.tokens, x)
+    for r, e in rows.embeds:                                                   # a prompt given as embeddings
+        x[r:r + e.shape[0]] = e
     for l, L in enumerate(w.layers):
         # attention: RMSNorm -> q, k, v (+ bias) -> [clip] -> [q/k norm] -> RoPE at each row's position
         K.rmsnorm(x, L.attn_norm, cfg.rms_norm_eps, h)

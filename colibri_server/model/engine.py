@@ -342,8 +342,22 @@ class Sequence:
     or None while the prompt is still being fed. Logits are consumed within the step that
     produced them, so sequences of one Model can share its Workspace."""
 
-    def __init__(self, model: Model, prompt, cache: KVCache, params: SamplingParams):
+    def __init__(self, model: Model, prompt, cache: KVCache, params: SamplingParams, embeddings=None):
         self.model, self.params, self.cache = model, params, cache
+        # embeddings (T,D) float32: the prompt's input embeddings instead of token ids (its ids are then
+        # placeholders, 0: they are never embedded, never matched in a prefix cache, never penalised)
+        self.embeddings = None
+        if embeddings is not None:
+            e = np.asarray(embeddings)
+            D = model.config.hidden_size
+            if e.ndim != 2 or e.shape[1] != D or e.shape[0] < 1:
+                raise ValueError(f"prompt_embeds: expected (T, {D}) with T >= 1, got {e.shape}")
+            if not np.isfinite(e).all():
+                raise ValueError("prompt_embeds: holds NaN or infinite values")
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs: a prompt given as embeddings has no tokens to score")
+            self.embeddings = np.ascontiguousarray(e, np.float32)
+            prompt = [0] * e.shape[0]
         self.prompt_ids = model._ids(prompt)
         # cache None: the sequence's keys and values live elsewhere (a BatchEngine's paged pool), which
         # calls _sample with each step's logits; the context is then the model's
@@ -361,7 +375,7 @@ class Sequence:
         if params.grammar is not None:                  # raises GrammarError (a ValueError) naming the problem
             from .grammar import Constraint
             self.constraint = Constraint.build(model, params.grammar)
-        self.history = self.prompt_ids.tolist()
+        self.history = self.prompt_ids.tolist() if self.embeddings is None else []
         self.fed = 0                     # prompt tokens fed so far
         self.generated = []              # token ids
         self.last = None                 # the last sampled token, not yet fed
@@ -376,7 +390,7 @@ class Sequence:
         p = self.params
         params = SamplingParams(**{**{f: getattr(p, f) for f in p.__dataclass_fields__}, "seed": seed,
                                    "prompt_logprobs": None})
-        return Sequence(self.model, self.prompt_ids, self.cache, params)
+        return Sequence(self.model, self.prompt_ids, self.cache, params, self.embeddings)
 
     def score_prompt(self, start: int, logits) -> None:
         """Prompt logprobs from the logits of prompt rows start..start+len(logits)-1 (row r predicts

@@ -38,6 +38,7 @@ class SeqState:
     choice: int = 0                   # which of the request's n completions
     width: int = 1                    # slots it holds: n until its siblings are forked from it, then 1
     reuse: bool = True                # may start from cached prefix blocks (not when its prompt is scored)
+    cacheable: bool = True            # its full blocks may be registered (not when its prompt is embeddings)
 
     @property
     def pending(self) -> int:
@@ -130,7 +131,8 @@ class Scheduler:
         """A sibling of s (whose prompt is computed and nothing else): it shares s's full blocks and
         gets a copy of its last, partial one. When the pool has no block for that copy, the sibling
         waits at the head of the queue and recomputes its prompt instead (from cached prefix blocks)."""
-        c = SeqState(s.rid, list(s.tokens), s.max_positions, s.arrival, seq, choice=choice, reuse=s.reuse)
+        c = SeqState(s.rid, list(s.tokens), s.max_positions, s.arrival, seq, choice=choice, reuse=s.reuse,
+                     cacheable=s.cacheable)
         BS, P = self.pool.block_size, s.computed
         full = P // BS
         if P % BS and not self.pool.available():
@@ -195,7 +197,7 @@ class Scheduler:
         s = seg.state
         s.computed = seg.start + seg.n
         BS = self.pool.block_size
-        while self.prefix_cache and (s.registered + 1) * BS <= s.computed:
+        while self.prefix_cache and s.cacheable and (s.registered + 1) * BS <= s.computed:
             i = s.registered
             blk = tuple(s.tokens[i * BS:(i + 1) * BS])
             s.parent = chain_hash(s.parent, blk)

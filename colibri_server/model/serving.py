@@ -68,10 +68,11 @@ class BatchEngine:
         self.last_rows = 0
 
     # -- requests -------------------------------------------------------------------------
-    def add(self, rid, prompt, n: int = 1, **params):
+    def add(self, rid, prompt, n: int = 1, embeddings=None, **params):
         """Queue a request of n completions (sampled from one prefill of the prompt: the first
         completion's prompt blocks are shared with the others when it samples its first token);
-        raises ValueError (a bad prompt or parameter) or RequestTooLarge."""
+        embeddings: the prompt as input embeddings (T, hidden) instead of token ids (prompt is then
+        ignored). Raises ValueError (a bad prompt or parameter) or RequestTooLarge."""
         if rid in self.states:
             raise ValueError(f"request {rid!r} is already running")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -79,7 +80,7 @@ class BatchEngine:
         if n > self.sched.max_seqs:
             raise RequestTooLarge(f"n = {n} completions exceed the worker's {self.sched.max_seqs} slots")
         m = self.model
-        seq = Sequence(m, prompt, None, SamplingParams(**params))
+        seq = Sequence(m, prompt, None, SamplingParams(**params), embeddings)
         P, mt = len(seq.prompt_ids), seq.params.max_tokens
         if P + mt > m.context:
             raise RequestTooLarge(f"prompt of {P} tokens plus max_tokens {mt} exceeds the context of {m.context} "
@@ -89,7 +90,8 @@ class BatchEngine:
         except ValueError as e:
             raise RequestTooLarge(str(e)) from None
         st.seq, st.width = seq, n
-        st.reuse = seq.prompt_logprobs is None          # a scored prompt computes every row itself
+        st.reuse = seq.prompt_logprobs is None and embeddings is None   # a scored prompt computes every row itself
+        st.cacheable = embeddings is None                # placeholder ids must never meet a real prompt
         self.states[rid] = [st]
         return st
 
@@ -122,7 +124,7 @@ class BatchEngine:
         out = self.logits if len(rows.sample) <= self.logits.shape[0] else \
             np.empty((len(rows.sample), self.logits.shape[1]), np.float32)      # a scored prompt's rows
         try:
-            if len(rows) == 1 and len(plan) == 1 and plan[0].sample and self.single is not None \
+            if len(rows) == 1 and len(plan) == 1 and plan[0].sample and self.single is not None and not rows.embeds \
                     and (m.noise is None or m.noise.scale <= 0):
                 logits = self.single.paged(m.rope, self.pool, rows.tables[0], int(rows.pos[0]), int(rows.tokens[0]),
                                            self.scores)
@@ -228,13 +230,16 @@ class BatchEngine:
         seq = np.empty(n, np.int64)
         pos = np.empty(n, np.int64)
         tables = np.zeros((len(plan), maxb), np.int32)
-        sample, seg_logits, r = [], [], 0
+        sample, seg_logits, embeds, r = [], [], [], 0
         for i, seg in enumerate(plan):
             st = seg.state
             tokens[r:r + seg.n] = st.tokens[seg.start:seg.start + seg.n]
             seq[r:r + seg.n] = i
             pos[r:r + seg.n] = np.arange(seg.start, seg.start + seg.n)
             tables[i, :len(st.blocks)] = st.blocks
+            e = st.seq.embeddings
+            if e is not None and seg.start < e.shape[0]:         # rows of a prompt given as embeddings
+                embeds.append((r, e[seg.start:min(seg.start + seg.n, e.shape[0])]))
             first = None
             if st.seq.prompt_logprobs is not None and seg.start < len(st.seq.prompt_ids) - 1:
                 first = len(sample)                             # every row's logits: each scores a prompt token
@@ -244,7 +249,7 @@ class BatchEngine:
             r += seg.n
             seg_logits.append((first, len(sample) - 1 if seg.sample else None))
         rows = Rows(tokens, seq, pos, tables, self.pool.block_size, sample)
-        rows.seg_logits = seg_logits
+        rows.seg_logits, rows.embeds = seg_logits, embeds
         return rows
 
     def stats(self) -> dict:
