@@ -200,10 +200,9 @@ def cmd_debug_routing(a):
 DEFAULT_CONFIG = "/etc/colibri/colibri.toml"   # read by serve/config when present (--config overrides)
 
 
-def setup_logging(level="info"):
-    import logging
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s [%(process)d] %(name)s %(levelname)s: %(message)s")
+def setup_logging(level="info", fmt="text"):
+    from .logs import setup
+    setup(level, fmt)
 
 
 def _load_settings(a):
@@ -219,7 +218,7 @@ def cmd_serve(a):
     from .settings import load_settings
     from .systemd import notifier
     s = _load_settings(a)
-    setup_logging(s.log_level)
+    setup_logging(s.log_level, s.log_format)
     sys.exit(Arbiter(s, reload_settings=lambda: load_settings(a, config_path=DEFAULT_CONFIG),
                      notify=notifier()).run())
 

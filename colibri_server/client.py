@@ -174,7 +174,7 @@ class Client(_ClientCore):
         logit_bias ({id: bias}), n, logprobs, prompt_logprobs, prompt_embeds (an array (T, hidden) given
         instead of the prompt: pass prompt=None), grammar ((type, value): "json_schema"
         with a schema dict or JSON text, "regex", "lark"), seed, stop, stop_token_ids,
-        ignore_eos, deadline_ms (see protocol).  Raises the ColibriError subclass of an
+        ignore_eos, deadline_ms, request_id (see protocol).  Raises the ColibriError subclass of an
         error answer; ColibriTimeout (after sending a cancel) if no message arrives in time.
         """
         return Stream(self, self._generate(prompt, max_tokens, temperature, params), self._timeout_for(timeout))

@@ -98,6 +98,7 @@ class _GenState:
         self.n_chunks = 0
         self.ended = False          # the server ended the request (done or error)
         self.logprobs = None
+        self.request_id = None
         self.final: Optional[Chunk] = None
 
     def feed(self, item) -> Chunk:
@@ -136,6 +137,7 @@ class _GenState:
             is_list = lambda v: isinstance(v, list)     # noqa: E731
             self.logprobs = _opt(body, "logprobs", is_list, None, rid, "a list")
             prompt_lp = _opt(body, "prompt_logprobs", is_list, None, rid, "a list")
+            self.request_id = _opt(body, "request_id", lambda v: isinstance(v, str), None, rid, "a str")
             choices = _opt(body, "choices", lambda v: isinstance(v, list) and all(isinstance(c, dict) for c in v),
                            None, rid, "a list of maps")
             streamed_text = "".join(self.text)
@@ -154,14 +156,15 @@ class _GenState:
                     raise _internal("malformed done message: a choice lacks index, text, ids or finish_reason",
                                     rid) from None
             self.final = Chunk(tail_text, list(tail_ids), self.n_chunks, fr, usage, timings, generation, pid,
-                               choices=choices, prompt_logprobs=prompt_lp)
+                               choices=choices, prompt_logprobs=prompt_lp, request_id=self.request_id)
             return self.final
         raise _internal(f"unexpected message type {t!r} for a generate", rid)
 
     def completion(self) -> Completion:
         f = self.final
         return Completion("".join(self.text), list(self.ids), f.finish_reason, f.usage, f.timings,
-                          f.generation, f.worker_pid, self.rid, self.logprobs, f.prompt_logprobs, f.choices)
+                          f.generation, f.worker_pid, self.rid, self.logprobs, f.prompt_logprobs, f.choices,
+                          self.request_id)
 
 
 def _result_body(item, rid) -> dict:
@@ -186,7 +189,7 @@ def _detokenize_result(r, rid):
 
 
 _GEN_PARAMS = (set(protocol.SAMPLING_FIELDS) | {"stop", "stop_token_ids", "deadline_ms", "n", "logit_bias",
-                                                 "grammar", "prompt_embeds"}) - \
+                                                 "grammar", "prompt_embeds", "request_id"}) - \
     {"max_tokens", "temperature"}
 
 

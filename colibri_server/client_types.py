@@ -167,6 +167,7 @@ class Completion:
     logprobs: Optional[list] = None
     prompt_logprobs: Optional[list] = None        # one entry per prompt token, the first's logprob None
     choices: list = field(default_factory=list)
+    request_id: Optional[str] = None              # the server's name for it in its logs (given or generated)
 
 
 @dataclass
@@ -186,6 +187,7 @@ class Chunk:
     logprobs: Optional[list] = None           # one entry per id (when asked)
     choices: Optional[list] = None            # the final chunk: every completion (Choice)
     prompt_logprobs: Optional[list] = None    # the first token's chunk and the final chunk, when asked
+    request_id: Optional[str] = None          # the final chunk: the request's id in the server's logs
 
     @property
     def is_final(self) -> bool:

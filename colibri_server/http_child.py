@@ -29,7 +29,7 @@ PR_SET_PDEATHSIG = 1
 class HttpChild:
     def __init__(self, settings, connect: str):
         self.bind, self.connect, self.name = settings.http, connect, settings.served_model_name
-        self.log_level = settings.log_level
+        self.log_level, self.log_format = settings.log_level, settings.log_format
         self.pid = None
         self.started = 0.0
         self.backoff = 0.0
@@ -38,7 +38,7 @@ class HttpChild:
 
     def argv(self) -> list:
         a = [sys.executable, "-m", "colibri_server.http", "--connect", self.connect, "--bind", self.bind,
-             "--log-level", self.log_level]
+             "--log-level", self.log_level, "--log-format", self.log_format]
         return a + (["--model-name", self.name] if self.name else [])
 
     def start(self) -> None:

@@ -125,6 +125,8 @@ class Arbiter(Reloads):
         if s.pidfile:
             _write_pidfile(s.pidfile, self.pid)
         self.model_path = _model_path(s.model)
+        from .logs import set_role
+        set_role(f"master [{os.path.basename(self.model_path)}]")
         from .security import CurveServer, SecurityError, check_bind_security
         self.curve = None
         if s.bind.startswith("tcp://") and s.curve_secret_key:

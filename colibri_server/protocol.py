@@ -27,6 +27,9 @@ Requests (client -> server)
                grammar: {type: "json_schema" | "regex" | "lark", value: str} | None  (constrained
                         decoding: the output stays inside it and ends when it is complete; a
                         JSON schema is given as JSON text; see model/grammar.py),
+               request_id: str | None  (1..64 of A-Z a-z 0-9 . _ : / -: names the request in the
+                                        router's and the worker's log lines and comes back in done;
+                                        generated when absent),
                stream: bool = true   (false: one "done" carrying all text and ids),
                deadline_ms: int | None  (the whole request, from arrival at the router)
     tokenize   text: str, add_special_tokens: bool = true
@@ -51,6 +54,7 @@ Responses (server -> client), each with the id of its request
                usage: {prompt_tokens, completion_tokens},
                timings: {queued_s, prefill_s, decode_s, total_s}, worker_pid: int, generation: int,
                attempts: int (dispatches: > 1 when a worker died before streaming and it was retried),
+               request_id: str (the request's, given or generated),
                logprobs: [entry] (when asked; of the first completion), prompt_logprobs: [entry] (when
                asked: one per prompt token, the first with logprob null), choices: [{index, text, ids, finish_reason, logprobs}] (n > 1: every
                completion; the top-level text/ids/finish_reason are choice 0's, usage counts all)
@@ -70,6 +74,7 @@ Frame size: a body over the server's max_body is answered with "too_large"; a me
 from __future__ import annotations
 
 import math
+import re
 
 import msgpack
 
@@ -109,6 +114,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 GRAMMAR_KINDS = ("json_schema", "regex", "lark")     # model/grammar.py's KINDS
 MAX_GRAMMAR = 256 << 10
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/-]{1,64}")
 
 
 class ProtocolError(Exception):
@@ -210,7 +216,7 @@ def _num(body, name, typ, default):
 
 def validate_generate(body: dict, limits: Limits) -> dict:
     """A generate body -> normalised request dict; raises ProtocolError naming the field."""
-    known = {"type", "id", "prompt", "prompt_embeds", "stop", "stop_token_ids", "stream", "deadline_ms", "n", "logit_bias", "grammar"} | \
+    known = {"type", "id", "request_id", "prompt", "prompt_embeds", "stop", "stop_token_ids", "stream", "deadline_ms", "n", "logit_bias", "grammar"} | \
         set(SAMPLING_FIELDS)
     extra = sorted((k for k in body if k not in known), key=repr)     # keys may be str or bytes
     if extra:
@@ -289,6 +295,10 @@ def validate_generate(body: dict, limits: Limits) -> dict:
         except GrammarError as e:
             raise ProtocolError("bad_request", str(e)) from None
     req["grammar"] = g
+    rq = body.get("request_id")
+    if rq is not None and not (isinstance(rq, str) and REQUEST_ID.fullmatch(rq)):
+        raise ProtocolError("bad_request", "field 'request_id' must be 1..64 of A-Z a-z 0-9 . _ : / -")
+    req["request_id"] = rq
     stop = body.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]

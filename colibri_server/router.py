@@ -32,8 +32,10 @@ import msgpack
 import zmq
 
 from . import protocol as P
-from .router_records import (W, BindFailed, ControlRate, Gen, Req, _AttrDict, _bind_message, _chmod_ipc,  # noqa: F401
-                             _prefix_key, _salvage_id)
+from .logs import request as request_extra, set_role
+from .router_control import ControlRequests
+from .router_records import (W, BindFailed, ControlRate, ExpertCounts, Gen, Req, _AttrDict, _bind_message,  # noqa: F401
+                             _chmod_ipc, _prefix_key, _salvage_id)
 
 log = logging.getLogger("colibri.router")
 
@@ -46,7 +48,7 @@ CONTROL_TYPES = ("tokenize", "detokenize", "stats")   # rate-limited per client 
                                                       # O(workers) and what probes poll: never refused
 
 
-class Router:
+class Router(ControlRequests):
     def __init__(self, *, frontend: str, backend: str, pipe_fd: int, settings, generation: int, model_path: str,
                  curve=None, generations=None, last_reload=None):
         self.frontend_addr, self.backend_addr, self.pipe_fd = frontend, backend, pipe_fd
@@ -71,11 +73,13 @@ class Router:
         self.tokenizer, self.vocab_size = None, None
         self.t_start = time.monotonic()
         self.control = ControlRate()       # control_rate's token bucket per client
+        self.experts = ExpertCounts()      # routing choices per layer and expert, per generation
         from .memory import MemorySampler
         self.memory = MemorySampler()      # smaps figures, read on a thread: never in this loop
 
     # -- setup -------------------------------------------------------------------------
     def init_process(self):
+        set_role("router")
         for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT,
                     signal.SIGQUIT):
             signal.signal(sig, signal.SIG_IGN)
@@ -267,70 +271,6 @@ class Router:
             raise P.ProtocolError("not_found", f"no request {cid!r} in flight")
         self.cancel(self.reqs[rid], "cancelled", "cancelled by the client")
 
-    def on_tokenize(self, client, cid, body):
-        segments = P.tokenize_segments(body)
-        self._check_text("".join(t for t, _ in segments), "text")
-        if self.tokenizer is None:
-            raise P.ProtocolError("bad_request", "this model has no tokenizer")
-        add = body.get("add_special_tokens", True)
-        if not isinstance(add, bool):
-            raise P.ProtocolError("bad_request", "field 'add_special_tokens' must be a boolean")
-        # user text never yields control tokens; only segments marked as template text are parsed
-        self.reply(client, {"type": "result", "id": cid, "ids": self.tokenizer.encode_segments(segments, add)})
-
-    def on_detokenize(self, client, cid, body):
-        ids = body.get("ids")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise P.ProtocolError("bad_request", "field 'ids' must be a list of token ids")
-        most = self.limits.max_prompt_tokens + self.limits.max_tokens
-        if len(ids) > most:
-            raise P.ProtocolError("too_large", f"{len(ids)} ids to detokenize exceed max_prompt_tokens + "
-                                               f"max_tokens = {most}")
-        bad = [t for t in ids if not 0 <= t < (self.vocab_size or 0)]
-        if bad:
-            raise P.ProtocolError("bad_request", f"token id {bad[0]} is outside the vocabulary")
-        if self.tokenizer is None:
-            raise P.ProtocolError("bad_request", "this model has no tokenizer")
-        self.reply(client, {"type": "result", "id": cid, "text": self.tokenizer.decode(ids)})
-
-    def on_health(self, client, cid, body):
-        ready = sum(1 for w in self.workers.values() if w.state == "ready" and w.generation == self.generation)
-        status = "draining" if self.draining else ("ok" if ready else "starting")
-        self.reply(client, {"type": "result", "id": cid, "status": status, "workers_ready": ready,
-                            "generation": self.generation, "queue": len(self.queue)})
-
-    def on_stats(self, client, cid, body):
-        self.reply(client, {"type": "result", "id": cid, **self.stats()})
-
-    def _sample_memory(self):
-        self.memory.refresh([w.pid for w in self.workers.values()] + [self.ppid, os.getpid()],
-                            os.path.realpath(self.model_path))
-
-    def stats(self) -> dict:
-        """Live scheduling figures; memory figures from the sampler's cache (memory_age_s old),
-        which this call only asks to refresh: reading smaps here would stall the loop."""
-        self._sample_memory()
-        mem = self.memory.get
-        workers = []
-        for w in sorted(self.workers.values(), key=lambda w: w.wid or 0):
-            m = mem(w.pid)
-            workers.append({"pid": w.pid, "wid": w.wid, "generation": w.generation, "state": w.state,
-                            "cores": w.cores, "slots": w.slots, "running": len(w.running), "served": w.served,
-                            "uptime_s": round(time.monotonic() - w.t_start, 1), "engine": w.engine, **m})
-        master = mem(self.ppid)
-        me = {k: v for k, v in mem(os.getpid()).items() if not k.startswith("model_")}
-        try:
-            size = os.stat(self.model_path).st_size
-        except OSError:
-            size = 0
-        return {"generation": self.generation, "model": self.model_path, "model_bytes": size,
-                "queue": len(self.queue), "in_flight": sum(len(w.running) for w in self.workers.values()),
-                "workers": workers, "counters": dict(self.counters), "draining": self.draining,
-                "router": {"pid": os.getpid(), **me},
-                "generations": sorted(self.gens), "last_reload": self.last_reload,
-                "master": {"pid": self.ppid, "model_rss": master["model_rss"], "model_pss": master["model_pss"]},
-                "memory_age_s": self.memory.age(), "uptime_s": round(time.monotonic() - self.t_start, 1)}
-
     # -- scheduling ----------------------------------------------------------------------
     def dispatch(self):
         """Queued requests, in order, each to a worker of its own generation with a free slot (the
@@ -398,7 +338,11 @@ class Router:
         r.state, r.worker = "queued", None
         (self.queue.appendleft if front else self.queue.append)(r.rid)
 
-    def _end(self, r):
+    def _end(self, r, outcome="ended"):
+        """r leaves the router; one line says how (with its request id, as every line about it)."""
+        w = self.workers.get(r.worker)
+        log.info("request %s %s after %.3fs%s", r.request_id, outcome, time.monotonic() - r.t_arrive,
+                 f" on worker {w.pid}" if w is not None else "", extra=request_extra(r.request_id))
         self.reqs.pop(r.rid, None)
         self.by_client.pop((r.client, r.cid), None)
         if r.worker is not None and r.worker in self.workers:
@@ -418,7 +362,7 @@ class Router:
     def cancel(self, r, code, message):
         """End a request now with an error; a running one is cancelled on its worker too."""
         self._stop_on_worker(r)
-        self._end(r)
+        self._end(r, f"ended: {code}")
         self.error(r.client, r.cid, code, message)
 
     def _unauthorized(self, client, cid, key):
@@ -432,7 +376,7 @@ class Router:
         for r in list(self.reqs.values()):
             if r.key is not None and not self.curve.is_allowed(r.key):
                 self._stop_on_worker(r)
-                self._end(r)
+                self._end(r, "ended: unauthorized")
                 self.counters["unauthorized"] += 1
                 self.error(r.client, r.cid, "unauthorized", "this client's CURVE key was removed from "
                                                             "curve_allowed_keys")
@@ -443,7 +387,7 @@ class Router:
                 r = self.reqs[rid]
                 self.counters["client_gone"] += 1
                 self._stop_on_worker(r)
-                self._end(r)
+                self._end(r, "ended: the client is gone")
 
     def tick(self, now):
         self._drain(self.back, self.on_backend)     # fresh heartbeats before judging silence
@@ -554,7 +498,9 @@ class Router:
                                       **{k: body[k] for k in ("choice", "logprobs", "prompt_logprobs") if k in body}})
         elif kind == b"DONE":
             w.served += 1
-            self._end(r)
+            u = body.get("usage") or {}
+            self._end(r, f"done ({body.get('finish_reason')}, {u.get('prompt_tokens')} prompt + "
+                         f"{u.get('completion_tokens')} completion tokens)")
             t = body.get("timings", {})
             self.counters["done"] += 1
             self.reply(r.client, {"type": "done", "id": r.cid, "finish_reason": body.get("finish_reason"),
@@ -565,11 +511,11 @@ class Router:
                                               "decode_s": t.get("decode_s", 0.0),
                                               "total_s": round(now - r.t_arrive, 6)},
                                   "worker_pid": w.pid, "generation": w.generation,
-                                  "attempts": r.attempts,
+                                  "attempts": r.attempts, "request_id": r.request_id,
                                   **{k: body[k] for k in ("logprobs", "prompt_logprobs", "choices") if k in body}})
         elif kind == b"ERROR":
-            self._end(r)
             code = body.get("code", "internal")
+            self._end(r, f"failed: {code}")
             self.error(r.client, r.cid, code if code in P.ERROR_CODES else "internal", str(body.get("message", "")))
 
     def worker_exited(self, pid):
@@ -577,6 +523,7 @@ class Router:
         w = self.workers.pop(ident, None) if ident is not None else None
         if w is None:
             return
+        self.experts.retire(w)
         if w.state != "draining":
             self.counters["worker_restarts"] += 1       # died or was killed, not a drained exit
         for rid in list(w.running):
@@ -585,12 +532,13 @@ class Router:
                 continue
             if not r.streamed and r.attempts < MAX_ATTEMPTS:
                 self.counters["retries"] += 1
-                log.warning("worker %s died: retrying request %s (attempt %d)", pid, r.cid, r.attempts + 1)
+                log.warning("worker %s died: retrying request %s (attempt %d)", pid, r.request_id, r.attempts + 1,
+                            extra=request_extra(r.request_id))
                 r.worker = None
                 self._requeue(r, front=True)
             else:
+                self._end(r, "failed: worker_lost")
                 r.worker = None
-                self._end(r)
                 self.counters["worker_lost"] += 1
                 self.error(r.client, r.cid, "worker_lost", f"worker {pid} died after streaming "
                            f"{'tokens' if r.streamed else 'nothing'} ({r.attempts} attempts)")
@@ -675,7 +623,7 @@ class Router:
 
     def shutdown(self):
         for r in list(self.reqs.values()):
-            self._end(r)
+            self._end(r, "ended: shutting_down")
             self.error(r.client, r.cid, "shutting_down", "the server stopped before this request finished")
         self.front.close(linger=500)
         if self.curve is not None:

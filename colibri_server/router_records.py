@@ -36,10 +36,13 @@ class Gen:
 
 class Req:
     __slots__ = ("rid", "client", "cid", "request", "stream", "state", "worker", "attempts", "streamed",
-                 "t_arrive", "t_dispatch", "deadline", "generation", "key")
+                 "t_arrive", "t_dispatch", "deadline", "generation", "key", "request_id")
 
     def __init__(self, rid, client, cid, request, now, generation):
         self.rid, self.client, self.cid, self.request = rid, client, cid, request
+        if not request.get("request_id"):           # in every log line about it, the worker's too
+            request["request_id"] = os.urandom(8).hex()
+        self.request_id = request["request_id"]
         self.generation = generation    # tokenized and checked for it: runs only on its workers
         self.stream = request["stream"]
         self.state = "queued"           # queued | running
@@ -147,3 +150,31 @@ def _bind_message(addr, e) -> str:
     elif e.errno == zmq.EADDRINUSE:
         msg += " (another process listens there: stop it or choose another bind)"
     return msg
+
+
+class ExpertCounts:
+    """How often each layer's router chose each expert, over the workers of a generation: the live
+    workers' counts (from their heartbeats) plus those of workers that have exited, so the total only
+    grows (a Prometheus counter) while the generation serves."""
+
+    def __init__(self):
+        self.retired = {}                  # generation -> (L,E) list of lists
+
+    def retire(self, w) -> None:
+        c = (w.engine or {}).get("expert_counts")
+        if c:
+            self.retired[w.generation] = _add(self.retired.get(w.generation), c)
+
+    def total(self, generation, workers) -> list:
+        out = self.retired.get(generation)
+        for w in workers:
+            c = (w.engine or {}).get("expert_counts")
+            if w.generation == generation and c:
+                out = _add(out, c)
+        return out or []
+
+
+def _add(a, b):
+    if not a or len(a) != len(b) or len(a[0]) != len(b[0]):
+        return [list(r) for r in b]
+    return [[x + y for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]

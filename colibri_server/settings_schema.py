@@ -466,6 +466,8 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("hugepages", BOOL, True, "map the model on 2 MiB pages where the kernel can (re-reads "
             "once the parts of a large file found on 4 KiB pages)", reload=USR1),
     Setting("log_level", ENUM("debug", "info", "warning", "error"), "info", "log verbosity"),
+    Setting("log_format", ENUM("text", "json"), "text", "log lines as text, or one JSON object per line (ts, "
+            "level, logger, pid, role, msg, request_id) for log shippers", reload=RESTART),
     Setting("routing_noise", FLOAT, 0.0, "Gumbel noise scale on MoE expert routing (0: off)",
             Range(0.0)),
     Setting("seed", INT, -1, "sampling and routing-noise seed (-1: random per worker)",

@@ -30,6 +30,7 @@ import sys
 import time
 
 from . import protocol as P
+from .logs import request as request_extra
 
 log = logging.getLogger("colibri.worker")
 
@@ -74,6 +75,8 @@ class Worker:
     # -- after fork ---------------------------------------------------------------
     def init_process(self) -> None:
         self.pid, self.ppid = os.getpid(), os.getppid()
+        from .logs import set_role
+        set_role(f"worker {self.wid} [gen {self.generation}]")
         for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)     # those are the master's
         signal.signal(signal.SIGTERM, self._on_term)
@@ -262,7 +265,11 @@ class Worker:
         except ValueError as e:
             self.send(b"ERROR", {"rid": rid, "code": "bad_request", "message": str(e)})
             return
-        self.seqs[rid] = _Active(rid, st.seq, bool(req.get("stream", True)), n)
+        self.seqs[rid] = a = _Active(rid, st.seq, bool(req.get("stream", True)), n)
+        a.request_id = req.get("request_id") or str(rid)
+        log.info("worker %d: request %s started: %d prompt tokens, max_tokens %d%s", self.pid, a.request_id,
+                 len(st.seq.prompt_ids), st.seq.params.max_tokens, f", n {n}" if n > 1 else "",
+                 extra=request_extra(a.request_id))
 
     def step(self) -> None:
         """One batched step over every active sequence; stream each sampled token, finish the done."""
@@ -276,7 +283,9 @@ class Worker:
                 self.send(b"ERROR", {"rid": rid, "code": "internal", "message": f"{e.__class__.__name__}: {e}"})
             return
         for rid, e in self.engine.faults:   # non-finite logits: corrupted weights or an overflow
-            log.error("worker %d: request %s: %s", self.pid, rid, e)
+            a = self.seqs.get(rid)
+            rq = a.request_id if a is not None else rid
+            log.error("worker %d: request %s: %s", self.pid, rq, e, extra=request_extra(rq))
             if self.seqs.pop(rid, None) is not None:
                 self.send(b"ERROR", {"rid": rid, "code": "numerical_fault", "message": str(e)})
         for rid, ev in events:
@@ -346,7 +355,7 @@ class _Choice:
 
 
 class _Active:
-    __slots__ = ("rid", "seq", "stream", "n", "choices", "sent_prompt")
+    __slots__ = ("rid", "seq", "stream", "n", "choices", "sent_prompt", "request_id")
 
     def __init__(self, rid, seq, stream, n=1):
         self.rid, self.seq, self.stream, self.n = rid, seq, stream, n

@@ -20,7 +20,8 @@ from test_http import free_port
 def _gateway_pid(server):
     for c in psutil.Process(server.pid).children():
         try:
-            if "colibri_server.http" in " ".join(c.cmdline()):
+            t = " ".join(c.cmdline())           # gunicorn titles its arbiter "gunicorn: master [colibri-http]"
+            if "colibri-http" in t or "colibri_server.http" in t or t.startswith("colibri: http"):
                 return c.pid
         except psutil.NoSuchProcess:
             pass

@@ -58,13 +58,14 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..client import Client, ColibriError, ColibriTimeout
+from ..protocol import REQUEST_ID
 from .config import DEFAULT_CONNECT, ENV, ENV_VARS, _env_bool, _read_key_file, options_from_env  # noqa: F401
 from .metrics import _Metrics, _ServerCollector
 from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _chat_messages,  # noqa: F401
                           _chat_unsupported, _check_known, _completion_prompt, _error_resp, _Fields, _is_int,
                           _is_num, _json, _json_bytes, _Resp, _sampling, _sse, _stream_options, _StreamBody,
                           chat_logprobs, chat_logprobs_obj, completion_embeds, completion_logprobs, http_error_for, legacy_logprobs_obj)
-from .structured import Tools, messages_for_template, response_grammar
+from .completions import DEFAULT_MAX_TOKENS, GenerationEndpoints  # noqa: F401  (re-exported)
 from .template import (CHATML, STATS_TIMEOUT, ModelInfo, fetch_template, model_info_from_stats,  # noqa: F401
                        render_chat, render_chat_segments)
 
@@ -77,7 +78,6 @@ DEFAULT_TIMEOUT = 120.0        # seconds to wait for the next message of a reque
 HEALTH_TIMEOUT = 2.0
 MAX_BODY = 1 << 20             # bytes of an HTTP request body
 DRAIN_LIMIT = 16 << 20         # bytes of an oversized body read and dropped so that its 413 is seen
-DEFAULT_MAX_TOKENS = 16        # /v1/completions, as in OpenAI
 DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions when neither max_tokens nor max_completion_tokens is given
 INFO_TTL = 30.0                # seconds a fetched ModelInfo is trusted without a new generation seen
 
@@ -97,7 +97,7 @@ class _Route:
     auth: bool = True
 
 
-class Gateway:
+class Gateway(GenerationEndpoints):
     """The WSGI callable (see the module docstring).  Build it with `create_app`."""
 
     def __init__(self, connect: str, api_key: Optional[str] = None, model_name: Optional[str] = None,
@@ -288,6 +288,10 @@ class Gateway:
     def __call__(self, environ, start_response):
         t0 = time.monotonic()
         self.metrics.in_flight.inc()
+        rq = environ.get("HTTP_X_REQUEST_ID") or ""
+        if not REQUEST_ID.fullmatch(rq):          # the client's id when it is one the server accepts
+            rq = uuid.uuid4().hex
+        environ["colibri.request_id"] = rq
         path = environ.get("PATH_INFO") or "/"
         route = self.routes.get(path.rstrip("/") or "/")
         arg = None
@@ -312,6 +316,7 @@ class Gateway:
             resp = _error_resp(HTTPError(500, "internal error in the HTTP gateway (see its log)", code="internal",
                                          outcome="internal"))
         status = f"{resp.status} {_STATUS_TEXT.get(resp.status, 'Error')}"
+        resp.headers.append(("X-Request-Id", rq))
         if isinstance(resp.body, (bytes, bytearray)):
             start_response(status, resp.headers + [("Content-Length", str(len(resp.body)))])
             self._record(endpoint, resp.outcome, t0)
@@ -348,6 +353,10 @@ class Gateway:
                     self.metrics.prompt_tokens.inc(u["prompt_tokens"])
                 if _is_num(u.get("completion_tokens")):
                     self.metrics.completion_tokens.inc(u["completion_tokens"])
+                t = chunk.timings or {}
+                for key, hist in (("prefill_s", self.metrics.prefill), ("decode_s", self.metrics.decode)):
+                    if _is_num(t.get(key)):
+                        hist.observe(t[key])
                 return
             chunk = next(stream)
             now = time.monotonic()
@@ -430,164 +439,6 @@ class Gateway:
         return _Resp(200, body, content_type="text/event-stream; charset=utf-8")
 
     # -- endpoints
-
-    def completions(self, environ) -> _Resp:
-        body = self._read_json(environ)
-        _check_known(body, _COMPLETION_FIELDS)
-        f = _Fields(body)
-        embeds = completion_embeds(body)
-        prompt = _completion_prompt(body) if embeds is None else None
-        echo = f.bool("echo", False)
-        if echo and embeds is not None:
-            raise _bad("'echo' needs a prompt of tokens, not prompt_embeds", "echo")
-        score_only = echo and body.get("max_tokens") == 0       # echo of a scored prompt, nothing generated
-        params = _sampling(_Fields({**body, "max_tokens": 1}) if score_only else f, DEFAULT_MAX_TOKENS, chat=False)
-        stream_mode = f.bool("stream", False)
-        include_usage = _stream_options(f, stream_mode)
-        lp = completion_logprobs(f)
-        if lp is not None:
-            params["logprobs"] = lp
-            if echo:
-                params["prompt_logprobs"] = lp
-        f.neutral("suffix", [], "suffix must be null")
-        if embeds is not None:
-            params["prompt_embeds"] = embeds
-        grammar = response_grammar(body)
-        if grammar is not None:
-            params["grammar"] = grammar
-        info = self._check_model(f)
-        rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
-        n = params.get("n", 1)
-
-        def obj(choices, usage=None):
-            o = {"id": rid, "object": "text_completion", "created": created, "model": info.name,
-                 "system_fingerprint": None, "choices": choices}
-            if usage is not None or include_usage:
-                o["usage"] = usage
-            return o
-
-        def choice(i, text, fr, entries=None, offset=0):
-            return {"text": text, "index": i, "finish_reason": fr,
-                    "logprobs": legacy_logprobs_obj(entries, offset) if lp is not None else None}
-
-        def echoed(prompt_entries):
-            """The prompt's text (as given, or its tokens' text) and its logprob entries."""
-            if isinstance(prompt, str):
-                return prompt, prompt_entries
-            return "".join(e[0] for e in prompt_entries or ()) if prompt_entries else \
-                self._call(lambda c: c.detokenize(prompt), "prompt"), prompt_entries
-
-        if not stream_mode:
-            _, final = self._generate(prompt, params, "prompt", environ)
-            head, head_lp = echoed(final.prompt_logprobs) if echo else ("", [])
-            choices = [choice(c.index, head + ("" if score_only else c.text), "length" if score_only else
-                              c.finish_reason, (head_lp or []) + ([] if score_only else c.logprobs or []))
-                       for c in final.choices]
-            usage = self._usage(final)
-            if score_only:
-                usage["completion_tokens"], usage["total_tokens"] = 0, usage["prompt_tokens"]
-            return _json(obj(choices, usage))
-        stream, first = self._start(prompt, params, "prompt")
-        opening = []
-        if echo:
-            head, head_lp = echoed(first.prompt_logprobs)
-            opening = [obj([choice(i, head, None, head_lp)]) for i in range(n)]
-        offsets = [len(opening[0]["choices"][0]["text"]) if opening else 0] * n
-
-        def piece(ch):
-            if score_only:
-                return None
-            o = obj([choice(ch.choice, ch.text, None, ch.logprobs, offsets[ch.choice])])
-            offsets[ch.choice] += sum(len(e[0]) for e in ch.logprobs or ())
-            return o
-
-        def finish(final):
-            return [obj([choice(c.index, "", "length" if score_only else c.finish_reason, [])])
-                    for c in final.choices]
-        return self._streaming(lambda state: self._events(
-            stream, first, piece, finish, (lambda u: obj([], u)) if include_usage else None, state, "prompt",
-            opening=opening), stream)
-
-    def chat_completions(self, environ) -> _Resp:
-        body = self._read_json(environ)
-        _check_known(body, _CHAT_FIELDS)
-        f = _Fields(body)
-        messages = _chat_messages(body)
-        params = _sampling(f, self.default_max_tokens, chat=True)
-        stream_mode = f.bool("stream", False)
-        include_usage = _stream_options(f, stream_mode)
-        _chat_unsupported(f)
-        lp = chat_logprobs(f)
-        if lp is not None:
-            params["logprobs"] = lp
-        tools = Tools.from_body(body)
-        calling = tools is not None and tools.choice != "none"
-        grammar = response_grammar(body)
-        if calling and tools.grammar() is not None:
-            if grammar is not None:
-                raise _bad("a required tool call and response_format cannot both constrain the output", "tool_choice")
-            grammar = tools.grammar()
-        if grammar is not None:
-            params["grammar"] = grammar
-        add_gen = f.bool("add_generation_prompt", True)
-        info = self._check_model(f)
-        template = info.chat_template or ""
-        if calling:
-            messages = tools.prompt_messages(messages, "tools" in template)
-        segments, special = render_chat_segments(info, messages_for_template(messages, "tool_calls" in template),
-                                                 add_gen, **({"tools": tools.tools} if calling else {}))
-        ids = self._call(lambda c: c.tokenize(segments, add_special_tokens=special), "messages")
-        if not ids:
-            raise _bad("the messages render to an empty prompt", "messages")
-        rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
-        fingerprint = f"colibri-g{info.generation}" if info.generation is not None else None
-        n = params.get("n", 1)
-
-        def obj(kind, choices, usage=None):
-            o = {"id": rid, "object": kind, "created": created, "model": info.name,
-                 "system_fingerprint": fingerprint, "choices": choices}
-            if kind == "chat.completion" or include_usage:
-                o["usage"] = usage
-            return o
-
-        def delta(i, d, fr=None, entries=None):
-            return obj("chat.completion.chunk", [{"index": i, "delta": d, "finish_reason": fr,
-                                                  "logprobs": chat_logprobs_obj(entries) if entries else None}])
-
-        def answer(c):
-            """(message, finish_reason) of a finished choice: a tool call when the output is one."""
-            calls = tools.parse(c.text) if calling else None
-            if calls:
-                return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-            return {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
-
-        if not stream_mode or calling:          # a tool call is known only at the end: streamed in one piece
-            _, final = self._generate(ids, params, "messages", environ)
-            usage = self._usage(final, len(ids))
-            answers = [(c, *answer(c)) for c in final.choices]
-            if not stream_mode:
-                return _json(obj("chat.completion", [{
-                    "index": c.index, "message": msg, "finish_reason": fr,
-                    "logprobs": chat_logprobs_obj(c.logprobs) if lp is not None else None}
-                    for c, msg, fr in answers], usage))
-            events = [delta(c.index, {"role": "assistant", "content": ""}) for c, _, _ in answers]
-            for c, msg, fr in answers:
-                if msg.get("tool_calls"):
-                    events.append(delta(c.index, {"tool_calls": [{"index": 0, **msg["tool_calls"][0]}]}))
-                else:
-                    events.append(delta(c.index, {"content": msg["content"]}, None, c.logprobs))
-                events.append(delta(c.index, {}, fr))
-            if include_usage:
-                events.append(obj("chat.completion.chunk", [], usage))
-            body = _StreamBody(iter([_sse(e) for e in events] + [_DONE]), {"outcome": "ok"}, lambda: None,
-                               lambda outcome: None)
-            return _Resp(200, body, content_type="text/event-stream; charset=utf-8")
-        stream, first = self._start(ids, params, "messages")
-        return self._streaming(lambda state: self._events(
-            stream, first, lambda ch: delta(ch.choice, {"content": ch.text}, None, ch.logprobs),
-            lambda final: [delta(c.index, {}, c.finish_reason) for c in final.choices],
-            (lambda u: obj("chat.completion.chunk", [], u)) if include_usage else None, state, "messages",
-            opening=[delta(i, {"role": "assistant", "content": ""}) for i in range(n)]), stream)
 
     def _model_obj(self, info):
         return {"id": info.name, "object": "model", "created": info.created, "owned_by": "colibri",

@@ -96,6 +96,23 @@ class _ServerCollector:
             restarts = counters.get("worker_restarts")          # the router's count (router.py)
             if _is_num(restarts):
                 yield CounterMetricFamily("colibri_worker_restarts", "workers replaced after dying", value=restarts)
+        yield from _expert_family(st.get("expert_counts"))
+
+
+def _expert_family(counts):
+    """colibri_expert_selections_total{layer, expert}: how often each layer's router chose each expert
+    (the load-balance view), over the workers of the serving generation; per layer the sum is the tokens
+    computed x top_k."""
+    from prometheus_client.core import CounterMetricFamily
+    fam = CounterMetricFamily("colibri_expert_selections", "times each layer's router chose each expert "
+                              "(all workers of the serving generation)", labels=["layer", "expert"])
+    if isinstance(counts, list):
+        for l, row in enumerate(counts):
+            if isinstance(row, list):
+                for e, v in enumerate(row):
+                    if _is_num(v):
+                        fam.add_metric([str(l), str(e)], float(v))
+    yield fam
 
 
 class _Metrics:
@@ -114,6 +131,12 @@ class _Metrics:
         self.ttft = Histogram("colibri_http_time_to_first_token_seconds", "from sending a generate to its first "
                               "token (queueing and prefill)", registry=r,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.prefill = Histogram("colibri_http_prefill_seconds", "worker time computing a request's prompt "
+                                 "(its share of the batched steps)", registry=r,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.decode = Histogram("colibri_http_decode_seconds", "worker time generating a request's tokens after "
+                                "the first", registry=r,
+                                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.itl = Histogram("colibri_http_inter_token_latency_seconds", "time between consecutive streamed "
                              "tokens", registry=r,
                              buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
@@ -128,7 +151,9 @@ _ENGINE = (("kv_blocks_used", "gauge", "KV pool blocks held by running sequences
            ("batch_rows_mean", "gauge", "mean rows per batched step since the worker started"),
            ("steps", "counter", "batched steps run"),
            ("preemptions", "counter", "sequences preempted for KV memory (recomputed later)"),
-           ("prefix_hits", "counter", "KV blocks reused from the prefix cache"))
+           ("prefix_hits", "counter", "KV blocks reused from the prefix cache"),
+           ("prefill_tokens", "counter", "prompt positions computed (n completions of a prompt: once)"),
+           ("kv_blocks", "gauge", "KV pool blocks in all"))
 
 
 def _engine_families(workers, labels):

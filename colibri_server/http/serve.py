@@ -86,6 +86,8 @@ def add_http_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="max_tokens of a chat completion that gives none")
     p.add_argument("--metrics-auth", action="store_true", default=None,
                    help="require the API key on /metrics too [COLIBRI_HTTP_METRICS_AUTH=1]")
+    p.add_argument("--log-format", default=env("COLIBRI_HTTP_LOG_FORMAT", "text"), choices=("text", "json"),
+                   help="log lines as text or one JSON object per line [COLIBRI_HTTP_LOG_FORMAT]")
     p.add_argument("--log-level", default=env("COLIBRI_HTTP_LOG_LEVEL", "info"),
                    choices=("debug", "info", "warning", "error", "critical"),
                    help="gunicorn and gateway log verbosity [COLIBRI_HTTP_LOG_LEVEL]")
@@ -103,15 +105,26 @@ def cmd_http(a):
             metrics_auth = _env_bool("COLIBRI_HTTP_METRICS_AUTH", os.environ.get("COLIBRI_HTTP_METRICS_AUTH", "0"))
         if a.workers < 1 or a.threads < 1:
             raise ValueError("--workers and --threads must be >= 1")
-        logging.basicConfig(level=getattr(logging, a.log_level.upper(), logging.INFO), stream=sys.stderr,
-                            format="%(asctime)s [%(process)d] %(name)s %(levelname)s: %(message)s")
+        from ..logs import set_role, setup
+        setup(a.log_level, a.log_format)
+        set_role("http")                       # gunicorn titles its processes itself from here on
+        gunicorn_options = {"logconfig_dict": _json_logconfig(a.log_level)} if a.log_format == "json" else None
         serve(a.connect, bind=a.bind, workers=a.workers, threads=a.threads, api_key=key, model_name=a.model_name,
               timeout=a.timeout, log_level=a.log_level, max_body=a.max_body,
               default_max_tokens=a.default_max_tokens, metrics_auth=metrics_auth,
-              curve=os.environ.get("COLIBRI_HTTP_CURVE_SERVERKEY") or None)
+              curve=os.environ.get("COLIBRI_HTTP_CURVE_SERVERKEY") or None, gunicorn_options=gunicorn_options)
     except ValueError as e:
         print(f"colibri: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def _json_logconfig(level: str) -> dict:
+    """gunicorn's own lines (its arbiter, worker boots) as JSON too."""
+    h = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
+    return {"version": 1, "disable_existing_loggers": False,
+            "formatters": {"json": {"()": "colibri_server.logs.JsonFormatter"}}, "handlers": {"json": h},
+            "loggers": {"gunicorn.error": {"handlers": ["json"], "level": level.upper(), "propagate": False}},
+            "root": {"handlers": ["json"], "level": level.upper()}}
 
 
 def main(argv=None):

@@ -42,9 +42,10 @@ class Rows:
         return self.tokens.shape[0]
 
 
-def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, noise=None) -> np.ndarray:
+def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, noise=None, expert_counts=None) -> np.ndarray:
     """Run every row of the step; write their keys and values into the pool; return the logits of
-    the sampled rows (M,V), a view of logits_out (>= M,V)."""
+    the sampled rows (M,V), a view of logits_out (>= M,V). expert_counts (L,E) int64: each layer's
+    routing choices of these rows are added to it."""
     N = len(rows)
     if N > ws.rows:
         raise ValueError(f"{N} rows exceed the workspace's {ws.rows}")
@@ -82,6 +83,8 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
         K.rmsnorm(x, L.ffn_norm, cfg.rms_norm_eps, h)
         if L.gate is not None:
             moe(L, h, ws, sub, noise=noise)
+            if expert_counts is not None:                                      # the layer's choices, (N,A)
+                expert_counts[l] += np.bincount(ws.route_idx[:N, :L.top_k].ravel(), minlength=cfg.num_experts)
         else:
             swiglu(h, L.mlp_w1, L.mlp_w3, L.mlp_w2, ws, sub)
         x += sub

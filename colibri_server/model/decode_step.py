@@ -59,9 +59,10 @@ class DecodeStep:
         E, A = cfg.num_experts, cfg.top_k
         qkv = ws.qkv[:1]
         self.ids = np.zeros(1, np.int64)
+        self.routes = np.zeros((cfg.num_layers, A), np.int32)         # (L,A): the experts of the last token
         self.views = (ws.x[:1], ws.h[:1], ws.sub[:1], qkv, qkv[0, :qd].reshape(1, H, hd),
                       qkv[0, qd:qd + kvd].reshape(1, Hkv, hd), qkv[0, qd + kvd:].reshape(1, Hkv, hd),
-                      ws.attn[:1].reshape(1, H, hd), ws.router[:1, :E], ws.route_idx[:1, :A], ws.route_w[:1, :A],
+                      ws.attn[:1].reshape(1, H, hd), ws.router[:1, :E], self.routes, ws.route_w[:1, :A],
                       ws.h1, ws.h3, *((ws.xs[0], ws.xi[0]) if ws.threads == 1 else (ws.xs, ws.xi)))
         self.scale = 1.0 / math.sqrt(hd)
 

@@ -62,6 +62,7 @@ class BatchEngine:
         self.logits = aligned_zeros((max_seqs, cfg.vocab_size), np.float32)   # (M,V), M <= max_seqs
         self.states = {}                                              # rid -> SeqState
         self.faults = []                                              # [(rid, NumericalFault)] of the last step
+        self.expert_counts = np.zeros((cfg.num_layers, max(1, cfg.num_experts)), np.int64)   # (L,E) choices
         self.steps = 0
         self.prefill_rows = 0                                         # prompt positions computed (recomputations too)
         self.rows_total = 0
@@ -128,8 +129,11 @@ class BatchEngine:
                     and (m.noise is None or m.noise.scale <= 0):
                 logits = self.single.paged(m.rope, self.pool, rows.tables[0], int(rows.pos[0]), int(rows.tokens[0]),
                                            self.scores)
+                r = self.single.routes                                  # (L,A): the layers' experts
+                np.add.at(self.expert_counts, (np.arange(r.shape[0])[:, None], r), 1)
             else:
-                logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, out, noise=m.noise)
+                logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, out, noise=m.noise,
+                                       expert_counts=self.expert_counts)
         except ArithmeticError as e:        # a kernel met NaNs: fault whose rows hold them, recompute the rest
             self._arithmetic_fault(plan, e)
             return []
@@ -255,7 +259,8 @@ class BatchEngine:
     def stats(self) -> dict:
         s = dict(self.pool.stats())
         s.update(self.sched.stats())
-        s.update(steps=self.steps, prefill_tokens=self.prefill_rows, batch_rows_last=self.last_rows,
+        s.update(steps=self.steps, prefill_tokens=self.prefill_rows, expert_counts=self.expert_counts.tolist(),
+                 batch_rows_last=self.last_rows,
                  batch_rows_mean=round(self.rows_total / self.steps, 2) if self.steps else 0.0)
         return s
 

@@ -208,7 +208,8 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
     # kernels and order of transformer.forward's T == 1 path. Per-layer weights are tuples over the
     # layers (anorm..w2, one type each; no biases); qnorm/knorm size 0 when absent; qk_mode 0 none, 1 over the
     # whole projection, 2 per head; clip 0 off. x, h, sub (1,D), qkv (1,qd+2kvd) with q3 (1,H,hd),
-    # k3, v3 (1,Hkv,hd) its views; attn3 (1,H,hd); logits_e (1,E), idx/wts (1,k) the routing.
+    # k3, v3 (1,Hkv,hd) its views; attn3 (1,H,hd); logits_e (1,E), wts (1,k) the routing, idx (L,k) the
+    # experts each layer chose (kept for the caller's routing counts).
     # kcache/vcache: (L,Hkv,S,hd) (table unused) or a paged pool (L,NB,Hkv,BS,hd) with the table.
     embed(emb, ids, x)
     pos[0] = start
@@ -232,7 +233,8 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
         _proj(wo[l], attn3.reshape(H * hd), sub[0], xs, xi)
         _add(x[0], sub[0])
         rmsnorm(x, fnorm[l], eps, h)
-        _experts(gate[l], w1[l], w3[l], w2[l], h[0], top_k, renorm, logits_e, idx, wts, h1, h3, sub[0], xs, xi)
+        _experts(gate[l], w1[l], w3[l], w2[l], h[0], top_k, renorm, logits_e, idx[l:l + 1], wts, h1, h3, sub[0],
+                 xs, xi)
         _add(x[0], sub[0])
     rmsnorm(x, onorm, eps, h)
     _proj(wout, h[0], logits[0], xs, xi)

@@ -1,0 +1,124 @@
+"""Issue 19, item 5: a request id carried from the HTTP client through the router and the worker into
+their log lines and back; JSON log lines; per-expert routing counts in /metrics that sum to tokens x
+top_k per layer; prefill and decode histograms; the processes' titles."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import openai
+import psutil
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from colibri_server.model import Model
+from server_harness import Server
+from test_http import free_port
+from test_serve_http import _health, _wait
+
+
+@pytest.fixture(scope="module")
+def obs(built, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("obs")
+    path = built("mixtral").colibri("f32")
+    port = free_port()
+
+    class S:
+        pass
+    s = S()
+    s.model, s.url = Model.open(path), f"http://127.0.0.1:{port}"
+    s.server = Server(path, tmp, workers=1, extra=["--http", f"127.0.0.1:{port}", "--log-format", "json"])
+    try:
+        s.server.wait_ready(1)
+        _wait(lambda: _health(s.url), what="the gateway")
+        s.oa = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        yield s
+    finally:
+        s.server.stop()
+
+
+def _json_lines(server):
+    out = []
+    for line in server.logs().splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def test_a_request_id_goes_through_router_and_worker_logs_and_comes_back(obs):
+    r = requests.post(obs.url + "/v1/chat/completions", timeout=60, headers={"X-Request-Id": "trace-42.a"},
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200 and r.headers["X-Request-Id"] == "trace-42.a"
+    assert r.json()["id"] == "chatcmpl-trace-42.a"
+    lines = _wait(lambda: [e for e in _json_lines(obs.server) if e.get("request_id") == "trace-42.a"] or None,
+                  timeout=10, what="log lines of the request")
+    roles = {e["role"].split()[0] for e in lines}
+    assert roles == {"router", "worker"}, lines
+    assert any("done" in e["msg"] for e in lines if e["role"] == "router")
+    # a malformed id is replaced, never echoed; the native client names its own and gets it back
+    r = requests.post(obs.url + "/v1/completions", timeout=60, headers={"X-Request-Id": "bad id\u00e9"},
+                      json={"prompt": [5, 6], "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["X-Request-Id"] != "bad id\u00e9"
+    with obs.server.client() as c:
+        assert c.generate([5, 6], max_tokens=2, request_id="native-7").request_id == "native-7"
+        assert len(c.generate([5, 6], max_tokens=2).request_id) == 16          # generated
+
+
+def test_every_server_log_line_is_json_with_its_role(obs):
+    lines = [ln for ln in obs.server.logs().splitlines() if ln.strip() and not ln.startswith("[20")]  # gunicorn's own
+    assert lines and all(ln.startswith("{") for ln in lines), [ln for ln in lines if not ln.startswith("{")][:3]
+    roles = {json.loads(ln)["role"].split()[0] for ln in lines}
+    assert {"master", "router", "worker"} <= roles
+
+
+def test_process_titles_name_their_roles(obs):
+    master = psutil.Process(obs.server.pid)
+    titles = [" ".join(p.cmdline()).strip() for p in [master] + master.children()]
+    assert titles[0].startswith("colibri: master [")
+    assert any(t == "colibri: router" for t in titles)
+    assert any(t.startswith("colibri: worker 0 [gen 1]") for t in titles), titles
+
+
+
+def _metrics(url):
+    text = requests.get(url + "/metrics", timeout=30).text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _expert_sums(url):
+    fam = _metrics(url)["colibri_expert_selections"]
+    per_layer = {}
+    for s in fam.samples:
+        if s.name.endswith("_total"):
+            per_layer[int(s.labels["layer"])] = per_layer.get(int(s.labels["layer"]), 0) + s.value
+    return per_layer
+
+
+def _settled(url, quiet=2.5):
+    last, since = None, time.monotonic()
+    while True:
+        v = _expert_sums(url)
+        if v != last:
+            last, since = v, time.monotonic()
+        elif time.monotonic() - since > quiet:
+            return v
+        time.sleep(0.3)
+
+
+def test_expert_counts_sum_to_tokens_times_top_k_per_layer(obs):
+    before = _settled(obs.url)
+    P, M = 23, 9
+    prompt = np.random.default_rng(77).integers(3, obs.model.config.vocab_size, P).tolist()   # no prefix hit
+    with obs.server.client() as c:
+        c.generate(prompt, max_tokens=M, ignore_eos=True)
+    after = _settled(obs.url)
+    k = obs.model.config.top_k
+    rows = P + M - 1                       # the prompt, then every sampled token but the last is fed back
+    assert sorted(after) == list(range(obs.model.config.num_layers))
+    assert all(after[l] - before.get(l, 0) == rows * k for l in after), (before, after)
+    fams = _metrics(obs.url)
+    for name in ("colibri_http_prefill_seconds", "colibri_http_decode_seconds", "colibri_worker_kv_blocks_used",
+                 "colibri_worker_prefill_tokens"):
+        assert name in fams, name
