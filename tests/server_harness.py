@@ -12,6 +12,17 @@ import psutil
 from colibri_server.client import Client, ColibriError
 
 
+def wait_until(predicate, timeout=30.0, what="condition", context=lambda: ""):
+    """predicate()'s first truthy value, polled every 0.1 s; TimeoutError naming `what` after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = predicate()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not met in {timeout}s:\n{context()}")
+
+
 class Server:
     def __init__(self, model, tmp_path, workers=2, extra=(), env=None, name="s"):
         self.addr = f"ipc://{tmp_path}/{name}.sock"
@@ -66,13 +77,7 @@ class Server:
         return self.log_path.read_text()
 
     def wait_for(self, predicate, timeout=30.0, what="condition"):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            v = predicate()
-            if v:
-                return v
-            time.sleep(0.1)
-        raise TimeoutError(f"{what} not met in {timeout}s:\n{self.logs()[-4000:]}")
+        return wait_until(predicate, timeout, what, lambda: self.logs()[-4000:])
 
     def stop(self, timeout=30.0):
         if self.proc.poll() is None:

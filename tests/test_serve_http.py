@@ -6,14 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 
 import openai
 import psutil
-import pytest
 import requests
 
-from server_harness import Server
+from server_harness import Server, wait_until
 from test_http import free_port
 
 
@@ -29,13 +27,7 @@ def _gateway_pid(server):
 
 
 def _wait(pred, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise TimeoutError(what)
+    return wait_until(pred, timeout, what)
 
 
 def _health(url):
