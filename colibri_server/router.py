@@ -286,11 +286,12 @@ class Router(ControlRequests):
         for rid in list(self.queue):
             r = self.reqs[rid]
             n = r.request.get("n", 1)
-            if free.get(r.generation, 0) < n:
-                continue
-            key = _prefix_key(r.request.get("prompt"))
-            w = self._pick_worker(r.generation, self.prefix_owner.get(key), n)
-            if w is None:
+            w = None
+            if free.get(r.generation, 0) >= n:
+                key = _prefix_key(r.request.get("prompt"))
+                w = self._pick_worker(r.generation, self.prefix_owner.get(key), n)
+            if w is None:               # no worker has n free slots: the generation's later requests wait
+                free[r.generation] = 0  # behind it (first come, first served), so a request of n > 1 runs
                 continue
             self.queue.remove(rid)
             free[r.generation] -= n
