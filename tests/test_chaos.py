@@ -34,7 +34,9 @@ TEXTS = ["def f(x):", "Once upon a time", "The quick brown fox", "import numpy a
 IDS = [[int(t) for t in np.random.default_rng(i).integers(3, 380, size=5 + i % 4)] for i in range(4)]
 PROMPTS = TEXTS + IDS
 MAX_TOKENS = 6
-EXPLICIT = {"connection_lost", "worker_lost"}
+# unreachable: a client that could not reconnect within its connect_timeout (3 s) while a router killed
+# several times in 10 s restarts after its growing delay: an explicit error, the request was never sent
+EXPLICIT = {"connection_lost", "worker_lost", "unreachable"}
 FAULTS = ["hup", "hup_swap", "usr1_swap", "ttin", "ttou", "kill_worker", "kill_router", "stop_router",
           "missing", "truncated", "corrupted", "bad_settings"]
 

@@ -17,6 +17,7 @@ import openai
 import pytest
 import requests
 
+import hf_models as H
 from colibri_server.model import Model
 from server_harness import Server
 from test_http import KEY, ROOT, Gateway, free_port
@@ -49,15 +50,13 @@ def _stack(tmp, path, extra=()):
 
 @pytest.fixture(scope="module")
 def st(built, tmp_path_factory):
-    """The random test model, f32 file and f32 KV cache: logprobs compare with Model.logits exactly."""
-    yield from _stack(tmp_path_factory.mktemp("oa-sampling"), built("mixtral").colibri("f32"), ["--kv-dtype", "f32"])
-
-
-@pytest.fixture(scope="module")
-def bst(tmp_path_factory):
-    """The bundled model (a trained tokenizer: the tools' JSON fits its context of 256 tokens)."""
-    from colibri_server.bundled import BUNDLED_MODEL
-    yield from _stack(tmp_path_factory.mktemp("oa-bundled"), BUNDLED_MODEL)
+    """The random test Mixtral with a context of 1024 (the tools' JSON goes in the prompt: 300 tokens of its
+    512-token vocabulary), f32 file and f32 KV cache: logprobs compare with Model.logits exactly."""
+    from colibri_server.model.convert import convert
+    tmp = tmp_path_factory.mktemp("oa-sampling")
+    H.build_hf_model("mixtral", str(tmp / "hf"), max_position_embeddings=1024)
+    convert(str(tmp / "hf"), str(tmp / "m.colibri"), "f32", progress=False)
+    yield from _stack(tmp, str(tmp / "m.colibri"), ["--kv-dtype", "f32"])
 
 
 def log_softmax(x):
@@ -247,7 +246,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
                                            "days": {"type": "integer", "minimum": 1, "maximum": 14},
                                            "units": {"enum": ["C", "F"]}},
           "required": ["city", "days", "units"], "additionalProperties": False}
-# small: the test model's context is 256 tokens of a 512-token vocabulary, and the tools go in the prompt
+# small: the tools go in the prompt, about 300 tokens of the test model's 512-token vocabulary
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
              "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}}},
          {"type": "function", "function": {"name": "add", "parameters": {
@@ -274,8 +273,7 @@ def test_openai_response_format_json_schema_and_json_object_validate(st):
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
-def test_openai_tool_calls_parse_and_name_a_listed_tool(bst, tool_choice):
-    st = bst
+def test_openai_tool_calls_parse_and_name_a_listed_tool(st, tool_choice):
     import jsonschema
     msgs = [{"role": "user", "content": "2+3?"}]
     for stream in (False, True):
@@ -305,8 +303,7 @@ def test_openai_tool_calls_parse_and_name_a_listed_tool(bst, tool_choice):
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
 
 
-def test_auto_tool_choice_returns_a_call_only_when_the_output_is_one(bst):
-    st = bst
+def test_auto_tool_choice_returns_a_call_only_when_the_output_is_one(st):
     from colibri_server.http.structured import Tools
     t = Tools.from_body({"tools": TOOLS})
     assert t.choice == "auto" and t.grammar() is None

@@ -311,6 +311,7 @@ def test_prefill_bf16_takes_panels_with_the_sums_of_rows(wide, tmp_path):
     np.testing.assert_allclose(pan.logits(PROMPT), want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.slow          # 59 s of cold compiling (a q8/f16-panels mix no other test builds): -m slow
 def test_quantized_experts_beside_a_float_head_in_panels(wide, tmp_path):
     """q8 experts and attention with the head kept f16 (--quantize-head none): the head is
     stored in panels beside the QTensors, and the file gives the rows file's answers, on one

@@ -295,7 +295,8 @@ def test_decode_step_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtyp
         m.decode(m.new_cache(), cfg.vocab_size)
 
 
-@pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("mixtral", "q4"), ("olmoe", "q8")])
+@pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("olmoe", "q8"),
+                                        pytest.param("mixtral", "q4", marks=pytest.mark.slow)])   # 63 s cold
 def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, tmp_path, arch, dtype):
     """threads_per_worker 2: the fused token splits every matrix's rows (q|k|v in one region, wo,
     the experts, the head) over Numba threads inside its one call. Each row is computed as on one
