@@ -403,8 +403,8 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("http", STR, "", "also serve the OpenAI-compatible HTTP API on HOST:PORT (the gateway runs under "
             "the master, restarted if it dies; empty: none, run `colibri http` yourself)", _HttpCheck(),
             reload=RESTART, metavar="HOST:PORT"),
-    Setting("served_model_name", STR, "", "the model id the HTTP API answers to and lists (empty: the "
-            "model file's name)", reload=RESTART, metavar="NAME"),
+    Setting("served_model_name", STR, "", "the model ids the HTTP API answers to and lists, comma-separated "
+            "aliases, the first named in answers (empty: the model file's name)", reload=RESTART, metavar="NAME[,NAME]"),
     Setting("runtime_dir", PATH, "",
             "sockets and state (empty: $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/colibri, "
             "else /tmp/colibri-UID)", reload=RESTART),

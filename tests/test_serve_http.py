@@ -41,13 +41,14 @@ def test_serve_with_http_answers_restarts_and_stops_with_the_server(built, tmp_p
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     s = Server(built("mixtral").colibri("f32"), tmp_path, workers=1,
-               extra=["--http", f"127.0.0.1:{port}", "--served-model-name", "tiny-moe"])
+               extra=["--http", f"127.0.0.1:{port}", "--served-model-name", "tiny-moe,tiny"])
     try:
         s.wait_ready(1)
         _wait(lambda: _health(url), what="the gateway's /health")
         oa = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        assert [m.id for m in oa.models.list().data] == ["tiny-moe"]
-        r = oa.completions.create(model="tiny-moe", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        assert [m.id for m in oa.models.list().data] == ["tiny-moe", "tiny"]          # aliases
+        r = oa.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        assert r.model == "tiny-moe" and oa.models.retrieve("tiny").id == "tiny"
         with s.client() as c:
             assert r.choices[0].text == c.generate([5, 6, 7], max_tokens=4).text
         assert f"http://127.0.0.1:{port}/v1" in s.logs()

@@ -114,7 +114,9 @@ class Gateway(GenerationEndpoints):
                 raise ValueError(f"{name} must be a positive number (got {v!r})")
         self.connect, self.timeout, self.curve = connect, float(timeout), curve
         self._key = api_key.encode("utf-8") if api_key else None
-        self.model_name = model_name or None
+        # "a,b": aliases (vLLM's --served-model-name a b); the first is the name answers carry
+        self.model_names = [n.strip() for n in (model_name or "").split(",") if n.strip()]
+        self.model_name = self.model_names[0] if self.model_names else None
         self.max_body, self.default_max_tokens = int(max_body), int(default_max_tokens)
         self.metrics_auth, self.health_timeout = bool(metrics_auth), float(health_timeout)
         self._local = threading.local()
@@ -272,7 +274,7 @@ class Gateway(GenerationEndpoints):
     def _check_model(self, f: _Fields) -> ModelInfo:
         model = f.str("model")
         info = self.model_info()
-        if model is not None and model != info.name:
+        if model is not None and model != info.name and model not in self.model_names:
             raise _bad(f"the model {model[:100]!r} does not exist: this server serves {info.name!r}", "model",
                        "model_not_found")
         return info
@@ -440,20 +442,20 @@ class Gateway(GenerationEndpoints):
 
     # -- endpoints
 
-    def _model_obj(self, info):
-        return {"id": info.name, "object": "model", "created": info.created, "owned_by": "colibri",
+    def _model_obj(self, info, name=None):
+        return {"id": name or info.name, "object": "model", "created": info.created, "owned_by": "colibri",
                 "root": info.path, "parent": None}
 
     def models(self, environ) -> _Resp:
         info = self.model_info()
-        return _json({"object": "list", "data": [self._model_obj(info)]})
+        return _json({"object": "list", "data": [self._model_obj(info, n) for n in self.model_names or [info.name]]})
 
     def model(self, environ, name) -> _Resp:
         info = self.model_info()
-        if name != info.name:
+        if name != info.name and name not in self.model_names:
             raise HTTPError(404, f"the model {name[:100]!r} does not exist: this server serves {info.name!r}",
                             param="model", code="model_not_found", outcome="not_found")
-        return _json(self._model_obj(info))
+        return _json(self._model_obj(info, name))
 
     def tokenize(self, environ) -> _Resp:
         body = self._read_json(environ)

@@ -76,7 +76,7 @@ def add_http_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", default=env("COLIBRI_HTTP_API_KEY_FILE"),
                    help="read the API key from this file [COLIBRI_HTTP_API_KEY_FILE]")
     p.add_argument("--model-name", default=env("COLIBRI_HTTP_MODEL_NAME"),
-                   help="model id to serve as (default: the model file's metadata name) [COLIBRI_HTTP_MODEL_NAME]")
+                   help="model id to serve as; comma-separated aliases, the first named in answers (default: the model file's metadata name) [COLIBRI_HTTP_MODEL_NAME]")
     p.add_argument("--timeout", type=float, default=env("COLIBRI_HTTP_TIMEOUT", str(DEFAULT_TIMEOUT)),
                    help="seconds to wait for the next message of a request, queueing included")
     p.add_argument("--max-body", type=int, default=env("COLIBRI_HTTP_MAX_BODY", str(MAX_BODY)),
