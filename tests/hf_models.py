@@ -242,6 +242,25 @@ SMALL_CONFIGS: dict[str, dict] = {
 }
 ARCHS = tuple(SMALL_CONFIGS)
 
+# Dense families (issue 17: the degenerate case, every layer a dense MLP). Kept out of ARCHS: the MoE
+# parametrizations stay as they are; tests/test_dense_families.py runs these.
+DENSE_CONFIGS: dict[str, dict] = {
+    # Llama: llama3 rope scaling, untied head, no biases.
+    "llama": dict(_COMMON, model_type="llama", num_hidden_layers=2, intermediate_size=96, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}),
+    # Qwen2: q/k/v biases, tied embeddings.
+    "qwen2": dict(_COMMON, model_type="qwen2", num_hidden_layers=2, intermediate_size=96, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Qwen3: per-head q/k RMSNorm, head_dim 24 != 64/4.
+    "qwen3": dict(_COMMON, model_type="qwen3", num_hidden_layers=2, intermediate_size=96, head_dim=24,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
 # Re-initialisation std (see _reinit_weights).
 INIT_STD = 0.25
 LM_HEAD_STD = 0.3  # lm_head (and the embedding when tied): wider => clear top1-top2 margins
@@ -254,9 +273,10 @@ BIAS_STD = 0.05
 def _make_config(arch: str, **overrides):
     from transformers import AutoConfig
 
-    if arch not in SMALL_CONFIGS:
-        raise KeyError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    kw = dict(SMALL_CONFIGS[arch])
+    configs = {**SMALL_CONFIGS, **DENSE_CONFIGS}
+    if arch not in configs:
+        raise KeyError(f"unknown arch {arch!r}; expected one of {tuple(configs)}")
+    kw = dict(configs[arch])
     kw.update(overrides)
     model_type = kw.pop("model_type")
     if "rope_parameters" in kw and kw["rope_parameters"] is not None:

@@ -83,7 +83,7 @@ def test_fused_in_memory_layout_is_accepted(built, tmp_path):
 
 
 @pytest.mark.parametrize("change,needle", [
-    (dict(architectures=["LlamaForCausalLM"]), "LlamaForCausalLM"),
+    (dict(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
     (dict(hidden_size=None), "hidden_size"),
     (dict(num_attention_heads=3), "num_kv_heads"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}), "dynamic"),

@@ -479,7 +479,7 @@ CASES = [
     pytest.param("mixtral", _config(vocab_size=True), fmt.BadConfig, "config.vocab_size", id="config-bool-for-int"),
     pytest.param("mixtral", _config(rope_theta="1e6"), fmt.BadConfig, "config.rope_theta", id="config-str-float"),
     pytest.param("mixtral", _config(eos_token_ids=2), fmt.BadConfig, "config.eos_token_ids", id="config-int-for-list"),
-    pytest.param("mixtral", _config(arch="llama"), fmt.BadConfig, "config.arch", id="config-bad-arch"),
+    pytest.param("mixtral", _config(arch="gpt2"), fmt.BadConfig, "config.arch", id="config-bad-arch"),
     pytest.param("mixtral", _config(num_kv_heads=3), fmt.BadConfig, "config.num_kv_heads", id="config-kv-heads"),
     pytest.param("mixtral", _config(top_k=5), fmt.BadConfig, "config.top_k", id="config-top_k-gt-E"),
     pytest.param("mixtral", _config(dense_layers=[7]), fmt.BadConfig, "config.dense_layers", id="config-dense-layers"),

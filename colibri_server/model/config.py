@@ -12,7 +12,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from .format import PANEL
 
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "qwen3")
 QK_NORMS = ("none", "head", "full")   # head: RMSNorm over head_dim per head (Qwen3); full: over H*hd (OLMoE)
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")   # dynamic NTK and longrope change with length: not supported
 FLOAT_DTYPES = ("f32", "f16", "bf16")
@@ -42,7 +42,7 @@ class ModelConfig:
     num_heads: int                   # H
     num_kv_heads: int                # Hkv (H % Hkv == 0)
     head_dim: int                    # hd
-    num_experts: int                 # E
+    num_experts: int                 # E (0: a dense model, every layer a dense MLP)
     top_k: int                       # A: active experts per token
     moe_intermediate_size: int       # I of one expert
     rms_norm_eps: float
@@ -124,16 +124,22 @@ class ModelConfig:
         need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
              f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
         need(self.head_dim % 2 == 0, "head_dim", f"{self.head_dim} must be even for RoPE")
-        need(0 < self.num_experts <= 65536, "num_experts", f"{self.num_experts} is not in 1..65536")
-        need(0 < self.top_k <= self.num_experts, "top_k", f"{self.top_k} is not in 1..num_experts")
-        need(0 < self.moe_intermediate_size <= 1 << 24, "moe_intermediate_size", "must be positive")
+        need(0 <= self.num_experts <= 65536, "num_experts", f"{self.num_experts} is not in 0..65536")
+        if self.num_experts == 0:       # a dense model: every layer a dense MLP, nothing routed
+            need(self.top_k == 0, "top_k", "must be 0 in a dense model (num_experts 0)")
+            need(self.moe_intermediate_size == 0, "moe_intermediate_size", "must be 0 in a dense model (num_experts 0)")
+            need(sorted(set(self.dense_layers)) == list(range(self.num_layers)), "dense_layers",
+                 "a dense model (num_experts 0) lists every layer")
+        else:
+            need(0 < self.top_k <= self.num_experts, "top_k", f"{self.top_k} is not in 1..num_experts")
+            need(0 < self.moe_intermediate_size <= 1 << 24, "moe_intermediate_size", "must be positive")
+            need(len(set(self.dense_layers)) < self.num_layers, "dense_layers", "a MoE model needs at least one MoE layer")
         need(0 <= self.intermediate_size <= 1 << 24, "intermediate_size", "must be >= 0")
         need(0 <= self.shared_expert_intermediate_size <= 1 << 24, "shared_expert_intermediate_size", "must be >= 0")
         need(all(0 <= i < self.num_layers for i in self.dense_layers), "dense_layers",
              f"{list(self.dense_layers)} has an index outside 0..{self.num_layers - 1}")
         need(bool(self.dense_layers) == (self.intermediate_size > 0), "intermediate_size",
              "must be > 0 exactly when there are dense layers")
-        need(len(set(self.dense_layers)) < self.num_layers, "dense_layers", "a MoE model needs at least one MoE layer")
         need(math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "rms_norm_eps",
              f"{self.rms_norm_eps} is not in (0, 1)")
         need(math.isfinite(self.rope_theta) and self.rope_theta > 0, "rope_theta", "must be positive")

@@ -28,6 +28,10 @@ SUPPORTED = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    # dense: every layer an MLP (the degenerate case of the engine's dense layers)
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -221,6 +225,16 @@ def config_from_hf(hf: dict, dtype: str) -> ModelConfig:
             bias = bool(hf.get("attention_bias", False))
             kw.update(qkv_bias=bias, o_bias=bias, qk_norm="head",
                       sliding_window=(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0)
+    elif arch in ("llama", "qwen2", "qwen3"):
+        if hf.get("mlp_bias"):
+            raise ConvertError(f"config.json: mlp_bias=true is not supported for {arch_name}")
+        if hf.get("use_sliding_window"):
+            raise ConvertError(f"config.json: use_sliding_window=true is not supported for {arch_name} "
+                               "(sliding windows on some layers only)")
+        bias = bool(hf.get("attention_bias", False))
+        kw.update(num_experts=0, top_k=0, moe_intermediate_size=0, intermediate_size=_get(hf, "intermediate_size"),
+                  dense_layers=tuple(range(L)), qkv_bias=True if arch == "qwen2" else bias,
+                  o_bias=False if arch == "qwen2" else bias, qk_norm="head" if arch == "qwen3" else "none")
     elif arch == "olmoe":
         bias = bool(hf.get("attention_bias", False))
         kw.update(num_experts=_get(hf, "num_experts", "num_local_experts"), top_k=_get(hf, "num_experts_per_tok"),
