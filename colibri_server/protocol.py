@@ -227,10 +227,11 @@ def validate_generate(body: dict, limits: Limits) -> dict:
         if prompt is not None:
             raise ProtocolError("bad_request", "give 'prompt' or 'prompt_embeds', not both")
         row = 4 * (limits.hidden_size or 1)
-        if not isinstance(embeds, bytes) or not embeds or len(embeds) % row:
+        if not isinstance(embeds, bytes):
+            raise ProtocolError("bad_request", "field 'prompt_embeds' must be bytes")
+        if not embeds or len(embeds) % row:
             raise ProtocolError("bad_request", f"field 'prompt_embeds' must be bytes: float32 rows of hidden_size "
-                                               f"{limits.hidden_size} ({row} bytes each), got {len(embeds or b'')} bytes"
-                                if isinstance(embeds, bytes) else "field 'prompt_embeds' must be bytes")
+                                               f"{limits.hidden_size} ({row} bytes each), got {len(embeds)} bytes")
         if len(embeds) // row > limits.max_prompt_tokens:
             raise ProtocolError("too_large", f"prompt_embeds of {len(embeds) // row} rows exceeds "
                                              f"{limits.max_prompt_tokens}")

@@ -265,8 +265,7 @@ class Worker:
         except ValueError as e:
             self.send(b"ERROR", {"rid": rid, "code": "bad_request", "message": str(e)})
             return
-        self.seqs[rid] = a = _Active(rid, st.seq, bool(req.get("stream", True)), n)
-        a.request_id = req.get("request_id") or str(rid)
+        self.seqs[rid] = a = _Active(rid, st.seq, bool(req.get("stream", True)), n, req.get("request_id") or str(rid))
         log.info("worker %d: request %s started: %d prompt tokens, max_tokens %d%s", self.pid, a.request_id,
                  len(st.seq.prompt_ids), st.seq.params.max_tokens, f", n {n}" if n > 1 else "",
                  extra=request_extra(a.request_id))
@@ -357,8 +356,8 @@ class _Choice:
 class _Active:
     __slots__ = ("rid", "seq", "stream", "n", "choices", "sent_prompt", "request_id")
 
-    def __init__(self, rid, seq, stream, n=1):
-        self.rid, self.seq, self.stream, self.n = rid, seq, stream, n
+    def __init__(self, rid, seq, stream, n=1, request_id=None):
+        self.rid, self.seq, self.stream, self.n, self.request_id = rid, seq, stream, n, request_id
         self.sent_prompt = False
         self.choices = [_Choice() for _ in range(n)]
 

@@ -112,10 +112,11 @@ class GenerationEndpoints:
         tools = Tools.from_body(body)
         calling = tools is not None and tools.choice != "none"
         grammar = response_grammar(body)
-        if calling and tools.grammar() is not None:
+        call_grammar = tools.grammar() if calling else None
+        if call_grammar is not None:
             if grammar is not None:
                 raise _bad("a required tool call and response_format cannot both constrain the output", "tool_choice")
-            grammar = tools.grammar()
+            grammar = call_grammar
         if grammar is not None:
             params["grammar"] = grammar
         add_gen = f.bool("add_generation_prompt", True)

@@ -11,6 +11,7 @@ sequences and step them in turn.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -387,9 +388,7 @@ class Sequence:
     def fork(self, seed) -> "Sequence":
         """A sibling for another of a request's n completions: the same prompt, nothing sampled yet,
         its own sampler (seeded with `seed`), stop checker and decoder."""
-        p = self.params
-        params = SamplingParams(**{**{f: getattr(p, f) for f in p.__dataclass_fields__}, "seed": seed,
-                                   "prompt_logprobs": None})
+        params = dataclasses.replace(self.params, seed=seed, prompt_logprobs=None)
         return Sequence(self.model, self.prompt_ids, self.cache, params, self.embeddings)
 
     def score_prompt(self, start: int, logits) -> None:
@@ -436,8 +435,8 @@ class Sequence:
         allowed = None
         if self.constraint is not None:
             allowed = self.constraint.allowed()
-            if not allowed.any():                       # a matcher in error (never expected): let it end
-                allowed = np.zeros_like(allowed)
+            if not allowed.any():                       # a matcher in error (never expected): allow the end
+                allowed = np.zeros_like(allowed)        # (EOS; any token for a model without one)
                 allowed[list(self.model.config.eos_token_ids) or slice(None)] = True
         t = self.sampler.sample(logits[0], self.history, allowed)
         lp = token_logprobs(logits[0], t, p.logprobs) if p.logprobs is not None else None

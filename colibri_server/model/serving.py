@@ -63,6 +63,7 @@ class BatchEngine:
         self.states = {}                                              # rid -> SeqState
         self.faults = []                                              # [(rid, NumericalFault)] of the last step
         self.expert_counts = np.zeros((cfg.num_layers, max(1, cfg.num_experts)), np.int64)   # (L,E) choices
+        self._layer_rows = np.arange(cfg.num_layers)[:, None]
         self.steps = 0
         self.prefill_rows = 0                                         # prompt positions computed (recomputations too)
         self.rows_total = 0
@@ -129,8 +130,7 @@ class BatchEngine:
                     and (m.noise is None or m.noise.scale <= 0):
                 logits = self.single.paged(m.rope, self.pool, rows.tables[0], int(rows.pos[0]), int(rows.tokens[0]),
                                            self.scores)
-                r = self.single.routes                                  # (L,A): the layers' experts
-                np.add.at(self.expert_counts, (np.arange(r.shape[0])[:, None], r), 1)
+                self.expert_counts[self._layer_rows, self.single.routes] += 1   # (L,A): a layer's experts differ
             else:
                 logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, out, noise=m.noise,
                                        expert_counts=self.expert_counts)
