@@ -18,25 +18,14 @@ import numpy as np
 
 from . import format as fmt
 from .config import LAYOUTS, ConfigError, ModelConfig, expected_tensors
+from .families import BY_ARCH, BY_HF_CLASS, ConvertError, by_hf_class, get as _get
+from .families.base import HF_LAYER_NAMES
 from .panels import to_panels
 
 CONVERTER_VERSION = "colibri-convert 2"     # 2: f16 matrices in panels by default
 CHUNK_BYTES = 8 << 20       # rows are converted in blocks of about this many source bytes
 
-SUPPORTED = {
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "OlmoeForCausalLM": "olmoe",
-    # dense: every layer an MLP (the degenerate case of the engine's dense layers)
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
-
-class ConvertError(Exception):
-    """The checkpoint cannot be converted; the message names the file, key or tensor."""
+SUPPORTED = tuple(BY_HF_CLASS)     # the transformers architectures the families convert
 
 
 # ---------------------------------------------------------------------------- safetensors
@@ -151,14 +140,6 @@ def _encode(a: np.ndarray, src: str, dst: str, name: str) -> np.ndarray:
 
 # ---------------------------------------------------------------------------- config
 
-def _get(hf: dict, *keys):
-    """The first of `keys` present in config.json (transformers renames some between versions)."""
-    for key in keys:
-        if hf.get(key) is not None:
-            return hf[key]
-    raise ConvertError(f"config.json: missing key {keys[0]!r}")
-
-
 def _rope(hf: dict, default_theta: float):
     """(rope_theta, rope_scaling dict) from either transformers 5 `rope_parameters` or 4.x keys."""
     params = dict(hf.get("rope_parameters") or {})
@@ -182,18 +163,14 @@ def _rope(hf: dict, default_theta: float):
 
 def config_from_hf(hf: dict, dtype: str) -> ModelConfig:
     archs = hf.get("architectures") or []
-    arch_name = archs[0] if archs else hf.get("model_type", "?")
-    if arch_name not in SUPPORTED:
-        raise ConvertError(f"config.json: architecture {arch_name!r} is not supported "
-                           f"(supported: {', '.join(SUPPORTED)})")
-    arch = SUPPORTED[arch_name]
+    family = by_hf_class(archs[0] if archs else hf.get("model_type", "?"))
     D, H = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
-    L = _get(hf, "num_hidden_layers")
-    theta, scaling = _rope(hf, 1e6 if arch == "mixtral" else 10000.0)
+    theta, scaling = _rope(hf, family.default_rope_theta)
     eos = hf.get("eos_token_id")
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     bos = hf.get("bos_token_id")
-    kw = dict(arch=arch, vocab_size=_get(hf, "vocab_size"), hidden_size=D, num_layers=L, num_heads=H,
+    kw = dict(arch=family.arch, vocab_size=_get(hf, "vocab_size"), hidden_size=D,
+              num_layers=_get(hf, "num_hidden_layers"), num_heads=H,
               num_kv_heads=hf.get("num_key_value_heads") or H,
               head_dim=hf.get("head_dim") or D // H,
               rms_norm_eps=float(_get(hf, "rms_norm_eps")),
@@ -201,54 +178,15 @@ def config_from_hf(hf: dict, dtype: str) -> ModelConfig:
               rope_theta=theta, rope_scaling=scaling,
               tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
               bos_token_id=-1 if bos is None else int(bos), eos_token_ids=tuple(eos), dtype=dtype)
-    if arch == "mixtral":
-        kw.update(num_experts=_get(hf, "num_local_experts", "num_experts"), top_k=_get(hf, "num_experts_per_tok"),
-                  moe_intermediate_size=_get(hf, "intermediate_size"), norm_topk_prob=True,
-                  sliding_window=hf.get("sliding_window") or 0)
-    elif arch in ("qwen2_moe", "qwen3_moe"):
-        E = _get(hf, "num_experts", "num_local_experts")
-        step = hf.get("decoder_sparse_step", 1) or 1
-        mlp_only = set(hf.get("mlp_only_layers") or [])
-        dense = [i for i in range(L) if i in mlp_only or not (E > 0 and (i + 1) % step == 0)]
-        if hf.get("use_sliding_window") and arch == "qwen2_moe":
-            raise ConvertError("config.json: use_sliding_window=true is not supported for "
-                               f"{arch_name} (sliding windows on some layers only)")
-        kw.update(num_experts=E, top_k=_get(hf, "num_experts_per_tok"),
-                  moe_intermediate_size=_get(hf, "moe_intermediate_size"),
-                  intermediate_size=hf.get("intermediate_size", 0) if dense else 0,
-                  norm_topk_prob=bool(hf.get("norm_topk_prob", arch == "qwen3_moe")),
-                  dense_layers=tuple(dense))
-        if arch == "qwen2_moe":
-            kw.update(shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
-                      qkv_bias=bool(hf.get("qkv_bias", True)))
-        else:
-            bias = bool(hf.get("attention_bias", False))
-            kw.update(qkv_bias=bias, o_bias=bias, qk_norm="head",
-                      sliding_window=(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0)
-    elif arch in ("llama", "qwen2", "qwen3"):
-        if hf.get("mlp_bias"):
-            raise ConvertError(f"config.json: mlp_bias=true is not supported for {arch_name}")
-        if hf.get("use_sliding_window"):
-            raise ConvertError(f"config.json: use_sliding_window=true is not supported for {arch_name} "
-                               "(sliding windows on some layers only)")
-        bias = bool(hf.get("attention_bias", False))
-        kw.update(num_experts=0, top_k=0, moe_intermediate_size=0, intermediate_size=_get(hf, "intermediate_size"),
-                  dense_layers=tuple(range(L)), qkv_bias=True if arch == "qwen2" else bias,
-                  o_bias=False if arch == "qwen2" else bias, qk_norm="head" if arch == "qwen3" else "none")
-    elif arch == "olmoe":
-        bias = bool(hf.get("attention_bias", False))
-        kw.update(num_experts=_get(hf, "num_experts", "num_local_experts"), top_k=_get(hf, "num_experts_per_tok"),
-                  moe_intermediate_size=_get(hf, "intermediate_size"),
-                  norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                  qkv_bias=bias, o_bias=bias, qk_norm="full",
-                  clip_qkv=float(hf.get("clip_qkv") or 0.0))
+    return checked_config(family.hf_config(hf, kw), "config.json")
+
+
+def checked_config(kw: dict, where: str) -> ModelConfig:
     try:
         cfg = ModelConfig(**kw)
         cfg.check()
     except ConfigError as e:
-        raise ConvertError(f"config.json: {e}") from None
-    if arch == "mixtral" and hf.get("attention_bias"):
-        raise ConvertError("config.json: attention_bias=true is not supported for Mixtral")
+        raise ConvertError(f"{where}: {e}") from None
     return cfg
 
 
@@ -266,23 +204,13 @@ def _hf_names(cfg: ModelConfig, name: str):
         return ("plain", "lm_head.weight")
     _, layer, key = name.split(".", 2)
     p = f"model.layers.{layer}."
-    att = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
-           "attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
-           "attn_v": "self_attn.v_proj.weight", "attn_o": "self_attn.o_proj.weight",
-           "attn_q_b": "self_attn.q_proj.bias", "attn_k_b": "self_attn.k_proj.bias",
-           "attn_v_b": "self_attn.v_proj.bias", "attn_o_b": "self_attn.o_proj.bias", "attn_q_norm": "self_attn.q_norm.weight",
-           "attn_k_norm": "self_attn.k_norm.weight",
-           "ffn_gate": "mlp.gate_proj.weight", "ffn_up": "mlp.up_proj.weight", "ffn_down": "mlp.down_proj.weight",
-           "ffn_gate_shexp": "mlp.shared_expert.gate_proj.weight", "ffn_up_shexp": "mlp.shared_expert.up_proj.weight",
-           "ffn_down_shexp": "mlp.shared_expert.down_proj.weight", "ffn_shexp_gate": "mlp.shared_expert_gate.weight"}
-    if key in att:
-        return ("plain", p + att[key])
-    # Mixtral checkpoints say block_sparse_moe; transformers 5's in-memory state dict says mlp
-    moes = ("block_sparse_moe.", "mlp.") if cfg.arch == "mixtral" else ("mlp.",)
+    if key in HF_LAYER_NAMES:
+        return ("plain", p + HF_LAYER_NAMES[key])
+    family = BY_ARCH[cfg.arch]
+    moes = family.hf_moe_prefixes
     if key == "ffn_gate_inp":
         return ("plain", *[p + m + "gate.weight" for m in moes])
-    legacy = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"} if cfg.arch == "mixtral" else \
-             {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+    legacy = family.hf_expert_names
     fused, part = {"ffn_gate_exps": ("gate_up_proj", 0), "ffn_up_exps": ("gate_up_proj", 1),
                    "ffn_down_exps": ("down_proj", None)}[key]
     return ("experts", [[f"{p}{m}experts.{e}.{legacy[key]}.weight" for e in range(cfg.num_experts)] for m in moes],
@@ -438,10 +366,25 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
                 "source": os.path.abspath(hf_dir), "source_architecture": hf["architectures"][0],
                 "converter": CONVERTER_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "transformers_version": hf.get("transformers_version", "")}
+
+    def pieces(n, s):
+        for src, shape2, lead, part in _sources(cfg, tensors, n, s):
+            yield src.dtype, _blocks(src, n, shape2, lead, part)
+    write_model(out_path, cfg, pieces, metadata=metadata, tokenizer_json=tok, chat_template=template,
+                progress=progress)
+    return cfg
+
+
+def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer_json: str, chat_template: str,
+                progress: bool = True) -> None:
+    """Write the .colibri file of `cfg`. pieces(name, logical shape) yields, for each matrix of
+    that tensor in file order (one per expert of a stack), (source dtype F32|F16|BF16, an
+    iterator of its row blocks); every encoding, quantization and layout decision is made here."""
+    plan = [(n, s, dts[0]) for n, s, dts in expected_tensors(cfg)]
     total = sum(fmt.nbytes(dt, s) for _, s, dt in plan)
     bar = _progress(total, f"convert {os.path.basename(out_path)}", progress)
-    with fmt.ColibriWriter(out_path, config=cfg.to_dict(), metadata=metadata, tokenizer_json=tok,
-                           chat_template=template, num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
+    with fmt.ColibriWriter(out_path, config=cfg.to_dict(), metadata=metadata, tokenizer_json=tokenizer_json,
+                           chat_template=chat_template, num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
         for n, s, dt in plan:
             w.declare(n, dt, s)
         w.set_routing(_routing(cfg, w))
@@ -452,26 +395,25 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
                     w.write(n, blk)
                     bar.update(blk.nbytes)
                 continue
-            for src, shape2, lead, part in _sources(cfg, tensors, n, s):
+            for src_dtype, blocks in pieces(n, s):
                 if dt in ("i8", "u4"):
                     kind = "q8" if dt == "i8" else "q4"
-                    for q, sc in _quantized_blocks(_blocks(src, n, shape2, lead, part), kind, cfg.quant_group,
-                                                   src.dtype):
+                    for q, sc in _quantized_blocks(blocks, kind, cfg.quant_group, src_dtype):
                         w.write(n, q)
                         scales.setdefault(n, []).append(sc)
                         bar.update(q.nbytes)
                     continue
                 if dt in fmt.PANEL_DTYPES:       # panels need every row: one matrix of a stack at a time
-                    out = _panel_matrix(_blocks(src, n, shape2, lead, part), src.dtype, dt, n, shape2)
+                    shape2 = s[-2:] if len(s) >= 2 else (1, s[0])
+                    out = _panel_matrix(blocks, src_dtype, dt, n, shape2)
                     w.write(n, out)
                     bar.update(out.nbytes)
                     continue
-                for block in _blocks(src, n, shape2, lead, part):
-                    out = _encode(block, src.dtype, dt, n)
+                for block in blocks:
+                    out = _encode(block, src_dtype, dt, n)
                     w.write(n, out)
                     bar.update(out.nbytes)
     bar.close()
-    return cfg
 
 
 def _panel_matrix(blocks, src_dtype: str, dt: str, name: str, shape2) -> np.ndarray:
