@@ -261,6 +261,17 @@ DENSE_CONFIGS: dict[str, dict] = {
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 
+# Further families (issue 17), each with its own test file; kept out of ARCHS like the dense ones.
+FAMILY_CONFIGS: dict[str, dict] = {
+    # Granite-MoE: every multiplier away from 1 (folded into the weights by the converter), tied
+    # embeddings (untied by the converter: the head has its own scale), top-k-then-softmax routing.
+    "granitemoe": dict(_COMMON, model_type="granitemoe", num_hidden_layers=2, intermediate_size=32,
+                       num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       attention_bias=False, embedding_multiplier=12.0, attention_multiplier=0.09,
+                       residual_multiplier=0.22, logits_scaling=0.5,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
 # Re-initialisation std (see _reinit_weights).
 INIT_STD = 0.25
 LM_HEAD_STD = 0.3  # lm_head (and the embedding when tied): wider => clear top1-top2 margins
@@ -273,7 +284,7 @@ BIAS_STD = 0.05
 def _make_config(arch: str, **overrides):
     from transformers import AutoConfig
 
-    configs = {**SMALL_CONFIGS, **DENSE_CONFIGS}
+    configs = {**SMALL_CONFIGS, **DENSE_CONFIGS, **FAMILY_CONFIGS}
     if arch not in configs:
         raise KeyError(f"unknown arch {arch!r}; expected one of {tuple(configs)}")
     kw = dict(configs[arch])
@@ -300,7 +311,7 @@ def _reinit_weights(model, gen: torch.Generator) -> None:
             v = BIAS_STD * torch.randn(shape, generator=gen)
         elif name == "lm_head.weight" or (tied and name.endswith("embed_tokens.weight")):
             v = LM_HEAD_STD * torch.randn(shape, generator=gen)
-        elif name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+        elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "router.weight")):
             v = ROUTER_STD * torch.randn(shape, generator=gen)
         elif name.endswith("o_proj.weight") or "down_proj" in name:
             v = OUT_STD * torch.randn(shape, generator=gen)

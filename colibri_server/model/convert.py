@@ -192,21 +192,24 @@ def checked_config(kw: dict, where: str) -> ModelConfig:
 
 # ---------------------------------------------------------------------------- tensor sources
 
-def _hf_names(cfg: ModelConfig, name: str):
+def _hf_names(cfg: ModelConfig, name: str, hf: dict | None = None):
     """Our tensor name -> where it comes from: ('plain', candidate hf names...) or
     ('experts', [per-expert hf names, per naming scheme], [fused hf names], part) where
     part selects the gate (0) or up (1) half of a fused gate_up_proj tensor."""
+    family = BY_ARCH[cfg.arch]
+    layer, key = name.split(".", 2)[1:] if name.startswith("blk.") else (None, name)
+    p = "" if layer is None else f"model.layers.{layer}."
+    own = family.hf_tensor(hf or {}, cfg, key, p) if family.hf_tensor else None
+    if own is not None:
+        return own
     if name == "token_embd":
         return ("plain", "model.embed_tokens.weight")
     if name == "output_norm":
         return ("plain", "model.norm.weight")
     if name == "output":
         return ("plain", "lm_head.weight")
-    _, layer, key = name.split(".", 2)
-    p = f"model.layers.{layer}."
     if key in HF_LAYER_NAMES:
         return ("plain", p + HF_LAYER_NAMES[key])
-    family = BY_ARCH[cfg.arch]
     moes = family.hf_moe_prefixes
     if key == "ffn_gate_inp":
         return ("plain", *[p + m + "gate.weight" for m in moes])
@@ -238,9 +241,9 @@ def _check_src(tensors, hf_name, name, shape):
     return t
 
 
-def _sources(cfg, tensors, name, shape):
+def _sources(cfg, tensors, name, shape, hf=None):
     """Yield (SourceTensor, 2-D shape, lead index, part) for each piece of our tensor, in file order."""
-    recipe = _hf_names(cfg, name)
+    recipe = _hf_names(cfg, name, hf)
     if recipe[0] == "plain":
         found = [n for n in recipe[1:] if n in tensors]
         yield _check_src(tensors, found[0] if found else recipe[1], name, shape), shape, 0, None
@@ -259,7 +262,8 @@ def _sources(cfg, tensors, name, shape):
             for e in range(shape[0]):
                 yield t, inner, e, part
             return
-    raise ConvertError(f"checkpoint: tensor {per_expert[0][0]!r} (for {name}) is missing")
+    missing = per_expert[0][0] if per_expert else fused[0]
+    raise ConvertError(f"checkpoint: tensor {missing!r} (for {name}) is missing")
 
 
 # ---------------------------------------------------------------------------- main entry
@@ -318,7 +322,8 @@ def quant_config(cfg: ModelConfig, quantize: str, head: str | None = None, group
 
 
 def _quantized_blocks(blocks, kind: str, G: int, src_dtype: str):
-    """Row blocks of one source matrix -> (values, scales) per block of a multiple of G rows."""
+    """Row blocks of one source matrix -> (values, scales, source f32 rows) per block of a multiple
+    of G rows."""
     from .kernels.packing import quantize
     pending = []
     have = 0
@@ -328,7 +333,7 @@ def _quantized_blocks(blocks, kind: str, G: int, src_dtype: str):
         if have >= G:
             a = np.concatenate(pending) if len(pending) > 1 else pending[0]
             cut = have // G * G
-            yield quantize(kind, a[:cut], G)
+            yield (*quantize(kind, a[:cut], G), a[:cut])
             pending, have = ([a[cut:]], have - cut) if have > cut else ([], 0)
     if have:
         raise ConvertError(f"rows not a multiple of the quantization group {G}")
@@ -360,26 +365,37 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
     # resolve every source before writing a byte: a missing tensor fails fast
     for n, s, _ in plan:
         if not n.endswith(".s"):
-            for _ in _sources(cfg, tensors, n, s):
+            for _ in _sources(cfg, tensors, n, s, hf):
                 pass
     metadata = {"name": name or os.path.basename(os.path.abspath(hf_dir)), "license": license or hf.get("license", ""),
                 "source": os.path.abspath(hf_dir), "source_architecture": hf["architectures"][0],
                 "converter": CONVERTER_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "transformers_version": hf.get("transformers_version", "")}
 
+    family = BY_ARCH[cfg.arch]
+    folds = family.hf_folds(hf, cfg) if family.hf_folds else {}
+
     def pieces(n, s):
-        for src, shape2, lead, part in _sources(cfg, tensors, n, s):
-            yield src.dtype, _blocks(src, n, shape2, lead, part)
+        f = np.float32(folds.get(n.split(".", 2)[-1], 1.0))
+        for src, shape2, lead, part in _sources(cfg, tensors, n, s, hf):
+            blocks = _blocks(src, n, shape2, lead, part)
+            if f != 1:      # a family's scalar folded into the weights (families/granite.py)
+                yield "F32", (_to_f32(b, src.dtype) * f for b in blocks)
+            else:
+                yield src.dtype, blocks
     write_model(out_path, cfg, pieces, metadata=metadata, tokenizer_json=tok, chat_template=template,
                 progress=progress)
     return cfg
 
 
 def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer_json: str, chat_template: str,
-                progress: bool = True) -> None:
+                progress: bool = True, errors: dict | None = None) -> None:
     """Write the .colibri file of `cfg`. pieces(name, logical shape) yields, for each matrix of
     that tensor in file order (one per expert of a stack), (source dtype F32|F16|BF16, an
-    iterator of its row blocks); every encoding, quantization and layout decision is made here."""
+    iterator of its row blocks); every encoding, quantization and layout decision is made here.
+    `errors`, when given, receives each tensor's relative RMS error of the stored values
+    against the source values (the GGUF importer reports it)."""
+    err = _ErrorMeter() if errors is not None else None
     plan = [(n, s, dts[0]) for n, s, dts in expected_tensors(cfg)]
     total = sum(fmt.nbytes(dt, s) for _, s, dt in plan)
     bar = _progress(total, f"convert {os.path.basename(out_path)}", progress)
@@ -398,22 +414,75 @@ def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer
             for src_dtype, blocks in pieces(n, s):
                 if dt in ("i8", "u4"):
                     kind = "q8" if dt == "i8" else "q4"
-                    for q, sc in _quantized_blocks(blocks, kind, cfg.quant_group, src_dtype):
+                    for q, sc, a in _quantized_blocks(blocks, kind, cfg.quant_group, src_dtype):
+                        if err:
+                            err.add(n, a, _dequantized(kind, q, sc))
                         w.write(n, q)
                         scales.setdefault(n, []).append(sc)
                         bar.update(q.nbytes)
                     continue
                 if dt in fmt.PANEL_DTYPES:       # panels need every row: one matrix of a stack at a time
                     shape2 = s[-2:] if len(s) >= 2 else (1, s[0])
+                    if err:
+                        blocks = err.tap(n, blocks, src_dtype)
                     out = _panel_matrix(blocks, src_dtype, dt, n, shape2)
+                    if err:
+                        err.stored(n, _decoded(out, dt))
                     w.write(n, out)
                     bar.update(out.nbytes)
                     continue
                 for block in blocks:
                     out = _encode(block, src_dtype, dt, n)
+                    if err:
+                        err.add(n, _to_f32(block, src_dtype), _decoded(out, dt))
                     w.write(n, out)
                     bar.update(out.nbytes)
     bar.close()
+    if err:
+        errors.update(err.result())
+
+
+class _ErrorMeter:
+    """Per tensor: sum of squared differences and of squared source values."""
+
+    def __init__(self):
+        self.acc, self.pending = {}, {}
+
+    def add(self, name, src, stored):
+        d = src.astype(np.float64).ravel() - stored.astype(np.float64).ravel()
+        a = self.acc.setdefault(name, [0.0, 0.0])
+        a[0] += float(d @ d)
+        a[1] += float(np.square(src, dtype=np.float64).sum())
+
+    def tap(self, name, blocks, src_dtype):
+        """Pass blocks through, keeping their f32 values until the stored matrix is known."""
+        self.pending[name] = []
+        for b in blocks:
+            self.pending[name].append(_to_f32(b, src_dtype))
+            yield b
+
+    def stored(self, name, values):
+        self.add(name, np.concatenate(self.pending.pop(name)), values)
+
+    def result(self) -> dict:
+        return {n: (float(np.sqrt(e / s)) if s > 0 else float(np.sqrt(e))) for n, (e, s) in self.acc.items()}
+
+
+def _decoded(stored: np.ndarray, dt: str) -> np.ndarray:
+    """Stored values (as written) -> f32, in the logical row order."""
+    if dt in fmt.PANEL_DTYPES:
+        from .panels import from_panels
+        return _decoded(from_panels(stored), fmt.PANEL_DTYPES[dt])
+    if dt == "f16":
+        return stored.view(np.float16).astype(np.float32)
+    if dt == "bf16":
+        return (stored.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return stored.astype(np.float32, copy=False)
+
+
+def _dequantized(kind, q, sc):
+    from .kernels.packing import dequantize_q4, dequantize_q8
+    return (dequantize_q8 if kind == "q8" else dequantize_q4)(q, sc)
 
 
 def _panel_matrix(blocks, src_dtype: str, dt: str, name: str, shape2) -> np.ndarray:

@@ -23,6 +23,11 @@ class Family:
     hf_config: Callable = None              # (hf config.json, common kwargs) -> ModelConfig kwargs
     hf_moe_prefixes: tuple = ("mlp.",)      # where the router and experts sit in a layer
     hf_expert_names: dict = field(default_factory=lambda: dict(HF_EXPERT_NAMES))
+    # (hf config.json, cfg, key, "model.layers.N." or "") -> a source recipe for the family's own
+    # names (see convert._hf_names), or None for the common ones
+    hf_tensor: Callable = None
+    # (hf config.json, ModelConfig) -> {tensor key: factor}: scalars folded into the weights
+    hf_folds: Callable = None
     default_rope_theta: float = 10000.0
     gguf_arch: str = ""                     # llama.cpp general.architecture ("" = not importable)
     gguf_config: Callable = None            # (GgufKV, common kwargs) -> ModelConfig kwargs
