@@ -159,16 +159,28 @@ def cmd_validate(a):
 
 def cmd_convert(a):
     from .model.convert import ConvertError, convert
+    from .model.gguf_import import convert_gguf, is_gguf
     if os.path.isdir(a.output):
         _die(f"output {a.output} is a directory; give a file name such as model.colibri")
     out_dir = os.path.dirname(os.path.abspath(a.output))
     if not os.path.isdir(out_dir):
         _die(f"output directory {out_dir} does not exist")
     t0 = time.perf_counter()
+    report = None
     try:
-        cfg = convert(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
-                      require_tokenizer=not a.no_tokenizer, progress=not a.quiet, quantize=a.quantize,
-                      quantize_head=a.quantize_head, quant_group=a.quant_group, layout=a.layout)
+        if os.path.isfile(a.hf_dir):
+            if not is_gguf(a.hf_dir):
+                _die(f"{a.hf_dir}: not a GGUF file (give a GGUF file or a Hugging Face checkpoint directory)")
+            cfg, report = convert_gguf(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
+                                       require_tokenizer=not a.no_tokenizer, progress=not a.quiet,
+                                       quantize=a.quantize or "auto", quantize_head=a.quantize_head,
+                                       quant_group=a.quant_group, layout=a.layout)
+        else:
+            if a.quantize == "auto":
+                _die("--quantize auto keeps a GGUF's precision; for a checkpoint directory choose none, q8 or q4")
+            cfg = convert(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
+                          require_tokenizer=not a.no_tokenizer, progress=not a.quiet, quantize=a.quantize or "none",
+                          quantize_head=a.quantize_head, quant_group=a.quant_group, layout=a.layout)
     except ConvertError as e:
         _die(str(e))
     except OSError as e:          # a full disk, a read-only directory...: the partial file is removed
@@ -176,8 +188,13 @@ def cmd_convert(a):
              str(e.filename).startswith(out_dir) else f"{e.filename}: {e.strerror or e}")
     size = os.path.getsize(a.output)
     print(f"wrote {a.output}: {cfg.arch}, {cfg.num_layers} layers, {cfg.num_experts} experts, {a.dtype}"
-          f"{' in panels' if cfg.layout == 'panels' else ''}{'' if a.quantize == 'none' else ' + ' + a.quantize}, "
+          f"{' in panels' if cfg.layout == 'panels' else ''}{'' if cfg.quant == 'none' else ' + ' + cfg.quant}, "
           f"{size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if report is not None:
+        print(report.summary(), file=sys.stderr)
+        if cfg.quant == "q4" and report.low_bit_share > 0.5:
+            print("note: q4 re-quantizes this GGUF's 4-5-bit blocks a second time (SmolLM2-135M's Q4_1: "
+                  "perplexity +50% under q4, +0.7% under q8, the default); see README \"Models\"", file=sys.stderr)
     if cfg.quant != "none":
         kept = sorted(k for k, q in cfg.quant_overrides.items() if q == "none")
         print(f"quantization groups of {cfg.quant_group} rows"
@@ -496,16 +513,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--deep", action="store_true", help="also verify every tensor checksum")
     v.set_defaults(fn=cmd_validate)
 
-    c = sub.add_parser("convert", help="Hugging Face safetensors checkpoint directory -> .colibri")
-    c.add_argument("hf_dir", help="the checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    c = sub.add_parser("convert", help="Hugging Face safetensors checkpoint directory, or a llama.cpp GGUF "
+                                       "file -> .colibri")
+    c.add_argument("hf_dir", metavar="source", help="the checkpoint directory (config.json, *.safetensors, "
+                                                     "tokenizer.json) or a .gguf file")
     c.add_argument("output", help="the .colibri file to write")
     c.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f16", help="precision of the float tensors")
     c.add_argument("--name", help="model name in the metadata (default: the directory's name)")
     c.add_argument("--license", help="license string in the metadata")
     c.add_argument("--no-tokenizer", action="store_true", help="convert without tokenizer.json (token ids only)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
-    c.add_argument("--quantize", choices=("none", "q8", "q4"), default="none",
-                   help="group-quantize the attention projections, experts and output head (docs/format.md)")
+    c.add_argument("--quantize", choices=("none", "q8", "q4", "auto"), default=None,
+                   help="group-quantize the attention projections, experts and output head (docs/format.md); "
+                        "default none for a checkpoint, auto for a GGUF (float -> none, quantized -> q8)")
     c.add_argument("--quantize-head", choices=("none", "q8", "q4"), default=None,
                    help="the output head's precision (default: q8 under q4, else as --quantize)")
     c.add_argument("--quant-group", type=int, choices=(8, 16, 32, 64, 128), default=None,

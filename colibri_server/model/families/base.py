@@ -31,6 +31,7 @@ class Family:
     default_rope_theta: float = 10000.0
     gguf_arch: str = ""                     # llama.cpp general.architecture ("" = not importable)
     gguf_config: Callable = None            # (GgufKV, common kwargs) -> ModelConfig kwargs
+    gguf_folds: Callable = None             # (GgufKV, ModelConfig) -> {tensor key: factor}, as hf_folds
     # llama.cpp's converter permutes q/k rows for its "normal" (interleaved) rope; the GGUF
     # importer undoes it. False for the NEOX-rope families (Qwen, OLMoE), stored as in HF.
     gguf_qk_permuted: bool = False

@@ -28,18 +28,38 @@ def hf_config(hf: dict, kw: dict) -> dict:
             "qkv_bias": bias, "o_bias": bias, "tie_word_embeddings": False}
 
 
-def hf_folds(hf: dict, cfg) -> dict:
+def _folds(get_value, where: str, cfg) -> dict:
     """Our tensor key -> the factor its values are multiplied by at conversion."""
     def m(key):
-        v = hf.get(key)
-        v = 1.0 if v is None else float(v)
+        raw = get_value(key)
+        v = 1.0 if raw is None else float(raw)
         if not math.isfinite(v) or v == 0:
-            raise ConvertError(f"config.json: {key} = {hf.get(key)!r} must be a finite non-zero number")
+            raise ConvertError(f"{where}: {key} = {raw!r} must be a finite non-zero number")
         return v
     q = m("attention_multiplier") * math.sqrt(cfg.head_dim)
     r = m("residual_multiplier")
     return {"token_embd": m("embedding_multiplier"), "attn_q": q, "attn_q_b": q, "attn_o": r, "attn_o_b": r,
             "ffn_down_exps": r, "output": 1.0 / m("logits_scaling")}
+
+
+def hf_folds(hf: dict, cfg) -> dict:
+    return _folds(hf.get, "config.json", cfg)
+
+
+# llama.cpp's names for the same four scalars
+_GGUF_KEYS = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
+              "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
+
+
+def gguf_folds(kv, cfg) -> dict:
+    return _folds(lambda k: kv.arch_value(_GGUF_KEYS[k], None), kv.path, cfg)
+
+
+def gguf_config(kv, kw: dict) -> dict:
+    return {**kw, "num_experts": kv.arch_int("expert_count"), "top_k": kv.arch_int("expert_used_count"),
+            "moe_intermediate_size": kv.arch_int("expert_feed_forward_length", "feed_forward_length"),
+            "norm_topk_prob": True, "qkv_bias": kv.has_tensor("blk.0.attn_q.bias"),
+            "o_bias": kv.has_tensor("blk.0.attn_output.bias"), "tie_word_embeddings": False}
 
 
 def hf_tensor(hf: dict, cfg, key: str, p: str):
@@ -58,4 +78,5 @@ def hf_tensor(hf: dict, cfg, key: str, p: str):
 
 
 FAMILY = Family(arch="granitemoe", hf_classes=("GraniteMoeForCausalLM",), hf_config=hf_config,
-                hf_folds=hf_folds, hf_tensor=hf_tensor)
+                hf_folds=hf_folds, hf_tensor=hf_tensor, gguf_arch="granitemoe", gguf_config=gguf_config,
+                gguf_folds=gguf_folds, gguf_qk_permuted=True)

