@@ -270,6 +270,15 @@ FAMILY_CONFIGS: dict[str, dict] = {
                        attention_bias=False, embedding_multiplier=12.0, attention_multiplier=0.09,
                        residual_multiplier=0.22, logits_scaling=0.5,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # GLM-4.5: sigmoid routing with a correction bias (re-initialised non-zero below), 4 groups of 2
+    # experts of which 2 are kept (the limit changes choices), routed scale 2.5, an ungated shared
+    # expert, layer 0 dense, partial rotary (8 of 16 dims), per-head q/k norm, q/k/v biases.
+    "glm4_moe": dict(_COMMON, model_type="glm4_moe", num_hidden_layers=3, head_dim=16, intermediate_size=96,
+                     moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                     n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                     use_qk_norm=True, attention_bias=True, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                     num_mtp_layers=0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 
 # Re-initialisation std (see _reinit_weights).
@@ -318,6 +327,9 @@ def _reinit_weights(model, gen: torch.Generator) -> None:
         else:
             v = INIT_STD * torch.randn(shape, generator=gen)
         p.copy_(v.to(dt))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):       # DeepSeek-V3 / GLM-4.5: zero at init
+            b.copy_(ROUTER_STD * torch.randn(b.shape, generator=gen))
 
 
 def build_hf_model(arch: str, out_dir, *, dtype=torch.float32, seed: int = 0, **overrides):

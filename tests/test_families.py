@@ -71,3 +71,51 @@ def test_granite_shared_experts_are_refused_by_name(tmp_path):
     cfgp.write_text(json.dumps(c))
     with pytest.raises(ConvertError, match="shared_intermediate_size"):
         convert(str(tmp_path / "hf"), str(tmp_path / "x.colibri"), "f32", progress=False)
+
+
+# ---------------------------------------------------------------------------- format version 2
+
+def _patched(src, dst, layer, **fields):
+    """A copy of the .colibri file `src` with routing record `layer` changed (version-2 fields)."""
+    import struct
+    from colibri_server.model import format as fmt
+    b = bytearray(open(src, "rb").read())
+    cf = fmt.ColibriFile.open(src)
+    off = cf.header["routing_offset"] + layer * fmt.ROUTING_RECORD_SIZE
+    cf.close()
+    names = ("gate", "bias", "top_k", "num_experts", "flags", "shared_gate", "n_group", "topk_group", "routed_scale")
+    rec = dict(zip(names, fmt.ROUTING_V2.unpack_from(b, off)))
+    rec.update(fields)
+    fmt.ROUTING_V2.pack_into(b, off, *(rec[n] for n in names))
+    open(dst, "wb").write(bytes(b))
+    return dst
+
+
+def test_version_2_only_when_needed_and_its_fields_get_named_errors(family, tmp_path):
+    from colibri_server.model import format as fmt
+    _, path, d = family("glm4_moe")
+    cf = fmt.ColibriFile.open(path)
+    assert cf.header["version"] == 2
+    r = cf.routing[1]
+    assert r.flags & fmt.ROUTE_SIGMOID and r.flags & fmt.ROUTE_GROUP_LIMITED and r.bias != fmt.NO_TENSOR
+    assert (r.n_group, r.topk_group, r.routed_scale) == (4, 2, 2.5) and r.shared_gate == fmt.NO_TENSOR
+    cf.close()
+    _, gpath, _ = family("granitemoe")       # first-generation routing: still a version-1 file
+    assert fmt.ColibriFile.open(gpath).header["version"] == 1
+    S, G = fmt.ROUTE_SOFTMAX, fmt.ROUTE_GROUP_LIMITED
+    sig = fmt.ROUTE_SIGMOID | fmt.ROUTE_RENORM | fmt.ROUTE_SHARED_EXPERT | G
+    cases = [
+        (dict(flags=sig | S), "exactly one of the SOFTMAX and SIGMOID"),
+        (dict(n_group=3), "do not fit"),
+        (dict(topk_group=5), "do not fit"),
+        (dict(flags=sig & ~G), "without the group-limited flag"),
+        (dict(routed_scale=float("nan")), "routed_scale"),
+        (dict(flags=sig | 1 << 12), "unknown flag bits"),
+        (dict(routed_scale=1.0), "routed_scale disagrees with the config"),
+        (dict(bias=fmt.NO_TENSOR), "correction bias disagrees"),
+    ]
+    for i, (fields, msg) in enumerate(cases):
+        bad = _patched(path, tmp_path / f"bad{i}.colibri", 1, **fields)
+        with pytest.raises(fmt.BadRouting, match=msg) as e:
+            Model.open(str(bad))
+        assert "routing[1]" in str(e.value), fields

@@ -277,7 +277,7 @@ def test_round_trip(bases, arch):
         assert cf.tokenizer_json == TOKENIZER and cf.chat_template == TEMPLATE
         names = [r.name for r in cf.record_list]
         for i, rt in enumerate(cf.routing):
-            assert tuple(rt.__dict__.values()) == routing_records(b.cfg, names.index)[i]
+            assert tuple(rt.__dict__.values()) == (*routing_records(b.cfg, names.index)[i], 0, 0, 1.0)
         prev_end = h["data_offset"]
         for r in cf.record_list:
             want = b.data[r.name]
@@ -396,7 +396,7 @@ def _header_rel(field, fn):
 CASES = [
     # (base, mutation, error, field)
     pytest.param("mixtral", _hdr(magic=b"GGUF"), fmt.BadMagic, "magic", id="magic"),
-    pytest.param("mixtral", _hdr(version=2), fmt.UnsupportedVersion, "version", id="version-2"),
+    pytest.param("mixtral", _hdr(version=3), fmt.UnsupportedVersion, "version", id="version-3"),
     pytest.param("mixtral", _hdr(version=0), fmt.UnsupportedVersion, "version", id="version-0"),
     pytest.param("mixtral", _truncate(100), fmt.Truncated, "header", id="shorter-than-header"),
     pytest.param("mixtral", _truncate(0), fmt.Truncated, "header", id="empty-file"),

@@ -23,7 +23,7 @@ from colibri_server.model.gguf_import import convert_gguf
 T = gguf.MODEL_TENSOR
 Q = gguf.GGMLQuantizationType
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 500, size=24)]
-GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "granitemoe": "granitemoe"}
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "granitemoe": "granitemoe", "glm4_moe": "glm4moe"}
 
 
 def _name(t, i=None, suffix="weight"):
@@ -53,8 +53,11 @@ def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None):
     w.add_head_count_kv(Hkv)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(1e6 if arch == "mixtral" else 10000.0)
-    w.add_rope_dimension_count(D // H_)
-    E = c.get("num_local_experts") or c["num_experts"]
+    hd = c.get("head_dim") or D // H_
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(int(hd * c.get("rope_parameters", {}).get("partial_rotary_factor", 1.0)))
+    E = c.get("num_local_experts") or c.get("num_experts") or c["n_routed_experts"]
     w.add_expert_count(E)
     w.add_expert_used_count(c["num_experts_per_tok"])
     if arch == "granitemoe":            # llama.cpp's names for Granite's multipliers
@@ -64,6 +67,16 @@ def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None):
         w.add_logit_scale(c["logits_scaling"])
     if arch in ("mixtral", "granitemoe"):
         w.add_feed_forward_length(c["intermediate_size"])
+    elif arch == "glm4_moe":           # llama.cpp's names for GLM-4.5's routing
+        w.add_feed_forward_length(c["intermediate_size"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_count(c["n_shared_experts"])
+        w.add_leading_dense_block_count(c["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(c["routed_scaling_factor"])
+        w.add_expert_weights_norm(c["norm_topk_prob"])
+        w.add_expert_group_count(c["n_group"])
+        w.add_expert_group_used_count(c["topk_group"])
     else:
         w.add_feed_forward_length(c["intermediate_size"])
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
@@ -103,6 +116,9 @@ def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None):
         for t, hf in ((T.ATTN_Q, "q_proj"), (T.ATTN_K, "k_proj"), (T.ATTN_V, "v_proj")):
             if p + f"self_attn.{hf}.bias" in st:
                 f32(_name(t, i, "bias"), st[p + f"self_attn.{hf}.bias"])
+        for t, hf in ((T.ATTN_Q_NORM, "q_norm"), (T.ATTN_K_NORM, "k_norm")):
+            if p + f"self_attn.{hf}.weight" in st:
+                f32(_name(t, i), st[p + f"self_attn.{hf}.weight"])
         f32(_name(T.FFN_NORM, i), st[p + "post_attention_layernorm.weight"])
         moe = "block_sparse_moe." if arch in ("mixtral", "granitemoe") else "mlp."
         if arch == "granitemoe":       # input_linear [E, 2I, D] is gate then up, split by llama.cpp
@@ -117,6 +133,11 @@ def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None):
                 mat(_name(t, i), st[p + f"mlp.{hf}.weight"])
             continue
         f32(_name(T.FFN_GATE_INP, i), st[p + moe + "gate.weight"])
+        if p + moe + "gate.e_score_correction_bias" in st:
+            f32(_name(T.FFN_EXP_PROBS_B, i, "bias"), st[p + moe + "gate.e_score_correction_bias"])
+        for t, hf in ((T.FFN_GATE_SHEXP, "gate_proj"), (T.FFN_UP_SHEXP, "up_proj"), (T.FFN_DOWN_SHEXP, "down_proj")):
+            if p + f"mlp.shared_experts.{hf}.weight" in st:
+                mat(_name(t, i), st[p + f"mlp.shared_experts.{hf}.weight"])
         names = {"mixtral": ("w1", "w3", "w2")}.get(arch, ("gate_proj", "up_proj", "down_proj"))
         for t, hf in zip((T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP), names):
             mat(_name(t, i), np.stack([st[f"{p}{moe}experts.{e}.{hf}.weight"] for e in range(E)]))
@@ -154,7 +175,7 @@ def _import(d, name, **kw):
     return cfg, report, Model.open(str(out)).logits(PROMPT)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "granitemoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "granitemoe", "glm4_moe"])
 def test_f32_gguf_imports_to_the_direct_conversion_bit_for_bit(ckpt, arch):
     d, ref = ckpt(arch)
     write_gguf(d / "hf", d / "F32.gguf", arch, Q.F32)

@@ -739,3 +739,43 @@ def test_avx2_float_kernels_vector_code_and_rows_independent_of_their_neighbours
     fmas = [ln for ln in asm.splitlines() if "vfmadd" in ln]
     assert len(fmas) >= 4 * KF.STREAMS8 and all("ymm" in ln for ln in fmas)
     assert ("vcvtph2ps" in asm) == (kind == "f16")
+
+
+@pytest.mark.parametrize("sigmoid", [False, True])
+@pytest.mark.parametrize("groups", [(0, 0), (4, 2), (8, 3)])
+@pytest.mark.parametrize("renorm,scale", [(True, 1.0), (True, 2.5), (False, 16.0)])
+def test_route_rule_matches_its_twin(rng, sigmoid, groups, renorm, scale):
+    """Version-2 routing (sigmoid or softmax, selection-only bias, group-limited choice, routed
+    scale) against its numpy twin, and each part changing the answer."""
+    T, E, k = 9, 32, 4
+    logits = (rng.standard_normal((T, E)) * 2).astype(np.float32)
+    bias = (rng.standard_normal(E) * 0.3).astype(np.float32)
+    flags = (K.moe.RULE_RENORM if renorm else 0) | (K.moe.RULE_SIGMOID if sigmoid else 0) | \
+        (K.moe.RULE_GROUPS if groups[0] else 0)
+    rule = np.array([flags, *groups, scale], np.float32)
+    idx = np.full((T, k), -1, np.int32)
+    w = np.full((T, k), np.nan, np.float32)
+    K.route_rule(logits, k, rule, bias, idx, w)
+    ridx, rw = K.route_rule_ref(logits, k, rule, bias)
+    np.testing.assert_array_equal(idx, ridx)
+    np.testing.assert_allclose(w, rw, rtol=1e-5, atol=1e-7)
+    if renorm:
+        np.testing.assert_allclose(w.sum(1), scale, rtol=1e-5)
+    if groups[0]:                       # every choice inside the kept groups: at most topk_group groups
+        assert all(len(set(r // (E // groups[0]))) <= groups[1] for r in idx)
+    # the bias moves the choice, not the weights: without it another expert set for some token
+    nob = np.empty_like(idx)
+    K.route_rule(logits, k, rule, np.zeros(0, np.float32), nob, np.empty_like(w))
+    assert (nob != idx).any()
+    s = 1 / (1 + np.exp(-logits.astype(np.float64))) if sigmoid else None
+    if sigmoid and not renorm:          # weights are the uncorrected scores of the chosen experts
+        np.testing.assert_allclose(w, np.take_along_axis(s, idx, 1) * scale, rtol=1e-5)
+
+
+def test_route_rule_groups_tie_to_the_lower_index():
+    logits = np.zeros((1, 8), np.float32)
+    idx, w = np.empty((1, 2), np.int32), np.empty((1, 2), np.float32)
+    K.route_rule(logits, 2, np.array([K.moe.RULE_SIGMOID | K.moe.RULE_GROUPS, 4, 1, 1.0], np.float32),
+                 np.zeros(0, np.float32), idx, w)
+    np.testing.assert_array_equal(idx, [[0, 1]])
+    np.testing.assert_allclose(w, 0.5)

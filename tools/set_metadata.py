@@ -38,7 +38,7 @@ def main(argv=None):
                            num_layers=cf.header["num_layers"]) as w:
         for r in cf.record_list:
             w.declare(r.name, r.dtype, r.shape)
-        w.set_routing([(x.gate, x.bias, x.top_k, x.num_experts, x.flags, x.shared_gate) for x in cf.routing])
+        w.set_routing(list(cf.routing))
         for r in cf.record_list:
             w.write(r.name, cf.tensor_bytes(r.name))
     print(json.dumps(meta, indent=1, sort_keys=True))

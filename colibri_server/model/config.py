@@ -12,7 +12,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from .format import PANEL
 
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "qwen3", "granitemoe")
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "qwen3", "granitemoe", "glm4_moe")
 QK_NORMS = ("none", "head", "full")   # head: RMSNorm over head_dim per head (Qwen3); full: over H*hd (OLMoE)
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")   # dynamic NTK and longrope change with length: not supported
 FLOAT_DTYPES = ("f32", "f16", "bf16")
@@ -23,6 +23,11 @@ LAYOUTS = ("rows", "panels")           # how f16/bf16 matrices are stored (panel
 # norms, biases and the token embedding are never quantized
 QUANTIZABLE = ("attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
                "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate", "ffn_up", "ffn_down", "output")
+
+
+OMITTED_AT_DEFAULT = ("layout", "score_func", "correction_bias", "n_group", "topk_group", "routed_scaling_factor",
+                      "shared_expert_gate", "rotary_dim")
+SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 class ConfigError(ValueError):
@@ -66,6 +71,15 @@ class ModelConfig:
     quant_group: int = 32            # G: rows of a matrix that share one scale per column
     quant_overrides: dict = field(default_factory=dict)  # matrix key -> none|q8|q4, overriding `quant`
     layout: str = "rows"             # rows | panels: f16/bf16 QUANTIZABLE matrices in panels (f16p/bf16p)
+    # version-2 routing (docs/format.md) and what else later families need; left out of the blob
+    # at their defaults, so that files of the first families read as before
+    score_func: str = "softmax"      # softmax | sigmoid: the router's scores
+    correction_bias: bool = False    # blk.N.ffn_gate_bias [E]: added to the scores for the choice only
+    n_group: int = 0                 # > 1: group-limited choice among n_group consecutive expert groups
+    topk_group: int = 0              # groups kept
+    routed_scaling_factor: float = 1.0   # on the routed experts' weights
+    shared_expert_gate: bool = True  # a shared expert has a sigmoid gate (Qwen2-MoE); False: ungated (DeepSeek, GLM)
+    rotary_dim: int = 0              # RoPE on this many leading dims of a head (0: all); GLM-4.5's partial rotary
 
     # -- derived ----------------------------------------------------------------
     def quant_of(self, key: str) -> str:
@@ -89,8 +103,9 @@ class ModelConfig:
         d = asdict(self)
         d["dense_layers"] = list(self.dense_layers)
         d["eos_token_ids"] = list(self.eos_token_ids)
-        if d["layout"] == "rows":       # the default is left out: readers from before panels take the file
-            del d["layout"]
+        for key in OMITTED_AT_DEFAULT:  # left out at their defaults: older readers take the file
+            if d[key] == _DEFAULTS[key]:
+                del d[key]
         return d
 
     @classmethod
@@ -149,6 +164,20 @@ class ModelConfig:
         need(self.dtype in FLOAT_DTYPES, "dtype", f"{self.dtype!r} is not one of {FLOAT_DTYPES}")
         _check_rope(self, need)
         need(self.layout in LAYOUTS, "layout", f"{self.layout!r} is not one of {LAYOUTS}")
+        need(self.score_func in SCORE_FUNCS, "score_func", f"{self.score_func!r} is not one of {SCORE_FUNCS}")
+        if self.n_group > 1 or self.topk_group:
+            need(self.num_experts > 0 and self.num_experts % self.n_group == 0, "n_group",
+                 f"{self.n_group} does not divide num_experts {self.num_experts}")
+            need(1 <= self.topk_group <= self.n_group, "topk_group", f"{self.topk_group} is not in 1..n_group")
+            need(self.topk_group * (self.num_experts // self.n_group) >= self.top_k, "topk_group",
+                 f"{self.topk_group} groups of {self.num_experts // self.n_group} experts hold fewer than top_k")
+        need(math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0, "routed_scaling_factor",
+             "must be finite and > 0")
+        need(self.rotary_dim == 0 or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0),
+             "rotary_dim", f"{self.rotary_dim} must be 0 or an even number up to head_dim {self.head_dim}")
+        if 0 < self.rotary_dim < self.head_dim:
+            need((self.rope_scaling or {}).get("rope_type", "default") in ("default", "linear", "llama3"),
+                 "rotary_dim", "a partial rotary embedding with yarn's attention factor is not supported")
         need(self.quant in QUANTS, "quant", f"{self.quant!r} is not one of {QUANTS}")
         need(self.quant_group in (8, 16, 32, 64, 128), "quant_group", f"{self.quant_group} is not 8, 16, 32, 64 or 128")
         for k, v in self.quant_overrides.items():
@@ -289,6 +318,8 @@ def _expected_plain(cfg: ModelConfig):
             yield p + "ffn_down", (D, cfg.intermediate_size), W
             continue
         yield p + "ffn_gate_inp", (E, D), F32
+        if cfg.correction_bias:
+            yield p + "ffn_gate_bias", (E,), F32
         yield p + "ffn_gate_exps", (E, I, D), W
         yield p + "ffn_up_exps", (E, I, D), W
         yield p + "ffn_down_exps", (E, D, I), W
@@ -297,7 +328,11 @@ def _expected_plain(cfg: ModelConfig):
             yield p + "ffn_gate_shexp", (S, D), W
             yield p + "ffn_up_shexp", (S, D), W
             yield p + "ffn_down_shexp", (D, S), W
-            yield p + "ffn_shexp_gate", (1, D), F32
+            if cfg.shared_expert_gate:
+                yield p + "ffn_shexp_gate", (1, D), F32
     yield "output_norm", (D,), F32
     if not cfg.tie_word_embeddings:
         yield "output", (V, D), W
+
+
+_DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}

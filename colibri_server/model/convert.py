@@ -376,16 +376,50 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
     folds = family.hf_folds(hf, cfg) if family.hf_folds else {}
 
     def pieces(n, s):
-        f = np.float32(folds.get(n.split(".", 2)[-1], 1.0))
+        key = n.split(".", 2)[-1]
+        f = np.float32(folds.get(key, 1.0))
         for src, shape2, lead, part in _sources(cfg, tensors, n, s, hf):
             blocks = _blocks(src, n, shape2, lead, part)
             if f != 1:      # a family's scalar folded into the weights (families/granite.py)
-                yield "F32", (_to_f32(b, src.dtype) * f for b in blocks)
+                blocks, dtype = (_to_f32(b, src.dtype) * f for b in blocks), "F32"
             else:
-                yield src.dtype, blocks
+                dtype = src.dtype
+            yield dtype, partial_rotary_rows(cfg, key, blocks)
     write_model(out_path, cfg, pieces, metadata=metadata, tokenizer_json=tok, chat_template=template,
                 progress=progress)
     return cfg
+
+
+ROTARY_KEYS = ("attn_q", "attn_k", "attn_q_b", "attn_k_b", "attn_q_norm", "attn_k_norm")
+
+
+def partial_rotary_order(cfg: ModelConfig) -> np.ndarray | None:
+    """Within a head, the source dim each stored dim comes from when only the first rotary_dim
+    dims rotate (GLM-4.5): the rotated halves go to the pairs (i, i + hd/2), i < rotary_dim/2,
+    the passed-through dims to the pairs rope.py gives angle 0. q.k is unchanged (the same
+    order on both sides); None when every dim rotates."""
+    hd, rot = cfg.head_dim, cfg.rotary_dim
+    if not rot or rot == hd:
+        return None
+    half, r2, p2 = hd // 2, rot // 2, (hd - rot) // 2
+    first = [k if k < r2 else rot + (k - r2) for k in range(half)]
+    second = [r2 + k if k < r2 else rot + p2 + (k - r2) for k in range(half)]
+    return np.array(first + second, np.int64)
+
+
+def partial_rotary_rows(cfg: ModelConfig, key: str, blocks):
+    """Row blocks of a q/k tensor (weights, biases, norm gains) in the stored dim order (one
+    block: the whole tensor); other tensors' blocks as they come."""
+    order = partial_rotary_order(cfg) if key in ROTARY_KEYS else None
+    if order is None:
+        return blocks
+    a = np.concatenate(list(blocks))
+    hd = cfg.head_dim
+    rows = a.reshape(-1, hd, *a.shape[1:]) if a.shape[0] % hd == 0 and a.shape[0] > 1 else None
+    if rows is None:                    # 1-D tensors come as one (1, n) row: permute its columns
+        flat = a.reshape(-1, hd)
+        return iter([flat[:, order].reshape(a.shape)])
+    return iter([rows[:, order].reshape(a.shape)])
 
 
 def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer_json: str, chat_template: str,
@@ -517,12 +551,19 @@ def _routing(cfg: ModelConfig, w: fmt.ColibriWriter):
         if not cfg.is_moe_layer(i):
             recs.append((fmt.NO_TENSOR, fmt.NO_TENSOR, 0, 0, 0, fmt.NO_TENSOR))
             continue
-        flags = fmt.ROUTE_SOFTMAX | (fmt.ROUTE_RENORM if cfg.norm_topk_prob else 0)
+        flags = (fmt.ROUTE_SIGMOID if cfg.score_func == "sigmoid" else fmt.ROUTE_SOFTMAX) | \
+            (fmt.ROUTE_RENORM if cfg.norm_topk_prob else 0)
         shared = fmt.NO_TENSOR
         if cfg.shared_expert_intermediate_size:
             flags |= fmt.ROUTE_SHARED_EXPERT
-            shared = w.index(f"blk.{i}.ffn_shexp_gate")
-        recs.append((w.index(f"blk.{i}.ffn_gate_inp"), fmt.NO_TENSOR, cfg.top_k, cfg.num_experts, flags, shared))
+            if cfg.shared_expert_gate:
+                shared = w.index(f"blk.{i}.ffn_shexp_gate")
+        groups = (cfg.n_group, cfg.topk_group) if cfg.n_group > 1 else (0, 0)
+        if groups[0]:
+            flags |= fmt.ROUTE_GROUP_LIMITED
+        bias = w.index(f"blk.{i}.ffn_gate_bias") if cfg.correction_bias else fmt.NO_TENSOR
+        recs.append((w.index(f"blk.{i}.ffn_gate_inp"), bias, cfg.top_k, cfg.num_experts, flags, shared,
+                     *groups, float(np.float32(cfg.routed_scaling_factor))))
     return recs
 
 

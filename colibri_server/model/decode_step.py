@@ -71,7 +71,7 @@ class DecodeStep:
         Ls = w.layers
         if not Ls:
             return None
-        if any(L.gate is None or L.w1 is None or L.shared_w1 is not None for L in Ls):
+        if any(L.gate is None or L.w1 is None or L.shared_w1 is not None or L.rule is not None for L in Ls):
             return None
         if any(b is not None for L in Ls for b in (L.bq, L.bk, L.bv, L.bo)):
             return None                                    # Qwen2's biases: with its shared expert, not covered

@@ -23,6 +23,7 @@ maps the old file never sees a half-written one.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import stat
@@ -67,7 +68,8 @@ def use_pages(pages) -> None:
 
 
 MAGIC = b"COLI"
-VERSION = 1
+VERSION = 2              # the newest version written; 1 is still read (docs/format.md "Version 2")
+VERSIONS = (1, 2)
 HEADER_SIZE = 128
 RECORD_SIZE = 64
 ROUTING_RECORD_SIZE = 32
@@ -86,12 +88,19 @@ HEADER = struct.Struct("<4sIIIII QQQ QQ QQ QQ QQ I 12s")
 RECORD = struct.Struct("<24sBBH4IQQI")
 # gate tensor index, bias tensor index, top_k, num_experts, flags, shared-expert gate index, reserved u64
 ROUTING = struct.Struct("<IIIIIIQ")
+# version 2: the reserved u64 is n_group u16, topk_group u16, routed_scale f32
+ROUTING_V2 = struct.Struct("<IIIIIIHHf")
 assert HEADER.size == HEADER_SIZE and RECORD.size == RECORD_SIZE and ROUTING.size == ROUTING_RECORD_SIZE
 
 # Routing flags (per layer).
 ROUTE_SOFTMAX = 1 << 0        # probabilities are softmax(gate logits) over all experts
 ROUTE_RENORM = 1 << 1         # the top-k weights are renormalised to sum to 1
-ROUTE_SHARED_EXPERT = 1 << 2  # the layer adds sigmoid(shared_gate . x) * shared_expert(x)
+ROUTE_SHARED_EXPERT = 1 << 2  # the layer adds sigmoid(shared_gate . x) * shared_expert(x) (ungated in v2 without a gate)
+# version 2
+ROUTE_SIGMOID = 1 << 3        # scores are sigmoid(gate logits), each expert on its own
+ROUTE_GROUP_LIMITED = 1 << 5  # choose topk_group of n_group consecutive expert groups first
+V1_FLAGS = ROUTE_SOFTMAX | ROUTE_RENORM | ROUTE_SHARED_EXPERT
+V2_FLAGS = V1_FLAGS | ROUTE_SIGMOID | ROUTE_GROUP_LIMITED
 
 # dtype code -> (name, numpy view dtype, bytes per element). f16 is viewed as uint16 and bf16
 # as int16: Numba has no float16 on the CPU, and the view dtype alone tells a kernel which
@@ -169,6 +178,14 @@ class RoutingRecord:
     num_experts: int   # 0 for a dense (non-MoE) layer
     flags: int
     shared_gate: int   # tensor index of the shared-expert gate [1, D], or NO_TENSOR
+    n_group: int = 0           # version 2: expert groups (0: none)
+    topk_group: int = 0        # version 2: groups kept
+    routed_scale: float = 1.0  # version 2: factor on the routed weights
+
+    @property
+    def is_v2(self) -> bool:
+        return bool(self.flags & ~V1_FLAGS) or self.bias != NO_TENSOR or self.n_group or self.topk_group \
+            or self.routed_scale != 1.0 or (self.flags & ROUTE_SHARED_EXPERT and self.shared_gate == NO_TENSOR)
 
 
 def nbytes(dtype: str, shape) -> int:
@@ -332,8 +349,9 @@ def _validate(path, mm, size):
      alignment, reserved) = raw
     if magic != MAGIC:
         raise BadMagic(path, "magic", f"expected {MAGIC!r}, found {magic!r}: not a .colibri file")
-    if version != VERSION:
-        raise UnsupportedVersion(path, "version", f"file is version {version}, this reader supports {VERSION}")
+    if version not in VERSIONS:
+        raise UnsupportedVersion(path, "version", f"file is version {version}, this reader supports "
+                                                  f"{' and '.join(map(str, VERSIONS))}")
     if header_size != HEADER_SIZE:
         raise BadHeader(path, "header_size", f"{header_size}, expected {HEADER_SIZE}")
     if file_size != size:
@@ -419,6 +437,7 @@ def _validate(path, mm, size):
     routing = []
     for layer in range(num_layers):
         gate, bias, top_k, n_exp, flags, shared_gate, res = ROUTING.unpack_from(mm, routing_offset + layer * ROUTING_RECORD_SIZE)
+        *_, n_group, topk_group, rscale = ROUTING_V2.unpack_from(mm, routing_offset + layer * ROUTING_RECORD_SIZE)
         where = f"routing[{layer}]"
         for fname, idx in (("gate", gate), ("bias", bias), ("shared_gate", shared_gate)):
             if idx != NO_TENSOR and idx >= tensor_count:
@@ -430,15 +449,37 @@ def _validate(path, mm, size):
                 raise BadRouting(path, where, f"num_experts {n_exp} differs from the header's {num_experts}")
             if not 1 <= top_k <= n_exp:
                 raise BadRouting(path, where, f"top_k {top_k} is not in 1..{n_exp}")
-        elif top_k or gate != NO_TENSOR or bias != NO_TENSOR or shared_gate != NO_TENSOR or flags:
-            raise BadRouting(path, where, "a dense layer (num_experts 0) has a gate, bias, shared gate, top_k or flags")
-        if flags & ~(ROUTE_SOFTMAX | ROUTE_RENORM | ROUTE_SHARED_EXPERT):
+        elif top_k or gate != NO_TENSOR or bias != NO_TENSOR or shared_gate != NO_TENSOR or flags or res:
+            raise BadRouting(path, where, "a dense layer (num_experts 0) has a gate, bias, shared gate, top_k, "
+                                          "flags or group fields")
+        if version == 1:
+            if flags & ~V1_FLAGS:
+                raise BadRouting(path, where, f"unknown flag bits {flags:#x}")
+            if n_exp and not flags & ROUTE_SOFTMAX:
+                raise BadRouting(path, where, "a version-1 MoE layer needs the SOFTMAX flag")
+            if bool(flags & ROUTE_SHARED_EXPERT) != (shared_gate != NO_TENSOR):
+                raise BadRouting(path, where, "the shared-expert flag and the shared_gate index disagree")
+            if res:
+                raise BadRouting(path, where, "reserved field must be zero")
+            routing.append(RoutingRecord(gate, bias, top_k, n_exp, flags, shared_gate))
+            continue
+        if flags & ~V2_FLAGS:
             raise BadRouting(path, where, f"unknown flag bits {flags:#x}")
-        if bool(flags & ROUTE_SHARED_EXPERT) != (shared_gate != NO_TENSOR):
-            raise BadRouting(path, where, "the shared-expert flag and the shared_gate index disagree")
-        if res:
-            raise BadRouting(path, where, "reserved field must be zero")
-        routing.append(RoutingRecord(gate, bias, top_k, n_exp, flags, shared_gate))
+        if n_exp and bool(flags & ROUTE_SOFTMAX) == bool(flags & ROUTE_SIGMOID):
+            raise BadRouting(path, where, "exactly one of the SOFTMAX and SIGMOID flags must be set")
+        if shared_gate != NO_TENSOR and not flags & ROUTE_SHARED_EXPERT:
+            raise BadRouting(path, where, "a shared_gate without the shared-expert flag")
+        if flags & ROUTE_GROUP_LIMITED:
+            if n_group < 2 or n_exp % n_group or not 1 <= topk_group <= n_group \
+                    or topk_group * (n_exp // n_group) < top_k:
+                raise BadRouting(path, where, f"n_group {n_group} / topk_group {topk_group} do not fit "
+                                              f"{n_exp} experts and top_k {top_k}")
+        elif n_group > 1 or topk_group:
+            raise BadRouting(path, where, "n_group / topk_group without the group-limited flag")
+        if n_exp and not (math.isfinite(rscale) and rscale > 0):
+            raise BadRouting(path, where, f"routed_scale {rscale!r} must be finite and > 0")
+        routing.append(RoutingRecord(gate, bias, top_k, n_exp, flags, shared_gate, n_group, topk_group,
+                                     rscale if n_exp else 1.0))
     return header, records, routing, blobs
 
 
@@ -508,9 +549,13 @@ class ColibriWriter:
         return self._index[name]
 
     def set_routing(self, records) -> None:
+        """One record per layer: a RoutingRecord, or its fields as a tuple (gate, bias, top_k,
+        num_experts, flags, shared_gate[, n_group, topk_group, routed_scale]). The file is
+        version 2 when a record needs it, else version 1."""
         if len(records) != self.num_layers:
             raise ValueError(f"{len(records)} routing records for {self.num_layers} layers")
-        self._routing = list(records)
+        self._routing = [r if isinstance(r, RoutingRecord) else RoutingRecord(*r) for r in records]
+        self._version = 2 if any(r.is_v2 for r in self._routing) else 1
 
     def _layout(self):
         table_end = HEADER_SIZE + len(self._decl) * RECORD_SIZE
@@ -542,7 +587,12 @@ class ColibriWriter:
         self._fh.write(b"\0" * self._data_offset)
         self._fh.seek(self._routing_offset)
         for r in self._routing:
-            self._fh.write(ROUTING.pack(*r, 0))
+            head = (r.gate, r.bias, r.top_k, r.num_experts, r.flags, r.shared_gate)
+            if self._version == 1:
+                self._fh.write(ROUTING.pack(*head, 0))
+            else:
+                self._fh.write(ROUTING_V2.pack(*head, r.n_group, r.topk_group,
+                                               r.routed_scale if r.num_experts else 0.0))
         for (off, _), b in zip(self._blob_offs, self._blobs):
             self._fh.seek(off)
             self._fh.write(b)
@@ -582,7 +632,7 @@ class ColibriWriter:
             fh.truncate(self._file_size)
         (c, m, t, p) = self._blob_offs
         fh.seek(0)
-        fh.write(HEADER.pack(MAGIC, VERSION, self.num_experts, self.num_layers, HEADER_SIZE, len(self._decl),
+        fh.write(HEADER.pack(MAGIC, self._version, self.num_experts, self.num_layers, HEADER_SIZE, len(self._decl),
                              self._routing_offset, self._data_offset, self._file_size,
                              c[0], c[1], m[0], m[1], t[0], t[1], p[0], p[1], ALIGNMENT, b"\0" * 12))
         for name, dtype, shape, off, size, crc in self._decl:

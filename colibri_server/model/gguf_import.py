@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .convert import CONVERTER_VERSION, _to_f32, checked_config, default_layout, quant_config, write_model
+from .convert import (CONVERTER_VERSION, ROTARY_KEYS, _to_f32, checked_config, default_layout, partial_rotary_rows,
+                      quant_config, write_model)
 from .families import BY_ARCH, ConvertError, by_gguf_arch, gguf_name
 
 MISSING = object()
@@ -127,7 +128,7 @@ def config_from_gguf(kv: GgufKV, dtype: str):
     if kv.arch_int("attention.value_length", default=hd) != hd:
         raise ConvertError(f"{kv.path}: attention.value_length differs from key_length (not supported)")
     rot = kv.arch_int("rope.dimension_count", default=hd)
-    if rot != hd:
+    if rot != hd and (family.gguf_qk_permuted or rot % 2 or not 0 < rot < hd):
         raise ConvertError(f"{kv.path}: GGUF key {kv.arch}.rope.dimension_count = {rot} is a partial rotary "
                            f"embedding (head size {hd}); not supported for {kv.arch}")
     if kv.has_tensor("rope_freqs.weight"):
@@ -147,7 +148,7 @@ def config_from_gguf(kv: GgufKV, dtype: str):
               rope_theta=float(kv.arch_value("rope.freq_base", family.default_rope_theta)),
               rope_scaling=_rope_scaling(kv), tie_word_embeddings=not kv.has_tensor("output.weight"),
               sliding_window=kv.arch_int("attention.sliding_window", default=0) if family.arch == "mixtral" else 0,
-              dtype=dtype)
+              rotary_dim=rot if rot < hd else 0, dtype=dtype)
     return family, checked_config(family.gguf_config(kv, kw), kv.path)
 
 
@@ -219,6 +220,9 @@ def _tensor_pieces(kv: GgufKV, family, cfg, name: str, shape):
 
     def matrix(e):
         m = raw[e]
+        if key in ROTARY_KEYS and cfg.rotary_dim:     # partial rotary: each head's dims reordered, whole
+            yield from partial_rotary_rows(cfg, key, iter([decode(m).reshape(rows, cols)]))
+            return
         if permute:         # q/k are small: unpermute the whole matrix at once, over its output rows
             full = decode(m).reshape(shape[0], -1)
             yield _unpermute(full, heads).reshape(rows, cols)

@@ -65,7 +65,7 @@ def moe(layer, x, ws, out, noise=None, trace=None):
     E, A = layer.gate.shape[0], layer.top_k
     logits = ws.router[:T, :E]                                                 # (T,E)
     idx, wts = ws.route_idx[:T, :A], ws.route_w[:T, :A]                       # (T,A) i32, (T,A) f32
-    if T == 1 and ws.threads == 1 and trace is None and (noise is None or noise.scale <= 0):
+    if T == 1 and ws.threads == 1 and trace is None and (noise is None or noise.scale <= 0) and layer.rule is None:
         # decode: router, top-k and the experts in one Numba call (kernels/decode), same kernels
         if hasattr(layer.w1, "q"):
             KD.moe_quant(layer.gate, layer.w1.q, layer.w1.s, layer.w3.q, layer.w3.s, layer.w2.q, layer.w2.s, x[0],
@@ -78,7 +78,9 @@ def moe(layer, x, ws, out, noise=None, trace=None):
         K.matvec(layer.gate, x[0], logits[0])                                  # (E,D) f32: BLAS costs more to call
     else:
         ws.mm(x, layer.gate, logits)
-    if noise is not None and noise.scale > 0:
+    if layer.rule is not None:      # version-2 routing (sigmoid, correction bias, groups, scale)
+        K.route_rule(logits, A, layer.rule, layer.corr_bias, idx, wts)
+    elif noise is not None and noise.scale > 0:
         noise.route(logits, A, layer.renorm, idx, wts)
     else:
         K.route(logits, A, layer.renorm, idx, wts)
@@ -126,7 +128,8 @@ def _shared_expert(layer, x, ws, out):
     if layer.shared_w1 is not None:
         s = ws.shared_out[:T]                                                  # (T,D)
         swiglu(x, layer.shared_w1, layer.shared_w3, layer.shared_w2, ws, s)
-        sg = x @ layer.shared_gate[0]                                          # (T,) f32
-        s *= (1.0 / (1.0 + np.exp(-sg)))[:, None].astype(np.float32)
+        if layer.shared_gate is not None:                                      # Qwen2-MoE; DeepSeek/GLM: ungated
+            sg = x @ layer.shared_gate[0]                                      # (T,) f32
+            s *= (1.0 / (1.0 + np.exp(-sg)))[:, None].astype(np.float32)
         out += s
     return out

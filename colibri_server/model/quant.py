@@ -87,10 +87,10 @@ def dequantize_file(src, dst, dtype: str = "f16", progress=None, layout: str | N
             for name, shape, dts in plan:
                 w.declare(name, dts[0], shape)
             names = {n: i for i, (n, _, _) in enumerate(plan)}
-            w.set_routing([(names[fmt_name(cf, r.gate)] if r.gate != fmt.NO_TENSOR else r.gate,
-                            r.bias, r.top_k, r.num_experts, r.flags,
-                            names[fmt_name(cf, r.shared_gate)] if r.shared_gate != fmt.NO_TENSOR else r.shared_gate)
-                           for r in cf.routing])
+            def index(i):
+                return names[fmt_name(cf, i)] if i != fmt.NO_TENSOR else i
+            w.set_routing([(index(r.gate), index(r.bias), r.top_k, r.num_experts, r.flags, index(r.shared_gate),
+                            r.n_group, r.topk_group, r.routed_scale) for r in cf.routing])
             for name, shape, dts in plan:
                 rec = cf.records[name]
                 if rec.dtype in ("i8", "u4"):

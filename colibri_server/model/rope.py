@@ -20,8 +20,19 @@ def _base_inv_freq(theta: float, dim: int) -> np.ndarray:
 
 
 def inv_freq_and_factor(cfg: ModelConfig):
-    """(inv_freq (hd/2,) f32, attention_factor float) for cfg's rope_type."""
-    dim, theta = cfg.head_dim, cfg.rope_theta
+    """(inv_freq (hd/2,) f32, attention_factor float) for cfg's rope_type. A partial rotary
+    embedding (rotary_dim < head_dim, GLM-4.5) has rotary_dim/2 frequencies and zeros after them:
+    the converter has moved each head's rotated dims to the pairs (i, i + hd/2), i < rotary_dim/2,
+    and the rest to the pairs whose angle stays 0 (cos 1, sin 0: passed through; the config
+    check keeps the attention factor at 1 there)."""
+    inv, factor = _inv_freq_and_factor(cfg)
+    if inv.shape[0] < cfg.head_dim // 2:
+        inv = np.concatenate([inv, np.zeros(cfg.head_dim // 2 - inv.shape[0], np.float32)])
+    return inv, factor
+
+
+def _inv_freq_and_factor(cfg: ModelConfig):
+    dim, theta = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta
     rs = cfg.rope_scaling or {}
     rtype = rs.get("rope_type", "default")
     inv = _base_inv_freq(theta, dim)

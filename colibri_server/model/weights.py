@@ -46,7 +46,7 @@ class Layer:
     shared_w1: np.ndarray | None       # (S, D)
     shared_w3: np.ndarray | None       # (S, D)
     shared_w2: np.ndarray | None       # (D, S)
-    shared_gate: np.ndarray | None     # (1, D) f32
+    shared_gate: np.ndarray | None     # (1, D) f32; None with a shared expert: ungated (v2)
     # dense MLP layer
     mlp_w1: np.ndarray | None          # (F, D)
     mlp_w3: np.ndarray | None          # (F, D)
@@ -57,6 +57,10 @@ class Layer:
     # otherwise, when the three are f16/bf16 arrays of one kind (panels: not one view), the tuple of
     # their kernel arrays: decode multiplies them in one call (kernels.matvec_stack)
     qkv_stack: tuple | None = None
+    # a version-2 routing rule (kernels.route_rule): float32 [flags, n_group, topk_group, routed_scale]
+    # and the selection-only correction bias (E,) f32 (size 0: none); None: v1's softmax top-k
+    rule: np.ndarray | None = None
+    corr_bias: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -98,15 +102,35 @@ def check_tensors(cf: fmt.ColibriFile, cfg: ModelConfig) -> None:
             raise fmt.BadRouting(cf.path, where, f"top_k {rt.top_k} differs from the config's {cfg.top_k}")
         if bool(rt.flags & fmt.ROUTE_RENORM) != cfg.norm_topk_prob:
             raise fmt.BadRouting(cf.path, where, "the renormalise flag disagrees with the config's norm_topk_prob")
-        if rt.bias != fmt.NO_TENSOR:
-            raise fmt.BadRouting(cf.path, where, "router bias is not supported by this version")
+        if (rt.bias != fmt.NO_TENSOR) != cfg.correction_bias:
+            raise fmt.BadRouting(cf.path, where, "the correction bias disagrees with the config")
+        if cfg.correction_bias and names[rt.bias] != f"blk.{i}.ffn_gate_bias":
+            raise fmt.BadRouting(cf.path, where, f"bias points at {names[rt.bias]!r}, not blk.{i}.ffn_gate_bias")
         shared = bool(rt.flags & fmt.ROUTE_SHARED_EXPERT)
         if shared != bool(cfg.shared_expert_intermediate_size):
             raise fmt.BadRouting(cf.path, where, "shared-expert flag disagrees with the config")
-        if shared and names[rt.shared_gate] != f"blk.{i}.ffn_shexp_gate":
+        if shared and (rt.shared_gate != fmt.NO_TENSOR) != cfg.shared_expert_gate:
+            raise fmt.BadRouting(cf.path, where, "the shared-expert gate disagrees with the config")
+        if shared and cfg.shared_expert_gate and names[rt.shared_gate] != f"blk.{i}.ffn_shexp_gate":
             raise fmt.BadRouting(cf.path, where, f"shared_gate points at {names[rt.shared_gate]!r}")
-        if not rt.flags & fmt.ROUTE_SOFTMAX:
-            raise fmt.BadRouting(cf.path, where, "only softmax routing is supported by this version")
+        if not rt.flags & (fmt.ROUTE_SIGMOID if cfg.score_func == "sigmoid" else fmt.ROUTE_SOFTMAX):
+            raise fmt.BadRouting(cf.path, where, f"the score flags disagree with the config's {cfg.score_func}")
+        if (rt.n_group, rt.topk_group) != ((cfg.n_group, cfg.topk_group) if cfg.n_group > 1 else (0, 0)):
+            raise fmt.BadRouting(cf.path, where, "n_group / topk_group disagree with the config")
+        if rt.routed_scale != np.float32(cfg.routed_scaling_factor):
+            raise fmt.BadRouting(cf.path, where, "routed_scale disagrees with the config")
+
+
+def _rule(rt: fmt.RoutingRecord, bias) -> dict:
+    """A layer's version-2 routing rule for kernels.route_rule, or none (v1's softmax top-k)."""
+    if not rt.num_experts or not (rt.flags & (fmt.ROUTE_SIGMOID | fmt.ROUTE_GROUP_LIMITED) or bias is not None
+                                  or rt.routed_scale != 1.0):
+        return {}
+    from .kernels.moe import RULE_GROUPS, RULE_RENORM, RULE_SIGMOID
+    flags = ((RULE_RENORM if rt.flags & fmt.ROUTE_RENORM else 0) | (RULE_SIGMOID if rt.flags & fmt.ROUTE_SIGMOID else 0)
+             | (RULE_GROUPS if rt.flags & fmt.ROUTE_GROUP_LIMITED else 0))
+    return {"rule": np.array([flags, rt.n_group, rt.topk_group, rt.routed_scale], np.float32),
+            "corr_bias": np.zeros(0, np.float32) if bias is None else bias}
 
 
 def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
@@ -134,6 +158,7 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
             shared_w1=v(p + "ffn_gate_shexp"), shared_w3=v(p + "ffn_up_shexp"),
             shared_w2=v(p + "ffn_down_shexp"), shared_gate=v(p + "ffn_shexp_gate"),
             mlp_w1=v(p + "ffn_gate"), mlp_w3=v(p + "ffn_up"), mlp_w2=v(p + "ffn_down"),
+            **_rule(rt, v(p + "ffn_gate_bias")),
             wqkv=None if QUANT_KIND.get(cf.records[p + "attn_q"].dtype)
             else cf.stacked_view([p + "attn_q", p + "attn_k", p + "attn_v"])))
         L = layers[-1]

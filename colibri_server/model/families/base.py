@@ -62,7 +62,7 @@ HF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_
 # our tensor key -> llama.cpp's GGUF name (without "blk.N." and ".weight"/".bias")
 GGUF_LAYER_NAMES = {
     "attn_o": "attn_output", "attn_q_b": "attn_q.bias", "attn_k_b": "attn_k.bias", "attn_v_b": "attn_v.bias",
-    "attn_o_b": "attn_output.bias", "ffn_shexp_gate": "ffn_gate_inp_shexp",
+    "attn_o_b": "attn_output.bias", "ffn_shexp_gate": "ffn_gate_inp_shexp", "ffn_gate_bias": "exp_probs_b.bias",
 }
 
 

@@ -12,7 +12,8 @@ from .dense import _matvec_core, matvec_ref
 
 __all__ = ["silu_mul", "silu_mul_ref", "expert_ffn", "expert_ffn_ref", "matvec_par", "matvec_qkv_par",
            "expert_ffn_par",
-           "route", "route_ref", "group_by_expert", "group_by_expert_ref"]
+           "route", "route_ref", "route_rule", "route_rule_ref", "RULE_RENORM", "RULE_SIGMOID", "RULE_GROUPS",
+           "group_by_expert", "group_by_expert_ref"]
 
 
 # ---------------------------------------------------------------------------
@@ -183,6 +184,118 @@ def route(logits, top_k, renorm, idx_out, w_out):
         if renorm:
             for s in range(top_k):
                 w_out[t, s] = w_out[t, s] / wsum
+
+
+# route_rule's rule: float32 [flags, n_group, topk_group, routed_scale] (docs/format.md, version 2)
+RULE_RENORM, RULE_SIGMOID, RULE_GROUPS = 1, 2, 4
+
+
+@njit(cache=True)
+def route_rule(logits, top_k, rule, bias, idx_out, w_out):
+    # logits (T,E) f32 -> idx_out (T,k) i32, w_out (T,k) f32 under a version-2 routing rule:
+    # scores s = softmax(z) or sigmoid(z); choice on c = s + bias (bias (E,) or size 0: the
+    # selection-only correction of DeepSeek-V3 / GLM-4.5), within the topk_group best of n_group
+    # consecutive groups when RULE_GROUPS (a group's score: its 2 largest c under sigmoid, its
+    # largest under softmax); weights s[chosen], / (sum + 1e-20) when RULE_RENORM, * routed_scale.
+    # Ties go to the lower index, in groups and experts.
+    T, E = logits.shape
+    flags = int(rule[0])
+    n_group, topk_group, scale = int(rule[1]), int(rule[2]), np.float32(rule[3])
+    if top_k < 1 or top_k > E:
+        raise ValueError("route_rule: top_k must be in 1..E")
+    groups = (flags & RULE_GROUPS) != 0
+    if groups and (n_group < 2 or E % n_group != 0 or topk_group < 1 or topk_group > n_group):
+        raise ValueError("route_rule: bad n_group / topk_group")
+    gsize = E // n_group if groups else E
+    sig = (flags & RULE_SIGMOID) != 0
+    s = np.empty(E, np.float32)
+    c = np.empty(E, np.float32)
+    allowed = np.empty(E, np.bool_)
+    taken = np.empty(E, np.bool_)
+    gscore = np.empty(max(n_group, 1), np.float32)
+    gtaken = np.empty(max(n_group, 1), np.bool_)
+    for t in range(T):
+        row = logits[t]
+        if sig:
+            for e in range(E):
+                s[e] = np.float32(1.0) / (np.float32(1.0) + np.exp(-row[e]))
+        else:
+            m = row[0]
+            for e in range(1, E):
+                if row[e] > m:
+                    m = row[e]
+            tot = np.float32(0.0)
+            for e in range(E):
+                s[e] = np.exp(row[e] - m)
+                tot += s[e]
+            inv = np.float32(1.0) / tot
+            for e in range(E):
+                s[e] = s[e] * inv
+        for e in range(E):
+            c[e] = s[e] + bias[e] if bias.shape[0] else s[e]
+            allowed[e] = not groups
+            taken[e] = False
+        if groups:
+            for g in range(n_group):
+                b1 = np.float32(-np.inf)
+                b2 = np.float32(-np.inf)
+                for e in range(g * gsize, (g + 1) * gsize):
+                    if c[e] > b1:
+                        b2 = b1
+                        b1 = c[e]
+                    elif c[e] > b2:
+                        b2 = c[e]
+                gscore[g] = b1 + b2 if sig else b1
+                gtaken[g] = False
+            for _ in range(topk_group):
+                bg = -1
+                for g in range(n_group):
+                    if not gtaken[g] and (bg < 0 or gscore[g] > gscore[bg]):
+                        bg = g
+                gtaken[bg] = True
+                for e in range(bg * gsize, (bg + 1) * gsize):
+                    allowed[e] = True
+        wsum = np.float32(0.0)
+        for a in range(top_k):
+            bi = -1
+            for e in range(E):
+                if allowed[e] and not taken[e] and (bi < 0 or c[e] > c[bi]):
+                    bi = e
+            taken[bi] = True
+            idx_out[t, a] = bi
+            w_out[t, a] = s[bi]
+            wsum += s[bi]
+        for a in range(top_k):
+            w = w_out[t, a]
+            if flags & RULE_RENORM:
+                w = w / (wsum + np.float32(1e-20))
+            w_out[t, a] = w * scale
+
+
+def route_rule_ref(logits, top_k, rule, bias):
+    """numpy twin of route_rule (the reference the tests compare it with)."""
+    z = np.asarray(logits, np.float32)
+    flags, n_group, topk_group, scale = int(rule[0]), int(rule[1]), int(rule[2]), np.float32(rule[3])
+    if flags & RULE_SIGMOID:
+        s = (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+    else:
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        s = (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+    c = s + np.asarray(bias, np.float32) if len(bias) else s.copy()
+    if flags & RULE_GROUPS:
+        T, E = c.shape
+        cg = c.reshape(T, n_group, E // n_group)
+        top = -np.sort(-cg, axis=-1)
+        gs = top[..., 0] + top[..., 1] if flags & RULE_SIGMOID else top[..., 0]
+        keep = np.argsort(-gs, axis=-1, kind="stable")[:, :topk_group]
+        mask = np.zeros((T, n_group), bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        c = np.where(np.repeat(mask, E // n_group, axis=-1), c, -np.inf)
+    idx = np.argsort(-c, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+    w = np.take_along_axis(s, idx, axis=-1)
+    if flags & RULE_RENORM:
+        w = w / (w.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+    return idx, (w * scale).astype(np.float32)
 
 
 def route_ref(logits, top_k, renorm):
