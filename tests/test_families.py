@@ -119,3 +119,9 @@ def test_version_2_only_when_needed_and_its_fields_get_named_errors(family, tmp_
         with pytest.raises(fmt.BadRouting, match=msg) as e:
             Model.open(str(bad))
         assert "routing[1]" in str(e.value), fields
+
+
+def test_routing_noise_is_refused_for_version_2_routing(family):
+    _, path, _ = family("glm4_moe")
+    with pytest.raises(ValueError, match="routing_noise: .* version-2 rules"):
+        Model.open(path, routing_noise=0.5)

@@ -95,6 +95,9 @@ class Model:
         self.workspace = Workspace(cfg, prefill_chunk, prefill_bf16=self.prefill_bf16)
         if threads > 1:
             self.set_threads(threads)
+        if routing_noise and any(L.rule is not None for L in self.weights.layers):
+            raise ValueError(f"routing_noise: {cf.path} routes by version-2 rules ({cfg.score_func} scores, "
+                             "correction bias or groups); routing noise applies to softmax routing only")
         self.noise = RoutingNoise(routing_noise, seed) if routing_noise else None
         self._tokenizer = None
         self.last_timings = {}
