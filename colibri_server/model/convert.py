@@ -30,7 +30,8 @@ SUPPORTED = tuple(BY_HF_CLASS)     # the transformers architectures the families
 
 # ---------------------------------------------------------------------------- safetensors
 
-_ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+              "F8_E4M3": np.dtype("u1")}     # with its block scales, dequantized to f32 (fp8.py)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class SourceTensor:
     shape: tuple
     start: int          # absolute byte offset in file
     nbytes: int
+    name: str = ""      # its name in the checkpoint
 
 
 def read_safetensors_header(path) -> dict:
@@ -67,7 +69,7 @@ def read_safetensors_header(path) -> dict:
             raise ConvertError(f"{path}: tensor {name!r} has a malformed header entry") from None
         if 8 + n + e > size or b > e:
             raise ConvertError(f"{path}: tensor {name!r} data [{b}, {e}) lies outside the file")
-        out[name] = SourceTensor(str(path), dt, shape, 8 + n + b, e - b)
+        out[name] = SourceTensor(str(path), dt, shape, 8 + n + b, e - b, name)
     return out
 
 
@@ -234,7 +236,13 @@ def _check_src(tensors, hf_name, name, shape):
     if t is None:
         raise ConvertError(f"checkpoint: tensor {hf_name!r} (for {name}) is missing")
     if t.dtype not in _ST_DTYPES:
-        raise ConvertError(f"checkpoint: tensor {hf_name!r} has dtype {t.dtype}; supported: F32, F16, BF16")
+        raise ConvertError(f"checkpoint: tensor {hf_name!r} has dtype {t.dtype}; supported: F32, F16, BF16, "
+                           "and F8_E4M3 with block scales (weight_scale_inv)")
+    if t.dtype == "F8_E4M3":
+        sc = tensors.get(hf_name + "_scale_inv")
+        if sc is None or sc.dtype not in ("F32", "BF16") or len(shape) != 2:
+            raise ConvertError(f"checkpoint: FP8 tensor {hf_name!r} needs a 2-D f32/bf16 {hf_name}_scale_inv of "
+                               "block scales (the DeepSeek-V3 / Qwen3-FP8 layout); other FP8 schemes are not supported")
     if tuple(t.shape) != tuple(shape):
         raise ConvertError(f"checkpoint: tensor {hf_name!r} has shape {list(t.shape)}, expected {list(shape)} "
                            f"from config.json")
@@ -380,6 +388,8 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
         f = np.float32(folds.get(key, 1.0))
         for src, shape2, lead, part in _sources(cfg, tensors, n, s, hf):
             blocks = _blocks(src, n, shape2, lead, part)
+            if src.dtype == "F8_E4M3":
+                blocks, src = _fp8(tensors, src, blocks, shape2, hf), replace(src, dtype="F32")
             if f != 1:      # a family's scalar folded into the weights (families/granite.py)
                 blocks, dtype = (_to_f32(b, src.dtype) * f for b in blocks), "F32"
             else:
@@ -388,6 +398,19 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
     write_model(out_path, cfg, pieces, metadata=metadata, tokenizer_json=tok, chat_template=template,
                 progress=progress)
     return cfg
+
+
+def _fp8(tensors, src: SourceTensor, blocks, shape2, hf: dict):
+    """An FP8 matrix's row blocks, dequantized with its block scales (fp8.py)."""
+    from .fp8 import dequantized_blocks
+    block = tuple((hf.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+    sc = tensors[src.name + "_scale_inv"]
+    R, C = -(-shape2[0] // block[0]), -(-shape2[1] // block[1])
+    if tuple(sc.shape) != (R, C):
+        raise ConvertError(f"checkpoint: {src.name}_scale_inv has shape {list(sc.shape)}, expected {[R, C]} for "
+                           f"blocks of {list(block)}")
+    scale = _to_f32(_read_rows(sc, 0, R), sc.dtype)
+    return dequantized_blocks(blocks, scale, block, shape2[1])
 
 
 ROTARY_KEYS = ("attn_q", "attn_k", "attn_q_b", "attn_k_b", "attn_q_norm", "attn_k_norm")
