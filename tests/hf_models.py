@@ -243,7 +243,7 @@ SMALL_CONFIGS: dict[str, dict] = {
 ARCHS = tuple(SMALL_CONFIGS)
 
 # Dense families (issue 17: the degenerate case, every layer a dense MLP). Kept out of ARCHS: the MoE
-# parametrizations stay as they are; tests/test_dense_families.py runs these.
+# parametrizations stay as they are; tests/test_families.py runs these.
 DENSE_CONFIGS: dict[str, dict] = {
     # Llama: llama3 rope scaling, untied head, no biases.
     "llama": dict(_COMMON, model_type="llama", num_hidden_layers=2, intermediate_size=96, rms_norm_eps=1e-5,

@@ -1,6 +1,7 @@
-"""Families beyond the first four (issue 17), each against transformers' own class on a tiny random
-config: f32 logits within 1e-4 at every position, 32 greedy tokens identical through the model's
-own decode and through the batched serving engine (sequences joining at different steps)."""
+"""Families beyond the first four (issue 17: the dense Llama/Qwen2/Qwen3, Granite-MoE, GLM-4.5), each
+against transformers' own class on a tiny random config: f32 logits within 1e-4 at every position,
+32 greedy tokens identical through the model's own decode and through the batched serving engine
+(sequences joining at different steps)."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,10 +29,12 @@ def family(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", tuple(H.FAMILY_CONFIGS))
+@pytest.mark.parametrize("arch", (*H.DENSE_CONFIGS, *H.FAMILY_CONFIGS))
 def test_family_matches_transformers(family, arch):
     hf, path, _ = family(arch)
     m = Model.open(path)
+    if arch in H.DENSE_CONFIGS:
+        assert m.config.num_experts == 0 and m.config.dense_layers == tuple(range(m.config.num_layers))
     ref = H.hf_logits(hf, PROMPT)
     got = m.logits(PROMPT)
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
@@ -60,6 +63,12 @@ def test_granite_multipliers_are_folded_and_each_one_matters(family, tmp_path):
     convert(str(d / "hf"), str(d / "f16.colibri"), "f16", progress=False)
     got = Model.open(str(d / "f16.colibri")).logits(PROMPT[:12])
     assert np.linalg.norm(got - base) <= 1e-2 * np.linalg.norm(base)
+
+
+def test_mlp_bias_is_refused_by_name(tmp_path):
+    H.build_hf_model("llama", tmp_path / "hf", mlp_bias=True)
+    with pytest.raises(ConvertError, match="mlp_bias"):
+        convert(str(tmp_path / "hf"), str(tmp_path / "x.colibri"), "f32", progress=False)
 
 
 def test_granite_shared_experts_are_refused_by_name(tmp_path):
