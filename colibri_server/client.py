@@ -6,6 +6,10 @@
         for chunk in c.stream("Hello", max_tokens=8):
             print(chunk.text, end="", flush=True)
 
+Several routers (one per machine): `Client([addr1, addr2])` spreads requests over them and fails over
+when one is down (see `colibri_server.client_pool`); `Client(RouterSet([...]))` in several threads
+shares what they learn of the routers.
+
 `Client` is synchronous and NOT thread-safe: use one Client per thread (each has its own
 ZeroMQ context and DEALER socket).  It may nevertheless have several requests open at once
 from the same thread (e.g. two `stream()`s iterated alternately): messages for a request other
@@ -29,6 +33,7 @@ from typing import Optional, Sequence
 import zmq
 
 from .client_async import AsyncClient, AsyncStream  # noqa: F401
+from .client_pool import RouterSet, _PoolClient
 from .client_core import (  # noqa: F401  (re-exported: the public API lives here)
     ERRORS, BadRequest, Cancelled, Choice, Chunk, ColibriError, ColibriTimeout, Completion, DeadlineExceeded,
     DuplicateId, InternalError, NotFound, Overloaded, Prompt, ShuttingDown, TooLarge, UnknownType,
@@ -36,7 +41,7 @@ from .client_core import (  # noqa: F401  (re-exported: the public API lives her
     _StreamCore, _cancel_body, _encode, _ms, _timeout_error, _unreachable, error_for)
 
 __all__ = [
-    "Client", "AsyncClient", "Completion", "Chunk", "Choice", "Stream", "AsyncStream",
+    "Client", "AsyncClient", "RouterSet", "Completion", "Chunk", "Choice", "Stream", "AsyncStream",
     "ColibriError", "ColibriTimeout", "ERRORS", "error_for",
     "BadRequest", "UnsupportedVersion", "UnknownType", "TooLarge", "Overloaded",
     "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "DuplicateId",
@@ -93,7 +98,15 @@ class Client(_ClientCore):
     the likely cause, instead of waiting out `timeout`.  curve: None, the server's
     public key (an ephemeral client key pair is made), or (server_public, client_public,
     client_secret), Z85 text or bytes.
+
+    A list of addresses (or a RouterSet) instead of one makes a PoolClient: same API, each request
+    on one of the routers, failing over when one is down (colibri_server.client_pool).
     """
+
+    def __new__(cls, addr=None, *args, **kwargs):
+        if cls is Client and addr is not None and not isinstance(addr, str):
+            return super().__new__(PoolClient)
+        return super().__new__(cls)
 
     # -- I/O
 
@@ -221,3 +234,13 @@ class Client(_ClientCore):
             self.close()
         except Exception:
             pass
+
+
+class PoolClient(_PoolClient, Client):
+    """`Client([addr1, addr2, ...])` or `Client(router_set)`: one Client per router, each request on
+    one of them (see colibri_server.client_pool). Extra arguments: backoff, backoff_max (seconds a
+    router found down is skipped: first, and at most; a RouterSet given has its own). Attributes:
+    addrs, routers (the RouterSet). health() merges every router's; stats() is one router's, with
+    "addr" naming it."""
+    _member_class = Client
+    _member_stream = Stream

@@ -12,6 +12,7 @@ import zmq.asyncio
 
 from .client_core import (Chunk, Completion, Prompt, _ClientCore, _internal, _Request, _StreamCore, _cancel_body,
                           _encode, _timeout_error, _unreachable)
+from .client_pool_async import _AsyncPoolClient
 
 
 class AsyncStream(_StreamCore):
@@ -57,7 +58,13 @@ class AsyncStream(_StreamCore):
 class AsyncClient(_ClientCore):
     """asyncio client: one zmq.asyncio context and DEALER socket, shared by any number of
     tasks of one event loop.  A background task receives every message and routes it by
-    request id to a per-request queue.  Same arguments as `Client`."""
+    request id to a per-request queue.  Same arguments as `Client` (a list of addresses, or a
+    RouterSet, makes an AsyncPoolClient: see colibri_server.client_pool)."""
+
+    def __new__(cls, addr=None, *args, **kwargs):
+        if cls is AsyncClient and addr is not None and not isinstance(addr, str):
+            return super().__new__(AsyncPoolClient)
+        return super().__new__(cls)
 
     _context = zmq.asyncio.Context
     _new_queue = asyncio.Queue
@@ -205,3 +212,10 @@ class AsyncClient(_ClientCore):
 
     async def __aexit__(self, *exc):
         await self.close()
+
+
+class AsyncPoolClient(_AsyncPoolClient, AsyncClient):
+    """`AsyncClient([addr1, addr2, ...])`: one AsyncClient per router, each request on one of them
+    (see colibri_server.client_pool; arguments as PoolClient's)."""
+    _member_class = AsyncClient
+    _member_stream = AsyncStream

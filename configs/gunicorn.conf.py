@@ -4,6 +4,7 @@
 #       gunicorn 'colibri_server.http:app_from_env()' -c configs/gunicorn.conf.py
 #
 # (or `gunicorn -c configs/gunicorn.conf.py` alone: wsgi_app below names the factory).
+# (several routers, one per machine: COLIBRI_HTTP_CONNECT=tcp://10.0.0.1:5555,tcp://10.0.0.2:5555)
 # The app reads its options from the environment: COLIBRI_HTTP_CONNECT, COLIBRI_HTTP_API_KEY
 # or COLIBRI_HTTP_API_KEY_FILE, COLIBRI_HTTP_MODEL_NAME, COLIBRI_HTTP_TIMEOUT,
 # COLIBRI_HTTP_MAX_BODY, COLIBRI_HTTP_DEFAULT_MAX_TOKENS, COLIBRI_HTTP_METRICS_AUTH,

@@ -6,6 +6,7 @@ colibri server over ZeroMQ through `colibri_server.client`.
   template  the model's info and chat template (read from the server's stats / the model file)
   metrics   the Prometheus registry and the server collector
   config    the COLIBRI_HTTP_* environment          serve   gunicorn in-process, `colibri http`
+  routers   several routers (--connect A --connect B): /health and /metrics per router
   headfirst HeadFirstWorker: gthread that reads request heads (and small bodies) before taking a thread
 
 It never runs a model: every token comes from the server (the model file is only read for its

@@ -3,6 +3,7 @@ running colibri server through a per-thread `colibri_server.client.Client`; `cre
 `app_from_env` build it (gunicorn loads `colibri_server.http:app_from_env()`).
 
     colibri http --connect tcp://127.0.0.1:5555 --bind 127.0.0.1:8000
+    colibri http --connect tcp://10.0.0.1:5555 --connect tcp://10.0.0.2:5555    # several routers (routers.py)
     COLIBRI_HTTP_CONNECT=ipc:///run/colibri/colibri.sock \\
         gunicorn 'colibri_server.http:app_from_env()' -c configs/gunicorn.conf.py
 
@@ -12,7 +13,8 @@ Endpoints
     GET  /v1/models, GET /v1/models/{id}
     POST /tokenize              {"prompt": str, "add_special_tokens": bool = true} -> {"tokens", "count"}
     POST /detokenize            {"tokens": [int]} -> {"prompt": str}
-    GET  /health                200 {"status": "ok", ...} | 503 (starting, draining, unreachable in ~2 s)
+    GET  /health                200 {"status": "ok", ...} | 503 (starting, draining, unreachable in ~2 s);
+                                several routers: 200 while one is ok, each under "routers"
     GET  /metrics               Prometheus text format
 
 API key (optional: `--api-key`, `--api-key-file` or COLIBRI_HTTP_API_KEY): every endpoint
@@ -57,10 +59,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..client import Client, ColibriError, ColibriTimeout
+from ..client import Client, ColibriError, ColibriTimeout, RouterSet
 from ..protocol import REQUEST_ID
 from .config import DEFAULT_CONNECT, ENV, ENV_VARS, _env_bool, _read_key_file, options_from_env  # noqa: F401
 from .metrics import _Metrics, _ServerCollector
+from .routers import connect_addresses
 from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _chat_messages,  # noqa: F401
                           _chat_unsupported, _check_known, _completion_prompt, _error_resp, _Fields, _is_int,
                           _is_num, _json, _json_bytes, _Resp, _sampling, _sse, _stream_options, _StreamBody,
@@ -104,15 +107,18 @@ class Gateway(GenerationEndpoints):
                  timeout: float = DEFAULT_TIMEOUT, *, max_body: int = MAX_BODY,
                  default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, metrics_auth: bool = False,
                  curve=None, health_timeout: float = HEALTH_TIMEOUT):
-        if not isinstance(connect, str) or "://" not in connect:
-            raise ValueError(f"connect address {connect!r} must look like tcp://host:port or ipc:///path")
+        addrs = connect_addresses(connect)
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty (omit it to run without one)")
         for name, v in (("timeout", timeout), ("max_body", max_body), ("default_max_tokens", default_max_tokens),
                         ("health_timeout", health_timeout)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a positive number (got {v!r})")
-        self.connect, self.timeout, self.curve = connect, float(timeout), curve
+        # several routers (http/routers.py): the threads' clients share one RouterSet
+        self.routers = RouterSet(addrs) if len(addrs) > 1 else None
+        self.connect = addrs[0] if self.routers is None else ",".join(addrs)
+        self.timeout, self.curve = float(timeout), curve
+        self._seen: dict = {}       # several routers: router -> (generation, model path) last seen
         self._key = api_key.encode("utf-8") if api_key else None
         # "a,b": aliases (vLLM's --served-model-name a b); the first is the name answers carry
         self.model_names = [n.strip() for n in (model_name or "").split(",") if n.strip()]
@@ -142,7 +148,7 @@ class Gateway(GenerationEndpoints):
     def _client(self) -> Client:
         c = getattr(self._local, "client", None)
         if c is None:
-            c = Client(self.connect, timeout=self.timeout, curve=self.curve)
+            c = Client(self.routers or self.connect, timeout=self.timeout, curve=self.curve)
             self._local.client = c
         return c
 
@@ -162,7 +168,15 @@ class Gateway(GenerationEndpoints):
             except Exception:
                 pass
 
-    def _saw_generation(self, generation, path=None):
+    def _saw_generation(self, generation, path=None, router=None):
+        if router is not None:      # several routers: each counts its own generations (and has its own path)
+            with self._info_lock:
+                prev = self._seen.get(router, (None, None))
+                cur = self._seen[router] = (prev[0] if generation is None else generation,
+                                            prev[1] if path is None else path)
+            if prev != (None, None) and cur != prev:
+                self._stale = True
+            return
         info = self._info
         if info is not None and ((generation is not None and generation != info.generation)
                                  or (path is not None and path != info.path)):
@@ -183,14 +197,19 @@ class Gateway(GenerationEndpoints):
                 info.fetched_at = time.monotonic() - INFO_TTL + 2.0     # retry in 2 s, not at once
                 return info
             raise
+        if self.routers is not None and isinstance(st.get("addr"), str):
+            self._saw_generation(st.get("generation"), st.get("model"), router=st["addr"])
         with self._info_lock:
-            info = self._info
+            info = prev = self._info
             if info is not None and st.get("model") == info.path and st.get("generation") == info.generation:
                 info.fetched_at = time.monotonic()
                 self._stale = False
                 return info
             self._info = info = model_info_from_stats(st, self.model_name)
             self._stale = False
+            if self.routers is not None and prev is not None and (prev.name, prev.path, prev.chat_template) == \
+                    (info.name, info.path, info.chat_template):
+                return info         # another router's generation number of the same model: nothing to say
             log.info("serving model %r (%s, generation %s, chat template: %s)", info.name, info.path,
                      info.generation, "the model's" if info.chat_template else "ChatML")
             return info
@@ -349,7 +368,7 @@ class Gateway(GenerationEndpoints):
         while True:
             yield chunk
             if chunk.is_final:
-                self._saw_generation(chunk.generation)
+                self._saw_generation(chunk.generation, router=getattr(stream, "addr", None))
                 u = chunk.usage or {}
                 if _is_num(u.get("prompt_tokens")):
                     self.metrics.prompt_tokens.inc(u["prompt_tokens"])
@@ -487,6 +506,9 @@ class Gateway(GenerationEndpoints):
         return _json({"prompt": text})
 
     def health(self, environ) -> _Resp:
+        if self.routers is not None:
+            from .routers import health
+            return health(self)
         try:
             with self._probe_client() as c:
                 h = c.health()

@@ -7,7 +7,7 @@ import os
 DEFAULT_CONNECT = "tcp://127.0.0.1:5555"
 
 ENV = {  # env variable -> (create_app option, parser)
-    "COLIBRI_HTTP_CONNECT": ("connect", str),
+    "COLIBRI_HTTP_CONNECT": ("connect", str),       # "A,B": several routers (http/routers.py)
     "COLIBRI_HTTP_API_KEY": ("api_key", str),
     "COLIBRI_HTTP_MODEL_NAME": ("model_name", str),
     "COLIBRI_HTTP_TIMEOUT": ("timeout", float),

@@ -6,7 +6,8 @@ requests of THAT process only: with gunicorn `workers > 1` a scrape sees one pro
 so run one gateway process with more threads (the default: workers=1, threads=8) or scrape
 each process separately.  The `colibri_*` families (queue, in flight, workers, memory per
 worker pid, server counters, model generation) come from the server's `stats`, fetched at
-scrape time; `colibri_up` is 0 when that failed.
+scrape time; `colibri_up` is 0 when that failed. With several routers each router's families carry
+a `router` label, `colibri_router_up{router}` says which answered, and `colibri_up` is 1 while one did.
 """
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ class _ServerCollector:
         return []
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import GaugeMetricFamily
+        if self.gw.routers is not None:         # several routers: each one's, labelled (http/routers.py)
+            from .routers import server_families
+            yield from server_families(self.gw, self._families)
+            return
         up = GaugeMetricFamily("colibri_up", "1 when the colibri server answered stats at this scrape")
         try:
             with self.gw._probe_client() as c:
@@ -42,6 +47,12 @@ class _ServerCollector:
         up.add_metric([], 1)
         yield up
         self.gw._saw_generation(st.get("generation"), st.get("model"))
+        yield from self._families(st)
+
+    @staticmethod
+    def _families(st):
+        """The colibri_* families of one router's stats."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(name, doc)

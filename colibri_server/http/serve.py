@@ -28,10 +28,11 @@ def _is_loopback(bind: str) -> bool:
         return False
 
 
-def serve(connect: str, bind: str = DEFAULT_BIND, workers: int = 1, threads: int = 8,
+def serve(connect, bind: str = DEFAULT_BIND, workers: int = 1, threads: int = 8,
           api_key: Optional[str] = None, *, model_name: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT,
           log_level: str = "info", gunicorn_options: Optional[dict] = None, **app_options):
-    """Run the gateway under gunicorn (gthread workers) in this process; does not return."""
+    """Run the gateway under gunicorn (gthread workers) in this process; does not return. connect: an
+    address, or several (a list, or "A,B"): see http/routers.py."""
     from gunicorn.app.base import BaseApplication
     if not api_key and not _is_loopback(bind):
         log.warning("the HTTP gateway listens on %s without an API key: anyone who can reach it can use the model",
@@ -62,8 +63,10 @@ def add_http_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `colibri http` options (defaults from the COLIBRI_HTTP_* environment; string
     defaults, so that a malformed variable is reported by argparse only for `colibri http`)."""
     env = os.environ.get
-    p.add_argument("--connect", default=env("COLIBRI_HTTP_CONNECT", DEFAULT_CONNECT),
-                   help="address of the colibri server (tcp://host:port or ipc:///path) [COLIBRI_HTTP_CONNECT]")
+    p.add_argument("--connect", action="append", default=None, metavar="ADDRESS",
+                   help="address of the colibri server (tcp://host:port or ipc:///path); repeat it (or give "
+                        "A,B) for several routers: requests are spread over them and fail over when one is down "
+                        f"(default {DEFAULT_CONNECT}) [COLIBRI_HTTP_CONNECT, comma-separated]")
     p.add_argument("--bind", default=env("COLIBRI_HTTP_BIND", DEFAULT_BIND),
                    help=f"HTTP address to listen on (default {DEFAULT_BIND}) [COLIBRI_HTTP_BIND]")
     p.add_argument("--workers", type=int, default=env("COLIBRI_HTTP_WORKERS", "1"),
@@ -109,7 +112,8 @@ def cmd_http(a):
         setup(a.log_level, a.log_format)
         set_role("http")                       # gunicorn titles its processes itself from here on
         gunicorn_options = {"logconfig_dict": _json_logconfig(a.log_level)} if a.log_format == "json" else None
-        serve(a.connect, bind=a.bind, workers=a.workers, threads=a.threads, api_key=key, model_name=a.model_name,
+        connect = a.connect or [os.environ.get("COLIBRI_HTTP_CONNECT") or DEFAULT_CONNECT]
+        serve(connect if len(connect) > 1 else connect[0], bind=a.bind, workers=a.workers, threads=a.threads, api_key=key, model_name=a.model_name,
               timeout=a.timeout, log_level=a.log_level, max_body=a.max_body,
               default_max_tokens=a.default_max_tokens, metrics_auth=metrics_auth,
               curve=os.environ.get("COLIBRI_HTTP_CURVE_SERVERKEY") or None, gunicorn_options=gunicorn_options)
