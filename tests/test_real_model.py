@@ -61,34 +61,46 @@ def test_perplexity_within_one_percent_of_llama_cpp_on_the_q4_1_gguf(smol, tmp_p
     assert abs(ours / theirs - 1) <= 0.01, (ours, theirs)
 
 
-def test_its_chat_template_answers_through_the_gateway(smol, tmp_path):
+def test_its_chat_template_answers_through_the_gateway_as_llama_server_does(smol, tmp_path):
+    """A chat request through `colibri serve --http` on the f32 import, and the same request to
+    llama-server on llama.cpp's F32 dequantization: the same rendered prompt (token count) and the
+    same greedy answer. (Its answer to this question is not "Paris": a 135M model.)"""
     import json
     import subprocess
     import time
     import urllib.request
     R, gguf, data = smol
-    q8 = R.convert(gguf, data / "smollm2-q8.colibri", dtype="f16", quantize="q8")
-    port = 18000 + os.getpid() % 1000
-    p = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", "serve", "--model", str(q8), "--bind",
-                          f"ipc://{tmp_path}/c.sock", "--http", f"127.0.0.1:{port}", "--workers", "1"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    f32 = R.convert(gguf, data / "smollm2-f32.colibri", dtype="f32", quantize="none")
+    ref = data / "SmolLM2-135M-Instruct.F32.gguf"
+    if not ref.exists():
+        subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(gguf), str(ref), "F32"],
+                       env=R._env(BIN), check=True, capture_output=True)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    s = R.LlamaServer(BIN, ref)
     try:
-        body = json.dumps({"model": "x", "max_tokens": 24, "temperature": 0,
-                           "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
-        deadline = time.time() + 180
+        theirs = s.post("/v1/chat/completions", {"messages": messages, "max_tokens": 16, "temperature": 0})
+    finally:
+        s.close()
+    port = 18000 + os.getpid() % 1000
+    p = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", "serve", "--model", str(f32), "--bind",
+                          f"ipc://{tmp_path}/c.sock", "--http", f"127.0.0.1:{port}", "--workers", "1"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        deadline = time.time() + 300
         while True:
             try:
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                             {"Content-Type": "application/json"})
-                r = json.load(urllib.request.urlopen(req, timeout=60))
+                model = json.load(urllib.request.urlopen(base + "/models", timeout=10))["data"][0]["id"]
                 break
             except Exception:
                 if time.time() > deadline or p.poll() is not None:
                     raise
                 time.sleep(1)
-        text = r["choices"][0]["message"]["content"]
-        assert "Paris" in text, text
-        assert r["choices"][0]["finish_reason"] in ("stop", "length")
+        body = json.dumps({"model": model, "max_tokens": 16, "temperature": 0, "messages": messages}).encode()
+        req = urllib.request.Request(base + "/chat/completions", body, {"Content-Type": "application/json"})
+        ours = json.load(urllib.request.urlopen(req, timeout=300))
     finally:
         p.terminate()
-        p.wait(30)
+        p.wait(60)
+    assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]      # the template, rendered alike
+    assert ours["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]
