@@ -23,11 +23,29 @@ from colibri_server.model.gguf_import import convert_gguf
 T = gguf.MODEL_TENSOR
 Q = gguf.GGMLQuantizationType
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 500, size=24)]
-GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "granitemoe": "granitemoe", "glm4_moe": "glm4moe"}
+GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "granitemoe": "granitemoe", "glm4_moe": "glm4moe"}
 
 
 def _name(t, i=None, suffix="weight"):
     return gguf.TENSOR_NAMES[t].format(bid=i) + "." + suffix
+
+
+def _llama3_factors(rp, dim):
+    """llama.cpp's converter's rope_freqs for a llama3 rope (its formula, in float64 then f32)."""
+    import math
+    freqs = 1.0 / (rp["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    lo, hi, old, factor = rp["low_freq_factor"], rp["high_freq_factor"], rp["original_max_position_embeddings"], rp["factor"]
+    out = []
+    for f in freqs:
+        wl = 2 * math.pi / f
+        if wl < old / hi:
+            out.append(1.0)
+        elif wl > old / lo:
+            out.append(factor)
+        else:
+            s = (old / wl - lo) / (hi - lo)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.array(out, np.float32)
 
 
 def _permute(w, n_head):
@@ -39,7 +57,7 @@ def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None):
     """The checkpoint in hf_dir as llama.cpp writes it. Matrices in `qtype` (F32, F16 or Q8_0), or
     `matrix_type(name, f32 array) -> (array, type)` to choose per matrix; norms, routers, biases F32."""
     from safetensors.numpy import load_file
-    c = config or {**H.SMALL_CONFIGS, **H.FAMILY_CONFIGS}[arch]
+    c = config or {**H.SMALL_CONFIGS, **H.DENSE_CONFIGS, **H.FAMILY_CONFIGS}[arch]
     st = {}
     for f in glob.glob(f"{hf_dir}/*.safetensors"):
         st.update(load_file(f))
@@ -57,15 +75,16 @@ def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None):
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_rope_dimension_count(int(hd * c.get("rope_parameters", {}).get("partial_rotary_factor", 1.0)))
-    E = c.get("num_local_experts") or c.get("num_experts") or c["n_routed_experts"]
-    w.add_expert_count(E)
-    w.add_expert_used_count(c["num_experts_per_tok"])
+    E = c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0
+    if E:
+        w.add_expert_count(E)
+        w.add_expert_used_count(c["num_experts_per_tok"])
     if arch == "granitemoe":            # llama.cpp's names for Granite's multipliers
         w.add_attention_scale(c["attention_multiplier"])
         w.add_embedding_scale(c["embedding_multiplier"])
         w.add_residual_scale(c["residual_multiplier"])
         w.add_logit_scale(c["logits_scaling"])
-    if arch in ("mixtral", "granitemoe"):
+    if arch in ("mixtral", "granitemoe", "llama"):
         w.add_feed_forward_length(c["intermediate_size"])
     elif arch == "glm4_moe":           # llama.cpp's names for GLM-4.5's routing
         w.add_feed_forward_length(c["intermediate_size"])
@@ -102,6 +121,9 @@ def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None):
     def f32(name, a):
         w.add_tensor(name, a.astype(np.float32))
 
+    rp = c.get("rope_parameters") or {}
+    if rp.get("rope_type") == "llama3":   # llama.cpp writes Llama 3's scaling as a divisor per pair
+        w.add_tensor(_name(T.ROPE_FREQS), _llama3_factors(rp, hd))
     mat(_name(T.TOKEN_EMBD), st["model.embed_tokens.weight"])
     for i in range(L):
         p = f"model.layers.{i}."
@@ -173,6 +195,16 @@ def _import(d, name, **kw):
     out = d / f"{name}.colibri"
     cfg, report = convert_gguf(str(d / f"{name}.gguf"), str(out), progress=False, require_tokenizer=False, **kw)
     return cfg, report, Model.open(str(out)).logits(PROMPT)
+
+
+def test_llama3_gguf_with_rope_freqs_matches_the_direct_conversion(ckpt):
+    """A dense Llama with llama3 rope scaling, as llama.cpp writes it (rope_freqs: a divisor per pair)."""
+    d, ref = ckpt("llama")
+    write_gguf(d / "hf", d / "F32.gguf", "llama", Q.F32)
+    cfg, _, got = _import(d, "F32", dtype="f32")
+    assert cfg.rope_scaling["rope_type"] == "factors" and cfg.num_experts == 0
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "granitemoe", "glm4_moe"])
@@ -289,3 +321,12 @@ def test_bad_ggufs_get_one_line_errors_naming_the_fault(ckpt, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and "not a readable GGUF" in r.stderr
+
+
+def test_rope_factors_are_checked_by_name(ckpt):
+    from colibri_server.model.config import ConfigError, ModelConfig
+    d, _ = ckpt("llama")
+    cfg = Model.open(str(d / "direct.colibri")).config.to_dict()
+    for bad in ([1.0] * 3, [1.0] * 7 + [0.0], [1.0] * 7 + [float("nan")], "8"):
+        with pytest.raises(ConfigError, match="rope_scaling.*factors must be a list of 8"):
+            ModelConfig.from_dict({**cfg, "rope_scaling": {"rope_type": "factors", "factors": bad}})

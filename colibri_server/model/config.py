@@ -14,7 +14,7 @@ from .format import PANEL
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "qwen3", "granitemoe", "glm4_moe")
 QK_NORMS = ("none", "head", "full")   # head: RMSNorm over head_dim per head (Qwen3); full: over H*hd (OLMoE)
-ROPE_TYPES = ("default", "linear", "yarn", "llama3")   # dynamic NTK and longrope change with length: not supported
+ROPE_TYPES = ("default", "linear", "yarn", "llama3", "factors")  # factors: llama.cpp's rope_freqs   # dynamic NTK and longrope change with length: not supported
 FLOAT_DTYPES = ("f32", "f16", "bf16")
 QUANTS = ("none", "q8", "q4")          # group-quantized matrices (quant.py): values i8 / u4 + f16 scales
 QUANT_VALUE_DTYPE = {"q8": "i8", "q4": "u4"}
@@ -176,7 +176,7 @@ class ModelConfig:
         need(self.rotary_dim == 0 or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0),
              "rotary_dim", f"{self.rotary_dim} must be 0 or an even number up to head_dim {self.head_dim}")
         if 0 < self.rotary_dim < self.head_dim:
-            need((self.rope_scaling or {}).get("rope_type", "default") in ("default", "linear", "llama3"),
+            need((self.rope_scaling or {}).get("rope_type", "default") in ("default", "linear", "llama3", "factors"),
                  "rotary_dim", "a partial rotary embedding with yarn's attention factor is not supported")
         need(self.quant in QUANTS, "quant", f"{self.quant!r} is not one of {QUANTS}")
         need(self.quant_group in (8, 16, 32, 64, 128), "quant_group", f"{self.quant_group} is not 8, 16, 32, 64 or 128")
@@ -195,6 +195,7 @@ ROPE_KEYS = {  # rope_type: (required positive numbers, optional positive number
     "default": ((), ()),
     "linear": (("factor",), ()),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "factors": ((), ()),        # "factors": a list of head_dim/2 divisors of inv_freq (a GGUF's rope_freqs)
     "yarn": (("factor", "original_max_position_embeddings"),
              ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")),
 }
@@ -205,7 +206,7 @@ def _check_rope(self, need):
     rt = rs.get("rope_type", "default")
     need(isinstance(rt, str) and rt in ROPE_TYPES, "rope_scaling", f"rope_type {rt!r} is not one of {ROPE_TYPES}")
     required, optional = ROPE_KEYS[rt]
-    allowed = {"rope_type", "truncate", *required, *optional}
+    allowed = {"rope_type", "truncate", *required, *optional, *(("factors",) if rt == "factors" else ())}
     extra = sorted(set(rs) - allowed)
     need(not extra, "rope_scaling", f"unknown key {extra[0]!r} for rope_type {rt!r}" if extra else "")
     for k in required:
@@ -216,6 +217,12 @@ def _check_rope(self, need):
             need(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 < v < 1e9,
                  "rope_scaling", f"{k} = {v!r} must be a positive finite number")
     need(isinstance(rs.get("truncate", True), bool), "rope_scaling", "truncate must be a boolean")
+    if rt == "factors":
+        f = rs.get("factors")
+        n = (self.rotary_dim or self.head_dim) // 2
+        need(isinstance(f, list) and len(f) == n and all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 < v < 1e9 for v in f),
+            "rope_scaling", f"factors must be a list of {n} positive finite numbers (one per rotary pair)")
     if rt == "llama3":
         need(rs["low_freq_factor"] != rs["high_freq_factor"], "rope_scaling",
              "low_freq_factor and high_freq_factor must differ")

@@ -131,9 +131,6 @@ def config_from_gguf(kv: GgufKV, dtype: str):
     if rot != hd and (family.gguf_qk_permuted or rot % 2 or not 0 < rot < hd):
         raise ConvertError(f"{kv.path}: GGUF key {kv.arch}.rope.dimension_count = {rot} is a partial rotary "
                            f"embedding (head size {hd}); not supported for {kv.arch}")
-    if kv.has_tensor("rope_freqs.weight"):
-        raise ConvertError(f"{kv.path}: tensor 'rope_freqs.weight' (per-dimension rope factors, as llama.cpp "
-                           "writes Llama 3.1 rope scaling) is not supported yet")
     tokens = kv.value("tokenizer.ggml.tokens", None)
     emb = kv.tensors.get("token_embd.weight")
     if emb is None:
@@ -153,6 +150,11 @@ def config_from_gguf(kv: GgufKV, dtype: str):
 
 
 def _rope_scaling(kv: GgufKV) -> dict:
+    t = kv.tensors.get("rope_freqs.weight")
+    if t is not None:               # Llama 3's rope scaling, as llama.cpp stores it: a divisor per pair
+        if _type_name(t) != "F32" or len(t.shape) != 1:
+            raise ConvertError(f"{kv.path}: tensor 'rope_freqs.weight' must be 1-D F32, found {_type_name(t)}")
+        return {"rope_type": "factors", "factors": [float(v) for v in np.asarray(t.data, np.float32)]}
     rtype = kv.arch_value("rope.scaling.type", "none")
     if rtype in ("none", None):
         return {}

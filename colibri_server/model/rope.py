@@ -40,6 +40,8 @@ def _inv_freq_and_factor(cfg: ModelConfig):
         return inv, 1.0
     if rtype == "linear":
         return (inv / np.float32(rs["factor"])).astype(np.float32), 1.0
+    if rtype == "factors":          # llama.cpp's rope_freqs: one divisor per pair (its Llama 3 GGUFs)
+        return (inv / np.asarray(rs["factors"], np.float32)).astype(np.float32), 1.0
     if rtype == "llama3":
         factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
         old = float(rs["original_max_position_embeddings"])
