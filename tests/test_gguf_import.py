@@ -53,7 +53,7 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None):
+def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None, stacked=True):
     """The checkpoint in hf_dir as llama.cpp writes it. Matrices in `qtype` (F32, F16 or Q8_0), or
     `matrix_type(name, f32 array) -> (array, type)` to choose per matrix; norms, routers, biases F32."""
     from safetensors.numpy import load_file
@@ -162,7 +162,11 @@ def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None):
                 mat(_name(t, i), st[p + f"mlp.shared_experts.{hf}.weight"])
         names = {"mixtral": ("w1", "w3", "w2")}.get(arch, ("gate_proj", "up_proj", "down_proj"))
         for t, hf in zip((T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP), names):
-            mat(_name(t, i), np.stack([st[f"{p}{moe}experts.{e}.{hf}.weight"] for e in range(E)]))
+            if stacked:
+                mat(_name(t, i), np.stack([st[f"{p}{moe}experts.{e}.{hf}.weight"] for e in range(E)]))
+            else:                       # llama.cpp before stacking: blk.N.ffn_gate.E.weight
+                for e in range(E):
+                    mat(_name(t, i).replace("_exps.weight", f".{e}.weight"), st[f"{p}{moe}experts.{e}.{hf}.weight"])
         if p + "mlp.shared_expert_gate.weight" in st:
             for t, hf in ((T.FFN_GATE_SHEXP, "gate_proj"), (T.FFN_UP_SHEXP, "up_proj"), (T.FFN_DOWN_SHEXP, "down_proj")):
                 mat(_name(t, i), st[p + f"mlp.shared_expert.{hf}.weight"])
@@ -195,6 +199,14 @@ def _import(d, name, **kw):
     out = d / f"{name}.colibri"
     cfg, report = convert_gguf(str(d / f"{name}.gguf"), str(out), progress=False, require_tokenizer=False, **kw)
     return cfg, report, Model.open(str(out)).logits(PROMPT)
+
+
+def test_an_early_mixtral_gguf_with_one_tensor_per_expert_imports_bit_for_bit(ckpt):
+    d, ref = ckpt("mixtral")
+    write_gguf(d / "hf", d / "per-expert.gguf", "mixtral", Q.F32, stacked=False)
+    assert "blk.0.ffn_gate.0.weight" in {t.name for t in gguf.GGUFReader(str(d / "per-expert.gguf")).tensors}
+    cfg, _, got = _import(d, "per-expert", dtype="f32")
+    assert cfg.arch == "mixtral" and np.array_equal(got, ref)
 
 
 def test_llama3_gguf_with_rope_freqs_matches_the_direct_conversion(ckpt):

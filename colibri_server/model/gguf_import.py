@@ -120,7 +120,7 @@ def is_gguf(path) -> bool:
 # ---------------------------------------------------------------------------- config
 
 def config_from_gguf(kv: GgufKV, dtype: str):
-    has_experts = any(n.endswith("ffn_gate_exps.weight") for n in kv.tensors)
+    has_experts = any(n.endswith(("ffn_gate_exps.weight", "ffn_gate.0.weight")) for n in kv.tensors)
     family = by_gguf_arch(kv.arch, has_experts)
     D = kv.arch_int("embedding_length")
     H = kv.arch_int("attention.head_count")
@@ -181,9 +181,26 @@ def _type_name(t) -> str:
 
 
 def _tensor_pieces(kv: GgufKV, family, cfg, name: str, shape):
-    """Yield (source dtype, row-block iterator) per matrix of our tensor `name` (one per expert)."""
-    import gguf
+    """Yield (source dtype, row-block iterator) per matrix of our tensor `name` (one per expert).
+    An expert stack is one GGUF tensor (`ffn_gate_exps`), or, in GGUFs written before llama.cpp
+    stacked them (early 2024 Mixtral files), one tensor per expert (`ffn_gate.0` ...)."""
     gname = _source_name(kv, name)
+    if gname in kv.tensors or not name.endswith("_exps"):
+        yield from _pieces_of(kv, family, cfg, name, gname, shape)
+        return
+    for e, ename in enumerate(_per_expert_names(name, shape[0])):
+        if ename not in kv.tensors:
+            raise ConvertError(f"{kv.path}: tensor {gname!r} (for {name}) is missing, and so is {ename!r}")
+        yield from _pieces_of(kv, family, cfg, name, ename, shape[1:])
+
+
+def _per_expert_names(name: str, E: int):
+    layer, key = name.rsplit(".", 1)
+    return [f"{layer}.{key[:-len('_exps')]}.{e}.weight" for e in range(E)]
+
+
+def _pieces_of(kv: GgufKV, family, cfg, name: str, gname: str, shape):
+    import gguf
     t = kv.tensors.get(gname)
     if t is None:
         raise ConvertError(f"{kv.path}: tensor {gname!r} (for {name}) is missing")
@@ -324,8 +341,19 @@ def _source_name(kv: GgufKV, name: str) -> str:
 def _check_present(kv: GgufKV, name: str, shape):
     gname = _source_name(kv, name)
     t = kv.tensors.get(gname)
+    if t is None and name.endswith("_exps"):
+        per = _per_expert_names(name, shape[0])
+        if all(n in kv.tensors for n in per):
+            return _check_present_each(kv, name, per, shape[1:])
     if t is None:
         raise ConvertError(f"{kv.path}: tensor {gname!r} (for {name}) is missing")
     if int(np.prod([int(x) for x in t.shape])) != int(np.prod(shape)):
         raise ConvertError(f"{kv.path}: tensor {gname!r} has shape {list(reversed([int(x) for x in t.shape]))}, "
                            f"expected {list(shape)} from the GGUF's metadata")
+
+
+def _check_present_each(kv: GgufKV, name: str, names, shape):
+    for n in names:
+        if int(np.prod([int(x) for x in kv.tensors[n].shape])) != int(np.prod(shape)):
+            raise ConvertError(f"{kv.path}: tensor {n!r} (for {name}) has {kv.tensors[n].n_elements} values, "
+                               f"expected {list(shape)}")
