@@ -134,3 +134,15 @@ def test_routing_noise_is_refused_for_version_2_routing(family):
     _, path, _ = family("glm4_moe")
     with pytest.raises(ValueError, match="routing_noise: .* version-2 rules"):
         Model.open(path, routing_noise=0.5)
+
+
+def test_group_fields_get_named_config_errors(family):
+    from colibri_server.model.config import ConfigError, ModelConfig
+    _, path, _ = family("glm4_moe")
+    cfg = Model.open(path).config.to_dict()
+    for bad, msg in ((dict(n_group=0, topk_group=1), "needs >= 2 groups"),
+                     (dict(n_group=8, topk_group=2), "groups need >= 2 experts"),   # sigmoid: top-2 sums per group
+                     (dict(n_group=3, topk_group=1), "does not divide"),
+                     (dict(n_group=4, topk_group=5), "topk_group")):
+        with pytest.raises(ConfigError, match=msg):
+            ModelConfig.from_dict({**cfg, **bad})

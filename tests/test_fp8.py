@@ -78,3 +78,15 @@ def test_fp8_without_block_scales_is_refused_by_name(tmp_path):
     save_file(st, str(tmp_path / "fp8" / "model.safetensors"))
     with pytest.raises(ConvertError, match=r"q_proj.weight.*needs a 2-D f32/bf16 .*_scale_inv"):
         convert(str(tmp_path / "fp8"), str(tmp_path / "x.colibri"), "f32", progress=False)
+
+
+@pytest.mark.parametrize("block", [[0, 128], [128], 128, "128", [128.0, 128]])
+def test_a_bad_weight_block_size_is_refused_by_name(tmp_path, block):
+    H.build_hf_model("qwen3_moe", tmp_path / "hf")
+    _fp8_checkpoint(tmp_path / "hf", tmp_path / "fp8", tmp_path / "ref")
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = block
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConvertError, match="weight_block_size .* must be two positive integers"):
+        convert(str(tmp_path / "fp8"), str(tmp_path / "x.colibri"), "f32", progress=False)
+    assert not (tmp_path / "x.colibri").exists()

@@ -326,6 +326,17 @@ def test_bad_ggufs_get_one_line_errors_naming_the_fault(ckpt, tmp_path):
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     with pytest.raises(ConvertError, match="general.architecture 'gemma' is not supported"):
         convert_gguf(str(tmp_path / "gemma.gguf"), str(tmp_path / "o.colibri"), progress=False)
+    for key, value, msg in (("llama.attention.head_count", 0, "head_count = 0 must be positive"),
+                            ("llama.attention.layer_norm_rms_epsilon", "abc", "layer_norm_rms_epsilon = 'abc' is not a number")):
+        w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+        kvs = {"llama.embedding_length": 64, "llama.block_count": 1, "llama.attention.head_count": 4,
+               "llama.context_length": 64, "llama.attention.layer_norm_rms_epsilon": 1e-5, key: value}
+        for k, v in kvs.items():
+            (w.add_string if isinstance(v, str) else w.add_float32 if isinstance(v, float) else w.add_uint32)(k, v)
+        w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+        w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+        with pytest.raises(ConvertError, match=msg):
+            convert_gguf(str(tmp_path / "bad.gguf"), str(tmp_path / "o.colibri"), progress=False)
     with pytest.raises(ConvertError, match="no tokenizer in the GGUF"):
         convert_gguf(str(src), str(tmp_path / "o.colibri"), progress=False)
     assert not (tmp_path / "o.colibri").exists()

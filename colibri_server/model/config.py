@@ -166,8 +166,11 @@ class ModelConfig:
         need(self.layout in LAYOUTS, "layout", f"{self.layout!r} is not one of {LAYOUTS}")
         need(self.score_func in SCORE_FUNCS, "score_func", f"{self.score_func!r} is not one of {SCORE_FUNCS}")
         if self.n_group > 1 or self.topk_group:
+            need(self.n_group >= 2, "n_group", f"{self.n_group}: group-limited routing (topk_group set) needs >= 2 groups")
             need(self.num_experts > 0 and self.num_experts % self.n_group == 0, "n_group",
                  f"{self.n_group} does not divide num_experts {self.num_experts}")
+            need(self.score_func != "sigmoid" or self.num_experts // self.n_group >= 2, "n_group",
+                 "sigmoid group scores sum each group's two best experts: groups need >= 2 experts")
             need(1 <= self.topk_group <= self.n_group, "topk_group", f"{self.topk_group} is not in 1..n_group")
             need(self.topk_group * (self.num_experts // self.n_group) >= self.top_k, "topk_group",
                  f"{self.topk_group} groups of {self.num_experts // self.n_group} experts hold fewer than top_k")

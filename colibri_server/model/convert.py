@@ -145,6 +145,7 @@ def _encode(a: np.ndarray, src: str, dst: str, name: str) -> np.ndarray:
 def _rope(hf: dict, default_theta: float):
     """(rope_theta, rope_scaling dict) from either transformers 5 `rope_parameters` or 4.x keys."""
     params = dict(hf.get("rope_parameters") or {})
+    params.pop("partial_rotary_factor", None)       # the family reads it (GLM-4.5: rotary_dim)
     legacy = dict(hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or default_theta
     scaling = {k: v for k, v in {**legacy, **params}.items() if v is not None}
@@ -403,7 +404,11 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
 def _fp8(tensors, src: SourceTensor, blocks, shape2, hf: dict):
     """An FP8 matrix's row blocks, dequantized with its block scales (fp8.py)."""
     from .fp8 import dequantized_blocks
-    block = tuple((hf.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+    block = (hf.get("quantization_config") or {}).get("weight_block_size") or [128, 128]
+    if not (isinstance(block, list) and len(block) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConvertError(f"config.json: quantization_config.weight_block_size {block!r} must be two positive "
+                           "integers (FP8 block scales)")
     sc = tensors[src.name + "_scale_inv"]
     R, C = -(-shape2[0] // block[0]), -(-shape2[1] // block[1])
     if tuple(sc.shape) != (R, C):

@@ -457,6 +457,8 @@ def _validate(path, mm, size):
                 raise BadRouting(path, where, f"unknown flag bits {flags:#x}")
             if n_exp and not flags & ROUTE_SOFTMAX:
                 raise BadRouting(path, where, "a version-1 MoE layer needs the SOFTMAX flag")
+            if bias != NO_TENSOR:
+                raise BadRouting(path, where, "a version-1 routing record has no bias")
             if bool(flags & ROUTE_SHARED_EXPERT) != (shared_gate != NO_TENSOR):
                 raise BadRouting(path, where, "the shared-expert flag and the shared_gate index disagree")
             if res:
@@ -471,11 +473,14 @@ def _validate(path, mm, size):
             raise BadRouting(path, where, "a shared_gate without the shared-expert flag")
         if flags & ROUTE_GROUP_LIMITED:
             if n_group < 2 or n_exp % n_group or not 1 <= topk_group <= n_group \
-                    or topk_group * (n_exp // n_group) < top_k:
+                    or topk_group * (n_exp // n_group) < top_k \
+                    or (flags & ROUTE_SIGMOID and n_exp // n_group < 2):
                 raise BadRouting(path, where, f"n_group {n_group} / topk_group {topk_group} do not fit "
                                               f"{n_exp} experts and top_k {top_k}")
         elif n_group > 1 or topk_group:
             raise BadRouting(path, where, "n_group / topk_group without the group-limited flag")
+        else:
+            n_group = 0                 # 0 or 1: no groups (docs/format.md)
         if n_exp and not (math.isfinite(rscale) and rscale > 0):
             raise BadRouting(path, where, f"routed_scale {rscale!r} must be finite and > 0")
         routing.append(RoutingRecord(gate, bias, top_k, n_exp, flags, shared_gate, n_group, topk_group,

@@ -71,6 +71,12 @@ class GgufKV:
             raise ConvertError(f"{self.path}: GGUF key {self.arch}.{keys[0]!r} is missing")
         return default
 
+    def arch_float(self, key, default=MISSING) -> float:
+        v = self.arch_value(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise ConvertError(f"{self.path}: GGUF key {self.arch}.{key} = {v!r} is not a number")
+        return float(v)
+
     def has_tensor(self, name: str) -> bool:
         return name in self.tensors
 
@@ -124,6 +130,9 @@ def config_from_gguf(kv: GgufKV, dtype: str):
     family = by_gguf_arch(kv.arch, has_experts)
     D = kv.arch_int("embedding_length")
     H = kv.arch_int("attention.head_count")
+    if H < 1 or D < 1:
+        raise ConvertError(f"{kv.path}: GGUF keys {kv.arch}.embedding_length = {D} and attention.head_count = {H} "
+                           "must be positive")
     hd = kv.arch_int("attention.key_length", default=D // H)
     if kv.arch_int("attention.value_length", default=hd) != hd:
         raise ConvertError(f"{kv.path}: attention.value_length differs from key_length (not supported)")
@@ -140,9 +149,9 @@ def config_from_gguf(kv: GgufKV, dtype: str):
         raise ConvertError(f"{kv.path}: {len(tokens)} tokens in tokenizer.ggml.tokens but token_embd has {vocab} rows")
     kw = dict(arch=family.arch, vocab_size=vocab, hidden_size=D, num_layers=kv.arch_int("block_count"),
               num_heads=H, num_kv_heads=kv.arch_int("attention.head_count_kv", default=H), head_dim=hd,
-              rms_norm_eps=float(kv.arch_value("attention.layer_norm_rms_epsilon")),
+              rms_norm_eps=kv.arch_float("attention.layer_norm_rms_epsilon"),
               max_position_embeddings=kv.arch_int("context_length"),
-              rope_theta=float(kv.arch_value("rope.freq_base", family.default_rope_theta)),
+              rope_theta=kv.arch_float("rope.freq_base", family.default_rope_theta),
               rope_scaling=_rope_scaling(kv), tie_word_embeddings=not kv.has_tensor("output.weight"),
               sliding_window=kv.arch_int("attention.sliding_window", default=0) if family.arch == "mixtral" else 0,
               rotary_dim=rot if rot < hd else 0, dtype=dtype)
@@ -158,7 +167,7 @@ def _rope_scaling(kv: GgufKV) -> dict:
     rtype = kv.arch_value("rope.scaling.type", "none")
     if rtype in ("none", None):
         return {}
-    factor = float(kv.arch_value("rope.scaling.factor"))
+    factor = kv.arch_float("rope.scaling.factor")
     if rtype == "linear":
         return {"rope_type": "linear", "factor": factor}
     if rtype == "yarn":

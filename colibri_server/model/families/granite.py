@@ -52,7 +52,13 @@ _GGUF_KEYS = {"attention_multiplier": "attention.scale", "embedding_multiplier":
 
 
 def gguf_folds(kv, cfg) -> dict:
-    return _folds(lambda k: kv.arch_value(_GGUF_KEYS[k], None), kv.path, cfg)
+    """llama.cpp reads a missing or zero scale as "not applied": attention 1/sqrt(head_dim), the others 1."""
+    def value(k):
+        v = kv.arch_value(_GGUF_KEYS[k], None)
+        if v in (None, 0):
+            return 1.0 / math.sqrt(cfg.head_dim) if k == "attention_multiplier" else None
+        return v
+    return _folds(value, kv.path, cfg)
 
 
 def gguf_config(kv, kw: dict) -> dict:
