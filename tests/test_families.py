@@ -146,3 +146,13 @@ def test_group_fields_get_named_config_errors(family):
                      (dict(n_group=4, topk_group=5), "topk_group")):
         with pytest.raises(ConfigError, match=msg):
             ModelConfig.from_dict({**cfg, **bad})
+
+
+def test_granite_with_attention_biases_folds_them_too(tmp_path):
+    """q's bias is scaled with W_q (attention_multiplier * sqrt(hd)) and o's with W_o (residual_multiplier)."""
+    hf = H.build_hf_model("granitemoe", tmp_path / "hf", attention_bias=True)
+    convert(str(tmp_path / "hf"), str(tmp_path / "f32.colibri"), "f32", progress=False)
+    m = Model.open(str(tmp_path / "f32.colibri"))
+    assert m.config.qkv_bias and m.config.o_bias
+    ref = H.hf_logits(hf, PROMPT)
+    assert np.abs(m.logits(PROMPT) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())

@@ -53,7 +53,7 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None, stacked=True):
+def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None, stacked=True, mtp=0):
     """The checkpoint in hf_dir as llama.cpp writes it. Matrices in `qtype` (F32, F16 or Q8_0), or
     `matrix_type(name, f32 array) -> (array, type)` to choose per matrix; norms, routers, biases F32."""
     from safetensors.numpy import load_file
@@ -66,7 +66,9 @@ def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None, s
     L, H_, Hkv, D = c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"]
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(D)
-    w.add_block_count(L)
+    w.add_block_count(L + mtp)                 # GLM: llama.cpp counts its MTP layers as blocks
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
     w.add_head_count(H_)
     w.add_head_count_kv(Hkv)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
@@ -171,6 +173,8 @@ def write_gguf(hf_dir, path, arch, qtype=Q.F32, matrix_type=None, config=None, s
             for t, hf in ((T.FFN_GATE_SHEXP, "gate_proj"), (T.FFN_UP_SHEXP, "up_proj"), (T.FFN_DOWN_SHEXP, "down_proj")):
                 mat(_name(t, i), st[p + f"mlp.shared_expert.{hf}.weight"])
             f32(_name(T.FFN_GATE_INP_SHEXP, i), st[p + "mlp.shared_expert_gate.weight"].reshape(-1))
+    for j in range(L, L + mtp):                  # an MTP block: not part of the forward, never read
+        f32(_name(T.ATTN_NORM, j), st["model.norm.weight"])
     f32(_name(T.OUTPUT_NORM), st["model.norm.weight"])
     if "lm_head.weight" in st:                          # tied: llama.cpp writes no output tensor
         mat(_name(T.OUTPUT), st["lm_head.weight"])
@@ -199,6 +203,13 @@ def _import(d, name, **kw):
     out = d / f"{name}.colibri"
     cfg, report = convert_gguf(str(d / f"{name}.gguf"), str(out), progress=False, require_tokenizer=False, **kw)
     return cfg, report, Model.open(str(out)).logits(PROMPT)
+
+
+def test_a_glm_gguf_with_an_mtp_block_imports_without_it(ckpt):
+    d, ref = ckpt("glm4_moe")
+    write_gguf(d / "hf", d / "mtp.gguf", "glm4_moe", Q.F32, mtp=1)
+    cfg, _, got = _import(d, "mtp", dtype="f32")
+    assert cfg.num_layers == H.FAMILY_CONFIGS["glm4_moe"]["num_hidden_layers"] and np.array_equal(got, ref)
 
 
 def test_an_early_mixtral_gguf_with_one_tensor_per_expert_imports_bit_for_bit(ckpt):
