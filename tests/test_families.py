@@ -156,3 +156,52 @@ def test_granite_with_attention_biases_folds_them_too(tmp_path):
     assert m.config.qkv_bias and m.config.o_bias
     ref = H.hf_logits(hf, PROMPT)
     assert np.abs(m.logits(PROMPT) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("family_router, cfg_kw", [
+    ("deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter",
+     dict(model_type="deepseek_v2", topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5)),
+    ("deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter",
+     dict(model_type="deepseek_v2", topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0)),
+    ("deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter",
+     dict(model_type="deepseek_v3", n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    ("glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter",
+     dict(model_type="glm4_moe", n_group=4, topk_group=3, routed_scaling_factor=1.0, norm_topk_prob=False)),
+])
+def test_route_rule_is_transformers_routers(family_router, cfg_kw):
+    """kernels.route_rule against the routers of DeepSeek-V2 (softmax, group-limited greedy by each
+    group's best, routed scale, no renormalisation in transformers 5), DeepSeek-V3 and GLM-4.5 (sigmoid,
+    correction bias, top-2 group sums), run as transformers' own modules: the same experts and weights."""
+    import importlib
+    import torch
+    from transformers import AutoConfig
+    from colibri_server.model import kernels as K
+    from colibri_server.model.kernels.moe import RULE_GROUPS, RULE_RENORM, RULE_SIGMOID
+    mod, cls = family_router.rsplit(".", 1)
+    Router = getattr(importlib.import_module(f"transformers.models.{mod}"), cls)
+    kw = dict(cfg_kw)
+    E, k, D = 16, 4, 32
+    config = AutoConfig.for_model(kw.pop("model_type"), hidden_size=D, num_experts_per_tok=k,
+                                  n_routed_experts=E, num_experts=E, num_local_experts=E, **kw)
+    router = Router(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g) * 0.5)
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.2)
+    x = torch.randn(64, D, generator=g)
+    with torch.no_grad():
+        logits, w_ref, i_ref = router(x)
+    sig = hasattr(router, "e_score_correction_bias")
+    groups = config.n_group > 1 and (sig or config.topk_method == "group_limited_greedy")
+    renorm = sig and config.norm_topk_prob
+    rule = np.array([(RULE_RENORM if renorm else 0) | (RULE_SIGMOID if sig else 0) | (RULE_GROUPS if groups else 0),
+                     config.n_group if groups else 0, config.topk_group if groups else 0,
+                     config.routed_scaling_factor], np.float32)
+    bias = router.e_score_correction_bias.numpy().astype(np.float32) if sig else np.zeros(0, np.float32)
+    idx, w = np.empty((64, k), np.int32), np.empty((64, k), np.float32)
+    K.route_rule(logits.numpy().astype(np.float32), k, rule, bias, idx, w)
+    order_ref, order = np.argsort(i_ref.numpy(), 1), np.argsort(idx, 1)      # transformers' top-k is unsorted
+    np.testing.assert_array_equal(np.take_along_axis(idx, order, 1), np.take_along_axis(i_ref.numpy(), order_ref, 1))
+    np.testing.assert_allclose(np.take_along_axis(w, order, 1), np.take_along_axis(w_ref.numpy(), order_ref, 1),
+                               rtol=2e-6, atol=1e-7)
