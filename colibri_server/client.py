@@ -38,7 +38,7 @@ from .client_core import (  # noqa: F401  (re-exported: the public API lives her
     ERRORS, BadRequest, Cancelled, Choice, Chunk, ColibriError, ColibriTimeout, Completion, DeadlineExceeded,
     DuplicateId, InternalError, NotFound, Overloaded, Prompt, ShuttingDown, TooLarge, UnknownType,
     UnsupportedVersion, WorkerLost, NumericalFault, ConnectionLost, Unauthorized, Unreachable, _ClientCore, _Request,
-    _StreamCore, _cancel_body, _encode, _ms, _timeout_error, _unreachable, error_for)
+    _StreamCore, _StreamEnds, _cancel_body, _encode, _ms, _timeout_error, _unreachable, error_for)
 
 __all__ = [
     "Client", "AsyncClient", "RouterSet", "Completion", "Chunk", "Choice", "Stream", "AsyncStream",
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 
-class Stream(_StreamCore):
+class Stream(_StreamEnds, _StreamCore):
     """Iterator of Chunks for one generate (returned by `Client.stream`).  The request is
     sent when the Stream is created.  Closing it (close(), `with`, garbage collection) before
     the final chunk sends a cancel; the request's remaining messages are discarded."""
@@ -75,18 +75,6 @@ class Stream(_StreamCore):
             self.close()
             raise
         return self._chunk(item)
-
-    def completion(self) -> Completion:
-        """Consume the rest of the stream and return the whole answer."""
-        for _ in self:
-            pass
-        return self._completion()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class Client(_ClientCore):

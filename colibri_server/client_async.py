@@ -10,12 +10,12 @@ from typing import Optional, Sequence
 import zmq
 import zmq.asyncio
 
-from .client_core import (Chunk, Completion, Prompt, _ClientCore, _internal, _Request, _StreamCore, _cancel_body,
-                          _encode, _timeout_error, _unreachable)
+from .client_core import (Chunk, Completion, Prompt, _AsyncStreamEnds, _ClientCore, _internal, _Request, _StreamCore,
+                          _cancel_body, _encode, _timeout_error, _unreachable)
 from .client_pool_async import _AsyncPoolClient
 
 
-class AsyncStream(_StreamCore):
+class AsyncStream(_AsyncStreamEnds, _StreamCore):
     """Async iterator of Chunks for one generate (returned by `AsyncClient.stream`).  The
     request is sent on the first `__anext__`.  Closing it early (aclose(), `async with`,
     garbage collection after a `break`) or cancelling the task that awaits it sends a cancel."""
@@ -39,20 +39,6 @@ class AsyncStream(_StreamCore):
             self.close()
             raise
         return self._chunk(item)
-
-    async def completion(self) -> Completion:
-        async for _ in self:
-            pass
-        return self._completion()
-
-    async def aclose(self):
-        self.close()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        self.close()
 
 
 class AsyncClient(_ClientCore):

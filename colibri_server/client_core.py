@@ -520,6 +520,41 @@ class _ClientCore:
         return _Request({"type": kind, "id": self._ids()})
 
 
+class _StreamEnds:
+    """How a synchronous stream (Stream, the pool's stream) ends: iterated to its end by
+    completion(), or closed by its `with` block. The class gives __iter__, _completion, close."""
+
+    def completion(self) -> Completion:
+        """Consume the rest of the stream and return the whole answer."""
+        for _ in self:
+            pass
+        return self._completion()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _AsyncStreamEnds:
+    """The same for an asyncio stream (AsyncStream, the async pool's stream)."""
+
+    async def completion(self) -> Completion:
+        async for _ in self:
+            pass
+        return self._completion()
+
+    async def aclose(self):
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.close()
+
+
 class _StreamCore:
     """What Stream and AsyncStream share: the request's queue on its client, turning its
     messages into Chunks (closing the stream when it ends or fails), and the cancel sent when

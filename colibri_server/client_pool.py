@@ -35,7 +35,7 @@ import weakref
 from typing import Optional
 
 from .client_core import (DEFAULT_CONNECT_TIMEOUT, ColibriError, ColibriTimeout, ConnectionLost, Overloaded,
-                          ShuttingDown, Unreachable, _generate_body, _Ids, _ms, _unreachable)
+                          ShuttingDown, Unreachable, _generate_body, _Ids, _ms, _StreamEnds, _unreachable)
 
 log = logging.getLogger("colibri.client")
 
@@ -368,7 +368,7 @@ class _PoolStreamBase:
 # ---------------------------------------------------------------------------- the synchronous pool
 
 
-class _PoolStream(_PoolStreamBase):
+class _PoolStream(_StreamEnds, _PoolStreamBase):
     """PoolClient.stream's iterator of Chunks: sent at once to the first router that takes it."""
 
     def __init__(self, pool, body, timeout):
@@ -408,17 +408,6 @@ class _PoolStream(_PoolStreamBase):
                 self._end()
                 raise
             self._place()
-
-    def completion(self):
-        for _ in self:
-            pass
-        return self._completion()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class _PoolClient(_PoolBase):

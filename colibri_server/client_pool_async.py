@@ -3,11 +3,11 @@ the synchronous pool (colibri_server.client_pool, which says how a router is cho
 goes to the next one and when it never does). Its concrete class is client_async.AsyncPoolClient."""
 from __future__ import annotations
 
-from .client_core import ColibriError, ColibriTimeout, ConnectionLost, Unreachable, _encode
+from .client_core import _AsyncStreamEnds, ColibriError, ColibriTimeout, ConnectionLost, Unreachable, _encode
 from .client_pool import _REFUSALS, _PoolBase, _PoolStreamBase, _reason, merge_health
 
 
-class _AsyncPoolStream(_PoolStreamBase):
+class _AsyncPoolStream(_AsyncStreamEnds, _PoolStreamBase):
     """AsyncPoolClient.stream's async iterator of Chunks: sent on the first __anext__ to the first
     router that takes it."""
 
@@ -42,20 +42,6 @@ class _AsyncPoolStream(_PoolStreamBase):
             except BaseException:               # asyncio.CancelledError included: the member cancels
                 self.close()
                 raise
-
-    async def completion(self):
-        async for _ in self:
-            pass
-        return self._completion()
-
-    async def aclose(self):
-        self.close()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        self.close()
 
 
 class _AsyncPoolClient(_PoolBase):
