@@ -60,6 +60,15 @@ def fetch_gguf(data: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(found[0])
 
 
+def llama_f32(bin_dir, gguf, data: pathlib.Path) -> pathlib.Path:
+    """llama.cpp's own F32 dequantization of the GGUF (llama-quantize --allow-requantize ... F32), once."""
+    out = data / "SmolLM2-135M-Instruct.F32.gguf"
+    if not out.exists():
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(out), "F32"],
+                       env=_env(bin_dir), check=True, capture_output=True)
+    return out
+
+
 def held_back_text() -> str:
     from pydoc_data.topics import topics
     return "\n\n".join(topics[k] for k in sorted(topics)[:12])
@@ -159,10 +168,7 @@ def main():
     a = ap.parse_args()
     from colibri_server.model import Model
     gguf = fetch_gguf(a.data)
-    f32_gguf = a.data / "SmolLM2-135M-Instruct.F32.gguf"
-    if not f32_gguf.exists():
-        subprocess.run([str(a.llama_bin / "llama-quantize"), "--allow-requantize", str(gguf), str(f32_gguf), "F32"],
-                       env=_env(a.llama_bin), check=True, capture_output=True)
+    f32_gguf = llama_f32(a.llama_bin, gguf, a.data)
     files = {q: convert(gguf, a.data / f"smollm2-{q}.colibri", dtype="f32" if q == "f32" else "f16",
                         quantize="none" if q == "f32" else q) for q in ("f32", "q8", "q4")}
     res = {}

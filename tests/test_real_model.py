@@ -30,14 +30,10 @@ def smol(tmp_path_factory):
 
 
 def test_import_agrees_with_llama_cpp_on_the_same_weights(smol):
-    import subprocess
     from colibri_server.model import Model
     R, gguf, data = smol
     f32 = R.convert(gguf, data / "smollm2-f32.colibri", dtype="f32", quantize="none")
-    ref = data / "SmolLM2-135M-Instruct.F32.gguf"
-    if not ref.exists():
-        subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(gguf), str(ref), "F32"],
-                       env=R._env(BIN), check=True, capture_output=True)
+    ref = R.llama_f32(BIN, gguf, data)
     m = Model.open(str(f32))
     s = R.LlamaServer(BIN, ref)
     try:
@@ -71,10 +67,7 @@ def test_its_chat_template_answers_through_the_gateway_as_llama_server_does(smol
     import urllib.request
     R, gguf, data = smol
     f32 = R.convert(gguf, data / "smollm2-f32.colibri", dtype="f32", quantize="none")
-    ref = data / "SmolLM2-135M-Instruct.F32.gguf"
-    if not ref.exists():
-        subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(gguf), str(ref), "F32"],
-                       env=R._env(BIN), check=True, capture_output=True)
+    ref = R.llama_f32(BIN, gguf, data)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     s = R.LlamaServer(BIN, ref)
     try:
