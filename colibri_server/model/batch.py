@@ -13,14 +13,14 @@ M rows that are sampled.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import kernels as K
 from .kernels import paged as KP
+from . import mla as MLA
 from .config import ModelConfig
 from .moe import moe, swiglu
+from .rope import attention_scale
 from .transformer import qkv_finish
 
 
@@ -51,7 +51,7 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
         raise ValueError(f"{N} rows exceed the workspace's {ws.rows}")
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin = rope
-    scale = 1.0 / math.sqrt(hd)
+    scale = attention_scale(cfg)
     attend = KP.paged_attention_par if ws.threads > 1 else KP.paged_attention
     x, h, sub = ws.x[:N], ws.h[:N], ws.sub[:N]                                 # (N,D)
 
@@ -61,6 +61,15 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
     for l, L in enumerate(w.layers):
         # attention: RMSNorm -> q, k, v (+ bias) -> [clip] -> [q/k norm] -> RoPE at each row's position
         K.rmsnorm(x, L.attn_norm, cfg.rms_norm_eps, h)
+        if cfg.mla:            # latent attention (mla.py): one cached row per position, its values its first r dims
+            qa, lat_rows = MLA.project(cfg, L, h, ws, rows.pos, cos, sin)    # (N,H,r+dr) (N,1,r+dr)
+            KP.write_kv(lat_rows, lat_rows, pool.k[l], pool.k[l], rows.blocks, rows.offsets)
+            lat = ws.latent_out[:N].reshape(N, H, cfg.kv_lora_rank)
+            attend(qa, pool.k[l], pool.k[l], rows.tables, rows.seq, rows.pos, cfg.sliding_window, scale, lat)
+            MLA.output(cfg, L, lat, ws, sub)
+            x += sub
+            _feed_forward(cfg, l, L, x, h, sub, ws, noise, expert_counts)
+            continue
         q, k, v = ws.q[:N], ws.k[:N], ws.v[:N]                                 # (N,H*hd) (N,Hkv*hd) (N,Hkv*hd)
         ws.mm(h, L.wq, q)
         ws.mm(h, L.wk, k)
@@ -78,16 +87,7 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
         if L.bo is not None:
             sub += L.bo
         x += sub
-
-        # feed-forward: RMSNorm -> MoE over the whole batch (rows grouped by expert) or dense MLP
-        K.rmsnorm(x, L.ffn_norm, cfg.rms_norm_eps, h)
-        if L.gate is not None:
-            moe(L, h, ws, sub, noise=noise)
-            if expert_counts is not None:                                      # the layer's choices, (N,A)
-                expert_counts[l] += np.bincount(ws.route_idx[:N, :L.top_k].ravel(), minlength=cfg.num_experts)
-        else:
-            swiglu(h, L.mlp_w1, L.mlp_w3, L.mlp_w2, ws, sub)
-        x += sub
+        _feed_forward(cfg, l, L, x, h, sub, ws, noise, expert_counts)
 
     # final norm and the output head, for the sampled rows only
     M = rows.sample.shape[0]
@@ -97,3 +97,16 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
     logits = logits_out[:M]                                                    # (M,V)
     ws.mm(hs, w.output, logits)
     return logits
+
+
+def _feed_forward(cfg: ModelConfig, l: int, L, x, h, sub, ws, noise, expert_counts) -> None:
+    """RMSNorm -> MoE over the whole batch (rows grouped by expert) or dense MLP -> residual, in x (N,D)."""
+    N = x.shape[0]
+    K.rmsnorm(x, L.ffn_norm, cfg.rms_norm_eps, h)
+    if L.gate is not None:
+        moe(L, h, ws, sub, noise=noise)
+        if expert_counts is not None:                                          # the layer's choices, (N,A)
+            expert_counts[l] += np.bincount(ws.route_idx[:N, :L.top_k].ravel(), minlength=cfg.num_experts)
+    else:
+        swiglu(h, L.mlp_w1, L.mlp_w3, L.mlp_w2, ws, sub)
+    x += sub

@@ -12,7 +12,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from .format import PANEL
 
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "qwen3", "granitemoe", "glm4_moe")
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "qwen3", "granitemoe", "glm4_moe",
+                 "deepseek2")
 QK_NORMS = ("none", "head", "full")   # head: RMSNorm over head_dim per head (Qwen3); full: over H*hd (OLMoE)
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "factors")  # factors: llama.cpp's rope_freqs   # dynamic NTK and longrope change with length: not supported
 FLOAT_DTYPES = ("f32", "f16", "bf16")
@@ -21,12 +22,13 @@ QUANT_VALUE_DTYPE = {"q8": "i8", "q4": "u4"}
 LAYOUTS = ("rows", "panels")           # how f16/bf16 matrices are stored (panels.py)
 # the matrices a `quant` applies to (key = name without the "blk.N." prefix); the router gate,
 # norms, biases and the token embedding are never quantized
-QUANTIZABLE = ("attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+QUANTIZABLE = ("attn_q", "attn_k", "attn_v", "attn_o", "attn_q_a", "attn_kv_a", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
                "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate", "ffn_up", "ffn_down", "output")
 
 
 OMITTED_AT_DEFAULT = ("layout", "score_func", "correction_bias", "n_group", "topk_group", "routed_scaling_factor",
-                      "shared_expert_gate", "rotary_dim")
+                      "shared_expert_gate", "rotary_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                      "v_head_dim")
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
@@ -80,6 +82,12 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0   # on the routed experts' weights
     shared_expert_gate: bool = True  # a shared expert has a sigmoid gate (Qwen2-MoE); False: ungated (DeepSeek, GLM)
     rotary_dim: int = 0              # RoPE on this many leading dims of a head (0: all); GLM-4.5's partial rotary
+    # multi-head latent attention (DeepSeek-V2/V3, mla.py): kv_lora_rank > 0 turns it on. head_dim is
+    # then the rotary part of a head (qk_rope_head_dim), num_kv_heads 1 (the latent is shared by all heads)
+    kv_lora_rank: int = 0            # r: the latent every key and value is expanded from (what the cache holds)
+    q_lora_rank: int = 0             # the query's own low-rank input (0: q projected from the hidden state)
+    qk_nope_head_dim: int = 0        # the part of a query/key head without position
+    v_head_dim: int = 0              # a value head
 
     # -- derived ----------------------------------------------------------------
     def quant_of(self, key: str) -> str:
@@ -92,12 +100,29 @@ class ModelConfig:
         return layer not in self.dense_layers
 
     @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
     def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
+        """Width of the query projection: H heads of head_dim (MLA: of qk_nope_head_dim + head_dim)."""
+        return self.num_heads * (self.qk_nope_head_dim + self.head_dim if self.mla else self.head_dim)
 
     @property
     def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        """Width of the key (and value) projection; MLA: of the latent row, kv_lora_rank + head_dim."""
+        return self.kv_lora_rank + self.head_dim if self.mla else self.num_kv_heads * self.head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """One cached row of one kv head: head_dim; MLA: the latent and the rotary key, kv_lora_rank + head_dim
+        (its values are the latent itself: the first kv_lora_rank dims of the same row, nothing else is cached)."""
+        return self.kv_lora_rank + self.head_dim if self.mla else self.head_dim
+
+    @property
+    def attn_dim(self) -> int:
+        """Width of the attention's output (the input of attn_o)."""
+        return self.num_heads * self.v_head_dim if self.mla else self.q_dim
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -181,6 +206,17 @@ class ModelConfig:
         if 0 < self.rotary_dim < self.head_dim:
             need((self.rope_scaling or {}).get("rope_type", "default") in ("default", "linear", "llama3", "factors"),
                  "rotary_dim", "a partial rotary embedding with yarn's attention factor is not supported")
+        if self.mla:
+            for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                need(0 < getattr(self, key) <= 1 << 16, key, f"{getattr(self, key)} is not in 1..{1 << 16}")
+            need(0 <= self.q_lora_rank <= 1 << 16, "q_lora_rank", f"{self.q_lora_rank} is not in 0..{1 << 16}")
+            need(self.num_kv_heads == 1, "num_kv_heads", "must be 1 with latent attention (kv_lora_rank > 0)")
+            need(self.qk_norm == "none" and not self.qkv_bias and not self.o_bias and not self.clip_qkv
+                 and not self.rotary_dim, "kv_lora_rank",
+                 "latent attention takes no q/k norm, attention biases, clip_qkv or rotary_dim")
+        else:
+            for key in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                need(getattr(self, key) == 0, key, "is set only with latent attention (kv_lora_rank > 0)")
         need(self.quant in QUANTS, "quant", f"{self.quant!r} is not one of {QUANTS}")
         need(self.quant_group in (8, 16, 32, 64, 128), "quant_group", f"{self.quant_group} is not 8, 16, 32, 64 or 128")
         for k, v in self.quant_overrides.items():
@@ -305,10 +341,13 @@ def _expected_plain(cfg: ModelConfig):
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
         yield p + "attn_norm", (D,), F32
-        yield p + "attn_q", (cfg.q_dim, D), W
-        yield p + "attn_k", (cfg.kv_dim, D), W
-        yield p + "attn_v", (cfg.kv_dim, D), W
-        yield p + "attn_o", (D, cfg.q_dim), W
+        if cfg.mla:
+            yield from _expected_mla(cfg, p)
+        else:
+            yield p + "attn_q", (cfg.q_dim, D), W
+            yield p + "attn_k", (cfg.kv_dim, D), W
+            yield p + "attn_v", (cfg.kv_dim, D), W
+        yield p + "attn_o", (D, cfg.attn_dim), W
         if cfg.qkv_bias:
             yield p + "attn_q_b", (cfg.q_dim,), F32
             yield p + "attn_k_b", (cfg.kv_dim,), F32
@@ -343,6 +382,26 @@ def _expected_plain(cfg: ModelConfig):
     yield "output_norm", (D,), F32
     if not cfg.tie_word_embeddings:
         yield "output", (V, D), W
+
+
+def _expected_mla(cfg: ModelConfig, p: str):
+    """A latent-attention layer's projections (mla.py): the query (through its own low-rank input when
+    q_lora_rank), the latent row (kv_lora_rank + rotary dims) and its norm, and the two per-head halves of
+    the latent's expansion: attn_k_up (H, r, nope) multiplies the queries (the key half, absorbed),
+    attn_v_up (H, v, r) the attention's latent output (the value half). The expansions are stored in
+    cfg.dtype, never quantized or in panels."""
+    D, W, F32 = cfg.hidden_size, (cfg.dtype,), ("f32",)
+    H, r = cfg.num_heads, cfg.kv_lora_rank
+    if cfg.q_lora_rank:
+        yield p + "attn_q_a", (cfg.q_lora_rank, D), W
+        yield p + "attn_q_a_norm", (cfg.q_lora_rank,), F32
+        yield p + "attn_q", (cfg.q_dim, cfg.q_lora_rank), W
+    else:
+        yield p + "attn_q", (cfg.q_dim, D), W
+    yield p + "attn_kv_a", (cfg.kv_dim, D), W
+    yield p + "attn_kv_a_norm", (r,), F32
+    yield p + "attn_k_up", (H, r, cfg.qk_nope_head_dim), W
+    yield p + "attn_v_up", (H, cfg.v_head_dim, r), W
 
 
 _DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}

@@ -196,9 +196,10 @@ def checked_config(kw: dict, where: str) -> ModelConfig:
 # ---------------------------------------------------------------------------- tensor sources
 
 def _hf_names(cfg: ModelConfig, name: str, hf: dict | None = None):
-    """Our tensor name -> where it comes from: ('plain', candidate hf names...) or
+    """Our tensor name -> where it comes from: ('plain', candidate hf names...),
     ('experts', [per-expert hf names, per naming scheme], [fused hf names], part) where
-    part selects the gate (0) or up (1) half of a fused gate_up_proj tensor."""
+    part selects the gate (0) or up (1) half of a fused gate_up_proj tensor, or a family's
+    ('derived', [(hf name, shape)], fn): fn(the whole source matrices as f32) -> our tensor."""
     family = BY_ARCH[cfg.arch]
     layer, key = name.split(".", 2)[1:] if name.startswith("blk.") else (None, name)
     p = "" if layer is None else f"model.layers.{layer}."
@@ -253,6 +254,10 @@ def _check_src(tensors, hf_name, name, shape):
 def _sources(cfg, tensors, name, shape, hf=None):
     """Yield (SourceTensor, 2-D shape, lead index, part) for each piece of our tensor, in file order."""
     recipe = _hf_names(cfg, name, hf)
+    if recipe[0] == "derived":
+        for hf_name, shape2 in recipe[1]:
+            yield _check_src(tensors, hf_name, name, shape2), shape2, 0, None
+        return
     if recipe[0] == "plain":
         found = [n for n in recipe[1:] if n in tensors]
         yield _check_src(tensors, found[0] if found else recipe[1], name, shape), shape, 0, None
@@ -386,6 +391,14 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
 
     def pieces(n, s):
         key = n.split(".", 2)[-1]
+        recipe = _hf_names(cfg, n, hf)
+        if recipe[0] == "derived":      # a family's reshaping of whole source matrices (families/deepseek.py)
+            a = recipe[2](*(_whole_matrix(tensors, src, shape2, hf) for src, shape2, _, _ in _sources(cfg, tensors, n, s, hf)))
+            if tuple(a.shape) != tuple(s):
+                raise ConvertError(f"{n}: the family's recipe gave shape {list(a.shape)}, expected {list(s)}")
+            for m in (a if a.ndim == 3 else (a,)):          # one matrix of a stack at a time
+                yield "F32", iter([m])
+            return
         f = np.float32(folds.get(key, 1.0))
         for src, shape2, lead, part in _sources(cfg, tensors, n, s, hf):
             blocks = _blocks(src, n, shape2, lead, part)
@@ -399,6 +412,14 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
     write_model(out_path, cfg, pieces, metadata=metadata, tokenizer_json=tok, chat_template=template,
                 progress=progress)
     return cfg
+
+
+def _whole_matrix(tensors, src: SourceTensor, shape2, hf: dict) -> np.ndarray:
+    """One source matrix, whole, as f32 (FP8 dequantized with its block scales)."""
+    blocks, dtype = _blocks(src, src.name, shape2), src.dtype
+    if dtype == "F8_E4M3":
+        blocks, dtype = _fp8(tensors, src, blocks, shape2, hf), "F32"
+    return np.concatenate([_to_f32(b, dtype) for b in blocks]).reshape(shape2)
 
 
 def _fp8(tensors, src: SourceTensor, blocks, shape2, hf: dict):

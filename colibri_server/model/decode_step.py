@@ -69,7 +69,7 @@ class DecodeStep:
     @classmethod
     def build(cls, cfg, w, ws) -> "DecodeStep | None":
         Ls = w.layers
-        if not Ls:
+        if not Ls or cfg.mla:                              # latent attention: the per-layer path (mla.py)
             return None
         if any(L.gate is None or L.w1 is None or L.shared_w1 is not None or L.rule is not None for L in Ls):
             return None

@@ -3,7 +3,8 @@ and the prefix cache that lets a later sequence reuse the blocks of a prompt it 
 
 Legend: L layers, NB blocks, Hkv kv heads, BS positions per block, hd head dim.
 
-The pool is two arrays (L, NB, Hkv, BS, hd), f32 or f16 (uint16 bits), mapped lazily: a block
+The pool is two arrays (L, NB, Hkv, BS, hd), f32 or f16 (uint16 bits), mapped lazily (latent attention:
+one, (L, NB, 1, BS, kv_lora_rank + rotary dims), that is both: mla.py): a block
 costs memory once a sequence has written to it, so memory follows the tokens in use, not
 slots x context. Free blocks are handed out last-freed first, which keeps the touched set small.
 
@@ -30,8 +31,11 @@ BLOCK_SIZE = 16
 
 
 def block_bytes(cfg: ModelConfig, block_size: int = BLOCK_SIZE, kv_dtype: str = "f16") -> int:
-    """Bytes of one block: keys and values of block_size positions in every layer."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * np.dtype(KV_DTYPES[kv_dtype]).itemsize
+    """Bytes of one block: keys and values of block_size positions in every layer (latent attention:
+    the one latent row of each position)."""
+    arrays = 1 if cfg.mla else 2
+    return arrays * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.cache_dim * \
+        np.dtype(KV_DTYPES[kv_dtype]).itemsize
 
 
 def chain_hash(parent: int, tokens: tuple) -> int:
@@ -47,9 +51,9 @@ class KVPool:
             raise ValueError("the KV pool needs at least one block of at least one position")
         self.cfg, self.block_size, self.kv_dtype = cfg, block_size, kv_dtype
         self.num_blocks = num_blocks
-        shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)    # (L,NB,Hkv,BS,hd)
+        shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.cache_dim)   # (L,NB,Hkv,BS,hd)
         self.k = lazy_zeros(shape, KV_DTYPES[kv_dtype])
-        self.v = lazy_zeros(shape, KV_DTYPES[kv_dtype])
+        self.v = self.k if cfg.mla else lazy_zeros(shape, KV_DTYPES[kv_dtype])
         self.refs = np.zeros(num_blocks, np.int32)
         self._free = list(range(num_blocks - 1, -1, -1))       # a stack: block 0 is handed out first
         self._cached = OrderedDict()                            # block -> None, refs == 0, LRU first
@@ -107,7 +111,8 @@ class KVPool:
     def copy_block(self, src: int, dst: int) -> None:
         """dst gets src's keys and values in every layer (a sibling's own copy of a partial block)."""
         self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        if self.v is not self.k:
+            self.v[:, dst] = self.v[:, src]
 
     def _forget(self, b: int) -> None:
         key = self._key.pop(b, None)

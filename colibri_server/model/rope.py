@@ -87,3 +87,18 @@ def rope_tables(cfg: ModelConfig, positions: int):
     cos = (np.cos(freqs) * np.float32(factor)).astype(np.float32)
     sin = (np.sin(freqs) * np.float32(factor)).astype(np.float32)
     return cos, sin
+
+
+def attention_scale(cfg: ModelConfig) -> float:
+    """The softmax scale of q.k: 1/sqrt(head_dim). Latent attention (DeepSeek) scales by its whole
+    query head, 1/sqrt(qk_nope_head_dim + head_dim), and under yarn with mscale_all_dim by
+    (0.1 * mscale_all_dim * ln(factor) + 1)^2 more, as transformers' DeepSeek attention does."""
+    if not cfg.mla:
+        return 1.0 / math.sqrt(cfg.head_dim)
+    scale = (cfg.qk_nope_head_dim + cfg.head_dim) ** -0.5
+    rs = cfg.rope_scaling or {}
+    m_all, factor = rs.get("mscale_all_dim"), rs.get("factor")
+    if rs.get("rope_type", "default") != "default" and m_all and factor and factor > 1:
+        m = 0.1 * m_all * math.log(factor) + 1.0
+        scale *= m * m
+    return scale

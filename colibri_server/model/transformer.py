@@ -10,8 +10,6 @@ hd head dim, S cache capacity, V vocab.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import kernels as K
@@ -21,9 +19,11 @@ from .kernels import gemm as GE
 from .kernels import quant as KQ
 from .kernels import rowgemm as RG
 from .config import ModelConfig
+from . import mla as MLA
 from .decode_step import DecodeStep
 from .moe import moe, swiglu
 from .panels import Panels, kernel_array
+from .rope import attention_scale
 
 
 class KVCache:
@@ -31,9 +31,10 @@ class KVCache:
     A large capacity costs only the pages the sequence has reached."""
 
     def __init__(self, cfg: ModelConfig, capacity: int):
-        shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)       # (L,Hkv,S,hd)
+        shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.cache_dim)      # (L,Hkv,S,hd)
         self.k = lazy_zeros(shape)
-        self.v = lazy_zeros(shape)
+        # latent attention caches one row per position, its values the first kv_lora_rank dims (mla.py)
+        self.v = self.k if cfg.mla else lazy_zeros(shape)
         self.capacity = capacity
         self.length = 0            # positions 0..length-1 are filled
 
@@ -76,7 +77,12 @@ class Workspace:
         self.k = aligned_zeros((rows, cfg.kv_dim), f32)
         self.v = aligned_zeros((rows, cfg.kv_dim), f32)
         self.qkv = aligned_zeros((1, cfg.q_dim + 2 * cfg.kv_dim), f32)   # decode's fused projection
-        self.attn = aligned_zeros((rows, cfg.q_dim), f32)
+        self.attn = aligned_zeros((rows, cfg.attn_dim), f32)
+        if cfg.mla:                                             # latent attention's own (mla.py)
+            H, r = cfg.num_heads, cfg.kv_lora_rank
+            self.q_lora = aligned_zeros((rows, cfg.q_lora_rank), f32) if cfg.q_lora_rank else None
+            self.q_latent = aligned_zeros((rows, H * (r + cfg.head_dim)), f32)   # the queries absorbed
+            self.latent_out = aligned_zeros((rows, H * r), f32)                   # attention over the latent
         self.sub = aligned_zeros((rows, D), f32)                # a sublayer's output
         self.ffn_g = aligned_zeros((rows, F), f32)
         self.ffn_u = aligned_zeros((rows, F), f32)
@@ -91,7 +97,7 @@ class Workspace:
         self.order = aligned_zeros(rows * A, np.int64)
         self.h1 = aligned_zeros(cfg.moe_intermediate_size, f32)
         self.h3 = aligned_zeros(cfg.moe_intermediate_size, f32)
-        n_max = max(D, F, cfg.q_dim)
+        n_max = max(D, F, cfg.q_dim, cfg.attn_dim, cfg.q_lora_rank)
         self.threads = max(1, int(threads))
         # the tiles of f16/bf16 weights for BLAS and one tile's product, one pair per thread
         self.tiles = [aligned_zeros((self.TILE_ROWS, n_max), f32) for _ in range(self.threads)]
@@ -228,7 +234,7 @@ def compile_parallel(weights, ws: Workspace) -> None:
         kernel.compile(tuple(numba.typeof(a) for a in args))
     x, seen = ws.x[0], set()
     mats = [w for L in weights.layers for w in (L.wq, L.wk, L.wv, L.wo, L.shared_w1, L.shared_w3, L.shared_w2,
-                                                  L.mlp_w1, L.mlp_w3, L.mlp_w2)] + [weights.output]
+                                                  L.mlp_w1, L.mlp_w3, L.mlp_w2, L.q_a, L.kv_a)] + [weights.output]
     # one expert of each stack: a serving step's expert with one routed row is a matvec (Workspace.mm)
     mats += [E[0] for L in weights.layers for E in (L.w1, L.w3, L.w2) if E is not None and not hasattr(E, "q")]
     for W in mats:
@@ -317,8 +323,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
         raise ValueError(f"{T} tokens exceed the workspace's {ws.rows} rows")
     if P0 + T > cache.capacity:
         raise ValueError(f"sequence of {P0 + T} tokens exceeds the context of {cache.capacity}")
-    H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qd, kvd = cfg.q_dim, cfg.kv_dim
+    H = cfg.num_heads
     cos, sin = rope
     x, h, sub = ws.x[:T], ws.h[:T], ws.sub[:T]                                # (T,D)
     pos = ws.positions[:T]                                                     # (T,)
@@ -331,7 +336,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
         step = ws.decode_step(cfg, w)
         if step is not None:                                                   # the whole token in one call
             return step(rope, cache, int(tokens[0]), scores)
-    scale = 1.0 / math.sqrt(hd)
+    scale = attention_scale(cfg)
 
     # token embedding (or caller-supplied embeddings)
     if embeddings is not None:
@@ -340,37 +345,16 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
         K.embed(w.token_embd, np.asarray(tokens, np.int64), x)
 
     for l, L in enumerate(w.layers):
-        # attention: RMSNorm -> q, k, v projections (+ bias) -> [clip] -> [q/k norm] -> RoPE
+        # attention: RMSNorm -> latent attention, or q, k, v -> RoPE -> cache -> attention (_attention)
         K.rmsnorm(x, L.attn_norm, cfg.rms_norm_eps, h)
-        if T == 1 and (L.wqkv is not None or L.qkv_stack is not None):         # q|k|v rows in one call
-            qkv = ws.qkv[:1]                                                   # (1,H*hd+2*Hkv*hd)
-            if L.wqkv is not None:                                             # one view: one stream
-                ws.mm(h, L.wqkv, qkv)
-            elif ws.threads > 1 and len(L.qkv_stack) == 3:                      # stacked, rows over the threads
-                K.matvec_qkv_par(*L.qkv_stack, h[0], qkv[0], ws.threads)
-            else:                                                              # f16/bf16 q, k, v stacked
-                K.matvec_stack(L.qkv_stack, h[0], qkv[0])
-            q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
+        if cfg.mla:                                                            # latent attention (mla.py)
+            qa, rows = MLA.project(cfg, L, h, ws, pos, cos, sin)              # (T,H,r+dr) (T,1,r+dr)
+            cache.k[l, :, P0:P0 + T] = rows.transpose(1, 0, 2)
+            lat = ws.latent_out[:T].reshape(T, H, cfg.kv_lora_rank)
+            K.attend(qa, cache.k[l], cache.k[l], P0, cfg.sliding_window, scale, lat, scores)
+            MLA.output(cfg, L, lat, ws, sub)
         else:
-            q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]                             # (T,H*hd) (T,Hkv*hd) (T,Hkv*hd)
-            ws.mm(h, L.wq, q)
-            ws.mm(h, L.wk, k)
-            ws.mm(h, L.wv, v)
-        q3, k3 = qkv_finish(cfg, L, q, k, v)                                     # (T,H,hd) (T,Hkv,hd)
-        attn = ws.attn[:T]                                                     # (T,H*hd)
-        if T == 1:                                                             # one call (kernels/decode)
-            KD.rope_cache_attend(q3, k3, v.reshape(1, Hkv, hd), pos, cos, sin, cache.k[l], cache.v[l], P0,
-                                 cfg.sliding_window, scale, attn.reshape(1, H, hd), scores)
-        else:
-            K.rope(q3, pos, cos, sin)
-            K.rope(k3, pos, cos, sin)
-            # append to the cache, attend over positions 0..P0+T-1
-            cache.k[l, :, P0:P0 + T] = k3.transpose(1, 0, 2)                   # (Hkv,T,hd)
-            cache.v[l, :, P0:P0 + T] = v.reshape(T, Hkv, hd).transpose(1, 0, 2)
-            K.attend(q3, cache.k[l], cache.v[l], P0, cfg.sliding_window, scale, attn.reshape(T, H, hd), scores)
-        ws.mm(attn, L.wo, sub)
-        if L.bo is not None:
-            sub += L.bo
+            _attention(cfg, L, h, ws, cache, l, P0, pos, rope, scale, scores, sub)
         x += sub                                                               # residual
 
         # feed-forward: RMSNorm -> MoE (or dense MLP) -> residual
@@ -391,3 +375,41 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     K.rmsnorm(x[T - 1:T], w.output_norm, cfg.rms_norm_eps, h[:1])
     ws.mm(h[:1], w.output, ws.logits)        # (1,V)
     return ws.logits
+
+
+def _attention(cfg: ModelConfig, L, h, ws: Workspace, cache: KVCache, l: int, P0: int, pos, rope, scale: float,
+               scores, sub) -> None:
+    """Layer l's attention of the T rows h (normed) at positions P0.. over the contiguous cache -> sub (T,D):
+    q, k, v projections (+ bias) -> [clip] -> [q/k norm] -> RoPE -> cache -> attention -> output projection."""
+    T, H, Hkv, hd = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qd, kvd = cfg.q_dim, cfg.kv_dim
+    cos, sin = rope
+    if T == 1 and (L.wqkv is not None or L.qkv_stack is not None):             # q|k|v rows in one call
+        qkv = ws.qkv[:1]                                                       # (1,H*hd+2*Hkv*hd)
+        if L.wqkv is not None:                                                 # one view: one stream
+            ws.mm(h, L.wqkv, qkv)
+        elif ws.threads > 1 and len(L.qkv_stack) == 3:                          # stacked, rows over the threads
+            K.matvec_qkv_par(*L.qkv_stack, h[0], qkv[0], ws.threads)
+        else:                                                                  # f16/bf16 q, k, v stacked
+            K.matvec_stack(L.qkv_stack, h[0], qkv[0])
+        q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
+    else:
+        q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]                                 # (T,H*hd) (T,Hkv*hd) (T,Hkv*hd)
+        ws.mm(h, L.wq, q)
+        ws.mm(h, L.wk, k)
+        ws.mm(h, L.wv, v)
+    q3, k3 = qkv_finish(cfg, L, q, k, v)                                         # (T,H,hd) (T,Hkv,hd)
+    attn = ws.attn[:T]                                                         # (T,H*hd)
+    if T == 1:                                                                 # one call (kernels/decode)
+        KD.rope_cache_attend(q3, k3, v.reshape(1, Hkv, hd), pos, cos, sin, cache.k[l], cache.v[l], P0,
+                             cfg.sliding_window, scale, attn.reshape(1, H, hd), scores)
+    else:
+        K.rope(q3, pos, cos, sin)
+        K.rope(k3, pos, cos, sin)
+        # append to the cache, attend over positions 0..P0+T-1
+        cache.k[l, :, P0:P0 + T] = k3.transpose(1, 0, 2)                       # (Hkv,T,hd)
+        cache.v[l, :, P0:P0 + T] = v.reshape(T, Hkv, hd).transpose(1, 0, 2)
+        K.attend(q3, cache.k[l], cache.v[l], P0, cfg.sliding_window, scale, attn.reshape(T, H, hd), scores)
+    ws.mm(attn, L.wo, sub)
+    if L.bo is not None:
+        sub += L.bo

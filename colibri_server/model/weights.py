@@ -61,6 +61,14 @@ class Layer:
     # and the selection-only correction bias (E,) f32 (size 0: none); None: v1's softmax top-k
     rule: np.ndarray | None = None
     corr_bias: np.ndarray | None = None
+    # latent attention (mla.py; wk, wv are None): the query's low-rank input and its norm, the latent
+    # row's projection and its norm, the latent's per-head key and value expansions
+    q_a: np.ndarray | None = None      # (q_lora_rank, D); None: wq reads the hidden state
+    q_a_norm: np.ndarray | None = None  # (q_lora_rank,) f32
+    kv_a: np.ndarray | None = None     # (r+dr, D)
+    kv_a_norm: np.ndarray | None = None  # (r,) f32
+    k_up: np.ndarray | None = None     # (H, r, nope)
+    v_up: np.ndarray | None = None     # (H, v, r)
 
 
 @dataclass(frozen=True)
@@ -159,10 +167,12 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
             shared_w2=v(p + "ffn_down_shexp"), shared_gate=v(p + "ffn_shexp_gate"),
             mlp_w1=v(p + "ffn_gate"), mlp_w3=v(p + "ffn_up"), mlp_w2=v(p + "ffn_down"),
             **_rule(rt, v(p + "ffn_gate_bias")),
-            wqkv=None if QUANT_KIND.get(cf.records[p + "attn_q"].dtype)
+            q_a=v(p + "attn_q_a"), q_a_norm=v(p + "attn_q_a_norm"), kv_a=v(p + "attn_kv_a"),
+            kv_a_norm=v(p + "attn_kv_a_norm"), k_up=v(p + "attn_k_up"), v_up=v(p + "attn_v_up"),
+            wqkv=None if cfg.mla or QUANT_KIND.get(cf.records[p + "attn_q"].dtype)
             else cf.stacked_view([p + "attn_q", p + "attn_k", p + "attn_v"])))
         L = layers[-1]
-        if L.wqkv is None:
+        if L.wqkv is None and not cfg.mla:
             qkv = [getattr(W, "p", W) for W in (L.wq, L.wk, L.wv)]
             if (all(isinstance(a, np.ndarray) and a.dtype in (np.uint16, np.int16) for a in qkv)
                     and len({(a.dtype, a.ndim, a.flags.c_contiguous) for a in qkv}) == 1):

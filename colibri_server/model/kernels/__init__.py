@@ -10,6 +10,7 @@ Rooms, imports running upward only (a module imports only those above it):
   moe       router, expert grouping, SwiGLU experts, threaded float matvecs
   quant     q8/q4 matvecs and experts      gemm   q8/q4 and bf16 GEMMs for prefill
   attn      causal attention               matmuls   X @ W.T for any weight kind (BLAS tiles or GEMM)
+  heads     per-head products (latent attention's query absorption and value expansion)
   paged     attention over the paged KV pool          rowgemm   few-row GEMM of a serving step
   decode    the whole decode token fused into one Numba call
 
@@ -28,4 +29,4 @@ from .moe import (expert_ffn, expert_ffn_par, expert_ffn_ref, group_by_expert, g
                   silu_mul_ref)
 from .attn import attend, attention, attention_par, attention_ref  # noqa: F401
 from .matmuls import matmul, matmul_par, matmul_ref  # noqa: F401
-from . import attn, attn_ir, cpu, decode, dense, float_ir, gemm, packing, quant, quant_ir  # noqa: F401,E402
+from . import attn, attn_ir, cpu, heads, decode, dense, float_ir, gemm, packing, quant, quant_ir  # noqa: F401,E402

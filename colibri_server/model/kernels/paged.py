@@ -7,6 +7,10 @@ carries the index of its sequence's table and its absolute position, so one call
 row of the step (decode tokens and prefill chunks alike), causally, with an optional sliding
 window, grouped-query (H/Hkv query heads per kv head), each query head's keys read in place.
 
+Values may be narrower than keys (out's head dim below hd): latent attention (model/mla.py) caches one
+row per position, the latent and the rotary key, and passes the key pool as the value pool too: a
+row's values are the first out.shape[-1] dims of its key row.
+
 write_kv stores the step's new keys and values at their rows' slots first, so a prefill chunk's
 rows see each other (positions < their own) like the contiguous cache's attention does.
 """
@@ -71,9 +75,10 @@ def write_kv(k, v, kpool, vpool, blocks, offsets):
 
 @njit(cache=True, fastmath=_REDUCE_FM, error_model="numpy")
 def _attend_row(q, kpool, vpool, table, p, window, scale, out, sc, acc):
-    # q (H,hd) one row at position p -> out (H,hd); table (>= p//BS + 1,) its sequence's blocks;
-    # sc (>= p+1,) f32 and acc (hd,) f32 scratch
+    # q (H,hd) one row at position p -> out (H,dv), dv <= hd the first dims of each value row;
+    # table (>= p//BS + 1,) its sequence's blocks; sc (>= p+1,) f32 and acc (dv,) f32 scratch
     H, hd = q.shape
+    dv = out.shape[1]
     Hkv, BS = kpool.shape[1], kpool.shape[2]
     group = H // Hkv
     lo = 0
@@ -98,24 +103,26 @@ def _attend_row(q, kpool, vpool, table, p, window, scale, out, sc, acc):
             s[j] = e
             tot += e
         inv = np.float32(1.0) / tot
-        for c in range(hd):
+        for c in range(dv):
             acc[c] = 0.0
         for j in range(n):
             pos = lo + j
             vr = vpool[table[pos // BS], kh, pos % BS]
             w = s[j] * inv
-            for c in range(hd):
+            for c in range(dv):
                 acc[c] += w * to_f32(vr[c])
         o = out[h]
-        for c in range(hd):
+        for c in range(dv):
             o[c] = acc[c]
 
 
 @njit(cache=True)
-def _checked(q, kpool, tables, row_pos):
+def _checked(q, kpool, vpool, out, tables, row_pos):
     # the shapes' checks of both entry points; returns the positions the longest row attends to
     if q.shape[1] % kpool.shape[1] != 0:
         raise ValueError("paged attention: H must be a multiple of Hkv")
+    if q.shape[2] != kpool.shape[3] or out.shape[2] > vpool.shape[3]:
+        raise ValueError("paged attention: head dims of q, the pools and out disagree")
     maxp = 1
     for r in range(q.shape[0]):
         maxp = max(maxp, row_pos[r] + 1)
@@ -127,11 +134,11 @@ def _checked(q, kpool, tables, row_pos):
 @njit(cache=True)
 def paged_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out):
     # q (N,H,hd) f32 rows of a step, kpool/vpool (NB,Hkv,BS,hd), tables (S,maxb) i32 block tables,
-    # row_seq (N,) index into tables, row_pos (N,) absolute positions -> out (N,H,hd)
+    # row_seq (N,) index into tables, row_pos (N,) absolute positions -> out (N,H,dv), dv <= hd
     N, H, hd = q.shape
-    maxp = _checked(q, kpool, tables, row_pos)
+    maxp = _checked(q, kpool, vpool, out, tables, row_pos)
     sc = np.empty(maxp, np.float32)
-    acc = np.empty(hd, np.float32)
+    acc = np.empty(out.shape[2], np.float32)
     for r in range(N):
         _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc)
 
@@ -140,22 +147,23 @@ def paged_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, ou
 def paged_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out):
     # paged_attention with the rows split over Numba threads (the same bits: rows are independent)
     N, H, hd = q.shape
-    _checked(q, kpool, tables, row_pos)
+    _checked(q, kpool, vpool, out, tables, row_pos)
     for r in prange(N):
         sc = np.empty(row_pos[r] + 1, np.float32)
-        acc = np.empty(hd, np.float32)
+        acc = np.empty(out.shape[2], np.float32)
         _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc)
 
 
-def paged_attention_ref(q, kpool, vpool, tables, row_seq, row_pos, window, scale):
-    """numpy twin, float64 inside."""
+def paged_attention_ref(q, kpool, vpool, tables, row_seq, row_pos, window, scale, dv=None):
+    """numpy twin, float64 inside; dv: the value dims (default all of vpool's)."""
     N, H, hd = q.shape
+    dv = vpool.shape[3] if dv is None else dv
     Hkv, BS = kpool.shape[1], kpool.shape[2]
     group = H // Hkv
 
     def f32(a):
         return a.view(np.float16).astype(np.float64) if a.dtype == np.uint16 else a.astype(np.float64)
-    out = np.zeros((N, H, hd), np.float32)
+    out = np.zeros((N, H, dv), np.float32)
     for r in range(N):
         p = int(row_pos[r])
         lo = max(0, p - window + 1) if window > 0 else 0
@@ -163,7 +171,7 @@ def paged_attention_ref(q, kpool, vpool, tables, row_seq, row_pos, window, scale
         blk = np.asarray(tables[row_seq[r]])[pos // BS]
         for h in range(H):
             K = f32(kpool[blk, h // group, pos % BS])                           # (n,hd)
-            V = f32(vpool[blk, h // group, pos % BS])
+            V = f32(vpool[blk, h // group, pos % BS])[:, :dv]
             s = K @ q[r, h].astype(np.float64) * scale
             w = np.exp(s - s.max())
             out[r, h] = (w / w.sum()) @ V
