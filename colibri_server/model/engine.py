@@ -185,9 +185,12 @@ class Model:
         step = DecodeStep.build(cfg, self.weights, ws)               # the fused token on threads
         if step is not None:
             step.compile(self.rope, cache, scores)
-        q3 = ws.q[:1].reshape(1, cfg.num_heads, cfg.head_dim)       # prefill's attention (forward, T > 1)
+        q3 = np.zeros((1, cfg.num_heads, cfg.cache_dim), np.float32)  # prefill's attention (forward, T > 1)
         KA.attention_par.compile(tuple(numba.typeof(a) for a in (
-            q3, cache.k[0], cache.v[0], 0, cfg.sliding_window, 1.0, ws.attn[:1].reshape(q3.shape), scores)))
+            q3, cache.k[0], cache.v[0], 0, cfg.sliding_window, 1.0, q3, scores)))
+        if cfg.mla:
+            from .mla import compile_threaded as mla_compile
+            mla_compile(cfg, self.weights, ws)
 
     def close(self) -> None:
         self.weights = None

@@ -68,3 +68,21 @@ def output(cfg, L, lat, ws, sub) -> None:
     (KH.heads_matmul_par if ws.threads > 1 else KH.heads_matmul)(lat, L.v_up, attn.reshape(T, cfg.num_heads,
                                                                                            cfg.v_head_dim))
     ws.mm(attn, L.wo, sub)
+
+
+def compile_threaded(cfg, weights, ws) -> None:
+    """Compile, without running, the threaded per-head products for these weights as project and
+    output call them (ws: a Workspace with threads > 1; safe in a pre-fork master)."""
+    import numba
+    H, r, dr, nope = cfg.num_heads, cfg.kv_lora_rank, cfg.head_dim, cfg.qk_nope_head_dim
+    q3 = ws.q[:1].reshape(1, H, nope + dr)
+    qa = ws.q_latent[:1].reshape(1, H, r + dr)
+    lat = ws.latent_out[:1].reshape(1, H, r)
+    attn = ws.attn[:1].reshape(1, H, cfg.v_head_dim)
+    seen = set()
+    for L in weights.layers:
+        for args in ((q3[:, :, :nope], L.k_up, qa[:, :, :r]), (lat, L.v_up, attn)):
+            sig = tuple(numba.typeof(a) for a in args)
+            if sig not in seen:
+                seen.add(sig)
+                KH.heads_matmul_par.compile(sig)

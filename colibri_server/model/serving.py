@@ -304,10 +304,11 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
     def sig(*args):
         return tuple(numba.typeof(a) for a in args)
     cfg, w = model.config, model.weights
-    X = np.zeros((2, max(cfg.hidden_size, cfg.q_dim, cfg.moe_intermediate_size, cfg.intermediate_size)), np.float32)
+    X = np.zeros((2, max(cfg.hidden_size, cfg.q_dim, cfg.attn_dim, cfg.q_lora_rank, cfg.moe_intermediate_size,
+                         cfg.intermediate_size)), np.float32)
     seen = set()
     mats = [m for L in w.layers for m in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w3, L.w2, L.mlp_w1, L.mlp_w3, L.mlp_w2,
-                                          L.shared_w1, L.shared_w3, L.shared_w2)] + [w.output]
+                                          L.shared_w1, L.shared_w3, L.shared_w2, L.q_a, L.kv_a)] + [w.output]
     for W in mats:
         if W is None or hasattr(W, "q") or W.dtype == np.float32:
             continue
@@ -344,6 +345,9 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
     step = ws.decode_step(cfg, w)                                            # the fused one-sequence step
     if step is not None:
         step.compile_paged(model.rope, pool)
-    q = np.zeros((1, cfg.num_heads, cfg.head_dim), np.float32)
+    q = np.zeros((1, cfg.num_heads, cfg.cache_dim), np.float32)
     KP.paged_attention_par.compile(sig(q, pool.k[0], pool.v[0], np.zeros((1, 1), np.int32), np.zeros(1, np.int64),
                                        np.zeros(1, np.int64), cfg.sliding_window, 1.0, q))
+    if cfg.mla:
+        from .mla import compile_threaded as mla_compile
+        mla_compile(cfg, w, ws)

@@ -1,0 +1,141 @@
+"""Latent attention (DeepSeek-V2/V3, model/mla.py) beyond the parity in test_families: the cache holds the
+latent and nothing else, a 4096-token sequence still matches transformers, the stored dtypes and the
+threaded kernels give the same tokens, and the per-head kernel and the narrower-value paged attention
+against their twins."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hf_models as H
+from colibri_server.model import Model
+from colibri_server.model.convert import convert
+from colibri_server.model.kernels import heads as KH
+from colibri_server.model.kernels import paged as KP
+from colibri_server.model.kv import block_bytes
+from colibri_server.model.serving import BatchEngine
+
+PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 512, size=40)]
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v3")
+    hf = H.build_hf_model("deepseek_v3", d / "hf", max_position_embeddings=4200)
+    convert(str(d / "hf"), str(d / "f32.colibri"), "f32", progress=False)
+    return hf, d
+
+
+def test_the_cache_holds_the_latent_for_4096_tokens(v3):
+    """One row of kv_lora_rank + rope dims per position and layer, keys and values both (the values are its
+    first kv_lora_rank dims): a 4096-token sequence takes that many bytes per token, not the expanded
+    heads' 2 x H x (nope + rope | v); and its next token and last logits are transformers' still."""
+    hf, d = v3
+    m = Model.open(str(d / "f32.colibri"), context=4112)
+    cfg = m.config
+    L, Hh, r, dr = cfg.num_layers, cfg.num_heads, cfg.kv_lora_rank, cfg.head_dim
+    latent = L * (r + dr) * 2                                              # f16 bytes per token
+    expanded = L * Hh * (cfg.qk_nope_head_dim + dr + cfg.v_head_dim) * 2
+    assert block_bytes(cfg) == 16 * latent and 4 * latent <= expanded
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, 512, size=4096)]
+    eng = BatchEngine(m, max_seqs=1, max_batch_tokens=256)
+    assert eng.pool.v is eng.pool.k and eng.pool.k.shape[-2:] == (16, r + dr)
+    assert eng.pool.k.nbytes == eng.pool.num_blocks * 16 * latent
+    eng.add("a", prompt, max_tokens=2, ignore_eos=True)
+    got, used = [], None
+    while eng.has_work():
+        got += [ev.token_id for _, ev in eng.step() if ev.token_id is not None]
+        if got and used is None:                                           # the prompt in, its first token out
+            used = eng.pool.used()
+    assert used * eng.pool.bytes_per_block == 4096 * latent                # 256 blocks of 16 positions
+    ref = H.hf_logits(hf, prompt)[-1]
+    assert got[0] == int(np.argmax(ref))
+    cache = m.new_cache(4096)
+    assert cache.v is cache.k and cache.k.shape == (L, 1, 4096, r + dr)
+    last = m.prefill(cache, np.asarray(prompt, np.int64))[0]
+    assert np.abs(last - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("dtype, quantize", [("f16", "none"), ("bf16", "none"), ("f32", "q8")])
+def test_stored_dtypes(v3, dtype, quantize):
+    """The latent projections quantize (attn_q_a, attn_kv_a), the per-head expansions stay in the float
+    dtype. f16 and bf16 logits stay near transformers' f32 ones (relative to their range: 0.4% and 2.2%
+    measured); q8 moves these random chaotic models far more (a max error of 36% of the range, as
+    Mixtral's 43%), so it is held to its top-1 agreement (85% measured) and to its dequantized weights."""
+    from colibri_server.model.kernels import weights_to_f32
+    from colibri_server.model.kernels.packing import dequantize_q8
+    hf, d = v3
+    out = str(d / f"{dtype}-{quantize}.colibri")
+    convert(str(d / "hf"), out, dtype, quantize=quantize, quant_group=8, progress=False)   # the tiny ranks fit 8
+    m = Model.open(out)
+    L = m.weights.layers[1]
+    assert L.k_up.dtype == L.v_up.dtype == {"f16": np.uint16, "bf16": np.int16, "f32": np.float32}[dtype]
+    ref = H.hf_logits(hf, PROMPT)
+    got = m.logits(PROMPT)
+    if quantize == "none":
+        assert np.abs(got - ref).max() < {"f16": 0.01, "bf16": 0.05}[dtype] * np.abs(ref).max()
+        return
+    f32 = Model.open(str(d / "f32.colibri")).weights.layers[1]
+    for name in ("q_a", "kv_a", "wq"):
+        W, W32 = getattr(L, name), weights_to_f32(getattr(f32, name))
+        assert hasattr(W, "q")
+        err = np.linalg.norm(dequantize_q8(W.q, W.s) - W32) / np.linalg.norm(W32)
+        assert err < 0.01, (name, err)
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.7
+
+
+def test_threads_give_the_same_tokens(v3):
+    hf, d = v3
+    path = str(d / "f32.colibri")
+    one = Model.open(path)
+    two = Model.open(path)
+    two.set_threads(2)
+    want = H.hf_greedy(hf, PROMPT[:8], 24)
+    assert one.generate(PROMPT[:8], max_tokens=24, ignore_eos=True) == want
+    assert two.generate(PROMPT[:8], max_tokens=24, ignore_eos=True) == want
+    eng = BatchEngine(two, max_seqs=2, max_batch_tokens=16)
+    out = {}
+    for i, p in enumerate((PROMPT[:8], PROMPT[3:30])):
+        eng.add(i, p, max_tokens=24 if i == 0 else 8, ignore_eos=True)
+    while eng.has_work():
+        for rid, ev in eng.step():
+            out.setdefault(rid, []).append(ev.token_id)
+    assert out[0][:24] == want and out[1][:8] == H.hf_greedy(hf, PROMPT[3:30], 8)
+
+
+@pytest.mark.parametrize("wdtype", [np.float32, np.uint16, np.int16])
+def test_heads_matmul_is_its_twin(wdtype):
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((3, 5, 24)).astype(np.float32)
+    W32 = rng.standard_normal((5, 7, 24)).astype(np.float32)
+    W = {np.float32: W32, np.uint16: W32.astype(np.float16).view(np.uint16),
+         np.int16: (W32.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)}[wdtype]
+    ref = KH.heads_matmul_ref(X, W)
+    for kernel in (KH.heads_matmul, KH.heads_matmul_par):
+        out = np.zeros((3, 5, 7), np.float32)
+        kernel(X, W, out)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    Xs = np.zeros((3, 5, 40), np.float32)                 # strided views, as mla.project passes them
+    Xs[:, :, 8:32] = X
+    outs = np.zeros((3, 5, 20), np.float32)
+    KH.heads_matmul(Xs[:, :, 8:32], W, outs[:, :, 2:9])
+    np.testing.assert_allclose(outs[:, :, 2:9], ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        KH.heads_matmul(X, W, np.zeros((3, 5, 6), np.float32))
+
+
+def test_paged_attention_with_values_narrower_than_keys():
+    """The latent's pool passed as both: each row's values are the first dv dims of its key row."""
+    rng = np.random.default_rng(0)
+    NB, BS, hd, dv, H = 6, 4, 40, 32, 3
+    pool = rng.standard_normal((NB, 1, BS, hd)).astype(np.float32)
+    tables = np.array([[4, 1, 3], [0, 2, 5]], np.int32)
+    seq, pos = np.array([0, 0, 1]), np.array([5, 9, 7])
+    q = rng.standard_normal((3, H, hd)).astype(np.float32)
+    ref = KP.paged_attention_ref(q, pool, pool, tables, seq, pos, 0, 0.3, dv=dv)
+    for kernel in (KP.paged_attention, KP.paged_attention_par):
+        out = np.zeros((3, H, dv), np.float32)
+        kernel(q, pool, pool, tables, seq, pos, 0, 0.3, out)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        KP.paged_attention(q, pool, pool, tables, seq, pos, 0, 0.3, np.zeros((3, H, hd + 8), np.float32))
