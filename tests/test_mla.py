@@ -139,3 +139,34 @@ def test_paged_attention_with_values_narrower_than_keys():
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
         KP.paged_attention(q, pool, pool, tables, seq, pos, 0, 0.3, np.zeros((3, H, hd + 8), np.float32))
+
+
+def test_latent_fields_get_named_config_errors(v3):
+    from colibri_server.model.config import ConfigError, ModelConfig
+    _, d = v3
+    cfg = Model.open(str(d / "f32.colibri")).config.to_dict()
+    assert {cfg[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")} == {32, 24, 16}
+    for bad, key, msg in ((dict(num_kv_heads=2, num_heads=4), "num_kv_heads", "must be 1 with latent attention"),
+                          (dict(v_head_dim=0), "v_head_dim", "is not in 1"),
+                          (dict(qk_nope_head_dim=-1), "qk_nope_head_dim", "is not in 1"),
+                          (dict(q_lora_rank=-2), "q_lora_rank", "is not in 0"),
+                          (dict(qk_norm="head"), "kv_lora_rank", "takes no q/k norm"),
+                          (dict(kv_lora_rank=0), "q_lora_rank", "only with latent attention")):
+        with pytest.raises(ConfigError, match=msg) as e:
+            ModelConfig.from_dict({**cfg, **bad})
+        assert e.value.key == key
+    plain = {k: v for k, v in cfg.items() if k not in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")}
+    assert not ModelConfig.from_dict(plain).mla          # the other families' files: no latent keys, none implied
+
+
+def test_converter_refuses_what_it_cannot_run(tmp_path):
+    import json
+    from colibri_server.model.convert import ConvertError
+    H.build_hf_model("deepseek_v2", tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for change, msg in ((dict(attention_bias=True), "attention_bias=true is not supported"),
+                        (dict(topk_method="noaux_tc"), "topk_method 'noaux_tc' is not supported")):
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ConvertError, match=msg):
+            convert(str(tmp_path / "hf"), str(tmp_path / "x.colibri"), "f32", progress=False)
+        assert not (tmp_path / "x.colibri").exists()
