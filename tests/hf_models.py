@@ -304,6 +304,15 @@ FAMILY_CONFIGS: dict[str, dict] = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 64, "mscale": 1.0,
                                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+    # GPT-OSS: sinks (re-initialised non-zero below), sliding (window 8, shorter than the prompts) and full
+    # layers alternating, biases everywhere, the router's bias, the clamped SwiGLU (limit 1.5: the
+    # re-initialised projections cross it often), yarn without truncation, head_dim 16 != 64/4.
+    "gpt_oss": dict(_COMMON, model_type="gpt_oss", num_hidden_layers=3, head_dim=16, intermediate_size=32,
+                    num_local_experts=8, num_experts_per_tok=2, sliding_window=8, attention_bias=True,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    swiglu_limit=1.5, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
 }
 
 # Re-initialisation std (see _reinit_weights).
@@ -341,6 +350,8 @@ def _reinit_weights(model, gen: torch.Generator) -> None:
         shape, dt = p.shape, p.dtype
         if name.endswith("norm.weight"):  # input/post_attention/final norm, q_norm, k_norm
             v = 1.0 + NORM_NOISE * torch.randn(shape, generator=gen)
+        elif name.endswith("self_attn.sinks"):  # GPT-OSS: as large as the scores, so each sink matters
+            v = 2.0 * torch.randn(shape, generator=gen)
         elif name.endswith(".bias"):
             v = BIAS_STD * torch.randn(shape, generator=gen)
         elif name == "lm_head.weight" or (tied and name.endswith("embed_tokens.weight")):

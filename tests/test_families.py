@@ -121,7 +121,8 @@ def test_version_2_only_when_needed_and_its_fields_get_named_errors(family, tmp_
         (dict(routed_scale=float("nan")), "routed_scale"),
         (dict(flags=sig | 1 << 12), "unknown flag bits"),
         (dict(routed_scale=1.0), "routed_scale disagrees with the config"),
-        (dict(bias=fmt.NO_TENSOR), "correction bias disagrees"),
+        (dict(bias=fmt.NO_TENSOR), "correction bias / router bias disagrees"),
+        (dict(flags=sig | fmt.ROUTE_BIAS_IN_LOGITS), "correction bias / router bias disagrees"),
     ]
     for i, (fields, msg) in enumerate(cases):
         bad = _patched(path, tmp_path / f"bad{i}.colibri", 1, **fields)

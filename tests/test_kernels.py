@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri_server.model import kernels as K
+
+NO_SINKS = np.zeros(0, np.float32)      # attention without GPT-OSS sinks
 from colibri_server.model.kernels import attn_ir as KA_IR
 
 RTOL = 1e-5
@@ -322,7 +324,7 @@ def test_attention(rng, T, start, window, H, Hkv):
     scale = 1.0 / np.sqrt(hd)
     out = np.full((T, H, hd), np.nan, np.float32)
     scores = np.empty(H // Hkv * S, np.float32)
-    K.attention(q, k, v, start, window, scale, out, scores)
+    K.attention(q, k, v, start, window, scale, out, scores, NO_SINKS)
     ref = K.attention_ref(q, k, v, start, window, scale)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
@@ -343,10 +345,10 @@ def test_attention_long_context_groups_of_four(rng, T, start, window):
     # each kv head's 4 query heads read its keys and values together (kernels_attention)
     H, Hkv, S, hd = 8, 2, 320, 64
     q, k, v, out = _attention_case(rng, T, H, Hkv, S, hd, start)
-    K.attention(q, k, v, start, window, 0.125, out, np.empty(H // Hkv * S, np.float32))
+    K.attention(q, k, v, start, window, 0.125, out, np.empty(H // Hkv * S, np.float32), NO_SINKS)
     np.testing.assert_allclose(out, K.attention_ref(q, k, v, start, window, 0.125), rtol=1e-5, atol=2e-6)
     with pytest.raises(ValueError, match="scores scratch"):
-        K.attention(q, k, v, start, window, 0.125, out, np.empty(S, np.float32))
+        K.attention(q, k, v, start, window, 0.125, out, np.empty(S, np.float32), NO_SINKS)
 
 
 @pytest.mark.parametrize("T,start,window,Hkv", [(1, 299, 0, 4), (1, 299, 64, 2), (5, 150, 0, 4), (3, 0, 0, 1)])
@@ -355,19 +357,19 @@ def test_attention_par_is_attention_bit_for_bit(rng, T, start, window, Hkv):
     import numba
     H, S, hd = 4 * Hkv, 320, 64
     q, k, v, out = _attention_case(rng, T, H, Hkv, S, hd, start)
-    K.attention(q, k, v, start, window, 0.125, out, np.empty(H // Hkv * S, np.float32))
+    K.attention(q, k, v, start, window, 0.125, out, np.empty(H // Hkv * S, np.float32), NO_SINKS)
     par = np.full_like(out, np.nan)
     numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     try:
-        K.attention_par(q, k, v, start, window, 0.125, par, np.full((Hkv, H // Hkv * S), np.nan, np.float32))
+        K.attention_par(q, k, v, start, window, 0.125, par, np.full((Hkv, H // Hkv * S), np.nan, np.float32), NO_SINKS)
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     assert np.isfinite(par).all()
     np.testing.assert_array_equal(par, out)
     with pytest.raises(ValueError, match="fewer rows than kv heads"):
-        K.attention_par(q, k, v, start, window, 0.125, par, np.empty((Hkv - 1, H // Hkv * S), np.float32))
+        K.attention_par(q, k, v, start, window, 0.125, par, np.empty((Hkv - 1, H // Hkv * S), np.float32), NO_SINKS)
     with pytest.raises(ValueError, match="scores scratch"):
-        K.attention_par(q, k, v, start, window, 0.125, par, np.empty((Hkv, 4 * (start + T) - 1), np.float32))
+        K.attention_par(q, k, v, start, window, 0.125, par, np.empty((Hkv, 4 * (start + T) - 1), np.float32), NO_SINKS)
 
 
 @pytest.mark.parametrize("hd", [64, 72, 136, 12])
@@ -379,7 +381,7 @@ def test_attention_vector_loops_every_head_dim(rng, hd, T, start, window):
     H, Hkv, S = 8, 2, 160
     q, k, v, out = _attention_case(rng, T, H, Hkv, S, hd, start)
     scale = 1.0 / np.sqrt(hd)
-    K.attention(q, k, v, start, window, scale, out, np.empty(H // Hkv * S, np.float32))
+    K.attention(q, k, v, start, window, scale, out, np.empty(H // Hkv * S, np.float32), NO_SINKS)
     np.testing.assert_allclose(out, K.attention_ref(q, k, v, start, window, scale), rtol=1e-5, atol=2e-6)
 
 
@@ -414,15 +416,15 @@ def test_attention_window_and_group_matter(rng):
     v = rng.standard_normal((Hkv, S, hd)).astype(np.float32)
     out = np.empty((T, H, hd), np.float32)
     sc = np.empty(H // Hkv * S, np.float32)
-    K.attention(q, k, v, start, 3, 0.5, out, sc)
+    K.attention(q, k, v, start, 3, 0.5, out, sc, NO_SINKS)
     assert not np.allclose(out, K.attention_ref(q, k, v, start, 0, 0.5), atol=1e-3)
     # heads 0,1 -> kv 0; heads 2,3 -> kv 1 (not h % Hkv)
     wrong = np.empty_like(out)
-    K.attention(q[:, [0, 2, 1, 3]], k, v, start, 3, 0.5, wrong, sc)
+    K.attention(q[:, [0, 2, 1, 3]], k, v, start, 3, 0.5, wrong, sc, NO_SINKS)
     assert not np.allclose(out, wrong[:, [0, 2, 1, 3]], atol=1e-3)
     # decode at position 0 returns v[0] exactly-ish
     o1 = np.empty((1, H, hd), np.float32)
-    K.attention(q[:1], k, v, 0, 0, 0.5, o1, sc)
+    K.attention(q[:1], k, v, 0, 0, 0.5, o1, sc, NO_SINKS)
     np.testing.assert_allclose(o1[0, 0], v[0, 0], rtol=1e-6)
     np.testing.assert_allclose(o1[0, 3], v[1, 0], rtol=1e-6)
 

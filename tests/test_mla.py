@@ -93,7 +93,7 @@ def test_threads_give_the_same_tokens(v3):
     want = H.hf_greedy(hf, PROMPT[:8], 24)
     assert one.generate(PROMPT[:8], max_tokens=24, ignore_eos=True) == want
     assert two.generate(PROMPT[:8], max_tokens=24, ignore_eos=True) == want
-    eng = BatchEngine(two, max_seqs=2, max_batch_tokens=16)
+    eng = BatchEngine(two, max_seqs=2, max_batch_tokens=16, kv_dtype="f32")
     out = {}
     for i, p in enumerate((PROMPT[:8], PROMPT[3:30])):
         eng.add(i, p, max_tokens=24 if i == 0 else 8, ignore_eos=True)
@@ -135,10 +135,11 @@ def test_paged_attention_with_values_narrower_than_keys():
     ref = KP.paged_attention_ref(q, pool, pool, tables, seq, pos, 0, 0.3, dv=dv)
     for kernel in (KP.paged_attention, KP.paged_attention_par):
         out = np.zeros((3, H, dv), np.float32)
-        kernel(q, pool, pool, tables, seq, pos, 0, 0.3, out)
+        kernel(q, pool, pool, tables, seq, pos, 0, 0.3, out, np.zeros(0, np.float32))
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
-        KP.paged_attention(q, pool, pool, tables, seq, pos, 0, 0.3, np.zeros((3, H, hd + 8), np.float32))
+        KP.paged_attention(q, pool, pool, tables, seq, pos, 0, 0.3, np.zeros((3, H, hd + 8), np.float32),
+                           np.zeros(0, np.float32))
 
 
 def test_latent_fields_get_named_config_errors(v3):

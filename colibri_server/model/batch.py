@@ -65,7 +65,7 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
             qa, lat_rows = MLA.project(cfg, L, h, ws, rows.pos, cos, sin)    # (N,H,r+dr) (N,1,r+dr)
             KP.write_kv(lat_rows, lat_rows, pool.k[l], pool.k[l], rows.blocks, rows.offsets)
             lat = ws.latent_out[:N].reshape(N, H, cfg.kv_lora_rank)
-            attend(qa, pool.k[l], pool.k[l], rows.tables, rows.seq, rows.pos, cfg.sliding_window, scale, lat)
+            attend(qa, pool.k[l], pool.k[l], rows.tables, rows.seq, rows.pos, cfg.window(l), scale, lat, L.sinks)
             MLA.output(cfg, L, lat, ws, sub)
             x += sub
             _feed_forward(cfg, l, L, x, h, sub, ws, noise, expert_counts)
@@ -81,8 +81,8 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
         # the step's keys and values into their slots, then every row over its own sequence
         KP.write_kv(k3, v3, pool.k[l], pool.v[l], rows.blocks, rows.offsets)
         attn = ws.attn[:N]                                                     # (N,H*hd)
-        attend(q3, pool.k[l], pool.v[l], rows.tables, rows.seq, rows.pos, cfg.sliding_window, scale,
-               attn.reshape(N, H, hd))
+        attend(q3, pool.k[l], pool.v[l], rows.tables, rows.seq, rows.pos, cfg.window(l), scale,
+               attn.reshape(N, H, hd), L.sinks)
         ws.mm(attn, L.wo, sub)
         if L.bo is not None:
             sub += L.bo

@@ -13,7 +13,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from .format import PANEL
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "qwen3", "granitemoe", "glm4_moe",
-                 "deepseek2")
+                 "deepseek2", "gpt_oss")
 QK_NORMS = ("none", "head", "full")   # head: RMSNorm over head_dim per head (Qwen3); full: over H*hd (OLMoE)
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "factors")  # factors: llama.cpp's rope_freqs   # dynamic NTK and longrope change with length: not supported
 FLOAT_DTYPES = ("f32", "f16", "bf16")
@@ -28,7 +28,8 @@ QUANTIZABLE = ("attn_q", "attn_k", "attn_v", "attn_o", "attn_q_a", "attn_kv_a", 
 
 OMITTED_AT_DEFAULT = ("layout", "score_func", "correction_bias", "n_group", "topk_group", "routed_scaling_factor",
                       "shared_expert_gate", "rotary_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-                      "v_head_dim")
+                      "v_head_dim", "sliding_layers", "attn_sinks", "router_bias", "expert_bias", "swiglu_limit",
+                      "swiglu_alpha")
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
@@ -88,6 +89,13 @@ class ModelConfig:
     q_lora_rank: int = 0             # the query's own low-rank input (0: q projected from the hidden state)
     qk_nope_head_dim: int = 0        # the part of a query/key head without position
     v_head_dim: int = 0              # a value head
+    # GPT-OSS
+    sliding_layers: tuple = ()       # the layers that use sliding_window (empty: all of them)
+    attn_sinks: bool = False         # blk.N.attn_sinks [H]: a learned logit in each head's softmax sum
+    router_bias: bool = False        # blk.N.ffn_gate_inp_b [E]: the router's logits are W x + b
+    expert_bias: bool = False        # blk.N.ffn_{gate,up,down}_exps_b: each expert's projections have biases
+    swiglu_limit: float = 0.0        # > 0: the clamped SwiGLU (up + 1) * g * sigmoid(alpha g), g <= limit, |up| <= limit
+    swiglu_alpha: float = 0.0        # its alpha (1.702)
 
     # -- derived ----------------------------------------------------------------
     def quant_of(self, key: str) -> str:
@@ -98,6 +106,10 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
+
+    def window(self, layer: int) -> int:
+        """The sliding window of a layer's attention (0: full)."""
+        return self.sliding_window if not self.sliding_layers or layer in self.sliding_layers else 0
 
     @property
     def mla(self) -> bool:
@@ -128,8 +140,9 @@ class ModelConfig:
         d = asdict(self)
         d["dense_layers"] = list(self.dense_layers)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["sliding_layers"] = list(self.sliding_layers)
         for key in OMITTED_AT_DEFAULT:  # left out at their defaults: older readers take the file
-            if d[key] == _DEFAULTS[key]:
+            if d[key] == _DEFAULTS[key] or (isinstance(_DEFAULTS[key], tuple) and d[key] == list(_DEFAULTS[key])):
                 del d[key]
         return d
 
@@ -217,6 +230,18 @@ class ModelConfig:
         else:
             for key in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
                 need(getattr(self, key) == 0, key, "is set only with latent attention (kv_lora_rank > 0)")
+        need(all(0 <= i < self.num_layers for i in self.sliding_layers), "sliding_layers",
+             f"{list(self.sliding_layers)} has an index outside 0..{self.num_layers - 1}")
+        need(not self.sliding_layers or self.sliding_window > 0, "sliding_layers", "is set without a sliding_window")
+        need(not (self.router_bias or self.expert_bias) or self.num_experts > 0, "router_bias",
+             "router and expert biases need experts")
+        need(not (self.router_bias and self.correction_bias), "router_bias",
+             "a layer's routing has one bias: a correction or a logit bias, not both")
+        need(math.isfinite(self.swiglu_limit) and self.swiglu_limit >= 0, "swiglu_limit", "must be finite and >= 0")
+        need(self.swiglu_limit == 0 or (math.isfinite(self.swiglu_alpha) and self.swiglu_alpha > 0), "swiglu_alpha",
+             "must be finite and > 0 with a swiglu_limit")
+        need(self.expert_bias == (self.swiglu_limit > 0), "expert_bias",
+             "biased experts come with the clamped SwiGLU (swiglu_limit > 0) and it with them (GPT-OSS)")
         need(self.quant in QUANTS, "quant", f"{self.quant!r} is not one of {QUANTS}")
         need(self.quant_group in (8, 16, 32, 64, 128), "quant_group", f"{self.quant_group} is not 8, 16, 32, 64 or 128")
         for k, v in self.quant_overrides.items():
@@ -348,6 +373,8 @@ def _expected_plain(cfg: ModelConfig):
             yield p + "attn_k", (cfg.kv_dim, D), W
             yield p + "attn_v", (cfg.kv_dim, D), W
         yield p + "attn_o", (D, cfg.attn_dim), W
+        if cfg.attn_sinks:
+            yield p + "attn_sinks", (cfg.num_heads,), F32
         if cfg.qkv_bias:
             yield p + "attn_q_b", (cfg.q_dim,), F32
             yield p + "attn_k_b", (cfg.kv_dim,), F32
@@ -369,9 +396,15 @@ def _expected_plain(cfg: ModelConfig):
         yield p + "ffn_gate_inp", (E, D), F32
         if cfg.correction_bias:
             yield p + "ffn_gate_bias", (E,), F32
+        if cfg.router_bias:
+            yield p + "ffn_gate_inp_b", (E,), F32
         yield p + "ffn_gate_exps", (E, I, D), W
         yield p + "ffn_up_exps", (E, I, D), W
         yield p + "ffn_down_exps", (E, D, I), W
+        if cfg.expert_bias:
+            yield p + "ffn_gate_exps_b", (E, I), F32
+            yield p + "ffn_up_exps_b", (E, I), F32
+            yield p + "ffn_down_exps_b", (E, D), F32
         if cfg.shared_expert_intermediate_size:
             S = cfg.shared_expert_intermediate_size
             yield p + "ffn_gate_shexp", (S, D), W

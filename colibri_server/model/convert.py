@@ -32,6 +32,7 @@ SUPPORTED = tuple(BY_HF_CLASS)     # the transformers architectures the families
 
 _ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
               "F8_E4M3": np.dtype("u1")}     # with its block scales, dequantized to f32 (fp8.py)
+_RAW_DTYPES = {**_ST_DTYPES, "U8": np.dtype("u1")}     # and MXFP4's blocks and scales (mxfp4.py), read raw     # with its block scales, dequantized to f32 (fp8.py)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def index_checkpoint(hf_dir) -> dict:
 
 def _read_rows(t: SourceTensor, row0: int, row1: int, lead: int = 0) -> np.ndarray:
     """Rows [row0, row1) of the 2-D matrix number `lead` of a tensor (f32, bf16 as raw uint16)."""
-    dt = _ST_DTYPES[t.dtype]
+    dt = _RAW_DTYPES[t.dtype]
     cols = t.shape[-1]
     rows = t.shape[-2] if len(t.shape) >= 2 else 1
     off = t.start + ((lead * rows + row0) * cols) * dt.itemsize
@@ -233,18 +234,35 @@ def _blocks(src: SourceTensor, name: str, want_shape, lead: int = 0, part=None):
         yield _read_rows(src, row0 + r, row0 + min(rows, r + step), lead)
 
 
+def _mxfp4_source(tensors, hf_name):
+    """A parameter stored as MXFP4 `<hf_name>_blocks` (E, rows, G, 16) + `_scales` (E, rows, G) (GPT-OSS's
+    experts): a source of dtype MXFP4 whose shape is the parameter's, (E, G*32, rows) (mxfp4.py), or None."""
+    b, sc = tensors.get(hf_name + "_blocks"), tensors.get(hf_name + "_scales")
+    if b is None or sc is None:
+        return None
+    if b.dtype != "U8" or sc.dtype != "U8" or len(b.shape) != 4 or b.shape[-1] != 16 or tuple(sc.shape) != b.shape[:-1]:
+        raise ConvertError(f"checkpoint: MXFP4 tensor {hf_name!r}: blocks {b.dtype}{list(b.shape)} and scales "
+                           f"{sc.dtype}{list(sc.shape)} are not (E, rows, G, 16) and (E, rows, G) uint8")
+    E, rows, G, _ = b.shape
+    return replace(b, dtype="MXFP4", shape=(E, G * 32, rows), name=hf_name)
+
+
 def _check_src(tensors, hf_name, name, shape):
     t = tensors.get(hf_name)
     if t is None:
+        t = _mxfp4_source(tensors, hf_name)
+    if t is None:
         raise ConvertError(f"checkpoint: tensor {hf_name!r} (for {name}) is missing")
-    if t.dtype not in _ST_DTYPES:
+    if t.dtype not in _ST_DTYPES and t.dtype != "MXFP4":
         raise ConvertError(f"checkpoint: tensor {hf_name!r} has dtype {t.dtype}; supported: F32, F16, BF16, "
-                           "and F8_E4M3 with block scales (weight_scale_inv)")
+                           "F8_E4M3 with block scales (weight_scale_inv) and MXFP4 blocks with their scales")
     if t.dtype == "F8_E4M3":
         sc = tensors.get(hf_name + "_scale_inv")
         if sc is None or sc.dtype not in ("F32", "BF16") or len(shape) != 2:
             raise ConvertError(f"checkpoint: FP8 tensor {hf_name!r} needs a 2-D f32/bf16 {hf_name}_scale_inv of "
                                "block scales (the DeepSeek-V3 / Qwen3-FP8 layout); other FP8 schemes are not supported")
+    if t.dtype == "MXFP4" and len(shape) != 3:
+        raise ConvertError(f"checkpoint: MXFP4 tensor {hf_name!r} where a family does not read one")
     if tuple(t.shape) != tuple(shape):
         raise ConvertError(f"checkpoint: tensor {hf_name!r} has shape {list(t.shape)}, expected {list(shape)} "
                            f"from config.json")
@@ -393,7 +411,15 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
         key = n.split(".", 2)[-1]
         recipe = _hf_names(cfg, n, hf)
         if recipe[0] == "derived":      # a family's reshaping of whole source matrices (families/deepseek.py)
-            a = recipe[2](*(_whole_matrix(tensors, src, shape2, hf) for src, shape2, _, _ in _sources(cfg, tensors, n, s, hf)))
+            srcs = list(_sources(cfg, tensors, n, s, hf))
+            if recipe[3:] == ("per_matrix",):   # a stack, one matrix of each source at a time (gpt_oss.py)
+                for e in range(s[0]):
+                    m = recipe[2](*(_whole_matrix(tensors, src, shape2[1:], hf, e) for src, shape2, _, _ in srcs))
+                    if tuple(m.shape) != tuple(s[1:]):
+                        raise ConvertError(f"{n}: the family's recipe gave shape {list(m.shape)}, expected {list(s[1:])}")
+                    yield "F32", iter([m])
+                return
+            a = recipe[2](*(_whole_matrix(tensors, src, shape2, hf) for src, shape2, _, _ in srcs))
             if tuple(a.shape) != tuple(s):
                 raise ConvertError(f"{n}: the family's recipe gave shape {list(a.shape)}, expected {list(s)}")
             for m in (a if a.ndim == 3 else (a,)):          # one matrix of a stack at a time
@@ -414,9 +440,16 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
     return cfg
 
 
-def _whole_matrix(tensors, src: SourceTensor, shape2, hf: dict) -> np.ndarray:
-    """One source matrix, whole, as f32 (FP8 dequantized with its block scales)."""
-    blocks, dtype = _blocks(src, src.name, shape2), src.dtype
+def _whole_matrix(tensors, src: SourceTensor, shape2, hf: dict, lead: int = 0) -> np.ndarray:
+    """One source matrix (number `lead` of a stack), whole, as f32 (FP8 dequantized with its block scales,
+    MXFP4 with its scales)."""
+    if src.dtype == "MXFP4":
+        from .mxfp4 import matrix
+        b, sc = tensors[src.name + "_blocks"], tensors[src.name + "_scales"]
+        E, rows, G = sc.shape
+        flat = replace(b, shape=(E, rows * G, 16))                           # matrix `lead`'s bytes in one read
+        return matrix(_read_rows(flat, 0, rows * G, lead).reshape(rows, G, 16), _read_rows(sc, 0, rows, lead))
+    blocks, dtype = _blocks(src, src.name, shape2, lead), src.dtype
     if dtype == "F8_E4M3":
         blocks, dtype = _fp8(tensors, src, blocks, shape2, hf), "F32"
     return np.concatenate([_to_f32(b, dtype) for b in blocks]).reshape(shape2)
@@ -611,6 +644,8 @@ def _routing(cfg: ModelConfig, w: fmt.ColibriWriter):
         if groups[0]:
             flags |= fmt.ROUTE_GROUP_LIMITED
         bias = w.index(f"blk.{i}.ffn_gate_bias") if cfg.correction_bias else fmt.NO_TENSOR
+        if cfg.router_bias:                 # GPT-OSS: the router's own bias, part of its logits
+            bias, flags = w.index(f"blk.{i}.ffn_gate_inp_b"), flags | fmt.ROUTE_BIAS_IN_LOGITS
         recs.append((w.index(f"blk.{i}.ffn_gate_inp"), bias, cfg.top_k, cfg.num_experts, flags, shared,
                      *groups, float(np.float32(cfg.routed_scaling_factor))))
     return recs

@@ -69,8 +69,10 @@ class DecodeStep:
     @classmethod
     def build(cls, cfg, w, ws) -> "DecodeStep | None":
         Ls = w.layers
-        if not Ls or cfg.mla:                              # latent attention: the per-layer path (mla.py)
+        if not Ls or cfg.mla or cfg.sliding_layers:          # latent attention (mla.py), per-layer windows
             return None
+        if any(L.sinks.size or L.gate_b is not None or L.b1 is not None for L in Ls):
+            return None                                    # GPT-OSS's sinks, router and expert biases
         if any(L.gate is None or L.w1 is None or L.shared_w1 is not None or L.rule is not None for L in Ls):
             return None
         if any(b is not None for L in Ls for b in (L.bq, L.bk, L.bv, L.bo)):

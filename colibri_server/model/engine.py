@@ -187,7 +187,7 @@ class Model:
             step.compile(self.rope, cache, scores)
         q3 = np.zeros((1, cfg.num_heads, cfg.cache_dim), np.float32)  # prefill's attention (forward, T > 1)
         KA.attention_par.compile(tuple(numba.typeof(a) for a in (
-            q3, cache.k[0], cache.v[0], 0, cfg.sliding_window, 1.0, q3, scores)))
+            q3, cache.k[0], cache.v[0], 0, cfg.sliding_window, 1.0, q3, scores, self.weights.layers[0].sinks)))
         if cfg.mla:
             from .mla import compile_threaded as mla_compile
             mla_compile(cfg, self.weights, ws)

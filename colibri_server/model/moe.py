@@ -65,7 +65,9 @@ def moe(layer, x, ws, out, noise=None, trace=None):
     E, A = layer.gate.shape[0], layer.top_k
     logits = ws.router[:T, :E]                                                 # (T,E)
     idx, wts = ws.route_idx[:T, :A], ws.route_w[:T, :A]                       # (T,A) i32, (T,A) f32
-    if T == 1 and ws.threads == 1 and trace is None and (noise is None or noise.scale <= 0) and layer.rule is None:
+    general = layer.b1 is not None          # GPT-OSS: biased experts and its clamped SwiGLU (config: both or neither)
+    if T == 1 and ws.threads == 1 and trace is None and (noise is None or noise.scale <= 0) and layer.rule is None \
+            and layer.gate_b is None and not general:
         # decode: router, top-k and the experts in one Numba call (kernels/decode), same kernels
         if hasattr(layer.w1, "q"):
             KD.moe_quant(layer.gate, layer.w1.q, layer.w1.s, layer.w3.q, layer.w3.s, layer.w2.q, layer.w2.s, x[0],
@@ -78,6 +80,8 @@ def moe(layer, x, ws, out, noise=None, trace=None):
         K.matvec(layer.gate, x[0], logits[0])                                  # (E,D) f32: BLAS costs more to call
     else:
         ws.mm(x, layer.gate, logits)
+    if layer.gate_b is not None:    # GPT-OSS: the router's logits are W x + b
+        logits += layer.gate_b
     if layer.rule is not None:      # version-2 routing (sigmoid, correction bias, groups, scale)
         K.route_rule(logits, A, layer.rule, layer.corr_bias, idx, wts)
     elif noise is not None and noise.scale > 0:
@@ -86,11 +90,11 @@ def moe(layer, x, ws, out, noise=None, trace=None):
         K.route(logits, A, layer.renorm, idx, wts)
     if trace is not None:
         trace.append((idx.copy(), wts.copy()))
-    if T > 1:
+    if T > 1 or general:
         counts, offsets, order = ws.counts[:E], ws.offsets[:E + 1], ws.order[:T * A]
         K.group_by_expert(idx, E, counts, offsets, order)
         active = np.flatnonzero(counts)
-        if ws.experts_in_one_call(layer, T, len(active)):
+        if not general and ws.experts_in_one_call(layer, T, len(active)):
             # a serving step's (or a short prompt's) experts in one Numba call (kernels/rowgemm.experts_rows)
             Y = ws.expert_rows(T * A)                                          # (T*A,D) one row per choice
             w1, w3, w2 = kernel_array(layer.w1), kernel_array(layer.w3), kernel_array(layer.w2)
@@ -101,7 +105,7 @@ def moe(layer, x, ws, out, noise=None, trace=None):
             RG.weighted_rows(Y, wts, out)
             return _shared_expert(layer, x, ws, out)
     out[...] = 0.0
-    if T == 1:
+    if T == 1 and not general:
         for a in range(A):
             ws.expert(layer.w1, layer.w3, layer.w2, int(idx[0, a]), x[0], float(wts[0, a]), out[0])
     else:
@@ -115,8 +119,13 @@ def moe(layer, x, ws, out, noise=None, trace=None):
             g, u, y = ws.ffn_g[:c, :I], ws.ffn_u[:c, :I], ws.expert_out[:c]   # (c,I) (c,I) (c,D)
             ws.mm(xe, layer.w1[e], g)
             ws.mm(xe, layer.w3[e], u)
-            K.silu_mul(g, u, g)
+            if general:
+                K.swiglu_clamped(g, u, layer.b1[e], layer.b3[e], layer.swiglu[0], layer.swiglu[1], g)
+            else:
+                K.silu_mul(g, u, g)
             ws.mm(g, layer.w2[e], y)
+            if layer.b2 is not None:
+                y += layer.b2[e]
             y *= wts.reshape(-1)[flat][:, None]                                # (c,D) scaled by routing weight
             out[tok] += y
     return _shared_expert(layer, x, ws, out)

@@ -351,7 +351,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
             qa, rows = MLA.project(cfg, L, h, ws, pos, cos, sin)              # (T,H,r+dr) (T,1,r+dr)
             cache.k[l, :, P0:P0 + T] = rows.transpose(1, 0, 2)
             lat = ws.latent_out[:T].reshape(T, H, cfg.kv_lora_rank)
-            K.attend(qa, cache.k[l], cache.k[l], P0, cfg.sliding_window, scale, lat, scores)
+            K.attend(qa, cache.k[l], cache.k[l], P0, cfg.window(l), scale, lat, scores, L.sinks)
             MLA.output(cfg, L, lat, ws, sub)
         else:
             _attention(cfg, L, h, ws, cache, l, P0, pos, rope, scale, scores, sub)
@@ -402,14 +402,14 @@ def _attention(cfg: ModelConfig, L, h, ws: Workspace, cache: KVCache, l: int, P0
     attn = ws.attn[:T]                                                         # (T,H*hd)
     if T == 1:                                                                 # one call (kernels/decode)
         KD.rope_cache_attend(q3, k3, v.reshape(1, Hkv, hd), pos, cos, sin, cache.k[l], cache.v[l], P0,
-                             cfg.sliding_window, scale, attn.reshape(1, H, hd), scores)
+                             cfg.window(l), scale, attn.reshape(1, H, hd), scores, L.sinks)
     else:
         K.rope(q3, pos, cos, sin)
         K.rope(k3, pos, cos, sin)
         # append to the cache, attend over positions 0..P0+T-1
         cache.k[l, :, P0:P0 + T] = k3.transpose(1, 0, 2)                       # (Hkv,T,hd)
         cache.v[l, :, P0:P0 + T] = v.reshape(T, Hkv, hd).transpose(1, 0, 2)
-        K.attend(q3, cache.k[l], cache.v[l], P0, cfg.sliding_window, scale, attn.reshape(T, H, hd), scores)
+        K.attend(q3, cache.k[l], cache.v[l], P0, cfg.window(l), scale, attn.reshape(T, H, hd), scores, L.sinks)
     ws.mm(attn, L.wo, sub)
     if L.bo is not None:
         sub += L.bo

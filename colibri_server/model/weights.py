@@ -10,7 +10,7 @@ array; norms, biases and router gates are f32.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from .panels import Panels
 from .quant import QTensor
 
 QUANT_KIND = {"i8": "q8", "u4": "q4"}
+_NO_SINKS = np.zeros(0, np.float32)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,14 @@ class Layer:
     kv_a_norm: np.ndarray | None = None  # (r,) f32
     k_up: np.ndarray | None = None     # (H, r, nope)
     v_up: np.ndarray | None = None     # (H, v, r)
+    # GPT-OSS: per-head logits in every attention softmax's sum ((H,) f32; size 0: none), the router's
+    # bias on its logits (E,), the experts' biases (E,I) (E,I) (E,D)
+    sinks: np.ndarray = field(default_factory=lambda: _NO_SINKS)
+    gate_b: np.ndarray | None = None
+    b1: np.ndarray | None = None
+    b3: np.ndarray | None = None
+    b2: np.ndarray | None = None
+    swiglu: tuple = ()                 # (alpha, limit) of the clamped SwiGLU with the biases; () otherwise
 
 
 @dataclass(frozen=True)
@@ -110,10 +119,12 @@ def check_tensors(cf: fmt.ColibriFile, cfg: ModelConfig) -> None:
             raise fmt.BadRouting(cf.path, where, f"top_k {rt.top_k} differs from the config's {cfg.top_k}")
         if bool(rt.flags & fmt.ROUTE_RENORM) != cfg.norm_topk_prob:
             raise fmt.BadRouting(cf.path, where, "the renormalise flag disagrees with the config's norm_topk_prob")
-        if (rt.bias != fmt.NO_TENSOR) != cfg.correction_bias:
-            raise fmt.BadRouting(cf.path, where, "the correction bias disagrees with the config")
-        if cfg.correction_bias and names[rt.bias] != f"blk.{i}.ffn_gate_bias":
-            raise fmt.BadRouting(cf.path, where, f"bias points at {names[rt.bias]!r}, not blk.{i}.ffn_gate_bias")
+        if (rt.bias != fmt.NO_TENSOR) != (cfg.correction_bias or cfg.router_bias) \
+                or bool(rt.flags & fmt.ROUTE_BIAS_IN_LOGITS) != cfg.router_bias:
+            raise fmt.BadRouting(cf.path, where, "the correction bias / router bias disagrees with the config")
+        want = f"blk.{i}.ffn_gate_inp_b" if cfg.router_bias else f"blk.{i}.ffn_gate_bias"
+        if rt.bias != fmt.NO_TENSOR and names[rt.bias] != want:
+            raise fmt.BadRouting(cf.path, where, f"bias points at {names[rt.bias]!r}, not {want}")
         shared = bool(rt.flags & fmt.ROUTE_SHARED_EXPERT)
         if shared != bool(cfg.shared_expert_intermediate_size):
             raise fmt.BadRouting(cf.path, where, "shared-expert flag disagrees with the config")
@@ -166,9 +177,12 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
             shared_w1=v(p + "ffn_gate_shexp"), shared_w3=v(p + "ffn_up_shexp"),
             shared_w2=v(p + "ffn_down_shexp"), shared_gate=v(p + "ffn_shexp_gate"),
             mlp_w1=v(p + "ffn_gate"), mlp_w3=v(p + "ffn_up"), mlp_w2=v(p + "ffn_down"),
-            **_rule(rt, v(p + "ffn_gate_bias")),
+            **_rule(rt, v(p + "ffn_gate_bias")),      # GPT-OSS's logit bias is gate_b, not a rule's
             q_a=v(p + "attn_q_a"), q_a_norm=v(p + "attn_q_a_norm"), kv_a=v(p + "attn_kv_a"),
             kv_a_norm=v(p + "attn_kv_a_norm"), k_up=v(p + "attn_k_up"), v_up=v(p + "attn_v_up"),
+            sinks=v(p + "attn_sinks") if p + "attn_sinks" in cf else _NO_SINKS, gate_b=v(p + "ffn_gate_inp_b"),
+            b1=v(p + "ffn_gate_exps_b"), b3=v(p + "ffn_up_exps_b"), b2=v(p + "ffn_down_exps_b"),
+            swiglu=(cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit > 0 and cfg.is_moe_layer(i) else (),
             wqkv=None if cfg.mla or QUANT_KIND.get(cf.records[p + "attn_q"].dtype)
             else cf.stacked_view([p + "attn_q", p + "attn_k", p + "attn_v"])))
         L = layers[-1]

@@ -132,15 +132,20 @@ def _first(p, window):
 
 
 @njit(cache=True)
-def _attend_kv(qt, kcache, vcache, kh, lo, p, sc, sv, ot):
+def _attend_kv(qt, kcache, vcache, kh, lo, p, sc, sv, ot, sinks):
     # the query heads of kv head kh (qt (H,hd) one position's) over positions lo..p -> ot's rows of them;
-    # sv (g, p+1-lo) the scores scratch
+    # sv (g, p+1-lo) the scores scratch; sinks (H,) f32 logits in every softmax's sum (GPT-OSS), or size 0
     group = sv.shape[0]
     h0 = kh * group
     _scores_group(qt[h0:h0 + group], kcache[kh, lo:p + 1], sc, sv)
     for h in range(group):
         row = sv[h]
-        tot = _softmax_weights(row, _max_finite(row))
+        m = _max_finite(row)
+        if sinks.shape[0] > 0 and sinks[h0 + h] > m:
+            m = sinks[h0 + h]
+        tot = _softmax_weights(row, m)
+        if sinks.shape[0] > 0:
+            tot += expf(sinks[h0 + h] - m)
         inv = np.float32(1.0) / tot
         for j in range(row.shape[0]):
             row[j] *= inv
@@ -148,9 +153,10 @@ def _attend_kv(qt, kcache, vcache, kh, lo, p, sc, sv, ot):
 
 
 @njit(cache=True)
-def attention(q, kcache, vcache, start, window, scale, out, scores):
-    # q (T,H,hd), k/vcache (Hkv,S,hd), causal GQA from abs pos start(+t), sliding window if >0 -> out (T,H,hd);
-    # scores (>= H//Hkv * S,) scratch
+def attention(q, kcache, vcache, start, window, scale, out, scores, sinks):
+    # q (T,H,hd), k/vcache (Hkv,S,hd), causal GQA from abs pos start(+t), sliding window if >0 -> out (T,H,dv)
+    # (dv <= hd: the first dims of each value row, latent attention); scores (>= H//Hkv * S,) scratch;
+    # sinks (H,) per-head logits in the softmax's sum, or size 0
     group = _checked_group(q, kcache, start, scores.shape[0])
     sc = np.float32(scale)
     for t in range(q.shape[0]):
@@ -159,11 +165,11 @@ def attention(q, kcache, vcache, start, window, scale, out, scores):
         n = p + 1 - lo
         sv = scores[:group * n].reshape((group, n))                                       # (g,n)
         for kh in range(kcache.shape[0]):
-            _attend_kv(q[t], kcache, vcache, kh, lo, p, sc, sv, out[t])
+            _attend_kv(q[t], kcache, vcache, kh, lo, p, sc, sv, out[t], sinks)
 
 
 @njit(cache=True, parallel=True)
-def attention_par(q, kcache, vcache, start, window, scale, out, scores2):
+def attention_par(q, kcache, vcache, start, window, scale, out, scores2, sinks):
     # attention with the kv heads split over Numba threads (one region for every position);
     # scores2 (>= Hkv, >= H//Hkv * S) one scratch row per kv head. The same bits as attention.
     Hkv = kcache.shape[0]
@@ -176,38 +182,42 @@ def attention_par(q, kcache, vcache, start, window, scale, out, scores2):
             p = start + t
             lo = _first(p, window)
             n = p + 1 - lo
-            _attend_kv(q[t], kcache, vcache, kh, lo, p, sc, scores2[kh, :group * n].reshape((group, n)), out[t])
+            _attend_kv(q[t], kcache, vcache, kh, lo, p, sc, scores2[kh, :group * n].reshape((group, n)), out[t],
+                       sinks)
 
 
-def attend(q, kcache, vcache, start, window, scale, out, scores):
+def attend(q, kcache, vcache, start, window, scale, out, scores, sinks):
     """attention, or attention_par when the scratch is 2-D (one row per kv head): a call site's
     threads are those of the scratch it is given (Workspace.attention_scores)."""
-    (attention_par if scores.ndim == 2 else attention)(q, kcache, vcache, start, window, scale, out, scores)
+    (attention_par if scores.ndim == 2 else attention)(q, kcache, vcache, start, window, scale, out, scores, sinks)
 
 
 @overload(attend)
-def _attend_overload(q, kcache, vcache, start, window, scale, out, scores):
+def _attend_overload(q, kcache, vcache, start, window, scale, out, scores, sinks):
     if isinstance(scores, types.Array) and scores.ndim == 2:
-        return lambda q, kcache, vcache, start, window, scale, out, scores: attention_par(
-            q, kcache, vcache, start, window, scale, out, scores)
-    return lambda q, kcache, vcache, start, window, scale, out, scores: attention(
-        q, kcache, vcache, start, window, scale, out, scores)
+        return lambda q, kcache, vcache, start, window, scale, out, scores, sinks: attention_par(
+            q, kcache, vcache, start, window, scale, out, scores, sinks)
+    return lambda q, kcache, vcache, start, window, scale, out, scores, sinks: attention(
+        q, kcache, vcache, start, window, scale, out, scores, sinks)
 
 
-def attention_ref(q, kcache, vcache, start, window, scale, out=None):
+def attention_ref(q, kcache, vcache, start, window, scale, out=None, sinks=None):
     T, H, hd = q.shape
     Hkv, S, _ = kcache.shape
     group = H // Hkv
-    r = np.zeros((T, H, hd), np.float32)
+    dv = out.shape[2] if out is not None else vcache.shape[2]
+    r = np.zeros((T, H, dv), np.float32)
     for t in range(T):
         p = start + t
         lo = max(0, p - window + 1) if window > 0 else 0
         for h in range(H):
             k = kcache[h // group, lo : p + 1].astype(np.float64)
-            v = vcache[h // group, lo : p + 1].astype(np.float64)
+            v = vcache[h // group, lo : p + 1, :dv].astype(np.float64)
             s = (k @ q[t, h].astype(np.float64)) * scale
-            s = np.exp(s - s.max())
-            r[t, h] = (s / s.sum()) @ v
+            sink = -np.inf if sinks is None or len(sinks) == 0 else float(sinks[h])
+            m = max(s.max(), sink)
+            s = np.exp(s - m)
+            r[t, h] = (s / (s.sum() + np.exp(sink - m))) @ v
     if out is not None:
         out[...] = r
     return r

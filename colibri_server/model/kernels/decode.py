@@ -40,15 +40,16 @@ def moe_quant(gate, q1, s1, q3, s3, q2, s2, x, top_k, renorm, logits, idx, wts, 
 
 
 @njit(cache=True)
-def rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache, vcache, start, window, scale, out, scores):
+def rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache, vcache, start, window, scale, out, scores, sinks):
     # one token: RoPE on q3 (1,H,hd) and k3 (1,Hkv,hd) in place, k3/v3 into the cache (Hkv,S,hd) at
-    # position `start`, attention of q3 over 0..start -> out (1,H,hd); a 2-D scores scratch: kv heads on threads
+    # position `start`, attention of q3 over 0..start -> out (1,H,hd); a 2-D scores scratch: kv heads on threads;
+    # sinks (H,) per-head softmax sinks or size 0
     rope(q3, pos, cos, sin)
     rope(k3, pos, cos, sin)
     for h in range(k3.shape[1]):
         kcache[h, start] = k3[0, h]
         vcache[h, start] = v3[0, h]
-    attend(q3, kcache, vcache, start, window, scale, out, scores)
+    attend(q3, kcache, vcache, start, window, scale, out, scores, sinks)
 
 
 def _layer_attend(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
@@ -60,7 +61,8 @@ def _layer_attend(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, sc
 def _layer_attend_overload(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
     if kc.ndim == 4:            # (L,Hkv,S,hd): the sequence's own cache
         def own(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
-            rope_cache_attend(q3, k3, v3, pos, cos, sin, kc[l], vc[l], start, window, scale, out, scores)
+            rope_cache_attend(q3, k3, v3, pos, cos, sin, kc[l], vc[l], start, window, scale, out, scores,
+                              q3[0, 0, :0])                               # no sinks in the fused token
         return own
 
     def paged(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
@@ -73,7 +75,7 @@ def _layer_attend_overload(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, w
             _put_row(k3[0, h], kc[l, b, h, o])
             _put_row(v3[0, h], vc[l, b, h, o])
         acc = np.empty(q3.shape[2], np.float32)
-        _attend_row(q3[0], kc[l], vc[l], table, start, window, scale, out[0], scores, acc)
+        _attend_row(q3[0], kc[l], vc[l], table, start, window, scale, out[0], scores, acc, q3[0, 0, :0])
     return paged
 
 

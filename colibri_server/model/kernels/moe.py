@@ -50,6 +50,30 @@ def silu_mul_ref(g, u, out=None):
     return r
 
 
+@njit(cache=True, error_model="numpy")
+def swiglu_clamped(g, u, b1, b3, alpha, limit, out):
+    # GPT-OSS's expert activation: g, u (T,I) f32 the gate and up projections without their biases
+    # b1, b3 (I,) -> out (T,I) = (min(max(u + b3, -limit), limit) + 1) * gc * sigmoid(alpha * gc),
+    # gc = min(g + b1, limit); out may be g
+    T, I = g.shape
+    one = np.float32(1.0)
+    a, lim = np.float32(alpha), np.float32(limit)
+    for t in range(T):
+        gt = g[t]
+        ut = u[t]
+        ot = out[t]
+        for j in range(I):
+            gv = min(gt[j] + b1[j], lim)
+            uv = min(max(ut[j] + b3[j], -lim), lim)
+            ot[j] = (uv + one) * (gv / (one + expf(-a * gv)))
+
+
+def swiglu_clamped_ref(g, u, b1, b3, alpha, limit):
+    gv = np.minimum(g.astype(np.float64) + b1, limit)
+    uv = np.clip(u.astype(np.float64) + b3, -limit, limit)
+    return ((uv + 1) * gv / (1 + np.exp(-alpha * gv))).astype(np.float32)
+
+
 @njit(cache=True, error_model="numpy")   # no ZeroDivision check: it blocks vectorisation
 def _silu_mul_1d(g, u):
     # g (I,) f32 in place = silu(g) * u

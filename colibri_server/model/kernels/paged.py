@@ -74,9 +74,10 @@ def write_kv(k, v, kpool, vpool, blocks, offsets):
 
 
 @njit(cache=True, fastmath=_REDUCE_FM, error_model="numpy")
-def _attend_row(q, kpool, vpool, table, p, window, scale, out, sc, acc):
+def _attend_row(q, kpool, vpool, table, p, window, scale, out, sc, acc, sinks):
     # q (H,hd) one row at position p -> out (H,dv), dv <= hd the first dims of each value row;
-    # table (>= p//BS + 1,) its sequence's blocks; sc (>= p+1,) f32 and acc (dv,) f32 scratch
+    # table (>= p//BS + 1,) its sequence's blocks; sc (>= p+1,) f32 and acc (dv,) f32 scratch;
+    # sinks (H,) f32 per-head logits in each softmax's sum (GPT-OSS), or size 0
     H, hd = q.shape
     dv = out.shape[1]
     Hkv, BS = kpool.shape[1], kpool.shape[2]
@@ -97,11 +98,15 @@ def _attend_row(q, kpool, vpool, table, p, window, scale, out, sc, acc):
                 a += qh[c] * to_f32(kr[c])
             s[j] = np.float32(scale) * a
         m = _max_finite(s)
+        if sinks.shape[0] > 0 and sinks[h] > m:
+            m = sinks[h]
         tot = np.float32(0.0)
         for j in range(n):
             e = expf(s[j] - m)
             s[j] = e
             tot += e
+        if sinks.shape[0] > 0:
+            tot += expf(sinks[h] - m)
         inv = np.float32(1.0) / tot
         for c in range(dv):
             acc[c] = 0.0
@@ -132,7 +137,7 @@ def _checked(q, kpool, vpool, out, tables, row_pos):
 
 
 @njit(cache=True)
-def paged_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out):
+def paged_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out, sinks):
     # q (N,H,hd) f32 rows of a step, kpool/vpool (NB,Hkv,BS,hd), tables (S,maxb) i32 block tables,
     # row_seq (N,) index into tables, row_pos (N,) absolute positions -> out (N,H,dv), dv <= hd
     N, H, hd = q.shape
@@ -140,21 +145,21 @@ def paged_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, ou
     sc = np.empty(maxp, np.float32)
     acc = np.empty(out.shape[2], np.float32)
     for r in range(N):
-        _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc)
+        _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc, sinks)
 
 
 @njit(cache=True, parallel=True)
-def paged_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out):
+def paged_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out, sinks):
     # paged_attention with the rows split over Numba threads (the same bits: rows are independent)
     N, H, hd = q.shape
     _checked(q, kpool, vpool, out, tables, row_pos)
     for r in prange(N):
         sc = np.empty(row_pos[r] + 1, np.float32)
         acc = np.empty(out.shape[2], np.float32)
-        _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc)
+        _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc, sinks)
 
 
-def paged_attention_ref(q, kpool, vpool, tables, row_seq, row_pos, window, scale, dv=None):
+def paged_attention_ref(q, kpool, vpool, tables, row_seq, row_pos, window, scale, dv=None, sinks=None):
     """numpy twin, float64 inside; dv: the value dims (default all of vpool's)."""
     N, H, hd = q.shape
     dv = vpool.shape[3] if dv is None else dv
@@ -173,6 +178,8 @@ def paged_attention_ref(q, kpool, vpool, tables, row_seq, row_pos, window, scale
             K = f32(kpool[blk, h // group, pos % BS])                           # (n,hd)
             V = f32(vpool[blk, h // group, pos % BS])[:, :dv]
             s = K @ q[r, h].astype(np.float64) * scale
-            w = np.exp(s - s.max())
-            out[r, h] = (w / w.sum()) @ V
+            sink = -np.inf if sinks is None or len(sinks) == 0 else float(sinks[h])
+            m = max(s.max(), sink)
+            w = np.exp(s - m)
+            out[r, h] = (w / (w.sum() + np.exp(sink - m))) @ V
     return out
