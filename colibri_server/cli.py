@@ -178,9 +178,16 @@ def cmd_convert(a):
         else:
             if a.quantize == "auto":
                 _die("--quantize auto keeps a GGUF's precision; for a checkpoint directory choose none, q8 or q4")
+            errors = {}
             cfg = convert(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
                           require_tokenizer=not a.no_tokenizer, progress=not a.quiet, quantize=a.quantize or "none",
-                          quantize_head=a.quantize_head, quant_group=a.quant_group, layout=a.layout)
+                          quantize_head=a.quantize_head, quant_group=a.quant_group, layout=a.layout, errors=errors)
+            exps = {n: e for n, e in errors.items() if "_exps" in n and not n.endswith("_b")}
+            if exps:          # MXFP4 experts (GPT-OSS), re-encoded: the kernels do not run MXFP4
+                worst = max(exps, key=exps.get)
+                print(f"MXFP4 experts re-encoded as {cfg.quant_of('ffn_up_exps') if cfg.quant != 'none' else a.dtype}: "
+                      f"relative RMS error vs the checkpoint's values mean {np.mean(list(exps.values())):.2e}, "
+                      f"max {exps[worst]:.2e} ({worst})", file=sys.stderr)
     except ConvertError as e:
         _die(str(e))
     except OSError as e:          # a full disk, a read-only directory...: the partial file is removed

@@ -45,12 +45,14 @@ def mxfp4_quantize(w: np.ndarray):
     return (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8), (e + 127).astype(np.uint8)
 
 
-def test_an_mxfp4_checkpoint_matches_transformers_on_its_values(tmp_path):
+@pytest.fixture(scope="module")
+def mx(tmp_path_factory):
     """The experts written as MXFP4 blocks and scales (as gpt-oss-20b ships them), transformers' model given
-    the dequantized values: the converted file's logits within 1e-4 and 32 greedy tokens identical."""
+    the dequantized values."""
     from safetensors.numpy import load_file, save_file
-    hf = H.build_hf_model("gpt_oss", tmp_path / "hf")
-    st = tmp_path / "hf" / "model.safetensors"
+    d = tmp_path_factory.mktemp("mxfp4")
+    hf = H.build_hf_model("gpt_oss", d / "hf")
+    st = d / "hf" / "model.safetensors"
     tensors = load_file(str(st))
     state = dict(hf.named_parameters())
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -62,11 +64,35 @@ def test_an_mxfp4_checkpoint_matches_transformers_on_its_values(tmp_path):
         with torch.no_grad():
             state[name].copy_(torch.from_numpy(deq))
     save_file(tensors, str(st), metadata={"format": "pt"})
-    convert(str(tmp_path / "hf"), str(tmp_path / "m.colibri"), "f32", progress=False)
-    m = Model.open(str(tmp_path / "m.colibri"))
+    return hf, d
+
+
+def test_an_mxfp4_checkpoint_matches_transformers_on_its_values(mx):
+    """The converted file's logits within 1e-4 of transformers' on the dequantized values, 32 greedy tokens
+    identical."""
+    hf, d = mx
+    errors = {}
+    convert(str(d / "hf"), str(d / "m.colibri"), "f32", progress=False, errors=errors)
+    assert max(errors.values()) == 0                   # f32 holds the MXFP4 values exactly
+    m = Model.open(str(d / "m.colibri"))
     ref = H.hf_logits(hf, PROMPT)
     assert np.abs(m.logits(PROMPT) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
     assert m.generate(PROMPT[:8], max_tokens=32, ignore_eos=True) == H.hf_greedy(hf, PROMPT[:8], 32)
+
+
+def test_mxfp4_re_encoding_states_its_error(mx):
+    """`colibri convert` of an MXFP4 checkpoint to q8 prints the experts' error against the MXFP4 values."""
+    import subprocess
+    import sys
+    _, d = mx
+    r = subprocess.run([sys.executable, "-m", "colibri_server.cli", "convert", str(d / "hf"), str(d / "q8.colibri"),
+                        "--dtype", "f32", "--quantize", "q8", "--quant-group", "32", "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("MXFP4 experts re-encoded as q8")]
+    assert line, r.stderr
+    mean = float(line[0].split("mean ")[1].split(",")[0])
+    assert 1e-4 < mean < 0.05, line
 
 
 def test_broken_mxfp4_tensors_are_named(tmp_path):

@@ -373,11 +373,12 @@ def _quantized_blocks(blocks, kind: str, G: int, src_dtype: str):
 
 def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, require_tokenizer=True,
             progress=True, quantize: str = "none", quantize_head: str | None = None,
-            quant_group: int | None = None, layout: str | None = None) -> ModelConfig:
+            quant_group: int | None = None, layout: str | None = None, errors: dict | None = None) -> ModelConfig:
     """HF checkpoint -> .colibri. quantize (none|q8|q4) stores the attention projections, the
     experts and the output head group-quantized (quant.py); the rest stays `dtype`. layout
     (rows|panels; default: panels for f16, rows otherwise) is how the f16/bf16 matrices are
-    stored (panels.py)."""
+    stored (panels.py). `errors`, when given and the checkpoint holds MXFP4 tensors (which are always
+    re-encoded), receives each tensor's relative RMS error against the checkpoint's values."""
     hf_dir = os.fspath(hf_dir)
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.exists(cfg_path):
@@ -435,8 +436,9 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
             else:
                 dtype = src.dtype
             yield dtype, partial_rotary_rows(cfg, key, blocks)
+    mxfp4 = errors is not None and any(n.endswith("_blocks") and n[:-7] + "_scales" in tensors for n in tensors)
     write_model(out_path, cfg, pieces, metadata=metadata, tokenizer_json=tok, chat_template=template,
-                progress=progress)
+                progress=progress, errors=errors if mxfp4 else None)
     return cfg
 
 
