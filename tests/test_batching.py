@@ -272,7 +272,9 @@ def test_prompt_logprobs_score_every_prompt_token_once_even_when_preempted(built
                              (filler, dict(max_tokens=30, ignore_eos=True))])
     lp = seqs[0].prompt_logprobs
     assert len(lp) == 30 and lp[0] is None
-    assert max(abs(lp[i][0] - ref[i - 1, prompt[i]]) for i in range(1, 30)) < 1e-5
+    # the paged and the contiguous attention sum in different orders: f32 apart, relative to the logprobs' size
+    # (1.4e-5 on values up to ~20 measured on an AVX-512 VM)
+    assert max(abs(lp[i][0] - ref[i - 1, prompt[i]]) for i in range(1, 30)) < 2e-6 * max(1.0, np.abs(ref).max())
     assert [e[1].tolist() for e in lp[1:]] == [np.argsort(-ref[i], kind="stable")[:2].tolist() for i in range(29)]
     assert eng.sched.preemptions > 0
 
