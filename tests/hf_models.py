@@ -313,6 +313,16 @@ FAMILY_CONFIGS: dict[str, dict] = {
                     swiglu_limit=1.5, rms_norm_eps=1e-5, tie_word_embeddings=False,
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
+    # Phi-3.5-MoE: LayerNorm with biases, the head's bias, sparsemixer routing (jitter eps 0.3: several experts
+    # within the band, so the masks matter), q/k/v/o biases, longrope (short/long factors, mscales; the context
+    # of 64 is its original length: the short factors, as transformers takes them).
+    "phimoe": dict(_COMMON, model_type="phimoe", num_hidden_layers=2, intermediate_size=32, num_local_experts=8,
+                   num_experts_per_tok=2, router_jitter_noise=0.3, attention_bias=True, lm_head_bias=True,
+                   rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=64,
+                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                                    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0],
+                                    "short_mscale": 1.1, "long_mscale": 1.3, "original_max_position_embeddings": 64}),
 }
 
 # Re-initialisation std (see _reinit_weights).

@@ -21,7 +21,7 @@ from . import mla as MLA
 from .config import ModelConfig
 from .moe import moe, swiglu
 from .rope import attention_scale
-from .transformer import qkv_finish
+from .transformer import norm, qkv_finish
 
 
 class Rows:
@@ -60,7 +60,7 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
         x[r:r + e.shape[0]] = e
     for l, L in enumerate(w.layers):
         # attention: RMSNorm -> q, k, v (+ bias) -> [clip] -> [q/k norm] -> RoPE at each row's position
-        K.rmsnorm(x, L.attn_norm, cfg.rms_norm_eps, h)
+        norm(x, L.attn_norm, L.attn_norm_b, cfg.rms_norm_eps, h)
         if cfg.mla:            # latent attention (mla.py): one cached row per position, its values its first r dims
             qa, lat_rows = MLA.project(cfg, L, h, ws, rows.pos, cos, sin)    # (N,H,r+dr) (N,1,r+dr)
             KP.write_kv(lat_rows, lat_rows, pool.k[l], pool.k[l], rows.blocks, rows.offsets)
@@ -93,16 +93,18 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
     M = rows.sample.shape[0]
     hs = ws.gather[:M]                                                         # (M,D)
     np.take(x, rows.sample, axis=0, out=hs)
-    K.rmsnorm(hs, w.output_norm, cfg.rms_norm_eps, hs)
+    norm(hs, w.output_norm, w.output_norm_b, cfg.rms_norm_eps, hs)
     logits = logits_out[:M]                                                    # (M,V)
     ws.mm(hs, w.output, logits)
+    if w.output_b is not None:
+        logits += w.output_b
     return logits
 
 
 def _feed_forward(cfg: ModelConfig, l: int, L, x, h, sub, ws, noise, expert_counts) -> None:
     """RMSNorm -> MoE over the whole batch (rows grouped by expert) or dense MLP -> residual, in x (N,D)."""
     N = x.shape[0]
-    K.rmsnorm(x, L.ffn_norm, cfg.rms_norm_eps, h)
+    norm(x, L.ffn_norm, L.ffn_norm_b, cfg.rms_norm_eps, h)
     if L.gate is not None:
         moe(L, h, ws, sub, noise=noise)
         if expert_counts is not None:                                          # the layer's choices, (N,A)

@@ -13,9 +13,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from .format import PANEL
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "qwen3", "granitemoe", "glm4_moe",
-                 "deepseek2", "gpt_oss")
+                 "deepseek2", "gpt_oss", "phimoe")
 QK_NORMS = ("none", "head", "full")   # head: RMSNorm over head_dim per head (Qwen3); full: over H*hd (OLMoE)
-ROPE_TYPES = ("default", "linear", "yarn", "llama3", "factors")  # factors: llama.cpp's rope_freqs   # dynamic NTK and longrope change with length: not supported
+ROPE_TYPES = ("default", "linear", "yarn", "llama3", "factors", "longrope")  # factors: llama.cpp's rope_freqs   # dynamic NTK and longrope change with length: not supported
 FLOAT_DTYPES = ("f32", "f16", "bf16")
 QUANTS = ("none", "q8", "q4")          # group-quantized matrices (quant.py): values i8 / u4 + f16 scales
 QUANT_VALUE_DTYPE = {"q8": "i8", "q4": "u4"}
@@ -29,8 +29,9 @@ QUANTIZABLE = ("attn_q", "attn_k", "attn_v", "attn_o", "attn_q_a", "attn_kv_a", 
 OMITTED_AT_DEFAULT = ("layout", "score_func", "correction_bias", "n_group", "topk_group", "routed_scaling_factor",
                       "shared_expert_gate", "rotary_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                       "v_head_dim", "sliding_layers", "attn_sinks", "router_bias", "expert_bias", "swiglu_limit",
-                      "swiglu_alpha")
+                      "swiglu_alpha", "norm", "output_bias", "sparsemixer_eps")
 SCORE_FUNCS = ("softmax", "sigmoid")
+NORMS = ("rms", "layer")
 
 
 class ConfigError(ValueError):
@@ -96,6 +97,10 @@ class ModelConfig:
     expert_bias: bool = False        # blk.N.ffn_{gate,up,down}_exps_b: each expert's projections have biases
     swiglu_limit: float = 0.0        # > 0: the clamped SwiGLU (up + 1) * g * sigmoid(alpha g), g <= limit, |up| <= limit
     swiglu_alpha: float = 0.0        # its alpha (1.702)
+    # Phi-3.5-MoE
+    norm: str = "rms"                # rms | layer: LayerNorm with a bias (blk.N.attn_norm_b, ffn_norm_b, output_norm_b)
+    output_bias: bool = False        # output_b [V]: the output head's bias
+    sparsemixer_eps: float = 0.0     # > 0: sparsemixer routing (top_k 2) with this jitter eps
 
     # -- derived ----------------------------------------------------------------
     def quant_of(self, key: str) -> str:
@@ -240,6 +245,14 @@ class ModelConfig:
         need(math.isfinite(self.swiglu_limit) and self.swiglu_limit >= 0, "swiglu_limit", "must be finite and >= 0")
         need(self.swiglu_limit == 0 or (math.isfinite(self.swiglu_alpha) and self.swiglu_alpha > 0), "swiglu_alpha",
              "must be finite and > 0 with a swiglu_limit")
+        need(self.norm in NORMS, "norm", f"{self.norm!r} is not one of {NORMS}")
+        need(math.isfinite(self.sparsemixer_eps) and self.sparsemixer_eps >= 0, "sparsemixer_eps", "must be finite and >= 0")
+        if self.sparsemixer_eps > 0:
+            need(self.num_experts >= 2 and self.top_k == 2, "sparsemixer_eps", "sparsemixer routing chooses 2 experts: "
+                 "top_k must be 2")
+            need(self.score_func == "softmax" and not (self.n_group or self.correction_bias or self.router_bias
+                                                        or self.norm_topk_prob or self.routed_scaling_factor != 1.0),
+                 "sparsemixer_eps", "sparsemixer routing takes no other routing rule (groups, biases, renormalising, scale)")
         need(self.expert_bias == (self.swiglu_limit > 0), "expert_bias",
              "biased experts come with the clamped SwiGLU (swiglu_limit > 0) and it with them (GPT-OSS)")
         need(self.quant in QUANTS, "quant", f"{self.quant!r} is not one of {QUANTS}")
@@ -260,6 +273,8 @@ ROPE_KEYS = {  # rope_type: (required positive numbers, optional positive number
     "linear": (("factor",), ()),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
     "factors": ((), ()),        # "factors": a list of head_dim/2 divisors of inv_freq (a GGUF's rope_freqs)
+    # longrope: short_factor / long_factor lists (head_dim/2 divisors each); rope.py chooses by the context
+    "longrope": (("original_max_position_embeddings",), ("attention_factor", "factor", "short_mscale", "long_mscale")),
     "yarn": (("factor", "original_max_position_embeddings"),
              ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")),
 }
@@ -270,7 +285,8 @@ def _check_rope(self, need):
     rt = rs.get("rope_type", "default")
     need(isinstance(rt, str) and rt in ROPE_TYPES, "rope_scaling", f"rope_type {rt!r} is not one of {ROPE_TYPES}")
     required, optional = ROPE_KEYS[rt]
-    allowed = {"rope_type", "truncate", *required, *optional, *(("factors",) if rt == "factors" else ())}
+    lists = {"factors": ("factors",), "longrope": ("short_factor", "long_factor")}.get(rt, ())
+    allowed = {"rope_type", "truncate", *required, *optional, *lists}
     extra = sorted(set(rs) - allowed)
     need(not extra, "rope_scaling", f"unknown key {extra[0]!r} for rope_type {rt!r}" if extra else "")
     for k in required:
@@ -281,12 +297,12 @@ def _check_rope(self, need):
             need(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 < v < 1e9,
                  "rope_scaling", f"{k} = {v!r} must be a positive finite number")
     need(isinstance(rs.get("truncate", True), bool), "rope_scaling", "truncate must be a boolean")
-    if rt == "factors":
-        f = rs.get("factors")
+    for key in lists:
+        f = rs.get(key)
         n = (self.rotary_dim or self.head_dim) // 2
         need(isinstance(f, list) and len(f) == n and all(
             not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 < v < 1e9 for v in f),
-            "rope_scaling", f"factors must be a list of {n} positive finite numbers (one per rotary pair)")
+            "rope_scaling", f"{key} must be a list of {n} positive finite numbers (one per rotary pair)")
     if rt == "llama3":
         need(rs["low_freq_factor"] != rs["high_freq_factor"], "rope_scaling",
              "low_freq_factor and high_freq_factor must differ")
@@ -366,6 +382,8 @@ def _expected_plain(cfg: ModelConfig):
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
         yield p + "attn_norm", (D,), F32
+        if cfg.norm == "layer":
+            yield p + "attn_norm_b", (D,), F32
         if cfg.mla:
             yield from _expected_mla(cfg, p)
         else:
@@ -388,6 +406,8 @@ def _expected_plain(cfg: ModelConfig):
             yield p + "attn_q_norm", (cfg.q_dim,), F32
             yield p + "attn_k_norm", (cfg.kv_dim,), F32
         yield p + "ffn_norm", (D,), F32
+        if cfg.norm == "layer":
+            yield p + "ffn_norm_b", (D,), F32
         if not cfg.is_moe_layer(i):
             yield p + "ffn_gate", (cfg.intermediate_size, D), W
             yield p + "ffn_up", (cfg.intermediate_size, D), W
@@ -413,8 +433,12 @@ def _expected_plain(cfg: ModelConfig):
             if cfg.shared_expert_gate:
                 yield p + "ffn_shexp_gate", (1, D), F32
     yield "output_norm", (D,), F32
+    if cfg.norm == "layer":
+        yield "output_norm_b", (D,), F32
     if not cfg.tie_word_embeddings:
         yield "output", (V, D), W
+    if cfg.output_bias:
+        yield "output_b", (V,), F32
 
 
 def _expected_mla(cfg: ModelConfig, p: str):

@@ -154,13 +154,15 @@ def _rope(hf: dict, default_theta: float):
     scaling.pop("type", None)
     if rtype == "default":
         return float(theta), {}
-    if rtype in ("yarn", "llama3") and "original_max_position_embeddings" not in scaling:
+    if rtype == "su":                               # longrope's first name (Phi-3)
+        rtype = "longrope"
+    if rtype in ("yarn", "llama3", "longrope") and "original_max_position_embeddings" not in scaling:
         # transformers defaults it to max_position_embeddings
         scaling["original_max_position_embeddings"] = (hf.get("original_max_position_embeddings")
                                                        or hf.get("max_position_embeddings"))
-    if rtype not in ("linear", "yarn", "llama3"):
+    if rtype not in ("linear", "yarn", "llama3", "longrope"):
         raise ConvertError(f"config.json: rope_type {rtype!r} is not supported (supported: default, linear, "
-                           "yarn, llama3; dynamic NTK and longrope change with the sequence length)")
+                           "yarn, llama3, longrope; dynamic NTK changes with the sequence length)")
     scaling["rope_type"] = rtype
     return float(theta), scaling
 
@@ -646,6 +648,8 @@ def _routing(cfg: ModelConfig, w: fmt.ColibriWriter):
         if groups[0]:
             flags |= fmt.ROUTE_GROUP_LIMITED
         bias = w.index(f"blk.{i}.ffn_gate_bias") if cfg.correction_bias else fmt.NO_TENSOR
+        if cfg.sparsemixer_eps > 0:         # Phi-MoE
+            flags |= fmt.ROUTE_SPARSEMIXER
         if cfg.router_bias:                 # GPT-OSS: the router's own bias, part of its logits
             bias, flags = w.index(f"blk.{i}.ffn_gate_inp_b"), flags | fmt.ROUTE_BIAS_IN_LOGITS
         recs.append((w.index(f"blk.{i}.ffn_gate_inp"), bias, cfg.top_k, cfg.num_experts, flags, shared,

@@ -71,6 +71,8 @@ class DecodeStep:
         Ls = w.layers
         if not Ls or cfg.mla or cfg.sliding_layers:          # latent attention (mla.py), per-layer windows
             return None
+        if cfg.norm != "rms" or w.output_b is not None or any(L.sparsemixer for L in Ls):
+            return None                                    # Phi-MoE's LayerNorm, head bias, sparsemixer
         if any(L.sinks.size or L.gate_b is not None or L.b1 is not None for L in Ls):
             return None                                    # GPT-OSS's sinks, router and expert biases
         if any(L.gate is None or L.w1 is None or L.shared_w1 is not None or L.rule is not None for L in Ls):

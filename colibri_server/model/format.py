@@ -99,9 +99,10 @@ ROUTE_SHARED_EXPERT = 1 << 2  # the layer adds sigmoid(shared_gate . x) * shared
 # version 2
 ROUTE_SIGMOID = 1 << 3        # scores are sigmoid(gate logits), each expert on its own
 ROUTE_GROUP_LIMITED = 1 << 5  # choose topk_group of n_group consecutive expert groups first
+ROUTE_SPARSEMIXER = 1 << 6     # Phi-MoE's sparsemixer (top_k 2; its jitter eps is the config's sparsemixer_eps)
 ROUTE_BIAS_IN_LOGITS = 1 << 8  # `bias` is part of the logits (W x + b, GPT-OSS), not a selection-only correction
 V1_FLAGS = ROUTE_SOFTMAX | ROUTE_RENORM | ROUTE_SHARED_EXPERT
-V2_FLAGS = V1_FLAGS | ROUTE_SIGMOID | ROUTE_GROUP_LIMITED | ROUTE_BIAS_IN_LOGITS
+V2_FLAGS = V1_FLAGS | ROUTE_SIGMOID | ROUTE_GROUP_LIMITED | ROUTE_BIAS_IN_LOGITS | ROUTE_SPARSEMIXER
 
 # dtype code -> (name, numpy view dtype, bytes per element). f16 is viewed as uint16 and bf16
 # as int16: Numba has no float16 on the CPU, and the view dtype alone tells a kernel which
@@ -484,6 +485,9 @@ def _validate(path, mm, size):
             n_group = 0                 # 0 or 1: no groups (docs/format.md)
         if flags & ROUTE_BIAS_IN_LOGITS and bias == NO_TENSOR:
             raise BadRouting(path, where, "the bias-in-logits flag without a bias")
+        if flags & ROUTE_SPARSEMIXER and (top_k != 2 or flags & (ROUTE_SIGMOID | ROUTE_GROUP_LIMITED | ROUTE_RENORM)):
+            raise BadRouting(path, where, "sparsemixer routing needs top_k 2 and softmax scores, no groups, no "
+                                          "renormalising")
         if n_exp and not (math.isfinite(rscale) and rscale > 0):
             raise BadRouting(path, where, f"routed_scale {rscale!r} must be finite and > 0")
         routing.append(RoutingRecord(gate, bias, top_k, n_exp, flags, shared_gate, n_group, topk_group,

@@ -67,7 +67,7 @@ def moe(layer, x, ws, out, noise=None, trace=None):
     idx, wts = ws.route_idx[:T, :A], ws.route_w[:T, :A]                       # (T,A) i32, (T,A) f32
     general = layer.b1 is not None          # GPT-OSS: biased experts and its clamped SwiGLU (config: both or neither)
     if T == 1 and ws.threads == 1 and trace is None and (noise is None or noise.scale <= 0) and layer.rule is None \
-            and layer.gate_b is None and not general:
+            and layer.gate_b is None and not general and not layer.sparsemixer:
         # decode: router, top-k and the experts in one Numba call (kernels/decode), same kernels
         if hasattr(layer.w1, "q"):
             KD.moe_quant(layer.gate, layer.w1.q, layer.w1.s, layer.w3.q, layer.w3.s, layer.w2.q, layer.w2.s, x[0],
@@ -84,6 +84,8 @@ def moe(layer, x, ws, out, noise=None, trace=None):
         logits += layer.gate_b
     if layer.rule is not None:      # version-2 routing (sigmoid, correction bias, groups, scale)
         K.route_rule(logits, A, layer.rule, layer.corr_bias, idx, wts)
+    elif layer.sparsemixer:         # Phi-MoE
+        K.route_sparsemixer(logits, layer.sparsemixer, idx, wts)
     elif noise is not None and noise.scale > 0:
         noise.route(logits, A, layer.renorm, idx, wts)
     else:

@@ -19,19 +19,19 @@ def _base_inv_freq(theta: float, dim: int) -> np.ndarray:
     return (np.float32(1.0) / np.power(np.float32(theta), exps)).astype(np.float32)
 
 
-def inv_freq_and_factor(cfg: ModelConfig):
+def inv_freq_and_factor(cfg: ModelConfig, positions: int = 0):
     """(inv_freq (hd/2,) f32, attention_factor float) for cfg's rope_type. A partial rotary
     embedding (rotary_dim < head_dim, GLM-4.5) has rotary_dim/2 frequencies and zeros after them:
     the converter has moved each head's rotated dims to the pairs (i, i + hd/2), i < rotary_dim/2,
     and the rest to the pairs whose angle stays 0 (cos 1, sin 0: passed through; the config
     check keeps the attention factor at 1 there)."""
-    inv, factor = _inv_freq_and_factor(cfg)
+    inv, factor = _inv_freq_and_factor(cfg, positions)
     if inv.shape[0] < cfg.head_dim // 2:
         inv = np.concatenate([inv, np.zeros(cfg.head_dim // 2 - inv.shape[0], np.float32)])
     return inv, factor
 
 
-def _inv_freq_and_factor(cfg: ModelConfig):
+def _inv_freq_and_factor(cfg: ModelConfig, positions: int = 0):
     dim, theta = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta
     rs = cfg.rope_scaling or {}
     rtype = rs.get("rope_type", "default")
@@ -42,6 +42,20 @@ def _inv_freq_and_factor(cfg: ModelConfig):
         return (inv / np.float32(rs["factor"])).astype(np.float32), 1.0
     if rtype == "factors":          # llama.cpp's rope_freqs: one divisor per pair (its Llama 3 GGUFs)
         return (inv / np.asarray(rs["factors"], np.float32)).astype(np.float32), 1.0
+    if rtype == "longrope":
+        # Phi-3.5-MoE. transformers takes the short factors up to original_max_position_embeddings and the
+        # long ones past it, per sequence; a table here serves every sequence of a context of `positions`,
+        # so it takes the long ones when the context reaches past it (llama.cpp's choice, by n_ctx): the
+        # same as transformers for every sequence when the context is within it
+        orig = float(rs["original_max_position_embeddings"])
+        long = positions > orig
+        att = rs.get("long_mscale" if long else "short_mscale") or rs.get("attention_factor")
+        if att is None:
+            f = rs.get("factor") or cfg.max_position_embeddings / orig
+            att = 1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(orig))
+        ext = np.asarray(rs["long_factor" if long else "short_factor"], np.float32)
+        return (np.float32(1.0) / (ext * np.power(np.float32(theta), np.arange(0, dim, 2, dtype=np.float32)
+                                                  / np.float32(dim)))).astype(np.float32), float(att)
     if rtype == "llama3":
         factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
         old = float(rs["original_max_position_embeddings"])
@@ -82,7 +96,7 @@ def _inv_freq_and_factor(cfg: ModelConfig):
 
 def rope_tables(cfg: ModelConfig, positions: int):
     """cos, sin: (positions, hd/2) f32 tables, already scaled by the attention factor."""
-    inv, factor = inv_freq_and_factor(cfg)
+    inv, factor = inv_freq_and_factor(cfg, positions)
     freqs = np.arange(positions, dtype=np.float32)[:, None] * inv[None, :]      # (P, hd/2) f32
     cos = (np.cos(freqs) * np.float32(factor)).astype(np.float32)
     sin = (np.sin(freqs) * np.float32(factor)).astype(np.float32)

@@ -291,6 +291,14 @@ def compile_parallel(weights, ws: Workspace) -> None:
             compile_for(kernel, *args)
 
 
+def norm(x, w, b, eps, out) -> None:
+    """RMSNorm of the rows of x (T,D) into out, or LayerNorm where the model has its bias b (Phi-MoE)."""
+    if b is None:
+        K.rmsnorm(x, w, eps, out)
+    else:
+        K.layernorm(x, w, b, eps, out)
+
+
 def qkv_finish(cfg: ModelConfig, L, q, k, v):
     """After the projections, in place: biases (Qwen2 qkv_bias, attention_bias), OLMoE's q/k norm over
     the whole projection, clip_qkv, Qwen3's q/k norm per head. q (T,H*hd), k and v (T,Hkv*hd) ->
@@ -346,7 +354,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
 
     for l, L in enumerate(w.layers):
         # attention: RMSNorm -> latent attention, or q, k, v -> RoPE -> cache -> attention (_attention)
-        K.rmsnorm(x, L.attn_norm, cfg.rms_norm_eps, h)
+        norm(x, L.attn_norm, L.attn_norm_b, cfg.rms_norm_eps, h)
         if cfg.mla:                                                            # latent attention (mla.py)
             qa, rows = MLA.project(cfg, L, h, ws, pos, cos, sin)              # (T,H,r+dr) (T,1,r+dr)
             cache.k[l, :, P0:P0 + T] = rows.transpose(1, 0, 2)
@@ -358,7 +366,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
         x += sub                                                               # residual
 
         # feed-forward: RMSNorm -> MoE (or dense MLP) -> residual
-        K.rmsnorm(x, L.ffn_norm, cfg.rms_norm_eps, h)
+        norm(x, L.ffn_norm, L.ffn_norm_b, cfg.rms_norm_eps, h)
         if L.gate is not None:
             moe(L, h, ws, sub, noise=noise, trace=trace)
         else:
@@ -368,12 +376,16 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     cache.length = P0 + T
     # final norm and output head
     if all_logits:
-        K.rmsnorm(x, w.output_norm, cfg.rms_norm_eps, h)
+        norm(x, w.output_norm, w.output_norm_b, cfg.rms_norm_eps, h)
         logits = out if out is not None else np.empty((T, cfg.vocab_size), np.float32)   # (T,V)
         ws.mm(h, w.output, logits)
+        if w.output_b is not None:
+            logits += w.output_b
         return logits
-    K.rmsnorm(x[T - 1:T], w.output_norm, cfg.rms_norm_eps, h[:1])
+    norm(x[T - 1:T], w.output_norm, w.output_norm_b, cfg.rms_norm_eps, h[:1])
     ws.mm(h[:1], w.output, ws.logits)        # (1,V)
+    if w.output_b is not None:
+        ws.logits += w.output_b
     return ws.logits
 
 

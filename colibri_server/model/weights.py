@@ -78,6 +78,10 @@ class Layer:
     b3: np.ndarray | None = None
     b2: np.ndarray | None = None
     swiglu: tuple = ()                 # (alpha, limit) of the clamped SwiGLU with the biases; () otherwise
+    # Phi-MoE: LayerNorm's biases (D,) f32 (None: RMSNorm), sparsemixer routing's eps (0: none)
+    attn_norm_b: np.ndarray | None = None
+    ffn_norm_b: np.ndarray | None = None
+    sparsemixer: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ class Weights:
     layers: tuple                      # L x Layer
     output_norm: np.ndarray            # (D,) f32
     output: np.ndarray                 # (V, D): lm head (token_embd when tied)
+    output_norm_b: np.ndarray | None = None  # (D,) f32: LayerNorm's bias (Phi-MoE)
+    output_b: np.ndarray | None = None       # (V,) f32: the head's bias (Phi-MoE)
 
 
 def check_tensors(cf: fmt.ColibriFile, cfg: ModelConfig) -> None:
@@ -134,6 +140,8 @@ def check_tensors(cf: fmt.ColibriFile, cfg: ModelConfig) -> None:
             raise fmt.BadRouting(cf.path, where, f"shared_gate points at {names[rt.shared_gate]!r}")
         if not rt.flags & (fmt.ROUTE_SIGMOID if cfg.score_func == "sigmoid" else fmt.ROUTE_SOFTMAX):
             raise fmt.BadRouting(cf.path, where, f"the score flags disagree with the config's {cfg.score_func}")
+        if bool(rt.flags & fmt.ROUTE_SPARSEMIXER) != (cfg.sparsemixer_eps > 0):
+            raise fmt.BadRouting(cf.path, where, "the sparsemixer flag disagrees with the config's sparsemixer_eps")
         if (rt.n_group, rt.topk_group) != ((cfg.n_group, cfg.topk_group) if cfg.n_group > 1 else (0, 0)):
             raise fmt.BadRouting(cf.path, where, "n_group / topk_group disagree with the config")
         if rt.routed_scale != np.float32(cfg.routed_scaling_factor):
@@ -183,6 +191,8 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
             sinks=v(p + "attn_sinks") if p + "attn_sinks" in cf else _NO_SINKS, gate_b=v(p + "ffn_gate_inp_b"),
             b1=v(p + "ffn_gate_exps_b"), b3=v(p + "ffn_up_exps_b"), b2=v(p + "ffn_down_exps_b"),
             swiglu=(cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit > 0 and cfg.is_moe_layer(i) else (),
+            attn_norm_b=v(p + "attn_norm_b"), ffn_norm_b=v(p + "ffn_norm_b"),
+            sparsemixer=cfg.sparsemixer_eps if rt.flags & fmt.ROUTE_SPARSEMIXER else 0.0,
             wqkv=None if cfg.mla or QUANT_KIND.get(cf.records[p + "attn_q"].dtype)
             else cf.stacked_view([p + "attn_q", p + "attn_k", p + "attn_v"])))
         L = layers[-1]
@@ -193,7 +203,8 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
                 layers[-1] = dataclasses.replace(L, qkv_stack=tuple(qkv))
     emb = cf.view("token_embd")
     return Weights(token_embd=emb, layers=tuple(layers), output_norm=cf.view("output_norm"),
-                   output=emb if cfg.tie_word_embeddings else v("output"))
+                   output=emb if cfg.tie_word_embeddings else v("output"), output_norm_b=v("output_norm_b"),
+                   output_b=v("output_b"))
 
 
 def first_rows(cf: fmt.ColibriFile, name: str, rows: int) -> tuple[np.ndarray, int]:

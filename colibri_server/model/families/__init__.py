@@ -3,11 +3,11 @@ per-architecture builders): adding a family is one module here, its entry in FAM
 its tests. Conversion-time only: the server never imports this package."""
 from __future__ import annotations
 
-from . import deepseek, dense, glm4_moe, gpt_oss, granite, mixtral, olmoe, qwen_moe
+from . import deepseek, dense, glm4_moe, gpt_oss, granite, mixtral, olmoe, phimoe, qwen_moe
 from .base import ConvertError, Family, get, gguf_name
 
 FAMILIES = (mixtral.FAMILY, qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, olmoe.FAMILY, dense.LLAMA, dense.QWEN2,
-            dense.QWEN3, granite.FAMILY, glm4_moe.FAMILY, deepseek.FAMILY, gpt_oss.FAMILY)
+            dense.QWEN3, granite.FAMILY, glm4_moe.FAMILY, deepseek.FAMILY, gpt_oss.FAMILY, phimoe.FAMILY)
 BY_ARCH = {f.arch: f for f in FAMILIES}
 BY_HF_CLASS = {c: f for f in FAMILIES for c in f.hf_classes}
 

@@ -23,10 +23,11 @@ from .buffers import ALIGN, aligned_zeros, lazy_zeros  # noqa: F401
 from .dense import _matvec_core, _panels_loop  # noqa: F401  (the Numba loops, for the tests)
 from .dense import (argmax, argmax_ref, embed, embed_ref, matvec, matvec_ref, matvec_stack,  # noqa: F401
                     panel_rows_to_f32, rmsnorm, rmsnorm_heads, rmsnorm_heads_ref, rmsnorm_ref, rope, rope_ref,
+                    layernorm, layernorm_ref,
                     rows_to_f32, rows_to_f32_ref)
 from .moe import (expert_ffn, expert_ffn_par, expert_ffn_ref, group_by_expert, group_by_expert_ref,  # noqa: F401
                   matvec_par, matvec_qkv_par, route, route_ref, route_rule, route_rule_ref, silu_mul,
-                  silu_mul_ref, swiglu_clamped, swiglu_clamped_ref)
+                  silu_mul_ref, swiglu_clamped, swiglu_clamped_ref, route_sparsemixer)
 from .attn import attend, attention, attention_par, attention_ref  # noqa: F401
 from .matmuls import matmul, matmul_par, matmul_ref  # noqa: F401
 from . import attn, attn_ir, cpu, heads, decode, dense, float_ir, gemm, packing, quant, quant_ir  # noqa: F401,E402

@@ -39,6 +39,34 @@ def rmsnorm(x, w, eps, out):
             ot[j] = w[j] * (xt[j] * inv)
 
 
+@njit(cache=True, fastmath=_REDUCE_FM)
+def layernorm(x, w, b, eps, out):
+    # x (T,D) f32, w, b (D,) f32 -> out (T,D) = w * (x - mean) / sqrt(var + eps) + b (Phi-MoE); out may alias x
+    T, D = x.shape
+    epsf = np.float32(eps)
+    for t in range(T):
+        xt = x[t]
+        ot = out[t]
+        mean = np.float32(0.0)
+        for j in range(D):
+            mean += xt[j]
+        mean /= np.float32(D)
+        var = np.float32(0.0)
+        for j in range(D):
+            d = xt[j] - mean
+            var += d * d
+        inv = np.float32(1.0) / np.sqrt(var / np.float32(D) + epsf)
+        for j in range(D):
+            ot[j] = w[j] * ((xt[j] - mean) * inv) + b[j]
+
+
+def layernorm_ref(x, w, b, eps):
+    x = np.asarray(x, np.float64)
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (w * (x - m) / np.sqrt(v + eps) + b).astype(np.float32)
+
+
 def rmsnorm_ref(x, w, eps, out=None):
     x = np.asarray(x, dtype=np.float32)
     var = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)

@@ -51,6 +51,37 @@ def silu_mul_ref(g, u, out=None):
 
 
 @njit(cache=True, error_model="numpy")
+def route_sparsemixer(logits, eps, idx, w):
+    # Phi-MoE's sparsemixer at inference: logits (T,E) f32 -> idx (T,2) i32, w (T,2) f32. The best expert i1
+    # (the lower index on a tie), its weight a softmax over the experts j with (z1 - z_j) / max(|z_j|, z1) <= 2 eps;
+    # then the best i2 of the others, its weight a softmax over the others within 2 eps of it the same way
+    T, E = logits.shape
+    two = np.float32(2.0) * np.float32(eps)
+    for t in range(T):
+        z = logits[t]
+        i1 = 0
+        for j in range(1, E):
+            if z[j] > z[i1]:
+                i1 = j
+        i2 = 1 if i1 == 0 else 0
+        for j in range(E):
+            if j != i1 and z[j] > z[i2]:
+                i2 = j
+        for a in range(2):
+            best = i1 if a == 0 else i2
+            m = z[best]
+            tot = np.float32(0.0)
+            for j in range(E):
+                if a == 1 and j == i1:
+                    continue
+                if (m - z[j]) / max(abs(z[j]), m) > two:
+                    continue
+                tot += np.float32(np.exp(z[j] - m))
+            idx[t, a] = best
+            w[t, a] = np.float32(1.0) / tot
+
+
+@njit(cache=True, error_model="numpy")
 def swiglu_clamped(g, u, b1, b3, alpha, limit, out):
     # GPT-OSS's expert activation: g, u (T,I) f32 the gate and up projections without their biases
     # b1, b3 (I,) -> out (T,I) = (min(max(u + b3, -limit), limit) + 1) * gc * sigmoid(alpha * gc),
