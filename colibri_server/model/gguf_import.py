@@ -133,10 +133,13 @@ def config_from_gguf(kv: GgufKV, dtype: str):
     if H < 1 or D < 1:
         raise ConvertError(f"{kv.path}: GGUF keys {kv.arch}.embedding_length = {D} and attention.head_count = {H} "
                            "must be positive")
+    latent = kv.arch_int("attention.kv_lora_rank", default=0) > 0      # DeepSeek's MLA: its family sets the heads
     hd = kv.arch_int("attention.key_length", default=D // H)
-    if kv.arch_int("attention.value_length", default=hd) != hd:
+    if kv.arch_int("attention.value_length", default=hd) != hd and not latent:
         raise ConvertError(f"{kv.path}: attention.value_length differs from key_length (not supported)")
     rot = kv.arch_int("rope.dimension_count", default=hd)
+    if latent:
+        hd = rot
     if rot != hd and (family.gguf_qk_permuted or rot % 2 or not 0 < rot < hd):
         raise ConvertError(f"{kv.path}: GGUF key {kv.arch}.rope.dimension_count = {rot} is a partial rotary "
                            f"embedding (head size {hd}); not supported for {kv.arch}")
@@ -171,8 +174,12 @@ def _rope_scaling(kv: GgufKV) -> dict:
     if rtype == "linear":
         return {"rope_type": "linear", "factor": factor}
     if rtype == "yarn":
-        return {"rope_type": "yarn", "factor": factor,
-                "original_max_position_embeddings": kv.arch_int("rope.scaling.original_context_length")}
+        out = {"rope_type": "yarn", "factor": factor,
+               "original_max_position_embeddings": kv.arch_int("rope.scaling.original_context_length")}
+        for key, gkey in (("beta_fast", "rope.scaling.yarn_beta_fast"), ("beta_slow", "rope.scaling.yarn_beta_slow")):
+            if kv.arch_value(gkey, None) is not None:
+                out[key] = kv.arch_float(gkey)
+        return out
     raise ConvertError(f"{kv.path}: GGUF key {kv.arch}.rope.scaling.type = {rtype!r} is not supported "
                        "(supported: none, linear, yarn)")
 
@@ -193,7 +200,15 @@ def _tensor_pieces(kv: GgufKV, family, cfg, name: str, shape):
     """Yield (source dtype, row-block iterator) per matrix of our tensor `name` (one per expert).
     An expert stack is one GGUF tensor (`ffn_gate_exps`), or, in GGUFs written before llama.cpp
     stacked them (early 2024 Mixtral files), one tensor per expert (`ffn_gate.0` ...)."""
-    gname = _source_name(kv, name)
+    own = _own(kv, family, cfg, name)
+    if own is not None and own[1] is not None:             # the family's reshape of a whole tensor
+        a = own[1](_whole(kv, own[0]))
+        if tuple(a.shape) != tuple(shape):
+            raise ConvertError(f"{kv.path}: tensor {own[0]!r} gave {list(a.shape)} for {name}, expected {list(shape)}")
+        for m in (a if a.ndim == 3 else (a,)):
+            yield "F32", iter([np.ascontiguousarray(m)])
+        return
+    gname = own[0] if own is not None else _source_name(kv, name)
     if gname in kv.tensors or not name.endswith("_exps"):
         yield from _pieces_of(kv, family, cfg, name, gname, shape)
         return
@@ -201,6 +216,28 @@ def _tensor_pieces(kv: GgufKV, family, cfg, name: str, shape):
         if ename not in kv.tensors:
             raise ConvertError(f"{kv.path}: tensor {gname!r} (for {name}) is missing, and so is {ename!r}")
         yield from _pieces_of(kv, family, cfg, name, ename, shape[1:])
+
+
+def _own(kv: GgufKV, family, cfg, name: str):
+    """The family's (GGUF name, transform or None) for our tensor `name`, or None for the common name."""
+    return family.gguf_tensor(kv, cfg, name) if family.gguf_tensor else None
+
+
+def _whole(kv: GgufKV, gname: str) -> np.ndarray:
+    """A GGUF tensor's values, whole, as f32 in its logical (numpy) shape."""
+    import gguf
+    t = kv.tensors.get(gname)
+    if t is None:
+        raise ConvertError(f"{kv.path}: tensor {gname!r} is missing")
+    logical = tuple(int(x) for x in reversed(t.shape))
+    tname = _type_name(t)
+    if tname in _FLOAT_TYPES:
+        a = np.asarray(t.data)
+        return _to_f32(a.view(np.uint16) if tname == "BF16" else a, _FLOAT_TYPES[tname]).reshape(logical)
+    try:
+        return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(logical)
+    except NotImplementedError:
+        raise ConvertError(f"{kv.path}: tensor {gname!r} has GGML type {tname}, which cannot be dequantized here") from None
 
 
 def _per_expert_names(name: str, E: int):
@@ -328,7 +365,11 @@ def convert_gguf(gguf_path, out_path, dtype: str = "f16", *, name=None, license=
     from .config import expected_tensors
     for n, s, _ in expected_tensors(cfg):       # every source resolved before a byte is written
         if not n.endswith(".s"):
-            _check_present(kv, n, s)
+            own = _own(kv, family, cfg, n)
+            if own is None or own[1] is None:
+                _check_present(kv, n, s, own[0] if own else None)
+            elif own[0] not in kv.tensors:
+                raise ConvertError(f"{kv.path}: tensor {own[0]!r} (for {n}) is missing")
     report = ImportReport(source_types=source_types(kv), low_bit_share=low_bit_share(kv))
     metadata = {"name": name or str(kv.fields.get("general.name") or os.path.basename(kv.path)),
                 "license": license or str(kv.fields.get("general.license") or ""),
@@ -347,8 +388,8 @@ def _source_name(kv: GgufKV, name: str) -> str:
     return gguf_name(name)
 
 
-def _check_present(kv: GgufKV, name: str, shape):
-    gname = _source_name(kv, name)
+def _check_present(kv: GgufKV, name: str, shape, gname: str | None = None):
+    gname = gname or _source_name(kv, name)
     t = kv.tensors.get(gname)
     if t is None and name.endswith("_exps"):
         per = _per_expert_names(name, shape[0])

@@ -32,6 +32,9 @@ class Family:
     gguf_arch: str = ""                     # llama.cpp general.architecture ("" = not importable)
     gguf_config: Callable = None            # (GgufKV, common kwargs) -> ModelConfig kwargs
     gguf_folds: Callable = None             # (GgufKV, ModelConfig) -> {tensor key: factor}, as hf_folds
+    # (GgufKV, ModelConfig, our name) -> (GGUF tensor name, None or fn(its whole f32 values) -> our tensor), or None
+    # for the common name: the family's own names and reshapes (DeepSeek's rotary rows, its split kv_b)
+    gguf_tensor: Callable = None
     # llama.cpp's converter permutes q/k rows for its "normal" (interleaved) rope; the GGUF
     # importer undoes it. False for the NEOX-rope families (Qwen, OLMoE), stored as in HF.
     gguf_qk_permuted: bool = False

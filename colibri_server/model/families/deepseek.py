@@ -65,31 +65,41 @@ def _deinterleave(n: int) -> np.ndarray:
     return np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
 
 
+def _q_rows(cfg, w, order):
+    """q (H*(nope+dr), n): each head's rotary rows in `order`."""
+    H, nope, dr = cfg.num_heads, cfg.qk_nope_head_dim, cfg.head_dim
+    w = w.reshape(H, nope + dr, -1)
+    return np.concatenate([w[:, :nope], w[:, nope:][:, order]], axis=1).reshape(H * (nope + dr), -1)
+
+
+def _kv_rows(cfg, w, order):
+    """kv_a (r+dr, D): the rotary key's rows in `order`."""
+    r = cfg.kv_lora_rank
+    return np.concatenate([w[:r], w[r:][order]])
+
+
+def _up(cfg, w, part):
+    """kv_b (H*(nope+v), r) -> its key half (H, r, nope) (transposed: it multiplies the queries) or value half (H, v, r)."""
+    H, nope, v, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    w = w.reshape(H, nope + v, r)
+    return np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)) if part == "k" else np.ascontiguousarray(w[:, nope:])
+
+
 def hf_tensor(hf: dict, cfg, key: str, p: str):
     a = p + "self_attn."
     D, H, r, dr = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.head_dim
     nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
     order = _deinterleave(dr) if _interleaved(hf) else np.arange(dr)
-
-    def q_rows(w):                                  # (H*(nope+dr), n): each head's rotary rows reordered
-        w = w.reshape(H, nope + dr, -1)
-        return np.concatenate([w[:, :nope], w[:, nope:][:, order]], axis=1).reshape(H * (nope + dr), -1)
-
-    def kv_rows(w):                                 # (r+dr, D): the rotary key's rows reordered
-        return np.concatenate([w[:r], w[r:][order]])
-
-    def up(w, part):                                # kv_b (H*(nope+v), r) -> the key half (H,r,nope) or value half
-        w = w.reshape(H, nope + v, r)
-        return np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)) if part == "k" else np.ascontiguousarray(w[:, nope:])
     q_in = cfg.q_lora_rank or D
+    kv_b = [(a + "kv_b_proj.weight", (H * (nope + v), r))]
     names = {
         "attn_q_a": ("plain", a + "q_a_proj.weight"), "attn_q_a_norm": ("plain", a + "q_a_layernorm.weight"),
         "attn_q": ("derived", [(a + ("q_b_proj.weight" if cfg.q_lora_rank else "q_proj.weight"), (cfg.q_dim, q_in))],
-                   q_rows),
-        "attn_kv_a": ("derived", [(a + "kv_a_proj_with_mqa.weight", (r + dr, D))], kv_rows),
+                   lambda w: _q_rows(cfg, w, order)),
+        "attn_kv_a": ("derived", [(a + "kv_a_proj_with_mqa.weight", (r + dr, D))], lambda w: _kv_rows(cfg, w, order)),
         "attn_kv_a_norm": ("plain", a + "kv_a_layernorm.weight"),
-        "attn_k_up": ("derived", [(a + "kv_b_proj.weight", (H * (nope + v), r))], lambda w: up(w, "k")),
-        "attn_v_up": ("derived", [(a + "kv_b_proj.weight", (H * (nope + v), r))], lambda w: up(w, "v")),
+        "attn_k_up": ("derived", kv_b, lambda w: _up(cfg, w, "k")),
+        "attn_v_up": ("derived", kv_b, lambda w: _up(cfg, w, "v")),
         "ffn_gate_bias": ("plain", p + "mlp.gate.e_score_correction_bias"),
         "ffn_gate_shexp": ("plain", p + "mlp.shared_experts.gate_proj.weight"),
         "ffn_up_shexp": ("plain", p + "mlp.shared_experts.up_proj.weight"),
@@ -98,5 +108,64 @@ def hf_tensor(hf: dict, cfg, key: str, p: str):
     return names.get(key)
 
 
+def gguf_config(kv, kw: dict) -> dict:
+    """llama.cpp's deepseek2 (V2, V2-Lite, V3, Kimi-K2, Moonlight). Its metadata: kv_lora_rank, q_lora_rank
+    (absent: none), key_length_mla / value_length_mla (a query head and a value head; GGUFs written before
+    them say key_length / value_length), rope.dimension_count (the rotary part), expert_gating_func (1
+    softmax, 2 sigmoid; absent in V2 files: softmax, as llama.cpp reads them), expert_weights_norm /
+    _scale, expert_group_count / _used_count, leading_dense_block_count, yarn_log_multiplier (0.1 x
+    mscale_all_dim). Its block_count includes the multi-token-prediction layers (nextn_predict_layers)."""
+    L = kw["num_layers"] - kv.arch_int("nextn_predict_layers", default=0)
+    rope = kv.arch_int("rope.dimension_count")
+    if kv.arch_int("attention.key_length_mla", default=0):
+        nope, v = kv.arch_int("attention.key_length_mla") - rope, kv.arch_int("attention.value_length_mla")
+    else:
+        nope, v = kv.arch_int("attention.key_length") - rope, kv.arch_int("attention.value_length")
+    first_dense = kv.arch_int("leading_dense_block_count", default=0)
+    gating = kv.arch_int("expert_gating_func", default=1)
+    if gating not in (1, 2):
+        raise ConvertError(f"{kv.path}: GGUF key {kv.arch}.expert_gating_func = {gating} is not softmax (1) or sigmoid (2)")
+    n_group = kv.arch_int("expert_group_count", default=0)
+    I = kv.arch_int("expert_feed_forward_length")
+    scaling = dict(kw["rope_scaling"])
+    ylm = kv.arch_value("rope.scaling.yarn_log_multiplier", None)
+    if scaling.get("rope_type") == "yarn" and ylm:
+        scaling["mscale"] = scaling["mscale_all_dim"] = float(ylm) / 0.1
+    return {**kw, "num_layers": L, "head_dim": rope, "num_kv_heads": 1, "rope_scaling": scaling,
+            "kv_lora_rank": kv.arch_int("attention.kv_lora_rank"), "q_lora_rank": kv.arch_int("attention.q_lora_rank", default=0),
+            "qk_nope_head_dim": nope, "v_head_dim": v,
+            "num_experts": kv.arch_int("expert_count"), "top_k": kv.arch_int("expert_used_count"),
+            "moe_intermediate_size": I, "intermediate_size": kv.arch_int("feed_forward_length") if first_dense else 0,
+            "dense_layers": tuple(range(min(first_dense, L))),
+            "shared_expert_intermediate_size": I * kv.arch_int("expert_shared_count", default=0),
+            "shared_expert_gate": False, "norm_topk_prob": bool(kv.arch_value("expert_weights_norm", False)),
+            "score_func": "sigmoid" if gating == 2 else "softmax",
+            "correction_bias": kv.has_tensor(f"blk.{min(first_dense, L - 1)}.exp_probs_b.bias"),
+            "n_group": n_group if n_group > 1 else 0,
+            "topk_group": kv.arch_int("expert_group_used_count") if n_group > 1 else 0,
+            "routed_scaling_factor": float(kv.arch_value("expert_weights_scale", 1.0))}
+
+
+def gguf_tensor(kv, cfg, name: str):
+    """llama.cpp keeps DeepSeek's interleaved rotary rows (its NORM rope rotates adjacent pairs): de-interleaved
+    here as from a checkpoint. Its attn_k_b / attn_v_b are our attn_k_up / attn_v_up as they are; GGUFs written
+    before llama.cpp split them hold attn_kv_b, split here."""
+    if not name.startswith("blk."):
+        return None
+    blk, key = name.rsplit(".", 1)
+    order = _deinterleave(cfg.head_dim)
+    if key == "attn_q":
+        return f"{blk}.attn_q_b.weight" if cfg.q_lora_rank else f"{blk}.attn_q.weight", lambda w: _q_rows(cfg, w, order)
+    if key == "attn_kv_a":
+        return f"{blk}.attn_kv_a_mqa.weight", lambda w: _kv_rows(cfg, w, order)
+    if key in ("attn_k_up", "attn_v_up"):
+        split = f"{blk}.attn_{key[5]}_b.weight"
+        if kv.has_tensor(split) or not kv.has_tensor(f"{blk}.attn_kv_b.weight"):
+            return split, None
+        return f"{blk}.attn_kv_b.weight", lambda w: _up(cfg, w, key[5])
+    return None
+
+
 FAMILY = Family(arch="deepseek2", hf_classes=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
-                hf_config=hf_config, hf_tensor=hf_tensor)
+                hf_config=hf_config, hf_tensor=hf_tensor, gguf_arch="deepseek2", gguf_config=gguf_config,
+                gguf_tensor=gguf_tensor)

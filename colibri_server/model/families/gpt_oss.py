@@ -59,5 +59,35 @@ def hf_tensor(hf: dict, cfg, key: str, p: str):
     return names.get(key)
 
 
+def gguf_config(kv, kw: dict) -> dict:
+    """llama.cpp's gpt-oss: sliding_window on the even layers (its fixed pattern), the clamped SwiGLU's
+    constants fixed too (limit 7, alpha 1.702: not in the file), yarn without truncation as the model
+    defines it."""
+    L = kw["num_layers"]
+    window = kv.arch_int("attention.sliding_window", default=0)
+    scaling = dict(kw["rope_scaling"])
+    if scaling.get("rope_type") == "yarn":
+        scaling["truncate"] = False
+    bias = kv.has_tensor("blk.0.attn_q.bias")
+    return {**kw, "rope_scaling": scaling, "num_experts": kv.arch_int("expert_count"),
+            "top_k": kv.arch_int("expert_used_count"), "moe_intermediate_size": kv.arch_int("expert_feed_forward_length"),
+            "norm_topk_prob": True, "qkv_bias": bias, "o_bias": kv.has_tensor("blk.0.attn_output.bias"),
+            "attn_sinks": True, "router_bias": True, "expert_bias": True,
+            "sliding_window": window, "sliding_layers": tuple(range(0, L, 2)) if window and L > 1 else (),
+            "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+
+
+GGUF_NAMES = {"attn_sinks": "attn_sinks.weight", "ffn_norm": "post_attention_norm.weight",
+              "ffn_gate_inp_b": "ffn_gate_inp.bias", "ffn_gate_exps_b": "ffn_gate_exps.bias",
+              "ffn_up_exps_b": "ffn_up_exps.bias", "ffn_down_exps_b": "ffn_down_exps.bias"}
+
+
+def gguf_tensor(kv, cfg, name: str):
+    if not name.startswith("blk."):
+        return None
+    blk, key = name.rsplit(".", 1)
+    return (f"{blk}.{GGUF_NAMES[key]}", None) if key in GGUF_NAMES else None
+
+
 FAMILY = Family(arch="gpt_oss", hf_classes=("GptOssForCausalLM",), hf_config=hf_config, hf_tensor=hf_tensor,
-                default_rope_theta=150000.0)
+                default_rope_theta=150000.0, gguf_arch="gpt-oss", gguf_config=gguf_config, gguf_tensor=gguf_tensor)

@@ -1,0 +1,297 @@
+"""GGUF import of the families llama.cpp writes beyond test_gguf_import's: deepseek2 (DeepSeek-V2/V3's latent
+attention: its k_b / v_b split, or the older attn_kv_b; interleaved rotary rows) and gpt-oss (sinks, biases,
+post_attention_norm, its fixed sliding pattern and SwiGLU constants). GGUFs written here with the `gguf`
+package the way llama.cpp's converter (conversion/deepseek.py, conversion/gpt_oss.py) writes them, imported
+against the direct conversion of the same checkpoint: F32 within 1e-6, F16 to the f16 direct conversion,
+Q8_0 within a stated bound. Where llama.cpp's source is on the machine (tools/hf_to_gguf.py), its own
+converter's GGUFs are imported too and held to transformers' logits."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+import hf_models as H
+from colibri_server.model import Model
+from colibri_server.model.convert import convert
+from colibri_server.model.gguf_import import convert_gguf
+
+T = gguf.MODEL_TENSOR
+Q = gguf.GGMLQuantizationType
+PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 500, size=24)]
+LLAMA_CPP = os.environ.get("LLAMA_CPP_SRC",
+                           os.path.expanduser("~/anchor-data/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+HF_TO_GGUF = os.path.join(os.path.dirname(__file__), "..", "tools", "hf_to_gguf.py")
+OVERRIDES = {"gpt_oss": dict(swiglu_limit=7.0)}      # llama.cpp's gpt-oss fixes the clamp at 7 (not in the file)
+
+
+def _name(t, i=None, suffix="weight"):
+    return gguf.TENSOR_NAMES[t].format(bid=i) + "." + suffix
+
+
+def _load(hf_dir):
+    from safetensors.numpy import load_file
+    st = {}
+    for f in glob.glob(f"{hf_dir}/*.safetensors"):
+        st.update(load_file(f))
+    return st
+
+
+def _writer(path, arch, c, qtype, kv_b=False):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    rp = c["rope_parameters"]
+    w.add_rope_freq_base(rp["rope_theta"])
+    if rp.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rp["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rp["beta_slow"])
+
+    def mat(name, a):
+        a = np.ascontiguousarray(a, np.float32)
+        if qtype == Q.F32:
+            w.add_tensor(name, a)
+        elif qtype == Q.F16 or a.shape[-1] % 32:        # rows Q8_0 cannot block: F16, as llama.cpp falls back
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+    def f32(name, a):
+        w.add_tensor(name, np.ascontiguousarray(a, np.float32))
+    return w, mat, f32
+
+
+def write_deepseek2(hf_dir, path, arch, qtype=Q.F32, kv_b=False):
+    """llama.cpp's deepseek2: HF's rows as they are (its NORM rope takes the interleaved pairs), kv_b_proj split
+    into attn_k_b (H, r, nope), transposed, and attn_v_b (H, v, r) (kv_b: the older single attn_kv_b)."""
+    c = H.FAMILY_CONFIGS[arch]
+    st = _load(hf_dir)
+    w, mat, f32 = _writer(path, "deepseek2", c, qtype)
+    Hh, r, rope, nope, v = (c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"], c["qk_nope_head_dim"],
+                            c["v_head_dim"])
+    w.add_head_count_kv(1)
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_expert_count(c["n_routed_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_group_count(c["n_group"])
+    w.add_expert_group_used_count(c["topk_group"])
+    w.add_key_length(r + rope)
+    w.add_value_length(r)
+    w.add_leading_dense_block_count(c["first_k_dense_replace"])
+    if c.get("q_lora_rank"):
+        w.add_q_lora_rank(c["q_lora_rank"])
+    w.add_kv_lora_rank(r)
+    w.add_key_length_mla(nope + rope)
+    w.add_value_length_mla(v)
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    w.add_expert_shared_count(c["n_shared_experts"])
+    w.add_expert_weights_scale(c["routed_scaling_factor"])
+    if c.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rope)
+    w.add_rope_scaling_yarn_log_mul(0.1 * c["rope_parameters"]["mscale_all_dim"])
+    if arch == "deepseek_v3":          # what llama.cpp writes from V3's config.json scoring_func "sigmoid"
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    mat(_name(T.TOKEN_EMBD), st["model.embed_tokens.weight"])
+    for i in range(c["num_hidden_layers"]):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        f32(_name(T.ATTN_NORM, i), st[p + "input_layernorm.weight"])
+        if c.get("q_lora_rank"):
+            mat(_name(T.ATTN_Q_A, i), st[a + "q_a_proj.weight"])
+            f32(_name(T.ATTN_Q_A_NORM, i), st[a + "q_a_layernorm.weight"])
+            mat(_name(T.ATTN_Q_B, i), st[a + "q_b_proj.weight"])
+        else:
+            mat(_name(T.ATTN_Q, i), st[a + "q_proj.weight"])
+        mat(_name(T.ATTN_KV_A_MQA, i), st[a + "kv_a_proj_with_mqa.weight"])
+        f32(_name(T.ATTN_KV_A_NORM, i), st[a + "kv_a_layernorm.weight"])
+        kvb = st[a + "kv_b_proj.weight"]
+        if kv_b:
+            mat(_name(T.ATTN_KV_B, i), kvb)
+        else:
+            kvb3 = kvb.reshape(Hh, nope + v, r)
+            mat(_name(T.ATTN_K_B, i), kvb3[:, :nope].transpose(0, 2, 1))
+            mat(_name(T.ATTN_V_B, i), kvb3[:, nope:])
+        mat(_name(T.ATTN_OUT, i), st[a + "o_proj.weight"])
+        f32(_name(T.FFN_NORM, i), st[p + "post_attention_layernorm.weight"])
+        if p + "mlp.gate.weight" not in st:
+            for t, hf in ((T.FFN_GATE, "gate_proj"), (T.FFN_UP, "up_proj"), (T.FFN_DOWN, "down_proj")):
+                mat(_name(t, i), st[p + f"mlp.{hf}.weight"])
+            continue
+        f32(_name(T.FFN_GATE_INP, i), st[p + "mlp.gate.weight"])
+        if p + "mlp.gate.e_score_correction_bias" in st:
+            f32(_name(T.FFN_EXP_PROBS_B, i, "bias"), st[p + "mlp.gate.e_score_correction_bias"])
+        for t, hf in ((T.FFN_GATE_EXP, "gate_proj"), (T.FFN_UP_EXP, "up_proj"), (T.FFN_DOWN_EXP, "down_proj")):
+            mat(_name(t, i), np.stack([st[f"{p}mlp.experts.{e}.{hf}.weight"] for e in range(c["n_routed_experts"])]))
+        for t, hf in ((T.FFN_GATE_SHEXP, "gate_proj"), (T.FFN_UP_SHEXP, "up_proj"), (T.FFN_DOWN_SHEXP, "down_proj")):
+            mat(_name(t, i), st[p + f"mlp.shared_experts.{hf}.weight"])
+    f32(_name(T.OUTPUT_NORM), st["model.norm.weight"])
+    mat(_name(T.OUTPUT), st["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_gpt_oss(hf_dir, path, qtype=Q.F32):
+    """llama.cpp's gpt-oss: gate_up (E, D, 2I) split into its even (gate) and odd (up) columns and transposed,
+    down_proj transposed, their biases split alike; sinks as attn_sinks.weight; post_attention_layernorm as
+    post_attention_norm; sliding_window and expert_feed_forward_length in the metadata."""
+    c = {**H.FAMILY_CONFIGS["gpt_oss"], **OVERRIDES["gpt_oss"]}
+    st = _load(hf_dir)
+    w, mat, f32 = _writer(path, "gpt-oss", c, qtype)
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_expert_count(c["num_local_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_sliding_window(c["sliding_window"])
+    w.add_expert_feed_forward_length(c["intermediate_size"])
+    mat(_name(T.TOKEN_EMBD), st["model.embed_tokens.weight"])
+    for i in range(c["num_hidden_layers"]):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        f32(_name(T.ATTN_NORM, i), st[p + "input_layernorm.weight"])
+        for t, hf in ((T.ATTN_Q, "q_proj"), (T.ATTN_K, "k_proj"), (T.ATTN_V, "v_proj"), (T.ATTN_OUT, "o_proj")):
+            mat(_name(t, i), st[a + hf + ".weight"])
+            f32(_name(t, i, "bias"), st[a + hf + ".bias"])
+        f32(_name(T.ATTN_SINKS, i), st[a + "sinks"])
+        f32(_name(T.ATTN_POST_NORM, i), st[p + "post_attention_layernorm.weight"])
+        f32(_name(T.FFN_GATE_INP, i), st[m + "router.weight"])
+        f32(_name(T.FFN_GATE_INP, i, "bias"), st[m + "router.bias"])
+        gu, gub = st[m + "experts.gate_up_proj"].transpose(0, 2, 1), st[m + "experts.gate_up_proj_bias"]
+        mat(_name(T.FFN_GATE_EXP, i), gu[:, 0::2])
+        mat(_name(T.FFN_UP_EXP, i), gu[:, 1::2])
+        mat(_name(T.FFN_DOWN_EXP, i), st[m + "experts.down_proj"].transpose(0, 2, 1))
+        f32(_name(T.FFN_GATE_EXP, i, "bias"), gub[:, 0::2])
+        f32(_name(T.FFN_UP_EXP, i, "bias"), gub[:, 1::2])
+        f32(_name(T.FFN_DOWN_EXP, i, "bias"), st[m + "experts.down_proj_bias"])
+    f32(_name(T.OUTPUT_NORM), st["model.norm.weight"])
+    mat(_name(T.OUTPUT), st["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write(arch, hf_dir, path, qtype, **kw):
+    if arch == "gpt_oss":
+        write_gpt_oss(hf_dir, path, qtype)
+    else:
+        write_deepseek2(hf_dir, path, arch, qtype, **kw)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            d = tmp_path_factory.mktemp(arch)
+            hf = H.build_hf_model(arch, d / "hf", **OVERRIDES.get(arch, {}))
+            direct = {}
+            for dt in ("f32", "f16"):
+                convert(str(d / "hf"), str(d / f"direct-{dt}.colibri"), dt, progress=False)
+                direct[dt] = Model.open(str(d / f"direct-{dt}.colibri")).logits(PROMPT)
+            cache[arch] = (d, hf, direct)
+        return cache[arch]
+    return get
+
+
+def _import(d, name, **kw):
+    out = d / f"{name}.colibri"
+    cfg, report = convert_gguf(str(d / f"{name}.gguf"), str(out), progress=False, require_tokenizer=False, **kw)
+    return cfg, report, Model.open(str(out)).logits(PROMPT)
+
+
+ARCHS = ["deepseek_v2", "deepseek_v3", "gpt_oss"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f32_and_f16_ggufs_import_to_the_direct_conversion(ckpt, arch):
+    d, _, direct = ckpt(arch)
+    _write(arch, d / "hf", d / "F32.gguf", Q.F32)
+    cfg, _, got = _import(d, "F32", dtype="f32")
+    ref = direct["f32"]
+    assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max()
+    _write(arch, d / "hf", d / "F16.gguf", Q.F16)
+    _, _, got16 = _import(d, "F16", dtype="f16")
+    np.testing.assert_allclose(got16, direct["f16"], rtol=0, atol=1e-5 * np.abs(direct["f16"]).max())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_q8_0_gguf_imports_within_its_stated_error(ckpt, arch):
+    d, _, direct = ckpt(arch)
+    _write(arch, d / "hf", d / "Q8_0.gguf", Q.Q8_0)
+    cfg, report, _ = _import(d, "Q8_0", dtype="f32", quantize="none")
+    assert report.source_types.get("Q8_0", 0) > 0 and max(report.errors.values()) == 0   # f32 holds Q8_0 exactly
+    assert cfg.arch == {"gpt_oss": "gpt_oss"}.get(arch, "deepseek2")
+    ref = Model.open(str(d / "Q8_0.colibri")).weights
+    exact = Model.open(str(d / "direct-f32.colibri")).weights
+    for name in ("wo", "w1"):       # Q8_0's own rounding of the checkpoint: under 1% relative RMS
+        a, b = getattr(ref.layers[1], name), getattr(exact.layers[1], name)
+        assert 0 < np.linalg.norm(a - b) / np.linalg.norm(b) < 0.01
+
+
+def test_an_older_deepseek_gguf_with_one_kv_b_imports_the_same(ckpt):
+    d, _, direct = ckpt("deepseek_v2")
+    write_deepseek2(d / "hf", d / "kvb.gguf", "deepseek_v2", Q.F32, kv_b=True)
+    assert "blk.0.attn_kv_b.weight" in {t.name for t in gguf.GGUFReader(str(d / "kvb.gguf")).tensors}
+    _, _, got = _import(d, "kvb", dtype="f32")
+    assert np.abs(got - direct["f32"]).max() <= 1e-6 * np.abs(direct["f32"]).max()
+
+
+def test_a_deepseek_gguf_with_an_unknown_gating_function_is_named(ckpt, tmp_path):
+    from colibri_server.model.convert import ConvertError
+    d, _, _ = ckpt("deepseek_v3")
+    write_deepseek2(d / "hf", tmp_path / "v3.gguf", "deepseek_v3", Q.F32)
+    # rewrite the one key: a gating function llama.cpp does not define for deepseek2
+    b = bytearray(open(tmp_path / "v3.gguf", "rb").read())
+    key = b"deepseek2.expert_gating_func"
+    at = b.index(key) + len(key)
+    assert int.from_bytes(b[at:at + 4], "little") == 4                  # GGUF type UINT32
+    b[at + 4:at + 8] = (7).to_bytes(4, "little")
+    (tmp_path / "bad.gguf").write_bytes(bytes(b))
+    with pytest.raises(ConvertError, match="expert_gating_func = 7"):
+        convert_gguf(str(tmp_path / "bad.gguf"), str(tmp_path / "bad.colibri"), progress=False, require_tokenizer=False)
+    assert not (tmp_path / "bad.colibri").exists()
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(LLAMA_CPP, "convert_hf_to_gguf.py")),
+                    reason="llama.cpp's source is not on this machine (LLAMA_CPP_SRC)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_cpps_own_gguf_imports_to_transformers(ckpt, arch, tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py on the same checkpoint (config.json given V3's scoring_func, as the
+    released V3 has), imported: transformers' logits within 1e-4, and the same tensors as the writer above."""
+    d, hf, _ = ckpt(arch)
+    src = tmp_path / "hf"
+    src.mkdir()
+    for f in os.listdir(d / "hf"):
+        os.symlink(d / "hf" / f, src / f)
+    if arch == "deepseek_v3":
+        cfg = json.loads((d / "hf" / "config.json").read_text())
+        (src / "config.json").unlink()
+        (src / "config.json").write_text(json.dumps({**cfg, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}))
+    r = subprocess.run([sys.executable, HF_TO_GGUF, str(src), "--outfile", str(tmp_path / "llama.gguf"), "--outtype",
+                        "f32"], capture_output=True, text=True, timeout=600, env={**os.environ, "LLAMA_CPP_SRC": LLAMA_CPP})
+    assert r.returncode == 0, r.stderr[-3000:]
+    convert_gguf(str(tmp_path / "llama.gguf"), str(tmp_path / "m.colibri"), "f32", progress=False)
+    ref = H.hf_logits(hf, PROMPT)
+    assert np.abs(Model.open(str(tmp_path / "m.colibri")).logits(PROMPT) - ref).max() < 1e-4 * np.abs(ref).max()
+    _write(arch, d / "hf", tmp_path / "ours.gguf", Q.F32)
+    theirs = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "llama.gguf")).tensors}
+    ours = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "ours.gguf")).tensors}
+    assert set(ours) == set(theirs)
+    for n in ours:
+        np.testing.assert_array_equal(ours[n], theirs[n], err_msg=n)
