@@ -10,7 +10,7 @@ Rooms, imports running upward only (a module imports only those above it):
   moe       router, expert grouping, SwiGLU experts, threaded float matvecs
   quant     q8/q4 matvecs and experts      gemm   q8/q4 and bf16 GEMMs for prefill
   attn      causal attention               matmuls   X @ W.T for any weight kind (BLAS tiles or GEMM)
-  heads     per-head products (latent attention's query absorption and value expansion)
+  heads     per-head products (latent attention's query absorption and value expansion), over dense and rowgemm
   paged     attention over the paged KV pool          rowgemm   few-row GEMM of a serving step
   decode    the whole decode token fused into one Numba call
 
