@@ -241,17 +241,10 @@ def _timed_runs(prefill, decode, reps):
                 decode_tok_s=NEW_TOKENS / statistics.median(dc))
 
 
-def worker_colibri(a, prefill_bf16=False):
-    from colibri_server.model import Model
-    m = Model.open(a.path, threads=a.threads, populate=True, prefill_bf16=prefill_bf16)
-    ids = np.asarray(prompt_ids(), np.int64)
-    if a.logits:
-        np.save(a.logits, m.logits(ids))                       # prefill: dequantized tiles + BLAS
-        c = m.new_cache(PROMPT_LEN)
-        dec = np.stack([m.decode(c, int(t))[0].copy() for t in ids])    # the decode kernels, token by token
-        np.save(str(a.logits).replace(".npy", "-decode.npy"), dec)
-        return {}
-    cache = m.new_cache(PROMPT_LEN + NEW_TOKENS + 8)
+def colibri_timers(m, ids, new_tokens):
+    """(prefill, decode): seconds of one prefill of ids, and of new_tokens greedy decode steps after it
+    (Model.prefill / Model.decode: the path a worker's single sequence takes)."""
+    cache = m.new_cache(len(ids) + new_tokens + 8)
 
     def prefill():
         cache.reset()
@@ -263,9 +256,23 @@ def worker_colibri(a, prefill_bf16=False):
         cache.reset()
         tok = int(np.argmax(m.prefill(cache, ids)[0]))
         t = time.perf_counter()
-        for _ in range(NEW_TOKENS):
+        for _ in range(new_tokens):
             tok = int(np.argmax(m.decode(cache, tok)[0]))
         return time.perf_counter() - t
+    return prefill, decode
+
+
+def worker_colibri(a, prefill_bf16=False):
+    from colibri_server.model import Model
+    m = Model.open(a.path, threads=a.threads, populate=True, prefill_bf16=prefill_bf16)
+    ids = np.asarray(prompt_ids(), np.int64)
+    if a.logits:
+        np.save(a.logits, m.logits(ids))                       # prefill: dequantized tiles + BLAS
+        c = m.new_cache(PROMPT_LEN)
+        dec = np.stack([m.decode(c, int(t))[0].copy() for t in ids])    # the decode kernels, token by token
+        np.save(str(a.logits).replace(".npy", "-decode.npy"), dec)
+        return {}
+    prefill, decode = colibri_timers(m, ids, NEW_TOKENS)
     huge = m.file.huge_bytes
     return {**_timed_runs(prefill, decode, a.reps), "huge_mib": None if huge is None else round(huge / 2**20)}
 

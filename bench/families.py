@@ -36,6 +36,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(HERE))
 
 PROMPT_LEN, NEW_TOKENS, VOCAB = 128, 128, 32000
 LLAMA_BIN = pathlib.Path(os.environ.get("LLAMA_BIN", os.path.expanduser("~/anchor-data/llsrv-build/bin")))
@@ -85,25 +86,11 @@ def build(data: pathlib.Path, name: str):
 
 def worker_colibri(path: str, threads: int, reps: int) -> dict:
     from colibri_server.model import Model
+    from decode import colibri_timers
     m = Model.open(path, threads=threads, populate=True)
-    ids = np.asarray(prompt_ids(), np.int64)
-    cache = m.new_cache(PROMPT_LEN + NEW_TOKENS + 8)
-
-    def prefill():
-        cache.reset()
-        t = time.perf_counter()
-        m.prefill(cache, ids)
-        return time.perf_counter() - t
-
-    def decode():
-        cache.reset()
-        tok = int(np.argmax(m.prefill(cache, ids)[0]))
-        t = time.perf_counter()
-        for _ in range(NEW_TOKENS):
-            tok = int(np.argmax(m.decode(cache, tok)[0]))
-        return time.perf_counter() - t
+    prefill, decode = colibri_timers(m, np.asarray(prompt_ids(), np.int64), NEW_TOKENS)
     prefill()
-    decode()
+    decode()                                             # warm-up (compiles, faults pages in)
     pf = [prefill() for _ in range(reps)]
     dc = [decode() for _ in range(reps)]
     return {"prefill_tok_s": PROMPT_LEN / statistics.median(pf), "decode_tok_s": NEW_TOKENS / statistics.median(dc)}

@@ -478,6 +478,21 @@ def hf_greedy(model, ids, n: int) -> list[int]:
 # --------------------------------------------------------------------------------------
 
 
+def engine_tokens(model, jobs, **engine_kw) -> list[list[int]]:
+    """The greedy tokens of each (prompt, max_tokens) job, all stepped together by one BatchEngine of
+    `model` (f32 KV pool unless told otherwise): the serving path, sequences joining at different steps."""
+    from colibri_server.model.serving import BatchEngine
+    eng = BatchEngine(model, **{"max_seqs": len(jobs), "max_batch_tokens": 16, "kv_dtype": "f32", **engine_kw})
+    out = {}
+    for i, (prompt, n) in enumerate(jobs):
+        eng.add(i, prompt, max_tokens=n, ignore_eos=True)
+    while eng.has_work():
+        for rid, ev in eng.step():
+            if ev.token_id is not None:
+                out.setdefault(rid, []).append(ev.token_id)
+    return [out.get(i, []) for i in range(len(jobs))]
+
+
 def _self_check() -> None:  # pragma: no cover - manual tool
     import time
 

@@ -10,7 +10,6 @@ import pytest
 import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model.convert import ConvertError, convert
-from colibri_server.model.serving import BatchEngine
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 512, size=40)]
 
@@ -40,15 +39,8 @@ def test_family_matches_transformers(family, arch):
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
     want = H.hf_greedy(hf, PROMPT[:8], 32)
     assert m.generate(PROMPT[:8], max_tokens=32, ignore_eos=True) == want
-    eng = BatchEngine(m, max_seqs=4, max_batch_tokens=16, kv_dtype="f32")
-    out = {}
-    for i, p in enumerate((PROMPT[:8], PROMPT[5:20], PROMPT[:3])):
-        eng.add(i, p, max_tokens=32 if i == 0 else 12, ignore_eos=True)
-    while eng.has_work():
-        for rid, ev in eng.step():
-            out.setdefault(rid, []).append(ev.token_id)
-    assert out[0] == want
-    assert out[1] == H.hf_greedy(hf, PROMPT[5:20], 12) and out[2] == H.hf_greedy(hf, PROMPT[:3], 12)
+    assert H.engine_tokens(m, [(PROMPT[:8], 32), (PROMPT[5:20], 12), (PROMPT[:3], 12)], max_seqs=4) == \
+        [want, H.hf_greedy(hf, PROMPT[5:20], 12), H.hf_greedy(hf, PROMPT[:3], 12)]
 
 
 def test_granite_multipliers_are_folded_and_each_one_matters(family, tmp_path):
@@ -86,7 +78,6 @@ def test_granite_shared_experts_are_refused_by_name(tmp_path):
 
 def _patched(src, dst, layer, **fields):
     """A copy of the .colibri file `src` with routing record `layer` changed (version-2 fields)."""
-    import struct
     from colibri_server.model import format as fmt
     b = bytearray(open(src, "rb").read())
     cf = fmt.ColibriFile.open(src)

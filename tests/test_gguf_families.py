@@ -21,10 +21,10 @@ import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model.convert import convert
 from colibri_server.model.gguf_import import convert_gguf
+from test_gguf_import import PROMPT, _import
 
 T = gguf.MODEL_TENSOR
 Q = gguf.GGMLQuantizationType
-PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 500, size=24)]
 LLAMA_CPP = os.environ.get("LLAMA_CPP_SRC",
                            os.path.expanduser("~/anchor-data/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 HF_TO_GGUF = os.path.join(os.path.dirname(__file__), "..", "tools", "hf_to_gguf.py")
@@ -71,6 +71,13 @@ def _writer(path, arch, c, qtype, kv_b=False):
     def f32(name, a):
         w.add_tensor(name, np.ascontiguousarray(a, np.float32))
     return w, mat, f32
+
+
+def _finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def write_deepseek2(hf_dir, path, arch, qtype=Q.F32, kv_b=False):
@@ -138,10 +145,7 @@ def write_deepseek2(hf_dir, path, arch, qtype=Q.F32, kv_b=False):
             mat(_name(t, i), st[p + f"mlp.shared_experts.{hf}.weight"])
     f32(_name(T.OUTPUT_NORM), st["model.norm.weight"])
     mat(_name(T.OUTPUT), st["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
 
 
 def write_gpt_oss(hf_dir, path, qtype=Q.F32):
@@ -179,10 +183,7 @@ def write_gpt_oss(hf_dir, path, qtype=Q.F32):
         f32(_name(T.FFN_DOWN_EXP, i, "bias"), st[m + "experts.down_proj_bias"])
     f32(_name(T.OUTPUT_NORM), st["model.norm.weight"])
     mat(_name(T.OUTPUT), st["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
 
 
 def _write(arch, hf_dir, path, qtype, **kw):
@@ -207,12 +208,6 @@ def ckpt(tmp_path_factory):
             cache[arch] = (d, hf, direct)
         return cache[arch]
     return get
-
-
-def _import(d, name, **kw):
-    out = d / f"{name}.colibri"
-    cfg, report = convert_gguf(str(d / f"{name}.gguf"), str(out), progress=False, require_tokenizer=False, **kw)
-    return cfg, report, Model.open(str(out)).logits(PROMPT)
 
 
 ARCHS = ["deepseek_v2", "deepseek_v3", "gpt_oss"]

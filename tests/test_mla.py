@@ -93,14 +93,7 @@ def test_threads_give_the_same_tokens(v3):
     want = H.hf_greedy(hf, PROMPT[:8], 24)
     assert one.generate(PROMPT[:8], max_tokens=24, ignore_eos=True) == want
     assert two.generate(PROMPT[:8], max_tokens=24, ignore_eos=True) == want
-    eng = BatchEngine(two, max_seqs=2, max_batch_tokens=16, kv_dtype="f32")
-    out = {}
-    for i, p in enumerate((PROMPT[:8], PROMPT[3:30])):
-        eng.add(i, p, max_tokens=24 if i == 0 else 8, ignore_eos=True)
-    while eng.has_work():
-        for rid, ev in eng.step():
-            out.setdefault(rid, []).append(ev.token_id)
-    assert out[0][:24] == want and out[1][:8] == H.hf_greedy(hf, PROMPT[3:30], 8)
+    assert H.engine_tokens(two, [(PROMPT[:8], 24), (PROMPT[3:30], 8)]) == [want, H.hf_greedy(hf, PROMPT[3:30], 8)]
 
 
 @pytest.mark.parametrize("wdtype", [np.float32, np.uint16, np.int16])
