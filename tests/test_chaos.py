@@ -65,6 +65,7 @@ class Chaos:
         self.in_place = "a"               # the good model at the live path (or None: a bad file is there)
         self.results, self.errors, self.lock = [], [], threading.Lock()
         self.recoveries = []              # (fault, seconds until a fresh request was answered)
+        self.probes = []                  # (token ids, generation) of those fresh requests
         self.stop = threading.Event()
         self.s = Server(self.live, tmp_path, workers=2, name="chaos",
                         extra=("--config", self.cfg, "--timeout", "3", "--heartbeat-interval", "0.5"))
@@ -98,6 +99,8 @@ class Chaos:
                 with self.s.client(1.0) as c:
                     r = c.generate(PROMPTS[0], max_tokens=2, ignore_eos=True)
                     if r.finish_reason:
+                        with self.lock:          # an answer too: checked and counted like the clients'
+                            self.probes.append((r.token_ids, r.generation))
                         break
             except ColibriError:
                 pass
@@ -232,10 +235,14 @@ class Chaos:
             key = p if isinstance(p, str) else tuple(p)
             if g not in self.model_of or ids != self.refs[self.model_of[g]][key]:
                 wrong.append((p, ids, g, self.model_of.get(g)))
+        key0 = PROMPTS[0] if isinstance(PROMPTS[0], str) else tuple(PROMPTS[0])
+        for ids, g in self.probes:               # the probes' 2 tokens: the start of their model's answer
+            if g not in self.model_of or ids != self.refs[self.model_of[g]][key0][:2]:
+                wrong.append((PROMPTS[0], ids, g, self.model_of.get(g)))
         silent = [e for e in self.errors if e[1] == "timeout"]
         other = [e for e in self.errors if e[1] not in EXPLICIT | {"timeout"}]
         worst = max(t for _, t in self.recoveries)
-        gens = sorted({g for _, _, g in self.results})
+        gens = sorted({g for _, _, g in self.results} | {g for _, g in self.probes})
         print(f"\nchaos: {len(done)} faults ({', '.join(done)}); {len(self.results)} answers from generations "
               f"{gens} ({', '.join(f'{g}={m}' for g, m in sorted(self.model_of.items()))}); "
               f"{len(wrong)} wrong, {len(silent)} silent, {len(self.errors) - len(silent)} explicit errors "
