@@ -128,7 +128,7 @@ class DecodeStep:
 
     def paged(self, rope, pool, table, pos: int, token: int, scores) -> np.ndarray:
         """Token `token` at position `pos` of the sequence whose blocks are `table` (int32, the
-        block of pos allocated) in a paged pool (kv.KVPool); scores: a 1-D scratch of >= pos+1
+        block of pos allocated) in a paged pool (kv.KVPool); scores: a 1-D scratch of >= H/Hkv * (pos+1)
         -> the workspace's (1,V) logits (a serving step of one decoding sequence)."""
         self.ids[0] = token
         KD.decode_token(*self._call_args(rope, pool.k, pool.v, table, pos, scores))

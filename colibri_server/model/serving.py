@@ -58,7 +58,8 @@ class BatchEngine:
         # a step of one decoding sequence runs the fused decode token on the pool (decode_step.py), at
         # least as fast as batch-1 decode was before batching; None for models it does not cover
         self.single = ws.decode_step(cfg, model.weights)
-        self.scores = aligned_zeros(model.context, np.float32) if self.single is not None else None
+        self.scores = aligned_zeros(cfg.num_heads // cfg.num_kv_heads * model.context, np.float32) \
+            if self.single is not None else None
         self.logits = aligned_zeros((max_seqs, cfg.vocab_size), np.float32)   # (M,V), M <= max_seqs
         self.states = {}                                              # rid -> SeqState
         self.faults = []                                              # [(rid, NumericalFault)] of the last step

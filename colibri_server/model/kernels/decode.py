@@ -66,7 +66,7 @@ def _layer_attend_overload(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, w
         return own
 
     def paged(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
-        # (L,NB,Hkv,BS,hd) pool, table the sequence's blocks; scores a 1-D scratch of >= start+1
+        # (L,NB,Hkv,BS,hd) pool, table the sequence's blocks; scores a 1-D scratch of >= H/Hkv * (start+1)
         rope(q3, pos, cos, sin)
         rope(k3, pos, cos, sin)
         BS = kc.shape[3]
@@ -74,7 +74,7 @@ def _layer_attend_overload(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, w
         for h in range(k3.shape[1]):
             _put_row(k3[0, h], kc[l, b, h, o])
             _put_row(v3[0, h], vc[l, b, h, o])
-        acc = np.empty(q3.shape[2], np.float32)
+        acc = np.empty((q3.shape[1] // k3.shape[1], out.shape[2]), np.float32)
         _attend_row(q3[0], kc[l], vc[l], table, start, window, scale, out[0], scores, acc, q3[0, 0, :0])
     return paged
 

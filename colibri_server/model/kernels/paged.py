@@ -76,8 +76,11 @@ def write_kv(k, v, kpool, vpool, blocks, offsets):
 @njit(cache=True, fastmath=_REDUCE_FM, error_model="numpy")
 def _attend_row(q, kpool, vpool, table, p, window, scale, out, sc, acc, sinks):
     # q (H,hd) one row at position p -> out (H,dv), dv <= hd the first dims of each value row;
-    # table (>= p//BS + 1,) its sequence's blocks; sc (>= p+1,) f32 and acc (dv,) f32 scratch;
-    # sinks (H,) f32 per-head logits in each softmax's sum (GPT-OSS), or size 0
+    # table (>= p//BS + 1,) its sequence's blocks; sc (>= H/Hkv * (p+1),) f32 and acc (H/Hkv, dv) f32
+    # scratch; sinks (H,) f32 per-head logits in each softmax's sum (GPT-OSS), or size 0.
+    # Per kv head, its group of query heads together: each key and value row is read (and converted
+    # from f16) once for the group, as kernels/attn does for the contiguous cache (latent attention's
+    # 16-128 heads share one kv head)
     H, hd = q.shape
     dv = out.shape[1]
     Hkv, BS = kpool.shape[1], kpool.shape[2]
@@ -86,39 +89,53 @@ def _attend_row(q, kpool, vpool, table, p, window, scale, out, sc, acc, sinks):
     if window > 0:
         lo = max(0, p - window + 1)
     n = p + 1 - lo
-    s = sc[:n]
-    for h in range(H):
-        kh = h // group
-        qh = q[h]
+    S = sc[:group * n].reshape((group, n))
+    row = np.empty(hd, np.float32)
+    for kh in range(Hkv):
+        h0 = kh * group
         for j in range(n):
             pos = lo + j
             kr = kpool[table[pos // BS], kh, pos % BS]
-            a = np.float32(0.0)
             for c in range(hd):
-                a += qh[c] * to_f32(kr[c])
-            s[j] = np.float32(scale) * a
-        m = _max_finite(s)
-        if sinks.shape[0] > 0 and sinks[h] > m:
-            m = sinks[h]
-        tot = np.float32(0.0)
-        for j in range(n):
-            e = expf(s[j] - m)
-            s[j] = e
-            tot += e
-        if sinks.shape[0] > 0:
-            tot += expf(sinks[h] - m)
-        inv = np.float32(1.0) / tot
-        for c in range(dv):
-            acc[c] = 0.0
+                row[c] = to_f32(kr[c])
+            for g in range(group):
+                qh = q[h0 + g]
+                a = np.float32(0.0)
+                for c in range(hd):
+                    a += qh[c] * row[c]
+                S[g, j] = np.float32(scale) * a
+        for g in range(group):
+            s = S[g]
+            m = _max_finite(s)
+            if sinks.shape[0] > 0 and sinks[h0 + g] > m:
+                m = sinks[h0 + g]
+            tot = np.float32(0.0)
+            for j in range(n):
+                e = expf(s[j] - m)
+                s[j] = e
+                tot += e
+            if sinks.shape[0] > 0:
+                tot += expf(sinks[h0 + g] - m)
+            inv = np.float32(1.0) / tot
+            for j in range(n):
+                s[j] *= inv
+            for c in range(dv):
+                acc[g, c] = 0.0
         for j in range(n):
             pos = lo + j
             vr = vpool[table[pos // BS], kh, pos % BS]
-            w = s[j] * inv
             for c in range(dv):
-                acc[c] += w * to_f32(vr[c])
-        o = out[h]
-        for c in range(dv):
-            o[c] = acc[c]
+                row[c] = to_f32(vr[c])
+            for g in range(group):
+                w = S[g, j]
+                ag = acc[g]
+                for c in range(dv):
+                    ag[c] += w * row[c]
+        for g in range(group):
+            o = out[h0 + g]
+            ag = acc[g]
+            for c in range(dv):
+                o[c] = ag[c]
 
 
 @njit(cache=True)
@@ -142,8 +159,9 @@ def paged_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, ou
     # row_seq (N,) index into tables, row_pos (N,) absolute positions -> out (N,H,dv), dv <= hd
     N, H, hd = q.shape
     maxp = _checked(q, kpool, vpool, out, tables, row_pos)
-    sc = np.empty(maxp, np.float32)
-    acc = np.empty(out.shape[2], np.float32)
+    group = H // kpool.shape[1]
+    sc = np.empty(group * maxp, np.float32)
+    acc = np.empty((group, out.shape[2]), np.float32)
     for r in range(N):
         _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc, sinks)
 
@@ -153,9 +171,10 @@ def paged_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale
     # paged_attention with the rows split over Numba threads (the same bits: rows are independent)
     N, H, hd = q.shape
     _checked(q, kpool, vpool, out, tables, row_pos)
+    group = H // kpool.shape[1]
     for r in prange(N):
-        sc = np.empty(row_pos[r] + 1, np.float32)
-        acc = np.empty(out.shape[2], np.float32)
+        sc = np.empty(group * (row_pos[r] + 1), np.float32)
+        acc = np.empty((group, out.shape[2]), np.float32)
         _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc, sinks)
 
 
