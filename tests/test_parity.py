@@ -237,7 +237,7 @@ def test_tied_embeddings_mixtral(tmp_path):
 
 
 STEP_COVERED = [("mixtral", "f16"), ("mixtral", "bf16"), ("qwen3_moe", "f16"), ("olmoe", "bf16"),
-                ("mixtral", "q8"), ("olmoe", "q4")]
+                ("mixtral", "q8"), ("olmoe", "q4"), ("qwen2_moe", "f16"), ("qwen2_moe", "q8")]
 
 
 def _token_routes(ws, cfg, w, trace):
@@ -258,9 +258,9 @@ def test_decode_step_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtyp
     from colibri_server.model.convert import convert
     from colibri_server.model.decode_step import DecodeStep
     from colibri_server.model.transformer import forward
-    if arch == "qwen3_moe":                        # the test config's dense layer 1 is not covered
+    if arch in ("qwen3_moe", "qwen2_moe"):          # the test configs' dense layers are not covered
         hf_dir = str(tmp_path / "hf")
-        H.build_hf_model(arch, hf_dir, mlp_only_layers=[])
+        H.build_hf_model(arch, hf_dir, mlp_only_layers=[], decoder_sparse_step=1)
     else:
         hf_dir = built(arch).hf_dir
     path = str(tmp_path / f"{dtype}.colibri")
@@ -295,7 +295,7 @@ def test_decode_step_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtyp
         m.decode(m.new_cache(), cfg.vocab_size)
 
 
-@pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("olmoe", "q8"),
+@pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("olmoe", "q8"), ("qwen2_moe", "f16"),
                                         pytest.param("mixtral", "q4", marks=pytest.mark.slow)])   # 63 s cold
 def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, tmp_path, arch, dtype):
     """threads_per_worker 2: the fused token splits every matrix's rows (q|k|v in one region, wo,
@@ -306,7 +306,11 @@ def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, t
     from colibri_server.model.decode_step import DecodeStep
     from colibri_server.model.transformer import forward
     path = built(arch).colibri(dtype) if dtype == "f16" else str(tmp_path / f"{dtype}.colibri")
-    if dtype != "f16":
+    if arch == "qwen2_moe":                        # its shared expert and biases; no dense layer (not covered)
+        path = str(tmp_path / "f16.colibri")
+        H.build_hf_model(arch, tmp_path / "hf", mlp_only_layers=[], decoder_sparse_step=1)
+        convert(str(tmp_path / "hf"), path, "f16", progress=False)
+    elif dtype != "f16":
         convert(built(arch).hf_dir, path, "f16", progress=False, quantize=dtype, quant_group=32)
     one, two = Model.open(path), Model.open(path)
     two.compile_threaded()
@@ -327,9 +331,8 @@ def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, t
 
 
 def test_decode_step_declines_what_it_does_not_compute(built):
-    """f32 weights (forward multiplies them with BLAS), Qwen2-MoE's shared expert and biases and a
-    dense layer (the qwen3_moe test config's layer 1) keep the general path: build() gives None,
-    forward still decodes."""
+    """f32 weights (forward multiplies them with BLAS) and dense layers (the qwen2_moe test config's layers 0
+    and 2, the qwen3_moe one's layer 1) keep the general path: build() gives None, forward still decodes."""
     from colibri_server.model.decode_step import DecodeStep
     for path in (built("mixtral").colibri("f32"), built("qwen2_moe").colibri("f16"), built("qwen3_moe").colibri("f16")):
         m = Model.open(path)

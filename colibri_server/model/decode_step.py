@@ -7,11 +7,11 @@ the whole token in one call is 2-5% faster per token, with the same logits bit f
 
 DecodeStep owns the argument tuples, built once per (weights, workspace): each per-layer
 weight as a tuple over the layers, absent q/k norms as empty arrays. It covers the models
-whose every piece the fused kernel computes with forward's own kernels: MoE in every layer
-without a shared expert or biases (Mixtral, Qwen3-MoE, OLMoE), weights in f16/bf16 (rows or
-panels) or quantized. Anything else (f32 weights, which forward sends through BLAS; dense
-layers; Qwen2-MoE's shared expert and biases) gets None from `build`, and forward keeps its
-general path.
+whose every piece the fused kernel computes with forward's own kernels: MoE in every layer with
+version-1 routing (Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE with its q/k/v biases and gated shared
+expert), weights in f16/bf16 (rows or panels) or quantized. Anything else (f32 weights, which forward
+sends through BLAS; dense layers; version-2 routing; latent attention; GPT-OSS's sinks and biased
+experts; Phi-MoE's LayerNorm and sparsemixer) gets None from `build`, and forward keeps its general path.
 
 With threads > 1 (a workspace of several scratch rows) every matrix's rows, q|k|v, wo, the
 experts and the head, are split over Numba threads inside the one call, and attention's kv
@@ -56,14 +56,15 @@ class DecodeStep:
         self.cfg, self.ws, self.args = cfg, ws, args
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qd, kvd = cfg.q_dim, cfg.kv_dim
-        E, A = cfg.num_experts, cfg.top_k
+        E, A, S = cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size
         qkv = ws.qkv[:1]
         self.ids = np.zeros(1, np.int64)
         self.routes = np.zeros((cfg.num_layers, A), np.int32)         # (L,A): the experts of the last token
         self.views = (ws.x[:1], ws.h[:1], ws.sub[:1], qkv, qkv[0, :qd].reshape(1, H, hd),
                       qkv[0, qd:qd + kvd].reshape(1, Hkv, hd), qkv[0, qd + kvd:].reshape(1, Hkv, hd),
                       ws.attn[:1].reshape(1, H, hd), ws.router[:1, :E], self.routes, ws.route_w[:1, :A],
-                      ws.h1, ws.h3, *((ws.xs[0], ws.xi[0]) if ws.threads == 1 else (ws.xs, ws.xi)))
+                      ws.h1, ws.h3, ws.ffn_g[0, :S], ws.ffn_u[0, :S], ws.shared_out[0],
+                      *((ws.xs[0], ws.xi[0]) if ws.threads == 1 else (ws.xs, ws.xi)))
         self.scale = 1.0 / math.sqrt(hd)
 
     @classmethod
@@ -75,11 +76,10 @@ class DecodeStep:
             return None                                    # Phi-MoE's LayerNorm, head bias, sparsemixer
         if any(L.sinks.size or L.gate_b is not None or L.b1 is not None for L in Ls):
             return None                                    # GPT-OSS's sinks, router and expert biases
-        if any(L.gate is None or L.w1 is None or L.shared_w1 is not None or L.rule is not None for L in Ls):
-            return None
-        if any(b is not None for L in Ls for b in (L.bq, L.bk, L.bv, L.bo)):
-            return None                                    # Qwen2's biases: with its shared expert, not covered
-        if len({(L.top_k, L.renorm) for L in Ls}) != 1:
+        if any(L.gate is None or L.w1 is None or L.rule is not None for L in Ls):
+            return None                                    # dense layers, version-2 routing
+        if len({(L.top_k, L.renorm, L.bq is None, L.bo is None, L.shared_w1 is None, L.shared_gate is None)
+                for L in Ls}) != 1:
             return None
 
         def qkv(L):
@@ -108,9 +108,23 @@ class DecodeStep:
         qk_mode = {"none": 0, "full": 1, "head": 2}.get(cfg.qk_norm)
         if qk_mode is None:
             return None
+        # Qwen2-MoE: q|k|v biases as one vector, the output bias, the shared expert and its gate
+        bqkv = _uniform(_NONE if L.bq is None else np.concatenate([L.bq, L.bk, L.bv]) for L in Ls)
+        bo = _uniform(opt(L.bo) for L in Ls)
+        has_shared = Ls[0].shared_w1 is not None
+        if has_shared:
+            cols = [[_weight(getattr(L, n)) for L in Ls] for n in ("shared_w1", "shared_w3", "shared_w2")]
+            if any(W is None for col in cols for W in col):
+                return None
+            shared = [_uniform(col) for col in cols]
+            sgate = _uniform(_NONE if L.shared_gate is None else L.shared_gate[0] for L in Ls)
+        else:                                              # never read: any matrices of a uniform type
+            shared, sgate = [wo, wo, wo], _uniform(_NONE for _ in Ls)
+        if any(t is None for t in (bqkv, bo, sgate, *shared)):
+            return None
         args = (w.token_embd, anorm, wqkv, wo, qnorm, knorm, qk_mode,
-                np.float32(cfg.clip_qkv or 0.0), fnorm, gate, w1, w3, w2, Ls[0].top_k, Ls[0].renorm,
-                cfg.rms_norm_eps)
+                np.float32(cfg.clip_qkv or 0.0), fnorm, gate, w1, w3, w2, bqkv, bo, *shared, sgate, has_shared,
+                Ls[0].top_k, Ls[0].renorm, cfg.rms_norm_eps)
         return cls(cfg, ws, (args, w.output_norm, wout))
 
     def _call_args(self, rope, k, v, table, start, scores) -> tuple:

@@ -146,7 +146,8 @@ def _shared_expert(layer, x, ws, out):
         s = ws.shared_out[:T]                                                  # (T,D)
         swiglu(x, layer.shared_w1, layer.shared_w3, layer.shared_w2, ws, s)
         if layer.shared_gate is not None:                                      # Qwen2-MoE; DeepSeek/GLM: ungated
-            sg = x @ layer.shared_gate[0]                                      # (T,) f32
-            s *= (1.0 / (1.0 + np.exp(-sg)))[:, None].astype(np.float32)
+            g = layer.shared_gate[0]                                           # (D,) f32
+            for t in range(T):
+                s[t] *= K.shared_gate_scale(x[t], g)
         out += s
     return out

@@ -20,7 +20,7 @@ from numba.extending import overload
 from .attn import attend
 from .paged import _attend_row, _put_row
 from .dense import _matvec_core, embed, matvec_stack, rmsnorm, rope
-from .moe import _matvec_par, expert_ffn, expert_ffn_par, matvec_qkv_par, route
+from .moe import _matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, matvec_qkv_par, route, shared_gate_scale
 from .quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
 
 __all__ = ["decode_token", "moe_float", "moe_quant", "rope_cache_attend"]
@@ -204,14 +204,18 @@ def _clip(a, c):
 
 @njit(cache=True)
 def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, gate, w1, w3, w2,
+                 bqkv, bo, sw1, sw3, sw2, sgate, has_shared,
                  top_k, renorm, eps, kcache, vcache, table, start, cos, sin, window, scale, onorm, wout,
-                 x, h, sub, qkv, q3, k3, v3, attn3, logits_e, idx, wts, h1, h3, xs, xi, scores, pos, logits):
+                 x, h, sub, qkv, q3, k3, v3, attn3, logits_e, idx, wts, h1, h3, sh1, sh3, sout, xs, xi, scores,
+                 pos, logits):
     # One token ids (1,) at position `start` through every layer and the head -> logits (1,V), the
     # kernels and order of transformer.forward's T == 1 path. Per-layer weights are tuples over the
     # layers (anorm..w2, one type each; no biases); qnorm/knorm size 0 when absent; qk_mode 0 none, 1 over the
     # whole projection, 2 per head; clip 0 off. x, h, sub (1,D), qkv (1,qd+2kvd) with q3 (1,H,hd),
     # k3, v3 (1,Hkv,hd) its views; attn3 (1,H,hd); logits_e (1,E), wts (1,k) the routing, idx (L,k) the
-    # experts each layer chose (kept for the caller's routing counts).
+    # experts each layer chose (kept for the caller's routing counts). Qwen2-MoE: bqkv (qd+2kvd,) and bo (D,)
+    # per layer (size 0: none), its shared expert sw1/sw3/sw2 with the gate sgate (D,) (size 0: ungated),
+    # has_shared False: none (sw* then hold other matrices, never read); sh1, sh3 (S,), sout (D,) its scratch.
     # kcache/vcache: (L,Hkv,S,hd) (table unused) or a paged pool (L,NB,Hkv,BS,hd) with the table.
     embed(emb, ids, x)
     pos[0] = start
@@ -221,6 +225,8 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
     for l in range(len(wo)):
         rmsnorm(x, anorm[l], eps, h)
         _qkv(wqkv[l], h[0], qkv[0], xs, xi)
+        if bqkv[l].shape[0] > 0:
+            _add(qkv[0], bqkv[l])
         if qk_mode == 1:
             rmsnorm(q3.reshape(1, H * hd), qnorm[l], eps, q3.reshape(1, H * hd))
             rmsnorm(k3.reshape(1, Hkv * hd), knorm[l], eps, k3.reshape(1, Hkv * hd))
@@ -233,10 +239,22 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
             rmsnorm(k3.reshape(Hkv, hd), knorm[l], eps, k3.reshape(Hkv, hd))
         _layer_attend(kcache, vcache, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, attn3, scores)
         _proj(wo[l], attn3.reshape(H * hd), sub[0], xs, xi)
+        if bo[l].shape[0] > 0:
+            _add(sub[0], bo[l])
         _add(x[0], sub[0])
         rmsnorm(x, fnorm[l], eps, h)
         _experts(gate[l], w1[l], w3[l], w2[l], h[0], top_k, renorm, logits_e, idx[l:l + 1], wts, h1, h3, sub[0],
                  xs, xi)
+        if has_shared:                     # moe._shared_expert: swiglu, then the gate's sigmoid, then added
+            _proj(sw1[l], h[0], sh1, xs, xi)
+            _proj(sw3[l], h[0], sh3, xs, xi)
+            _silu_mul_1d(sh1, sh3)
+            _proj(sw2[l], sh1, sout, xs, xi)
+            if sgate[l].shape[0] > 0:
+                gs = shared_gate_scale(h[0], sgate[l])
+                for j in range(sout.shape[0]):
+                    sout[j] *= gs
+            _add(sub[0], sout)
         _add(x[0], sub[0])
     rmsnorm(x, onorm, eps, h)
     _proj(wout, h[0], logits[0], xs, xi)

@@ -125,6 +125,16 @@ def expert_ffn(w1, w3, w2, e, x, weight, h1, h3, out):
 
 
 @njit(cache=True)
+def shared_gate_scale(x, g):
+    # Qwen2-MoE's shared-expert gate for one token: sigmoid(g . x), x, g (D,) f32 (one summation order for
+    # the general path and the fused token)
+    a = np.float32(0.0)
+    for j in range(x.shape[0]):
+        a += x[j] * g[j]
+    return np.float32(1.0) / (np.float32(1.0) + np.float32(np.exp(-a)))
+
+
+@njit(cache=True)
 def experts_biased(w1, w3, w2, b1, b3, b2, idx, wts, x, alpha, limit, h1, h3, y, out):
     # GPT-OSS, one token: out (D,) = sum over its chosen experts (idx (A,) i32, in increasing order as moe()'s
     # general path adds them) of wts[a] * (w2[e] @ act + b2[e]), act = swiglu_clamped(w1[e] @ x, w3[e] @ x, b1[e],
