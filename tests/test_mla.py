@@ -164,3 +164,17 @@ def test_converter_refuses_what_it_cannot_run(tmp_path):
         with pytest.raises(ConvertError, match=msg):
             convert(str(tmp_path / "hf"), str(tmp_path / "x.colibri"), "f32", progress=False)
         assert not (tmp_path / "x.colibri").exists()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_the_group_limit_decides_experts(arch, tmp_path):
+    """Every group allowed (topk_group = n_group) moves transformers' logits well beyond the parity tolerance:
+    the test configs' group limit changes which experts run, so test_families' parity covers it."""
+    hf = H.build_hf_model(arch, tmp_path / "hf")
+    base = H.hf_logits(hf, PROMPT)
+    mods = [m for m in hf.modules() if hasattr(m, "topk_group")]
+    assert mods
+    for m in mods:
+        m.topk_group = H.FAMILY_CONFIGS[arch]["n_group"]
+    moved = np.abs(H.hf_logits(hf, PROMPT) - base).max()
+    assert moved > 100 * 1e-4 * np.abs(base).max(), moved
