@@ -281,12 +281,13 @@ FAMILY_CONFIGS: dict[str, dict] = {
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     # DeepSeek-V2 (V2-Lite's shape): latent attention without a query rank (q_proj), odd head parts
     # (nope 12, rope 8, value 10, latent 24), interleaved rotary dims, softmax group-limited greedy routing
-    # (4 groups of 2, 2 kept) with routed scale 1.5 and no renormalisation, an ungated shared expert,
+    # (4 groups of 2, 1 kept: a group scores its best expert, so with 2 kept the best 2 experts always pass and
+    # the limit would never matter) with routed scale 1.5 and no renormalisation, an ungated shared expert,
     # layer 0 dense, yarn rope with mscale / mscale_all_dim (the softmax scale's factor).
     "deepseek_v2": dict(_COMMON, model_type="deepseek_v2", num_hidden_layers=3, num_key_value_heads=4,
                         intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                         n_shared_experts=1, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
-                        topk_group=2, routed_scaling_factor=1.5, kv_lora_rank=24, q_lora_rank=None,
+                        topk_group=1, routed_scaling_factor=1.5, kv_lora_rank=24, q_lora_rank=None,
                         qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, rms_norm_eps=1e-6,
                         tie_word_embeddings=False,
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
