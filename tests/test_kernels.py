@@ -372,6 +372,31 @@ def test_attention_par_is_attention_bit_for_bit(rng, T, start, window, Hkv):
         K.attention_par(q, k, v, start, window, 0.125, par, np.empty((Hkv, 4 * (start + T) - 1), np.float32), NO_SINKS)
 
 
+@pytest.mark.parametrize("Hkv,chunks", [(1, 2), (1, 3), (2, 2)])
+def test_attention_par_splits_query_heads_bit_for_bit(rng, Hkv, chunks):
+    # fewer kv heads than threads (latent attention: one for all heads): each kv head's query heads split in
+    # chunks (3 of a group of 8: 3, 3, 2), a scratch row each, every head as on one thread
+    import numba
+    H, S, hd, T, start = 8 * Hkv, 200, 72, 2, 90
+    q, k, v, out = _attention_case(rng, T, H, Hkv, S, hd, start)
+    sinks = rng.standard_normal(H).astype(np.float32)
+    K.attention(q, k, v, start, 0, 0.125, out, np.empty(H // Hkv * S, np.float32), sinks)
+    per = -(-(H // Hkv) // chunks) * S
+    par = np.full_like(out, np.nan)
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        K.attention_par(q, k, v, start, 0, 0.125, par, np.full((Hkv * chunks, per), np.nan, np.float32), sinks)
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    np.testing.assert_array_equal(par, out)
+    if Hkv > 1:
+        with pytest.raises(ValueError, match="not a multiple of the kv heads"):
+            K.attention_par(q, k, v, start, 0, 0.125, par, np.empty((Hkv * chunks + 1, per), np.float32), sinks)
+    with pytest.raises(ValueError, match="scores scratch is smaller"):
+        K.attention_par(q, k, v, start, 0, 0.125, par,
+                        np.empty((Hkv * chunks, per // S * (start + T) - 1), np.float32), sinks)
+
+
 @pytest.mark.parametrize("hd", [64, 72, 136, 12])
 @pytest.mark.parametrize("T,start,window", [(1, 77, 0), (1, 150, 40), (4, 60, 0)])
 def test_attention_vector_loops_every_head_dim(rng, hd, T, start, window):

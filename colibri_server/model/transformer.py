@@ -215,13 +215,16 @@ class Workspace:
 
     def attention_scores(self, cfg: ModelConfig, capacity: int) -> np.ndarray:
         """The attention scratch for a cache of `capacity` positions: (H/Hkv * capacity,) on one
-        thread; on threads one such row per kv head, (Hkv, H/Hkv * capacity), and the kv heads
-        run side by side (kernels/attn.attend)."""
+        thread; on threads one row per kv head, (Hkv, H/Hkv * capacity), and the kv heads run side by
+        side (kernels/attn.attend); with fewer kv heads than threads (latent attention: one) each kv
+        head's query heads split into chunks, a row each: (Hkv * C, ceil(H/Hkv/C) * capacity)."""
         n = cfg.num_heads // cfg.num_kv_heads * capacity
         if self.threads == 1:
             return self.score_buffer(n)
-        Hkv = cfg.num_kv_heads
-        return self.score_buffer(Hkv * n)[:Hkv * n].reshape(Hkv, n)
+        Hkv, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        chunks = max(1, min(group, self.threads // Hkv))
+        per = -(-group // chunks) * capacity
+        return self.score_buffer(Hkv * chunks * per)[:Hkv * chunks * per].reshape(Hkv * chunks, per)
 
 
 def compile_parallel(weights, ws: Workspace) -> None:

@@ -132,11 +132,10 @@ def _first(p, window):
 
 
 @njit(cache=True)
-def _attend_kv(qt, kcache, vcache, kh, lo, p, sc, sv, ot, sinks):
-    # the query heads of kv head kh (qt (H,hd) one position's) over positions lo..p -> ot's rows of them;
-    # sv (g, p+1-lo) the scores scratch; sinks (H,) f32 logits in every softmax's sum (GPT-OSS), or size 0
+def _attend_kv(qt, kcache, vcache, kh, h0, lo, p, sc, sv, ot, sinks):
+    # the query heads h0..h0+g-1 of kv head kh (qt (H,hd) one position's) over positions lo..p -> ot's rows of
+    # them; sv (g, p+1-lo) the scores scratch; sinks (H,) f32 logits in every softmax's sum (GPT-OSS), or size 0
     group = sv.shape[0]
-    h0 = kh * group
     _scores_group(qt[h0:h0 + group], kcache[kh, lo:p + 1], sc, sv)
     for h in range(group):
         row = sv[h]
@@ -165,25 +164,37 @@ def attention(q, kcache, vcache, start, window, scale, out, scores, sinks):
         n = p + 1 - lo
         sv = scores[:group * n].reshape((group, n))                                       # (g,n)
         for kh in range(kcache.shape[0]):
-            _attend_kv(q[t], kcache, vcache, kh, lo, p, sc, sv, out[t], sinks)
+            _attend_kv(q[t], kcache, vcache, kh, kh * group, lo, p, sc, sv, out[t], sinks)
 
 
 @njit(cache=True, parallel=True)
 def attention_par(q, kcache, vcache, start, window, scale, out, scores2, sinks):
-    # attention with the kv heads split over Numba threads (one region for every position);
-    # scores2 (>= Hkv, >= H//Hkv * S) one scratch row per kv head. The same bits as attention.
+    # attention on Numba threads, one region for every position: scores2 (Hkv*C, >= ceil(H/Hkv/C) * S) one
+    # scratch row per (kv head, chunk of its query heads); C = 1 splits the kv heads, C > 1 also splits each
+    # kv head's query heads into C chunks (latent attention: 1 kv head for all of them), each chunk reading
+    # its kv head's rows itself. Every head is computed as on one thread: the same bits as attention.
     Hkv = kcache.shape[0]
     if scores2.shape[0] < Hkv:
         raise ValueError("attention: the scores scratch has fewer rows than kv heads")
-    group = _checked_group(q, kcache, start, scores2.shape[1])
+    if scores2.shape[0] % Hkv != 0:
+        raise ValueError("attention: the scores scratch rows are not a multiple of the kv heads")
+    group = _checked_group(q, kcache, start, (q.shape[1] // Hkv) * (start + q.shape[0]))   # shapes
+    chunks = scores2.shape[0] // Hkv
+    per = (group + chunks - 1) // chunks
+    if scores2.shape[1] < per * (start + q.shape[0]):
+        raise ValueError("attention: the scores scratch is smaller than its heads x positions")
     sc = np.float32(scale)
-    for kh in prange(Hkv):                       # one region: each thread's kv heads at every position
+    for i in prange(Hkv * chunks):               # one region: each thread's (kv head, chunk) at every position
+        kh, c = i // chunks, i % chunks
+        g0, g1 = c * per, min(group, (c + 1) * per)
+        if g1 <= g0:
+            continue
         for t in range(q.shape[0]):
             p = start + t
             lo = _first(p, window)
             n = p + 1 - lo
-            _attend_kv(q[t], kcache, vcache, kh, lo, p, sc, scores2[kh, :group * n].reshape((group, n)), out[t],
-                       sinks)
+            _attend_kv(q[t], kcache, vcache, kh, kh * group + g0, lo, p, sc,
+                       scores2[i, :(g1 - g0) * n].reshape((g1 - g0, n)), out[t], sinks)
 
 
 def attend(q, kcache, vcache, start, window, scale, out, scores, sinks):
