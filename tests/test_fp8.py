@@ -56,7 +56,7 @@ def _fp8_checkpoint(src, fp8_dir, ref_dir, block=(BLOCK, BLOCK)):
     (fp8_dir / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])   # V3: its latent projections, read whole
 def test_fp8_checkpoint_converts_to_its_dequantized_values_bit_for_bit(tmp_path, arch):
     H.build_hf_model(arch, tmp_path / "hf")
     _fp8_checkpoint(tmp_path / "hf", tmp_path / "fp8", tmp_path / "ref", block=(16, 32))
