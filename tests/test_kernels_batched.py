@@ -113,7 +113,7 @@ def test_paged_attention_is_attention_over_each_rows_own_blocks(kvdt, window):
     q = rng.standard_normal((5, H, hd)).astype(np.float32)
     out, out2 = np.zeros_like(q), np.zeros_like(q)
     KP.paged_attention(q, kp, vp, tables, row_seq, row_pos, window, 0.25, out, NO_SINKS)
-    KP.paged_attention_par(q, kp, vp, tables, row_seq, row_pos, window, 0.25, out2, NO_SINKS)
+    KP.paged_attention_par(q, kp, vp, tables, row_seq, row_pos, window, 0.25, out2, NO_SINKS, 2)
     ref = KP.paged_attention_ref(q, kp, vp, tables, row_seq, row_pos, window, 0.25)
     assert np.abs(out - ref).max() < 1e-5
     assert np.array_equal(out, out2)

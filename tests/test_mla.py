@@ -126,7 +126,7 @@ def test_paged_attention_with_values_narrower_than_keys():
     seq, pos = np.array([0, 0, 1]), np.array([5, 9, 7])
     q = rng.standard_normal((3, H, hd)).astype(np.float32)
     ref = KP.paged_attention_ref(q, pool, pool, tables, seq, pos, 0, 0.3, dv=dv)
-    for kernel in (KP.paged_attention, KP.paged_attention_par):
+    for kernel in (KP.paged_attention, lambda *a: KP.paged_attention_par(*a, 2)):
         out = np.zeros((3, H, dv), np.float32)
         kernel(q, pool, pool, tables, seq, pos, 0, 0.3, out, np.zeros(0, np.float32))
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -178,3 +178,29 @@ def test_the_group_limit_decides_experts(arch, tmp_path):
         m.topk_group = H.FAMILY_CONFIGS[arch]["n_group"]
     moved = np.abs(H.hf_logits(hf, PROMPT) - base).max()
     assert moved > 100 * 1e-4 * np.abs(base).max(), moved
+
+
+def test_paged_attention_on_threads_splits_one_rows_heads_bit_for_bit():
+    """One decoding sequence on two threads: its row's heads split over them (latent attention: all 16 on
+    one kv head; GQA 8 on 2), each head as on one thread."""
+    import numba
+    rng = np.random.default_rng(3)
+    for Hkv, H, hd, dv in ((1, 16, 40, 32), (2, 8, 16, 16)):
+        NB, BS = 10, 4
+        kp = KP.to_f16_bits(rng.standard_normal((NB, Hkv, BS, hd)).astype(np.float32))
+        vp = kp if dv < hd else KP.to_f16_bits(rng.standard_normal((NB, Hkv, BS, hd)).astype(np.float32))
+        tables = rng.permutation(NB).astype(np.int32)[None]
+        q = rng.standard_normal((1, H, hd)).astype(np.float32)
+        sinks = rng.standard_normal(H).astype(np.float32)
+        args = (tables, np.zeros(1, np.int64), np.array([33]), 0, 0.3)
+        one, two = np.zeros((1, H, dv), np.float32), np.full((1, H, dv), np.nan, np.float32)
+        KP.paged_attention(q, kp, vp, *args, one, sinks)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        try:
+            KP.paged_attention_par(q, kp, vp, *args, two, sinks, 2)
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        np.testing.assert_array_equal(two, one)
+        ref = KP.paged_attention_ref(q, kp, vp, *args, dv=dv, sinks=sinks)
+        np.testing.assert_allclose(one, ref, rtol=1e-5, atol=1e-5)
+

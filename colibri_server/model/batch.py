@@ -52,7 +52,11 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin = rope
     scale = attention_scale(cfg)
-    attend = KP.paged_attention_par if ws.threads > 1 else KP.paged_attention
+    if ws.threads > 1:
+        def attend(*args):
+            KP.paged_attention_par(*args, ws.threads)
+    else:
+        attend = KP.paged_attention
     x, h, sub = ws.x[:N], ws.h[:N], ws.sub[:N]                                 # (N,D)
 
     K.embed(w.token_embd, rows.tokens, x)

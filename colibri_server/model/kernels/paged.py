@@ -77,22 +77,29 @@ def write_kv(k, v, kpool, vpool, blocks, offsets):
 def _attend_row(q, kpool, vpool, table, p, window, scale, out, sc, acc, sinks):
     # q (H,hd) one row at position p -> out (H,dv), dv <= hd the first dims of each value row;
     # table (>= p//BS + 1,) its sequence's blocks; sc (>= H/Hkv * (p+1),) f32 and acc (H/Hkv, dv) f32
-    # scratch; sinks (H,) f32 per-head logits in each softmax's sum (GPT-OSS), or size 0.
-    # Per kv head, its group of query heads together: each key and value row is read (and converted
-    # from f16) once for the group, as kernels/attn does for the contiguous cache (latent attention's
-    # 16-128 heads share one kv head)
+    # scratch; sinks (H,) f32 per-head logits in each softmax's sum (GPT-OSS), or size 0
+    _attend_heads(q, kpool, vpool, table, p, window, scale, out, sc, acc, sinks, 0, q.shape[0])
+
+
+@njit(cache=True, fastmath=_REDUCE_FM, error_model="numpy")
+def _attend_heads(q, kpool, vpool, table, p, window, scale, out, sc, acc, sinks, hlo, hhi):
+    # _attend_row for the query heads hlo..hhi-1 only. Per kv head, its query heads of the range together:
+    # each key and value row is read (and converted from f16) once for them, as kernels/attn does for the
+    # contiguous cache (latent attention's 16-128 heads share one kv head). A head's result does not
+    # depend on the range it is computed in.
     H, hd = q.shape
     dv = out.shape[1]
     Hkv, BS = kpool.shape[1], kpool.shape[2]
-    group = H // Hkv
+    group_all = H // Hkv
     lo = 0
     if window > 0:
         lo = max(0, p - window + 1)
     n = p + 1 - lo
-    S = sc[:group * n].reshape((group, n))
     row = np.empty(hd, np.float32)
-    for kh in range(Hkv):
-        h0 = kh * group
+    for kh in range(hlo // group_all, (hhi - 1) // group_all + 1):
+        h0 = max(hlo, kh * group_all)
+        group = min(hhi, (kh + 1) * group_all) - h0
+        S = sc[:group * n].reshape((group, n))
         for j in range(n):
             pos = lo + j
             kr = kpool[table[pos // BS], kh, pos % BS]
@@ -167,15 +174,23 @@ def paged_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, ou
 
 
 @njit(cache=True, parallel=True)
-def paged_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out, sinks):
-    # paged_attention with the rows split over Numba threads (the same bits: rows are independent)
+def paged_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale, out, sinks, threads):
+    # paged_attention with the rows split over Numba threads, and with fewer rows than `threads` (one
+    # sequence decoding) each row's heads split too; the same bits: rows and heads are independent
     N, H, hd = q.shape
     _checked(q, kpool, vpool, out, tables, row_pos)
     group = H // kpool.shape[1]
-    for r in prange(N):
+    chunks = 1 if N >= threads else min(H, (threads + N - 1) // N)
+    per = (H + chunks - 1) // chunks
+    for i in prange(N * chunks):
+        r, c = i // chunks, i % chunks
+        hlo, hhi = c * per, min(H, (c + 1) * per)
+        if hhi <= hlo:
+            continue
         sc = np.empty(group * (row_pos[r] + 1), np.float32)
         acc = np.empty((group, out.shape[2]), np.float32)
-        _attend_row(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc, sinks)
+        _attend_heads(q[r], kpool, vpool, tables[row_seq[r]], row_pos[r], window, scale, out[r], sc, acc, sinks,
+                      hlo, hhi)
 
 
 def paged_attention_ref(q, kpool, vpool, tables, row_seq, row_pos, window, scale, dv=None, sinks=None):
