@@ -9,8 +9,9 @@ DecodeStep owns the argument tuples, built once per (weights, workspace): each p
 weight as a tuple over the layers, absent q/k norms as empty arrays. It covers the models
 whose every piece the fused kernel computes with forward's own kernels: MoE in every layer with
 version-1 routing (Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE with its q/k/v biases and gated shared
-expert), weights in f16/bf16 (rows or panels) or quantized. Anything else (f32 weights, which forward
-sends through BLAS; dense layers; version-2 routing; latent attention; GPT-OSS's sinks and biased
+expert), or a dense MLP in every layer (Llama, Qwen2, Qwen3), weights in f16/bf16 (rows or panels) or
+quantized. Anything else (f32 weights, which forward sends through BLAS; dense layers among MoE ones;
+version-2 routing; latent attention; GPT-OSS's sinks and biased
 experts; Phi-MoE's LayerNorm and sparsemixer) gets None from `build`, and forward keeps its general path.
 
 With threads > 1 (a workspace of several scratch rows) every matrix's rows, q|k|v, wo, the
@@ -64,6 +65,7 @@ class DecodeStep:
                       qkv[0, qd:qd + kvd].reshape(1, Hkv, hd), qkv[0, qd + kvd:].reshape(1, Hkv, hd),
                       ws.attn[:1].reshape(1, H, hd), ws.router[:1, :E], self.routes, ws.route_w[:1, :A],
                       ws.h1, ws.h3, ws.ffn_g[0, :S], ws.ffn_u[0, :S], ws.shared_out[0],
+                      ws.ffn_g[0, :cfg.intermediate_size], ws.ffn_u[0, :cfg.intermediate_size],
                       *((ws.xs[0], ws.xi[0]) if ws.threads == 1 else (ws.xs, ws.xi)))
         self.scale = 1.0 / math.sqrt(hd)
 
@@ -76,8 +78,9 @@ class DecodeStep:
             return None                                    # Phi-MoE's LayerNorm, head bias, sparsemixer
         if any(L.sinks.size or L.gate_b is not None or L.b1 is not None for L in Ls):
             return None                                    # GPT-OSS's sinks, router and expert biases
-        if any(L.gate is None or L.w1 is None or L.rule is not None for L in Ls):
-            return None                                    # dense layers, version-2 routing
+        dense = all(L.gate is None and L.mlp_w1 is not None for L in Ls)      # Llama, Qwen2, Qwen3
+        if not dense and any(L.gate is None or L.w1 is None or L.rule is not None for L in Ls):
+            return None                                    # dense layers among MoE ones, version-2 routing
         if len({(L.top_k, L.renorm, L.bq is None, L.bo is None, L.shared_w1 is None, L.shared_gate is None)
                 for L in Ls}) != 1:
             return None
@@ -96,8 +99,9 @@ class DecodeStep:
         per_layer = [
             [L.attn_norm for L in Ls], [qkv(L) for L in Ls], [_weight(L.wo) for L in Ls],
             [opt(L.q_norm) for L in Ls], [opt(L.k_norm) for L in Ls],
-            [L.ffn_norm for L in Ls], [L.gate for L in Ls],
-            [_weight(L.w1) for L in Ls], [_weight(L.w3) for L in Ls], [_weight(L.w2) for L in Ls]]
+            [L.ffn_norm for L in Ls], [L.gate if not dense else L.ffn_norm for L in Ls],
+            [_weight(L.mlp_w1 if dense else L.w1) for L in Ls], [_weight(L.mlp_w3 if dense else L.w3) for L in Ls],
+            [_weight(L.mlp_w2 if dense else L.w2) for L in Ls]]
         if any(x is None for col in per_layer for x in col):
             return None
         tuples = [_uniform(col) for col in per_layer]
@@ -105,6 +109,8 @@ class DecodeStep:
         if any(t is None for t in tuples) or wout is None:
             return None
         anorm, wqkv, wo, qnorm, knorm, fnorm, gate, w1, w3, w2 = tuples
+        if dense:
+            gate = None                                    # decode_token's _ffn: the MLP
         qk_mode = {"none": 0, "full": 1, "head": 2}.get(cfg.qk_norm)
         if qk_mode is None:
             return None

@@ -184,6 +184,28 @@ def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, 
         _expert(w1, w3, w2, idx[0, a], x, wts[0, a], h1, h3, out, xs, xi)
 
 
+def _ffn(gate, l, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3, out, xs, xi):
+    pass
+
+
+@overload(_ffn)
+def _ffn_overload(gate, l, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3, out, xs, xi):
+    # layer l's feed-forward of x (D,) -> out (D,): the routed experts (gate: the layers' routers), or with
+    # gate None (a model whose every layer is dense) its SwiGLU MLP w2 @ (silu(w1 @ x) * (w3 @ x)) through
+    # m1, m3 (F,): moe.swiglu's kernels and order
+    if isinstance(gate, types.NoneType):
+        def mlp(gate, l, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3, out, xs, xi):
+            _proj(w1, x, m1, xs, xi)
+            _proj(w3, x, m3, xs, xi)
+            _silu_mul_1d(m1, m3)
+            _proj(w2, m1, out, xs, xi)
+        return mlp
+
+    def experts(gate, l, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3, out, xs, xi):
+        _experts(gate[l], w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi)
+    return experts
+
+
 @njit(cache=True, inline="always")
 def _add(a, b):
     # a (n,) += b (n,)
@@ -206,8 +228,8 @@ def _clip(a, c):
 def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, gate, w1, w3, w2,
                  bqkv, bo, sw1, sw3, sw2, sgate, has_shared,
                  top_k, renorm, eps, kcache, vcache, table, start, cos, sin, window, scale, onorm, wout,
-                 x, h, sub, qkv, q3, k3, v3, attn3, logits_e, idx, wts, h1, h3, sh1, sh3, sout, xs, xi, scores,
-                 pos, logits):
+                 x, h, sub, qkv, q3, k3, v3, attn3, logits_e, idx, wts, h1, h3, sh1, sh3, sout, m1, m3, xs, xi,
+                 scores, pos, logits):
     # One token ids (1,) at position `start` through every layer and the head -> logits (1,V), the
     # kernels and order of transformer.forward's T == 1 path. Per-layer weights are tuples over the
     # layers (anorm..w2, one type each; no biases); qnorm/knorm size 0 when absent; qk_mode 0 none, 1 over the
@@ -216,6 +238,7 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
     # experts each layer chose (kept for the caller's routing counts). Qwen2-MoE: bqkv (qd+2kvd,) and bo (D,)
     # per layer (size 0: none), its shared expert sw1/sw3/sw2 with the gate sgate (D,) (size 0: ungated),
     # has_shared False: none (sw* then hold other matrices, never read); sh1, sh3 (S,), sout (D,) its scratch.
+    # A dense model (every layer a dense MLP: Llama, Qwen2, Qwen3): gate None, w1/w3/w2 the MLPs', m1, m3 (F,).
     # kcache/vcache: (L,Hkv,S,hd) (table unused) or a paged pool (L,NB,Hkv,BS,hd) with the table.
     embed(emb, ids, x)
     pos[0] = start
@@ -243,8 +266,8 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
             _add(sub[0], bo[l])
         _add(x[0], sub[0])
         rmsnorm(x, fnorm[l], eps, h)
-        _experts(gate[l], w1[l], w3[l], w2[l], h[0], top_k, renorm, logits_e, idx[l:l + 1], wts, h1, h3, sub[0],
-                 xs, xi)
+        _ffn(gate, l, w1[l], w3[l], w2[l], h[0], top_k, renorm, logits_e, idx[l:l + 1], wts, h1, h3, m1, m3, sub[0],
+             xs, xi)
         if has_shared:                     # moe._shared_expert: swiglu, then the gate's sigmoid, then added
             _proj(sw1[l], h[0], sh1, xs, xi)
             _proj(sw3[l], h[0], sh3, xs, xi)
