@@ -71,25 +71,23 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
             lat = ws.latent_out[:N].reshape(N, H, cfg.kv_lora_rank)
             attend(qa, pool.k[l], pool.k[l], rows.tables, rows.seq, rows.pos, cfg.window(l), scale, lat, L.sinks)
             MLA.output(cfg, L, lat, ws, sub)
-            x += sub
-            _feed_forward(cfg, l, L, x, h, sub, ws, noise, expert_counts)
-            continue
-        q, k, v = ws.q[:N], ws.k[:N], ws.v[:N]                                 # (N,H*hd) (N,Hkv*hd) (N,Hkv*hd)
-        ws.mm(h, L.wq, q)
-        ws.mm(h, L.wk, k)
-        ws.mm(h, L.wv, v)
-        q3, k3 = qkv_finish(cfg, L, q, k, v)                                   # (N,H,hd) (N,Hkv,hd)
-        v3 = v.reshape(N, Hkv, hd)
-        K.rope(q3, rows.pos, cos, sin)
-        K.rope(k3, rows.pos, cos, sin)
-        # the step's keys and values into their slots, then every row over its own sequence
-        KP.write_kv(k3, v3, pool.k[l], pool.v[l], rows.blocks, rows.offsets)
-        attn = ws.attn[:N]                                                     # (N,H*hd)
-        attend(q3, pool.k[l], pool.v[l], rows.tables, rows.seq, rows.pos, cfg.window(l), scale,
-               attn.reshape(N, H, hd), L.sinks)
-        ws.mm(attn, L.wo, sub)
-        if L.bo is not None:
-            sub += L.bo
+        else:
+            q, k, v = ws.q[:N], ws.k[:N], ws.v[:N]                             # (N,H*hd) (N,Hkv*hd) (N,Hkv*hd)
+            ws.mm(h, L.wq, q)
+            ws.mm(h, L.wk, k)
+            ws.mm(h, L.wv, v)
+            q3, k3 = qkv_finish(cfg, L, q, k, v)                               # (N,H,hd) (N,Hkv,hd)
+            v3 = v.reshape(N, Hkv, hd)
+            K.rope(q3, rows.pos, cos, sin)
+            K.rope(k3, rows.pos, cos, sin)
+            # the step's keys and values into their slots, then every row over its own sequence
+            KP.write_kv(k3, v3, pool.k[l], pool.v[l], rows.blocks, rows.offsets)
+            attn = ws.attn[:N]                                                 # (N,H*hd)
+            attend(q3, pool.k[l], pool.v[l], rows.tables, rows.seq, rows.pos, cfg.window(l), scale,
+                   attn.reshape(N, H, hd), L.sinks)
+            ws.mm(attn, L.wo, sub)
+            if L.bo is not None:
+                sub += L.bo
         x += sub
         _feed_forward(cfg, l, L, x, h, sub, ws, noise, expert_counts)
 

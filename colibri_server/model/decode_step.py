@@ -22,13 +22,12 @@ more on threads, and pays a Python dispatch per matrix.
 """
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 
 from .kernels import decode as KD
 from .panels import kernel_array
+from .rope import attention_scale
 
 __all__ = ["DecodeStep"]
 
@@ -67,7 +66,7 @@ class DecodeStep:
                       ws.h1, ws.h3, ws.ffn_g[0, :S], ws.ffn_u[0, :S], ws.shared_out[0],
                       ws.ffn_g[0, :cfg.intermediate_size], ws.ffn_u[0, :cfg.intermediate_size],
                       *((ws.xs[0], ws.xi[0]) if ws.threads == 1 else (ws.xs, ws.xi)))
-        self.scale = 1.0 / math.sqrt(hd)
+        self.scale = attention_scale(cfg)
 
     @classmethod
     def build(cls, cfg, w, ws) -> "DecodeStep | None":
@@ -96,21 +95,19 @@ class DecodeStep:
         def opt(a):
             return _NONE if a is None else a
 
+        ffn = ("mlp_w1", "mlp_w3", "mlp_w2") if dense else ("w1", "w3", "w2")
         per_layer = [
             [L.attn_norm for L in Ls], [qkv(L) for L in Ls], [_weight(L.wo) for L in Ls],
-            [opt(L.q_norm) for L in Ls], [opt(L.k_norm) for L in Ls],
-            [L.ffn_norm for L in Ls], [L.gate if not dense else L.ffn_norm for L in Ls],
-            [_weight(L.mlp_w1 if dense else L.w1) for L in Ls], [_weight(L.mlp_w3 if dense else L.w3) for L in Ls],
-            [_weight(L.mlp_w2 if dense else L.w2) for L in Ls]]
+            [opt(L.q_norm) for L in Ls], [opt(L.k_norm) for L in Ls], [L.ffn_norm for L in Ls],
+            *([_weight(getattr(L, n)) for L in Ls] for n in ffn)]
         if any(x is None for col in per_layer for x in col):
             return None
         tuples = [_uniform(col) for col in per_layer]
         wout = _weight(w.output)
         if any(t is None for t in tuples) or wout is None:
             return None
-        anorm, wqkv, wo, qnorm, knorm, fnorm, gate, w1, w3, w2 = tuples
-        if dense:
-            gate = None                                    # decode_token's _ffn: the MLP
+        anorm, wqkv, wo, qnorm, knorm, fnorm, w1, w3, w2 = tuples
+        gate = None if dense else _uniform(L.gate for L in Ls)    # None: decode_token's _ffn runs the MLP
         qk_mode = {"none": 0, "full": 1, "head": 2}.get(cfg.qk_norm)
         if qk_mode is None:
             return None
