@@ -53,3 +53,41 @@ def test_the_package_digest_matches_its_sources():
         pytest.skip("NUMBA_CACHE_DIR is set: Numba's own rules apply")
     stamp = numba_cache.HERE / "__pycache__" / numba_cache.STAMP
     assert stamp.read_text().strip() == numba_cache.sources_digest()   # written at import
+
+
+def _save_many(cache_dir, who, n, locked, barrier):
+    from numba.core import caching
+    if locked:
+        numba_cache.lock_saves()
+    else:       # Numba's own save (importing colibri_server.model installed the lock in this process)
+        caching.IndexDataCacheFile.save = getattr(caching.IndexDataCacheFile.save, "__wrapped__",
+                                                  caching.IndexDataCacheFile.save)
+    f = caching.IndexDataCacheFile(str(cache_dir), "kernel-1", ("stamp", 1))
+    barrier.wait()
+    for i in range(n):
+        f.save((who, i), f"{who}:{i}".encode() * 4096)
+
+
+def _crossed_entries(tmp_path, locked, procs=4, n=60):
+    """Several processes save distinct signatures of one kernel at once; how many keys then load
+    another key's data (what made a cached kernel run another signature's code), and how many
+    keys the index kept."""
+    import multiprocessing as mp
+    from numba.core import caching
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(procs)
+    ps = [ctx.Process(target=_save_many, args=(tmp_path, w, n, locked, barrier)) for w in range(procs)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(60)
+        assert p.exitcode == 0
+    f = caching.IndexDataCacheFile(str(tmp_path), "kernel-1", ("stamp", 1))
+    index = f._load_index()
+    crossed = sum(1 for key in index if f.load(key) != f"{key[0]}:{key[1]}".encode() * 4096)
+    return crossed, len(index)
+
+
+def test_concurrent_saves_never_cross_entries(tmp_path):
+    crossed, kept = _crossed_entries(tmp_path, locked=True)
+    assert (crossed, kept) == (0, 4 * 60)       # every signature kept, each with its own code
