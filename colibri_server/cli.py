@@ -237,14 +237,18 @@ def _load_settings(a):
         _die(str(e), 2)
 
 
-def cmd_serve(a):
+def cmd_serve(a, role="serve"):
     from .master import Arbiter
     from .settings import load_settings
     from .systemd import notifier
     s = _load_settings(a)
     setup_logging(s.log_level, s.log_format)
     sys.exit(Arbiter(s, reload_settings=lambda: load_settings(a, config_path=DEFAULT_CONFIG),
-                     notify=notifier()).run())
+                     notify=notifier(), role=role).run())
+
+
+def cmd_router(a):
+    cmd_serve(a, role="head")
 
 
 def cmd_config(a):
@@ -298,10 +302,15 @@ def format_status(st) -> str:
            f"router     pid {st['router']['pid']}, RSS {mib(st['router']['rss'])}",
            f"{'pid':>8} {'id':>4} {'gen':>4} {'state':13} {'cores':10} {'run':>4} {'served':>7} "
            f"{'RSS':>11} {'USS':>11} {'PSS':>11} {'anon':>11}"]
-    for w in st["workers"]:
+    local = [w for w in st["workers"] if not w.get("remote")]
+    remote = [w for w in st["workers"] if w.get("remote")]
+    for w in local:
         out.append(f"{w['pid']:>8} {w['wid']:>4} {w['generation']:>4} {w['state']:13} {str(w['cores']):10} "
                    f"{w['running']:>4} {w['served']:>7} {mib(w['rss']):>11} {mib(w['uss']):>11} {mib(w['pss']):>11} "
                    f"{mib(w['anon_private']):>11}")
+    for w in remote:        # another machine's processes: no memory figures here
+        out.append(f"{w['pid']:>8} {w['wid']:>4} {w['generation']:>4} {w['state']:13} {str(w['cores']):10} "
+                   f"{w['running']:>4} {w['served']:>7}  on worker host {w.get('host')} (model {w.get('identity')})")
     for w in st["workers"]:
         e = w.get("engine") or {}
         if e:
@@ -310,12 +319,13 @@ def format_status(st) -> str:
                        f"{e.get('steps', 0)}); KV {e.get('kv_blocks_used', 0)}/{e.get('kv_blocks', 0)} blocks used "
                        f"({e.get('kv_blocks_cached', 0)} cached, {e.get('kv_dtype', '?')}), "
                        f"{e.get('preemptions', 0)} preemptions, {e.get('prefix_hits', 0)} prefix hits")
-    if "master" in st:
-        resident = st["master"]["model_pss"] + sum(w.get("model_pss", 0) for w in st["workers"])
+    if "master" in st and local:
+        resident = st["master"]["model_pss"] + sum(w.get("model_pss", 0) for w in local)
         out.append(f"weights    one copy: the {mib(st['model_bytes'])} model file's pages, shared by the master and "
-                   f"{len(st['workers'])} workers, add up to {mib(resident)} resident (PSS of the mapping)")
-    out.append(f"per worker own memory (USS) {', '.join(mib(w['uss']) for w in st['workers'])}; "
-               f"private anonymous {', '.join(mib(w['anon_private']) for w in st['workers'])}")
+                   f"{len(local)} workers, add up to {mib(resident)} resident (PSS of the mapping)")
+    if local:
+        out.append(f"per worker own memory (USS) {', '.join(mib(w['uss']) for w in local)}; "
+                   f"private anonymous {', '.join(mib(w['anon_private']) for w in local)}")
     if st.get("memory_age_s") is not None:
         out.append(f"memory     figures sampled {st['memory_age_s']:.1f}s ago (off the router's loop)")
     if st.get("counters"):
@@ -436,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="serve a model: master, router and pre-forked workers")
     add_arguments(sv)
     sv.set_defaults(fn=cmd_serve)
+
+    ro = sub.add_parser("router", help="a head: a router with no workers of its own, serving through worker "
+                                       "hosts (`colibri serve --join`) that connect to --backend-bind")
+    add_arguments(ro)
+    ro.set_defaults(fn=cmd_router)
 
     cf = sub.add_parser("config", help="show the effective settings and where each came from")
     cf.add_argument("--print", action="store_true", help="print every setting (the default action)")

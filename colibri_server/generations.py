@@ -31,7 +31,7 @@ class Generation:
         self.info = {"generation": number, "model": model.path, "vocab_size": cfg.vocab_size,
                      "hidden_size": cfg.hidden_size,
                      "context": min(settings.context, cfg.max_position_embeddings),
-                     "tokenizer_json": model.file.tokenizer_json or ""}
+                     "tokenizer_json": model.file.tokenizer_json or "", "identity": model.file.identity}
         self.info_path = None
         self.started = time.monotonic()
         self.deaths = 0
@@ -51,11 +51,19 @@ class Reloads:
             return
         g = self.reloading
         new = [w for w in self.workers.values() if w.generation == g and not w.stopping]
+        late = time.monotonic() > self.reload_deadline
         if len(new) < self.num_workers or not all(w.ready for w in new):
-            if time.monotonic() > self.reload_deadline:
+            if late:
                 ready = sum(1 for w in new if w.ready)
                 self.rollback(f"generation {g}: {ready} of {self.num_workers} workers ready after "
                               f"{time.monotonic() - self.gens[g].started:.0f}s")
+            return
+        fleet = self.fleet_ready(g, late)      # worker hosts run the new file (fleet.py)
+        if fleet is None:
+            self.rollback(f"generation {g}: no worker host runs {self.gens[g].info.get('identity')} "
+                          f"({self.gens[g].model.path}) after {time.monotonic() - self.gens[g].started:.0f}s")
+            return
+        if not fleet:
             return
         old = self.generation
         self.generation, self.reloading, self.reload_prev = g, None, None
@@ -158,8 +166,7 @@ class Reloads:
             return
         self.reload_prev = self.num_workers       # the settings change only at the commit
         if kind == "hup":
-            from .pinning import Topology, default_workers
-            self.num_workers = settings.workers or default_workers(Topology.detect(), settings.threads_per_worker)
+            self.num_workers = self.workers_for_role(settings)
         log.info("%s: model %s validated: bringing up generation %d with %d workers", kind.upper(), path,
                  max(self.gens) + 1, self.num_workers)
         self.begin_generation(model, settings, kind)

@@ -46,6 +46,7 @@ import time
 
 import msgpack
 
+from .fleet import Fleet
 from .generations import Generation, Reloads
 from .loading import (EXIT_LOAD, HaltServer, _describe, _model_path, _runtime_dir,  # noqa: F401
                       _verify_checksums, _write_pidfile, open_model)
@@ -57,7 +58,7 @@ log = logging.getLogger("colibri.master")
 EXIT_WORKER_BOOT = EXIT_BOOT_FAILED
 EXIT_BIND = 5
 MAX_WORKER_SLOTS = 1024
-SIGNALS = ("HUP", "TTIN", "TTOU", "USR1", "TERM", "INT", "QUIT", "CHLD")
+SIGNALS = ("HUP", "TTIN", "TTOU", "USR1", "USR2", "TERM", "INT", "QUIT", "CHLD")
 CRASH_WINDOW_S = 60.0
 CRASH_LIMIT = 5          # crashes in the window before respawns back off
 BACKOFF_MAX_S = 30.0
@@ -79,10 +80,12 @@ class WorkerInfo:
         self.killed = False
 
 
-class Arbiter(Reloads):
-    def __init__(self, settings, reload_settings=None, notify=None):
+class Arbiter(Reloads, Fleet):
+    def __init__(self, settings, reload_settings=None, notify=None, role="serve"):
         """settings: a Settings object; reload_settings(): re-read them (HUP);
-        notify: an sd_notify-like callable(str) or None."""
+        notify: an sd_notify-like callable(str) or None; role: "serve", or "head" (`colibri router`:
+        no workers); `join` in the settings makes it a worker host (fleet.py)."""
+        self.init_role(role)
         self.settings = settings
         self.reload_settings = reload_settings
         self.notify = notify or (lambda msg: None)
@@ -128,13 +131,16 @@ class Arbiter(Reloads):
         from .logs import set_role
         set_role(f"master [{os.path.basename(self.model_path)}]")
         from .security import CurveServer, SecurityError, check_bind_security
+        self.check_role(s)
+        if self.role == "host":
+            self.backend = s.join
         self.curve = None
-        if s.bind.startswith("tcp://") and s.curve_secret_key:
+        if s.bind.startswith("tcp://") and s.curve_secret_key and self.role != "host":
             try:
                 self.curve = CurveServer(s.curve_secret_key, s.curve_allowed_keys)   # reads files only
             except SecurityError as e:
                 raise HaltServer(str(e), EXIT_LOAD)
-        for w in check_bind_security(s.bind, self.curve is not None):
+        for w in check_bind_security(s.bind, self.curve is not None) if self.role != "host" else ():
             log.warning("%s", w)
         try:
             model = self._open_model(self.model_path, s)
@@ -145,16 +151,17 @@ class Arbiter(Reloads):
         self.generation = 1
         self.gens[1] = Generation(1, model, s)
         self.heartbeats = HeartbeatTable(MAX_WORKER_SLOTS)
-        self.num_workers = s.workers or _default_workers(s.threads_per_worker)
+        self.num_workers = self.workers_for_role(s)
         self._init_signals()
         self.pipe, router_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._router_end = router_end
         self.pipe.setblocking(False)
         gc.collect()
         gc.freeze()       # objects made so far stay out of the children's collector (copy-on-write)
-        self.spawn_router()
-        log.info("master %d: model %s (generation 1), %d workers, bind %s", self.pid, self.model_path,
-                 self.num_workers, s.bind)
+        if self.role != "host":
+            self.spawn_router()
+        log.info("master %d (%s): model %s (generation 1), %d workers, %s", self.pid, self.role, self.model_path,
+                 self.num_workers, f"joining {s.join}" if self.role == "host" else f"bind {s.bind}")
         if s.http:
             if self.curve is not None:
                 raise HaltServer("http: the gateway cannot join a CURVE-encrypted bind; bind ipc:// or a "
@@ -166,7 +173,7 @@ class Arbiter(Reloads):
 
     def _open_model(self, path, s):
         """loading.open_model, and the file's identity (check_model_file watches it)."""
-        m = open_model(path, s)
+        m = self.open_for_role(path, s)
         st = os.stat(path)
         self.model_identity = {path: (st.st_ino, st.st_size, st.st_mtime_ns)}
         return m
@@ -190,7 +197,8 @@ class Arbiter(Reloads):
         gens = {g: dict(gen.info) for g, gen in self.gens.items()}
         router = Router(frontend=self.settings.bind, backend=self.backend, pipe_fd=self._router_end.fileno(),
                         settings=self.settings, generation=self.generation, model_path=self.model_path,
-                        curve=self.curve, generations=gens, last_reload=self.last_reload)
+                        curve=self.curve, generations=gens, last_reload=self.last_reload,
+                        worker_curve=self.worker_curve)
         self._drain_pipe()          # whatever the dead router left unread is stale
         pid = os.fork()
         if pid == 0:
@@ -226,7 +234,8 @@ class Arbiter(Reloads):
                 log.warning("pinning: %s", msg)
         self.heartbeats.beat(slot)
         w = Worker(wid=wid, slot=slot, generation=generation, model=gen.model,
-                   settings=gen.settings, backend=self.backend, cpus=cpus, heartbeats=self.heartbeats)
+                   settings=gen.settings, backend=self.backend, cpus=cpus, heartbeats=self.heartbeats,
+                   host=self.host_tag, curve=self.join_curve)
         pid = os.fork()
         if pid == 0:
             self._in_child()
@@ -273,7 +282,8 @@ class Arbiter(Reloads):
                 else:
                     self.manage_workers()
                     self.check_reload()
-                    self.check_router()
+                    if self.role != "host":
+                        self.check_router()
                     if self.http is not None:
                         self.http.poll()
                     self._close_unused_models()
@@ -288,7 +298,7 @@ class Arbiter(Reloads):
     def sleep(self):
         try:
             timeout = min(0.5, self.watchdog or 0.5)
-            if self.router_pid is None and not self.stopping:     # restart the router on time
+            if self.router_pid is None and not self.stopping and self.role != "host":   # restart the router on time
                 timeout = min(timeout, max(0.0, self.router_next_start - time.monotonic()))
             r, _, _ = select.select([self._wake_r, self.pipe], [], [], timeout)
             if self._wake_r in r:
@@ -334,6 +344,8 @@ class Arbiter(Reloads):
                 self.bind_error = str(msg.get("error"))
             elif op == "retire":
                 self.retire(msg.get("generation"))
+            elif op == "fleet":
+                self.fleet = {h: set(ids) for h, ids in (msg.get("hosts") or {}).items()}
             elif op == "generation_failed" and msg.get("generation") == self.reloading:
                 self.rollback(f"the router could not load its tokenizer: {msg.get('error')}")
 
@@ -388,7 +400,9 @@ class Arbiter(Reloads):
                         self.rollback(f"{gen.deaths} workers of generation {w.generation} died before it "
                                       f"was ready (last: {_describe(code)})")
                         continue
-            if code == 0:
+            if code == 0 and w.generation not in (self.generation, self.reloading):
+                log.info("worker %d of retired generation %d exited", pid, w.generation)
+            elif code == 0:
                 log.info("worker %d exited after serving its max_requests: replacing it", pid)
             else:
                 log.error("worker %d died (%s): replacing it", pid, _describe(code))
@@ -434,6 +448,7 @@ class Arbiter(Reloads):
     def manage_workers(self):
         """Keep num_workers live workers of the serving generation and of the one being brought
         up (not counting draining ones)."""
+        self.poll_joined()
         for g in (self.generation, self.reloading):
             if g is None:
                 continue
@@ -454,6 +469,7 @@ class Arbiter(Reloads):
                 for w in sorted(live, key=lambda w: w.started)[: len(live) - self.num_workers]:
                     log.info("worker %d: stopping (TTOU)", w.pid)
                     self._kill(w.pid, signal.SIGTERM)
+        self.announce_head()
         current = [w for w in self.workers.values() if w.generation == self.generation and not w.stopping]
         if not self.announced and current and all(w.ready for w in current) and len(current) >= self.num_workers:
             self.announced = True
@@ -502,10 +518,14 @@ class Arbiter(Reloads):
         self.reap()
 
     def handle_ttin(self):
+        if self.scale_refused("TTIN"):
+            return
         self.num_workers += 1
         log.info("TTIN: %d workers", self.num_workers)
 
     def handle_ttou(self):
+        if self.scale_refused("TTOU"):
+            return
         if self.num_workers > 1:
             self.num_workers -= 1
         log.info("TTOU: %d workers", self.num_workers)
@@ -607,8 +627,10 @@ class Arbiter(Reloads):
                     os.unlink(gen.info_path)
                 except OSError:
                     pass
-        for path in (self.backend[len("ipc://"):] if getattr(self, "backend", None) else None,
-                     self.settings.bind[len("ipc://"):] if self.settings.bind.startswith("ipc://") else None):
+        backend = getattr(self, "backend", None) or ""
+        for path in (backend[len("ipc://"):] if backend.startswith("ipc://") and self.role != "host" else None,
+                     self.settings.bind[len("ipc://"):] if self.settings.bind.startswith("ipc://")
+                     and self.role != "host" else None):
             if path and os.path.exists(path):
                 try:
                     os.unlink(path)
@@ -623,9 +645,3 @@ class Arbiter(Reloads):
                 pass
         log.info("master %d: stopped", os.getpid())
 
-
-# ---------------------------------------------------------------------------- helpers
-
-def _default_workers(threads_per_worker: int = 1):
-    from .pinning import Topology, default_workers
-    return default_workers(Topology.detect(), threads_per_worker)

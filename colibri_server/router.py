@@ -34,6 +34,7 @@ import zmq
 from . import protocol as P
 from .logs import request as request_extra, set_role
 from .router_control import ControlRequests
+from .router_remote import RemoteHosts
 from .router_records import (W, BindFailed, ControlRate, ExpertCounts, Gen, Req, _AttrDict, _bind_message,  # noqa: F401
                              _chmod_ipc, _prefix_key, _salvage_id)
 
@@ -48,9 +49,9 @@ CONTROL_TYPES = ("tokenize", "detokenize", "stats")   # rate-limited per client 
                                                       # O(workers) and what probes poll: never refused
 
 
-class Router(ControlRequests):
+class Router(ControlRequests, RemoteHosts):
     def __init__(self, *, frontend: str, backend: str, pipe_fd: int, settings, generation: int, model_path: str,
-                 curve=None, generations=None, last_reload=None):
+                 curve=None, generations=None, last_reload=None, worker_curve=None):
         self.frontend_addr, self.backend_addr, self.pipe_fd = frontend, backend, pipe_fd
         self.settings, self.generation = settings, generation
         self.model_path = model_path
@@ -60,6 +61,8 @@ class Router(ControlRequests):
         self.last_reload = last_reload
         self.last_alive = 0.0
         self.curve = curve
+        self.worker_curve = worker_curve   # CURVE of the tcp backend for worker hosts (router_remote.py)
+        self.rback = None                  # that backend's socket, when backend_bind is set
         self.reqs = {}                     # rid -> Req
         self.by_client = {}                # (client, cid) -> rid
         self.queue = collections.deque()   # rids
@@ -116,6 +119,7 @@ class Router(ControlRequests):
         self.back.setsockopt(zmq.LINGER, 0)
         self.back.bind(self.backend_addr)
         _chmod_ipc(self.backend_addr, 0o600)
+        self.init_remote()
         self.to_master({"op": "up", "pid": os.getpid()})
 
     def _select(self, g):
@@ -131,12 +135,16 @@ class Router(ControlRequests):
         poller.register(self.front, zmq.POLLIN)
         poller.register(self.back, zmq.POLLIN)
         poller.register(self.pipe.fileno(), zmq.POLLIN)
+        if self.rback is not None:
+            poller.register(self.rback, zmq.POLLIN)
         hb = self.settings.heartbeat_interval
         last_tick = 0.0
         while not self.stopping:
             events = dict(poller.poll(int(min(hb, 0.1) * 1000)))
             if self.back in events:
                 self._drain(self.back, self.on_backend)
+            if self.rback is not None and self.rback in events:
+                self._drain(self.rback, self.on_remote)
             if self.front in events:
                 self._drain(self.front, self.on_frontend, copy=self.curve is None)
             if self.pipe.fileno() in events:
@@ -277,11 +285,8 @@ class Router(ControlRequests):
         one holding its prompt's first KV block when it is of that generation and has one)."""
         if not self.queue:
             return
-        free = {}
-        for w in self.workers.values():
-            if w.free > 0:
-                free[w.generation] = free.get(w.generation, 0) + w.free
-        if not free:
+        free = {g: sum(w.free for w in self.workers.values() if w.free > 0 and self.serves(w, g)) for g in self.gens}
+        if not any(free.values()):
             return
         for rid in list(self.queue):
             r = self.reqs[rid]
@@ -302,15 +307,11 @@ class Router(ControlRequests):
                     self.prefix_owner.popitem(last=False)
             r.state, r.worker, r.t_dispatch = "running", w.ident, time.monotonic()
             r.attempts += 1
-            w.running[r.rid] = n
-            try:
-                self.back.send_multipart([w.ident, b"WORK", P.pack({"rid": r.rid, "request": r.request})],
-                                         zmq.NOBLOCK)
-            except zmq.ZMQError:
-                w.running.pop(r.rid, None)
-                w.state = "unresponsive"
+            if not self.send_worker(w.ident, b"WORK", {"rid": r.rid, "request": r.request}):
+                w.state = "unresponsive"        # a remote one is dropped already (send_worker)
                 self._requeue(r, front=True)
                 return
+            w.running[r.rid] = n
             if not any(free.values()):
                 return
 
@@ -320,14 +321,14 @@ class Router(ControlRequests):
         slots, the longest idle."""
         best = None
         for w in self.workers.values():
-            if w.free < need or w.generation != generation:
+            if w.free < need or not self.serves(w, generation):
                 continue
             # the most free slots, then the longest idle
             key = (w.free, -w.last_dispatch)
             if best is None or key > (best.free, -best.last_dispatch):
                 best = w
         p = self.workers.get(preferred) if preferred is not None else None
-        if p is not None and p.free >= need and p.generation == generation:
+        if p is not None and p.free >= need and self.serves(p, generation):
             best = p
         if best is not None:
             best.last_dispatch = time.monotonic()
@@ -355,10 +356,7 @@ class Router(ControlRequests):
 
     def _stop_on_worker(self, r):
         if r.state == "running" and r.worker in self.workers:
-            try:
-                self.back.send_multipart([r.worker, b"CANCEL", P.pack({"rid": r.rid})], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self.send_worker(r.worker, b"CANCEL", {"rid": r.rid})
 
     def cancel(self, r, code, message):
         """End a request now with an error; a running one is cancelled on its worker too."""
@@ -392,21 +390,21 @@ class Router(ControlRequests):
 
     def tick(self, now):
         self._drain(self.back, self.on_backend)     # fresh heartbeats before judging silence
+        if self.rback is not None:
+            self._drain(self.rback, self.on_remote)
         now = time.monotonic()
+        self.check_remote(now)
         for r in list(self.reqs.values()):
             if r.deadline is not None and now > r.deadline:
                 self.cancel(r, "deadline_exceeded", f"deadline of {r.request['deadline_ms']} ms passed "
                                                      f"({'running' if r.state == 'running' else 'queued'})")
         for w in list(self.workers.values()):
             silent = now - w.last_seen
-            if w.state == "ready" and silent > self.settings.timeout:
+            if w.state == "ready" and silent > self.settings.timeout and not w.remote:
                 w.state = "unresponsive"
                 log.warning("worker %s silent for %.1fs: no more work for it", w.pid, silent)
                 self.to_master({"op": "unresponsive", "pid": w.pid})
-            try:
-                self.back.send_multipart([w.ident, b"PING", b"\x80"], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self.send_worker(w.ident, b"PING", b"\x80")
         self.control.prune(now, self.t_start)
         self.check_generations()
         self.alive(now)
@@ -421,7 +419,7 @@ class Router(ControlRequests):
         for g in sorted(self.gens):
             if g >= self.generation:
                 continue
-            if queued[g] and not any(w.generation == g and w.state == "ready" for w in self.workers.values()):
+            if queued[g] and not any(self.serves(w, g) and w.state == "ready" for w in self.workers.values()):
                 for rid in list(self.queue):
                     r = self.reqs[rid]
                     if r.generation == g:
@@ -432,9 +430,10 @@ class Router(ControlRequests):
             if not queued[g] and g not in self.retired:
                 self.retired.add(g)
                 self.to_master({"op": "retire", "generation": g})
+                self.retire_remote(g)
 
     # -- backend -------------------------------------------------------------------------
-    def on_backend(self, parts):
+    def on_backend(self, parts, sock=None):
         if len(parts) != 3:
             log.error("malformed backend message (%d frames) dropped", len(parts))
             return
@@ -452,22 +451,27 @@ class Router(ControlRequests):
                 pass    # the master decides; a late heartbeat does not bring it back
         if kind == b"READY":
             if w is None:
-                w = self.workers[ident] = W(ident, body, now)
+                if sock is not None:
+                    w = self.remote_ready(ident, body, now)
+                    if w is None:
+                        return
+                    self.workers[ident] = w
+                else:
+                    w = self.workers[ident] = W(ident, body, now)
+                    self.by_pid[w.pid] = ident
+                    log.info("worker %s (generation %s) ready with %d slots", w.pid, w.generation, w.slots)
+                    self._sample_memory()
+                    self.to_master({"op": "ready", "pid": w.pid, "generation": w.generation})
                 if body.get("draining"):
                     w.state = "draining"
-                self.by_pid[w.pid] = ident
-                log.info("worker %s (generation %s) ready with %d slots", w.pid, w.generation, w.slots)
-                self._sample_memory()
-                self.to_master({"op": "ready", "pid": w.pid, "generation": w.generation})
+            self.send_worker(ident, b"ACCEPT", {"generation": w.generation}, sock=sock)
             return
         if w is None:
             if kind == b"HB":
-                # a worker this router does not know: this router is new (the last one died). Ask it
-                # to announce itself, dropping the work it holds for the old router's requests
-                try:
-                    self.back.send_multipart([ident, b"HELLO", b"\x80"], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                # a worker this router does not know: this router is new (the last one died), or it
+                # dropped this remote worker as lost. Ask it to announce itself, dropping the work it
+                # holds for requests that have ended here
+                self.send_worker(ident, b"HELLO", b"\x80", sock=sock)
             return      # a worker we consider gone; its messages are stale
         if kind == b"HB":
             # liveness (last_seen, above) and the batch engine's figures for status; free slots are
@@ -478,6 +482,9 @@ class Router(ControlRequests):
             return
         if kind == b"BYE":
             w.state = "draining"
+            if w.remote:                # nobody reaps it here: it leaves now, its requests all ended
+                self.remove_worker(ident, f"worker {w.pid} on host {w.host} left")
+                self.fleet_changed()
             return
         rid = body.get("rid")
         r = self.reqs.get(rid)
@@ -521,7 +528,13 @@ class Router(ControlRequests):
 
     def worker_exited(self, pid):
         ident = self.by_pid.pop(pid, None)
-        w = self.workers.pop(ident, None) if ident is not None else None
+        if ident is not None:
+            self.remove_worker(ident, f"worker {pid} died")
+
+    def remove_worker(self, ident, why):
+        """The worker is gone: each of its requests that streamed nothing is retried elsewhere, each
+        that did ends with worker_lost."""
+        w = self.workers.pop(ident, None)
         if w is None:
             return
         self.experts.retire(w)
@@ -533,7 +546,7 @@ class Router(ControlRequests):
                 continue
             if not r.streamed and r.attempts < MAX_ATTEMPTS:
                 self.counters["retries"] += 1
-                log.warning("worker %s died: retrying request %s (attempt %d)", pid, r.request_id, r.attempts + 1,
+                log.warning("%s: retrying request %s (attempt %d)", why, r.request_id, r.attempts + 1,
                             extra=request_extra(r.request_id))
                 r.worker = None
                 self._requeue(r, front=True)
@@ -541,7 +554,7 @@ class Router(ControlRequests):
                 self._end(r, "failed: worker_lost")
                 r.worker = None
                 self.counters["worker_lost"] += 1
-                self.error(r.client, r.cid, "worker_lost", f"worker {pid} died after streaming "
+                self.error(r.client, r.cid, "worker_lost", f"{why} after streaming "
                            f"{'tokens' if r.streamed else 'nothing'} ({r.attempts} attempts)")
 
     # -- master pipe ---------------------------------------------------------------------
@@ -630,6 +643,7 @@ class Router(ControlRequests):
         if self.curve is not None:
             self.curve.stop()
         self.back.close(linger=0)
+        self.close_remote()
         self.ctx.term()
 
 

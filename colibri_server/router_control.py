@@ -40,7 +40,7 @@ class ControlRequests:
         self.reply(client, {"type": "result", "id": cid, "text": self.tokenizer.decode(ids)})
 
     def on_health(self, client, cid, body):
-        ready = sum(1 for w in self.workers.values() if w.state == "ready" and w.generation == self.generation)
+        ready = sum(1 for w in self.workers.values() if w.state == "ready" and self.serves(w, self.generation))
         status = "draining" if self.draining else ("ok" if ready else "starting")
         self.reply(client, {"type": "result", "id": cid, "status": status, "workers_ready": ready,
                             "generation": self.generation, "queue": len(self.queue)})
@@ -49,7 +49,7 @@ class ControlRequests:
         self.reply(client, {"type": "result", "id": cid, **self.stats()})
 
     def _sample_memory(self):
-        self.memory.refresh([w.pid for w in self.workers.values()] + [self.ppid, os.getpid()],
+        self.memory.refresh([w.pid for w in self.workers.values() if not w.remote] + [self.ppid, os.getpid()],
                             os.path.realpath(self.model_path))
 
     def stats(self) -> dict:
@@ -59,8 +59,9 @@ class ControlRequests:
         mem = self.memory.get
         workers = []
         for w in sorted(self.workers.values(), key=lambda w: w.wid or 0):
-            m = mem(w.pid)
+            m = mem(w.pid) if not w.remote else {}      # another machine's process: its memory is not ours to read
             workers.append({"pid": w.pid, "wid": w.wid, "generation": w.generation, "state": w.state,
+                            "host": w.host, "remote": w.remote, "identity": w.identity,
                             "cores": w.cores, "slots": w.slots, "running": len(w.running), "served": w.served,
                             "uptime_s": round(time.monotonic() - w.t_start, 1), "engine": w.engine, **m})
         master = mem(self.ppid)

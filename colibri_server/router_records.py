@@ -18,11 +18,12 @@ log = logging.getLogger("colibri.router")
 
 class Gen:
     """What the router needs of one generation: its tokenizer, vocabulary and context."""
-    __slots__ = ("number", "model_path", "tokenizer", "vocab_size", "hidden_size", "context", "limits")
+    __slots__ = ("number", "model_path", "tokenizer", "vocab_size", "hidden_size", "context", "limits", "identity")
 
     def __init__(self, info, settings):
         from .model.tokenizer import Tokenizer
         self.number, self.model_path = info["generation"], info["model"]
+        self.identity = info.get("identity")
         self.vocab_size, self.context = info["vocab_size"], info["context"]
         self.hidden_size = info.get("hidden_size")
         tj = info.get("tokenizer_json") or ""
@@ -65,7 +66,7 @@ def _prefix_key(prompt):
 
 class W:
     __slots__ = ("ident", "pid", "wid", "generation", "slots", "running", "last_seen", "state", "cores",
-                 "served", "t_start", "last_dispatch", "engine")
+                 "served", "t_start", "last_dispatch", "engine", "identity", "host", "remote", "sock")
 
     def __init__(self, ident, body, now):
         self.ident = ident
@@ -79,6 +80,10 @@ class W:
         self.t_start = now
         self.last_dispatch = 0.0
         self.engine = {}                # the worker's batch engine figures, from its last heartbeat
+        self.identity = body.get("identity")    # its model file's identity (ColibriFile.identity)
+        self.host = body.get("host")            # its master: hostname:pid
+        self.remote = False             # on the tcp backend (a worker host's), not forked by our master
+        self.sock = None                # the backend socket it is on (None: the local one)
 
     @property
     def free(self):

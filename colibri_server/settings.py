@@ -281,9 +281,38 @@ def _cross_check(v, src) -> list[str]:
                    "or live workers would be killed as silent")
     if v["curve_allowed_keys"] and not v["curve_secret_key"]:
         out.append(f"{at('curve_allowed_keys')} needs curve_secret_key (the server's key)")
-    if v["curve_secret_key"] and not v["bind"].startswith("tcp://"):
+    if v["curve_secret_key"] and not v["bind"].startswith("tcp://") and not v["backend_bind"]:
         out.append(f"{at('curve_secret_key')} applies to tcp:// binds only, but {at('bind')}")
+    if v["join"] and v["backend_bind"]:
+        out.append(f"{at('join')} makes this a worker host, which runs no router: {at('backend_bind')} "
+                   "belongs on the head")
+    if v["join"] and v["http"]:
+        out.append(f"{at('join')} makes this a worker host, which has no router for a gateway: {at('http')} "
+                   "belongs on the head")
+    if bool(v["join_server_key"]) != bool(v["join_secret_key"]):
+        out.append(f"{at('join_server_key')} and {at('join_secret_key')} go together (the head's public key "
+                   "and this host's secret key)")
+    if v["join_server_key"] and not v["join"]:
+        out.append(f"{at('join_server_key')} applies to a worker host only, but join is not set")
+    if v["join"] and not v["join_server_key"] and not _loopback_address(v["join"]):
+        out.append(f"{at('join')} leaves this machine: set join_server_key and join_secret_key (CURVE: the head "
+                   "admits worker hosts by key)")
+    if v["backend_bind"] and not _loopback_address(v["backend_bind"]) and not (
+            v["curve_secret_key"] and v["worker_allowed_keys"]):
+        out.append(f"{at('backend_bind')} is reachable from other machines: set curve_secret_key and "
+                   "worker_allowed_keys (CURVE: worker hosts are admitted by key)")
+    if v["worker_allowed_keys"] and not (v["backend_bind"] and v["curve_secret_key"]):
+        out.append(f"{at('worker_allowed_keys')} needs backend_bind and curve_secret_key")
     return out
+
+
+def _loopback_address(addr: str) -> bool:
+    """ipc://, or tcp:// on a loopback host."""
+    if addr.startswith("ipc://"):
+        return True
+    from .security import _is_loopback
+    host = addr[len("tcp://"):].rpartition(":")[0].strip("[]")
+    return _is_loopback(host)
 
 
 def resolve_runtime_dir(settings: Settings, env=None, uid: int | None = None) -> str:

@@ -307,11 +307,17 @@ class _HttpCheck:
 
 
 class _BindCheck:
+    def __init__(self, optional: bool = False, tcp_only: bool = False):
+        self.optional, self.tcp_only = optional, tcp_only
+
     def __call__(self, v: str) -> bool:
         return self.problem(v) is None
 
-    @staticmethod
-    def problem(v: str):
+    def problem(self, v: str):
+        if self.optional and not v:
+            return None
+        if self.tcp_only and not v.startswith("tcp://"):
+            return "the scheme must be tcp:// (another machine's worker hosts reach it)"
         m = _BIND_RE.match(v)
         if not m or m.group("scheme") not in ("tcp", "ipc"):
             return "the scheme must be tcp:// or ipc://"
@@ -330,7 +336,9 @@ class _BindCheck:
         return None
 
     def text(self, typ):
-        return "tcp://HOST:PORT or ipc://PATH"
+        if self.tcp_only:
+            return "tcp://HOST:PORT" + (", or empty" if self.optional else "")
+        return "tcp://HOST:PORT or ipc://PATH" + (", or empty" if self.optional else "")
 
 
 # ------------------------------------------------------------------ the schema
@@ -414,6 +422,19 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("curve_allowed_keys", PATH, "",
             "directory of allowed client CURVE public keys (empty: any client with the server key)",
             reload=RESTART),
+    Setting("backend_bind", STR, "", "also accept worker hosts (`colibri serve --join`) on this address: "
+            "their workers get requests from this router beside its own (empty: local workers only; "
+            "`colibri router` needs it). Off loopback it needs curve_secret_key and worker_allowed_keys",
+            _BindCheck(optional=True, tcp_only=True), reload=RESTART, metavar="tcp://HOST:PORT"),
+    Setting("worker_allowed_keys", PATH, "", "directory of the worker hosts' CURVE public keys (*.key) that "
+            "backend_bind admits (empty: none checked, loopback only)", reload=RESTART),
+    Setting("join", STR, "", "run as a worker host: no router here, this master's workers join the head "
+            "router's backend_bind at this address (empty: serve with a router of its own)",
+            _BindCheck(optional=True), reload=RESTART, metavar="tcp://HEAD:PORT"),
+    Setting("join_server_key", PATH, "", "the head's CURVE public key file (its curve_secret_key's .key) for "
+            "join (empty: no encryption, loopback only)", reload=RESTART),
+    Setting("join_secret_key", PATH, "", "this worker host's CURVE secret key file (*.key_secret) for join; "
+            "its .key goes into the head's worker_allowed_keys", reload=RESTART),
     Setting("workers", INT, 0, "worker processes (0: one per NUMA node when threads_per_worker is 0, else one "
             "per threads_per_worker physical cores)", Range(0, 1024)),
     Setting("threads_per_worker", INT, 0, "compute threads in each worker (0: the physical cores shared out "

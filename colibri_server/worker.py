@@ -8,7 +8,7 @@ prefill chunks of new ones, in one forward), streams what it sampled, heartbeats
 changes, or after max_requests.
 
 Backend messages (worker DEALER <-> router ROUTER), two frames: kind, msgpack body.
-    worker -> router  READY {pid, wid, generation, slots, cores}   HB {free}   BYE {}
+    worker -> router  READY {pid, wid, generation, slots, cores, identity, host, model}   HB {free}   BYE {}
                       (HB says the worker is alive; the router counts free slots itself, from
                       WORK and DONE/ERROR, and does not read HB's `free`)
                       TOKEN {rid, text, ids, index, [choice], [logprobs]}
@@ -17,6 +17,14 @@ Backend messages (worker DEALER <-> router ROUTER), two frames: kind, msgpack bo
     router -> worker  WORK {rid, request}   CANCEL {rid}   PING {}
                       HELLO {}  (a new router that does not know this worker: the old router died,
                                  nobody waits for the sequences in hand; drop them, send READY)
+                      ACCEPT {generation}   (the READY was taken: the master sees this worker joined)
+                      REFUSE {reason}       (a head whose model identity differs: not joined, logged)
+                      ROLL {identity, model} (a head rolling to another model file: when the file under
+                                 this worker's model path is now that one, ask the master to reload)
+                      RETIRE {}             (the head retired this model's generation: drain and exit)
+
+A worker of a worker host (`join`) connects over tcp to a head's router (CURVE when join_server_key
+is set; ZMTP heartbeats so a cut link is noticed); its identity names its host (hostname:master pid).
 """
 from __future__ import annotations
 
@@ -40,11 +48,19 @@ EXIT_BOOT_FAILED = 3     # the master halts instead of respawning (gunicorn's WO
 class HeartbeatTable:
     """Liveness the master can read without ZeroMQ: one float64 per worker slot in an
     anonymous MAP_SHARED page created before fork. A worker stamps time.monotonic();
-    a stopped or hung worker stops stamping and the master kills it after `timeout`."""
+    a stopped or hung worker stops stamping and the master kills it after `timeout`.
+    A second float64 per slot says the router ACCEPTed the worker (a worker host's master has
+    no router of its own to tell it)."""
 
     def __init__(self, slots: int):
         self.slots = slots
-        self._mm = mmap.mmap(-1, max(8 * slots, mmap.PAGESIZE), flags=mmap.MAP_SHARED)
+        self._mm = mmap.mmap(-1, max(16 * slots, mmap.PAGESIZE), flags=mmap.MAP_SHARED)
+
+    def set_joined(self, slot: int, joined: bool) -> None:
+        struct.pack_into("<d", self._mm, 8 * (self.slots + slot), 1.0 if joined else 0.0)
+
+    def joined(self, slot: int) -> bool:
+        return struct.unpack_from("<d", self._mm, 8 * (self.slots + slot))[0] != 0.0
 
     def beat(self, slot: int) -> None:
         struct.pack_into("<d", self._mm, 8 * slot, time.monotonic())
@@ -55,12 +71,21 @@ class HeartbeatTable:
 
     def clear(self, slot: int) -> None:
         struct.pack_into("<d", self._mm, 8 * slot, 0.0)
+        self.set_joined(slot, False)
 
 
 class Worker:
     def __init__(self, *, wid: int, slot: int, generation: int, model, settings, backend: str,
-                 cpus, heartbeats: HeartbeatTable):
+                 cpus, heartbeats: HeartbeatTable, host: str = "", curve=None):
         self.wid, self.slot, self.generation = wid, slot, generation
+        self.host = host            # hostname:master pid, in the identity and READY
+        self.curve = curve          # (server public, own public, own secret) for a tcp join with CURVE
+        self.identity = model.file.identity
+        self.refused = None         # the last REFUSE reason (logged once)
+        self.rolled = {}            # identity -> when ROLL last made us look at the file
+        self.t_boot = time.monotonic()
+        self.dropped = 0            # messages dropped for want of any connection (send)
+        self.last_join_warning = -60.0
         self.model, self.settings, self.backend = model, settings, backend
         self.cpus, self.heartbeats = cpus, heartbeats
         self.pid = None
@@ -108,8 +133,14 @@ class Worker:
         import zmq
         self.ctx = zmq.Context(io_threads=1)
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"w{self.wid}.{self.pid}".encode())
+        self.sock.setsockopt(zmq.IDENTITY, f"{self.host}/w{self.wid}.{self.pid}".encode()[-255:])
         self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt(zmq.SNDHWM, 0)      # a connected router gets everything; see send()
+        if self.backend.startswith("tcp://"):
+            from .router_remote import _heartbeats
+            _heartbeats(self.sock, self.settings)
+            if self.curve is not None:
+                self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = self.curve
         self.sock.connect(self.backend)
         self.heartbeats.beat(self.slot)
 
@@ -164,12 +195,20 @@ class Worker:
 
     # -- messaging ------------------------------------------------------------------
     def send(self, kind: bytes, body: dict) -> None:
-        self.sock.send_multipart([kind, P.pack(body)])
+        """Never blocks: with no connection to the router at all (a head not up yet, a cut link, a
+        CURVE key refused) the message is dropped, as the router drops what it held for this worker
+        once it is lost; a blocked worker would stop its heartbeat and be killed in a loop."""
+        import zmq
+        try:
+            self.sock.send_multipart([kind, P.pack(body)], zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
 
     def ready(self) -> None:
         self.send(b"READY", {"pid": self.pid, "wid": self.wid, "generation": self.generation,
                              "slots": self.settings.slots, "cores": list(self.cpus or []),
-                             "draining": self.draining})
+                             "draining": self.draining, "identity": self.identity, "host": self.host,
+                             "model": self.model.path})
 
     # -- main loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -192,6 +231,7 @@ class Worker:
                 if now - last_router > max(3 * hb_every, self.settings.timeout):
                     self.ready()            # the router restarted (or lost us): announce again
                     last_router = now
+                self._check_joined(now)
             timeout = 0 if self.seqs else int(hb_every * 1000)
             for sock, _ in poller.poll(timeout):
                 while True:
@@ -225,6 +265,22 @@ class Worker:
                 self.finish(a)
         elif kind == b"PING":
             pass
+        elif kind == b"ACCEPT":
+            if self.refused is not None:
+                log.info("worker %d: the head accepts this host's model now", self.pid)
+            self.refused = None
+            self.heartbeats.set_joined(self.slot, True)
+        elif kind == b"REFUSE":
+            self.heartbeats.set_joined(self.slot, False)
+            reason = str(body.get("reason", ""))
+            if reason != self.refused:      # once per reason; it asks again at each HELLO
+                log.error("worker %d: %s", self.pid, reason)
+            self.refused = reason
+        elif kind == b"ROLL":
+            self.roll(body)
+        elif kind == b"RETIRE":     # a head retired this model file's generation: finish what is in hand
+            log.info("worker %d: the head retired this model; draining", self.pid)
+            self.draining = True
         elif kind == b"HELLO":
             if self.seqs:
                 log.warning("worker %d: a new router; dropping %d sequences of the old one's requests",
@@ -235,6 +291,40 @@ class Worker:
             self.ready()
         else:
             log.error("worker %d: unknown message kind %r dropped", self.pid, kind[:16])
+
+    def _check_joined(self, now) -> None:
+        """A worker host's worker not ACCEPTed after `timeout` says so (once a minute): its
+        connection or CURVE handshake is failing, and nothing else would tell."""
+        if not self.backend.startswith("tcp://") or self.refused is not None or self.heartbeats.joined(self.slot):
+            return
+        if now - self.t_boot > self.settings.timeout and now - self.last_join_warning >= 60.0:
+            self.last_join_warning = now
+            log.warning("worker %d: not accepted by the head at %s after %.0fs: is it up, listening there "
+                        "(backend_bind), and is this host's public key in its worker_allowed_keys?", self.pid,
+                        self.backend, now - self.t_boot)
+
+    def roll(self, body: dict) -> None:
+        """A head rolls to model identity body['identity']: when the file under our model path is
+        that model now, ask the master for a reload (SIGUSR2: reload if the file changed; every
+        worker of the host may ask, the master reloads once). Looked at (and a mismatch logged) every 30 s at most."""
+        want = body.get("identity")
+        now = time.monotonic()
+        if not want or want == self.identity or now - self.rolled.get(want, -30.0) < 30.0:
+            return
+        self.rolled[want] = now
+        from .fleet import file_identity
+        try:
+            have = file_identity(self.model.path)
+        except Exception as e:
+            have = f"unreadable ({e})"
+        if have == want:
+            log.info("worker %d: the head rolls to %s, which %s now holds: asking the master to reload",
+                     self.pid, want, self.model.path)
+            os.kill(self.ppid, signal.SIGUSR2)
+        else:
+            log.error("worker %d: the head rolls to model %s (%s), but %s here is %s: put the head's file at that "
+                      "path (write it beside and rename it over), and this host follows", self.pid, want,
+                      body.get("model"), self.model.path, have)
 
     def busy(self) -> int:
         """Slots in use: a request of n completions holds n."""

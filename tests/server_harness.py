@@ -24,11 +24,13 @@ def wait_until(predicate, timeout=30.0, what="condition", context=lambda: ""):
 
 
 class Server:
-    def __init__(self, model, tmp_path, workers=2, extra=(), env=None, name="s"):
+    def __init__(self, model, tmp_path, workers=2, extra=(), env=None, name="s", cmd="serve"):
+        """cmd: "serve", or "router" (a head: no --workers)."""
         self.addr = f"ipc://{tmp_path}/{name}.sock"
         self.log_path = tmp_path / f"{name}.log"
         self.runtime = tmp_path / f"{name}-run"
-        args = [sys.executable, "-m", "colibri_server.cli", "serve", "--model", str(model), "--workers", str(workers),
+        args = [sys.executable, "-m", "colibri_server.cli", cmd, "--model", str(model),
+                *(("--workers", str(workers)) if cmd == "serve" else ()),
                 "--bind", self.addr, "--runtime-dir", str(self.runtime), "--pin", "none", *map(str, extra)]
         e = dict(os.environ)
         e.pop("NOTIFY_SOCKET", None)

@@ -337,6 +337,15 @@ def test_curve_end_to_end(model_path, keys, tmp_path):
         with Client(addr, timeout=30, curve=keys.ok) as c:
             first = c.generate([5, 6, 7], max_tokens=4, ignore_eos=True)
         assert len(first.token_ids) == 4
+        # the HTTP gateway as an allowed client: its key files (flags or COLIBRI_HTTP_CURVE_*_FILE)
+        from colibri_server.http.config import curve_from_files, options_from_env
+        opts = options_from_env({"COLIBRI_HTTP_CONNECT": addr,
+                                 "COLIBRI_HTTP_CURVE_SERVER_KEY_FILE": str(keys.server_pub),
+                                 "COLIBRI_HTTP_CURVE_SECRET_KEY_FILE": str(keys.dir / "client-ok.key_secret")})
+        with Client(opts["connect"], timeout=10, curve=opts["curve"]) as c:
+            assert c.health()["workers_ready"] >= 1
+        with pytest.raises(ValueError, match="go together"):
+            curve_from_files(keys.server_pub, None)
 
         server_key = zmq.auth.load_certificate(keys.server_pub)[0]
         for curve in (keys.bad, None, server_key):

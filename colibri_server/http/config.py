@@ -20,7 +20,8 @@ ENV = {  # env variable -> (create_app option, parser)
 
 # every COLIBRI_HTTP_* variable read here or by configs/gunicorn.conf.py (`colibri serve` must
 # not take them for unknown settings: settings.ENV_NOT_SETTINGS)
-ENV_VARS = frozenset(ENV) | {"COLIBRI_HTTP_API_KEY_FILE", "COLIBRI_HTTP_BIND", "COLIBRI_HTTP_WORKERS",
+ENV_VARS = frozenset(ENV) | {"COLIBRI_HTTP_API_KEY_FILE", "COLIBRI_HTTP_CURVE_SERVER_KEY_FILE",
+                             "COLIBRI_HTTP_CURVE_SECRET_KEY_FILE", "COLIBRI_HTTP_BIND", "COLIBRI_HTTP_WORKERS",
                              "COLIBRI_HTTP_THREADS", "COLIBRI_HTTP_LOG_LEVEL", "COLIBRI_HTTP_ACCESS_LOG",
                              "COLIBRI_HTTP_HEADER_TIMEOUT"}
 
@@ -60,5 +61,25 @@ def options_from_env(environ=None) -> dict:
     kf = environ.get("COLIBRI_HTTP_API_KEY_FILE")
     if kf and "api_key" not in opts:
         opts["api_key"] = _read_key_file(kf)
+    curve = curve_from_files(environ.get("COLIBRI_HTTP_CURVE_SERVER_KEY_FILE"),
+                             environ.get("COLIBRI_HTTP_CURVE_SECRET_KEY_FILE"))
+    if curve is not None:
+        opts["curve"] = curve
     return opts
+
+
+def curve_from_files(server_key_file, secret_key_file):
+    """The gateway's CURVE as a client with a key of its own (a router with curve_allowed_keys admits
+    it by that key): (server public, own public, own secret) from the two certificate files; None
+    when neither is given; ValueError naming what is wrong."""
+    if not server_key_file and not secret_key_file:
+        return None
+    if not (server_key_file and secret_key_file):
+        raise ValueError("the gateway's CURVE key files go together: the router's public key "
+                         "(--curve-server-key) and the gateway's own secret key (--curve-secret-key)")
+    from ..security import SecurityError, client_curve
+    try:
+        return client_curve(server_key_file, secret_key_file)
+    except SecurityError as e:
+        raise ValueError(str(e)) from None
 

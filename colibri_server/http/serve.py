@@ -10,7 +10,7 @@ import sys
 from typing import Optional
 
 from .app import DEFAULT_BIND, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_TIMEOUT, MAX_BODY, create_app, log
-from .config import DEFAULT_CONNECT, _env_bool, _read_key_file
+from .config import DEFAULT_CONNECT, _env_bool, _read_key_file, curve_from_files
 from .headfirst import WORKER_CLASS
 
 __all__ = ["serve", "add_http_arguments", "cmd_http", "main"]
@@ -87,6 +87,12 @@ def add_http_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int,
                    default=env("COLIBRI_HTTP_DEFAULT_MAX_TOKENS", str(DEFAULT_CHAT_MAX_TOKENS)),
                    help="max_tokens of a chat completion that gives none")
+    p.add_argument("--curve-server-key", default=env("COLIBRI_HTTP_CURVE_SERVER_KEY_FILE"), metavar="FILE",
+                   help="the router's CURVE public key file (its curve_secret_key's .key), for a router that "
+                        "admits clients by key [COLIBRI_HTTP_CURVE_SERVER_KEY_FILE]")
+    p.add_argument("--curve-secret-key", default=env("COLIBRI_HTTP_CURVE_SECRET_KEY_FILE"), metavar="FILE",
+                   help="the gateway's own CURVE secret key file (its .key goes into the router's "
+                        "curve_allowed_keys) [COLIBRI_HTTP_CURVE_SECRET_KEY_FILE]")
     p.add_argument("--metrics-auth", action="store_true", default=None,
                    help="require the API key on /metrics too [COLIBRI_HTTP_METRICS_AUTH=1]")
     p.add_argument("--log-format", default=env("COLIBRI_HTTP_LOG_FORMAT", "text"), choices=("text", "json"),
@@ -116,7 +122,8 @@ def cmd_http(a):
         serve(connect if len(connect) > 1 else connect[0], bind=a.bind, workers=a.workers, threads=a.threads, api_key=key, model_name=a.model_name,
               timeout=a.timeout, log_level=a.log_level, max_body=a.max_body,
               default_max_tokens=a.default_max_tokens, metrics_auth=metrics_auth,
-              curve=os.environ.get("COLIBRI_HTTP_CURVE_SERVERKEY") or None, gunicorn_options=gunicorn_options)
+              curve=curve_from_files(a.curve_server_key, a.curve_secret_key)
+              or os.environ.get("COLIBRI_HTTP_CURVE_SERVERKEY") or None, gunicorn_options=gunicorn_options)
     except ValueError as e:
         print(f"colibri: error: {e}", file=sys.stderr)
         sys.exit(2)

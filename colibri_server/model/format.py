@@ -233,6 +233,14 @@ class ColibriFile:
         self._buf = np.frombuffer(mm, dtype=np.uint8)
         self.huge_bytes = None          # bytes mapped on 2 MiB pages, when open() measured it
 
+    @property
+    def identity(self) -> str:
+        """The model's identity: a hash of everything before the tensor data (header, the tensor
+        table with each tensor's CRC-32, routing table, config, metadata, tokenizer, template), so
+        two files with the same bytes have the same identity and a changed tensor changes it."""
+        import hashlib
+        return hashlib.sha256(self._mm[: self.header["data_offset"]]).hexdigest()[:32]
+
     # -- opening and validation -------------------------------------------------
     @classmethod
     def open(cls, path, populate: bool = False, hugepages: bool = True) -> "ColibriFile":

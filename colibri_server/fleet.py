@@ -1,0 +1,164 @@
+"""The master's roles beyond one machine: the head and the worker host (the Arbiter's `Fleet` part).
+
+    serve   a router and workers (the default); with `backend_bind` its router also takes worker hosts
+    head    `colibri router`: a router and no workers; it reads of the model file only what a router
+            needs (config, tokenizer, identity: `ModelHead`), and serves through worker hosts
+    host    `colibri serve --join tcp://HEAD:PORT`: workers and no router; they connect to the head's
+            backend_bind (CURVE with join_server_key / join_secret_key)
+
+What changes with the role, and only that, lives here:
+- A worker host has no router to say which workers are READY: a worker marks itself joined in the
+  heartbeat table when the head ACCEPTs it, and a worker the head refuses (another model file) never
+  is, so a host whose file the head does not serve never announces READY=1 and a reload to such a
+  file rolls back. A host's old generation drains when the head retires it (RETIRE to its workers,
+  once the head has no queued request of it), as a local router retires one.
+- SIGUSR2 (a head's rollout reaches a host through its workers, worker.roll): reload only when the
+  file under the model path is another model than the one served or coming up.
+- A head commits a new generation once every worker host it knows runs the new file (the router's
+  "fleet" reports), or at the reload deadline if some do (those that do not are named); it rolls
+  back if none does.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+log = logging.getLogger("colibri.master")
+
+
+def file_identity(path) -> str:
+    """ColibriFile.identity of the file at `path` now, reading only what precedes its tensor data
+    (a worker host checks the file under its model path against a head's rollout)."""
+    from .model.format import ColibriFile
+    cf = ColibriFile.open(path, populate=False, hugepages=False)
+    try:
+        return cf.identity
+    finally:
+        cf.close()
+
+
+class ModelHead:
+    """What a router-only master keeps of a model: its config, tokenizer and identity, from the
+    file's header and blobs (no tensor page is read, no kernel compiled). Stands where generations.py
+    expects a Model."""
+
+    def __init__(self, path):
+        from .model import format as fmt
+        from .model.config import ConfigError, ModelConfig
+        self.path = path
+        self.file = fmt.ColibriFile.open(path, populate=False, hugepages=False)
+        try:
+            raw = fmt.read_json_blob(self.file.path, "config", self.file.config_json)
+            try:
+                self.config = ModelConfig.from_dict(raw)
+            except ConfigError as e:
+                raise fmt.BadConfig(self.file.path, f"config.{e.key}", str(e)) from None
+        except BaseException:
+            self.file.close()
+            raise
+
+    def close(self):
+        self.file.close()
+
+
+class Fleet:
+    """Mixed into the Arbiter (master.py): the head's and the worker host's differences."""
+
+    def init_role(self, role):
+        self.role = role                # "serve" | "head" | "host"
+        self.fleet = {}                 # host -> identities its workers run (from the router)
+        self.host_tag = f"{socket.gethostname()}:{os.getpid()}"
+        self.join_curve = None
+        self.worker_curve = None
+
+    def check_role(self, s):
+        """Before anything is opened: the role's settings and its CURVE files (HaltServer naming them)."""
+        from .loading import EXIT_LOAD, HaltServer
+        from .security import CurveServer, SecurityError, client_curve
+        if self.role == "head" and not s.backend_bind:
+            raise HaltServer("colibri router serves through worker hosts: give --backend-bind tcp://HOST:PORT", EXIT_LOAD)
+        if self.role == "head" and s.join:
+            raise HaltServer("colibri router is a head: join is for worker hosts (`colibri serve --join`)", EXIT_LOAD)
+        if s.join:
+            self.role = "host"
+        try:
+            if self.role == "host" and s.join_server_key:
+                self.join_curve = client_curve(s.join_server_key, s.join_secret_key)
+            if self.role != "host" and s.backend_bind and s.curve_secret_key:
+                self.worker_curve = CurveServer(s.curve_secret_key, s.worker_allowed_keys or None)
+        except (SecurityError, OSError) as e:
+            raise HaltServer(str(e), EXIT_LOAD) from None
+
+    def open_for_role(self, path, s):
+        """The head maps only the header (ModelHead); the others open the whole model."""
+        if self.role == "head":
+            return ModelHead(path)
+        from .loading import open_model
+        return open_model(path, s)
+
+    # -- worker hosts -------------------------------------------------------------------
+    def poll_joined(self):
+        """A host's workers are ready once the head has ACCEPTed them."""
+        if self.role != "host":
+            return
+        for w in self.workers.values():
+            j = self.heartbeats.joined(w.slot)
+            if j != w.ready:
+                w.ready = j
+
+    def handle_usr2(self):
+        """A head's rollout: reload when the file under the model path is another model than the
+        one served or coming up (several workers may ask; one reload)."""
+        try:
+            have = file_identity(self.model_path)
+        except Exception as e:
+            log.error("USR2: model %s cannot be read (%s): no reload", self.model_path, e)
+            return
+        known = {self.gens[g].info.get("identity") for g in (self.generation, self.reloading) if g in self.gens}
+        if have in known:
+            log.info("USR2: %s is the model served or coming up: no reload", self.model_path)
+            return
+        log.info("USR2: %s holds model %s now: reloading", self.model_path, have)
+        self._reload("usr1")
+
+    # -- the head -------------------------------------------------------------------------
+    def fleet_ready(self, g, deadline_passed: bool):
+        """True: commit generation g; False: wait; None: roll back. A generation of the head (or of a
+        serve with backend_bind) waits for every worker host the router knows to run its file."""
+        if not getattr(self.settings, "backend_bind", ""):
+            return True
+        want = self.gens[g].info.get("identity")
+        behind = sorted(h for h, ids in self.fleet.items() if want not in ids)
+        if not behind:
+            return True
+        if not deadline_passed:
+            return False
+        rolled = [h for h, ids in self.fleet.items() if want in ids]
+        if self.role == "head" and not rolled:
+            return None
+        log.error("generation %d: worker hosts %s do not run %s (%s) after the rollout's time: committing "
+                  "without them; they are refused until they run it", g, ", ".join(behind), want,
+                  self.gens[g].model.path)
+        return True
+
+    def announce_head(self):
+        """A head is ready once its router listens (worker hosts join when they will)."""
+        if self.role == "head" and not self.announced and self.router_up:
+            self.announced = True
+            log.info("ready: %s on %s, worker hosts join on %s (model %s, identity %s)",
+                     os.path.basename(self.model_path), self.settings.bind, self.settings.backend_bind,
+                     self.model_path, self.gens[self.generation].info.get("identity"))
+            self.notify(f"READY=1\nSTATUS=head serving generation {self.generation}")
+
+    def workers_for_role(self, s):
+        if self.role == "head":
+            return 0
+        from .pinning import Topology, default_workers
+        return s.workers or default_workers(Topology.detect(), s.threads_per_worker)
+
+    def scale_refused(self, what) -> bool:
+        if self.role == "head":
+            log.warning("%s: a head has no workers of its own (its worker hosts scale with theirs)", what)
+            return True
+        return False

@@ -1,0 +1,179 @@
+"""The router's part for worker hosts: workers of other masters (`colibri serve --join`) that reach
+this router's backend over tcp (`backend_bind`), beside or instead of its own.
+
+A remote worker is a worker like the local ones (the same backend messages, credits and ledger),
+with three differences:
+- **Admission by model identity.** Generation numbers are each master's own; what a remote worker
+  and this router share is the model file's identity (`ColibriFile.identity`, a hash of everything
+  before the tensor data). A READY is accepted (ACCEPT) when its identity is that of one of this
+  router's live generations; the worker then serves requests of every generation of that identity.
+  Any other is refused (REFUSE, with the reason) and logged by name, once a minute per host.
+- **Liveness by silence.** No master here reaps it, so a remote worker silent for `timeout` (its
+  master killed, the link cut) is dropped by the router itself, and its requests follow the
+  ledger's rule (retried when nothing streamed, `worker_lost` otherwise). A send that fails
+  (the peer disconnected) drops it at once. When it comes back its next heartbeat is answered
+  HELLO, it drops what it held and announces itself again.
+- **Rollout.** While a generation of another identity is coming up here, the remote workers of
+  other identities are sent ROLL {identity} every ROLL_EVERY_S: each host's workers check the
+  file under their model path and, when it is that file, ask their master for a reload (SIGUSR2).
+  The master here hears which hosts run which identity ("fleet") and commits once every host runs
+  the new one (generations.py). When the old generation is retired here (its queue empty), its
+  remote workers get RETIRE and drain, as a local master drains a retired generation's.
+
+The tcp socket has its own ZeroMQ context, so its CURVE authenticator (worker_allowed_keys) is
+apart from the client socket's (curve_allowed_keys).
+"""
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from . import protocol as P
+from .router_records import BindFailed, W, _bind_message
+
+log = logging.getLogger("colibri.router")
+
+ROLL_EVERY_S = 2.0        # ROLL to the hosts of another identity while a generation comes up
+REFUSE_LOG_EVERY_S = 60.0
+
+
+class RemoteHosts:
+    """Mixed into Router: the tcp backend for worker hosts (see the module's doc)."""
+
+    def init_remote(self):
+        self.rback = None
+        self.last_roll = 0.0
+        self.refused_logged = {}           # (host, identity) -> when it was last logged
+        addr = getattr(self.settings, "backend_bind", "")
+        if not addr:
+            return
+        self.rctx = zmq.Context(io_threads=1)
+        s = self.rctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.ROUTER_HANDOVER, 1)      # a host reconnecting after a cut takes its identity back
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        _heartbeats(s, self.settings)
+        if self.worker_curve is not None:
+            self.worker_curve.apply_server(self.rctx, s)
+        try:
+            s.bind(addr)
+        except zmq.ZMQError as e:
+            raise BindFailed(_bind_message(addr, e)) from None
+        self.rback = s
+        log.info("router: worker hosts join on %s%s", addr, " (CURVE)" if self.worker_curve is not None else "")
+
+    def close_remote(self):
+        if self.rback is not None:
+            self.rback.close(linger=0)
+            if self.worker_curve is not None:
+                self.worker_curve.stop()
+            self.rctx.term()
+
+    # -- which generation a worker serves -----------------------------------------------
+    def serves(self, w, g) -> bool:
+        """Worker w may run requests of generation g: a local worker of that generation, a remote
+        one whose model file is g's."""
+        if not w.remote:
+            return w.generation == g
+        gen = self.gens.get(g)
+        return gen is not None and gen.identity == w.identity
+
+    def _generation_of(self, identity):
+        """The newest live generation of this model identity (None: not one of ours)."""
+        gs = [g for g, gen in self.gens.items() if identity and gen.identity == identity]
+        return max(gs) if gs else None
+
+    # -- messages -----------------------------------------------------------------------
+    def on_remote(self, parts):
+        self.on_backend(parts, sock=self.rback)
+
+    def remote_ready(self, ident, body, now):
+        """A READY on the tcp backend: the new W, or None when refused (REFUSE sent, logged)."""
+        identity, host = body.get("identity"), str(body.get("host") or ident.decode("utf-8", "replace"))
+        g = self._generation_of(identity)
+        if g is None:
+            serving = self.gens[self.generation]
+            reason = (f"worker host {host} runs model identity {identity} ({body.get('model')}); this router serves "
+                      f"{serving.identity} ({serving.model_path}, generation {self.generation})")
+            self.counters["hosts_refused"] += 1
+            key = (host, identity)
+            if now - self.refused_logged.get(key, -REFUSE_LOG_EVERY_S) >= REFUSE_LOG_EVERY_S:
+                self.refused_logged[key] = now
+                log.error("refused %s: a different model file", reason)
+            self.send_worker(ident, b"REFUSE", {"reason": f"refused by the head: {reason}"}, sock=self.rback)
+            return None
+        w = W(ident, body, now)
+        w.generation, w.remote, w.sock = g, True, self.rback
+        log.info("worker %s on host %s (model %s, generation %d here) ready with %d slots", w.pid, host,
+                 identity, g, w.slots)
+        self.fleet_changed()
+        return w
+
+    def send_worker(self, ident, kind, body, sock=None) -> bool:
+        """One backend message to a worker on its own socket; False when it cannot be delivered (a
+        remote worker is then dropped: it reconnects and announces itself again)."""
+        w = self.workers.get(ident)
+        if sock is None:
+            sock = w.sock if w is not None and w.sock is not None else self.back
+        try:
+            sock.send_multipart([ident, kind, body if isinstance(body, bytes) else P.pack(body)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            if w is not None and w.remote:
+                self.lose_worker(ident, "its connection is gone")
+            return False
+
+    # -- in the tick --------------------------------------------------------------------
+    def check_remote(self, now):
+        """Drop remote workers silent for `timeout`; ROLL the hosts of other identities while a
+        generation of a new one comes up."""
+        for w in [w for w in self.workers.values() if w.remote]:
+            silent = now - w.last_seen
+            if silent > self.settings.timeout:
+                self.lose_worker(w.ident, f"silent for {silent:.1f}s (timeout {self.settings.timeout:g}s)")
+        if self.rback is None or now - self.last_roll < ROLL_EVERY_S:
+            return
+        coming = [g for g in self.gens if g > self.generation]
+        if not coming:
+            return
+        self.last_roll = now
+        target = self.gens[max(coming)].identity
+        for w in [w for w in self.workers.values() if w.remote and w.identity != target]:
+            self.send_worker(w.ident, b"ROLL", {"identity": target, "model": self.gens[max(coming)].model_path})
+
+    def retire_remote(self, g):
+        """Generation g is retired: the remote workers of its model file drain (RETIRE), unless the
+        serving generation runs the same file."""
+        gone = self.gens[g].identity if g in self.gens else None
+        if gone is None or gone == self.gens[self.generation].identity:
+            return
+        for w in [w for w in self.workers.values() if w.remote and w.identity == gone]:
+            self.send_worker(w.ident, b"RETIRE", b"\x80")
+
+    def lose_worker(self, ident, why):
+        w = self.workers.get(ident)
+        if w is None:
+            return
+        log.error("worker %s on host %s lost: %s", w.pid, w.host, why)
+        self.counters["hosts_lost"] += 1
+        self.remove_worker(ident, f"worker {w.pid} on host {w.host} was lost ({why})")
+        self.fleet_changed()
+
+    def fleet_changed(self):
+        """Tell the master which identities each host runs (its rollout waits for every host)."""
+        hosts = {}
+        for w in self.workers.values():
+            if w.remote and w.state != "draining":
+                hosts.setdefault(w.host, set()).add(w.identity)
+        self.to_master({"op": "fleet", "hosts": {h: sorted(ids) for h, ids in hosts.items()}})
+
+
+def _heartbeats(sock, settings):
+    """ZMTP heartbeats on a tcp connection, so a cut link is noticed within `timeout` and the
+    connection re-made, instead of TCP keeping a dead one for minutes."""
+    ivl = int(settings.heartbeat_interval * 1000)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(ivl, 100))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(settings.timeout * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(settings.timeout * 1000))
