@@ -24,8 +24,9 @@ def wait_until(predicate, timeout=30.0, what="condition", context=lambda: ""):
 
 
 class Server:
-    def __init__(self, model, tmp_path, workers=2, extra=(), env=None, name="s", cmd="serve"):
-        """cmd: "serve", or "router" (a head: no --workers)."""
+    def __init__(self, model, tmp_path, workers=2, extra=(), env=None, name="s", cmd="serve", prefix=()):
+        """cmd: "serve", or "router" (a head: no --workers); prefix: an argv to run it under (a
+        network namespace's `ip netns exec NS`)."""
         self.addr = f"ipc://{tmp_path}/{name}.sock"
         self.log_path = tmp_path / f"{name}.log"
         self.runtime = tmp_path / f"{name}-run"
@@ -36,7 +37,7 @@ class Server:
         e.pop("NOTIFY_SOCKET", None)
         e.update(env or {})
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=e)
+        self.proc = subprocess.Popen([*prefix, *args], stdout=self.log, stderr=subprocess.STDOUT, env=e)
         self.pid = self.proc.pid
 
     def wait_ready(self, workers=None, timeout=60.0):
