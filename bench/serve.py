@@ -12,6 +12,18 @@ one per request), --tokens greedy new tokens, EOS ignored. Figures per system an
 completion tokens / wall seconds, time to first token (p50, p99) and inter-token latency (the gaps
 between a request's streamed tokens; p50, p99), and colibri / llama-server. Prints a table, writes JSON.
 The machine must be quiet (nothing else running): the two systems share its cores in turns.
+
+    python bench/serve.py --fleet [--precisions f16] [--conc 16] [--cores 0 1]
+
+Several machines, on this one (issue 21; root, network namespaces): a head (`colibri router`) in one
+namespace and worker hosts (`colibri serve --join`, CURVE on) in others, each host held to one core of
+--cores by taskset (one worker, one thread: a host stands for a machine with that core). Taking turns:
+`local` (`colibri serve` with that same one worker on the first core, clients on ipc: no tcp hop),
+`2 local` (two such serves, one per core, the clients split between them: what this machine gives two
+servers with no head), `1 host` (the head + one host) and `2 hosts` (+ a second host on the second
+core). Prints tok/s, 2 hosts / 1 host, 2 hosts / 2 local, and what the tcp hop adds to time to first
+token and inter-token latency (1 host against local). The head, the clients and the router share the
+cores with the hosts, and the two cores share one memory bus: on separate machines neither holds.
 """
 from __future__ import annotations
 
@@ -195,6 +207,123 @@ def colibri_round(a, path, conc, P):
         log.close()
 
 
+def fleet_round(a, path, conc, P, hosts, separate=False):
+    """One turn of --fleet: hosts = 0 (local serve), 1 or 2 worker hosts behind a head; separate: two
+    local serves instead (one per core, the clients split between them: what this machine's cores and
+    memory give two servers with no head at all)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from netns_hosts import Hosts
+    from colibri_server.client import Client
+    from colibri_server.security import generate_keys
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"fleet{hosts}-", dir=a.tmp))
+    sock = tmp / "c.sock"
+    socks = [sock, tmp / "c2.sock"] if separate else [sock]
+    host_args = ["--workers", "1", "--threads-per-worker", "1", "--pin", "none", "--model", str(path)]
+    procs, logs = [], []
+
+    def start(argv, name, core=None):
+        log = open(tmp / f"{name}.log", "w")
+        logs.append(log)
+        pre = ["taskset", "-c", str(core)] if core is not None else []
+        procs.append(subprocess.Popen(pre + argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+
+    names = ["a", "b"][:hosts]
+    with Hosts("cfbn", names, subnet=79) if hosts else _Nothing() as net:
+        try:
+            if hosts == 0:
+                for k, sk in enumerate(socks):
+                    start([a.colibri_bin, "serve", "--bind", f"ipc://{sk}", "--runtime-dir", str(tmp / f"run{k}"),
+                           *host_args], f"local{k}", a.cores[k])
+            else:
+                hp, hs = generate_keys(tmp / "keys", "server")
+                allowed = tmp / "allowed"
+                allowed.mkdir()
+                start([*net.run("head"), a.colibri_bin, "router", "--model", str(path), "--bind", f"ipc://{sock}",
+                       "--runtime-dir", str(tmp / "run-head"), "--backend-bind", "tcp://0.0.0.0:5556",
+                       "--curve-secret-key", str(hs), "--worker-allowed-keys", str(allowed)], "head")
+                for k, name in enumerate(names):
+                    pub, sec = generate_keys(tmp / "keys", f"client-{name}")
+                    shutil.copy(pub, allowed / os.path.basename(pub))
+                    start([*net.run(name), a.colibri_bin, "serve", "--join", f"tcp://{net.head_address(name)}:5556",
+                           "--join-server-key", str(hp), "--join-secret-key", str(sec),
+                           "--runtime-dir", str(tmp / f"run-{name}"), *host_args], name, a.cores[k])
+            for sk in socks:
+                with Client(f"ipc://{sk}", timeout=2.0) as c:
+                    def ready():
+                        if any(p.poll() is not None for p in procs):
+                            raise SystemExit(f"a colibri process exited: see {tmp}")
+                        h = c.health()
+                        return h["status"] == "ok" and h["workers_ready"] >= max(1, hosts)
+                    wait_until(ready, "colibri", timeout=600)
+            local = threading.local()
+
+            def one(i, prompt):
+                if not hasattr(local, "c"):
+                    local.c = Client(f"ipc://{socks[i % len(socks)]}", timeout=600)
+                stamps = []
+                with local.c.stream(prompt, max_tokens=a.tokens, temperature=0.0, ignore_eos=True) as s:
+                    for chunk in s:
+                        stamps.extend([time.perf_counter()] * len(chunk.token_ids))
+                return stamps
+            for k in range(len(socks)):
+                one(k, P[-1])
+            local.__dict__.clear()      # each client thread its own connection (warm-up ran here)
+            return run_clients(conc, a.reqs, one, P)
+        finally:
+            for p in reversed(procs):
+                p.terminate()
+            for p in reversed(procs):
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            for log in logs:
+                log.close()
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def fleet_main(a):
+    col = D.build_colibri(a.data, D.build_hf(a.data), a.precisions)
+    P = prompts(512, a.prompt)
+    rows = []
+    for prec in a.precisions:
+        for conc in a.conc:
+            for rnd in range(a.rounds):
+                for hosts, sep, system in ((0, False, "local"), (0, True, "2 local"), (1, False, "1 host"),
+                                           (2, False, "2 hosts")):
+                    st, wall = fleet_round(a, col[prec], conc, P, hosts, sep)
+                    row = dict(precision=prec, conc=conc, round=rnd, system=system, tokens=st.tokens,
+                               wall_s=round(wall, 2), tok_s=round(st.tokens / wall, 1),
+                               ttft_p50_ms=pct(st.ttft, 50), ttft_p99_ms=pct(st.ttft, 99),
+                               itl_p50_ms=pct(st.itl, 50), itl_p99_ms=pct(st.itl, 99), errors=st.errors[:3])
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    print(f"\nbench-mixtral, {a.prompt}-token prompts, {a.tokens} new tokens, {a.reqs} requests per client; each "
+          f"host one worker on one core ({a.cores}); head, router and clients unpinned\n")
+    print("| precision | clients | local tok/s | 2 local tok/s | 1 host tok/s | 2 hosts tok/s | 2 / 1 hosts | "
+          "2 hosts / 2 local | TTFT p50 ms local / 1 host | ITL p50 ms local / 1 host |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for prec in a.precisions:
+        for conc in a.conc:
+            sel = {s: [r for r in rows if r["precision"] == prec and r["conc"] == conc and r["system"] == s]
+                   for s in ("local", "2 local", "1 host", "2 hosts")}
+            med = {s: statistics.median(r["tok_s"] for r in v) for s, v in sel.items()}
+            lo, one = sel["local"][-1], sel["1 host"][-1]
+            print(f"| {prec} | {conc} | {med['local']} | {med['2 local']} | {med['1 host']} | {med['2 hosts']} | "
+                  f"{med['2 hosts'] / med['1 host']:.2f}x | {med['2 hosts'] / med['2 local']:.2f}x | "
+                  f"{lo['ttft_p50_ms']} / {one['ttft_p50_ms']} | "
+                  f"{lo['itl_p50_ms']} / {one['itl_p50_ms']} |")
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
 def pct(v, q):
     return round(float(np.percentile(v, q)) * 1e3, 1) if v else None
 
@@ -218,7 +347,13 @@ def main():
     ap.add_argument("--colibri-args", nargs=argparse.REMAINDER, default=[],
                     help="extra `colibri serve` options (default none: the user's defaults)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--fleet", action="store_true", help="worker hosts in network namespaces instead (see above)")
+    ap.add_argument("--cores", type=int, nargs=2, default=[0, 1], help="--fleet: the core of each worker host")
     a = ap.parse_args()
+    if a.fleet:
+        a.data.mkdir(parents=True, exist_ok=True)
+        a.tmp = tempfile.mkdtemp(prefix="bench-fleet-")
+        return fleet_main(a)
     if a.llama_bin is None or not (a.llama_bin / "llama-server").exists():
         ap.error("--llama-bin DIR with llama-server (bench/README.md says how to build it)")
     a.data.mkdir(parents=True, exist_ok=True)

@@ -115,11 +115,12 @@ def cmd_inspect(a):
         _print_rows(cf, a.tensor, a.rows)
         return
     if a.json:
-        print(json.dumps({"header": h, "config": json.loads(cf.config_json or "{}"),
+        print(json.dumps({"header": h, "identity": cf.identity, "config": json.loads(cf.config_json or "{}"),
                           "metadata": json.loads(cf.metadata_json or "{}"),
                           "tensors": [r.__dict__ for r in cf.record_list]}, indent=1))
         return
     print(f"file      {cf.path}  ({h['file_size'] / 2**20:.1f} MiB)")
+    print(f"identity  {cf.identity}  (a head admits worker hosts whose file has the same)")
     print("header    " + "  ".join(f"{k}={v}" for k, v in h.items()))
     print("config    " + cf.config_json)
     print("metadata  " + cf.metadata_json)

@@ -245,3 +245,18 @@ def test_a_head_without_backend_bind_halts_with_a_named_error(tmp_path):
         assert "--backend-bind" in head.logs() and "Traceback" not in head.logs()
     finally:
         head.stop(5)
+
+
+def test_model_identity_follows_the_files_content(tmp_path, built, capsys):
+    """The identity a head admits hosts by: equal for equal bytes (a copy), different for other
+    weights or another dtype; `colibri inspect` prints it."""
+    from colibri_server.bundled import BUNDLED_MODEL
+    from colibri_server.cli import main
+    copy = tmp_path / "copy.colibri"
+    shutil.copy(BUNDLED_MODEL, copy)
+    assert file_identity(copy) == file_identity(BUNDLED_MODEL)
+    m = built("mixtral")
+    ids = {file_identity(BUNDLED_MODEL), file_identity(m.colibri("f32")), file_identity(m.colibri("f16"))}
+    assert len(ids) == 3
+    main(["inspect", str(copy)])
+    assert f"identity  {file_identity(BUNDLED_MODEL)}" in capsys.readouterr().out
