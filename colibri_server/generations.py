@@ -23,10 +23,12 @@ log = logging.getLogger("colibri.master")
 class Generation:
     """One generation: its own Model (mapping), settings and worker count, and the router's
     view of it (tokenizer JSON, vocabulary, context) written for the router to read."""
-    __slots__ = ("number", "model", "settings", "info", "info_path", "started", "deaths", "kind")
+    __slots__ = ("number", "model", "settings", "info", "info_path", "started", "deaths", "kind", "node_models")
 
-    def __init__(self, number, model, settings, kind="start"):
+    def __init__(self, number, model, settings, kind="start", node_models=None):
+        """node_models: {NUMA node: (Model, NodeCopy)} when numa_memory places a copy per node (numa.py)."""
         self.number, self.model, self.settings, self.kind = number, model, settings, kind
+        self.node_models = node_models or {}
         cfg = model.config
         self.info = {"generation": number, "model": model.path, "vocab_size": cfg.vocab_size,
                      "hidden_size": cfg.hidden_size,
@@ -35,6 +37,17 @@ class Generation:
         self.info_path = None
         self.started = time.monotonic()
         self.deaths = 0
+
+    def model_for(self, node):
+        """The mapping a worker on NUMA node `node` computes on: its node's copy, else the file's."""
+        m = self.node_models.get(node)
+        return m[0] if m is not None else self.model
+
+    def close(self):
+        self.model.close()
+        for m, copy in self.node_models.values():
+            m.close()
+            copy.close()
 
 
 class Reloads:
@@ -116,7 +129,7 @@ class Reloads:
         for g in [g for g in self.gens if g not in live]:
             gen = self.gens.pop(g)
             log.info("generation %d: no workers left, unmapping %s", g, gen.model.path)
-            gen.model.close()
+            gen.close()
             if gen.info_path:
                 try:
                     os.unlink(gen.info_path)
@@ -124,10 +137,10 @@ class Reloads:
                     pass
             self.to_router({"op": "forget", "generation": g})
 
-    def begin_generation(self, model, settings, kind):
+    def begin_generation(self, model, settings, kind, node_models=None):
         """Start bringing up a new generation on `model` (which it owns from now on)."""
         g = max(self.gens) + 1
-        gen = self.gens[g] = Generation(g, model, settings, kind)
+        gen = self.gens[g] = Generation(g, model, settings, kind, node_models)
         gen.info_path = os.path.join(self.runtime_dir, f"generation-{self.pid}-{g}.msgpack")
         tmp = gen.info_path + ".tmp"
         with open(tmp, "wb") as f:
@@ -159,7 +172,7 @@ class Reloads:
                 return
         path = self.model_path
         try:
-            model = self._open_model(path, settings)
+            model, nodes = self._open_model(path, settings)
         except Exception as e:
             self._fail_reload(max(self.gens) + 1, f"{kind.upper()}: model {path} refused, generation "
                                                   f"{self.generation} keeps serving: {e}")
@@ -169,7 +182,7 @@ class Reloads:
             self.num_workers = self.workers_for_role(settings)
         log.info("%s: model %s validated: bringing up generation %d with %d workers", kind.upper(), path,
                  max(self.gens) + 1, self.num_workers)
-        self.begin_generation(model, settings, kind)
+        self.begin_generation(model, settings, kind, nodes)
 
 
 def _settings_dict(s):

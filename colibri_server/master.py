@@ -143,13 +143,13 @@ class Arbiter(Reloads, Fleet):
         for w in check_bind_security(s.bind, self.curve is not None) if self.role != "host" else ():
             log.warning("%s", w)
         try:
-            model = self._open_model(self.model_path, s)
+            model, nodes = self._open_model(self.model_path, s)
         except HaltServer:
             raise
         except Exception as e:      # ColibriFormatError and ChecksumMismatch are ValueErrors; a failing warm-up too
             raise HaltServer(f"model {self.model_path} refused: {e}", EXIT_LOAD) from None
         self.generation = 1
-        self.gens[1] = Generation(1, model, s)
+        self.gens[1] = Generation(1, model, s, node_models=nodes)
         self.heartbeats = HeartbeatTable(MAX_WORKER_SLOTS)
         self.num_workers = self.workers_for_role(s)
         self._init_signals()
@@ -172,11 +172,23 @@ class Arbiter(Reloads, Fleet):
         self.manage_workers()
 
     def _open_model(self, path, s):
-        """loading.open_model, and the file's identity (check_model_file watches it)."""
-        m = self.open_for_role(path, s)
+        """loading.open_model (and with pin = numa on several nodes, its pages placed by numa.py: the
+        file interleaved, or a copy per node), and the file's identity (check_model_file watches it).
+        Returns (Model, {node: (Model, NodeCopy)})."""
+        from . import numa
+        from .pinning import Topology
+        self.topology = Topology.detect()
+        with numa.interleaved(s, self.topology):
+            m = self.open_for_role(path, s)
+        try:
+            nodes = numa.place(path, s, self.topology, lambda p: self.open_for_role(p, s)) \
+                if self.role != "head" else {}
+        except BaseException:
+            m.close()
+            raise
         st = os.stat(path)
         self.model_identity = {path: (st.st_ino, st.st_size, st.st_mtime_ns)}
-        return m
+        return m, nodes
 
     def _init_signals(self):
         self._wake_r, self._wake_w = os.pipe()
@@ -233,9 +245,10 @@ class Arbiter(Reloads, Fleet):
             for msg in plan.warnings:
                 log.warning("pinning: %s", msg)
         self.heartbeats.beat(slot)
-        w = Worker(wid=wid, slot=slot, generation=generation, model=gen.model,
+        from .numa import node_of
+        w = Worker(wid=wid, slot=slot, generation=generation, model=gen.model_for(node_of(cpus, self.topology)),
                    settings=gen.settings, backend=self.backend, cpus=cpus, heartbeats=self.heartbeats,
-                   host=self.host_tag, curve=self.join_curve)
+                   host=self.host_tag, curve=self.join_curve, model_path=gen.model.path)
         pid = os.fork()
         if pid == 0:
             self._in_child()

@@ -16,8 +16,8 @@ Pin modes:
          A worker gets exactly its CPUs, not its cores' idle siblings: each compute thread
          has a CPU of its own and two workers never meet on one core while cores are free.
   numa   workers round-robin over the NUMA nodes that have allowed CPUs; each is pinned to
-         all of its node's allowed CPUs (the kernel balances within the node). A CPU mask
-         only: memory is not bound to the node (no mbind/set_mempolicy).
+         all of its node's allowed CPUs (the kernel balances within the node). Memory is
+         numa.py's: a copy of the model per node, or the file interleaved (numa_memory).
   none   no pinning: every worker's entry is None.
 
 The sysfs root is a parameter so tests run on fake trees.

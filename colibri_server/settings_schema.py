@@ -444,7 +444,11 @@ SCHEMA: tuple[Setting, ...] = (
             "logits move by the rounding)"),
     Setting("pin", ENUM("none", "cores", "numa"), "cores",
             "CPU pinning: none, cores (distinct physical cores per worker) or numa (workers round-robin over "
-            "the NUMA nodes, each pinned to its node's CPUs; a CPU mask only, memory is not bound)"),
+            "the NUMA nodes, each pinned to its node's CPUs; memory placed as numa_memory says)"),
+    Setting("numa_memory", ENUM("node", "interleave", "off"), "node",
+            "with pin = numa on a machine of several NUMA nodes: node (a copy of the model bound to each node, "
+            "used by the workers pinned there: one model's memory per node), interleave (the file's pages "
+            "spread over the nodes) or off", reload=USR1),
     Setting("slots", INT, 32, "sequences one worker runs at once, all in one batched forward per step",
             Range(1, 256)),
     Setting("context", INT, 4096, "most tokens of one sequence (prompt + generated)", Range(1, _MAXTOK)),

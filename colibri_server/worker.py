@@ -76,9 +76,10 @@ class HeartbeatTable:
 
 class Worker:
     def __init__(self, *, wid: int, slot: int, generation: int, model, settings, backend: str,
-                 cpus, heartbeats: HeartbeatTable, host: str = "", curve=None):
+                 cpus, heartbeats: HeartbeatTable, host: str = "", curve=None, model_path=None):
         self.wid, self.slot, self.generation = wid, slot, generation
         self.host = host            # hostname:master pid, in the identity and READY
+        self.model_path = model_path or model.path      # the file (the model may map a NUMA node's copy)
         self.curve = curve          # (server public, own public, own secret) for a tcp join with CURVE
         self.identity = model.file.identity
         self.refused = None         # the last REFUSE reason (logged once)
@@ -208,7 +209,7 @@ class Worker:
         self.send(b"READY", {"pid": self.pid, "wid": self.wid, "generation": self.generation,
                              "slots": self.settings.slots, "cores": list(self.cpus or []),
                              "draining": self.draining, "identity": self.identity, "host": self.host,
-                             "model": self.model.path})
+                             "model": self.model_path})
 
     # -- main loop ------------------------------------------------------------------
     def run(self) -> int:
@@ -314,17 +315,17 @@ class Worker:
         self.rolled[want] = now
         from .fleet import file_identity
         try:
-            have = file_identity(self.model.path)
+            have = file_identity(self.model_path)
         except Exception as e:
             have = f"unreadable ({e})"
         if have == want:
             log.info("worker %d: the head rolls to %s, which %s now holds: asking the master to reload",
-                     self.pid, want, self.model.path)
+                     self.pid, want, self.model_path)
             os.kill(self.ppid, signal.SIGUSR2)
         else:
             log.error("worker %d: the head rolls to model %s (%s), but %s here is %s: put the head's file at that "
                       "path (write it beside and rename it over), and this host follows", self.pid, want,
-                      body.get("model"), self.model.path, have)
+                      body.get("model"), self.model_path, have)
 
     def busy(self) -> int:
         """Slots in use: a request of n completions holds n."""
