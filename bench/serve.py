@@ -171,6 +171,25 @@ def llama_round(a, gguf, conc, P):
         log.close()
 
 
+def colibri_clients(a, conc, P, socks):
+    """conc streaming clients, client i on socks[i % len(socks)], after one warm-up request to each."""
+    from colibri_server.client import Client
+    local = threading.local()
+
+    def one(i, prompt):
+        if not hasattr(local, "c"):
+            local.c = Client(f"ipc://{socks[i % len(socks)]}", timeout=600)
+        stamps = []
+        with local.c.stream(prompt, max_tokens=a.tokens, temperature=0.0, ignore_eos=True) as s:
+            for chunk in s:
+                stamps.extend([time.perf_counter()] * len(chunk.token_ids))
+        return stamps
+    for k in range(len(socks)):
+        one(k, P[-1])
+    local.__dict__.clear()      # each client thread its own connection (the warm-up ran on this one)
+    return run_clients(conc, a.reqs, one, P)
+
+
 def colibri_round(a, path, conc, P):
     from colibri_server.client import Client
     sock = os.path.join(a.tmp, f"c{conc}.sock")
@@ -186,18 +205,7 @@ def colibri_round(a, path, conc, P):
                 h = c.health()
                 return h["status"] == "ok" and h["workers_ready"] >= 1
             wait_until(ready, "colibri")
-        local = threading.local()
-
-        def one(i, prompt):
-            if not hasattr(local, "c"):
-                local.c = Client(f"ipc://{sock}", timeout=600)
-            stamps = []
-            with local.c.stream(prompt, max_tokens=a.tokens, temperature=0.0, ignore_eos=True) as s:
-                for chunk in s:
-                    stamps.extend([time.perf_counter()] * len(chunk.token_ids))
-            return stamps
-        one(0, P[-1])
-        return run_clients(conc, a.reqs, one, P)
+        return colibri_clients(a, conc, P, [sock])
     finally:
         p.terminate()
         try:
@@ -255,20 +263,7 @@ def fleet_round(a, path, conc, P, hosts, separate=False):
                         h = c.health()
                         return h["status"] == "ok" and h["workers_ready"] >= max(1, hosts)
                     wait_until(ready, "colibri", timeout=600)
-            local = threading.local()
-
-            def one(i, prompt):
-                if not hasattr(local, "c"):
-                    local.c = Client(f"ipc://{socks[i % len(socks)]}", timeout=600)
-                stamps = []
-                with local.c.stream(prompt, max_tokens=a.tokens, temperature=0.0, ignore_eos=True) as s:
-                    for chunk in s:
-                        stamps.extend([time.perf_counter()] * len(chunk.token_ids))
-                return stamps
-            for k in range(len(socks)):
-                one(k, P[-1])
-            local.__dict__.clear()      # each client thread its own connection (warm-up ran here)
-            return run_clients(conc, a.reqs, one, P)
+            return colibri_clients(a, conc, P, socks)
         finally:
             for p in reversed(procs):
                 p.terminate()
@@ -292,19 +287,9 @@ class _Nothing:
 def fleet_main(a):
     col = D.build_colibri(a.data, D.build_hf(a.data), a.precisions)
     P = prompts(512, a.prompt)
-    rows = []
-    for prec in a.precisions:
-        for conc in a.conc:
-            for rnd in range(a.rounds):
-                for hosts, sep, system in ((0, False, "local"), (0, True, "2 local"), (1, False, "1 host"),
-                                           (2, False, "2 hosts")):
-                    st, wall = fleet_round(a, col[prec], conc, P, hosts, sep)
-                    row = dict(precision=prec, conc=conc, round=rnd, system=system, tokens=st.tokens,
-                               wall_s=round(wall, 2), tok_s=round(st.tokens / wall, 1),
-                               ttft_p50_ms=pct(st.ttft, 50), ttft_p99_ms=pct(st.ttft, 99),
-                               itl_p50_ms=pct(st.itl, 50), itl_p99_ms=pct(st.itl, 99), errors=st.errors[:3])
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+    rows = measure(a, [(system, lambda prec, conc, h=hosts, sep=sep: fleet_round(a, col[prec], conc, P, h, sep))
+                       for hosts, sep, system in ((0, False, "local"), (0, True, "2 local"), (1, False, "1 host"),
+                                                  (2, False, "2 hosts"))])
     print(f"\nbench-mixtral, {a.prompt}-token prompts, {a.tokens} new tokens, {a.reqs} requests per client; each "
           f"host one worker on one core ({a.cores}); head, router and clients unpinned\n")
     print("| precision | clients | local tok/s | 2 local tok/s | 1 host tok/s | 2 hosts tok/s | 2 / 1 hosts | "
@@ -322,6 +307,23 @@ def fleet_main(a):
                   f"{lo['itl_p50_ms']} / {one['itl_p50_ms']} |")
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+def measure(a, systems):
+    """Every precision, number of clients and round, the systems taking turns; one printed row each."""
+    rows = []
+    for prec in a.precisions:
+        for conc in a.conc:
+            for rnd in range(a.rounds):
+                for system, fn in systems:
+                    st, wall = fn(prec, conc)
+                    row = dict(precision=prec, conc=conc, round=rnd, system=system, tokens=st.tokens,
+                               wall_s=round(wall, 2), tok_s=round(st.tokens / wall, 1),
+                               ttft_p50_ms=pct(st.ttft, 50), ttft_p99_ms=pct(st.ttft, 99),
+                               itl_p50_ms=pct(st.itl, 50), itl_p99_ms=pct(st.itl, 99), errors=st.errors[:3])
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
 
 
 def pct(v, q):
@@ -360,18 +362,8 @@ def main():
     a.tmp = tempfile.mkdtemp(prefix="bench-serve-")
     col, ggufs = build(a.data, a.precisions, a.llama_bin)
     P = prompts(512, a.prompt)
-    rows = []
-    for prec in a.precisions:
-        for conc in a.conc:
-            for rnd in range(a.rounds):
-                for system, fn, path in (("llama-server", llama_round, ggufs[prec]), ("colibri", colibri_round, col[prec])):
-                    st, wall = fn(a, path, conc, P)
-                    row = dict(precision=prec, conc=conc, round=rnd, system=system, tokens=st.tokens,
-                               wall_s=round(wall, 2), tok_s=round(st.tokens / wall, 1),
-                               ttft_p50_ms=pct(st.ttft, 50), ttft_p99_ms=pct(st.ttft, 99),
-                               itl_p50_ms=pct(st.itl, 50), itl_p99_ms=pct(st.itl, 99), errors=st.errors[:3])
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+    rows = measure(a, [("llama-server", lambda prec, conc: llama_round(a, ggufs[prec], conc, P)),
+                       ("colibri", lambda prec, conc: colibri_round(a, col[prec], conc, P))])
     print(f"\nbench-mixtral, {a.prompt}-token prompts, {a.tokens} new tokens, {a.reqs} requests per client; "
           f"colibri defaults{' + ' + ' '.join(a.colibri_args) if a.colibri_args else ''}\n")
     print("| precision | clients | llama-server tok/s | colibri tok/s | ratio | TTFT p50/p99 ms (llama) | "

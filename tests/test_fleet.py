@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import threading
-import time
 
 import psutil
 import pytest
@@ -53,6 +52,24 @@ def _host(model, tmp_path, keys, port, name, key=None):
     return Server(model, tmp_path, workers=1, name=name,
                   extra=("--join", f"tcp://127.0.0.1:{port}", "--join-server-key", keys["head_pub"],
                          "--join-secret-key", keys[key or name.split("-")[-1]], "--slots", "8", *FAST))
+
+
+def model_copies(tmp_path, model, who=("head", "a", "b")):
+    """Each machine's own copy of the model file: {name: path}."""
+    paths = {}
+    for name in who:
+        (tmp_path / name).mkdir()
+        paths[name] = tmp_path / name / "model.colibri"
+        shutil.copy(model, paths[name])
+    return paths
+
+
+def replace_everywhere(paths, model):
+    """A new model file on every machine, written beside and renamed over (never in place)."""
+    for path in paths.values():
+        tmp = path.with_suffix(".tmp")
+        shutil.copy(model, tmp)
+        os.replace(tmp, path)
 
 
 def _by_host(head):
@@ -173,11 +190,7 @@ def two_models(built, model_b):
 def test_another_model_is_refused_and_a_usr1_rollout_fails_no_request(tmp_path, keys, two_models):
     x, y = two_models
     assert file_identity(x) != file_identity(y)
-    paths = {}
-    for who in ("head", "a", "b"):
-        (tmp_path / who).mkdir()
-        paths[who] = tmp_path / who / "model.colibri"
-        shutil.copy(x, paths[who])
+    paths = model_copies(tmp_path, x)
     port = _free_port()
     head = _head(paths["head"], tmp_path, keys, port)
     a = _host(paths["a"], tmp_path, keys, port, "host-a")
@@ -197,10 +210,7 @@ def test_another_model_is_refused_and_a_usr1_rollout_fails_no_request(tmp_path, 
         # the rollout: y replaces x on every machine (rename over), then USR1 to the head only
         with Load(head.addr, clients=8, max_tokens=16) as load:
             wait_until(lambda: len(load.done) >= 16, 60, "answers before the rollout")
-            for who in ("head", "a", "b"):
-                tmp = paths[who].with_suffix(".tmp")
-                shutil.copy(y, tmp)
-                os.replace(tmp, paths[who])
+            replace_everywhere(paths, y)
             head.signal(signal.SIGUSR1)
             want = file_identity(y)
             wait_until(lambda: head.stats()["generation"] == 2, 180, "the head commits generation 2",
@@ -260,3 +270,26 @@ def test_model_identity_follows_the_files_content(tmp_path, built, capsys):
     assert len(ids) == 3
     main(["inspect", str(copy)])
     assert f"identity  {file_identity(BUNDLED_MODEL)}" in capsys.readouterr().out
+
+
+def test_a_plain_serve_takes_worker_hosts_beside_its_own_workers(tmp_path, keys):
+    """`colibri serve --backend-bind`: its own worker and a worker host's, both served by its router."""
+    from colibri_server.bundled import BUNDLED_MODEL
+    port = _free_port()
+    srv = Server(BUNDLED_MODEL, tmp_path, workers=1, name="serve",
+                 extra=("--backend-bind", f"tcp://127.0.0.1:{port}", "--curve-secret-key", keys["head_sec"],
+                        "--worker-allowed-keys", keys["allowed"], "--slots", "4", *FAST))
+    host = None      # (4 slots here, 8 there: 8 clients need both; the router fills the most free first)
+    try:
+        srv.wait_ready(workers=1, timeout=120)
+        host = _host(BUNDLED_MODEL, tmp_path, keys, port, "host-a")
+        srv.wait_ready(workers=2, timeout=120)
+        ws = srv.stats()["workers"]
+        assert sorted(w["remote"] for w in ws) == [False, True]
+        with Load(srv.addr, clients=8) as load:
+            wait_until(lambda: len({r.worker_pid for r in load.done}) == 2, 60, "both workers answer")
+        assert not load.errors
+    finally:
+        for s in (host, srv):
+            if s is not None:
+                s.stop(15)

@@ -10,14 +10,13 @@ Marker `netns` (root and iproute2; skips with the reason otherwise): pytest -m n
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 
 import pytest
 from netns_hosts import Hosts
 from server_harness import Server, wait_until
-from test_fleet import FAST, Load, _by_host, keys  # noqa: F401  (keys: the fixture)
+from test_fleet import FAST, Load, _by_host, keys, model_copies, replace_everywhere  # noqa: F401  (keys: the fixture)
 
 from colibri_server.fleet import file_identity
 
@@ -37,11 +36,7 @@ def test_three_hosts_in_namespaces(tmp_path, keys, built, model_b):
     if why:
         pytest.skip(f"cannot make network namespaces here: {why}")
     x, y = built("mixtral").colibri(), model_b
-    paths = {}
-    for who in ("head", "a", "b"):
-        (tmp_path / who).mkdir()
-        paths[who] = tmp_path / who / "model.colibri"
-        shutil.copy(x, paths[who])
+    paths = model_copies(tmp_path, x)
     servers = []
     with Hosts("cfnt", ["a", "b", "c"], subnet=78) as net:
         try:
@@ -96,10 +91,7 @@ def test_three_hosts_in_namespaces(tmp_path, keys, built, model_b):
             # a USR1 rollout of the head under load: y on every host, no request fails
             with Load(head.addr, clients=16, max_tokens=16) as roll:
                 wait_until(lambda: len(roll.done) >= 16, 120, "answers before the rollout")
-                for who in ("head", "a", "b"):
-                    tmp = paths[who].with_suffix(".tmp")
-                    shutil.copy(y, tmp)
-                    os.replace(tmp, paths[who])
+                replace_everywhere(paths, y)
                 head.signal(signal.SIGUSR1)
                 want = file_identity(y)
                 wait_until(lambda: head.stats()["generation"] == 2, 240, "the head commits the new file",
