@@ -161,7 +161,7 @@ def test_two_hosts_serve_a_killed_host_loses_nothing_silently_and_rejoins(tmp_pa
         # the ledger: every request ended in exactly one answer, as the router counts them
         assert st.get("done", 0) == len(load.done) and load.sent == len(load.done) + len(load.errors)
         assert st.get("worker_lost", 0) == len(lost) and st.get("hosts_lost", 0) >= 1
-        assert "worker_lost" in head.logs() and "lost: " in head.logs()
+        assert " lost: " in head.logs()     # (retried or worker_lost: the ledger above counts which)
         # the intruder's key was denied by name at the head; the intruder says it is not let in
         import zmq.auth
         pub, _ = zmq.auth.load_certificate(str(keys["intruder"]))
