@@ -284,27 +284,41 @@ class _Nothing:
         return False
 
 
+FLEET_SYSTEMS = {"local": (0, False), "2 local": (0, True), "1 host": (1, False), "2 hosts": (2, False)}
+
+
 def fleet_main(a):
     col = D.build_colibri(a.data, D.build_hf(a.data), a.precisions)
     P = prompts(512, a.prompt)
-    rows = measure(a, [(system, lambda prec, conc, h=hosts, sep=sep: fleet_round(a, col[prec], conc, P, h, sep))
-                       for hosts, sep, system in ((0, False, "local"), (0, True, "2 local"), (1, False, "1 host"),
-                                                  (2, False, "2 hosts"))])
+
+    def clients(system, conc):      # --per-host: the two-server systems get conc clients for each server
+        return conc * 2 if a.per_host and system in ("2 local", "2 hosts") else conc
+    rows = measure(a, [(system, lambda prec, conc, system=system:
+                        fleet_round(a, col[prec], clients(system, conc), P, *FLEET_SYSTEMS[system]))
+                       for system in a.systems])
+    for r in rows:
+        r["clients"] = clients(r["system"], r["conc"])
+    load = "the same clients per server (2 servers: twice the clients)" if a.per_host else "the same clients in all"
     print(f"\nbench-mixtral, {a.prompt}-token prompts, {a.tokens} new tokens, {a.reqs} requests per client; each "
-          f"host one worker on one core ({a.cores}); head, router and clients unpinned\n")
-    print("| precision | clients | local tok/s | 2 local tok/s | 1 host tok/s | 2 hosts tok/s | 2 / 1 hosts | "
-          "2 hosts / 2 local | TTFT p50 ms local / 1 host | ITL p50 ms local / 1 host |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"host one worker on one core ({a.cores}); head, router and clients unpinned; {load}\n")
+    print("| precision | clients (per server) | " + " | ".join(f"{s} tok/s" for s in a.systems) +
+          " | 2 / 1 hosts | 2 hosts / 2 local | TTFT p50 ms local / 1 host | ITL p50 ms local / 1 host |")
+    print("|---|---|" + "---|" * (len(a.systems) + 4))
     for prec in a.precisions:
         for conc in a.conc:
             sel = {s: [r for r in rows if r["precision"] == prec and r["conc"] == conc and r["system"] == s]
-                   for s in ("local", "2 local", "1 host", "2 hosts")}
-            med = {s: statistics.median(r["tok_s"] for r in v) for s, v in sel.items()}
-            lo, one = sel["local"][-1], sel["1 host"][-1]
-            print(f"| {prec} | {conc} | {med['local']} | {med['2 local']} | {med['1 host']} | {med['2 hosts']} | "
-                  f"{med['2 hosts'] / med['1 host']:.2f}x | {med['2 hosts'] / med['2 local']:.2f}x | "
-                  f"{lo['ttft_p50_ms']} / {one['ttft_p50_ms']} | "
-                  f"{lo['itl_p50_ms']} / {one['itl_p50_ms']} |")
+                   for s in a.systems}
+            med = {s: statistics.median(r["tok_s"] for r in v) for s, v in sel.items() if v}
+
+            def ratio(x, y):
+                return f"{med[x] / med[y]:.2f}x" if x in med and y in med else "-"
+
+            def last(s, k):
+                return sel[s][-1][k] if sel.get(s) else "-"
+            print(f"| {prec} | {conc} | " + " | ".join(str(med.get(s, "-")) for s in a.systems) +
+                  f" | {ratio('2 hosts', '1 host')} | {ratio('2 hosts', '2 local')} | "
+                  f"{last('local', 'ttft_p50_ms')} / {last('1 host', 'ttft_p50_ms')} | "
+                  f"{last('local', 'itl_p50_ms')} / {last('1 host', 'itl_p50_ms')} |")
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(rows, indent=1))
 
@@ -351,6 +365,11 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--fleet", action="store_true", help="worker hosts in network namespaces instead (see above)")
     ap.add_argument("--cores", type=int, nargs=2, default=[0, 1], help="--fleet: the core of each worker host")
+    ap.add_argument("--systems", nargs="+", default=list(FLEET_SYSTEMS), choices=list(FLEET_SYSTEMS),
+                    help="--fleet: which layouts take turns")
+    ap.add_argument("--per-host", action="store_true",
+                    help="--fleet: the two-server layouts get --conc clients per server (capacity: each host as "
+                         "loaded as the one host), else --conc in all")
     a = ap.parse_args()
     if a.fleet:
         a.data.mkdir(parents=True, exist_ok=True)
