@@ -139,12 +139,13 @@ def test_prefill_bf16_setting_reaches_the_workers(server, built, model_path):
     the server answers either way."""
     from colibri_server.model.kernels import gemm as GE
     s = server(workers=1, extra=("--prefill-bf16",))
-    s.wait_for(lambda: "prefill_bf16 has no effect: the model has no bf16 matrices" in s.logs(),
+    s.wait_for(lambda: "prefill_bf16 has no effect: the model has no bf16 matrices" in s.logs(), timeout=180,
                what="the worker's prefill_bf16 warning")
     bf16 = built("mixtral").colibri("bf16")
     s2 = server(workers=1, model=bf16, extra=("--prefill-bf16",))
     want = "prefill of bf16 weights with bf16 activations" if GE.HAVE_BF16_GEMM else "this CPU has no avx512bf16"
-    s2.wait_for(lambda: want in s2.logs(), what="the worker's prefill_bf16 log line")
+    # (a cold master compiles the bf16 kernels before its worker says this: over 30 s on a loaded VM)
+    s2.wait_for(lambda: want in s2.logs(), timeout=180, what="the worker's prefill_bf16 log line")
     load = Load(s2, n=2, per_client=2).start().join()
     assert not load.errors and not load.silent and len(load.results) == 4
     m = Model.open(bf16, prefill_bf16=True)
