@@ -482,9 +482,13 @@ class Router(ControlRequests, RemoteHosts):
             return
         if kind == b"BYE":
             w.state = "draining"
-            if w.remote:                # nobody reaps it here: it leaves now, its requests all ended
-                self.remove_worker(ident, f"worker {w.pid} on host {w.host} left")
-                self.fleet_changed()
+            if w.remote:    # nobody reaps it here: it leaves now. Drained, it holds no request; its master
+                            # gone, what it abandoned follows the ledger (retried if nothing streamed)
+                if body.get("master_gone"):
+                    self.lose_worker(ident, f"its master is gone ({body.get('abandoned', 0)} sequences abandoned)")
+                else:
+                    self.remove_worker(ident, f"worker {w.pid} on host {w.host} left (drained)")
+                    self.fleet_changed()
             return
         rid = body.get("rid")
         r = self.reqs.get(rid)

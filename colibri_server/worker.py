@@ -227,7 +227,10 @@ class Worker:
                 self.send(b"HB", {"free": self.settings.slots - self.busy(), "engine": self.engine.stats()})
                 last_hb = now
                 if os.getppid() != self.ppid:
-                    log.warning("worker %d: parent changed, exiting", self.pid)
+                    log.warning("worker %d: parent changed, exiting%s", self.pid,
+                                f" (abandoning {len(self.seqs)} sequences)" if self.seqs else "")
+                    # a head's router learns it now, not after `timeout`: it retries what streamed nothing
+                    self.send(b"BYE", {"served": self.served, "master_gone": True, "abandoned": len(self.seqs)})
                     return 0
                 if now - last_router > max(3 * hb_every, self.settings.timeout):
                     self.ready()            # the router restarted (or lost us): announce again
