@@ -10,8 +10,9 @@ What changes with the role, and only that, lives here:
 - A worker host has no router to say which workers are READY: a worker marks itself joined in the
   heartbeat table when the head ACCEPTs it, and a worker the head refuses (another model file) never
   is, so a host whose file the head does not serve never announces READY=1 and a reload to such a
-  file rolls back. A host's old generation drains when the head retires it (RETIRE to its workers,
-  once the head has no queued request of it), as a local router retires one.
+  file rolls back. A host's old generation of another file drains when the head retires it (RETIRE
+  to its workers, once the head has no queued request of it), as a local router retires one; of the
+  same file (the host's own HUP), at once.
 - SIGUSR2 (a head's rollout reaches a host through its workers, worker.roll): reload only when the
   file under the model path is another model than the one served or coming up.
 - A head commits a new generation once every worker host it knows runs the new file (the router's
@@ -44,16 +45,12 @@ class ModelHead:
     expects a Model."""
 
     def __init__(self, path):
-        from .model import format as fmt
-        from .model.config import ConfigError, ModelConfig
+        from .model.config import file_config
+        from .model.format import ColibriFile
         self.path = path
-        self.file = fmt.ColibriFile.open(path, populate=False, hugepages=False)
+        self.file = ColibriFile.open(path, populate=False, hugepages=False)
         try:
-            raw = fmt.read_json_blob(self.file.path, "config", self.file.config_json)
-            try:
-                self.config = ModelConfig.from_dict(raw)
-            except ConfigError as e:
-                raise fmt.BadConfig(self.file.path, f"config.{e.key}", str(e)) from None
+            self.config = file_config(self.file)
         except BaseException:
             self.file.close()
             raise
@@ -103,9 +100,15 @@ class Fleet:
         if self.role != "host":
             return
         for w in self.workers.values():
-            j = self.heartbeats.joined(w.slot)
-            if j != w.ready:
-                w.ready = j
+            w.ready = self.heartbeats.joined(w.slot)
+
+    def after_commit(self, old):
+        """A worker host's reload of the same file (HUP, TTIN's settings): the head sees no new model, so
+        it never retires the old generation; its workers drain here (the new ones serve the same
+        requests at the head). Of another file, the head retires it (RETIRE) once its queue is empty."""
+        if self.role == "host" and old in self.gens and \
+                self.gens[old].info.get("identity") == self.gens[self.generation].info.get("identity"):
+            self.retire(old)
 
     def handle_usr2(self):
         """A head's rollout: reload when the file under the model path is another model than the

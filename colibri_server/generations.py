@@ -87,6 +87,7 @@ class Reloads:
                  g, len(new), old)
         self.last_reload = {"generation": g, "ok": True, "error": None, "time": time.time()}
         self.notify(f"READY=1\nSTATUS=serving generation {g} with {len(new)} workers")
+        self.after_commit(old)
 
     def retire(self, g):
         """The router has no queued request of generation g left: its workers may drain."""

@@ -293,3 +293,28 @@ def test_a_plain_serve_takes_worker_hosts_beside_its_own_workers(tmp_path, keys)
         for s in (host, srv):
             if s is not None:
                 s.stop(15)
+
+
+def test_a_hosts_own_reloads_drain_its_old_workers(tmp_path, keys):
+    """A worker host's HUP (same file: the head sees no new model and never retires anything) still
+    leaves one worker per slot at the head: the old generation drains at the host's commit."""
+    from colibri_server.bundled import BUNDLED_MODEL
+    port = _free_port()
+    head = _head(BUNDLED_MODEL, tmp_path, keys, port)
+    host = None
+    try:
+        host = _host(BUNDLED_MODEL, tmp_path, keys, port, "host-a")
+        head.wait_ready(workers=1, timeout=120)
+        for n in (2, 3):
+            first = {w["pid"] for w in head.stats()["workers"]}
+            host.signal(signal.SIGHUP)
+            wait_until(lambda: f"generation {n} serving" in host.logs(), 60, f"the host's generation {n}")
+            wait_until(lambda: len(head.stats()["workers"]) == 1 and
+                       not first & {w["pid"] for w in head.stats()["workers"]}, 30,
+                       "the old worker drained", lambda: host.logs()[-2000:])
+        with head.client() as c:
+            assert c.generate("def g(x):", max_tokens=4, temperature=0.0).token_ids
+    finally:
+        for s in (host, head):
+            if s is not None:
+                s.stop(15)
