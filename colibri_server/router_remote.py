@@ -54,7 +54,7 @@ class RemoteHosts:
         s.setsockopt(zmq.ROUTER_HANDOVER, 1)      # a host reconnecting after a cut takes its identity back
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        _heartbeats(s, self.settings)
+        zmtp_heartbeats(s, self.settings)
         if self.worker_curve is not None:
             self.worker_curve.apply_server(self.rctx, s)
         try:
@@ -170,7 +170,7 @@ class RemoteHosts:
         self.to_master({"op": "fleet", "hosts": {h: sorted(ids) for h, ids in hosts.items()}})
 
 
-def _heartbeats(sock, settings):
+def zmtp_heartbeats(sock, settings):
     """ZMTP heartbeats on a tcp connection, so a cut link is noticed within `timeout` and the
     connection re-made, instead of TCP keeping a dead one for minutes."""
     ivl = int(settings.heartbeat_interval * 1000)

@@ -85,7 +85,6 @@ class Worker:
         self.refused = None         # the last REFUSE reason (logged once)
         self.rolled = {}            # identity -> when ROLL last made us look at the file
         self.t_boot = time.monotonic()
-        self.dropped = 0            # messages dropped for want of any connection (send)
         self.last_join_warning = -60.0
         self.model, self.settings, self.backend = model, settings, backend
         self.cpus, self.heartbeats = cpus, heartbeats
@@ -138,8 +137,8 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.SNDHWM, 0)      # a connected router gets everything; see send()
         if self.backend.startswith("tcp://"):
-            from .router_remote import _heartbeats
-            _heartbeats(self.sock, self.settings)
+            from .router_remote import zmtp_heartbeats
+            zmtp_heartbeats(self.sock, self.settings)
             if self.curve is not None:
                 self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = self.curve
         self.sock.connect(self.backend)
@@ -203,7 +202,7 @@ class Worker:
         try:
             self.sock.send_multipart([kind, P.pack(body)], zmq.NOBLOCK)
         except zmq.Again:
-            self.dropped += 1
+            pass
 
     def ready(self) -> None:
         self.send(b"READY", {"pid": self.pid, "wid": self.wid, "generation": self.generation,

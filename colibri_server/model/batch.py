@@ -21,7 +21,7 @@ from . import mla as MLA
 from .config import ModelConfig
 from .moe import moe, swiglu
 from .rope import attention_scale
-from .transformer import norm, qkv_finish
+from .transformer import norm, qkv_finish, qkv_rows
 
 
 class Rows:
@@ -72,10 +72,7 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
             attend(qa, pool.k[l], pool.k[l], rows.tables, rows.seq, rows.pos, cfg.window(l), scale, lat, L.sinks)
             MLA.output(cfg, L, lat, ws, sub)
         else:
-            q, k, v = ws.q[:N], ws.k[:N], ws.v[:N]                             # (N,H*hd) (N,Hkv*hd) (N,Hkv*hd)
-            ws.mm(h, L.wq, q)
-            ws.mm(h, L.wk, k)
-            ws.mm(h, L.wv, v)
+            q, k, v = qkv_rows(ws, h, L, N)
             q3, k3 = qkv_finish(cfg, L, q, k, v)                               # (N,H,hd) (N,Hkv,hd)
             v3 = v.reshape(N, Hkv, hd)
             K.rope(q3, rows.pos, cos, sin)

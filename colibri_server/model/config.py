@@ -345,6 +345,17 @@ def _coerce(name, value, typ):
 
 # ---------------------------------------------------------------------------- tensors
 
+def file_config(cf) -> ModelConfig:
+    """The config of an opened .colibri file (format.ColibriFile); BadConfig naming the key when a
+    value is wrong."""
+    from . import format as fmt
+    raw = fmt.read_json_blob(cf.path, "config", cf.config_json)
+    try:
+        return ModelConfig.from_dict(raw)
+    except ConfigError as e:
+        raise fmt.BadConfig(cf.path, f"config.{e.key}", str(e)) from None
+
+
 def expected_tensors(cfg: ModelConfig):
     """Yield (name, shape, allowed dtypes) for every tensor a file of this config holds.
     Norms, biases and router gates are always f32 (routing is precision sensitive);

@@ -20,7 +20,7 @@ import numpy as np
 from . import format as fmt
 from .kernels import gemm as GE
 from . import weights as W
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig, file_config
 from .moe import RoutingNoise
 from .rope import rope_tables
 from .sampler import Sampler, SamplingParams, StopChecker, token_logprobs
@@ -129,11 +129,7 @@ class Model:
             threadpool_limits(blas_threads, user_api="blas")
         cf = fmt.ColibriFile.open(path, populate=populate, hugepages=hugepages)
         try:
-            raw = fmt.read_json_blob(cf.path, "config", cf.config_json)
-            try:
-                cfg = ModelConfig.from_dict(raw)
-            except ConfigError as e:
-                raise fmt.BadConfig(cf.path, f"config.{e.key}", str(e)) from None
+            cfg = file_config(cf)
             weights = W.load(cf, cfg)
             if deep:
                 cf.verify_checksums()

@@ -22,6 +22,7 @@ maps the old file never sees a half-written one.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
@@ -233,7 +234,7 @@ class ColibriFile:
         self._buf = np.frombuffer(mm, dtype=np.uint8)
         self.huge_bytes = None          # bytes mapped on 2 MiB pages, when open() measured it
 
-    @property
+    @functools.cached_property
     def identity(self) -> str:
         """The model's identity: a hash of everything before the tensor data (header, the tensor
         table with each tensor's CRC-32, routing table, config, metadata, tokenizer, template), so

@@ -69,13 +69,12 @@ def dequantize_file(src, dst, dtype: str = "f16", progress=None, layout: str | N
     of a .colibri file: every quantized matrix is dequantized (one matrix of a stack at a
     time), everything else is copied or re-encoded."""
     from . import format as fmt
-    from .config import ModelConfig, expected_tensors
+    from .config import ModelConfig, expected_tensors, file_config
     from .convert import _encode, default_layout
     layout = default_layout(dtype, layout)
     cf = fmt.ColibriFile.open(src)
     try:
-        raw = fmt.read_json_blob(cf.path, "config", cf.config_json)
-        cfg = ModelConfig.from_dict(raw)
+        cfg = file_config(cf)
         out_cfg = ModelConfig.from_dict({**cfg.to_dict(), "dtype": dtype, "quant": "none", "quant_overrides": {},
                                          "layout": layout})
         meta = fmt.read_json_blob(cf.path, "metadata", cf.metadata_json, required=False)

@@ -302,6 +302,15 @@ def norm(x, w, b, eps, out) -> None:
         K.layernorm(x, w, b, eps, out)
 
 
+def qkv_rows(ws, h, L, n):
+    """q, k, v of n rows, each its own matrix product (the workspace's views (n,H*hd) (n,Hkv*hd) (n,Hkv*hd))."""
+    q, k, v = ws.q[:n], ws.k[:n], ws.v[:n]
+    ws.mm(h, L.wq, q)
+    ws.mm(h, L.wk, k)
+    ws.mm(h, L.wv, v)
+    return q, k, v
+
+
 def qkv_finish(cfg: ModelConfig, L, q, k, v):
     """After the projections, in place: biases (Qwen2 qkv_bias, attention_bias), OLMoE's q/k norm over
     the whole projection, clip_qkv, Qwen3's q/k norm per head. q (T,H*hd), k and v (T,Hkv*hd) ->
@@ -409,10 +418,7 @@ def _attention(cfg: ModelConfig, L, h, ws: Workspace, cache: KVCache, l: int, P0
             K.matvec_stack(L.qkv_stack, h[0], qkv[0])
         q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
     else:
-        q, k, v = ws.q[:T], ws.k[:T], ws.v[:T]                                 # (T,H*hd) (T,Hkv*hd) (T,Hkv*hd)
-        ws.mm(h, L.wq, q)
-        ws.mm(h, L.wk, k)
-        ws.mm(h, L.wv, v)
+        q, k, v = qkv_rows(ws, h, L, T)
     q3, k3 = qkv_finish(cfg, L, q, k, v)                                         # (T,H,hd) (T,Hkv,hd)
     attn = ws.attn[:T]                                                         # (T,H*hd)
     if T == 1:                                                                 # one call (kernels/decode)
