@@ -44,6 +44,7 @@ from numba.extending import intrinsic, overload
 from ..format import PANEL
 from .base import nrows, to_f32
 from .cpu import FEATURES as _FEATURES
+from .prefetch import prefetch_ahead
 from .quant_ir import HAVE_AVX2, HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, _f32_bits, _vec, act_chunk_q4, act_chunk_q8
 
 __all__ = ["HAVE_GEMM", "HAVE_BF16_GEMM", "matmul_q4_i8", "matmul_q8_i16", "matmul_q4_i8_par", "matmul_q8_i16_par",
@@ -114,10 +115,14 @@ def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes
                     xshift = builder.mul(pan.index, ir.Constant(idx, panel * xbytes))
                     pxs = [builder.gep(x, [xshift]) for x in xs]
                     with cgutils.for_range(builder, per) as it:
-                        iteration(builder.mul(it.index, ir.Constant(idx, step)), prow, pxs, accs)
+                        off = builder.mul(it.index, ir.Constant(idx, step))
+                        prefetch_ahead(builder, prow, builder.mul(off, ir.Constant(idx, wbytes)))
+                        iteration(off, prow, pxs, accs)
             else:
                 with cgutils.for_range(builder, nv) as it:
-                    iteration(builder.mul(it.index, ir.Constant(idx, step)), rows, xs, accs)
+                    off = builder.mul(it.index, ir.Constant(idx, step))
+                    prefetch_ahead(builder, rows, builder.mul(off, ir.Constant(idx, wbytes)))
+                    iteration(off, rows, xs, accs)
             for rr in range(R):
                 base = builder.mul(builder.add(builder.mul(rp.index, two), ir.Constant(idx, rr)), T4)
                 for t in range(4):

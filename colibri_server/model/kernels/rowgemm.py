@@ -11,7 +11,8 @@ activations and one pass over the weights.
 With AVX-512 (or AVX2) and f16/bf16 weights whose panel width is whole vectors, the tile is
 LLVM IR instead (`_tile`): R weight rows x C rows of X (4 x 4 on zmm, 2 x 4 on ymm), R*C vector
 accumulators kept across all the panels of a row and reduced once per row, the R rows' weights
-read from memory once for every group of C rows of X (they stay in L1 for the next group).
+read from memory once for every group of C rows of X (they stay in L1 for the next group), and
+asked for 4 KB ahead (kernels/prefetch: without it the tile read DRAM at a third of the matvec's rate).
 The Numba loop above reduces its 8 sums once per panel and ran at ~34 GFLOP/s on one core of the
 session-9 Xeon whatever T; the IR tile at 50-65 (bench-mixtral's shapes, T = 4..32; 4 x 4 was the
 best of 2x8, 3x8, 4x6, 6x4, 8x2 over those shapes: /tmp scratch measurement, one thread).
@@ -33,6 +34,7 @@ from .base import _REDUCE_FM, to_f32
 from .dense import _matvec_core
 from .float_ir import HAVE_FLOAT_IR, HAVE_FLOAT_IR8, _widen
 from .moe import silu_mul
+from .prefetch import prefetch_ahead
 
 __all__ = ["rowgemm", "rowgemm_par", "rowgemm_ref", "experts_rows", "experts_rows_par", "weighted_rows"]
 
@@ -128,13 +130,6 @@ def _rows(P, X, out, r0, r1):
 # -- the IR tile ---------------------------------------------------------------------------------
 
 TILE_R, TILE_C, LANES = (4, 4, 16) if HAVE_FLOAT_IR else (2, 4, 8) if HAVE_FLOAT_IR8 else (2, 4, 0)
-# The tile asks for each weight row's bytes this far ahead into L2 (prefetcht1) as it reads them. At
-# 1-4 rows of X a tile is too slow a reader for the hardware prefetchers to run ahead: measured on the
-# session-14 Zen 4 VM, one thread, 64 f16 matrices (2048 x 1024 panels) from DRAM, ms per matrix at
-# T = 1 / 4 / 8 / 16: 0.59 / 0.63 / 0.78 / 1.10 without, 0.19 / 0.19 / 0.36 / 0.72 with 4 KB (2 KB:
-# 0.21 / 0.20 / 0.37 / 0.86; 8 KB: 0.37 / 0.23 / 0.43 / 0.83; into L1 (prefetcht0) ~0.55 at T = 4).
-# The matvec reads one row at 27 GB/s without help, so the tile at T <= 4 now costs what one matvec does.
-PREFETCH_BYTES = 4096
 
 
 def _make_tile(R, C, L, bf16):
@@ -162,11 +157,6 @@ def _make_tile(R, C, L, bf16):
             xrows = [builder.bitcast(builder.gep(xbase, [builder.mul(builder.load(builder.gep(tbase, [ir.Constant(idx, c)])),
                                                                      xstride)]), f32.as_pointer()) for c in range(C)]
             accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(R * C)]
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer()] + [ir.IntType(32)] * 3),
-                "llvm.prefetch.p0i8")
-            ahead = ir.Constant(idx, PREFETCH_BYTES // 2)               # in 16-bit weights
-            hint = [ir.Constant(ir.IntType(32), v) for v in (0, 2, 1)]  # read, into L2 (prefetcht1), data
             with cgutils.for_range(builder, nb) as bl:
                 b = bl.index
                 wrows = [builder.gep(wbase, [builder.mul(builder.add(builder.mul(b, d), builder.add(i, ir.Constant(idx, r))),
@@ -177,10 +167,9 @@ def _make_tile(R, C, L, bf16):
                     xk = builder.add(xoff, k)
                     xs = [builder.load(builder.bitcast(builder.gep(xrows[c], [xk]), vf.as_pointer()), align=4)
                           for c in range(C)]
+                    prefetch_ahead(builder, wrows, builder.mul(k, ir.Constant(idx, 2)))     # 2 bytes a weight
                     for r in range(R):
                         raw = builder.load(builder.bitcast(builder.gep(wrows[r], [k]), vi.as_pointer()), align=2)
-                        builder.call(prefetch, [builder.bitcast(builder.gep(wrows[r], [builder.add(k, ahead)]),
-                                                                i8.as_pointer())] + hint)
                         w = _widen(builder, raw, bf16, lanes=L)
                         for c in range(C):
                             a = accs[r * C + c]
