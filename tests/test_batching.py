@@ -131,6 +131,29 @@ def test_moe_of_a_step_in_one_call_is_the_per_expert_path(built, monkeypatch):
     assert np.abs(one - each).max() < 1e-5 * np.abs(each).max()
 
 
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_quant_moe_of_a_step_in_one_call_is_the_per_expert_path(built, monkeypatch, tmp_path, dtype):
+    """moe() over a step's rows with q8/q4 experts runs them in one Numba call (kernels/experts_q); its
+    output is the per-expert path's (three matrix calls per expert, scattered). Thread parts: the
+    kernel's own test."""
+    from colibri_server.model.kernels import gemm as GE
+    from colibri_server.model.moe import moe
+    from colibri_server.model.transformer import Workspace
+    if not GE.HAVE_GEMM:
+        pytest.skip("no integer GEMM on this CPU")
+    from colibri_server.model.convert import convert
+    path = str(tmp_path / f"mixtral-{dtype}.colibri")
+    convert(built("mixtral").hf_dir, path, "f16", progress=False, quantize=dtype, quant_group=32)
+    m = Model.open(path)
+    L, ws = m.weights.layers[1], m.workspace
+    x = np.random.default_rng(2).standard_normal((12, m.config.hidden_size)).astype(np.float32)
+    assert ws.quant_experts_in_one_call(L)
+    one = moe(L, x, ws, np.zeros_like(x)).copy()
+    monkeypatch.setattr(Workspace, "quant_experts_in_one_call", lambda self, layer: False)
+    each = moe(L, x, ws, np.zeros_like(x))
+    assert np.abs(one - each).max() < 1e-5 * np.abs(each).max()
+
+
 def test_preemption_recomputes_and_keeps_the_tokens(built):
     """A pool far smaller than the requests need: sequences are preempted and recomputed from their
     tokens, and every answer is still the one it gets alone; none is refused."""

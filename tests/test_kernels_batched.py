@@ -129,3 +129,53 @@ def test_paged_attention_refuses_a_position_beyond_its_table():
     with pytest.raises(ValueError, match="beyond its block table"):
         KP.paged_attention(q, kp, vp, np.zeros((1, 2), np.int32), np.zeros(1, np.int64), np.array([8]), 0, 1.0,
                            np.zeros_like(q), NO_SINKS)
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_quant_experts_rows_are_each_experts_matrix_calls(kind):
+    """A step's q8/q4 experts in one call (kernels/experts_q): row t*k+a is exactly what the per-expert
+    path computes (the matvec for a one-row expert, the integer GEMM for more: the same bits), whatever
+    the number of thread parts, and close to the dequantized weights' SwiGLU."""
+    from colibri_server.model.kernels import experts_q as KX
+    from colibri_server.model.kernels import gemm as GE
+    from colibri_server.model.kernels import moe as KM
+    from colibri_server.model.kernels import quant as KQ
+    from colibri_server.model.kernels.packing import dequantize_q4, dequantize_q8, quantize
+    if not GE.HAVE_GEMM:
+        pytest.skip("no integer GEMM on this CPU")
+    rng = np.random.default_rng(5)
+    E, D, I, T, k = 5, 256, 128, 9, 2
+    mats = [[quantize(kind, (rng.standard_normal((a, b)) * 0.1).astype(np.float32), 32) for _ in range(E)]
+            for a, b in ((I, D), (I, D), (D, I))]
+    (q1, s1), (q3, s3), (q2, s2) = ((np.stack([q for q, _ in w]), np.stack([s for _, s in w])) for w in mats)
+    X = rng.standard_normal((T, D)).astype(np.float32)
+    idx = np.array([[0, 1]] * 5 + [[2, 1], [3, 0], [1, 2], [2, 0]], np.int32)      # expert 3: one row, 4: none
+    counts, offsets, order = np.zeros(E, np.int64), np.zeros(E + 1, np.int64), np.zeros(T * k, np.int64)
+    KM.group_by_expert(idx, E, counts, offsets, order)
+    active = np.flatnonzero(counts)
+    got = []
+    for parts in (1, 3):
+        xs, xi = KQ.scratch(max(D, I), parts)
+        Y = np.full((T * k, D), np.nan, np.float32)
+        KX.experts_rows_q(q1, s1, q3, s3, q2, s2, X, order, offsets, k, Y, active, xs, xi)
+        got.append(Y)
+    assert np.array_equal(got[0], got[1])
+    deq = dequantize_q8 if kind == "q8" else dequantize_q4
+    xs, xi = KQ.scratch(max(D, I))
+
+    def mm(q, s, A):                       # Workspace.mm's choice for A's rows
+        out = np.empty((A.shape[0], q.shape[0]), np.float32)
+        if A.shape[0] == 1:
+            KQ.matvec_q(q, s, A[0], out[0], xs, xi)
+        else:
+            (GE.matmul_q8_i16 if kind == "q8" else GE.matmul_q4_i8)(q, s, A, out)
+        return out
+    for e in active:
+        flat = order[offsets[e]:offsets[e + 1]]
+        xe = np.ascontiguousarray(X[flat // k])
+        g, u = mm(q1[e], s1[e], xe), mm(q3[e], s3[e], xe)
+        KM.silu_mul(g, u, g)
+        assert np.array_equal(got[0][flat], mm(q2[e], s2[e], g))
+        gf, uf = xe @ deq(q1[e], s1[e]).T.astype(np.float64), xe @ deq(q3[e], s3[e]).T.astype(np.float64)
+        ref = (gf / (1 + np.exp(-gf)) * uf) @ deq(q2[e], s2[e]).T.astype(np.float64)
+        assert np.abs(got[0][flat] - ref).max() < (0.02 if kind == "q8" else 0.05) * np.abs(ref).max()

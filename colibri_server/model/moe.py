@@ -15,6 +15,7 @@ import numpy as np
 
 from . import kernels as K
 from .kernels import decode as KD
+from .kernels import experts_q as KX
 from .kernels import rowgemm as RG
 from .panels import kernel_array
 
@@ -110,6 +111,14 @@ def moe(layer, x, ws, out, noise=None, trace=None):
                 RG.experts_rows_par(w1, w3, w2, x, order, offsets, A, Y, active)
             else:
                 RG.experts_rows(w1, w3, w2, x, order, offsets, A, Y)
+            RG.weighted_rows(Y, wts, out)
+            return _shared_expert(layer, x, ws, out)
+        if not general and ws.quant_experts_in_one_call(layer):
+            # the same for q8/q4 experts (kernels/experts_q): the matvec's or the integer GEMM's row groups
+            Y = ws.expert_rows(T * A)
+            w1, w3, w2 = layer.w1, layer.w3, layer.w2
+            KX.experts_rows_q(w1.q, w1.s, w3.q, w3.s, w2.q, w2.s, x, order, offsets, A, Y, active,
+                              ws.xs[:ws.threads], ws.xi[:ws.threads])
             RG.weighted_rows(Y, wts, out)
             return _shared_expert(layer, x, ws, out)
     out[...] = 0.0

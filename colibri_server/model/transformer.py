@@ -195,6 +195,11 @@ class Workspace:
                 return False
         return True
 
+    def quant_experts_in_one_call(self, layer) -> bool:
+        """Whether moe() runs a step's q8/q4 experts in one call (kernels/experts_q): the three stacks
+        quantized, on a CPU with the integer GEMM (what mm would give each expert)."""
+        return GE.HAVE_GEMM and all(W is not None and hasattr(W, "q") for W in (layer.w1, layer.w3, layer.w2))
+
     def expert_rows(self, n: int) -> np.ndarray:
         """(n, D) f32 scratch: one output row per (row, chosen expert) of a step."""
         if self._expert_rows is None or self._expert_rows.shape[0] < n:

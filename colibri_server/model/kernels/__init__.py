@@ -12,6 +12,7 @@ Rooms, imports running upward only (a module imports only those above it):
   attn      causal attention               matmuls   X @ W.T for any weight kind (BLAS tiles or GEMM)
   heads     per-head products (latent attention's query absorption and value expansion), over dense and rowgemm
   paged     attention over the paged KV pool          rowgemm   few-row GEMM of a serving step
+  experts_q a serving step's q8/q4 experts in one call  prefetch  software prefetch for slow weight readers
   decode    the whole decode token fused into one Numba call
 
 Kernels never allocate (outputs and scratch are passed in), never import a model-level module
