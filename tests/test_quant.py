@@ -158,10 +158,11 @@ def test_matmul_q(rng, kind, T):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("d,n,G,T", [(64, 128, 32, 5), (128, 256, 64, 8), (320, 64, 32, 300), (96, 2200, 32, 3),
-                                     (256, 1024, 64, 33), (16, 40, 8, 1)])
+                                     (256, 1024, 64, 33), (16, 40, 8, 1), (128, 2200, 32, 2), (60, 256, 6, 2)])
 def test_integer_gemm_is_the_matvec_kernel_per_token(rng, kind, d, n, G, T):
     # prefill's integer GEMM (AVX2, VNNI) rounds each token's activations exactly as decode's matvec does,
-    # so a token's logits do not depend on how it was batched; n=2200 and n=40 leave tails
+    # so a token's logits do not depend on how it was batched; n=2200 and n=40 leave tails; T <= 2 takes
+    # the 4-row x 2-token kernel (G a multiple of 4; G = 6 keeps the 4-token one)
     from colibri_server.model.kernels import gemm as GE
     if not GE.HAVE_GEMM:
         pytest.skip("the integer GEMM needs AVX2")

@@ -11,7 +11,10 @@ dequantizes 256-row tiles to f32 and calls sgemm; on bench-mixtral those GEMMs w
 * `_gemm_u4_i8` multiplies 2 rows by 4 tokens per pass, 64 packed bytes (128 weights) at a
   time: two weight loads, their low and high nibbles, and 16 `vpdpbusd` (u8 x s8 sums of four
   products into i32 lanes, no saturation) into 8 zmm accumulators; each weight load serves 4
-  tokens and each activation load 2 rows.
+  tokens and each activation load 2 rows. One or two tokens (a serving step's expert with few rows)
+  take `_gemm_u4_i8_2`, 4 rows by 2 tokens, instead of multiplying zero tokens: a 2048 x 1024 matrix
+  in cache 42 / 53 us at 1 / 2 tokens against 75 with the 4-token kernel (q8 likewise); from DRAM both
+  are bound by the weights' reading.
 
 * q8 likewise, with the decode kernel's int16 activations (kernels/quant_ir.q8_groups_i16): the
   weights sign-extended to i16 and `vpdpwssd`, 2 rows x 4 tokens, 32 columns at a time.
@@ -29,7 +32,7 @@ dequantizes 256-row tiles to f32 and calls sgemm; on bench-mixtral those GEMMs w
   prefill, one thread, alternating with the float path: q4 408-428 tok/s against 219-232, q8
   255-303 against 195-221.
 
-Token counts are padded to a multiple of 4 with zero activations (their sums are 0 and are
+Token counts are padded to a multiple of 4 (1 to 2) with zero activations (their sums are 0 and are
 not written out). Needs HAVE_AVX2 (bf16: HAVE_BF16_GEMM, avx512bf16); elsewhere kernels.matmul
 keeps the float path.
 """
@@ -57,11 +60,17 @@ STEP = 64            # packed bytes per iteration of the q4 micro-kernel
 STEP8 = 32           # columns per iteration of the q8 and bf16 micro-kernels
 BF16_ROWS = 64       # weight rows per call of the bf16 micro-kernel (their sums: BF16_ROWS x tokens)
 BF16_R = 4           # rows per pass of the bf16 micro-kernel: 4 x 4 tokens, 16 zmm accumulators
+# bytes the micro-kernels prefetch ahead of the rows they read (kernels/prefetch): a row group's rows are
+# read after its activations are rounded, a pause the hardware prefetchers do not cover. Session 14, Zen 4
+# VM, one thread, bench-mixtral's q4 expert matrices from DRAM, ms a matrix at 1 / 2 / 4 / 8 tokens:
+# 4 KB 0.10-0.12 / 0.11-0.13 / 0.12-0.17 / 0.20-0.30, 8 KB 0.08 / 0.09 / 0.12 / 0.17-0.20, 16 KB about
+# 8 KB's; none 0.20 / 0.21 / 0.23 / 0.24
+GEMM_AHEAD = 8192
 
 
-def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes=1, fp=False, R=2, panel=0, lanes=16):
+def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes=1, fp=False, R=2, panel=0, lanes=16, C=4):
     """The loops shared by the micro-kernels (args: q, x, i0, nrows, k0, nvec, ..., sums): for each
-    R rows i0+Rp.. (R = 2, or 4) and each block of 4 tokens, 4R accumulators of `lanes` lanes (zmm: 16,
+    R rows i0+Rp.. (R = 2, or 4) and each block of C tokens (4, or 2), C*R accumulators of `lanes` lanes (zmm: 16,
     ymm: 8; i32, or f32 when `fp`) start at zero, `iteration(off, rows, xs, accs)` runs nvec times
     (off: the iteration's first column, relative to column k0; rows: the R rows' i8 pointers at k0,
     q having `wbytes` per column; xs: the 4 tokens' i8 pointers at k0, x having `xbytes` per column), and each
@@ -94,8 +103,8 @@ def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes
     qbase = builder.bitcast(qa.data, i8.as_pointer())
     xbase = builder.bitcast(xa.data, i8.as_pointer())
     sums_p = builder.bitcast(sa.data, el.as_pointer())
-    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(4)] for _ in range(R)]
-    two, four = ir.Constant(idx, R), ir.Constant(idx, 4)
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(C)] for _ in range(R)]
+    two, four = ir.Constant(idx, R), ir.Constant(idx, C)
     k0x = builder.mul(k0v, ir.Constant(idx, xbytes))
     k0w = builder.mul(k0v, ir.Constant(idx, wbytes))
     with cgutils.for_range(builder, builder.sdiv(nrows_v, two)) as rp:
@@ -104,7 +113,7 @@ def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes
         with cgutils.for_range(builder, builder.sdiv(T4, four)) as tb:
             t0 = builder.mul(tb.index, four)
             xs = [builder.gep(xbase, [builder.add(builder.mul(builder.add(t0, ir.Constant(idx, t)), xstride), k0x)])
-                  for t in range(4)]
+                  for t in range(C)]
             for row in accs:
                 for a in row:
                     builder.store(ir.Constant(vd, None), a)
@@ -116,16 +125,16 @@ def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes
                     pxs = [builder.gep(x, [xshift]) for x in xs]
                     with cgutils.for_range(builder, per) as it:
                         off = builder.mul(it.index, ir.Constant(idx, step))
-                        prefetch_ahead(builder, prow, builder.mul(off, ir.Constant(idx, wbytes)))
+                        prefetch_ahead(builder, prow, builder.mul(off, ir.Constant(idx, wbytes)), ahead=GEMM_AHEAD)
                         iteration(off, prow, pxs, accs)
             else:
                 with cgutils.for_range(builder, nv) as it:
                     off = builder.mul(it.index, ir.Constant(idx, step))
-                    prefetch_ahead(builder, rows, builder.mul(off, ir.Constant(idx, wbytes)))
+                    prefetch_ahead(builder, rows, builder.mul(off, ir.Constant(idx, wbytes)), ahead=GEMM_AHEAD)
                     iteration(off, rows, xs, accs)
             for rr in range(R):
                 base = builder.mul(builder.add(builder.mul(rp.index, two), ir.Constant(idx, rr)), T4)
-                for t in range(4):
+                for t in range(C):
                     tot = reduce(builder.load(accs[rr][t]))
                     builder.store(tot, builder.gep(sums_p, [builder.add(base, builder.add(t0, ir.Constant(idx, t)))]))
     return context.get_dummy_value()
@@ -162,23 +171,19 @@ def _q4_iteration_avx2(builder, h):
             w = [load(r, o) for r in rows]
             lo = [builder.and_(v, low) for v in w]
             hi = [builder.lshr(v, four) for v in w]
-            for t in range(4):
+            for t in range(len(xs)):
                 xl, xh = load(xs[t], o), load(builder.gep(xs[t], [h]), o)
-                for rr in range(2):
+                for rr in range(len(rows)):
                     p = builder.add(builder.call(maddubs, [lo[rr], xl]), builder.call(maddubs, [hi[rr], xh]))
                     builder.store(builder.add(builder.load(accs[rr][t]), builder.call(maddwd, [p, ones])), accs[rr][t])
     return iteration
 
 
-@intrinsic
-def _gemm_u4_i8(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
-    # q (d,h) u8 packed q4, x8 (T4,2h) i8 (T4 a multiple of 4) -> sums[r*T4 + t] (i32) = sum over packed
-    # bytes k in k0..k0+STEP*nvec of lo(q[i0+r,k])*x8[t,k] + hi(q[i0+r,k])*x8[t,k+h], r < nrows (even)
-    sig = types.void(q, x8, i0, nrows, k0, nvec, h, sums)
-
+def _u4_codegen(R, C):
     def codegen(context, builder, signature, args):
         if not HAVE_VNNI512:
-            return _gemm_2x4(context, builder, signature, args, 1, STEP, _q4_iteration_avx2(builder, args[6]), lanes=8)
+            return _gemm_2x4(context, builder, signature, args, 1, STEP, _q4_iteration_avx2(builder, args[6]), lanes=8,
+                             R=R, C=C)
         i8, vb = ir.IntType(8), ir.VectorType(ir.IntType(8), 64)
         vd = ir.VectorType(ir.IntType(32), 16)
         dpbusd = _vnni(builder, "llvm.x86.avx512.vpdpbusd.512")
@@ -191,14 +196,27 @@ def _gemm_u4_i8(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
             w = [load(r, off) for r in rows]
             lo = [builder.bitcast(builder.and_(v, low), vd) for v in w]
             hi = [builder.bitcast(builder.lshr(v, four), vd) for v in w]
-            for t in range(4):
+            for t in range(len(xs)):
                 xl = builder.bitcast(load(xs[t], off), vd)
                 xh = builder.bitcast(load(builder.gep(xs[t], [args[6]]), off), vd)
-                for rr in range(2):
+                for rr in range(len(rows)):
                     a = builder.call(dpbusd, [builder.load(accs[rr][t]), lo[rr], xl])
                     builder.store(builder.call(dpbusd, [a, hi[rr], xh]), accs[rr][t])
-        return _gemm_2x4(context, builder, signature, args, 1, STEP, iteration)
-    return sig, codegen
+        return _gemm_2x4(context, builder, signature, args, 1, STEP, iteration, R=R, C=C)
+    return codegen
+
+
+@intrinsic
+def _gemm_u4_i8(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
+    # q (d,h) u8 packed q4, x8 (T4,2h) i8 (T4 a multiple of 4) -> sums[r*T4 + t] (i32) = sum over packed
+    # bytes k in k0..k0+STEP*nvec of lo(q[i0+r,k])*x8[t,k] + hi(q[i0+r,k])*x8[t,k+h], r < nrows (even)
+    return types.void(q, x8, i0, nrows, k0, nvec, h, sums), _u4_codegen(2, 4)
+
+
+@intrinsic
+def _gemm_u4_i8_2(typingctx, q, x8, i0, nrows, k0, nvec, h, sums):
+    # _gemm_u4_i8 for two tokens (x8 (2,2h)): 4 rows x 2 tokens a pass, nrows a multiple of 4
+    return types.void(q, x8, i0, nrows, k0, nvec, h, sums), _u4_codegen(4, 2)
 
 
 def _q8_iteration_avx2(builder):
@@ -213,22 +231,18 @@ def _q8_iteration_avx2(builder):
             w = [builder.sext(builder.load(builder.bitcast(builder.gep(r, [o]), vb.as_pointer()), align=1), vw)
                  for r in rows]
             ob = builder.mul(o, ir.Constant(o.type, 2))
-            for t in range(4):
+            for t in range(len(xs)):
                 xv = builder.load(builder.bitcast(builder.gep(xs[t], [ob]), vw.as_pointer()), align=2)
-                for rr in range(2):
+                for rr in range(len(rows)):
                     builder.store(builder.add(builder.load(accs[rr][t]), builder.call(maddwd, [w[rr], xv])), accs[rr][t])
     return iteration
 
 
-@intrinsic
-def _gemm_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
-    # q (d,n) i8, x16 (T4,n) i16 (T4 a multiple of 4) -> sums[r*T4 + t] (i32) = sum over columns j in
-    # k0..k0+STEP8*nvec of q[i0+r,j]*x16[t,j], r < nrows (even)
-    sig = types.void(q, x16, i0, nrows, k0, nvec, sums)
-
+def _i8_codegen(R, C):
     def codegen(context, builder, signature, args):
         if not HAVE_VNNI512:
-            return _gemm_2x4(context, builder, signature, args, 2, STEP8, _q8_iteration_avx2(builder), lanes=8)
+            return _gemm_2x4(context, builder, signature, args, 2, STEP8, _q8_iteration_avx2(builder), lanes=8,
+                             R=R, C=C)
         vb, vw = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 32)
         vd = ir.VectorType(ir.IntType(32), 16)
         dpwssd = _vnni(builder, "llvm.x86.avx512.vpdpwssd.512")
@@ -237,12 +251,25 @@ def _gemm_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
             w = [builder.bitcast(builder.sext(builder.load(builder.bitcast(builder.gep(r, [off]), vb.as_pointer()),
                                                            align=1), vw), vd) for r in rows]
             offb = builder.mul(off, ir.Constant(off.type, 2))
-            for t in range(4):
+            for t in range(len(xs)):
                 xv = builder.load(builder.bitcast(builder.gep(xs[t], [offb]), vd.as_pointer()), align=2)
-                for rr in range(2):
+                for rr in range(len(rows)):
                     builder.store(builder.call(dpwssd, [builder.load(accs[rr][t]), w[rr], xv]), accs[rr][t])
-        return _gemm_2x4(context, builder, signature, args, 2, STEP8, iteration)
-    return sig, codegen
+        return _gemm_2x4(context, builder, signature, args, 2, STEP8, iteration, R=R, C=C)
+    return codegen
+
+
+@intrinsic
+def _gemm_i8_i16(typingctx, q, x16, i0, nrows, k0, nvec, sums):
+    # q (d,n) i8, x16 (T4,n) i16 (T4 a multiple of 4) -> sums[r*T4 + t] (i32) = sum over columns j in
+    # k0..k0+STEP8*nvec of q[i0+r,j]*x16[t,j], r < nrows (even)
+    return types.void(q, x16, i0, nrows, k0, nvec, sums), _i8_codegen(2, 4)
+
+
+@intrinsic
+def _gemm_i8_i16_2(typingctx, q, x16, i0, nrows, k0, nvec, sums):
+    # _gemm_i8_i16 for two tokens (x16 (2,n)): 4 rows x 2 tokens a pass, nrows a multiple of 4
+    return types.void(q, x16, i0, nrows, k0, nvec, sums), _i8_codegen(4, 2)
 
 
 class _BFloat(ir.Type):
@@ -423,7 +450,8 @@ def _q4_groups(q, s, X, out, g0, g1):
     h = n // 2
     d = q.shape[0]
     G = d // s.shape[0]
-    T4 = (T + 3) // 4 * 4
+    two = T <= 2 and G % 4 == 0                 # the 4-row x 2-token kernel: no zero tokens multiplied
+    T4 = 2 if two else (T + 3) // 4 * 4
     nch = (h + Q4_CHUNK - 1) // Q4_CHUNK
     x8 = np.zeros((T4, n), np.int8)            # tokens T..T4 stay zero
     xs = np.empty(n, np.float32)
@@ -445,7 +473,10 @@ def _q4_groups(q, s, X, out, g0, g1):
             k0 = b * Q4_CHUNK
             k1 = min(h, k0 + Q4_CHUNK)
             nv = (k1 - k0) // STEP
-            _gemm_u4_i8(q, x8, g * G, G, k0, nv, h, sums)
+            if two:
+                _gemm_u4_i8_2(q, x8, g * G, G, k0, nv, h, sums)
+            else:
+                _gemm_u4_i8(q, x8, g * G, G, k0, nv, h, sums)
             if k0 + STEP * nv < k1:                            # a tail shorter than one step
                 for r in range(G):
                     row = q[g * G + r]
@@ -470,7 +501,8 @@ def _q8_groups(q, s, X, out, g0, g1):
     T, n = X.shape
     d = q.shape[0]
     G = d // s.shape[0]
-    T4 = (T + 3) // 4 * 4
+    two = T <= 2 and G % 4 == 0
+    T4 = 2 if two else (T + 3) // 4 * 4
     nch = (n + Q8_CHUNK - 1) // Q8_CHUNK
     x16 = np.zeros((T4, n), np.int16)          # tokens T..T4 stay zero
     xs = np.empty(n, np.float32)
@@ -491,7 +523,10 @@ def _q8_groups(q, s, X, out, g0, g1):
             k0 = b * Q8_CHUNK
             k1 = min(n, k0 + Q8_CHUNK)
             nv = (k1 - k0) // STEP8
-            _gemm_i8_i16(q, x16, g * G, G, k0, nv, sums)
+            if two:
+                _gemm_i8_i16_2(q, x16, g * G, G, k0, nv, sums)
+            else:
+                _gemm_i8_i16(q, x16, g * G, G, k0, nv, sums)
             if k0 + STEP8 * nv < k1:                           # a tail shorter than one step
                 for r in range(G):
                     row = q[g * G + r]
