@@ -14,25 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
-from numba.extending import overload
 
-from .gemm import _q4_groups, _q8_groups
+from .gemm import q_groups
 from .moe import silu_mul
 from .quant import _qmv_groups
 
 __all__ = ["experts_rows_q"]
-
-
-def _gemm_groups(q, s, X, out, g0, g1):
-    """Python stand-in (never called): the integer GEMM of rows of groups g0..g1, by q's dtype."""
-    raise NotImplementedError
-
-
-@overload(_gemm_groups, inline="always")
-def _gemm_groups_overload(q, s, X, out, g0, g1):
-    if q.dtype.bitwidth == 8 and q.dtype.signed:
-        return lambda q, s, X, out, g0, g1: _q8_groups(q, s, X, out, g0, g1)
-    return lambda q, s, X, out, g0, g1: _q4_groups(q, s, X, out, g0, g1)
 
 
 @njit(cache=True)
@@ -45,7 +32,7 @@ def _groups_of(q, s, X, out, lo, hi, part, nparts, xs, xi):
     if hi - lo == 1:
         _qmv_groups(q, s, X[lo], out[lo], xs, xi, g0, g1, np.float32(1.0), False)
     else:
-        _gemm_groups(q, s, X[lo:hi], out[lo:hi], g0, g1)
+        q_groups(q, s, X[lo:hi], out[lo:hi], g0, g1)
 
 
 @njit(cache=True, parallel=True)

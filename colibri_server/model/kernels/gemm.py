@@ -32,7 +32,8 @@ dequantizes 256-row tiles to f32 and calls sgemm; on bench-mixtral those GEMMs w
   prefill, one thread, alternating with the float path: q4 408-428 tok/s against 219-232, q8
   255-303 against 195-221.
 
-Token counts are padded to a multiple of 4 (1 to 2) with zero activations (their sums are 0 and are
+Token counts are padded to a multiple of 4 (one token to two, for the 2-token kernel) with zero
+activations (their sums are 0 and are
 not written out). Needs HAVE_AVX2 (bf16: HAVE_BF16_GEMM, avx512bf16); elsewhere kernels.matmul
 keeps the float path.
 """
@@ -73,7 +74,7 @@ def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes
     R rows i0+Rp.. (R = 2, or 4) and each block of C tokens (4, or 2), C*R accumulators of `lanes` lanes (zmm: 16,
     ymm: 8; i32, or f32 when `fp`) start at zero, `iteration(off, rows, xs, accs)` runs nvec times
     (off: the iteration's first column, relative to column k0; rows: the R rows' i8 pointers at k0,
-    q having `wbytes` per column; xs: the 4 tokens' i8 pointers at k0, x having `xbytes` per column), and each
+    q having `wbytes` per column; xs: the C tokens' i8 pointers at k0, x having `xbytes` per column), and each
     accumulator's lane sum goes to sums[r*T4 + t]. With `panel` (columns per panel), q is a panel
     array (nb, d, panel), k0 is 0 and the nvec iterations run through the panels in order: each
     panel's rows and x's columns of that panel, the accumulators carried across."""
@@ -104,14 +105,14 @@ def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes
     xbase = builder.bitcast(xa.data, i8.as_pointer())
     sums_p = builder.bitcast(sa.data, el.as_pointer())
     accs = [[cgutils.alloca_once_value(builder, ir.Constant(vd, None)) for _ in range(C)] for _ in range(R)]
-    two, four = ir.Constant(idx, R), ir.Constant(idx, C)
+    rstep, cstep = ir.Constant(idx, R), ir.Constant(idx, C)
     k0x = builder.mul(k0v, ir.Constant(idx, xbytes))
     k0w = builder.mul(k0v, ir.Constant(idx, wbytes))
-    with cgutils.for_range(builder, builder.sdiv(nrows_v, two)) as rp:
-        row0 = builder.gep(qbase, [builder.add(builder.mul(builder.add(i0v, builder.mul(rp.index, two)), qstride), k0w)])
+    with cgutils.for_range(builder, builder.sdiv(nrows_v, rstep)) as rp:
+        row0 = builder.gep(qbase, [builder.add(builder.mul(builder.add(i0v, builder.mul(rp.index, rstep)), qstride), k0w)])
         rows = [row0] + [builder.gep(row0, [builder.mul(qstride, ir.Constant(idx, r))]) for r in range(1, R)]
-        with cgutils.for_range(builder, builder.sdiv(T4, four)) as tb:
-            t0 = builder.mul(tb.index, four)
+        with cgutils.for_range(builder, builder.sdiv(T4, cstep)) as tb:
+            t0 = builder.mul(tb.index, cstep)
             xs = [builder.gep(xbase, [builder.add(builder.mul(builder.add(t0, ir.Constant(idx, t)), xstride), k0x)])
                   for t in range(C)]
             for row in accs:
@@ -133,7 +134,7 @@ def _gemm_2x4(context, builder, signature, args, xbytes, step, iteration, wbytes
                     prefetch_ahead(builder, rows, builder.mul(off, ir.Constant(idx, wbytes)), ahead=GEMM_AHEAD)
                     iteration(off, rows, xs, accs)
             for rr in range(R):
-                base = builder.mul(builder.add(builder.mul(rp.index, two), ir.Constant(idx, rr)), T4)
+                base = builder.mul(builder.add(builder.mul(rp.index, rstep), ir.Constant(idx, rr)), T4)
                 for t in range(C):
                     tot = reduce(builder.load(accs[rr][t]))
                     builder.store(tot, builder.gep(sums_p, [builder.add(base, builder.add(t0, ir.Constant(idx, t)))]))
@@ -542,6 +543,20 @@ def _q8_groups(q, s, X, out, g0, g1):
         for t in range(T):
             for r in range(G):
                 out[t, g * G + r] = facc[r, t]
+
+
+def q_groups(q, s, X, out, g0, g1):
+    """Python stand-in (never called): _q4_groups or _q8_groups by q's dtype (uint8 packed q4, int8 q8)."""
+    raise NotImplementedError
+
+
+@overload(q_groups, inline="always")
+def _q_groups_overload(q, s, X, out, g0, g1):
+    if q.dtype == types.int8:
+        return lambda q, s, X, out, g0, g1: _q8_groups(q, s, X, out, g0, g1)
+    if q.dtype == types.uint8:
+        return lambda q, s, X, out, g0, g1: _q4_groups(q, s, X, out, g0, g1)
+    return None
 
 
 @njit(cache=True)
