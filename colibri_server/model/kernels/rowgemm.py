@@ -180,7 +180,11 @@ def _make_tile(R, C, L, bf16):
     return tile
 
 
-_tiles = {bf16: _make_tile(TILE_R, TILE_C, LANES, bf16) for bf16 in (False, True)} if LANES else {}
+# one tile per group width c = 1..TILE_C: a step's expert gets ~B*top_k/E rows, and a group of fewer
+# than TILE_C rows runs the tile of its own width instead of padding it with a repeated row (5 rows cost
+# 4 + 1 columns of FMAs, not 4 + 4). A row's sums are the same FMA chain in every width: the same bits.
+_tiles = {(bf16, c): _make_tile(TILE_R, c, LANES, bf16) for bf16 in (False, True) for c in range(1, TILE_C + 1)} \
+    if LANES else {}
 
 
 def _tiled(P, X, out, r0, r1):
@@ -195,8 +199,10 @@ def _tiled_overload(P, X, out, r0, r1):
           and isinstance(X, types.Array) and X.dtype == types.float32)
     if not ok:
         return lambda P, X, out, r0, r1: r0
-    tile = _tiles[P.dtype == types.int16]
+    bf16 = P.dtype == types.int16
     R, C = TILE_R, TILE_C
+    assert C == 4, "the branches below are written for groups of up to 4 rows"
+    tile1, tile2, tile3, tile4 = (_tiles[(bf16, c)] for c in (1, 2, 3, 4))
 
     def impl(P, X, out, r0, r1):
         nb, d, Pw = P.shape
@@ -208,12 +214,28 @@ def _tiled_overload(P, X, out, r0, r1):
         i = r0
         while i + R <= r1:
             for t0 in range(0, T, C):
-                for c in range(C):                  # past the end the last row is read again, its sums dropped
-                    t[c] = min(t0 + c, T - 1)
-                s = tile(P, i, X, t)
-                for c in range(min(C, T - t0)):
+                n = min(C, T - t0)
+                for c in range(n):
+                    t[c] = t0 + c
+                if n == 4:
+                    s4 = tile4(P, i, X, t)
+                    for c in range(4):
+                        for r in range(R):
+                            out[t0 + c, i + r] = s4[r * 4 + c]
+                elif n == 3:
+                    s3 = tile3(P, i, X, t)
+                    for c in range(3):
+                        for r in range(R):
+                            out[t0 + c, i + r] = s3[r * 3 + c]
+                elif n == 2:
+                    s2 = tile2(P, i, X, t)
+                    for c in range(2):
+                        for r in range(R):
+                            out[t0 + c, i + r] = s2[r * 2 + c]
+                else:
+                    s1 = tile1(P, i, X, t)
                     for r in range(R):
-                        out[t0 + c, i + r] = s[r * C + c]
+                        out[t0, i + r] = s1[r]
             i += R
         return i
     return impl
