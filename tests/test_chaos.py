@@ -63,6 +63,7 @@ class Chaos:
         self.cfg.write_text("memory_limit = 0\n")
         self.model_of = {1: "a"}          # generation -> model it runs
         self.in_place = "a"               # the good model at the live path (or None: a bad file is there)
+        self.serving = "a"                # the model of the newest generation that came up
         self.results, self.errors, self.lock = [], [], threading.Lock()
         self.recoveries = []              # (fault, seconds until a fresh request was answered)
         self.probes = []                  # (token ids, generation) of those fresh requests
@@ -157,16 +158,18 @@ class Chaos:
         assert lr["ok"] is expect_ok, lr
         if lr["ok"]:
             self.model_of[lr["generation"]] = self.in_place
+            self.serving = self.in_place
 
     # -- faults
     def fault(self, name):
         s = self.s
         if name == "hup":
             self.reload(signal.SIGHUP)
-        elif name == "hup_swap":
-            self.reload(signal.SIGHUP, "b" if self.in_place == "a" else "a")
-        elif name == "usr1_swap":
-            self.reload(signal.SIGUSR1, "b" if self.in_place == "a" else "a")
+        elif name in ("hup_swap", "usr1_swap"):
+            # to the model the server is NOT serving: with a bad file in place (in_place None) the server
+            # still serves the last good one, and swapping "away from the file" picked that same model
+            # again (seed 1039000333: every swap landed on a, so b never served)
+            self.reload(signal.SIGHUP if name == "hup_swap" else signal.SIGUSR1, "b" if self.serving == "a" else "a")
         elif name in ("missing", "truncated", "corrupted"):
             self.put_bad(name)
             before = self.stats()
