@@ -395,7 +395,7 @@ def main():
             ll = statistics.median(r["tok_s"] for r in sel["llama-server"])
             co = statistics.median(r["tok_s"] for r in sel["colibri"])
             c0, l0 = sel["colibri"][-1], sel["llama-server"][-1]
-            print(f"| {prec} | {conc} | {ll} | {co} | {co / ll:.2f}x | {c0['ttft_p50_ms']}/{c0['ttft_p99_ms']} "
+            print(f"| {prec} | {conc} | {ll:.1f} | {co:.1f} | {co / ll:.2f}x | {c0['ttft_p50_ms']}/{c0['ttft_p99_ms']} "
                   f"({l0['ttft_p50_ms']}/{l0['ttft_p99_ms']}) | {c0['itl_p50_ms']}/{c0['itl_p99_ms']} "
                   f"({l0['itl_p50_ms']}/{l0['itl_p99_ms']}) |")
     if a.json:

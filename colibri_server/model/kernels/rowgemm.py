@@ -11,7 +11,8 @@ activations and one pass over the weights.
 With AVX-512 (or AVX2) and f16/bf16 weights whose panel width is whole vectors, the tile is
 LLVM IR instead (`_tile`): R weight rows x C rows of X (4 x 4 on zmm, 2 x 4 on ymm), R*C vector
 accumulators kept across all the panels of a row and reduced once per row, the R rows' weights
-read from memory once for every group of C rows of X (they stay in L1 for the next group), and
+read from memory once for every group of C rows of X (they stay in L1 for the next group; a last
+group of fewer rows runs the tile of its own width, C = 1..3), and
 asked for 4 KB ahead (kernels/prefetch: without it the tile read DRAM at a third of the matvec's rate).
 The Numba loop above reduces its 8 sums once per panel and ran at ~34 GFLOP/s on one core of the
 session-9 Xeon whatever T; the IR tile at 50-65 (bench-mixtral's shapes, T = 4..32; 4 x 4 was the
