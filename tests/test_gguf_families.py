@@ -1,7 +1,9 @@
 """GGUF import of the families llama.cpp writes beyond test_gguf_import's: deepseek2 (DeepSeek-V2/V3's latent
-attention: its k_b / v_b split, or the older attn_kv_b; interleaved rotary rows) and gpt-oss (sinks, biases,
-post_attention_norm, its fixed sliding pattern and SwiGLU constants). GGUFs written here with the `gguf`
-package the way llama.cpp's converter (conversion/deepseek.py, conversion/gpt_oss.py) writes them, imported
+attention: its k_b / v_b split, or the older attn_kv_b; interleaved rotary rows), gpt-oss (sinks, biases,
+post_attention_norm, its fixed sliding pattern and SwiGLU constants) and phimoe (Phi-3.5-MoE: the norms' and
+the head's biases, longrope as rope_factors_short / _long with one attention factor, sparsemixer's eps fixed).
+GGUFs written here with the `gguf` package the way llama.cpp's converter (conversion/deepseek.py,
+conversion/gpt_oss.py, conversion/phi.py) writes them, imported
 against the direct conversion of the same checkpoint: F32 within 1e-6, F16 to the f16 direct conversion,
 Q8_0 within a stated bound. Where llama.cpp's source is on the machine (tools/hf_to_gguf.py), its own
 converter's GGUFs are imported too and held to transformers' logits."""
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,7 +31,23 @@ Q = gguf.GGMLQuantizationType
 LLAMA_CPP = os.environ.get("LLAMA_CPP_SRC",
                            os.path.expanduser("~/anchor-data/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 HF_TO_GGUF = os.path.join(os.path.dirname(__file__), "..", "tools", "hf_to_gguf.py")
-OVERRIDES = {"gpt_oss": dict(swiglu_limit=7.0)}      # llama.cpp's gpt-oss fixes the clamp at 7 (not in the file)
+# Phi-MoE: a context of twice the original length (the long factors at the default context), the attention
+# factor llama.cpp's converter writes for that ratio (sqrt(1 + ln 2 / ln 64): the checkpoint's mscales do not
+# reach the file) as both mscales, and router_jitter_noise 0.01 (not in the file either: Phi-3.5-MoE's).
+PHI_ATT = math.sqrt(1 + math.log(128 / 64) / math.log(64))
+OVERRIDES = {"gpt_oss": dict(swiglu_limit=7.0),      # llama.cpp's gpt-oss fixes the clamp at 7 (not in the file)
+             "phimoe": dict(router_jitter_noise=0.01, max_position_embeddings=128,
+                            rope_parameters={**H.FAMILY_CONFIGS["phimoe"]["rope_parameters"],
+                                             "short_mscale": PHI_ATT, "long_mscale": PHI_ATT})}
+# what llama.cpp's converter needs in a copy of the checkpoint: V3's scoring function as the released V3 has it;
+# Phi-3.5-MoE's class as its released config.json spells it (the one llama.cpp registers), and a tokenizer class
+# its Phi-3 vocabulary reader takes as byte-level BPE (else it wants a sentencepiece tokenizer.model)
+LLAMA_CPP_EDITS = {"deepseek_v3": {"config.json": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}},
+                   "phimoe": {"config.json": {"architectures": ["PhiMoEForCausalLM"]},
+                              "tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer"}}}
+# the context the llama.cpp test runs: transformers 5 takes Phi-MoE's short factors (its rotary forward
+# recomputes them), which colibri takes within the original length
+LLAMA_CPP_CONTEXT = {"phimoe": 64}
 
 
 def _name(t, i=None, suffix="weight"):
@@ -186,9 +205,57 @@ def write_gpt_oss(hf_dir, path, qtype=Q.F32):
     _finish(w)
 
 
+def write_phimoe(hf_dir, path, qtype=Q.F32, expert_used=None, drop=()):
+    """llama.cpp's phimoe (Phi3MiniModel's metadata plus the expert counts): q/k rows as they are (NEOX rope),
+    the experts stacked (w1 gate, w3 up, w2 down), LayerNorm and head biases as *.bias, longrope as
+    rope_factors_long / rope_factors_short with rope.scaling.original_context_length and one attn_factor
+    (sqrt(1 + ln(context / original) / ln(original))); no key for router_jitter_noise or the mscales.
+    `expert_used` overrides expert_used_count, `drop` leaves tensors out (the named-error tests)."""
+    c = {**H.FAMILY_CONFIGS["phimoe"], **OVERRIDES["phimoe"]}
+    st = _load(hf_dir)
+    w, mat, f32 = _writer(path, "phimoe", c, qtype)
+    rp, hd = c["rope_parameters"], c["hidden_size"] // c["num_attention_heads"]
+    orig, ctx = rp["original_max_position_embeddings"], c["max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_rope_dimension_count(hd)
+    w.add_sliding_window(c.get("sliding_window") or 0)
+    w.add_expert_used_count(expert_used or c["num_experts_per_tok"])
+    w.add_expert_count(c["num_local_experts"])
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(ctx / orig) / math.log(orig)) if ctx > orig else 1.0)
+    out = {}
+    out[_name(T.ROPE_FACTORS_LONG)] = (f32, rp["long_factor"])
+    out[_name(T.ROPE_FACTORS_SHORT)] = (f32, rp["short_factor"])
+    out[_name(T.TOKEN_EMBD)] = (mat, st["model.embed_tokens.weight"])
+    for i in range(c["num_hidden_layers"]):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.block_sparse_moe."
+        out[_name(T.ATTN_NORM, i)] = (f32, st[p + "input_layernorm.weight"])
+        out[_name(T.ATTN_NORM, i, "bias")] = (f32, st[p + "input_layernorm.bias"])
+        for t, hf in ((T.ATTN_Q, "q_proj"), (T.ATTN_K, "k_proj"), (T.ATTN_V, "v_proj"), (T.ATTN_OUT, "o_proj")):
+            out[_name(t, i)] = (mat, st[a + hf + ".weight"])
+            out[_name(t, i, "bias")] = (f32, st[a + hf + ".bias"])
+        out[_name(T.FFN_NORM, i)] = (f32, st[p + "post_attention_layernorm.weight"])
+        out[_name(T.FFN_NORM, i, "bias")] = (f32, st[p + "post_attention_layernorm.bias"])
+        out[_name(T.FFN_GATE_INP, i)] = (f32, st[m + "gate.weight"])
+        for t, hf in ((T.FFN_GATE_EXP, "w1"), (T.FFN_UP_EXP, "w3"), (T.FFN_DOWN_EXP, "w2")):
+            out[_name(t, i)] = (mat, np.stack([st[f"{m}experts.{e}.{hf}.weight"] for e in range(c["num_local_experts"])]))
+    out[_name(T.OUTPUT_NORM)] = (f32, st["model.norm.weight"])
+    out[_name(T.OUTPUT_NORM, None, "bias")] = (f32, st["model.norm.bias"])
+    out[_name(T.OUTPUT)] = (mat, st["lm_head.weight"])
+    out[_name(T.OUTPUT, None, "bias")] = (f32, st["lm_head.bias"])
+    assert set(drop) <= set(out)
+    for n, (put, a) in out.items():
+        if n not in drop:
+            put(n, a)
+    _finish(w)
+
+
 def _write(arch, hf_dir, path, qtype, **kw):
     if arch == "gpt_oss":
         write_gpt_oss(hf_dir, path, qtype)
+    elif arch == "phimoe":
+        write_phimoe(hf_dir, path, qtype, **kw)
     else:
         write_deepseek2(hf_dir, path, arch, qtype, **kw)
 
@@ -210,7 +277,7 @@ def ckpt(tmp_path_factory):
     return get
 
 
-ARCHS = ["deepseek_v2", "deepseek_v3", "gpt_oss"]
+ARCHS = ["deepseek_v2", "deepseek_v3", "gpt_oss", "phimoe"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -231,7 +298,7 @@ def test_q8_0_gguf_imports_within_its_stated_error(ckpt, arch):
     _write(arch, d / "hf", d / "Q8_0.gguf", Q.Q8_0)
     cfg, report, _ = _import(d, "Q8_0", dtype="f32", quantize="none")
     assert report.source_types.get("Q8_0", 0) > 0 and max(report.errors.values()) == 0   # f32 holds Q8_0 exactly
-    assert cfg.arch == {"gpt_oss": "gpt_oss"}.get(arch, "deepseek2")
+    assert cfg.arch == {"gpt_oss": "gpt_oss", "phimoe": "phimoe"}.get(arch, "deepseek2")
     ref = Model.open(str(d / "Q8_0.colibri")).weights
     exact = Model.open(str(d / "direct-f32.colibri")).weights
     for name in ("wo", "w1"):       # Q8_0's own rounding of the checkpoint: under 1% relative RMS
@@ -263,30 +330,74 @@ def test_a_deepseek_gguf_with_an_unknown_gating_function_is_named(ckpt, tmp_path
     assert not (tmp_path / "bad.colibri").exists()
 
 
+def test_a_phimoe_gguf_reads_both_longrope_sets_and_the_model_llama_cpp_does_not_write(ckpt):
+    """Both factor sets from the file: the short ones within the original length, the long ones past it (each
+    context against the direct conversion at that context, and the two apart); one attention factor from
+    rope.scaling.attn_factor; LayerNorm, the biases and sparsemixer's eps (0.01) as the model defines them."""
+    d, _, _ = ckpt("phimoe")
+    write_phimoe(d / "hf", d / "rope.gguf", Q.F32)
+    cfg, _ = convert_gguf(str(d / "rope.gguf"), str(d / "rope.colibri"), "f32", progress=False, require_tokenizer=False)
+    rp = OVERRIDES["phimoe"]["rope_parameters"]
+    assert (cfg.norm, cfg.output_bias, cfg.qkv_bias, cfg.o_bias, cfg.sparsemixer_eps, cfg.top_k) == \
+        ("layer", True, True, True, 0.01, 2)
+    rs = cfg.rope_scaling
+    assert rs["rope_type"] == "longrope" and rs["original_max_position_embeddings"] == 64
+    np.testing.assert_array_equal(rs["short_factor"], np.float32(rp["short_factor"]))
+    np.testing.assert_array_equal(rs["long_factor"], np.float32(rp["long_factor"]))
+    assert rs["attention_factor"] == float(np.float32(PHI_ATT))
+    got = {n: Model.open(str(d / "rope.colibri"), context=n).logits(PROMPT) for n in (64, 128)}
+    for n in (64, 128):
+        ref = Model.open(str(d / "direct-f32.colibri"), context=n).logits(PROMPT)
+        assert np.abs(got[n] - ref).max() <= 1e-6 * np.abs(ref).max(), n
+    assert np.abs(got[64] - got[128]).max() > 0.05 * np.abs(got[64]).max()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(expert_used=4), "phimoe.expert_used_count = 4 is not supported"),
+    (dict(drop=("rope_factors_short.weight",)), "'rope_factors_short.weight' is missing"),
+    (dict(drop=("blk.1.ffn_norm.bias",)), "'blk.1.ffn_norm.bias' .for blk.1.ffn_norm_b. is missing"),
+])
+def test_a_phimoe_gguf_colibri_cannot_represent_is_named(ckpt, tmp_path, bad, match):
+    """Sparsemixer chooses exactly 2 experts; longrope needs both factor sets; LayerNorm needs its bias."""
+    from colibri_server.model.convert import ConvertError
+    d, _, _ = ckpt("phimoe")
+    write_phimoe(d / "hf", tmp_path / "bad.gguf", Q.F32, **bad)
+    with pytest.raises(ConvertError, match=match):
+        convert_gguf(str(tmp_path / "bad.gguf"), str(tmp_path / "bad.colibri"), progress=False, require_tokenizer=False)
+    assert not (tmp_path / "bad.colibri").exists()
+
+
 @pytest.mark.skipif(not os.path.isfile(os.path.join(LLAMA_CPP, "convert_hf_to_gguf.py")),
                     reason="llama.cpp's source is not on this machine (LLAMA_CPP_SRC)")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpps_own_gguf_imports_to_transformers(ckpt, arch, tmp_path):
-    """llama.cpp's convert_hf_to_gguf.py on the same checkpoint (config.json given V3's scoring_func, as the
-    released V3 has), imported: transformers' logits within 1e-4, and the same tensors as the writer above."""
+    """llama.cpp's convert_hf_to_gguf.py on the same checkpoint (the copy's json files given what the converter
+    needs, LLAMA_CPP_EDITS), imported: transformers' logits within 1e-4, and the same tensors (and for the
+    architecture's keys it writes, the same values) as the writer above."""
     d, hf, _ = ckpt(arch)
     src = tmp_path / "hf"
     src.mkdir()
     for f in os.listdir(d / "hf"):
         os.symlink(d / "hf" / f, src / f)
-    if arch == "deepseek_v3":
-        cfg = json.loads((d / "hf" / "config.json").read_text())
-        (src / "config.json").unlink()
-        (src / "config.json").write_text(json.dumps({**cfg, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}))
+    for f, edit in LLAMA_CPP_EDITS.get(arch, {}).items():
+        j = json.loads((d / "hf" / f).read_text())
+        (src / f).unlink()
+        (src / f).write_text(json.dumps({**j, **edit}))
     r = subprocess.run([sys.executable, HF_TO_GGUF, str(src), "--outfile", str(tmp_path / "llama.gguf"), "--outtype",
                         "f32"], capture_output=True, text=True, timeout=600, env={**os.environ, "LLAMA_CPP_SRC": LLAMA_CPP})
     assert r.returncode == 0, r.stderr[-3000:]
     convert_gguf(str(tmp_path / "llama.gguf"), str(tmp_path / "m.colibri"), "f32", progress=False)
     ref = H.hf_logits(hf, PROMPT)
-    assert np.abs(Model.open(str(tmp_path / "m.colibri")).logits(PROMPT) - ref).max() < 1e-4 * np.abs(ref).max()
+    got = Model.open(str(tmp_path / "m.colibri"), context=LLAMA_CPP_CONTEXT.get(arch)).logits(PROMPT)
+    assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max()
     _write(arch, d / "hf", tmp_path / "ours.gguf", Q.F32)
-    theirs = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "llama.gguf")).tensors}
-    ours = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(tmp_path / "ours.gguf")).tensors}
+    r_theirs, r_ours = gguf.GGUFReader(str(tmp_path / "llama.gguf")), gguf.GGUFReader(str(tmp_path / "ours.gguf"))
+    theirs = {t.name: np.asarray(t.data) for t in r_theirs.tensors}
+    ours = {t.name: np.asarray(t.data) for t in r_ours.tensors}
     assert set(ours) == set(theirs)
     for n in ours:
         np.testing.assert_array_equal(ours[n], theirs[n], err_msg=n)
+    g = r_ours.fields["general.architecture"].contents()        # every key the writer above writes, as theirs
+    their_keys = {k: f.contents() for k, f in r_theirs.fields.items() if k.startswith(g + ".")}
+    assert {k: f.contents() for k, f in r_ours.fields.items() if k.startswith(g + ".")} == \
+        {k: their_keys[k] for k in r_ours.fields if k in their_keys} and their_keys

@@ -121,3 +121,18 @@ def test_new_fields_get_named_errors(phi, tmp_path):
         bad = _patched(path, tmp_path / f"bad{i}.colibri", 1, **fields)
         with pytest.raises(fmt.BadRouting, match=msg):
             Model.open(str(bad))
+
+
+def test_the_released_class_name_converts_the_same(phi, tmp_path):
+    """Phi-3.5-MoE's own config.json names PhiMoEForCausalLM (its remote code), not transformers' Phimoe...:
+    a checkpoint so named converts to the same model."""
+    import json
+    import shutil
+    _, d = phi
+    shutil.copytree(d / "hf", tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["architectures"] = ["PhiMoEForCausalLM"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    convert(str(tmp_path / "hf"), str(tmp_path / "f32.colibri"), "f32", progress=False)
+    got = Model.open(str(tmp_path / "f32.colibri")).logits(PROMPT)
+    assert np.array_equal(got, Model.open(str(d / "f32.colibri")).logits(PROMPT))

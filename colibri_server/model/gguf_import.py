@@ -161,12 +161,34 @@ def config_from_gguf(kv: GgufKV, dtype: str):
     return family, checked_config(family.gguf_config(kv, kw), kv.path)
 
 
+def _factor_list(kv: GgufKV, gname: str) -> list:
+    """A rope factor tensor (1-D F32, one value per rotary pair) as a list of floats."""
+    t = kv.tensors[gname]
+    if _type_name(t) != "F32" or len(t.shape) != 1:
+        raise ConvertError(f"{kv.path}: tensor {gname!r} must be 1-D F32, found {_type_name(t)} "
+                           f"{[int(x) for x in t.shape]}")
+    return [float(v) for v in np.asarray(t.data, np.float32)]
+
+
 def _rope_scaling(kv: GgufKV) -> dict:
-    t = kv.tensors.get("rope_freqs.weight")
-    if t is not None:               # Llama 3's rope scaling, as llama.cpp stores it: a divisor per pair
-        if _type_name(t) != "F32" or len(t.shape) != 1:
-            raise ConvertError(f"{kv.path}: tensor 'rope_freqs.weight' must be 1-D F32, found {_type_name(t)}")
-        return {"rope_type": "factors", "factors": [float(v) for v in np.asarray(t.data, np.float32)]}
+    if "rope_freqs.weight" in kv.tensors:       # Llama 3's rope scaling, as llama.cpp stores it: a divisor per pair
+        return {"rope_type": "factors", "factors": _factor_list(kv, "rope_freqs.weight")}
+    pair = ("rope_factors_short.weight", "rope_factors_long.weight")
+    if any(n in kv.tensors for n in pair):
+        # longrope (Phi-3, Phi-3.5-MoE), as llama.cpp stores it: the short and the long divisors per pair, the
+        # long ones taken when the context passes rope.scaling.original_context_length (its default: the
+        # training context), and one attention factor for both (rope.scaling.attn_factor, default 1: its
+        # converter writes sqrt(1 + ln(context / original) / ln(original)); a checkpoint's short_mscale /
+        # long_mscale do not reach the file)
+        missing = [n for n in pair if n not in kv.tensors]
+        if missing:
+            raise ConvertError(f"{kv.path}: tensor {missing[0]!r} is missing: llama.cpp's longrope needs both "
+                               "rope_factors_short and rope_factors_long")
+        return {"rope_type": "longrope", "short_factor": _factor_list(kv, pair[0]),
+                "long_factor": _factor_list(kv, pair[1]),
+                "original_max_position_embeddings": kv.arch_int("rope.scaling.original_context_length",
+                                                                "context_length"),
+                "attention_factor": kv.arch_float("rope.scaling.attn_factor", 1.0)}
     rtype = kv.arch_value("rope.scaling.type", "none")
     if rtype in ("none", None):
         return {}
