@@ -236,13 +236,14 @@ def test_tied_embeddings_mixtral(tmp_path):
     assert np.abs(m.logits(PROMPT[:16]) - H.hf_logits(hf, PROMPT[:16])).max() < 1e-4
 
 
+# qwen2_moe / qwen3_moe / glm4_moe: the test configs' dense layers among MoE ones; glm4_moe: version-2 routing
 STEP_COVERED = [("mixtral", "f16"), ("mixtral", "bf16"), ("qwen3_moe", "f16"), ("olmoe", "bf16"),
-                ("mixtral", "q8"), ("olmoe", "q4"), ("qwen2_moe", "f16"), ("qwen2_moe", "q8"),
+                ("mixtral", "q8"), ("olmoe", "q4"), ("qwen2_moe", "f16"), ("qwen2_moe", "q8"), ("glm4_moe", "f16"),
                 ("llama", "f16"), ("qwen2", "bf16"), ("qwen3", "f16"), ("llama", "q8")]   # dense: every layer an MLP
 
 
 def _token_routes(ws, cfg, w, trace):
-    """The experts the last decode token chose: every MoE layer's (L,A) from a routing trace or the fused
+    """The experts the last decode token chose: every MoE layer's (n_moe,A) from a routing trace or the fused
     token (DecodeStep.routes); else the last layer's (1,A), what the one-call MoE leaves in route_idx."""
     n = sum(L.gate is not None for L in w.layers)
     if trace:
@@ -254,16 +255,13 @@ def _token_routes(ws, cfg, w, trace):
 @pytest.mark.parametrize("arch,dtype", STEP_COVERED)
 def test_decode_step_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtype):
     """A decode token of these models is one Numba call (decode_step.DecodeStep: Qwen3's per-head
-    and OLMoE's whole-projection q/k norms and clip, panels, rows, quantized pairs); a routing
-    trace keeps forward on its general path. Same kernels, same order: same bits, same experts."""
+    and OLMoE's whole-projection q/k norms and clip, dense layers among routed ones, GLM's version-2
+    routing, panels, rows, quantized pairs); a routing trace keeps forward on its general path. Same
+    kernels, same order: same bits, same experts."""
     from colibri_server.model.convert import convert
     from colibri_server.model.decode_step import DecodeStep
     from colibri_server.model.transformer import forward
-    if arch in ("qwen3_moe", "qwen2_moe"):          # the test configs' dense layers are not covered
-        hf_dir = str(tmp_path / "hf")
-        H.build_hf_model(arch, hf_dir, mlp_only_layers=[], decoder_sparse_step=1)
-    else:
-        hf_dir = built(arch).hf_dir
+    hf_dir = built(arch).hf_dir
     path = str(tmp_path / f"{dtype}.colibri")
     quant = dict(quantize=dtype, quant_group=32) if dtype in ("q8", "q4") else {}
     convert(hf_dir, path, "f16" if quant else dtype, progress=False, **quant)
@@ -296,7 +294,8 @@ def test_decode_step_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtyp
         assert trace                                               # the general path ran
     np.testing.assert_array_equal(fused, general)
     if cfg.num_experts:
-        assert fused_routes[0].shape == (cfg.num_layers, cfg.top_k)    # every layer's experts, both paths
+        n_moe = sum(L.gate is not None for L in w.layers)
+        assert fused_routes[0].shape == (n_moe, cfg.top_k)            # every MoE layer's experts, both paths
         for a, b in zip(fused_routes, general_routes):
             np.testing.assert_array_equal(a, b)
     with pytest.raises(IndexError, match="token id out of range"):
@@ -339,10 +338,10 @@ def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, t
 
 
 def test_decode_step_declines_what_it_does_not_compute(built):
-    """f32 weights (forward multiplies them with BLAS) and dense layers (the qwen2_moe test config's layers 0
-    and 2, the qwen3_moe one's layer 1) keep the general path: build() gives None, forward still decodes."""
+    """f32 weights (forward multiplies them with BLAS), latent attention (DeepSeek) and Phi-MoE's LayerNorm and
+    sparsemixer keep the general path: build() gives None, forward still decodes."""
     from colibri_server.model.decode_step import DecodeStep
-    for path in (built("mixtral").colibri("f32"), built("qwen2_moe").colibri("f16"), built("qwen3_moe").colibri("f16")):
+    for path in (built("mixtral").colibri("f32"), built("deepseek_v2").colibri("f16"), built("phimoe").colibri("f16")):
         m = Model.open(path)
         assert DecodeStep.build(m.config, m.weights, m.workspace) is None
         cache = m.new_cache()

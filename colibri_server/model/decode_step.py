@@ -7,12 +7,13 @@ the whole token in one call is 2-5% faster per token, with the same logits bit f
 
 DecodeStep owns the argument tuples, built once per (weights, workspace): each per-layer
 weight as a tuple over the layers, absent q/k norms as empty arrays. It covers the models
-whose every piece the fused kernel computes with forward's own kernels: MoE in every layer with
-version-1 routing (Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE with its q/k/v biases and gated shared
-expert), or a dense MLP in every layer (Llama, Qwen2, Qwen3), weights in f16/bf16 (rows or panels) or
-quantized. Anything else (f32 weights, which forward sends through BLAS; dense layers among MoE ones;
-version-2 routing; latent attention; GPT-OSS's sinks and biased
-experts; Phi-MoE's LayerNorm and sparsemixer) gets None from `build`, and forward keeps its general path.
+whose every piece the fused kernel computes with forward's own kernels: routed layers with version-1
+routing (Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE with its q/k/v biases and gated shared expert) or
+version-2 routing (GLM-4.5: sigmoid, correction bias, groups, routed scale, ungated shared expert), dense
+MLP layers among them (Qwen2-MoE's mlp_only_layers, GLM's first_k_dense_replace) or in every layer
+(Llama, Qwen2, Qwen3), weights in f16/bf16 (rows or panels) or quantized. Anything else (f32 weights,
+which forward sends through BLAS; latent attention; GPT-OSS's sinks and biased experts; Phi-MoE's
+LayerNorm and sparsemixer) gets None from `build`, and forward keeps its general path.
 
 With threads > 1 (a workspace of several scratch rows) every matrix's rows, q|k|v, wo, the
 experts and the head, are split over Numba threads inside the one call, and attention's kv
@@ -52,14 +53,16 @@ def _uniform(items):
 class DecodeStep:
     """One decode token of a model, fused; build() says whether this model is covered."""
 
-    def __init__(self, cfg, ws, args):
+    def __init__(self, cfg, ws, args, moe_layers):
         self.cfg, self.ws, self.args = cfg, ws, args
         H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qd, kvd = cfg.q_dim, cfg.kv_dim
         E, A, S = cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size
         qkv = ws.qkv[:1]
         self.ids = np.zeros(1, np.int64)
-        self.routes = np.zeros((cfg.num_layers, A), np.int32)         # (L,A): the experts of the last token
+        # the layers that route (dense ones among them do not) and the experts each chose for the last token
+        self.moe_layers = np.asarray(moe_layers, np.int64)
+        self.routes = np.zeros((len(moe_layers), A), np.int32)       # (n_moe,A)
         self.views = (ws.x[:1], ws.h[:1], ws.sub[:1], qkv, qkv[0, :qd].reshape(1, H, hd),
                       qkv[0, qd:qd + kvd].reshape(1, Hkv, hd), qkv[0, qd + kvd:].reshape(1, Hkv, hd),
                       ws.attn[:1].reshape(1, H, hd), ws.router[:1, :E], self.routes, ws.route_w[:1, :A],
@@ -77,11 +80,13 @@ class DecodeStep:
             return None                                    # Phi-MoE's LayerNorm, head bias, sparsemixer
         if any(L.sinks.size or L.gate_b is not None or L.b1 is not None for L in Ls):
             return None                                    # GPT-OSS's sinks, router and expert biases
-        dense = all(L.gate is None and L.mlp_w1 is not None for L in Ls)      # Llama, Qwen2, Qwen3
-        if not dense and any(L.gate is None or L.w1 is None or L.rule is not None for L in Ls):
-            return None                                    # dense layers among MoE ones, version-2 routing
-        if len({(L.top_k, L.renorm, L.bq is None, L.bo is None, L.shared_w1 is None, L.shared_gate is None)
-                for L in Ls}) != 1:
+        moe = [L for L in Ls if L.gate is not None]                      # routed layers
+        mlps = [L for L in Ls if L.gate is None]                         # dense layers (Llama's every one)
+        if any(L.w1 is None for L in moe) or any(L.mlp_w1 is None for L in mlps):
+            return None
+        if len({L.rule is None for L in moe}) > 1 or len({(L.bq is None, L.bo is None) for L in Ls}) != 1:
+            return None
+        if len({(L.top_k, L.renorm, L.shared_w1 is None, L.shared_gate is None) for L in moe}) > 1:
             return None
 
         def qkv(L):
@@ -95,40 +100,56 @@ class DecodeStep:
         def opt(a):
             return _NONE if a is None else a
 
-        ffn = ("mlp_w1", "mlp_w3", "mlp_w2") if dense else ("w1", "w3", "w2")
         per_layer = [
             [L.attn_norm for L in Ls], [qkv(L) for L in Ls], [_weight(L.wo) for L in Ls],
             [opt(L.q_norm) for L in Ls], [opt(L.k_norm) for L in Ls], [L.ffn_norm for L in Ls],
-            *([_weight(getattr(L, n)) for L in Ls] for n in ffn)]
+            *([_weight(getattr(L, n)) for L in moe] for n in ("w1", "w3", "w2")),
+            *([_weight(getattr(L, n)) for L in mlps] for n in ("mlp_w1", "mlp_w3", "mlp_w2"))]
         if any(x is None for col in per_layer for x in col):
             return None
-        tuples = [_uniform(col) for col in per_layer]
+        anorm, wqkv, wo, qnorm, knorm, fnorm = tuples = [_uniform(col) for col in per_layer[:6]]
+        # each kind's tuples over its own layers; a kind the model lacks gets placeholders of a type its code
+        # compiles with, never read (no MoE: gate None, the MoE branch is not compiled)
+        w1, w3, w2 = (_uniform(col) for col in per_layer[6:9]) if moe else per_layer[9:12]
+        mw1, mw3, mw2 = (_uniform(col) for col in per_layer[9:12]) if mlps else ((wo[0],),) * 3 if wo else (None,) * 3
         wout = _weight(w.output)
-        if any(t is None for t in tuples) or wout is None:
+        if any(t is None for t in (*tuples, w1, w3, w2, mw1, mw3, mw2)) or wout is None:
             return None
-        anorm, wqkv, wo, qnorm, knorm, fnorm, w1, w3, w2 = tuples
-        gate = None if dense else _uniform(L.gate for L in Ls)    # None: decode_token's _ffn runs the MLP
+        w1, w3, w2 = (tuple(t) for t in (w1, w3, w2))
+        gate = _uniform(L.gate for L in moe) if moe else None           # None: decode_token runs only MLPs
+        rule = _uniform(opt(L.rule) for L in moe) if moe else (_NONE,)
+        cbias = _uniform(opt(L.corr_bias) for L in moe) if moe else (_NONE,)
+        if moe and (gate is None or rule is None or cbias is None):
+            return None
+        ffn_of = np.zeros(len(Ls), np.int64)                            # >= 0: MoE layer index; < 0: -1 - MLP index
+        m = d = 0
+        for i, L in enumerate(Ls):
+            if L.gate is not None:
+                ffn_of[i], m = m, m + 1
+            else:
+                ffn_of[i], d = -1 - d, d + 1
         qk_mode = {"none": 0, "full": 1, "head": 2}.get(cfg.qk_norm)
         if qk_mode is None:
             return None
         # Qwen2-MoE: q|k|v biases as one vector, the output bias, the shared expert and its gate
         bqkv = _uniform(_NONE if L.bq is None else np.concatenate([L.bq, L.bk, L.bv]) for L in Ls)
         bo = _uniform(opt(L.bo) for L in Ls)
-        has_shared = Ls[0].shared_w1 is not None
+        has_shared = bool(moe) and moe[0].shared_w1 is not None
         if has_shared:
-            cols = [[_weight(getattr(L, n)) for L in Ls] for n in ("shared_w1", "shared_w3", "shared_w2")]
+            cols = [[_weight(getattr(L, n)) for L in moe] for n in ("shared_w1", "shared_w3", "shared_w2")]
             if any(W is None for col in cols for W in col):
                 return None
             shared = [_uniform(col) for col in cols]
-            sgate = _uniform(_NONE if L.shared_gate is None else L.shared_gate[0] for L in Ls)
+            sgate = _uniform(_NONE if L.shared_gate is None else L.shared_gate[0] for L in moe)
         else:                                              # never read: any matrices of a uniform type
             shared, sgate = [wo, wo, wo], _uniform(_NONE for _ in Ls)
         if any(t is None for t in (bqkv, bo, sgate, *shared)):
             return None
-        args = (w.token_embd, anorm, wqkv, wo, qnorm, knorm, qk_mode,
-                np.float32(cfg.clip_qkv or 0.0), fnorm, gate, w1, w3, w2, bqkv, bo, *shared, sgate, has_shared,
-                Ls[0].top_k, Ls[0].renorm, cfg.rms_norm_eps)
-        return cls(cfg, ws, (args, w.output_norm, wout))
+        top_k, renorm = (moe[0].top_k, moe[0].renorm) if moe else (Ls[0].top_k, Ls[0].renorm)
+        args = (w.token_embd, anorm, wqkv, wo, qnorm, knorm, qk_mode, np.float32(cfg.clip_qkv or 0.0), fnorm,
+                ffn_of, gate, rule, cbias, w1, w3, w2, mw1, mw3, mw2, bqkv, bo, *shared, sgate, has_shared,
+                top_k, renorm, cfg.rms_norm_eps)
+        return cls(cfg, ws, (args, w.output_norm, wout), [i for i, L in enumerate(Ls) if L.gate is not None])
 
     def _call_args(self, rope, k, v, table, start, scores) -> tuple:
         layers, onorm, wout = self.args

@@ -64,7 +64,8 @@ class BatchEngine:
         self.states = {}                                              # rid -> SeqState
         self.faults = []                                              # [(rid, NumericalFault)] of the last step
         self.expert_counts = np.zeros((cfg.num_layers, max(1, cfg.num_experts)), np.int64)   # (L,E) choices
-        self._layer_rows = np.arange(cfg.num_layers)[:, None]
+        # the routing layers of the fused one-sequence token, (n_moe,1): its routes row j is their j-th's experts
+        self._moe_rows = self.single.moe_layers[:, None] if self.single is not None else None
         self.steps = 0
         self.prefill_rows = 0                                         # prompt positions computed (recomputations too)
         self.rows_total = 0
@@ -131,7 +132,7 @@ class BatchEngine:
                     and (m.noise is None or m.noise.scale <= 0):
                 logits = self.single.paged(m.rope, self.pool, rows.tables[0], int(rows.pos[0]), int(rows.tokens[0]),
                                            self.scores)
-                self.expert_counts[self._layer_rows, self.single.routes] += 1   # (L,A): a layer's experts differ
+                self.expert_counts[self._moe_rows, self.single.routes] += 1    # (n_moe,A): a layer's experts differ
             else:
                 logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, out, noise=m.noise,
                                        expert_counts=self.expert_counts)

@@ -20,7 +20,8 @@ from numba.extending import overload
 from .attn import attend
 from .paged import _attend_row, _put_row
 from .dense import _matvec_core, embed, matvec_stack, rmsnorm, rope
-from .moe import _matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, matvec_qkv_par, route, shared_gate_scale
+from .moe import (_matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, matvec_qkv_par, route, route_rule,
+                  shared_gate_scale)
 from .quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
 
 __all__ = ["decode_token", "moe_float", "moe_quant", "rope_cache_attend"]
@@ -177,33 +178,60 @@ def _expert_overload(w1, w3, w2, e, x, weight, h1, h3, out, xs, xi):
 def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
     # out (D,) = sum over the top_k routed experts of their weight * SwiGLU of x; the router's
     # (E,D) f32 gate on the calling thread
+    _routed(gate, x[:0], x[:0], w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi)
+
+
+@njit(cache=True)
+def _routed(gate, rule, cbias, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+    # _experts under a version-2 routing rule when rule (4,) is given (kernels/moe.route_rule, cbias (E,) or
+    # size 0), else version 1's softmax top-k (rule size 0): moe()'s kernels and order at T == 1
     _matvec_core(gate, x, logits[0], np.float32(1.0), False)
-    route(logits, top_k, renorm, idx, wts)
+    if rule.shape[0] > 0:
+        route_rule(logits, top_k, rule, cbias, idx, wts)
+    else:
+        route(logits, top_k, renorm, idx, wts)
     out[:] = 0.0
     for a in range(top_k):
         _expert(w1, w3, w2, idx[0, a], x, wts[0, a], h1, h3, out, xs, xi)
 
 
-def _ffn(gate, l, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3, out, xs, xi):
+@njit(cache=True)
+def _mlp(w1, w3, w2, x, m1, m3, out, xs, xi):
+    # a dense layer's SwiGLU MLP of x (D,) -> out (D,) = w2 @ (silu(w1 @ x) * (w3 @ x)), through m1, m3 (F,)
+    _proj(w1, x, m1, xs, xi)
+    _proj(w3, x, m3, xs, xi)
+    _silu_mul_1d(m1, m3)
+    _proj(w2, m1, out, xs, xi)
+
+
+def _ffn(gate, j, rule, cbias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3, out,
+         xs, xi):
     pass
 
 
 @overload(_ffn)
-def _ffn_overload(gate, l, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3, out, xs, xi):
-    # layer l's feed-forward of x (D,) -> out (D,): the routed experts (gate: the layers' routers), or with
-    # gate None (a model whose every layer is dense) its SwiGLU MLP w2 @ (silu(w1 @ x) * (w3 @ x)) through
-    # m1, m3 (F,): moe.swiglu's kernels and order
+def _ffn_overload(gate, j, rule, cbias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3,
+                  out, xs, xi):
+    # a layer's feed-forward of x (D,) -> out (D,). j >= 0: the j-th MoE layer's routed experts (gate, rule, cbias,
+    # w1, w3, w2: tuples over the MoE layers); j < 0: the (-1-j)-th dense layer's SwiGLU MLP w2 @ (silu(w1 @ x) *
+    # (w3 @ x)) (mw1, mw3, mw2: tuples over the dense layers) through m1, m3 (F,), moe.swiglu's kernels and order.
+    # gate None: a model whose every layer is dense (the MoE branch is not compiled)
     if isinstance(gate, types.NoneType):
-        def mlp(gate, l, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3, out, xs, xi):
-            _proj(w1, x, m1, xs, xi)
-            _proj(w3, x, m3, xs, xi)
-            _silu_mul_1d(m1, m3)
-            _proj(w2, m1, out, xs, xi)
-        return mlp
+        def dense(gate, j, rule, cbias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3,
+                  out, xs, xi):
+            i = -1 - j
+            _mlp(mw1[i], mw3[i], mw2[i], x, m1, m3, out, xs, xi)
+        return dense
 
-    def experts(gate, l, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3, out, xs, xi):
-        _experts(gate[l], w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi)
-    return experts
+    def either(gate, j, rule, cbias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3,
+               out, xs, xi):
+        if j < 0:
+            i = -1 - j
+            _mlp(mw1[i], mw3[i], mw2[i], x, m1, m3, out, xs, xi)
+        else:
+            _routed(gate[j], rule[j], cbias[j], w1[j], w3[j], w2[j], x, top_k, renorm, logits, idx[j:j + 1], wts, h1,
+                    h3, out, xs, xi)
+    return either
 
 
 @njit(cache=True, inline="always")
@@ -225,8 +253,8 @@ def _clip(a, c):
 
 
 @njit(cache=True)
-def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, gate, w1, w3, w2,
-                 bqkv, bo, sw1, sw3, sw2, sgate, has_shared,
+def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, ffn_of, gate, rule, cbias, w1, w3, w2,
+                 mw1, mw3, mw2, bqkv, bo, sw1, sw3, sw2, sgate, has_shared,
                  top_k, renorm, eps, kcache, vcache, table, start, cos, sin, window, scale, onorm, wout,
                  x, h, sub, qkv, q3, k3, v3, attn3, logits_e, idx, wts, h1, h3, sh1, sh3, sout, m1, m3, xs, xi,
                  scores, pos, logits):
@@ -234,11 +262,15 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
     # kernels and order of transformer.forward's T == 1 path. Per-layer weights are tuples over the
     # layers (anorm..w2, one type each; no biases); qnorm/knorm size 0 when absent; qk_mode 0 none, 1 over the
     # whole projection, 2 per head; clip 0 off. x, h, sub (1,D), qkv (1,qd+2kvd) with q3 (1,H,hd),
-    # k3, v3 (1,Hkv,hd) its views; attn3 (1,H,hd); logits_e (1,E), wts (1,k) the routing, idx (L,k) the
-    # experts each layer chose (kept for the caller's routing counts). Qwen2-MoE: bqkv (qd+2kvd,) and bo (D,)
-    # per layer (size 0: none), its shared expert sw1/sw3/sw2 with the gate sgate (D,) (size 0: ungated),
-    # has_shared False: none (sw* then hold other matrices, never read); sh1, sh3 (S,), sout (D,) its scratch.
-    # A dense model (every layer a dense MLP: Llama, Qwen2, Qwen3): gate None, w1/w3/w2 the MLPs', m1, m3 (F,).
+    # k3, v3 (1,Hkv,hd) its views; attn3 (1,H,hd); logits_e (1,E), wts (1,k) the routing, idx (n_moe,k) the
+    # experts each MoE layer chose (kept for the caller's routing counts). ffn_of (L,) int64: layer l's
+    # feed-forward is the ffn_of[l]-th MoE layer's (gate (E,D) f32, rule (4,) f32 and cbias (E,) of version-2
+    # routing or size 0, expert stacks w1/w3/w2: tuples over the MoE layers) or, when negative, the
+    # (-1-ffn_of[l])-th dense layer's MLP (mw1/mw3/mw2: tuples over the dense layers, through m1, m3 (F,)):
+    # DeepSeek/GLM/Qwen2-MoE dense layers among MoE ones. Qwen2-MoE: bqkv (qd+2kvd,) and bo (D,) per layer
+    # (size 0: none); the MoE layers' shared expert sw1/sw3/sw2 (tuples over the MoE layers) with the gate sgate
+    # (D,) (size 0: ungated), has_shared False: none (sw* then hold other matrices, never read); sh1, sh3 (S,),
+    # sout (D,) its scratch. A dense model (every layer an MLP: Llama, Qwen2, Qwen3): gate None.
     # kcache/vcache: (L,Hkv,S,hd) (table unused) or a paged pool (L,NB,Hkv,BS,hd) with the table.
     embed(emb, ids, x)
     pos[0] = start
@@ -266,15 +298,16 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
             _add(sub[0], bo[l])
         _add(x[0], sub[0])
         rmsnorm(x, fnorm[l], eps, h)
-        _ffn(gate, l, w1[l], w3[l], w2[l], h[0], top_k, renorm, logits_e, idx[l:l + 1], wts, h1, h3, m1, m3, sub[0],
-             xs, xi)
-        if has_shared:                     # moe._shared_expert: swiglu, then the gate's sigmoid, then added
-            _proj(sw1[l], h[0], sh1, xs, xi)
-            _proj(sw3[l], h[0], sh3, xs, xi)
+        j = ffn_of[l]
+        _ffn(gate, j, rule, cbias, w1, w3, w2, mw1, mw3, mw2, h[0], top_k, renorm, logits_e, idx, wts, h1, h3, m1, m3,
+             sub[0], xs, xi)
+        if has_shared and j >= 0:          # moe._shared_expert: swiglu, then the gate's sigmoid, then added
+            _proj(sw1[j], h[0], sh1, xs, xi)
+            _proj(sw3[j], h[0], sh3, xs, xi)
             _silu_mul_1d(sh1, sh3)
-            _proj(sw2[l], sh1, sout, xs, xi)
-            if sgate[l].shape[0] > 0:
-                gs = shared_gate_scale(h[0], sgate[l])
+            _proj(sw2[j], sh1, sout, xs, xi)
+            if sgate[j].shape[0] > 0:
+                gs = shared_gate_scale(h[0], sgate[j])
                 for j in range(sout.shape[0]):
                     sout[j] *= gs
             _add(sub[0], sout)
