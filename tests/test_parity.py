@@ -236,9 +236,11 @@ def test_tied_embeddings_mixtral(tmp_path):
     assert np.abs(m.logits(PROMPT[:16]) - H.hf_logits(hf, PROMPT[:16])).max() < 1e-4
 
 
-# qwen2_moe / qwen3_moe / glm4_moe: the test configs' dense layers among MoE ones; glm4_moe: version-2 routing
+# qwen2_moe / qwen3_moe / glm4_moe: the test configs' dense layers among MoE ones; glm4_moe: version-2 routing;
+# phimoe: LayerNorms with biases, the head's bias, sparsemixer
 STEP_COVERED = [("mixtral", "f16"), ("mixtral", "bf16"), ("qwen3_moe", "f16"), ("olmoe", "bf16"),
                 ("mixtral", "q8"), ("olmoe", "q4"), ("qwen2_moe", "f16"), ("qwen2_moe", "q8"), ("glm4_moe", "f16"),
+                ("phimoe", "f16"),
                 ("llama", "f16"), ("qwen2", "bf16"), ("qwen3", "f16"), ("llama", "q8")]   # dense: every layer an MLP
 
 
@@ -338,10 +340,10 @@ def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, t
 
 
 def test_decode_step_declines_what_it_does_not_compute(built):
-    """f32 weights (forward multiplies them with BLAS), latent attention (DeepSeek) and Phi-MoE's LayerNorm and
-    sparsemixer keep the general path: build() gives None, forward still decodes."""
+    """f32 weights (forward multiplies them with BLAS), latent attention (DeepSeek) and GPT-OSS's sinks, windows and
+    biased experts keep the general path: build() gives None, forward still decodes."""
     from colibri_server.model.decode_step import DecodeStep
-    for path in (built("mixtral").colibri("f32"), built("deepseek_v2").colibri("f16"), built("phimoe").colibri("f16")):
+    for path in (built("mixtral").colibri("f32"), built("deepseek_v2").colibri("f16"), built("gpt_oss").colibri("f16")):
         m = Model.open(path)
         assert DecodeStep.build(m.config, m.weights, m.workspace) is None
         cache = m.new_cache()

@@ -9,11 +9,12 @@ DecodeStep owns the argument tuples, built once per (weights, workspace): each p
 weight as a tuple over the layers, absent q/k norms as empty arrays. It covers the models
 whose every piece the fused kernel computes with forward's own kernels: routed layers with version-1
 routing (Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE with its q/k/v biases and gated shared expert) or
-version-2 routing (GLM-4.5: sigmoid, correction bias, groups, routed scale, ungated shared expert), dense
-MLP layers among them (Qwen2-MoE's mlp_only_layers, GLM's first_k_dense_replace) or in every layer
-(Llama, Qwen2, Qwen3), weights in f16/bf16 (rows or panels) or quantized. Anything else (f32 weights,
-which forward sends through BLAS; latent attention; GPT-OSS's sinks and biased experts; Phi-MoE's
-LayerNorm and sparsemixer) gets None from `build`, and forward keeps its general path.
+version-2 routing (GLM-4.5: sigmoid, correction bias, groups, routed scale, ungated shared expert) or
+Phi-MoE's sparsemixer (with its LayerNorms' and head's biases), dense MLP layers among them (Qwen2-MoE's
+mlp_only_layers, GLM's first_k_dense_replace) or in every layer (Llama, Qwen2, Qwen3), weights in
+f16/bf16 (rows or panels) or quantized. Anything else (f32 weights, which forward sends through BLAS;
+latent attention; GPT-OSS's sinks, per-layer windows and biased experts) gets None from `build`, and
+forward keeps its general path.
 
 With threads > 1 (a workspace of several scratch rows) every matrix's rows, q|k|v, wo, the
 experts and the head, are split over Numba threads inside the one call, and attention's kv
@@ -76,8 +77,6 @@ class DecodeStep:
         Ls = w.layers
         if not Ls or cfg.mla or cfg.sliding_layers:          # latent attention (mla.py), per-layer windows
             return None
-        if cfg.norm != "rms" or w.output_b is not None or any(L.sparsemixer for L in Ls):
-            return None                                    # Phi-MoE's LayerNorm, head bias, sparsemixer
         if any(L.sinks.size or L.gate_b is not None or L.b1 is not None for L in Ls):
             return None                                    # GPT-OSS's sinks, router and expert biases
         moe = [L for L in Ls if L.gate is not None]                      # routed layers
@@ -86,7 +85,7 @@ class DecodeStep:
             return None
         if len({L.rule is None for L in moe}) > 1 or len({(L.bq is None, L.bo is None) for L in Ls}) != 1:
             return None
-        if len({(L.top_k, L.renorm, L.shared_w1 is None, L.shared_gate is None) for L in moe}) > 1:
+        if len({(L.top_k, L.renorm, L.shared_w1 is None, L.shared_gate is None, L.sparsemixer) for L in moe}) > 1:
             return None
 
         def qkv(L):
@@ -103,15 +102,16 @@ class DecodeStep:
         per_layer = [
             [L.attn_norm for L in Ls], [qkv(L) for L in Ls], [_weight(L.wo) for L in Ls],
             [opt(L.q_norm) for L in Ls], [opt(L.k_norm) for L in Ls], [L.ffn_norm for L in Ls],
+            [opt(L.attn_norm_b) for L in Ls], [opt(L.ffn_norm_b) for L in Ls],
             *([_weight(getattr(L, n)) for L in moe] for n in ("w1", "w3", "w2")),
             *([_weight(getattr(L, n)) for L in mlps] for n in ("mlp_w1", "mlp_w3", "mlp_w2"))]
         if any(x is None for col in per_layer for x in col):
             return None
-        anorm, wqkv, wo, qnorm, knorm, fnorm = tuples = [_uniform(col) for col in per_layer[:6]]
+        anorm, wqkv, wo, qnorm, knorm, fnorm, anorm_b, fnorm_b = tuples = [_uniform(col) for col in per_layer[:8]]
         # each kind's tuples over its own layers; a kind the model lacks gets placeholders of a type its code
         # compiles with, never read (no MoE: gate None, the MoE branch is not compiled)
-        w1, w3, w2 = (_uniform(col) for col in per_layer[6:9]) if moe else per_layer[9:12]
-        mw1, mw3, mw2 = (_uniform(col) for col in per_layer[9:12]) if mlps else ((wo[0],),) * 3 if wo else (None,) * 3
+        w1, w3, w2 = (_uniform(col) for col in per_layer[8:11]) if moe else per_layer[11:14]
+        mw1, mw3, mw2 = (_uniform(col) for col in per_layer[11:14]) if mlps else ((wo[0],),) * 3 if wo else (None,) * 3
         wout = _weight(w.output)
         if any(t is None for t in (*tuples, w1, w3, w2, mw1, mw3, mw2)) or wout is None:
             return None
@@ -146,15 +146,17 @@ class DecodeStep:
         if any(t is None for t in (bqkv, bo, sgate, *shared)):
             return None
         top_k, renorm = (moe[0].top_k, moe[0].renorm) if moe else (Ls[0].top_k, Ls[0].renorm)
-        args = (w.token_embd, anorm, wqkv, wo, qnorm, knorm, qk_mode, np.float32(cfg.clip_qkv or 0.0), fnorm,
-                ffn_of, gate, rule, cbias, w1, w3, w2, mw1, mw3, mw2, bqkv, bo, *shared, sgate, has_shared,
-                top_k, renorm, cfg.rms_norm_eps)
-        return cls(cfg, ws, (args, w.output_norm, wout), [i for i, L in enumerate(Ls) if L.gate is not None])
+        sparse = np.float32(moe[0].sparsemixer if moe else 0.0)          # Phi-MoE's sparsemixer eps
+        args = (w.token_embd, anorm, anorm_b, wqkv, wo, qnorm, knorm, qk_mode, np.float32(cfg.clip_qkv or 0.0), fnorm,
+                fnorm_b, ffn_of, gate, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, bqkv, bo, *shared, sgate,
+                has_shared, top_k, renorm, cfg.rms_norm_eps)
+        head = (w.output_norm, opt(w.output_norm_b), wout, opt(w.output_b))
+        return cls(cfg, ws, (args, head), [i for i, L in enumerate(Ls) if L.gate is not None])
 
     def _call_args(self, rope, k, v, table, start, scores) -> tuple:
-        layers, onorm, wout = self.args
+        layers, head = self.args
         return (self.ids, *layers, k, v, table, start, rope[0], rope[1], self.cfg.sliding_window,
-                self.scale, onorm, wout, *self.views, scores, self.ws.positions[:1], self.ws.logits)
+                self.scale, *head, *self.views, scores, self.ws.positions[:1], self.ws.logits)
 
     def __call__(self, rope, cache, token: int, scores) -> np.ndarray:
         """Token `token` at position cache.length (forward has checked that the cache has room;

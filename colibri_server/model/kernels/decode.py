@@ -19,9 +19,9 @@ from numba.extending import overload
 
 from .attn import attend
 from .paged import _attend_row, _put_row
-from .dense import _matvec_core, embed, matvec_stack, rmsnorm, rope
+from .dense import _matvec_core, embed, layernorm, matvec_stack, rmsnorm, rope
 from .moe import (_matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, matvec_qkv_par, route, route_rule,
-                  shared_gate_scale)
+                  route_sparsemixer, shared_gate_scale)
 from .quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
 
 __all__ = ["decode_token", "moe_float", "moe_quant", "rope_cache_attend"]
@@ -178,15 +178,19 @@ def _expert_overload(w1, w3, w2, e, x, weight, h1, h3, out, xs, xi):
 def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
     # out (D,) = sum over the top_k routed experts of their weight * SwiGLU of x; the router's
     # (E,D) f32 gate on the calling thread
-    _routed(gate, x[:0], x[:0], w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi)
+    _routed(gate, x[:0], x[:0], np.float32(0.0), w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs,
+            xi)
 
 
 @njit(cache=True)
-def _routed(gate, rule, cbias, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
-    # _experts under a version-2 routing rule when rule (4,) is given (kernels/moe.route_rule, cbias (E,) or
-    # size 0), else version 1's softmax top-k (rule size 0): moe()'s kernels and order at T == 1
+def _routed(gate, rule, cbias, sparse, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+    # _experts under Phi-MoE's sparsemixer when sparse (its eps) > 0, a version-2 routing rule when rule (4,) is
+    # given (kernels/moe.route_rule, cbias (E,) or size 0), else version 1's softmax top-k: moe()'s kernels and
+    # order at T == 1
     _matvec_core(gate, x, logits[0], np.float32(1.0), False)
-    if rule.shape[0] > 0:
+    if sparse > 0:
+        route_sparsemixer(logits, sparse, idx, wts)
+    elif rule.shape[0] > 0:
         route_rule(logits, top_k, rule, cbias, idx, wts)
     else:
         route(logits, top_k, renorm, idx, wts)
@@ -204,34 +208,43 @@ def _mlp(w1, w3, w2, x, m1, m3, out, xs, xi):
     _proj(w2, m1, out, xs, xi)
 
 
-def _ffn(gate, j, rule, cbias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3, out,
-         xs, xi):
+def _ffn(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1,
+         m3, out, xs, xi):
     pass
 
 
 @overload(_ffn)
-def _ffn_overload(gate, j, rule, cbias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3,
-                  out, xs, xi):
+def _ffn_overload(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3,
+                  m1, m3, out, xs, xi):
     # a layer's feed-forward of x (D,) -> out (D,). j >= 0: the j-th MoE layer's routed experts (gate, rule, cbias,
     # w1, w3, w2: tuples over the MoE layers); j < 0: the (-1-j)-th dense layer's SwiGLU MLP w2 @ (silu(w1 @ x) *
     # (w3 @ x)) (mw1, mw3, mw2: tuples over the dense layers) through m1, m3 (F,), moe.swiglu's kernels and order.
     # gate None: a model whose every layer is dense (the MoE branch is not compiled)
     if isinstance(gate, types.NoneType):
-        def dense(gate, j, rule, cbias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3,
-                  out, xs, xi):
+        def dense(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3,
+                  m1, m3, out, xs, xi):
             i = -1 - j
             _mlp(mw1[i], mw3[i], mw2[i], x, m1, m3, out, xs, xi)
         return dense
 
-    def either(gate, j, rule, cbias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1, m3,
-               out, xs, xi):
+    def either(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3,
+               m1, m3, out, xs, xi):
         if j < 0:
             i = -1 - j
             _mlp(mw1[i], mw3[i], mw2[i], x, m1, m3, out, xs, xi)
         else:
-            _routed(gate[j], rule[j], cbias[j], w1[j], w3[j], w2[j], x, top_k, renorm, logits, idx[j:j + 1], wts, h1,
-                    h3, out, xs, xi)
+            _routed(gate[j], rule[j], cbias[j], sparse, w1[j], w3[j], w2[j], x, top_k, renorm, logits, idx[j:j + 1],
+                    wts, h1, h3, out, xs, xi)
     return either
+
+
+@njit(cache=True, inline="always")
+def _norm(x, w, b, eps, out):
+    # transformer.norm: LayerNorm where the model has its bias b (Phi-MoE), else RMSNorm (b size 0)
+    if b.shape[0] > 0:
+        layernorm(x, w, b, eps, out)
+    else:
+        rmsnorm(x, w, eps, out)
 
 
 @njit(cache=True, inline="always")
@@ -253,9 +266,9 @@ def _clip(a, c):
 
 
 @njit(cache=True)
-def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, ffn_of, gate, rule, cbias, w1, w3, w2,
-                 mw1, mw3, mw2, bqkv, bo, sw1, sw3, sw2, sgate, has_shared,
-                 top_k, renorm, eps, kcache, vcache, table, start, cos, sin, window, scale, onorm, wout,
+def decode_token(ids, emb, anorm, anorm_b, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, fnorm_b, ffn_of, gate, rule,
+                 cbias, sparse, w1, w3, w2, mw1, mw3, mw2, bqkv, bo, sw1, sw3, sw2, sgate, has_shared,
+                 top_k, renorm, eps, kcache, vcache, table, start, cos, sin, window, scale, onorm, onorm_b, wout, wout_b,
                  x, h, sub, qkv, q3, k3, v3, attn3, logits_e, idx, wts, h1, h3, sh1, sh3, sout, m1, m3, xs, xi,
                  scores, pos, logits):
     # One token ids (1,) at position `start` through every layer and the head -> logits (1,V), the
@@ -270,7 +283,9 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
     # DeepSeek/GLM/Qwen2-MoE dense layers among MoE ones. Qwen2-MoE: bqkv (qd+2kvd,) and bo (D,) per layer
     # (size 0: none); the MoE layers' shared expert sw1/sw3/sw2 (tuples over the MoE layers) with the gate sgate
     # (D,) (size 0: ungated), has_shared False: none (sw* then hold other matrices, never read); sh1, sh3 (S,),
-    # sout (D,) its scratch. A dense model (every layer an MLP: Llama, Qwen2, Qwen3): gate None.
+    # sout (D,) its scratch. A dense model (every layer an MLP: Llama, Qwen2, Qwen3): gate None. Phi-MoE:
+    # anorm_b, fnorm_b (tuples over the layers), onorm_b the LayerNorms' biases (size 0: RMSNorm), wout_b the
+    # head's bias (size 0: none), sparse sparsemixer's eps (0: another routing).
     # kcache/vcache: (L,Hkv,S,hd) (table unused) or a paged pool (L,NB,Hkv,BS,hd) with the table.
     embed(emb, ids, x)
     pos[0] = start
@@ -278,7 +293,7 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
     Hkv = k3.shape[1]
     q, k, v = q3.reshape(H * hd), k3.reshape(Hkv * hd), v3.reshape(Hkv * hd)
     for l in range(len(wo)):
-        rmsnorm(x, anorm[l], eps, h)
+        _norm(x, anorm[l], anorm_b[l], eps, h)
         _qkv(wqkv[l], h[0], qkv[0], xs, xi)
         if bqkv[l].shape[0] > 0:
             _add(qkv[0], bqkv[l])
@@ -297,10 +312,10 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
         if bo[l].shape[0] > 0:
             _add(sub[0], bo[l])
         _add(x[0], sub[0])
-        rmsnorm(x, fnorm[l], eps, h)
+        _norm(x, fnorm[l], fnorm_b[l], eps, h)
         j = ffn_of[l]
-        _ffn(gate, j, rule, cbias, w1, w3, w2, mw1, mw3, mw2, h[0], top_k, renorm, logits_e, idx, wts, h1, h3, m1, m3,
-             sub[0], xs, xi)
+        _ffn(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, h[0], top_k, renorm, logits_e, idx, wts, h1, h3,
+             m1, m3, sub[0], xs, xi)
         if has_shared and j >= 0:          # moe._shared_expert: swiglu, then the gate's sigmoid, then added
             _proj(sw1[j], h[0], sh1, xs, xi)
             _proj(sw3[j], h[0], sh3, xs, xi)
@@ -312,5 +327,7 @@ def decode_token(ids, emb, anorm, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, 
                     sout[j] *= gs
             _add(sub[0], sout)
         _add(x[0], sub[0])
-    rmsnorm(x, onorm, eps, h)
+    _norm(x, onorm, onorm_b, eps, h)
     _proj(wout, h[0], logits[0], xs, xi)
+    if wout_b.shape[0] > 0:                # Phi-MoE's head bias
+        _add(logits[0], wout_b)
