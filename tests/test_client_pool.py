@@ -57,13 +57,17 @@ class Pair:
 
     def kill_now(self, n) -> list:
         """SIGKILL the master, router and workers of n at once (its process group's members: the
-        harness starts the server in the test's own group, so the tree is killed, not the group)."""
+        harness starts the server in the test's own group, so the tree is killed, not the group). All are
+        stopped first: killed one after another, the router outlived its master by long enough on a loaded
+        machine to end its streams as a master's death asks (shutting_down), where a machine that dies
+        leaves its clients with connection_lost."""
         procs = [psutil.Process(self.s[n].pid)] + psutil.Process(self.s[n].pid).children(recursive=True)
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for p in procs:
+                try:
+                    p.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
         return procs
 
     def reap(self, n, procs):
