@@ -304,13 +304,14 @@ def test_decode_step_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtyp
         m.decode(m.new_cache(), cfg.vocab_size)
 
 
-@pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("olmoe", "q8"), ("qwen2_moe", "f16"),
+@pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("olmoe", "q8"), ("qwen2_moe", "f16"), ("glm4_moe", "f16"),
                                         pytest.param("mixtral", "q4", marks=pytest.mark.slow)])   # 63 s cold
 def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, tmp_path, arch, dtype):
     """threads_per_worker 2: the fused token splits every matrix's rows (q|k|v in one region, wo,
     the experts, the head) over Numba threads inside its one call. Each row is computed as on one
     thread, so the logits are the one-thread token's bit for bit, and the general path's on threads
-    (a routing trace) too. q4 files keep k and v in q8: q|k|v mixes the two there."""
+    (a routing trace) too. q4 files keep k and v in q8: q|k|v mixes the two there. glm4_moe: a dense
+    layer among routed ones and version-2 routing on threads."""
     from colibri_server.model.convert import convert
     from colibri_server.model.decode_step import DecodeStep
     from colibri_server.model.transformer import forward
