@@ -79,7 +79,8 @@ class DecodeStep:
             return None
         if any(L.sinks.size or L.gate_b is not None or L.b1 is not None for L in Ls):
             return None                                    # GPT-OSS's sinks, router and expert biases
-        moe = [L for L in Ls if L.gate is not None]                      # routed layers
+        routed = [i for i, L in enumerate(Ls) if L.gate is not None]
+        moe = [Ls[i] for i in routed]                                    # routed layers
         mlps = [L for L in Ls if L.gate is None]                         # dense layers (Llama's every one)
         if any(L.w1 is None for L in moe) or any(L.mlp_w1 is None for L in mlps):
             return None
@@ -107,15 +108,18 @@ class DecodeStep:
             *([_weight(getattr(L, n)) for L in mlps] for n in ("mlp_w1", "mlp_w3", "mlp_w2"))]
         if any(x is None for col in per_layer for x in col):
             return None
-        anorm, wqkv, wo, qnorm, knorm, fnorm, anorm_b, fnorm_b = tuples = [_uniform(col) for col in per_layer[:8]]
-        # each kind's tuples over its own layers; a kind the model lacks gets placeholders of a type its code
-        # compiles with, never read (no MoE: gate None, the MoE branch is not compiled)
-        w1, w3, w2 = (_uniform(col) for col in per_layer[8:11]) if moe else per_layer[11:14]
-        mw1, mw3, mw2 = (_uniform(col) for col in per_layer[11:14]) if mlps else ((wo[0],),) * 3 if wo else (None,) * 3
+        tuples = [_uniform(col) for col in per_layer[:8]]
         wout = _weight(w.output)
-        if any(t is None for t in (*tuples, w1, w3, w2, mw1, mw3, mw2)) or wout is None:
+        if any(t is None for t in tuples) or wout is None:
             return None
-        w1, w3, w2 = (tuple(t) for t in (w1, w3, w2))
+        anorm, wqkv, wo, qnorm, knorm, fnorm, anorm_b, fnorm_b = tuples
+        # each kind's tuples over its own layers; a kind the model lacks gets a placeholder of a type its code
+        # compiles with, never read (no MoE: gate None, the MoE branch is not compiled)
+        never = (wo[0],)
+        w1, w3, w2 = (_uniform(col) for col in per_layer[8:11]) if moe else (never,) * 3
+        mw1, mw3, mw2 = (_uniform(col) for col in per_layer[11:14]) if mlps else (never,) * 3
+        if any(t is None for t in (w1, w3, w2, mw1, mw3, mw2)):
+            return None
         gate = _uniform(L.gate for L in moe) if moe else None           # None: decode_token runs only MLPs
         rule = _uniform(opt(L.rule) for L in moe) if moe else (_NONE,)
         cbias = _uniform(opt(L.corr_bias) for L in moe) if moe else (_NONE,)
@@ -151,7 +155,7 @@ class DecodeStep:
                 fnorm_b, ffn_of, gate, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, bqkv, bo, *shared, sgate,
                 has_shared, top_k, renorm, cfg.rms_norm_eps)
         head = (w.output_norm, opt(w.output_norm_b), wout, opt(w.output_b))
-        return cls(cfg, ws, (args, head), [i for i, L in enumerate(Ls) if L.gate is not None])
+        return cls(cfg, ws, (args, head), routed)
 
     def _call_args(self, rope, k, v, table, start, scores) -> tuple:
         layers, head = self.args

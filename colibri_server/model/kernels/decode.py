@@ -323,8 +323,8 @@ def decode_token(ids, emb, anorm, anorm_b, wqkv, wo, qnorm, knorm, qk_mode, clip
             _proj(sw2[j], sh1, sout, xs, xi)
             if sgate[j].shape[0] > 0:
                 gs = shared_gate_scale(h[0], sgate[j])
-                for j in range(sout.shape[0]):
-                    sout[j] *= gs
+                for c in range(sout.shape[0]):
+                    sout[c] *= gs
             _add(sub[0], sout)
         _add(x[0], sub[0])
     _norm(x, onorm, onorm_b, eps, h)

@@ -188,6 +188,14 @@ _tiles = {(bf16, c): _make_tile(TILE_R, c, LANES, bf16) for bf16 in (False, True
     if LANES else {}
 
 
+@njit(cache=True, inline="always")
+def _put(out, s, t0, i, n, R):
+    # a tile's R*n sums (r-major) into out[t0:t0+n, i:i+R]
+    for c in range(n):
+        for r in range(R):
+            out[t0 + c, i + r] = s[r * n + c]
+
+
 def _tiled(P, X, out, r0, r1):
     """Python stand-in (never called): Numba picks the overload below by the types."""
     raise NotImplementedError
@@ -219,24 +227,13 @@ def _tiled_overload(P, X, out, r0, r1):
                 for c in range(n):
                     t[c] = t0 + c
                 if n == 4:
-                    s4 = tile4(P, i, X, t)
-                    for c in range(4):
-                        for r in range(R):
-                            out[t0 + c, i + r] = s4[r * 4 + c]
+                    _put(out, tile4(P, i, X, t), t0, i, 4, R)
                 elif n == 3:
-                    s3 = tile3(P, i, X, t)
-                    for c in range(3):
-                        for r in range(R):
-                            out[t0 + c, i + r] = s3[r * 3 + c]
+                    _put(out, tile3(P, i, X, t), t0, i, 3, R)
                 elif n == 2:
-                    s2 = tile2(P, i, X, t)
-                    for c in range(2):
-                        for r in range(R):
-                            out[t0 + c, i + r] = s2[r * 2 + c]
+                    _put(out, tile2(P, i, X, t), t0, i, 2, R)
                 else:
-                    s1 = tile1(P, i, X, t)
-                    for r in range(R):
-                        out[t0, i + r] = s1[r]
+                    _put(out, tile1(P, i, X, t), t0, i, 1, R)
             i += R
         return i
     return impl
