@@ -237,10 +237,13 @@ def test_tied_embeddings_mixtral(tmp_path):
 
 
 # qwen2_moe / qwen3_moe / glm4_moe: the test configs' dense layers among MoE ones; glm4_moe: version-2 routing;
-# phimoe: LayerNorms with biases, the head's bias, sparsemixer
+# phimoe: LayerNorms with biases, the head's bias, sparsemixer; deepseek_v2/v3: latent attention (v2 without a
+# query rank, v3 with one), a dense first layer; gpt_oss: sinks, sliding and full layers, q|k|v|o biases, the
+# router's bias, biased experts with the clamped SwiGLU
 STEP_COVERED = [("mixtral", "f16"), ("mixtral", "bf16"), ("qwen3_moe", "f16"), ("olmoe", "bf16"),
                 ("mixtral", "q8"), ("olmoe", "q4"), ("qwen2_moe", "f16"), ("qwen2_moe", "q8"), ("glm4_moe", "f16"),
-                ("phimoe", "f16"),
+                ("phimoe", "f16"), ("deepseek_v2", "f16"), ("deepseek_v3", "bf16"), ("deepseek_v3", "q8"),
+                ("gpt_oss", "f16"), ("gpt_oss", "q4"),
                 ("llama", "f16"), ("qwen2", "bf16"), ("qwen3", "f16"), ("llama", "q8")]   # dense: every layer an MLP
 
 
@@ -305,13 +308,15 @@ def test_decode_step_is_the_general_path_bit_for_bit(built, tmp_path, arch, dtyp
 
 
 @pytest.mark.parametrize("arch,dtype", [("mixtral", "f16"), ("olmoe", "q8"), ("qwen2_moe", "f16"), ("glm4_moe", "f16"),
+                                        ("deepseek_v3", "f16"), ("gpt_oss", "q8"),
                                         pytest.param("mixtral", "q4", marks=pytest.mark.slow)])   # 63 s cold
 def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, tmp_path, arch, dtype):
     """threads_per_worker 2: the fused token splits every matrix's rows (q|k|v in one region, wo,
     the experts, the head) over Numba threads inside its one call. Each row is computed as on one
     thread, so the logits are the one-thread token's bit for bit, and the general path's on threads
     (a routing trace) too. q4 files keep k and v in q8: q|k|v mixes the two there. glm4_moe: a dense
-    layer among routed ones and version-2 routing on threads."""
+    layer among routed ones and version-2 routing on threads; deepseek_v3: latent attention's per-head products on
+    threads; gpt_oss: its biased experts, one matrix at a time split over the threads as forward's ws.mm does."""
     from colibri_server.model.convert import convert
     from colibri_server.model.decode_step import DecodeStep
     from colibri_server.model.transformer import forward
@@ -341,10 +346,10 @@ def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, t
 
 
 def test_decode_step_declines_what_it_does_not_compute(built):
-    """f32 weights (forward multiplies them with BLAS), latent attention (DeepSeek) and GPT-OSS's sinks, windows and
-    biased experts keep the general path: build() gives None, forward still decodes."""
+    """f32 weights (forward multiplies them with BLAS, the fused kernels do not) keep the general path, whatever the
+    family: build() gives None, forward still decodes."""
     from colibri_server.model.decode_step import DecodeStep
-    for path in (built("mixtral").colibri("f32"), built("deepseek_v2").colibri("f16"), built("gpt_oss").colibri("f16")):
+    for path in (built("mixtral").colibri("f32"), built("deepseek_v2").colibri("f32"), built("gpt_oss").colibri("f32")):
         m = Model.open(path)
         assert DecodeStep.build(m.config, m.weights, m.workspace) is None
         cache = m.new_cache()

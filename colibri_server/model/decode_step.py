@@ -27,6 +27,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from . import mla as MLA
 from .kernels import decode as KD
 from .panels import kernel_array
 from .rope import attention_scale
@@ -45,6 +46,10 @@ def _weight(W):
     return None if a.dtype == np.float32 else a
 
 
+def _opt(a):
+    return _NONE if a is None else a
+
+
 def _uniform(items):
     """items as a tuple Numba indexes at run time (one type for all layers), else None."""
     t = tuple(items)
@@ -56,38 +61,40 @@ class DecodeStep:
 
     def __init__(self, cfg, ws, args, moe_layers):
         self.cfg, self.ws, self.args = cfg, ws, args
-        H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qd, kvd = cfg.q_dim, cfg.kv_dim
         E, A, S = cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size
-        qkv = ws.qkv[:1]
         self.ids = np.zeros(1, np.int64)
         # the layers that route (dense ones among them do not) and the experts each chose for the last token
         self.moe_layers = np.asarray(moe_layers, np.int64)
         self.routes = np.zeros((len(moe_layers), A), np.int32)       # (n_moe,A)
-        self.views = (ws.x[:1], ws.h[:1], ws.sub[:1], qkv, qkv[0, :qd].reshape(1, H, hd),
-                      qkv[0, qd:qd + kvd].reshape(1, Hkv, hd), qkv[0, qd + kvd:].reshape(1, Hkv, hd),
-                      ws.attn[:1].reshape(1, H, hd), ws.router[:1, :E], self.routes, ws.route_w[:1, :A],
-                      ws.h1, ws.h3, ws.ffn_g[0, :S], ws.ffn_u[0, :S], ws.shared_out[0],
+        self.views = (ws.x[:1], ws.h[:1], ws.sub[:1], ws.router[:1, :E], self.routes, ws.route_w[:1, :A],
+                      ws.h1, ws.h3, ws.expert_out[0], ws.ffn_g[0, :S], ws.ffn_u[0, :S], ws.shared_out[0],
                       ws.ffn_g[0, :cfg.intermediate_size], ws.ffn_u[0, :cfg.intermediate_size],
                       *((ws.xs[0], ws.xi[0]) if ws.threads == 1 else (ws.xs, ws.xi)))
         self.scale = attention_scale(cfg)
 
-    @classmethod
-    def build(cls, cfg, w, ws) -> "DecodeStep | None":
-        Ls = w.layers
-        if not Ls or cfg.mla or cfg.sliding_layers:          # latent attention (mla.py), per-layer windows
-            return None
-        if any(L.sinks.size or L.gate_b is not None or L.b1 is not None for L in Ls):
-            return None                                    # GPT-OSS's sinks, router and expert biases
-        routed = [i for i, L in enumerate(Ls) if L.gate is not None]
-        moe = [Ls[i] for i in routed]                                    # routed layers
-        mlps = [L for L in Ls if L.gate is None]                         # dense layers (Llama's every one)
-        if any(L.w1 is None for L in moe) or any(L.mlp_w1 is None for L in mlps):
-            return None
-        if len({L.rule is None for L in moe}) > 1 or len({(L.bq is None, L.bo is None) for L in Ls}) != 1:
-            return None
-        if len({(L.top_k, L.renorm, L.shared_w1 is None, L.shared_gate is None, L.sparsemixer) for L in moe}) > 1:
-            return None
+    @staticmethod
+    def _attention(cfg, Ls, ws):
+        """The kernel's `attn` tuple (kernels/decode._attention): the layers' attention weights as tuples over
+        the layers and the workspace's scratch for them; None where not covered."""
+        if cfg.mla:                                        # latent attention (mla.py)
+            H, r, dr, nope = cfg.num_heads, cfg.kv_lora_rank, cfg.head_dim, cfg.qk_nope_head_dim
+            has_qa = Ls[0].q_a is not None
+            if any((L.q_a is not None) != has_qa for L in Ls):
+                return None
+            cols = [[_weight(L.wq) for L in Ls], [_weight(L.kv_a) for L in Ls]]
+            if has_qa:
+                cols.append([_weight(L.q_a) for L in Ls])
+            if any(W is None for col in cols for W in col):
+                return None
+            wq, kv_a = (_uniform(col) for col in cols[:2])
+            q_a = _uniform(cols[2]) if has_qa else wq             # never read without a query rank
+            q_a_norm = _uniform(L.q_a_norm if has_qa else _NONE for L in Ls)
+            kv_a_norm, k_up, v_up = (_uniform(getattr(L, n) for L in Ls) for n in ("kv_a_norm", "k_up", "v_up"))
+            if any(t is None for t in (wq, kv_a, q_a, q_a_norm, kv_a_norm, k_up, v_up)):
+                return None
+            ql = ws.q_lora[:1] if has_qa else ws.q[:1, :0]
+            return (q_a, q_a_norm, wq, kv_a, kv_a_norm, k_up, v_up, nope, MLA.LATENT_NORM_EPS, ws.q[:1], ql,
+                    ws.k[:1], ws.q_latent[:1], ws.latent_out[:1], ws.attn[:1])
 
         def qkv(L):
             if L.wqkv is not None:
@@ -97,34 +104,77 @@ class DecodeStep:
             ws_ = tuple(_weight(W) for W in (L.wq, L.wk, L.wv))
             return ws_ if all(isinstance(p, tuple) for p in ws_) else None
 
-        def opt(a):
-            return _NONE if a is None else a
+        if len({L.bq is None for L in Ls}) != 1:
+            return None
+        qk_mode = {"none": 0, "full": 1, "head": 2}.get(cfg.qk_norm)
+        wqkv = [qkv(L) for L in Ls]
+        if qk_mode is None or any(W is None for W in wqkv):
+            return None
+        wqkv, qnorm, knorm = _uniform(wqkv), _uniform(_opt(L.q_norm) for L in Ls), _uniform(_opt(L.k_norm) for L in Ls)
+        # Qwen2-MoE's and GPT-OSS's q|k|v biases as one vector
+        bqkv = _uniform(_NONE if L.bq is None else np.concatenate([L.bq, L.bk, L.bv]) for L in Ls)
+        if any(t is None for t in (wqkv, qnorm, knorm, bqkv)):
+            return None
+        H, Hkv, hd, qd, kvd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_dim, cfg.kv_dim
+        qkv_ = ws.qkv[:1]
+        return (wqkv, bqkv, qnorm, knorm, qk_mode, np.float32(cfg.clip_qkv or 0.0), qkv_,
+                qkv_[0, :qd].reshape(1, H, hd), qkv_[0, qd:qd + kvd].reshape(1, Hkv, hd),
+                qkv_[0, qd + kvd:].reshape(1, Hkv, hd), ws.attn[:1].reshape(1, H, hd))
 
+    @classmethod
+    def build(cls, cfg, w, ws) -> "DecodeStep | None":
+        Ls = w.layers
+        if not Ls:
+            return None
+        routed = [i for i, L in enumerate(Ls) if L.gate is not None]
+        moe = [Ls[i] for i in routed]                                    # routed layers
+        mlps = [L for L in Ls if L.gate is None]                         # dense layers (Llama's every one)
+        if any(L.w1 is None for L in moe) or any(L.mlp_w1 is None for L in mlps):
+            return None
+        if len({L.rule is None for L in moe}) > 1 or len({L.bo is None for L in Ls}) != 1:
+            return None
+        if len({(L.top_k, L.renorm, L.shared_w1 is None, L.shared_gate is None, L.sparsemixer, L.b1 is None,
+                 L.gate_b is None, L.swiglu) for L in moe}) > 1:
+            return None
+        biased = bool(moe) and moe[0].b1 is not None                      # GPT-OSS
+        if biased and (moe[0].gate_b is None or moe[0].rule is not None or moe[0].sparsemixer
+                       or moe[0].b2 is None or moe[0].shared_w1 is not None):
+            return None
+        if moe and not biased and moe[0].gate_b is not None:
+            return None
+        attn = cls._attention(cfg, Ls, ws)
+        if attn is None:
+            return None
         per_layer = [
-            [L.attn_norm for L in Ls], [qkv(L) for L in Ls], [_weight(L.wo) for L in Ls],
-            [opt(L.q_norm) for L in Ls], [opt(L.k_norm) for L in Ls], [L.ffn_norm for L in Ls],
-            [opt(L.attn_norm_b) for L in Ls], [opt(L.ffn_norm_b) for L in Ls],
+            [L.attn_norm for L in Ls], [_weight(L.wo) for L in Ls], [L.ffn_norm for L in Ls],
+            [_opt(L.attn_norm_b) for L in Ls], [_opt(L.ffn_norm_b) for L in Ls], [_opt(L.bo) for L in Ls],
+            [L.sinks for L in Ls],
             *([_weight(getattr(L, n)) for L in moe] for n in ("w1", "w3", "w2")),
             *([_weight(getattr(L, n)) for L in mlps] for n in ("mlp_w1", "mlp_w3", "mlp_w2"))]
         if any(x is None for col in per_layer for x in col):
             return None
-        tuples = [_uniform(col) for col in per_layer[:8]]
+        tuples = [_uniform(col) for col in per_layer[:7]]
         wout = _weight(w.output)
         if any(t is None for t in tuples) or wout is None:
             return None
-        anorm, wqkv, wo, qnorm, knorm, fnorm, anorm_b, fnorm_b = tuples
+        anorm, wo, fnorm, anorm_b, fnorm_b, bo, sinks = tuples
         # each kind's tuples over its own layers; a kind the model lacks gets a placeholder of a type its code
         # compiles with, never read (no MoE: gate None, the MoE branch is not compiled)
         never = (wo[0],)
-        w1, w3, w2 = (_uniform(col) for col in per_layer[8:11]) if moe else (never,) * 3
-        mw1, mw3, mw2 = (_uniform(col) for col in per_layer[11:14]) if mlps else (never,) * 3
+        w1, w3, w2 = (_uniform(col) for col in per_layer[7:10]) if moe else (never,) * 3
+        mw1, mw3, mw2 = (_uniform(col) for col in per_layer[10:13]) if mlps else (never,) * 3
         if any(t is None for t in (w1, w3, w2, mw1, mw3, mw2)):
             return None
         gate = _uniform(L.gate for L in moe) if moe else None           # None: decode_token runs only MLPs
-        rule = _uniform(opt(L.rule) for L in moe) if moe else (_NONE,)
-        cbias = _uniform(opt(L.corr_bias) for L in moe) if moe else (_NONE,)
+        rule = _uniform(_opt(L.rule) for L in moe) if moe else (_NONE,)
+        cbias = _uniform(_opt(L.corr_bias) for L in moe) if moe else (_NONE,)
         if moe and (gate is None or rule is None or cbias is None):
             return None
+        bias = None
+        if biased:                       # GPT-OSS: the router's bias, the experts' biases, the clamped SwiGLU
+            bias = (*(_uniform(getattr(L, n) for L in moe) for n in ("gate_b", "b1", "b3", "b2")), *moe[0].swiglu)
+            if any(t is None for t in bias[:4]):
+                return None
         ffn_of = np.zeros(len(Ls), np.int64)                            # >= 0: MoE layer index; < 0: -1 - MLP index
         m = d = 0
         for i, L in enumerate(Ls):
@@ -132,12 +182,6 @@ class DecodeStep:
                 ffn_of[i], m = m, m + 1
             else:
                 ffn_of[i], d = -1 - d, d + 1
-        qk_mode = {"none": 0, "full": 1, "head": 2}.get(cfg.qk_norm)
-        if qk_mode is None:
-            return None
-        # Qwen2-MoE: q|k|v biases as one vector, the output bias, the shared expert and its gate
-        bqkv = _uniform(_NONE if L.bq is None else np.concatenate([L.bq, L.bk, L.bv]) for L in Ls)
-        bo = _uniform(opt(L.bo) for L in Ls)
         has_shared = bool(moe) and moe[0].shared_w1 is not None
         if has_shared:
             cols = [[_weight(getattr(L, n)) for L in moe] for n in ("shared_w1", "shared_w3", "shared_w2")]
@@ -147,20 +191,21 @@ class DecodeStep:
             sgate = _uniform(_NONE if L.shared_gate is None else L.shared_gate[0] for L in moe)
         else:                                              # never read: any matrices of a uniform type
             shared, sgate = [wo, wo, wo], _uniform(_NONE for _ in Ls)
-        if any(t is None for t in (bqkv, bo, sgate, *shared)):
+        if any(t is None for t in (sgate, *shared)):
             return None
         top_k, renorm = (moe[0].top_k, moe[0].renorm) if moe else (Ls[0].top_k, Ls[0].renorm)
         sparse = np.float32(moe[0].sparsemixer if moe else 0.0)          # Phi-MoE's sparsemixer eps
-        args = (w.token_embd, anorm, anorm_b, wqkv, wo, qnorm, knorm, qk_mode, np.float32(cfg.clip_qkv or 0.0), fnorm,
-                fnorm_b, ffn_of, gate, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, bqkv, bo, *shared, sgate,
-                has_shared, top_k, renorm, cfg.rms_norm_eps)
-        head = (w.output_norm, opt(w.output_norm_b), wout, opt(w.output_b))
+        windows = np.array([cfg.window(i) for i in range(len(Ls))], np.int64)
+        args = (w.token_embd, anorm, anorm_b, attn, wo, bo, sinks, windows, fnorm, fnorm_b, ffn_of, gate, rule,
+                cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, *shared, sgate, has_shared, top_k, renorm,
+                cfg.rms_norm_eps)
+        head = (w.output_norm, _opt(w.output_norm_b), wout, _opt(w.output_b))
         return cls(cfg, ws, (args, head), routed)
 
     def _call_args(self, rope, k, v, table, start, scores) -> tuple:
         layers, head = self.args
-        return (self.ids, *layers, k, v, table, start, rope[0], rope[1], self.cfg.sliding_window,
-                self.scale, *head, *self.views, scores, self.ws.positions[:1], self.ws.logits)
+        return (self.ids, *layers, k, v, table, start, rope[0], rope[1], self.scale, *head, *self.views, scores,
+                self.ws.positions[:1], self.ws.logits)
 
     def __call__(self, rope, cache, token: int, scores) -> np.ndarray:
         """Token `token` at position cache.length (forward has checked that the cache has room;

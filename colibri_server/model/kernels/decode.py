@@ -20,8 +20,9 @@ from numba.extending import overload
 from .attn import attend
 from .paged import _attend_row, _put_row
 from .dense import _matvec_core, embed, layernorm, matvec_stack, rmsnorm, rope
+from .heads import heads_matmul, heads_matmul_par
 from .moe import (_matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, matvec_qkv_par, route, route_rule,
-                  route_sparsemixer, shared_gate_scale)
+                  route_sparsemixer, shared_gate_scale, swiglu_clamped)
 from .quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
 
 __all__ = ["decode_token", "moe_float", "moe_quant", "rope_cache_attend"]
@@ -53,30 +54,32 @@ def rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache, vcache, start, window, 
     attend(q3, kcache, vcache, start, window, scale, out, scores, sinks)
 
 
-def _layer_attend(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
-    """Python stand-in (never called): layer l's RoPE, cache store and attention, by the cache's rank."""
+def _store_attend(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks):
+    """Python stand-in (never called): layer l's cache store of k3/v3 (1,Hkv,dk) at `start` and the attention
+    of q3 (1,H,dk) over it -> out (1,H,dv), by the cache's rank (RoPE already applied)."""
     raise NotImplementedError
 
 
-@overload(_layer_attend, inline="always")
-def _layer_attend_overload(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
-    if kc.ndim == 4:            # (L,Hkv,S,hd): the sequence's own cache
-        def own(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
-            rope_cache_attend(q3, k3, v3, pos, cos, sin, kc[l], vc[l], start, window, scale, out, scores,
-                              q3[0, 0, :0])                               # no sinks in the fused token
+@overload(_store_attend, inline="always")
+def _store_attend_overload(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks):
+    if kc.ndim == 4:            # (L,Hkv,S,hd): the sequence's own cache (rope_cache_attend's store and attention)
+        def own(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks):
+            kcl, vcl = kc[l], vc[l]
+            for h in range(k3.shape[1]):
+                kcl[h, start] = k3[0, h]
+                vcl[h, start] = v3[0, h]
+            attend(q3, kcl, vcl, start, window, scale, out, scores, sinks)
         return own
 
-    def paged(kc, vc, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, out, scores):
+    def paged(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks):
         # (L,NB,Hkv,BS,hd) pool, table the sequence's blocks; scores a 1-D scratch of >= H/Hkv * (start+1)
-        rope(q3, pos, cos, sin)
-        rope(k3, pos, cos, sin)
         BS = kc.shape[3]
         b, o = table[start // BS], start % BS
         for h in range(k3.shape[1]):
             _put_row(k3[0, h], kc[l, b, h, o])
             _put_row(v3[0, h], vc[l, b, h, o])
         acc = np.empty((q3.shape[1] // k3.shape[1], out.shape[2]), np.float32)
-        _attend_row(q3[0], kc[l], vc[l], table, start, window, scale, out[0], scores, acc, q3[0, 0, :0])
+        _attend_row(q3[0], kc[l], vc[l], table, start, window, scale, out[0], scores, acc, sinks)
     return paged
 
 
@@ -199,6 +202,43 @@ def _routed(gate, rule, cbias, sparse, w1, w3, w2, x, top_k, renorm, logits, idx
         _expert(w1, w3, w2, idx[0, a], x, wts[0, a], h1, h3, out, xs, xi)
 
 
+def _at(W, e):
+    pass
+
+
+@overload(_at, inline="always")
+def _at_overload(W, e):
+    # expert e of a float (E,...) stack or of a quantized pair (q, s): what _proj takes
+    if _is_pair(W):
+        return lambda W, e: (W[0][e], W[1][e])
+    return lambda W, e: W[e]
+
+
+@njit(cache=True)
+def _routed_biased(gate, gate_b, w1, w3, w2, b1, b3, b2, alpha, limit, x, top_k, renorm, logits, idx, wts, h1, h3, y,
+                   out, xs, xi):
+    # GPT-OSS's routed layer at T == 1, moe()'s general path call for call: the router's logits W x + gate_b, softmax
+    # top-k, then each chosen expert in increasing id order (as moe() groups them) out (D,) += wts * (w2[e] @
+    # swiglu_clamped(w1[e] @ x, w3[e] @ x, b1[e], b3[e]) + b2[e]); h1, h3 (I,), y (D,) scratch
+    _matvec_core(gate, x, logits[0], np.float32(1.0), False)
+    _add(logits[0], gate_b)
+    route(logits, top_k, renorm, idx, wts)
+    out[:] = 0.0
+    order = np.argsort(idx[0])
+    n = h1.shape[0]
+    for k in range(top_k):
+        a = order[k]
+        e = idx[0, a]
+        _proj(_at(w1, e), x, h1, xs, xi)
+        _proj(_at(w3, e), x, h3, xs, xi)
+        swiglu_clamped(h1.reshape((1, n)), h3.reshape((1, n)), b1[e], b3[e], alpha, limit, h1.reshape((1, n)))
+        _proj(_at(w2, e), h1, y, xs, xi)
+        wa = wts[0, a]
+        be = b2[e]
+        for j in range(out.shape[0]):
+            out[j] += (y[j] + be[j]) * wa
+
+
 @njit(cache=True)
 def _mlp(w1, w3, w2, x, m1, m3, out, xs, xi):
     # a dense layer's SwiGLU MLP of x (D,) -> out (D,) = w2 @ (silu(w1 @ x) * (w3 @ x)), through m1, m3 (F,)
@@ -208,27 +248,39 @@ def _mlp(w1, w3, w2, x, m1, m3, out, xs, xi):
     _proj(w2, m1, out, xs, xi)
 
 
-def _ffn(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1,
-         m3, out, xs, xi):
+def _ffn(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1,
+         m3, y, out, xs, xi):
     pass
 
 
 @overload(_ffn)
-def _ffn_overload(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3,
-                  m1, m3, out, xs, xi):
+def _ffn_overload(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1,
+                  h3, m1, m3, y, out, xs, xi):
     # a layer's feed-forward of x (D,) -> out (D,). j >= 0: the j-th MoE layer's routed experts (gate, rule, cbias,
     # w1, w3, w2: tuples over the MoE layers); j < 0: the (-1-j)-th dense layer's SwiGLU MLP w2 @ (silu(w1 @ x) *
     # (w3 @ x)) (mw1, mw3, mw2: tuples over the dense layers) through m1, m3 (F,), moe.swiglu's kernels and order.
-    # gate None: a model whose every layer is dense (the MoE branch is not compiled)
+    # gate None: a model whose every layer is dense (the MoE branch is not compiled). bias None, or GPT-OSS's
+    # (gate_b, b1, b3, b2: tuples over the MoE layers, alpha, limit): its biased experts (_routed_biased, y scratch)
     if isinstance(gate, types.NoneType):
-        def dense(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3,
-                  m1, m3, out, xs, xi):
+        def dense(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts,
+                  h1, h3, m1, m3, y, out, xs, xi):
             i = -1 - j
             _mlp(mw1[i], mw3[i], mw2[i], x, m1, m3, out, xs, xi)
         return dense
+    if not isinstance(bias, types.NoneType):
+        def biased(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts,
+                   h1, h3, m1, m3, y, out, xs, xi):
+            if j < 0:
+                i = -1 - j
+                _mlp(mw1[i], mw3[i], mw2[i], x, m1, m3, out, xs, xi)
+            else:
+                gate_b, b1, b3, b2, alpha, limit = bias
+                _routed_biased(gate[j], gate_b[j], w1[j], w3[j], w2[j], b1[j], b3[j], b2[j], alpha, limit, x, top_k,
+                               renorm, logits, idx[j:j + 1], wts, h1, h3, y, out, xs, xi)
+        return biased
 
-    def either(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3,
-               m1, m3, out, xs, xi):
+    def either(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1,
+               h3, m1, m3, y, out, xs, xi):
         if j < 0:
             i = -1 - j
             _mlp(mw1[i], mw3[i], mw2[i], x, m1, m3, out, xs, xi)
@@ -236,6 +288,88 @@ def _ffn_overload(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, x, to
             _routed(gate[j], rule[j], cbias[j], sparse, w1[j], w3[j], w2[j], x, top_k, renorm, logits, idx[j:j + 1],
                     wts, h1, h3, out, xs, xi)
     return either
+
+
+def _attention(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi):
+    pass
+
+
+_MLA_LEN = 15       # the length of a latent-attention `attn` tuple (decode_step.DecodeStep.build)
+
+
+@overload(_attention)
+def _attention_overload(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi):
+    # layer l's attention of the normed hidden h (D,) at position `start` -> the flat attention output (the input
+    # of wo), keys/values into the cache. attn's kind picks the code: q|k|v heads (transformer._attention), or
+    # latent attention (mla.project/output: transformer.forward's cfg.mla branch), their kernels and order.
+    if len(attn) == _MLA_LEN:
+        def latent(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi):
+            # q_a, q_a_norm, wq, kv_a, kv_a_norm: tuples over the layers (q_a_norm size 0: no query rank, q_a
+            # then never read); k_up (H,r,nope), v_up (H,v,r) per layer; leps the latent norms' eps; q
+            # (1,H*(nope+dr)), ql (1,q_lora_rank), rows (1,r+dr), qa (1,H*(r+dr)), lat (1,H*r), ah (1,H*v) scratch
+            q_a, q_a_norm, wq, kv_a, kv_a_norm, k_up, v_up, nope, leps, q, ql, rows, qa, lat, ah = attn
+            H, r = k_up[l].shape[0], k_up[l].shape[1]
+            dr = rows.shape[1] - r
+            if q_a_norm[l].shape[0] > 0:
+                _proj(q_a[l], h, ql[0], xs, xi)
+                rmsnorm(ql, q_a_norm[l], leps, ql)
+                _proj(wq[l], ql[0], q[0], xs, xi)
+            else:
+                _proj(wq[l], h, q[0], xs, xi)
+            q3 = q.reshape((1, H, nope + dr))
+            _proj(kv_a[l], h, rows[0], xs, xi)
+            c = rows[0, :r].reshape((1, r))        # contiguous, as forward's view of it is: the same norm's code
+            rmsnorm(c, kv_a_norm[l], leps, c)
+            rows3 = rows.reshape((1, 1, r + dr))
+            rope(q3[:, :, nope:], pos, cos, sin)
+            rope(rows3[:, :, r:], pos, cos, sin)
+            qa3 = qa.reshape((1, H, r + dr))
+            _heads(q3[:, :, :nope], k_up[l], qa3[:, :, :r], xs)
+            for hh in range(H):
+                qa3[0, hh, r:] = q3[0, hh, nope:]
+            lat3 = lat.reshape((1, H, r))
+            _store_attend(kc, vc, table, l, qa3, rows3, rows3, start, window, scale, lat3, scores, sinks)
+            _heads(lat3, v_up[l], ah.reshape((1, H, ah.shape[1] // H)), xs)
+            return ah[0]
+        return latent
+
+    def heads(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi):
+        # wqkv, bqkv (size 0: none), qnorm, knorm (size 0: none): tuples over the layers; qk_mode 0 none, 1 over the
+        # whole projection, 2 per head; clip 0 off; qkv (1,qd+2kvd) with q3 (1,H,hd), k3, v3 (1,Hkv,hd) its views;
+        # attn3 (1,H,hd)
+        wqkv, bqkv, qnorm, knorm, qk_mode, clip, qkv, q3, k3, v3, attn3 = attn
+        _, H, hd = q3.shape
+        Hkv = k3.shape[1]
+        _qkv(wqkv[l], h, qkv[0], xs, xi)
+        if bqkv[l].shape[0] > 0:
+            _add(qkv[0], bqkv[l])
+        if qk_mode == 1:
+            rmsnorm(q3.reshape(1, H * hd), qnorm[l], eps, q3.reshape(1, H * hd))
+            rmsnorm(k3.reshape(1, Hkv * hd), knorm[l], eps, k3.reshape(1, Hkv * hd))
+        if clip > 0:
+            _clip(q3.reshape(H * hd), clip)
+            _clip(k3.reshape(Hkv * hd), clip)
+            _clip(v3.reshape(Hkv * hd), clip)
+        if qk_mode == 2:
+            rmsnorm(q3.reshape(H, hd), qnorm[l], eps, q3.reshape(H, hd))
+            rmsnorm(k3.reshape(Hkv, hd), knorm[l], eps, k3.reshape(Hkv, hd))
+        rope(q3, pos, cos, sin)
+        rope(k3, pos, cos, sin)
+        _store_attend(kc, vc, table, l, q3, k3, v3, start, window, scale, attn3, scores, sinks)
+        return attn3.reshape(H * hd)
+    return heads
+
+
+def _heads(X, W, out, xs):
+    pass
+
+
+@overload(_heads)
+def _heads_overload(X, W, out, xs):
+    # mla's per-head products: on the Numba threads when the scratch says so (the same bits: heads are independent)
+    if _threaded(xs):
+        return lambda X, W, out, xs: heads_matmul_par(X, W, out)
+    return lambda X, W, out, xs: heads_matmul(X, W, out)
 
 
 @njit(cache=True, inline="always")
@@ -266,56 +400,40 @@ def _clip(a, c):
 
 
 @njit(cache=True)
-def decode_token(ids, emb, anorm, anorm_b, wqkv, wo, qnorm, knorm, qk_mode, clip, fnorm, fnorm_b, ffn_of, gate, rule,
-                 cbias, sparse, w1, w3, w2, mw1, mw3, mw2, bqkv, bo, sw1, sw3, sw2, sgate, has_shared,
-                 top_k, renorm, eps, kcache, vcache, table, start, cos, sin, window, scale, onorm, onorm_b, wout, wout_b,
-                 x, h, sub, qkv, q3, k3, v3, attn3, logits_e, idx, wts, h1, h3, sh1, sh3, sout, m1, m3, xs, xi,
-                 scores, pos, logits):
+def decode_token(ids, emb, anorm, anorm_b, attn, wo, bo, sinks, windows, fnorm, fnorm_b, ffn_of, gate, rule, cbias,
+                 sparse, bias, w1, w3, w2, mw1, mw3, mw2, sw1, sw3, sw2, sgate, has_shared, top_k, renorm, eps,
+                 kcache, vcache, table, start, cos, sin, scale, onorm, onorm_b, wout, wout_b,
+                 x, h, sub, logits_e, idx, wts, h1, h3, y, sh1, sh3, sout, m1, m3, xs, xi, scores, pos, logits):
     # One token ids (1,) at position `start` through every layer and the head -> logits (1,V), the
     # kernels and order of transformer.forward's T == 1 path. Per-layer weights are tuples over the
-    # layers (anorm..w2, one type each; no biases); qnorm/knorm size 0 when absent; qk_mode 0 none, 1 over the
-    # whole projection, 2 per head; clip 0 off. x, h, sub (1,D), qkv (1,qd+2kvd) with q3 (1,H,hd),
-    # k3, v3 (1,Hkv,hd) its views; attn3 (1,H,hd); logits_e (1,E), wts (1,k) the routing, idx (n_moe,k) the
-    # experts each MoE layer chose (kept for the caller's routing counts). ffn_of (L,) int64: layer l's
-    # feed-forward is the ffn_of[l]-th MoE layer's (gate (E,D) f32, rule (4,) f32 and cbias (E,) of version-2
-    # routing or size 0, expert stacks w1/w3/w2: tuples over the MoE layers) or, when negative, the
-    # (-1-ffn_of[l])-th dense layer's MLP (mw1/mw3/mw2: tuples over the dense layers, through m1, m3 (F,)):
-    # DeepSeek/GLM/Qwen2-MoE dense layers among MoE ones. Qwen2-MoE: bqkv (qd+2kvd,) and bo (D,) per layer
-    # (size 0: none); the MoE layers' shared expert sw1/sw3/sw2 (tuples over the MoE layers) with the gate sgate
-    # (D,) (size 0: ungated), has_shared False: none (sw* then hold other matrices, never read); sh1, sh3 (S,),
-    # sout (D,) its scratch. A dense model (every layer an MLP: Llama, Qwen2, Qwen3): gate None. Phi-MoE:
-    # anorm_b, fnorm_b (tuples over the layers), onorm_b the LayerNorms' biases (size 0: RMSNorm), wout_b the
-    # head's bias (size 0: none), sparse sparsemixer's eps (0: another routing).
+    # layers (one type each). attn: the attention's weights and scratch, q|k|v heads or latent attention
+    # (_attention); wo, bo (size 0: none) its output projection; sinks (H,) per layer (GPT-OSS, size 0: none);
+    # windows (L,) int64 each layer's sliding window (0: none). x, h, sub (1,D); logits_e (1,E), wts (1,k) the
+    # routing, idx (n_moe,k) the experts each MoE layer chose (kept for the caller's routing counts).
+    # ffn_of (L,) int64: layer l's feed-forward is the ffn_of[l]-th MoE layer's (gate (E,D) f32, rule (4,) f32
+    # and cbias (E,) of version-2 routing or size 0, expert stacks w1/w3/w2: tuples over the MoE layers) or,
+    # when negative, the (-1-ffn_of[l])-th dense layer's MLP (mw1/mw3/mw2: tuples over the dense layers, through
+    # m1, m3 (F,)): DeepSeek/GLM/Qwen2-MoE dense layers among MoE ones. bias: GPT-OSS's router and expert biases
+    # (_ffn), else None; y (D,) its scratch. The MoE layers' shared expert sw1/sw3/sw2 (tuples over the MoE
+    # layers) with the gate sgate (D,) (size 0: ungated), has_shared False: none (sw* then hold other matrices,
+    # never read); sh1, sh3 (S,), sout (D,) its scratch. A dense model (every layer an MLP: Llama, Qwen2,
+    # Qwen3): gate None. Phi-MoE: anorm_b, fnorm_b (tuples over the layers), onorm_b the LayerNorms' biases
+    # (size 0: RMSNorm), wout_b the head's bias (size 0: none), sparse sparsemixer's eps (0: another routing).
     # kcache/vcache: (L,Hkv,S,hd) (table unused) or a paged pool (L,NB,Hkv,BS,hd) with the table.
     embed(emb, ids, x)
     pos[0] = start
-    _, H, hd = q3.shape
-    Hkv = k3.shape[1]
-    q, k, v = q3.reshape(H * hd), k3.reshape(Hkv * hd), v3.reshape(Hkv * hd)
     for l in range(len(wo)):
         _norm(x, anorm[l], anorm_b[l], eps, h)
-        _qkv(wqkv[l], h[0], qkv[0], xs, xi)
-        if bqkv[l].shape[0] > 0:
-            _add(qkv[0], bqkv[l])
-        if qk_mode == 1:
-            rmsnorm(q3.reshape(1, H * hd), qnorm[l], eps, q3.reshape(1, H * hd))
-            rmsnorm(k3.reshape(1, Hkv * hd), knorm[l], eps, k3.reshape(1, Hkv * hd))
-        if clip > 0:
-            _clip(q, clip)
-            _clip(k, clip)
-            _clip(v, clip)
-        if qk_mode == 2:
-            rmsnorm(q3.reshape(H, hd), qnorm[l], eps, q3.reshape(H, hd))
-            rmsnorm(k3.reshape(Hkv, hd), knorm[l], eps, k3.reshape(Hkv, hd))
-        _layer_attend(kcache, vcache, table, l, q3, k3, v3, pos, cos, sin, start, window, scale, attn3, scores)
-        _proj(wo[l], attn3.reshape(H * hd), sub[0], xs, xi)
+        a = _attention(attn, l, h[0], pos, cos, sin, kcache, vcache, table, start, windows[l], scale, sinks[l],
+                       scores, eps, xs, xi)
+        _proj(wo[l], a, sub[0], xs, xi)
         if bo[l].shape[0] > 0:
             _add(sub[0], bo[l])
         _add(x[0], sub[0])
         _norm(x, fnorm[l], fnorm_b[l], eps, h)
         j = ffn_of[l]
-        _ffn(gate, j, rule, cbias, sparse, w1, w3, w2, mw1, mw3, mw2, h[0], top_k, renorm, logits_e, idx, wts, h1, h3,
-             m1, m3, sub[0], xs, xi)
+        _ffn(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, h[0], top_k, renorm, logits_e, idx, wts,
+             h1, h3, m1, m3, y, sub[0], xs, xi)
         if has_shared and j >= 0:          # moe._shared_expert: swiglu, then the gate's sigmoid, then added
             _proj(sw1[j], h[0], sh1, xs, xi)
             _proj(sw3[j], h[0], sh3, xs, xi)
