@@ -8,7 +8,8 @@ What it measures, each side by side with llama.cpp's own binaries in the same ru
    on 20 prompts;
 2. greedy continuations (32 tokens, EOS ignored): tokens in common before the first difference,
    for our f32 import against llama-server on the Q4_1 GGUF itself and on llama.cpp's own F32
-   dequantization of it (`llama-quantize --allow-requantize ... F32`);
+   dequantization of it (`llama-quantize --allow-requantize ... F32`); and, as the reference for the
+   Q4_1 figure, llama-server against itself on the Q4_1 GGUF with flash attention off (`-fa off`);
 3. perplexity on a held-back text (Python's bundled pydoc topics, 40 KB), llama-perplexity's
    protocol (chunks of 512 tokens, BOS first, the second half of each chunk scored), for our f32,
    q8 and q4 imports against llama-perplexity on the Q4_1 GGUF.
@@ -79,10 +80,10 @@ def _env(bin_dir):
 
 
 class LlamaServer:
-    def __init__(self, bin_dir, gguf, port=8791):
+    def __init__(self, bin_dir, gguf, port=8791, extra=()):
         self.port = port
         self.p = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf), "--port", str(port), "--host",
-                                   "127.0.0.1", "-t", "2", "-c", "2048", "-np", "1", "--no-repack"],
+                                   "127.0.0.1", "-t", "2", "-c", "2048", "-np", "1", "--no-repack", *extra],
                                   env=_env(bin_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(240):
             try:
@@ -117,13 +118,25 @@ def common_prefix(a, b) -> int:
 
 
 def compare_greedy(model, server, n=32):
-    """[(prompt, same tokenization, tokens in common)] over PROMPTS."""
+    """[(prompt, same tokenization, tokens in common, the server's tokens)] over PROMPTS."""
     out = []
     for pr in PROMPTS:
         ids = server.tokenize(pr)
         ours = [int(t) for t in model.generate(ids, max_tokens=n, ignore_eos=True)]
-        out.append((pr, ids == model.tokenizer.encode(pr), common_prefix(server.greedy(ids, n), ours)))
+        theirs = server.greedy(ids, n)
+        out.append((pr, ids == model.tokenizer.encode(pr), common_prefix(theirs, ours), theirs))
     return out
+
+
+def llama_self_agreement(bin_dir, gguf, reference, n=32):
+    """Tokens in common between llama-server's greedy continuations (`reference`: its default run's, per prompt)
+    and its own with flash attention off (-fa off): the same file, the same program, another attention kernel.
+    What two correct implementations on this quantized file can be expected to share."""
+    s = LlamaServer(bin_dir, gguf, extra=("-fa", "off"))
+    try:
+        return [common_prefix(ref, s.greedy(s.tokenize(pr), n)) for pr, ref in zip(PROMPTS, reference)]
+    finally:
+        s.close()
 
 
 def perplexity(model, text, n_ctx=N_CTX) -> float:
@@ -183,6 +196,12 @@ def main():
                      "agree_16": sum(r[2] >= 16 for r in rows)}
         print(f"greedy vs llama.cpp on the {name}: same tokens for >= 16 in {res[name]['agree_16']}/20; "
               f"tokens in common {res[name]['common']}; tokenization equal {res[name]['same_tokenization']}/20")
+        if name == "Q4_1 GGUF":
+            common = llama_self_agreement(a.llama_bin, gguf, [r[3] for r in rows])
+            res["llama_fa_off_vs_default"] = {"common": common, "agree_16": sum(c >= 16 for c in common)}
+            print(f"  reference: llama.cpp against itself on the Q4_1 GGUF, flash attention off vs its default: "
+                  f"same tokens for >= 16 in {res['llama_fa_off_vs_default']['agree_16']}/20; tokens in common "
+                  f"{common}")
     text_path = a.data / "held-back.txt"
     text_path.write_text(held_back_text())
     res["ppl_llama_q4_1"] = llama_perplexity(a.llama_bin, gguf, text_path)

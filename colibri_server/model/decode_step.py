@@ -11,10 +11,12 @@ whose every piece the fused kernel computes with forward's own kernels: routed l
 routing (Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE with its q/k/v biases and gated shared expert) or
 version-2 routing (GLM-4.5: sigmoid, correction bias, groups, routed scale, ungated shared expert) or
 Phi-MoE's sparsemixer (with its LayerNorms' and head's biases), dense MLP layers among them (Qwen2-MoE's
-mlp_only_layers, GLM's first_k_dense_replace) or in every layer (Llama, Qwen2, Qwen3), weights in
-f16/bf16 (rows or panels) or quantized. Anything else (f32 weights, which forward sends through BLAS;
-latent attention; GPT-OSS's sinks, per-layer windows and biased experts) gets None from `build`, and
-forward keeps its general path.
+mlp_only_layers, GLM's first_k_dense_replace) or in every layer (Llama, Qwen2, Qwen3), GPT-OSS's router
+bias and biased experts with the clamped SwiGLU (each expert as moe()'s general path runs it), with
+either kind of attention: q|k|v heads (q/k norms, biases, clip, sinks, a window per layer) or DeepSeek's
+latent attention (mla.py's projections, the latent row cached); weights in f16/bf16 (rows or panels) or
+quantized. f32 weights (forward sends them through BLAS), or layers that differ in kind where the kernel
+wants one type, get None from `build`, and forward keeps its general path.
 
 With threads > 1 (a workspace of several scratch rows) every matrix's rows, q|k|v, wo, the
 experts and the head, are split over Numba threads inside the one call, and attention's kv
@@ -77,7 +79,7 @@ class DecodeStep:
         """The kernel's `attn` tuple (kernels/decode._attention): the layers' attention weights as tuples over
         the layers and the workspace's scratch for them; None where not covered."""
         if cfg.mla:                                        # latent attention (mla.py)
-            H, r, dr, nope = cfg.num_heads, cfg.kv_lora_rank, cfg.head_dim, cfg.qk_nope_head_dim
+            nope = cfg.qk_nope_head_dim
             has_qa = Ls[0].q_a is not None
             if any((L.q_a is not None) != has_qa for L in Ls):
                 return None
