@@ -35,8 +35,12 @@ Quality: logits of every position of one 128-token prompt against the colibri f3
 mean and max per-position KL(ref || test), max relative logit error (max |l - ref| /
 max |ref|), argmax agreement; the same for llama.cpp's F16 / Q8_0 / Q4_0 files.
 
-Needs the `bench` extra (llama-cpp-python built with CMAKE_ARGS="-DGGML_NATIVE=ON", gguf,
-torch, transformers, safetensors). Not part of the test suite; see bench/README.md.
+llama.cpp's speed is its own llama-bench binary's (bench/llama_bench.py: flash attention auto and off, the
+faster), its Q8_0/Q4_0 files are llama-quantize's: both built from the pinned source with -DGGML_NATIVE=ON
+(LLAMA_BIN; bench/README.md). Its quality logits go through llama-cpp-python when it is installed (the
+`bench` extra), else those rows say so. After bench-mixtral, --families (default: deepseek gpt-oss) runs
+bench/families.py's DeepSeek-style and GPT-OSS-style bench models at f16 the same way. Needs gguf, torch,
+transformers, safetensors. Not part of the test suite; see bench/README.md.
 """
 from __future__ import annotations
 
@@ -54,6 +58,9 @@ import numpy as np
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+import llama_bench  # noqa: E402  (bench/, on the path above)
 
 PROMPT_LEN, NEW_TOKENS, VOCAB = 128, 128, 32000
 BENCH_MIXTRAL = dict(hidden_size=1024, intermediate_size=2048, num_local_experts=8, num_experts_per_tok=2,
@@ -173,7 +180,6 @@ def write_gguf(hf_dir, path, ftype):
 
 
 def build_gguf(data, hf_dir, names):
-    import ctypes
     out = {}
     for name in ["F32", "F16"] + [n for n in names if n not in ("F32", "F16")]:
         path = data / f"bench-mixtral-{name}.gguf"
@@ -183,17 +189,8 @@ def build_gguf(data, hf_dir, names):
         t0 = time.time()
         if name in ("F32", "F16"):
             write_gguf(hf_dir, path, name)
-        else:
-            import llama_cpp
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = {"Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
-                            "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[name.split("-")[0]]
-            params.nthread = 2
-            params.pure = name.endswith("-pure")
-            rc = llama_cpp.llama_model_quantize(str(data / "bench-mixtral-F32.gguf").encode(), str(path).encode(),
-                                                ctypes.byref(params))
-            if rc != 0:
-                raise RuntimeError(f"llama_model_quantize {name} failed ({rc})")
+        else:                                  # llama.cpp's own llama-quantize (its default mix unless -pure)
+            llama_bench.quantize(data / "bench-mixtral-F32.gguf", path, name.split("-")[0], pure=name.endswith("-pure"))
         print(f"wrote {path.name} in {time.time() - t0:.0f}s", flush=True)
     return out
 
@@ -278,35 +275,15 @@ def worker_colibri(a, prefill_bf16=False):
 
 
 def worker_llama(a):
-    import llama_cpp
+    """llama.cpp's logits of the prompt's every position (quality only: its speed is llama-bench's, llama_bench.py),
+    through llama-cpp-python, an optional dependency (the bench extra)."""
     from llama_cpp import Llama
-    ids = prompt_ids()
     llm = Llama(model_path=a.path, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=a.threads,
-                n_threads_batch=a.threads, logits_all=bool(a.logits), verbose=False, seed=0)
-    if a.logits:
-        llm.reset()
-        llm.eval(ids)
-        np.save(a.logits, np.array(llm.scores[:PROMPT_LEN], np.float32))
-        return {}
-
-    def last():
-        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(VOCAB,))
-
-    def prefill():
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(ids)
-        return time.perf_counter() - t
-
-    def decode():
-        prefill()
-        tok = int(np.argmax(last()))
-        t = time.perf_counter()
-        for _ in range(NEW_TOKENS):
-            llm.eval([tok])
-            tok = int(np.argmax(last()))
-        return time.perf_counter() - t
-    return _timed_runs(prefill, decode, a.reps)
+                n_threads_batch=a.threads, logits_all=True, verbose=False, seed=0)
+    llm.reset()
+    llm.eval(prompt_ids())
+    np.save(a.logits, np.array(llm.scores[:PROMPT_LEN], np.float32))
+    return {}
 
 
 def worker_hf(a):
@@ -448,6 +425,10 @@ def main():
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (the bf16 prefill anchor)")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-quality", action="store_true")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama-bench --repack 0 (the AMX Xeon VM: llama.cpp's CPU extra buffers fail there)")
+    ap.add_argument("--families", nargs="*", default=["deepseek", "gpt-oss"], choices=["deepseek", "gpt-oss"],
+                    help="after bench-mixtral, these bench models of bench/families.py at f16 (none: --families)")
     ap.add_argument("--json", default=None, help="results file (default DATA/decode-<time>.json)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -495,7 +476,15 @@ def main():
                 for system, prec, path in jobs:
                     kind = {"colibri": "colibri", "llama.cpp": "llama", "transformers": "hf"}[system]
                     kind = "colibri-pbf16" if prec.endswith("prefill_bf16") else kind
-                    r = run_worker(kind, path, th, a.reps, precision=p)
+                    if kind == "llama":              # llama.cpp's own binary, never the binding (llama_bench.py)
+                        try:
+                            t0 = time.time()
+                            r = llama_bench.run(path, th, a.reps, PROMPT_LEN, NEW_TOKENS, a.llama_no_repack)
+                            r["wall_s"] = round(time.time() - t0, 1)
+                        except RuntimeError as e:
+                            r = dict(error=str(e)[-1500:])
+                    else:
+                        r = run_worker(kind, path, th, a.reps, precision=p)
                     if a.rounds > 1:
                         print(f"  round {rnd + 1}: {system} {prec} {th}T prefill {r.get('prefill_tok_s', float('nan')):.1f} "
                               f"decode {r.get('decode_tok_s', float('nan')):.1f}", flush=True)
@@ -532,6 +521,12 @@ def main():
             out = data / "logits-llama.cpp-F32.npy"
             if "error" not in run_worker("llama", ll["F32"], 1, 1, logits=out):
                 res["quality"]["llama.cpp F32"] = quality(ref, np.load(out))
+    if a.families:                       # DeepSeek-style and GPT-OSS-style bench models, the same protocol (families.py)
+        import families
+        try:
+            res["families"] = families.measure(data, a.families, a.threads, a.reps, a.llama_no_repack)
+        except RuntimeError as e:
+            res["families"] = [dict(error=str(e)[-1500:])]
     table = make_table(res)
     print(table)
     res["table"] = table
@@ -634,6 +629,16 @@ def make_table(res):
             else:
                 lines.append(f"| {k} | {q['kl_mean']:.2e} | {q['kl_max']:.2e} | {q['max_rel_err']:.4f} | "
                              f"{100 * q['argmax_agree']:.0f}% |")
+    if res.get("families"):
+        lines += ["", "families (f16; tok/s colibri / llama.cpp): | model | threads | decode | prefill |", "|---|---|---|---|"]
+        for r in res["families"]:
+            if "error" in r:
+                lines.append(f"| error: {r['error'][-200:]} | | | |")
+                continue
+            c, ll = r["colibri"], r["llama.cpp"]
+            lines.append(f"| {r['model']} | {r['threads']} | {c['decode_tok_s']:.1f} / {ll['decode_tok_s']:.1f} "
+                         f"({c['decode_tok_s'] / ll['decode_tok_s']:.2f}x) | {c['prefill_tok_s']:.0f} / "
+                         f"{ll['prefill_tok_s']:.0f} ({c['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x) |")
     return "\n".join(lines)
 
 

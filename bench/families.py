@@ -39,8 +39,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(HERE))
 
+import llama_bench  # noqa: E402  (bench/, on the path above)
+
 PROMPT_LEN, NEW_TOKENS, VOCAB = 128, 128, 32000
-LLAMA_BIN = pathlib.Path(os.environ.get("LLAMA_BIN", os.path.expanduser("~/anchor-data/llsrv-build/bin")))
 COMMON = dict(vocab_size=VOCAB, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, max_position_embeddings=4096,
               rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 MODELS = {
@@ -105,22 +106,22 @@ def run_colibri(path, threads, reps) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run_llama(path, threads, reps, no_repack=False) -> dict:
-    """llama-bench at its default flash attention (auto) and with it off; the anchor is the faster of the two
-    for each of prefill and decode (both kept under "fa")."""
-    exe = LLAMA_BIN / "llama-bench"
-    out = {"fa": {}}
-    for fa in ("auto", "off"):
-        r = subprocess.run([str(exe), "-m", str(path), "-p", str(PROMPT_LEN), "-n", str(NEW_TOKENS), "-t",
-                            str(threads), "-r", str(reps), "-o", "json", "-fa", fa,
-                            *(("--repack", "0") if no_repack else ())], capture_output=True, text=True, timeout=3600)
-        if r.returncode:
-            raise SystemExit(f"llama-bench failed (on a CPU with AMX, try --llama-no-repack):\n{r.stderr[-3000:]}")
-        got = {("prefill_tok_s" if row["n_prompt"] else "decode_tok_s"): row["avg_ts"] for row in json.loads(r.stdout)}
-        out["fa"][fa] = got
-        for k, v in got.items():
-            out[k] = max(out.get(k, 0.0), v)
-    return out
+def measure(data: pathlib.Path, names, threads, reps, no_repack=False) -> list:
+    """Each bench model (built once into data) at each thread count: colibri, then llama-bench; prints a line per
+    row and returns the rows (bench/decode.py runs this after bench-mixtral)."""
+    data.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in names:
+        col, gg = build(data, name)
+        for t in threads:
+            c = run_colibri(col, t, reps)
+            ll = llama_bench.run(gg, t, reps, PROMPT_LEN, NEW_TOKENS, no_repack)
+            rows.append({"model": f"bench-{name}", "threads": t, "colibri": c, "llama.cpp": ll})
+            print(f"bench-{name} f16 {t}T: decode colibri {c['decode_tok_s']:.1f} tok/s, llama.cpp "
+                  f"{ll['decode_tok_s']:.1f} ({c['decode_tok_s'] / ll['decode_tok_s']:.2f}x); prefill colibri "
+                  f"{c['prefill_tok_s']:.0f}, llama.cpp {ll['prefill_tok_s']:.0f} "
+                  f"({c['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x)", flush=True)
+    return rows
 
 
 def main():
@@ -137,19 +138,10 @@ def main():
     if a.worker:
         print(json.dumps(worker_colibri(a.worker, a.threads[0], a.reps)))
         return
-    data = pathlib.Path(a.data)
-    data.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in a.models:
-        col, gg = build(data, name)
-        for t in a.threads:
-            c = run_colibri(col, t, a.reps)
-            ll = run_llama(gg, t, a.reps, a.llama_no_repack)
-            rows.append({"model": f"bench-{name}", "threads": t, "colibri": c, "llama.cpp": ll})
-            print(f"bench-{name} f16 {t}T: decode colibri {c['decode_tok_s']:.1f} tok/s, llama.cpp "
-                  f"{ll['decode_tok_s']:.1f} ({c['decode_tok_s'] / ll['decode_tok_s']:.2f}x); prefill colibri "
-                  f"{c['prefill_tok_s']:.0f}, llama.cpp {ll['prefill_tok_s']:.0f} "
-                  f"({c['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x)", flush=True)
+    try:
+        rows = measure(pathlib.Path(a.data), a.models, a.threads, a.reps, a.llama_no_repack)
+    except RuntimeError as e:
+        raise SystemExit(str(e))
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps({"rows": rows, "date": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
 

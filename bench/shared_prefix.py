@@ -9,7 +9,7 @@ import json, subprocess, sys, time, threading
 import numpy as np
 from colibri_server.client import Client
 MODEL = sys.argv[1]
-import os, tempfile
+import tempfile
 ADDR = f"ipc://{tempfile.mkdtemp()}/pfx.sock"
 p = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", "serve", "--model", MODEL, "--bind", ADDR],
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
