@@ -87,13 +87,17 @@ def test_batched_step_logits_equal_the_one_sequence_forward(built):
     assert np.abs(got[1:] - ref_b).max() < 1e-5
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss"])
-def test_one_sequence_step_is_the_fused_token_on_the_pool(built, arch):
+@pytest.mark.parametrize("arch,threads", [("mixtral", 1), ("deepseek_v3", 1), ("gpt_oss", 1), ("deepseek_v3", 2)])
+def test_one_sequence_step_is_the_fused_token_on_the_pool(built, arch, threads):
     """A step of ONE decoding sequence runs the fused decode token on the paged pool (decode_step.py,
     as fast as batch-1 decode was before batching): it stores the keys/values forward_batch stores and
     gives its logits; the engine takes that path whenever a step holds a single decode row. deepseek_v3: the
-    latent row is the pool's one array; gpt_oss: sinks, a window of 8 shorter than the 21 positions."""
+    latent row is the pool's one array; gpt_oss: sinks, a window of 8 shorter than the 21 positions; on two
+    threads the query heads of the pool's attention split over them, as forward_batch's do."""
     m = Model.open(built(arch).colibri("f16"))
+    if threads > 1:
+        m.compile_threaded()
+        m.set_threads(threads)
     V = m.config.vocab_size
     a = np.random.default_rng(11).integers(3, V, size=21).tolist()
     eng = BatchEngine(m, max_seqs=2, max_batch_tokens=64, kv_dtype="f16", prefix_cache=False)

@@ -18,7 +18,7 @@ from numba import literal_unroll, njit, types
 from numba.extending import overload
 
 from .attn import attend
-from .paged import _attend_row, _put_row
+from .paged import _attend_row, _put_row, paged_attention_par
 from .dense import _matvec_core, embed, layernorm, matvec_stack, rmsnorm, rope
 from .heads import heads_matmul, heads_matmul_par
 from .moe import (_matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, matvec_qkv_par, route, route_rule,
@@ -54,32 +54,41 @@ def rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache, vcache, start, window, 
     attend(q3, kcache, vcache, start, window, scale, out, scores, sinks)
 
 
-def _store_attend(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks):
+def _store_attend(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks, xs):
     """Python stand-in (never called): layer l's cache store of k3/v3 (1,Hkv,dk) at `start` and the attention
     of q3 (1,H,dk) over it -> out (1,H,dv), by the cache's rank (RoPE already applied)."""
     raise NotImplementedError
 
 
 @overload(_store_attend, inline="always")
-def _store_attend_overload(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks):
-    if kc.ndim == 4:            # (L,Hkv,S,hd): the sequence's own cache (rope_cache_attend's store and attention)
-        def own(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks):
+def _store_attend_overload(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks, xs):
+    if kc.ndim == 4:            # (L,Hkv,S,hd): the sequence's own cache (rope_cache_attend's store and attention;
+        # a 2-D scores scratch runs the kv heads, or a latent's query heads, on threads)
+        def own(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks, xs):
             kcl, vcl = kc[l], vc[l]
             for h in range(k3.shape[1]):
                 kcl[h, start] = k3[0, h]
                 vcl[h, start] = v3[0, h]
             attend(q3, kcl, vcl, start, window, scale, out, scores, sinks)
         return own
+    par = _threaded(xs)
 
-    def paged(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks):
-        # (L,NB,Hkv,BS,hd) pool, table the sequence's blocks; scores a 1-D scratch of >= H/Hkv * (start+1)
+    def paged(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks, xs):
+        # (L,NB,Hkv,BS,hd) pool, table the sequence's blocks; scores a 1-D scratch of >= H/Hkv * (start+1). On
+        # threads the query heads split over them as forward_batch's paged_attention_par does for one row
         BS = kc.shape[3]
         b, o = table[start // BS], start % BS
         for h in range(k3.shape[1]):
             _put_row(k3[0, h], kc[l, b, h, o])
             _put_row(v3[0, h], vc[l, b, h, o])
-        acc = np.empty((q3.shape[1] // k3.shape[1], out.shape[2]), np.float32)
-        _attend_row(q3[0], kc[l], vc[l], table, start, window, scale, out[0], scores, acc, sinks)
+        if par:
+            row = np.zeros(1, np.int64)
+            row_pos = np.full(1, start, np.int64)
+            paged_attention_par(q3, kc[l], vc[l], table.reshape((1, table.shape[0])), row, row_pos, window, scale,
+                                out, sinks, xs.shape[0] // 2)
+        else:
+            acc = np.empty((q3.shape[1] // k3.shape[1], out.shape[2]), np.float32)
+            _attend_row(q3[0], kc[l], vc[l], table, start, window, scale, out[0], scores, acc, sinks)
     return paged
 
 
@@ -328,7 +337,7 @@ def _attention_overload(attn, l, h, pos, cos, sin, kc, vc, table, start, window,
             for hh in range(H):
                 qa3[0, hh, r:] = q3[0, hh, nope:]
             lat3 = lat.reshape((1, H, r))
-            _store_attend(kc, vc, table, l, qa3, rows3, rows3, start, window, scale, lat3, scores, sinks)
+            _store_attend(kc, vc, table, l, qa3, rows3, rows3, start, window, scale, lat3, scores, sinks, xs)
             _heads(lat3, v_up[l], ah.reshape((1, H, ah.shape[1] // H)), xs)
             return ah[0]
         return latent
@@ -355,7 +364,7 @@ def _attention_overload(attn, l, h, pos, cos, sin, kc, vc, table, start, window,
             rmsnorm(k3.reshape(Hkv, hd), knorm[l], eps, k3.reshape(Hkv, hd))
         rope(q3, pos, cos, sin)
         rope(k3, pos, cos, sin)
-        _store_attend(kc, vc, table, l, q3, k3, v3, start, window, scale, attn3, scores, sinks)
+        _store_attend(kc, vc, table, l, q3, k3, v3, start, window, scale, attn3, scores, sinks, xs)
         return attn3.reshape(H * hd)
     return heads
 
