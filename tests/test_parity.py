@@ -355,3 +355,18 @@ def test_decode_step_declines_what_it_does_not_compute(built):
         cache = m.new_cache()
         m.prefill(cache, np.array(PROMPT[:3]))
         assert np.isfinite(m.decode(cache, PROMPT[3])).all()
+
+    # a mixture the kernel has no one type for, or a bias it does not add, keeps the general path too: GPT-OSS with
+    # the router's bias on some MoE layers only, or expert biases without the router's (config allows both),
+    # DeepSeek with a query rank on some layers only
+    import dataclasses as dc
+
+    def edit(Ls, which, **kw):                     # the layers, `which` of them (indices) changed (frozen: copies)
+        return [dc.replace(L, **kw) if i in which else L for i, L in enumerate(Ls)]
+    for arch, change in (("gpt_oss", lambda Ls: edit(Ls, {0}, gate_b=None)),
+                         ("gpt_oss", lambda Ls: edit(Ls, set(range(len(Ls))), gate_b=None)),
+                         ("deepseek_v3", lambda Ls: edit(Ls, {1}, q_a=None))):
+        m = Model.open(built(arch).colibri("f16"))
+        assert DecodeStep.build(m.config, m.weights, m.workspace) is not None
+        w = dc.replace(m.weights, layers=change(list(m.weights.layers)))
+        assert DecodeStep.build(m.config, w, m.workspace) is None
