@@ -95,9 +95,9 @@ def moe(layer, x, ws, out, noise=None, trace=None):
         trace.append((idx.copy(), wts.copy()))
     if general and T == 1 and ws.threads == 1 and not hasattr(layer.w1, "q"):
         # GPT-OSS decode on one thread: its biased experts in one Numba call, as the loop below adds them
-        K.experts_biased(kernel_array(layer.w1), kernel_array(layer.w3), kernel_array(layer.w2), layer.b1, layer.b3,
-                         layer.b2, idx[0], wts[0], x[0], layer.swiglu[0], layer.swiglu[1], ws.h1, ws.h3,
-                         ws.expert_out[0], out[0])
+        KD.experts_biased(kernel_array(layer.w1), kernel_array(layer.w3), kernel_array(layer.w2), layer.b1, layer.b3,
+                          layer.b2, idx[0], wts[0], x[0], layer.swiglu[0], layer.swiglu[1], ws.h1, ws.h3,
+                          ws.expert_out[0], out[0], ws.xs[0], ws.xi[0])
         return _shared_expert(layer, x, ws, out)
     if T > 1 or general:
         counts, offsets, order = ws.counts[:E], ws.offsets[:E + 1], ws.order[:T * A]

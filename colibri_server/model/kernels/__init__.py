@@ -28,7 +28,7 @@ from .dense import (argmax, argmax_ref, embed, embed_ref, matvec, matvec_ref, ma
                     rows_to_f32, rows_to_f32_ref)
 from .moe import (expert_ffn, expert_ffn_par, expert_ffn_ref, group_by_expert, group_by_expert_ref,  # noqa: F401
                   matvec_par, matvec_qkv_par, route, route_ref, route_rule, route_rule_ref, silu_mul,
-                  silu_mul_ref, swiglu_clamped, swiglu_clamped_ref, route_sparsemixer, experts_biased,
+                  silu_mul_ref, swiglu_clamped, swiglu_clamped_ref, route_sparsemixer,
                   shared_gate_scale)
 from .attn import attend, attention, attention_par, attention_ref  # noqa: F401
 from .matmuls import matmul, matmul_par, matmul_ref  # noqa: F401

@@ -25,7 +25,7 @@ from .moe import (_matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, matvec_
                   route_sparsemixer, shared_gate_scale, swiglu_clamped)
 from .quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
 
-__all__ = ["decode_token", "moe_float", "moe_quant", "rope_cache_attend"]
+__all__ = ["decode_token", "experts_biased", "moe_float", "moe_quant", "rope_cache_attend"]
 
 
 @njit(cache=True)
@@ -224,28 +224,36 @@ def _at_overload(W, e):
 
 
 @njit(cache=True)
-def _routed_biased(gate, gate_b, w1, w3, w2, b1, b3, b2, alpha, limit, x, top_k, renorm, logits, idx, wts, h1, h3, y,
-                   out, xs, xi):
-    # GPT-OSS's routed layer at T == 1, moe()'s general path call for call: the router's logits W x + gate_b, softmax
-    # top-k, then each chosen expert in increasing id order (as moe() groups them) out (D,) += wts * (w2[e] @
-    # swiglu_clamped(w1[e] @ x, w3[e] @ x, b1[e], b3[e]) + b2[e]); h1, h3 (I,), y (D,) scratch
-    _matvec_core(gate, x, logits[0], np.float32(1.0), False)
-    _add(logits[0], gate_b)
-    route(logits, top_k, renorm, idx, wts)
+def experts_biased(w1, w3, w2, b1, b3, b2, idx, wts, x, alpha, limit, h1, h3, y, out, xs, xi):
+    # GPT-OSS, one token: out (D,) = sum over its chosen experts (idx (A,) i32, in increasing order as moe()'s
+    # general path adds them) of wts[a] * (w2[e] @ act + b2[e]), act = swiglu_clamped(w1[e] @ x, w3[e] @ x, b1[e],
+    # b3[e]); w1,w3 (E,I,D), w2 (E,D,I) float rows or panels or quantized pairs; h1,h3 (I,), y (D,) f32 scratch;
+    # xs/xi pick the threads (_proj). moe() calls it for a decode token on one thread, the fused token in any case
     out[:] = 0.0
-    order = np.argsort(idx[0])
+    order = np.argsort(idx)
     n = h1.shape[0]
-    for k in range(top_k):
+    for k in range(idx.shape[0]):
         a = order[k]
-        e = idx[0, a]
+        e = idx[a]
         _proj(_at(w1, e), x, h1, xs, xi)
         _proj(_at(w3, e), x, h3, xs, xi)
         swiglu_clamped(h1.reshape((1, n)), h3.reshape((1, n)), b1[e], b3[e], alpha, limit, h1.reshape((1, n)))
         _proj(_at(w2, e), h1, y, xs, xi)
-        wa = wts[0, a]
+        wa = wts[a]
         be = b2[e]
         for j in range(out.shape[0]):
             out[j] += (y[j] + be[j]) * wa
+
+
+@njit(cache=True)
+def _routed_biased(gate, gate_b, w1, w3, w2, b1, b3, b2, alpha, limit, x, top_k, renorm, logits, idx, wts, h1, h3, y,
+                   out, xs, xi):
+    # GPT-OSS's routed layer at T == 1, moe()'s general path call for call: the router's logits W x + gate_b, softmax
+    # top-k, then its biased experts (experts_biased)
+    _matvec_core(gate, x, logits[0], np.float32(1.0), False)
+    _add(logits[0], gate_b)
+    route(logits, top_k, renorm, idx, wts)
+    experts_biased(w1, w3, w2, b1, b3, b2, idx[0], wts[0], x, alpha, limit, h1, h3, y, out, xs, xi)
 
 
 @njit(cache=True)

@@ -134,29 +134,6 @@ def shared_gate_scale(x, g):
     return np.float32(1.0) / (np.float32(1.0) + np.float32(np.exp(-a)))
 
 
-@njit(cache=True)
-def experts_biased(w1, w3, w2, b1, b3, b2, idx, wts, x, alpha, limit, h1, h3, y, out):
-    # GPT-OSS, one token: out (D,) = sum over its chosen experts (idx (A,) i32, in increasing order as moe()'s
-    # general path adds them) of wts[a] * (w2[e] @ act + b2[e]), act = swiglu_clamped(w1[e] @ x, w3[e] @ x, b1[e],
-    # b3[e]); w1,w3 (E,I,D), w2 (E,D,I) float rows or panels; h1,h3 (I,), y (D,) f32 scratch
-    one = np.float32(1.0)
-    out[:] = 0.0
-    A = idx.shape[0]
-    order = np.argsort(idx)
-    for k in range(A):
-        a = order[k]
-        e = idx[a]
-        _matvec_core(w1[e], x, h1, one, False)
-        _matvec_core(w3[e], x, h3, one, False)
-        swiglu_clamped(h1.reshape((1, h1.shape[0])), h3.reshape((1, h3.shape[0])), b1[e], b3[e], alpha, limit,
-                       h1.reshape((1, h1.shape[0])))
-        _matvec_core(w2[e], h1, y, one, False)
-        wa = wts[a]
-        be = b2[e]
-        for j in range(out.shape[0]):
-            out[j] += (y[j] + be[j]) * wa
-
-
 @njit(cache=True, inline="always")
 def chunk_rows(c, d, nchunks):
     # rows r0..r1 of chunk c when d rows are split in nchunks (boundaries multiples of 8)
