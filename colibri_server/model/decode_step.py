@@ -6,7 +6,8 @@ weights have just flushed. Measured on bench-mixtral f16, one process alternatin
 the whole token in one call is 2-5% faster per token, with the same logits bit for bit.
 
 DecodeStep owns the argument tuples, built once per (weights, workspace): each per-layer
-weight as a tuple over the layers, absent q/k norms as empty arrays. It covers the models
+weight as a stack over the layers (kernels/stacks: addresses and shapes, so the compiled token
+is one for any number of layers), absent q/k norms as empty arrays. It covers the models
 whose every piece the fused kernel computes with forward's own kernels: routed layers with version-1
 routing (Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE with its q/k/v biases and gated shared expert) or
 version-2 routing (GLM-4.5: sigmoid, correction bias, groups, routed scale, ungated shared expert) or
@@ -53,17 +54,40 @@ def _opt(a):
     return _NONE if a is None else a
 
 
-def _uniform(items):
-    """items as a tuple Numba indexes at run time (one type for all layers), else None."""
-    t = tuple(items)
-    return t if isinstance(numba.typeof(t), numba.types.UniTuple) else None
+class Stacks:
+    """Builds kernels/stacks' stacks: per-layer arrays (or pairs, or triples of them) as addresses and shapes,
+    one compiled type for any number of layers; keeps every array it points at alive (`keep`)."""
+
+    def __init__(self):
+        self.keep = []
+
+    def __call__(self, items):
+        """items (one per layer) as a stack, or None where one type cannot hold them all (mixed kinds,
+        dtypes, ranks, or an array not C-contiguous: forward's general path then runs the model)."""
+        items = list(items)
+        if not items:
+            return None
+        if all(isinstance(a, tuple) for a in items):
+            n = len(items[0])
+            if n not in (2, 3) or any(len(a) != n for a in items):
+                return None
+            parts = tuple(self([a[k] for a in items]) for k in range(n))
+            return None if any(p is None for p in parts) else parts
+        if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in items):
+            return None
+        if len({numba.typeof(a) for a in items}) != 1:
+            return None
+        self.keep.extend(items)
+        return (np.array([a.ctypes.data for a in items], np.int64),
+                np.array([a.shape for a in items], np.int64).reshape(len(items), items[0].ndim), items[0])
 
 
 class DecodeStep:
     """One decode token of a model, fused; build() says whether this model is covered."""
 
-    def __init__(self, cfg, ws, args, moe_layers):
+    def __init__(self, cfg, ws, args, moe_layers, keep=()):
         self.cfg, self.ws, self.args = cfg, ws, args
+        self._keep = keep                        # the arrays the stacks in args point at
         E, A, S = cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size
         self.ids = np.zeros(1, np.int64)
         # the layers that route (dense ones among them do not) and the experts each chose for the last token
@@ -76,9 +100,9 @@ class DecodeStep:
         self.scale = attention_scale(cfg)
 
     @staticmethod
-    def _attention(cfg, Ls, ws):
-        """The kernel's `attn` tuple (kernels/decode._attention): the layers' attention weights as tuples over
-        the layers and the workspace's scratch for them; None where not covered."""
+    def _attention(cfg, Ls, ws, st):
+        """The kernel's `attn` tuple (kernels/decode._attention): the layers' attention weights as stacks over
+        the layers (st: the Stacks that builds them) and the workspace's scratch for them; None where not covered."""
         if cfg.mla:                                        # latent attention (mla.py)
             nope = cfg.qk_nope_head_dim
             has_qa = Ls[0].q_a is not None
@@ -89,10 +113,10 @@ class DecodeStep:
                 cols.append([_weight(L.q_a) for L in Ls])
             if any(W is None for col in cols for W in col):
                 return None
-            wq, kv_a = (_uniform(col) for col in cols[:2])
-            q_a = _uniform(cols[2]) if has_qa else wq             # never read without a query rank
-            q_a_norm = _uniform(L.q_a_norm if has_qa else _NONE for L in Ls)
-            kv_a_norm, k_up, v_up = (_uniform(getattr(L, n) for L in Ls) for n in ("kv_a_norm", "k_up", "v_up"))
+            wq, kv_a = (st(col) for col in cols[:2])
+            q_a = st(cols[2]) if has_qa else wq             # never read without a query rank
+            q_a_norm = st(L.q_a_norm if has_qa else _NONE for L in Ls)
+            kv_a_norm, k_up, v_up = (st(getattr(L, n) for L in Ls) for n in ("kv_a_norm", "k_up", "v_up"))
             if any(t is None for t in (wq, kv_a, q_a, q_a_norm, kv_a_norm, k_up, v_up)):
                 return None
             ql = ws.q_lora[:1] if has_qa else ws.q[:1, :0]
@@ -113,9 +137,9 @@ class DecodeStep:
         wqkv = [qkv(L) for L in Ls]
         if qk_mode is None or any(W is None for W in wqkv):
             return None
-        wqkv, qnorm, knorm = _uniform(wqkv), _uniform(_opt(L.q_norm) for L in Ls), _uniform(_opt(L.k_norm) for L in Ls)
+        wqkv, qnorm, knorm = st(wqkv), st(_opt(L.q_norm) for L in Ls), st(_opt(L.k_norm) for L in Ls)
         # Qwen2-MoE's and GPT-OSS's q|k|v biases as one vector
-        bqkv = _uniform(_NONE if L.bq is None else np.concatenate([L.bq, L.bk, L.bv]) for L in Ls)
+        bqkv = st(_NONE if L.bq is None else np.concatenate([L.bq, L.bk, L.bv]) for L in Ls)
         if any(t is None for t in (wqkv, qnorm, knorm, bqkv)):
             return None
         H, Hkv, hd, qd, kvd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_dim, cfg.kv_dim
@@ -145,7 +169,8 @@ class DecodeStep:
             return None
         if moe and not biased and moe[0].gate_b is not None:
             return None
-        attn = cls._attention(cfg, Ls, ws)
+        st = Stacks()
+        attn = cls._attention(cfg, Ls, ws, st)
         if attn is None:
             return None
         per_layer = [
@@ -156,26 +181,26 @@ class DecodeStep:
             *([_weight(getattr(L, n)) for L in mlps] for n in ("mlp_w1", "mlp_w3", "mlp_w2"))]
         if any(x is None for col in per_layer for x in col):
             return None
-        tuples = [_uniform(col) for col in per_layer[:7]]
+        tuples = [st(col) for col in per_layer[:7]]
         wout = _weight(w.output)
         if any(t is None for t in tuples) or wout is None:
             return None
         anorm, wo, fnorm, anorm_b, fnorm_b, bo, sinks = tuples
-        # each kind's tuples over its own layers; a kind the model lacks gets a placeholder of a type its code
+        # each kind's stacks over its own layers; a kind the model lacks gets a placeholder of a type its code
         # compiles with, never read (no MoE: gate None, the MoE branch is not compiled)
-        never = (wo[0],)
-        w1, w3, w2 = (_uniform(col) for col in per_layer[7:10]) if moe else (never,) * 3
-        mw1, mw3, mw2 = (_uniform(col) for col in per_layer[10:13]) if mlps else (never,) * 3
+        never = st(per_layer[1][:1])
+        w1, w3, w2 = (st(col) for col in per_layer[7:10]) if moe else (never,) * 3
+        mw1, mw3, mw2 = (st(col) for col in per_layer[10:13]) if mlps else (never,) * 3
         if any(t is None for t in (w1, w3, w2, mw1, mw3, mw2)):
             return None
-        gate = _uniform(L.gate for L in moe) if moe else None           # None: decode_token runs only MLPs
-        rule = _uniform(_opt(L.rule) for L in moe) if moe else (_NONE,)
-        cbias = _uniform(_opt(L.corr_bias) for L in moe) if moe else (_NONE,)
+        gate = st(L.gate for L in moe) if moe else None           # None: decode_token runs only MLPs
+        rule = st(_opt(L.rule) for L in moe) if moe else st([_NONE])
+        cbias = st(_opt(L.corr_bias) for L in moe) if moe else st([_NONE])
         if moe and (gate is None or rule is None or cbias is None):
             return None
         bias = None
         if biased:                       # GPT-OSS: the router's bias, the experts' biases, the clamped SwiGLU
-            bias = (*(_uniform(getattr(L, n) for L in moe) for n in ("gate_b", "b1", "b3", "b2")), *moe[0].swiglu)
+            bias = (*(st(getattr(L, n) for L in moe) for n in ("gate_b", "b1", "b3", "b2")), *moe[0].swiglu)
             if any(t is None for t in bias[:4]):
                 return None
         ffn_of = np.zeros(len(Ls), np.int64)                            # >= 0: MoE layer index; < 0: -1 - MLP index
@@ -190,10 +215,10 @@ class DecodeStep:
             cols = [[_weight(getattr(L, n)) for L in moe] for n in ("shared_w1", "shared_w3", "shared_w2")]
             if any(W is None for col in cols for W in col):
                 return None
-            shared = [_uniform(col) for col in cols]
-            sgate = _uniform(_NONE if L.shared_gate is None else L.shared_gate[0] for L in moe)
+            shared = [st(col) for col in cols]
+            sgate = st(_NONE if L.shared_gate is None else L.shared_gate[0] for L in moe)
         else:                                              # never read: any matrices of a uniform type
-            shared, sgate = [wo, wo, wo], _uniform(_NONE for _ in Ls)
+            shared, sgate = [wo, wo, wo], st(_NONE for _ in Ls)
         if any(t is None for t in (sgate, *shared)):
             return None
         top_k, renorm = (moe[0].top_k, moe[0].renorm) if moe else (Ls[0].top_k, Ls[0].renorm)
@@ -203,7 +228,7 @@ class DecodeStep:
                 cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, *shared, sgate, has_shared, top_k, renorm,
                 cfg.rms_norm_eps)
         head = (w.output_norm, _opt(w.output_norm_b), wout, _opt(w.output_b))
-        return cls(cfg, ws, (args, head), routed)
+        return cls(cfg, ws, (args, head), routed, st.keep)
 
     def _call_args(self, rope, k, v, table, start, scores) -> tuple:
         layers, head = self.args

@@ -24,6 +24,7 @@ from .heads import heads_matmul, heads_matmul_par
 from .moe import (_matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, matvec_qkv_par, route, route_rule,
                   route_sparsemixer, shared_gate_scale, swiglu_clamped)
 from .quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
+from .stacks import layer
 
 __all__ = ["decode_token", "experts_biased", "moe_float", "moe_quant", "rope_cache_attend"]
 
@@ -282,17 +283,18 @@ def _ffn_overload(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2,
         def dense(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts,
                   h1, h3, m1, m3, y, out, xs, xi):
             i = -1 - j
-            _mlp(mw1[i], mw3[i], mw2[i], x, m1, m3, out, xs, xi)
+            _mlp(layer(mw1, i), layer(mw3, i), layer(mw2, i), x, m1, m3, out, xs, xi)
         return dense
     if not isinstance(bias, types.NoneType):
         def biased(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts,
                    h1, h3, m1, m3, y, out, xs, xi):
             if j < 0:
                 i = -1 - j
-                _mlp(mw1[i], mw3[i], mw2[i], x, m1, m3, out, xs, xi)
+                _mlp(layer(mw1, i), layer(mw3, i), layer(mw2, i), x, m1, m3, out, xs, xi)
             else:
                 gate_b, b1, b3, b2, alpha, limit = bias
-                _routed_biased(gate[j], gate_b[j], w1[j], w3[j], w2[j], b1[j], b3[j], b2[j], alpha, limit, x, top_k,
+                _routed_biased(layer(gate, j), layer(gate_b, j), layer(w1, j), layer(w3, j), layer(w2, j),
+                               layer(b1, j), layer(b3, j), layer(b2, j), alpha, limit, x, top_k,
                                renorm, logits, idx[j:j + 1], wts, h1, h3, y, out, xs, xi)
         return biased
 
@@ -300,10 +302,10 @@ def _ffn_overload(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2,
                h3, m1, m3, y, out, xs, xi):
         if j < 0:
             i = -1 - j
-            _mlp(mw1[i], mw3[i], mw2[i], x, m1, m3, out, xs, xi)
+            _mlp(layer(mw1, i), layer(mw3, i), layer(mw2, i), x, m1, m3, out, xs, xi)
         else:
-            _routed(gate[j], rule[j], cbias[j], sparse, w1[j], w3[j], w2[j], x, top_k, renorm, logits, idx[j:j + 1],
-                    wts, h1, h3, out, xs, xi)
+            _routed(layer(gate, j), layer(rule, j), layer(cbias, j), sparse, layer(w1, j), layer(w3, j),
+                    layer(w2, j), x, top_k, renorm, logits, idx[j:j + 1], wts, h1, h3, out, xs, xi)
     return either
 
 
@@ -325,28 +327,30 @@ def _attention_overload(attn, l, h, pos, cos, sin, kc, vc, table, start, window,
             # then never read); k_up (H,r,nope), v_up (H,v,r) per layer; leps the latent norms' eps; q
             # (1,H*(nope+dr)), ql (1,q_lora_rank), rows (1,r+dr), qa (1,H*(r+dr)), lat (1,H*r), ah (1,H*v) scratch
             q_a, q_a_norm, wq, kv_a, kv_a_norm, k_up, v_up, nope, leps, q, ql, rows, qa, lat, ah = attn
-            H, r = k_up[l].shape[0], k_up[l].shape[1]
+            kup = layer(k_up, l)
+            H, r = kup.shape[0], kup.shape[1]
             dr = rows.shape[1] - r
-            if q_a_norm[l].shape[0] > 0:
-                _proj(q_a[l], h, ql[0], xs, xi)
-                rmsnorm(ql, q_a_norm[l], leps, ql)
-                _proj(wq[l], ql[0], q[0], xs, xi)
+            qan = layer(q_a_norm, l)
+            if qan.shape[0] > 0:
+                _proj(layer(q_a, l), h, ql[0], xs, xi)
+                rmsnorm(ql, qan, leps, ql)
+                _proj(layer(wq, l), ql[0], q[0], xs, xi)
             else:
-                _proj(wq[l], h, q[0], xs, xi)
+                _proj(layer(wq, l), h, q[0], xs, xi)
             q3 = q.reshape((1, H, nope + dr))
-            _proj(kv_a[l], h, rows[0], xs, xi)
+            _proj(layer(kv_a, l), h, rows[0], xs, xi)
             c = rows[0, :r].reshape((1, r))        # contiguous, as forward's view of it is: the same norm's code
-            rmsnorm(c, kv_a_norm[l], leps, c)
+            rmsnorm(c, layer(kv_a_norm, l), leps, c)
             rows3 = rows.reshape((1, 1, r + dr))
             rope(q3[:, :, nope:], pos, cos, sin)
             rope(rows3[:, :, r:], pos, cos, sin)
             qa3 = qa.reshape((1, H, r + dr))
-            _heads(q3[:, :, :nope], k_up[l], qa3[:, :, :r], xs)
+            _heads(q3[:, :, :nope], kup, qa3[:, :, :r], xs)
             for hh in range(H):
                 qa3[0, hh, r:] = q3[0, hh, nope:]
             lat3 = lat.reshape((1, H, r))
             _store_attend(kc, vc, table, l, qa3, rows3, rows3, start, window, scale, lat3, scores, sinks, xs)
-            _heads(lat3, v_up[l], ah.reshape((1, H, ah.shape[1] // H)), xs)
+            _heads(lat3, layer(v_up, l), ah.reshape((1, H, ah.shape[1] // H)), xs)
             return ah[0]
         return latent
 
@@ -357,19 +361,20 @@ def _attention_overload(attn, l, h, pos, cos, sin, kc, vc, table, start, window,
         wqkv, bqkv, qnorm, knorm, qk_mode, clip, qkv, q3, k3, v3, attn3 = attn
         _, H, hd = q3.shape
         Hkv = k3.shape[1]
-        _qkv(wqkv[l], h, qkv[0], xs, xi)
-        if bqkv[l].shape[0] > 0:
-            _add(qkv[0], bqkv[l])
+        _qkv(layer(wqkv, l), h, qkv[0], xs, xi)
+        b = layer(bqkv, l)
+        if b.shape[0] > 0:
+            _add(qkv[0], b)
         if qk_mode == 1:
-            rmsnorm(q3.reshape(1, H * hd), qnorm[l], eps, q3.reshape(1, H * hd))
-            rmsnorm(k3.reshape(1, Hkv * hd), knorm[l], eps, k3.reshape(1, Hkv * hd))
+            rmsnorm(q3.reshape(1, H * hd), layer(qnorm, l), eps, q3.reshape(1, H * hd))
+            rmsnorm(k3.reshape(1, Hkv * hd), layer(knorm, l), eps, k3.reshape(1, Hkv * hd))
         if clip > 0:
             _clip(q3.reshape(H * hd), clip)
             _clip(k3.reshape(Hkv * hd), clip)
             _clip(v3.reshape(Hkv * hd), clip)
         if qk_mode == 2:
-            rmsnorm(q3.reshape(H, hd), qnorm[l], eps, q3.reshape(H, hd))
-            rmsnorm(k3.reshape(Hkv, hd), knorm[l], eps, k3.reshape(Hkv, hd))
+            rmsnorm(q3.reshape(H, hd), layer(qnorm, l), eps, q3.reshape(H, hd))
+            rmsnorm(k3.reshape(Hkv, hd), layer(knorm, l), eps, k3.reshape(Hkv, hd))
         rope(q3, pos, cos, sin)
         rope(k3, pos, cos, sin)
         _store_attend(kc, vc, table, l, q3, k3, v3, start, window, scale, attn3, scores, sinks, xs)
@@ -439,25 +444,27 @@ def decode_token(ids, emb, anorm, anorm_b, attn, wo, bo, sinks, windows, fnorm, 
     # kcache/vcache: (L,Hkv,S,hd) (table unused) or a paged pool (L,NB,Hkv,BS,hd) with the table.
     embed(emb, ids, x)
     pos[0] = start
-    for l in range(len(wo)):
-        _norm(x, anorm[l], anorm_b[l], eps, h)
-        a = _attention(attn, l, h[0], pos, cos, sin, kcache, vcache, table, start, windows[l], scale, sinks[l],
-                       scores, eps, xs, xi)
-        _proj(wo[l], a, sub[0], xs, xi)
-        if bo[l].shape[0] > 0:
-            _add(sub[0], bo[l])
+    for l in range(ffn_of.shape[0]):
+        _norm(x, layer(anorm, l), layer(anorm_b, l), eps, h)
+        a = _attention(attn, l, h[0], pos, cos, sin, kcache, vcache, table, start, windows[l], scale,
+                       layer(sinks, l), scores, eps, xs, xi)
+        _proj(layer(wo, l), a, sub[0], xs, xi)
+        b = layer(bo, l)
+        if b.shape[0] > 0:
+            _add(sub[0], b)
         _add(x[0], sub[0])
-        _norm(x, fnorm[l], fnorm_b[l], eps, h)
+        _norm(x, layer(fnorm, l), layer(fnorm_b, l), eps, h)
         j = ffn_of[l]
         _ffn(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, h[0], top_k, renorm, logits_e, idx, wts,
              h1, h3, m1, m3, y, sub[0], xs, xi)
         if has_shared and j >= 0:          # moe._shared_expert: swiglu, then the gate's sigmoid, then added
-            _proj(sw1[j], h[0], sh1, xs, xi)
-            _proj(sw3[j], h[0], sh3, xs, xi)
+            _proj(layer(sw1, j), h[0], sh1, xs, xi)
+            _proj(layer(sw3, j), h[0], sh3, xs, xi)
             _silu_mul_1d(sh1, sh3)
-            _proj(sw2[j], sh1, sout, xs, xi)
-            if sgate[j].shape[0] > 0:
-                gs = shared_gate_scale(h[0], sgate[j])
+            _proj(layer(sw2, j), sh1, sout, xs, xi)
+            sg = layer(sgate, j)
+            if sg.shape[0] > 0:
+                gs = shared_gate_scale(h[0], sg)
                 for c in range(sout.shape[0]):
                     sout[c] *= gs
             _add(sub[0], sout)

@@ -1,0 +1,64 @@
+"""Per-layer arrays as one compiled type for any number of layers: a stack.
+
+The fused decode token reads every layer's weights. A tuple of them is typed by its length
+(UniTuple(array, 30)), so each layer count compiled the token anew, and indexing it at run time
+compiled a switch over every element at every use: a 4-layer model's token took 15 s to compile,
+a 30-layer one's 38 s, each model shape its own. A stack is three arrays instead:
+
+    (addresses (L,) int64, shapes (L, ndim) int64, first)
+
+`layer(S, l)` rebuilds layer l's array from its address and shape, typed as `first` (its dtype and
+rank, C order); the compiled type depends on the kind of array, never on L. A stack of pairs
+(quantized values and scales) or of three (q|k|v as three matrices) is a tuple of stacks, and
+`layer` gives the tuple of layer l's arrays, what the kernels took from a tuple over the layers.
+
+The arrays behind the addresses must outlive the stack (the Python side that builds one keeps
+them: decode_step.Stacks); every array is C-contiguous (the builder checks). The rebuilt arrays
+are writable views in Numba's eyes; kernels never write weights.
+"""
+from __future__ import annotations
+
+from numba import carray, types
+from numba.extending import intrinsic, overload
+
+__all__ = ["layer", "is_stack"]
+
+
+@intrinsic
+def _pointer(typingctx, addr, like):
+    # the int64 address `addr` as a pointer to `like`'s dtype (a carray's first argument)
+    ptr = types.CPointer(like.dtype)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+    return ptr(types.int64, like), codegen
+
+
+def is_stack(S) -> bool:
+    """Whether the Numba type S is one stack (not a tuple of stacks)."""
+    return (isinstance(S, types.BaseTuple) and len(S) == 3 and isinstance(S[0], types.Array)
+            and S[0].dtype == types.int64 and S[0].ndim == 1 and isinstance(S[1], types.Array)
+            and S[1].ndim == 2 and isinstance(S[2], types.Array))
+
+
+def layer(S, l):
+    """Python stand-in (never called): layer l's array of stack S, or the tuple of them for a tuple of stacks."""
+    raise NotImplementedError
+
+
+@overload(layer, inline="always")
+def _layer_overload(S, l):
+    if is_stack(S):
+        nd = S[2].ndim
+        if nd == 1:
+            return lambda S, l: carray(_pointer(S[0][l], S[2]), (S[1][l, 0],))
+        if nd == 2:
+            return lambda S, l: carray(_pointer(S[0][l], S[2]), (S[1][l, 0], S[1][l, 1]))
+        if nd == 3:
+            return lambda S, l: carray(_pointer(S[0][l], S[2]), (S[1][l, 0], S[1][l, 1], S[1][l, 2]))
+        return None
+    if isinstance(S, types.BaseTuple) and len(S) == 2:
+        return lambda S, l: (layer(S[0], l), layer(S[1], l))
+    if isinstance(S, types.BaseTuple) and len(S) == 3:
+        return lambda S, l: (layer(S[0], l), layer(S[1], l), layer(S[2], l))
+    return None
