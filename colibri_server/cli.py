@@ -61,8 +61,13 @@ def cmd_run(a):
     if a.prompt is None:
         _die("give a prompt (or --embedding FILE.npy)", 2)
     prompt = [int(t) for t in a.prompt.split(",")] if a.token_ids else a.prompt
-    # compile (or load from Numba's cache) every kernel first: the figures below are the model's
-    compile_s = m.warm_up(announce=lambda msg: print(f"colibri: {msg}", file=sys.stderr, flush=True))
+    # compile (or load from the kernel cache) every kernel first: the figures below are the model's. When
+    # something compiles (a first start of this kind of model), a second process compiles what `colibri serve`
+    # will need, on another core, so that it starts warm
+    from .model.precompile import start_other_layouts
+    others = []
+    compile_s = m.warm_up(announce=lambda msg: print(f"colibri: {msg}", file=sys.stderr, flush=True),
+                          on_compile=lambda: others.append(start_other_layouts(m.path, "run")))
     t0 = time.perf_counter()
     n, first = 0, None
     try:
@@ -78,7 +83,12 @@ def cmd_run(a):
     sys.stdout.write("\n")
     dec = (n - 1) / (t1 - first) if n > 1 and t1 > first else float("nan")
     print(f"[{n} tokens; first token after {first - t0:.3f}s (prefill); decode {dec:.1f} tok/s; "
-          f"kernels ready in {compile_s:.2f}s before, not counted]", file=sys.stderr)
+          f"kernels ready in {compile_s:.2f}s before ({m.compiled} compiled), not counted]", file=sys.stderr)
+    for p in others:
+        if p.poll() is None:
+            print("colibri: finishing the kernels `colibri serve` needs (once per machine)...", file=sys.stderr,
+                  flush=True)
+        p.wait()
 
 
 def _run_embedding(m, a):
@@ -238,11 +248,20 @@ def _load_settings(a):
         _die(str(e), 2)
 
 
+def use_cache_dir(path):
+    """The kernel cache root for this process and those it starts (model/numba_cache reads it at import)."""
+    if path:
+        if "colibri_server.model" in sys.modules:       # pragma: no cover - a caller's ordering error
+            raise RuntimeError("cache_dir must be set before colibri_server.model is imported")
+        os.environ["COLIBRI_CACHE_DIR"] = os.path.abspath(path)
+
+
 def cmd_serve(a, role="serve"):
     from .master import Arbiter
     from .settings import load_settings
     from .systemd import notifier
     s = _load_settings(a)
+    use_cache_dir(s.cache_dir)
     setup_logging(s.log_level, s.log_format)
     sys.exit(Arbiter(s, reload_settings=lambda: load_settings(a, config_path=DEFAULT_CONFIG),
                      notify=notifier(), role=role).run())
@@ -250,6 +269,36 @@ def cmd_serve(a, role="serve"):
 
 def cmd_router(a):
     cmd_serve(a, role="head")
+
+
+def cmd_compile(a):
+    use_cache_dir(a.cache_dir)
+    from .model import precompile as P
+    from .model.numba_cache import kernel_dir
+    try:
+        layouts = tuple(a.layout or P.LAYOUTS)
+        todo = ([P.Job("", "", layouts, a.kv_dtype, model=os.path.abspath(m)) for m in a.model] if a.model else
+                P.jobs(a.family, a.kind, layouts, a.kv_dtype))
+    except ValueError as e:
+        _die(str(e), 2)
+    for m in a.model or ():
+        problem = model_file_problem(m)
+        if problem:
+            _die(problem)
+    where = kernel_dir()
+    print(f"colibri compile: {len(todo)} jobs into {where}", file=sys.stderr, flush=True)
+    t0, total = time.perf_counter(), [0]
+
+    def progress(i, n, r):
+        job, secs, compiled, error = r
+        total[0] += compiled
+        print(f"colibri compile: [{i}/{n}] {job.name}: " + (f"failed: {error}" if error else
+              f"{compiled} kernels compiled in {secs:.1f}s"), file=sys.stderr, flush=True)
+    failed = [r for r in P.compile_jobs(todo, a.jobs, progress) if r[3]]
+    print(f"colibri compile: {total[0]} kernels compiled for {len(todo) - len(failed)} of {len(todo)} jobs in "
+          f"{time.perf_counter() - t0:.1f}s; cache {where}", file=sys.stderr)
+    if failed:
+        sys.exit(1)
 
 
 def cmd_config(a):
@@ -514,6 +563,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids; print ids")
     r.add_argument("--embedding", help="a .npy file of input embeddings (T, D): bypasses the tokenizer")
     r.set_defaults(fn=cmd_run)
+
+    k = sub.add_parser("compile", help="compile the CPU kernels ahead of time, once per machine (every "
+                                       "family and storage kind, or what --model files need)")
+    k.add_argument("--model", action="append", metavar="FILE", help="compile what this .colibri file needs "
+                   "(repeatable) instead of every family and kind")
+    k.add_argument("--family", action="append", metavar="NAME", help="only these families (repeatable)")
+    k.add_argument("--kind", action="append", metavar="NAME", help="only these storage kinds (repeatable)")
+    k.add_argument("--layout", action="append", choices=("run", "serve-1", "serve-n"), help="only these ways of "
+                   "running (repeatable; default all: `colibri run`, one-thread workers, threaded workers)")
+    k.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16", help="the servers' KV cache precision")
+    k.add_argument("--jobs", type=int, default=0, metavar="N", help="processes compiling at once (0: one per core)")
+    k.add_argument("--cache-dir", default=os.environ.get("COLIBRI_CACHE_DIR", ""), metavar="DIR",
+                   help="the kernel cache (default: $CACHE_DIRECTORY, else $XDG_CACHE_HOME/colibri, "
+                        "else ~/.cache/colibri)")
+    k.set_defaults(fn=cmd_compile)
 
     d = sub.add_parser("debug", help="look inside a model")
     dsub = d.add_subparsers(dest="what", required=True)

@@ -71,12 +71,12 @@ def open_model(path, s):
         raise
     huge = m.file.huge_bytes
     log.info("model %s: %s, %d layers, %d experts, %s, %.1f MiB mapped in %.2fs (%s), checksums %s, "
-             "kernels ready in %.2fs",
+             "kernels ready in %.2fs (%d compiled)",
              path, m.config.arch, m.config.num_layers, m.config.num_experts, m.config.dtype,
              size / 2**20, t_map, "2 MiB pages: unknown" if huge is None else
              f"{huge / 2**20:.0f} MiB on 2 MiB pages",
              f"verified (+{t_crc:.2f}s beside the compile)" if verify else "not verified",
-             time.perf_counter() - t1)
+             time.perf_counter() - t1, getattr(m, "compiled", 0))
     return m
 
 

@@ -417,6 +417,9 @@ SCHEMA: tuple[Setting, ...] = (
             "sockets and state (empty: $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/colibri, "
             "else /tmp/colibri-UID)", reload=RESTART),
     Setting("pidfile", PATH, "", "write the master's pid to this file (empty: none)", reload=RESTART),
+    Setting("cache_dir", PATH, "", "compiled kernels, one directory per machine and build inside it (`colibri "
+            "compile` fills it; empty: $CACHE_DIRECTORY, else $XDG_CACHE_HOME/colibri, else ~/.cache/colibri)",
+            reload=RESTART),
     Setting("curve_secret_key", PATH, "",
             "ZeroMQ CURVE server secret key file for tcp binds (empty: no encryption)", reload=RESTART),
     Setting("curve_allowed_keys", PATH, "",

@@ -10,6 +10,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the suite's compiled kernels: one cache for both xdist workers and every server a test starts, kept between
+# runs of this checkout, apart from the user's own (model/numba_cache keys it by build and CPU inside)
+if not os.environ.get("NUMBA_CACHE_DIR"):
+    os.environ.setdefault("COLIBRI_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                            ".pytest_cache", "colibri-kernels"))
 
 
 class _Built:

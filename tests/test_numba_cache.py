@@ -1,58 +1,113 @@
-"""numba_cache: the package's cached kernels are dropped when any kernel source changes (Numba alone
-would keep kernels.matvec's cached code after an edit of kernels_float.py, which it inlines)."""
+"""numba_cache: the kernels' cache directory is the machine's and build's own (any kernel source edited,
+another Numba or CPU: another directory), outside the package, chosen by cache_dir / systemd / XDG; saves
+into it never cross between processes; a second start of a read-only install compiles nothing."""
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
 
 from colibri_server.model import numba_cache
 
 
 def _tree(tmp_path):
-    (tmp_path / "kernels.py").write_text("a = 1\n")
-    (tmp_path / "kernels_float.py").write_text("b = 2\n")
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "dense.py").write_text("a = 1\n")
+    (tmp_path / "kernels" / "float_ir.py").write_text("b = 2\n")
     (tmp_path / "other.py").write_text("c = 3\n")
-    cache = tmp_path / "__pycache__"
-    cache.mkdir()
-    return cache
+    return tmp_path
 
 
-def _cached(cache):
-    for name in ("kernels.matvec-353.py311.nbi", "kernels.matvec-353.py311.1.nbc"):
-        (cache / name).write_bytes(b"x")
-    (cache / "kernels.cpython-311.pyc").write_bytes(b"y")
+def test_the_key_changes_with_any_kernel_source_and_only_with_them(tmp_path):
+    t = _tree(tmp_path)
+    k0 = numba_cache.build_key(t)
+    assert numba_cache.build_key(t) == k0
+    (t / "other.py").write_text("c = 4\n")                   # not a kernel source
+    assert numba_cache.build_key(t) == k0
+    (t / "kernels" / "float_ir.py").write_text("b = 3\n")    # a kernel another one inlines
+    k1 = numba_cache.build_key(t)
+    assert k1 != k0 and re.fullmatch(r"[0-9a-f]{16}", k1)
 
 
-def test_cache_kept_while_sources_unchanged_and_dropped_after_any_kernel_edit(tmp_path, monkeypatch):
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    cache = _tree(tmp_path)
-    _cached(cache)
-    assert numba_cache.refresh(tmp_path)                    # no digest yet: nothing cached can be trusted
-    assert not list(cache.glob("*.nb?")) and (cache / "kernels.cpython-311.pyc").exists()
-    _cached(cache)
-    assert not numba_cache.refresh(tmp_path)                # same sources: the cache stays
-    assert len(list(cache.glob("*.nb?"))) == 2
-    (tmp_path / "other.py").write_text("c = 4\n")           # not a kernel source
-    assert not numba_cache.refresh(tmp_path)
-    (tmp_path / "kernels_float.py").write_text("b = 3\n")   # a kernel another one inlines
-    assert numba_cache.refresh(tmp_path)
-    assert not list(cache.glob("*.nb?"))
-    assert (cache / numba_cache.STAMP).read_text().strip() == numba_cache.sources_digest(tmp_path)
+def test_the_cpu_is_part_of_the_key(tmp_path, monkeypatch):
+    t = _tree(tmp_path)
+    k0 = numba_cache.build_key(t)
+    monkeypatch.setenv("NUMBA_CPU_NAME", "generic")
+    assert numba_cache.build_key(t) != k0
 
 
-def test_a_user_cache_dir_is_left_to_numba(tmp_path, monkeypatch):
-    cache = _tree(tmp_path)
-    _cached(cache)
-    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "elsewhere"))
-    assert not numba_cache.refresh(tmp_path)
-    assert len(list(cache.glob("*.nb?"))) == 2
+@pytest.mark.parametrize("env, root", [
+    ({"COLIBRI_CACHE_DIR": "/c", "CACHE_DIRECTORY": "/s", "XDG_CACHE_HOME": "/x"}, "/c"),
+    ({"CACHE_DIRECTORY": "/var/cache/colibri:/other", "XDG_CACHE_HOME": "/x"}, "/var/cache/colibri"),
+    ({"XDG_CACHE_HOME": "/x"}, "/x/colibri"),
+    ({}, os.path.join(os.path.expanduser("~"), ".cache", "colibri")),
+])
+def test_the_root_follows_the_setting_then_systemd_then_xdg(env, root):
+    assert numba_cache.cache_root(env) == root
+    assert numba_cache.kernel_dir(env) == os.path.join(root, f"kernels-{numba_cache.build_key()}")
 
 
-def test_the_package_digest_matches_its_sources():
-    import os
+def test_a_user_numba_cache_dir_is_left_to_numba():
+    assert numba_cache.kernel_dir({"NUMBA_CACHE_DIR": "/mine", "COLIBRI_CACHE_DIR": "/c"}) == "/mine"
 
-    import pytest
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        pytest.skip("NUMBA_CACHE_DIR is set: Numba's own rules apply")
-    stamp = numba_cache.HERE / "__pycache__" / numba_cache.STAMP
-    assert stamp.read_text().strip() == numba_cache.sources_digest()   # written at import
+
+def _run(env, *args):
+    return subprocess.run([sys.executable, "-m", "colibri_server.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=1800)
+
+
+def _clean_env(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "COLIBRI_CACHE_DIR")}
+    env.update(HOME=str(tmp_path / "home"), XDG_CACHE_HOME="", **extra)
+    return env
+
+
+def test_an_unwritable_root_falls_back_to_a_temporary_directory_and_says_so(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")                       # a directory below a regular file cannot be made, even by root
+    env = _clean_env(tmp_path, COLIBRI_CACHE_DIR=str(blocker / "cache"))
+    r = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(); import colibri_server.model; "
+                        "import os; print(os.environ['NUMBA_CACHE_DIR'])"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    used = r.stdout.strip()
+    assert "cannot be written" in r.stderr and str(blocker / "cache") in r.stderr and used in r.stderr
+    assert os.path.isdir(used) and os.path.basename(used).startswith("kernels-")
+
+
+def test_compile_once_then_any_model_of_that_kind_starts_warm_and_the_package_stays_unwritten(tmp_path):
+    """`colibri compile` for one family and kind (a small synthetic model's kernels) into cache_dir, then
+    `colibri run` of the bundled model (another shape: 4 layers, other sizes) compiles nothing; no cache file
+    is written into the package directory (a read-only install works the same)."""
+    import colibri_server
+    pkg = os.path.dirname(colibri_server.__file__)
+
+    def package_cache_files():
+        return {os.path.join(d, f) for d, _, fs in os.walk(pkg) for f in fs if f.endswith((".nbi", ".nbc"))}
+    before = package_cache_files()
+    cache = tmp_path / "cache"
+    env = _clean_env(tmp_path, COLIBRI_CACHE_DIR=str(cache))
+    c = _run(env, "compile", "--family", "mixtral", "--kind", "f16", "--layout", "run")
+    assert c.returncode == 0, c.stderr
+    m = re.search(r"\[1/1\] mixtral f16: (\d+) kernels compiled", c.stderr)
+    assert m and int(m.group(1)) > 0, c.stderr
+    r = _run(env, "run", "def", "--max-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert "(0 compiled)" in r.stderr, r.stderr
+    kdirs = list(cache.glob("kernels-*"))
+    assert len(kdirs) == 1 and any(kdirs[0].rglob("*.nbi"))
+    assert package_cache_files() == before
+
+
+def test_compile_names_a_bad_family_and_a_missing_model(tmp_path):
+    env = _clean_env(tmp_path, COLIBRI_CACHE_DIR=str(tmp_path / "cache"))
+    r = _run(env, "compile", "--family", "nope")
+    assert r.returncode == 2 and "unknown family 'nope'" in r.stderr and "Traceback" not in r.stderr
+    r = _run(env, "compile", "--model", str(tmp_path / "missing.colibri"))
+    assert r.returncode != 0 and "missing.colibri" in r.stderr and "Traceback" not in r.stderr
 
 
 def _save_many(cache_dir, who, n, locked, barrier):

@@ -8,7 +8,7 @@ It never imports the roles (master, router, worker), the wire (protocol, client)
 """
 from . import numba_cache as _numba_cache
 
-_numba_cache.refresh()      # before any kernel module is imported: a stale cached kernel never loads
+_numba_cache.configure()    # before any kernel module is imported: the machine's and build's own cache directory
 _numba_cache.lock_saves()   # and two processes compiling at once never cross their cache entries
 
 from . import hugepages as _hugepages  # noqa: E402,F401  (installs the 2 MiB page policy into format)

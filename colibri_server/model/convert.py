@@ -523,7 +523,7 @@ def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer
                            chat_template=chat_template, num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
         for n, s, dt in plan:
             w.declare(n, dt, s)
-        w.set_routing(_routing(cfg, w))
+        w.set_routing(routing_records(cfg, w))
         scales = {}     # quantized matrix -> its scale blocks, written right after it
         for n, s, dt in plan:
             if n.endswith(".s"):
@@ -631,7 +631,7 @@ def default_layout(dtype: str, layout: str | None) -> str:
     return layout
 
 
-def _routing(cfg: ModelConfig, w: fmt.ColibriWriter):
+def routing_records(cfg: ModelConfig, w: fmt.ColibriWriter):
     recs = []
     for i in range(cfg.num_layers):
         if not cfg.is_moe_layer(i):

@@ -101,6 +101,7 @@ class Model:
         self.noise = RoutingNoise(routing_noise, seed) if routing_noise else None
         self._tokenizer = None
         self.last_timings = {}
+        self.compiled = 0                  # kernels the last warm_up compiled (0: all from the cache)
 
     # -- opening ----------------------------------------------------------------
     @classmethod
@@ -293,32 +294,40 @@ class Model:
                 yield ev
         self.last_timings = seq.timings
 
-    def warm_up(self, announce=None, after: float = 1.0, run=None) -> float:
+    def warm_up(self, announce=None, after: float = 1.0, run=None, every: float = 10.0, on_compile=None) -> float:
         """Run a two-token generation (or `run()`: what a server's workers will run), so that every
-        kernel this model uses is compiled (or loaded from Numba's cache) now rather than inside the
-        first request or measurement. When that takes longer than `after` seconds (a first run,
-        compiling: half a minute or more), `announce(message)` is called once, while it goes on,
-        so that the wait does not look like a hang. Returns the seconds spent."""
+        kernel this model uses is compiled (or loaded from the kernel cache) now rather than inside the
+        first request or measurement. When that takes longer than `after` seconds (compiling: a first
+        run of this kind of model on this machine, unless `colibri compile` ran), `announce(message)` is
+        called, and again every `every` seconds with the count so far, so that the wait does not look
+        like a hang; `on_compile()` once when the first kernel compiles. Returns the seconds spent;
+        `self.compiled` is the number of kernels compiled."""
         import threading
         import time
+
+        from .numba_cache import Compiles
         done = threading.Event()
 
         def later():
             if not done.wait(after) and announce is not None:
-                announce("compiling the CPU kernels for this model (the first run only; they are "
-                         "cached afterwards): this can take a minute")
+                announce("compiling the CPU kernels for this kind of model (once per machine: they are cached; "
+                         "`colibri compile` does it ahead of time)")
         t = threading.Thread(target=later, name="colibri-compile-notice", daemon=True)
         t.start()
         t0 = time.perf_counter()
+        report = None if announce is None else (
+            lambda c: announce(f"compiling kernels: {c.count} so far, last {c.last} ({time.perf_counter() - t0:.0f}s)"))
         try:
-            if run is not None:
-                run()
-            else:
-                bos = self.config.bos_token_id if self.config.bos_token_id >= 0 else 0
-                self.generate([bos, bos], max_tokens=2, ignore_eos=True)
+            with Compiles(report, every, on_compile) as compiles:
+                if run is not None:
+                    run()
+                else:
+                    bos = self.config.bos_token_id if self.config.bos_token_id >= 0 else 0
+                    self.generate([bos, bos], max_tokens=2, ignore_eos=True)
         finally:
             done.set()
             t.join()
+        self.compiled = compiles.count
         return time.perf_counter() - t0
 
     def generate(self, prompt, max_tokens: int = 16, temperature: float = 0.0, seed=None, **params) -> list:

@@ -1,24 +1,33 @@
-"""Keep Numba's on-disk cache (`cache=True`) in step with the kernel sources.
+"""Where the compiled kernels live: a directory of their own per machine and kernel build, outside
+the package, and Numba's saves into it made safe between processes.
 
-Numba invalidates a cached function when *its own* source file changes, but the kernels inline
-each other across files (kernels/dense.matvec compiles kernels/float_ir's IR into itself;
-kernels/decode calls kernels/quant): after an edit of float_ir.py, the cached dense.matvec would
-still run the old code. So the whole cache is tied to one digest of every kernel source (the
-kernels/ package, and any kernels*.py beside it): when the digest in __pycache__/colibri-kernels.digest
-differs from the sources', the cached `.nbi`/`.nbc` files (here and in kernels/__pycache__) are
-removed before any is loaded, and Numba compiles afresh (and caches again).
+Numba caches a `cache=True` kernel's machine code beside its source by default (__pycache__): a
+read-only install (a system package, a container image, systemd's ProtectSystem=strict) caches
+nothing there, and Numba's staleness check looks at a kernel's own source file only, while the
+kernels inline each other across files (kernels/dense.matvec compiles kernels/float_ir's IR into
+itself: after an edit of float_ir.py the cached matvec would run the old code). So the kernels go to
+
+    <root>/kernels-<key>
+
+root: the `cache_dir` setting (which the cli passes as COLIBRI_CACHE_DIR), else systemd's
+$CACHE_DIRECTORY (the unit's CacheDirectory=colibri: /var/cache/colibri), else $XDG_CACHE_HOME/colibri,
+else ~/.cache/colibri. key: a digest of every kernel source, of Numba's, llvmlite's and Python's
+versions and of the CPU (its LLVM name and features, as Numba's own NUMBA_CPU_NAME/_FEATURES may set
+them): an upgrade, an edit or another machine gets a directory of its own, never a stale kernel, and a
+warm directory survives upgrades of anything else. A user's own NUMBA_CACHE_DIR is left to Numba's rules.
+A root that cannot be written is said once in the log, and the kernels go to a directory of the same key
+under the system's temporary directory instead.
 
 Numba's own save is not safe between processes: it reads the index, picks the first free data
 file number, writes the index and the data, with nothing held in between. Two processes compiling
-new signatures of one kernel at once (the suite's two xdist workers, two worker hosts' masters on
-one machine) pick the same number; the index written last names the other's data file, and the
-next load of that signature runs another signature's machine code (a segfault, seen in session
-12). `lock_saves()` holds an flock on the index's lock file around each save, so the second save
-reads the first one's index and picks another number.
+new signatures of one kernel at once (the suite's two xdist workers, `colibri compile`'s pool, two
+masters on one machine) pick the same number; the index written last names the other's data file,
+and the next load of that signature runs another signature's machine code (a segfault).
+`lock_saves()` holds an flock on the index's lock file around each save, so the second save reads
+the first one's index and picks another number.
 
-Runs once, at import of colibri_server.model, before any kernel module is imported. A cache
-directory that cannot be written (a read-only install) is left alone: Numba then does not cache
-either. Owns only the files Numba writes here; never touches NUMBA_CACHE_DIR elsewhere.
+`configure()` runs once, at import of colibri_server.model, before any kernel module is imported
+(a kernel's cache location is fixed when it is decorated). Owns only the directories it names.
 """
 from __future__ import annotations
 
@@ -26,11 +35,17 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import pathlib
+import platform
+import threading
+import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-STAMP = "colibri-kernels.digest"
+ENV = "COLIBRI_CACHE_DIR"
+
+log = logging.getLogger("colibri.kernels")
 
 
 def sources_digest(folder: pathlib.Path = HERE) -> str:
@@ -41,34 +56,70 @@ def sources_digest(folder: pathlib.Path = HERE) -> str:
     return h.hexdigest()
 
 
-def refresh(folder: pathlib.Path = HERE) -> bool:
-    """Drop the cached kernels of `folder` when its sources changed since they were cached.
-    Returns True when cache files were removed."""
-    if os.environ.get("NUMBA_CACHE_DIR"):          # the user's own cache location: Numba's rules
-        return False
-    cache = folder / "__pycache__"
-    digest = sources_digest(folder)
-    stamp = cache / STAMP
+def _cpu() -> str:
     try:
-        if stamp.read_text().strip() == digest:
-            return False
-    except OSError:
-        pass
-    removed = False
+        import llvmlite.binding as llvm
+        name, feats = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+    except Exception:           # pragma: no cover - no query: the versions and sources still key it
+        name, feats = "unknown", ""
+    return "|".join((os.environ.get("NUMBA_CPU_NAME", name), os.environ.get("NUMBA_CPU_FEATURES", feats)))
+
+
+def build_key(folder: pathlib.Path = HERE) -> str:
+    """The kernel build's key: sources, Numba, llvmlite, Python and the CPU (16 hex digits)."""
+    import llvmlite
+    import numba
+    h = hashlib.sha256("\0".join((sources_digest(folder), numba.__version__, llvmlite.__version__,
+                                  platform.python_version(), platform.machine(), _cpu())).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_root(env=None) -> str:
+    """The directory kernel builds are cached under (see the module's doc for the order)."""
+    env = os.environ if env is None else env
+    if env.get(ENV):
+        return env[ENV]
+    if env.get("CACHE_DIRECTORY"):                  # systemd's CacheDirectory=, the first of a ':' list
+        return env["CACHE_DIRECTORY"].split(":")[0]
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "colibri")
+
+
+def kernel_dir(env=None) -> str:
+    """This machine's and build's kernel directory: a user's NUMBA_CACHE_DIR, else <root>/kernels-<key>."""
+    env = os.environ if env is None else env
+    if env.get("NUMBA_CACHE_DIR"):
+        return env["NUMBA_CACHE_DIR"]
+    return os.path.join(cache_root(env), f"kernels-{build_key()}")
+
+
+def configure() -> str | None:
+    """Point Numba's cache at kernel_dir() (created if missing) before the kernels are imported, and
+    export it (NUMBA_CACHE_DIR) to the processes this one starts. Returns the directory, or None when no
+    directory could be made (Numba's own default locations then apply)."""
+    from numba.core import config
+    if os.environ.get("NUMBA_CACHE_DIR"):           # the user's own (or a parent's export): Numba's rules
+        return os.environ["NUMBA_CACHE_DIR"]
+    d = kernel_dir()
     try:
-        for f in [*cache.glob("*.nb[ic]"), *(folder / "kernels" / "__pycache__").glob("*.nb[ic]")]:
-            try:
-                f.unlink()
-                removed = True
-            except FileNotFoundError:              # another process got there first
-                pass
-        cache.mkdir(exist_ok=True)
-        tmp = cache / f"{STAMP}.{os.getpid()}"
-        tmp.write_text(digest + "\n")
-        os.replace(tmp, stamp)
-    except OSError:                                 # read-only install: Numba will not cache either
-        return removed
-    return removed
+        os.makedirs(d, exist_ok=True)
+        probe = os.path.join(d, f".probe-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        import tempfile
+        fallback = os.path.join(tempfile.gettempdir(), f"colibri-{os.getuid()}", os.path.basename(d))
+        log.warning("kernel cache %s cannot be written (%s): caching in %s instead; set cache_dir "
+                    "(COLIBRI_CACHE_DIR) to a writable directory", d, e.strerror or e, fallback)
+        try:
+            os.makedirs(fallback, mode=0o700, exist_ok=True)
+        except OSError:
+            return None
+        d = fallback
+    config.CACHE_DIR = d
+    os.environ["NUMBA_CACHE_DIR"] = d
+    return d
 
 
 def lock_saves() -> bool:
@@ -104,3 +155,48 @@ def _flock(path):
         yield
     finally:
         os.close(fd)
+
+
+class Compiles:
+    """Counts the kernels Numba compiles in this process while entered (any thread; a kernel's own inner
+    compiles not counted), for the logs: how many, the last one's name, and `report(self)` every `every`
+    seconds while compiling goes on (a first start's progress); `first()` once when the first one starts
+    (the cache did not have everything)."""
+
+    def __init__(self, report=None, every: float = 10.0, first=None):
+        self.count, self.last, self.report, self.every, self.first = 0, "", report, every, first
+        self._depth = threading.local()
+        self._next = time.monotonic() + every
+        self._listener = None
+
+    def __enter__(self):
+        from numba.core import event
+        outer = self
+
+        class _Listener(event.Listener):
+            def on_start(self, ev):
+                outer._depth.n = getattr(outer._depth, "n", 0) + 1
+                if outer.first is not None:           # the first compile: `first()` once, before it runs
+                    first, outer.first = outer.first, None
+                    first()
+
+            def on_end(self, ev):
+                outer._depth.n -= 1
+                if outer._depth.n == 0:
+                    outer._ended(ev.data["dispatcher"].py_func.__name__)
+        self._listener = _Listener()
+        event.register("numba:compile", self._listener)
+        return self
+
+    def _ended(self, name):
+        self.count += 1
+        self.last = name
+        now = time.monotonic()
+        if self.report is not None and now >= self._next:
+            self._next = now + self.every
+            self.report(self)
+
+    def __exit__(self, *exc):
+        from numba.core import event
+        event.unregister("numba:compile", self._listener)
+        return False

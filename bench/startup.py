@@ -1,0 +1,121 @@
+"""Time to start: `colibri run` and `colibri serve` from an empty kernel cache, on a warm one, and after
+`colibri compile`, each a fresh process timed from its start to its answer (run) or to ready (serve).
+
+    python bench/startup.py [--model SMOL.colibri] [--out bench/recorded/startup-DATE-MACHINE.json]
+
+The 30-layer model is SmolLM2-135M's shape (llama, 576 wide, 9 heads, 3 kv heads) with random f16
+weights, written here unless --model names a real file of it; "another shape" is the bundled model
+(4 layers, Mixtral-style). Each scenario gets a cache directory of its own (COLIBRI_CACHE_DIR), so
+"cold" is truly cold. The machine should be quiet: compiling is CPU-bound on every core.
+
+Scenarios (each line prints seconds and the kernels the process compiled, from its own log):
+  cold run       empty cache: `colibri run` on the 30-layer model
+  other shape    that cache: `colibri run` on the bundled model
+  warm run       that cache: `colibri run` on the 30-layer model again
+  serve after    that cache: `colibri serve --workers 1 --threads-per-worker 2` on the 30-layer model, to ready
+  compiled run   a fresh cache after `colibri compile --family llama --family mixtral --kind f16`: both runs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SMOL = dict(arch="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+            head_dim=64, num_experts=0, top_k=0, moe_intermediate_size=0, intermediate_size=1536, rms_norm_eps=1e-5,
+            max_position_embeddings=2048, rope_theta=1e4, dense_layers=tuple(range(30)), bos_token_id=1,
+            eos_token_ids=(2,), dtype="f16")
+
+
+def _env(cache):
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR",)}
+    env["COLIBRI_CACHE_DIR"] = str(cache)
+    return env
+
+
+def _compiled(text):
+    m = re.search(r"\((\d+) compiled\)", text)
+    return int(m.group(1)) if m else None
+
+
+def cli(cache, *args):
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "colibri_server.cli", *args], env=_env(cache), capture_output=True,
+                       text=True, cwd=tempfile.gettempdir())
+    dt = time.perf_counter() - t0
+    if r.returncode:
+        raise SystemExit(f"colibri {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return dt, r.stderr
+
+
+def run(cache, model):
+    args = ["run", "1,2,3", "--token-ids", "--max-tokens", "1"] + (["--model", model] if model else [])
+    dt, err = cli(cache, *args)
+    return dt, _compiled(err)
+
+
+def serve(cache, model, tmp):
+    sock = f"ipc://{tmp}/bench-startup.sock"
+    log = pathlib.Path(tmp) / "serve.log"
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", "serve", "--model", model, "--workers", "1",
+                              "--threads-per-worker", "2", "--bind", sock, "--runtime-dir", f"{tmp}/run",
+                              "--pin", "none"], env=_env(cache), stdout=f, stderr=subprocess.STDOUT)
+    try:
+        while "ready:" not in log.read_text():
+            if p.poll() is not None:
+                raise SystemExit(f"colibri serve exited {p.returncode}:\n{log.read_text()[-2000:]}")
+            time.sleep(0.05)
+        dt = time.perf_counter() - t0
+    finally:
+        p.terminate()
+        p.wait(60)
+    return dt, _compiled(log.read_text())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="a 30-layer .colibri file (default: SmolLM2-135M's shape, random f16 weights)")
+    ap.add_argument("--out", help="write the figures as JSON here")
+    a = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    with tempfile.TemporaryDirectory(prefix="colibri-startup-") as tmp:
+        model = a.model
+        if not model:
+            from colibri_server.model.config import ModelConfig
+            from colibri_server.model.synthetic import write_synthetic
+            model = os.path.join(tmp, "smol-shape-f16.colibri")
+            write_synthetic(model, ModelConfig(**SMOL))
+        res = {}
+
+        def show(name, r):
+            res[name] = {"seconds": round(r[0], 2), "compiled": r[1]}
+            print(f"{name:14s} {r[0]:7.2f} s   {r[1]} kernels compiled", flush=True)
+        c1 = pathlib.Path(tmp) / "cache-cold"
+        show("cold run", run(c1, model))
+        show("other shape", run(c1, None))
+        show("warm run", run(c1, model))
+        show("serve after", serve(c1, model, tmp))
+        c2 = pathlib.Path(tmp) / "cache-compiled"
+        dt, _ = cli(c2, "compile", "--family", "llama", "--family", "mixtral", "--kind", "f16")
+        res["compile"] = {"seconds": round(dt, 2)}
+        print(f"{'compile':14s} {dt:7.2f} s   (colibri compile --family llama --family mixtral --kind f16)")
+        show("compiled run", run(c2, model))
+        show("compiled other", run(c2, None))
+        show("compiled serve", serve(c2, model, tmp))
+    if a.out:
+        import platform
+        pathlib.Path(a.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                                   "cores": len(os.sched_getaffinity(0)), "results": res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

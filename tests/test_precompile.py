@@ -1,0 +1,51 @@
+"""The fused decode token's compiled type depends on the kinds of a model's arrays (kernels/stacks), never on
+its shape: models of one family and kind with other layer counts and sizes give one signature, so one compile
+(`colibri compile`, precompile.py) serves them all; and every family x kind that precompile lists builds."""
+from __future__ import annotations
+
+import dataclasses
+
+import numba
+import pytest
+
+from colibri_server.model import Model
+from colibri_server.model import precompile as P
+from colibri_server.model.config import ModelConfig
+from colibri_server.model.decode_step import DecodeStep
+from colibri_server.model.synthetic import write_synthetic
+from colibri_server.model.transformer import Workspace
+
+
+def _types(path, threads=1):
+    m = Model.open(path, context=32)
+    try:
+        step = DecodeStep.build(m.config, m.weights, Workspace(m.config, 1, threads=threads))
+        assert step is not None, "the fused token declined a model precompile lists"
+        return numba.typeof(step.args)
+    finally:
+        m.close()
+
+
+def _cfg(family, kind, **change):
+    base = P._config(P.Job(family, kind))
+    return dataclasses.replace(base, **change)
+
+
+@pytest.mark.parametrize("family, kind", [("mixtral", "f16-panels"), ("deepseek2", "q8"), ("gpt_oss", "q4"),
+                                          ("qwen2_moe", "bf16"), ("llama", "f16")])
+def test_the_fused_token_has_one_type_for_any_layer_count_and_size(tmp_path, family, kind):
+    a, b = tmp_path / "a.colibri", tmp_path / "b.colibri"
+    write_synthetic(a, _cfg(family, kind))
+    dense = (0, 1, 2, 3, 4) if family == "llama" else (0,) if P.FAMILIES[family].get("dense_layers") else ()
+    write_synthetic(b, _cfg(family, kind, num_layers=5, vocab_size=768, moe_intermediate_size=768
+                            if family != "llama" else 0, dense_layers=dense))
+    assert _types(a) == _types(b)
+    assert _types(a, threads=2) == _types(b, threads=2)
+
+
+def test_every_listed_family_and_kind_is_a_valid_config():
+    for job in P.jobs():
+        cfg = P._config(job)
+        assert isinstance(cfg, ModelConfig)
+        cfg.check()
+    assert len(P.jobs()) == len(P.FAMILIES) * len(P.KINDS)
