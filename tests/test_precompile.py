@@ -49,3 +49,30 @@ def test_every_listed_family_and_kind_is_a_valid_config():
         assert isinstance(cfg, ModelConfig)
         cfg.check()
     assert len(P.jobs()) == len(P.FAMILIES) * len(P.KINDS)
+
+
+@pytest.mark.parametrize("family, kind", [("mixtral", "f16-panels"), ("gpt_oss", "bf16-panels")])
+def test_the_fused_token_on_panels_is_the_general_path_bit_for_bit(tmp_path, family, kind):
+    """Experts in panels are 4-D (E, nb, d, P): the fused token takes them from their stacks as forward's general
+    path takes them from the weights (the test models of test_parity are too narrow for panels)."""
+    import numpy as np
+
+    from colibri_server.model.panels import Panels
+    from colibri_server.model.transformer import forward
+    path = tmp_path / "m.colibri"
+    write_synthetic(path, P._config(P.Job(family, kind)))
+    m = Model.open(path, context=16)
+    cfg, w, ws = m.config, m.weights, m.workspace
+    assert isinstance(ws.decode_step(cfg, w), DecodeStep)
+    assert all(isinstance(L.w1, Panels) and L.w1.p.ndim == 4 for L in w.layers)
+
+    def run(trace):
+        cache = m.new_cache(capacity=16)
+        forward(cfg, w, m.rope, ws, cache, tokens=np.array([1, 5, 9, 13]))
+        return np.stack([forward(cfg, w, m.rope, ws, cache, tokens=np.array([t]), trace=trace)[0].copy()
+                         for t in (3, 7, 11, 2)])
+    fused = run(None)
+    trace = []
+    general = run(trace)
+    assert trace and np.isfinite(fused).all()
+    np.testing.assert_array_equal(fused, general)

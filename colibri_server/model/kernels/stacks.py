@@ -56,6 +56,8 @@ def _layer_overload(S, l):
             return lambda S, l: carray(_pointer(S[0][l], S[2]), (S[1][l, 0], S[1][l, 1]))
         if nd == 3:
             return lambda S, l: carray(_pointer(S[0][l], S[2]), (S[1][l, 0], S[1][l, 1], S[1][l, 2]))
+        if nd == 4:         # experts in panels (E, nb, d, P)
+            return lambda S, l: carray(_pointer(S[0][l], S[2]), (S[1][l, 0], S[1][l, 1], S[1][l, 2], S[1][l, 3]))
         return None
     if isinstance(S, types.BaseTuple) and len(S) == 2:
         return lambda S, l: (layer(S[0], l), layer(S[1], l))
