@@ -438,7 +438,8 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="colibri", description="CPU inference server for Mixture-of-Experts models",
+    from .cli_parser import Parser
+    p = Parser(prog="colibri", description="CPU inference server for Mixture-of-Experts models",
                                 formatter_class=_HelpFormatter)
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
