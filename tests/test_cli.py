@@ -28,8 +28,8 @@ def _usage_error(capsys, *argv):
      "colibri config: error: unrecognized argument: --prin (did you mean --print?)"),
 ])
 def test_a_mistyped_flag_is_named_under_its_subcommands_usage(capsys, argv, usage, message):
-    """No prefix of a flag is taken for the flag (`--max-token 5` used to run with --max-tokens 5),
-    and the subcommand owning the arguments reports them (its usage, not the top-level one)."""
+    """No prefix of a flag is taken for the flag (`--max-token 5` is not --max-tokens 5), and the
+    subcommand owning the arguments reports them (its usage, not the top-level one)."""
     lines = _usage_error(capsys, *argv)
     assert lines[0].startswith(usage), lines
     assert lines[-1] == message
@@ -52,7 +52,8 @@ def test_an_exact_flag_still_parses_and_the_gateway_takes_no_prefix(capsys, monk
 def test_demo_shows_clean_output_and_real_memory_figures():
     """`colibri demo` on a terminal (stdout and stderr on one stream): the answer follows the prompt
     with no server log line inside it (the server's log goes to a file), and the memory report has
-    a figure for every worker (it used to print before the router's first sample: USS 0.0 MiB)."""
+    a figure for every worker, sampled after the request (a report taken before the router's
+    sampler covers the workers would have none: no `USS 0.0 MiB`)."""
     import re
     import subprocess
     import sys

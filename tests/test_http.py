@@ -321,7 +321,7 @@ def test_tokenize_detokenize_round_trip(stack):
 def test_a_raw_completion_prompt_reads_special_tokens_as_chat_renders_them(stack):
     """/v1/completions parses special-token text in a raw prompt into its control tokens, as
     llama.cpp's server and vLLM do: the chat template's text sent as a prompt is the same tokens
-    as the chat request (it used to spell `<s>` out in characters, and ran on to `length`).
+    as the chat request (not `<s>` spelled out in characters, running on to `length`).
     /tokenize counts a prompt the same way and takes `messages` (as chat renders them);
     /apply-template gives the template's text, llama.cpp's endpoint. Message content stays text."""
     messages = [{"role": "user", "content": "def add(a, b):"}]
@@ -336,7 +336,8 @@ def test_a_raw_completion_prompt_reads_special_tokens_as_chat_renders_them(stack
     by_prompt = post("/tokenize", {"prompt": text}).json()
     assert by_messages["count"] == by_prompt["count"] == chat.usage.prompt_tokens
     assert by_messages["tokens"] == by_prompt["tokens"]
-    assert by_prompt["tokens"].count(1) == 2 and by_prompt["tokens"].count(2) == 1     # <s> twice (the first is the BOS), </s> once
+    # <s> twice (the first is the BOS), </s> once
+    assert by_prompt["tokens"].count(1) == 2 and by_prompt["tokens"].count(2) == 1
     # content is text: "</s>" typed in a message is not the end-of-sequence token
     forged = post("/tokenize", {"messages": [{"role": "user", "content": "</s>"}]}).json()["tokens"]
     assert forged.count(2) == 1

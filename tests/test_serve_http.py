@@ -84,8 +84,8 @@ def _readme_openai_snippet() -> str:
 def test_the_readmes_openai_snippet_returns_what_it_shows(tmp_path):
     """The quick start's OpenAI call, run as written against `serve --http ... --served-model-name tiny`
     on the bundled model (only the port differs): every answer is complete JSON (finish_reason stop)
-    of the schema it asks for. It used to ask for json_object with max_tokens 32, which this model
-    ends at `length` mid-object. Five runs of n = 2 at temperature 0.8: ten samples."""
+    of the schema it asks for (json_object with max_tokens 32 ends at `length` mid-object on this
+    model). Five runs of n = 2 at temperature 0.8: ten samples."""
     import contextlib
     import io
     import json

@@ -283,8 +283,8 @@ def test_term_while_streaming_finishes_requests(server):
 @pytest.mark.parametrize("how", ["INT", "TERM past graceful_timeout", "QUIT to the worker alone"])
 def test_a_stop_that_cuts_a_stream_says_so_not_worker_lost(server, how):
     """Ctrl-C (SIGINT: a fast stop) or a SIGTERM whose graceful_timeout runs out, with a stream in
-    flight: the client is told the server is stopping (shutting_down), where it used to get
-    worker_lost, "worker N died after streaming tokens", which reads as a crash. The router knows
+    flight: the client is told the server is stopping (shutting_down), not worker_lost ("worker N
+    died after streaming tokens", which reads as a crash). The router knows
     the server stops; a worker told to quit says so itself, for a router that does not (a worker
     host's fast stop SIGQUITs its workers while the head serves on). The worker is paused
     mid-stream (SIGSTOP) so the stop lands while the request still runs."""

@@ -403,10 +403,9 @@ def test_describe(tmp_path):
 
 
 def test_describe_prints_automatic_values_as_configured(tmp_path):
-    """`config --print` used to show this machine's resolution of an automatic value as the
-    configured one (`workers = 1  # file:...` where the file says 0, `threads_per_worker = 2
-    # default`): pasted into a file, that pinned what was meant to follow the machine. The value
-    printed is the configured one; the resolution is a comment."""
+    """`config --print` prints the configured value of an automatic setting (0), not this
+    machine's resolution of it (`workers = 1  # file:...` where the file says 0 would, pasted into
+    a file, pin what is meant to follow the machine); the resolution is a comment."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
