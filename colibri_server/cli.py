@@ -354,10 +354,14 @@ def format_status(st) -> str:
            f"{'RSS':>11} {'USS':>11} {'PSS':>11} {'anon':>11}"]
     local = [w for w in st["workers"] if not w.get("remote")]
     remote = [w for w in st["workers"] if w.get("remote")]
+    sampled = [w for w in local if w.get("memory_sampled", True)]
+
+    def fig(w, k):      # a figure the router has not sampled yet is unknown, not 0
+        return mib(w[k]) if w.get("memory_sampled", True) else "-"
     for w in local:
         out.append(f"{w['pid']:>8} {w['wid']:>4} {w['generation']:>4} {w['state']:13} {str(w['cores']):10} "
-                   f"{w['running']:>4} {w['served']:>7} {mib(w['rss']):>11} {mib(w['uss']):>11} {mib(w['pss']):>11} "
-                   f"{mib(w['anon_private']):>11}")
+                   f"{w['running']:>4} {w['served']:>7} {mib(w['rss']):>11} {fig(w, 'uss'):>11} {fig(w, 'pss'):>11} "
+                   f"{fig(w, 'anon_private'):>11}")
     for w in remote:        # another machine's processes: no memory figures here
         out.append(f"{w['pid']:>8} {w['wid']:>4} {w['generation']:>4} {w['state']:13} {str(w['cores']):10} "
                    f"{w['running']:>4} {w['served']:>7}  on worker host {w.get('host')} (model {w.get('identity')})")
@@ -369,13 +373,16 @@ def format_status(st) -> str:
                        f"{e.get('steps', 0)}); KV {e.get('kv_blocks_used', 0)}/{e.get('kv_blocks', 0)} blocks used "
                        f"({e.get('kv_blocks_cached', 0)} cached, {e.get('kv_dtype', '?')}), "
                        f"{e.get('preemptions', 0)} preemptions, {e.get('prefix_hits', 0)} prefix hits")
-    if "master" in st and local:
+    if len(sampled) < len(local):
+        out.append(f"memory     not sampled yet for {len(local) - len(sampled)} of {len(local)} workers "
+                   "(the router samples off its loop; ask again)")
+    if "master" in st and sampled and len(sampled) == len(local):
         resident = st["master"]["model_pss"] + sum(w.get("model_pss", 0) for w in local)
         out.append(f"weights    one copy: the {mib(st['model_bytes'])} model file's pages, shared by the master and "
                    f"{len(local)} workers, add up to {mib(resident)} resident (PSS of the mapping)")
-    if local:
-        out.append(f"per worker own memory (USS) {', '.join(mib(w['uss']) for w in local)}; "
-                   f"private anonymous {', '.join(mib(w['anon_private']) for w in local)}")
+    if sampled:
+        out.append(f"per worker own memory (USS) {', '.join(fig(w, 'uss') for w in local)}; "
+                   f"private anonymous {', '.join(fig(w, 'anon_private') for w in local)}")
     if st.get("memory_age_s") is not None:
         out.append(f"memory     figures sampled {st['memory_age_s']:.1f}s ago (off the router's loop)")
     if st.get("counters"):
@@ -388,48 +395,13 @@ def format_status(st) -> str:
 
 
 def cmd_demo(a):
-    """Start a server with 2 workers on the bundled model, ask it one thing, show memory, stop it."""
-    import signal
-    import subprocess
-    import tempfile
-    from .client import Client, ColibriError
+    """Start a server with 2 workers on the bundled model, ask it one thing, show memory, stop."""
+    from .demo import run
     model = default_model_path(a.model)
     problem = model_file_problem(model)
     if problem:
         _die(problem, EXIT_LOAD)
-    d = tempfile.mkdtemp(prefix="colibri-demo-")
-    addr = f"ipc://{d}/colibri.sock"
-    print(f"$ colibri serve --model {model} --workers {a.workers} --bind {addr}", file=sys.stderr)
-    proc = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", "serve", "--model", model, "--workers",
-                             str(a.workers), "--bind", addr, "--runtime-dir", d])
-    try:
-        with Client(addr, timeout=5.0) as c:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    _die(f"the server exited with code {proc.returncode} (its log is above)", proc.returncode or 1)
-                try:
-                    h = c.health()
-                    if h["status"] == "ok" and h["workers_ready"] >= a.workers:
-                        break
-                except ColibriError:
-                    pass
-                if time.monotonic() > deadline:
-                    _die("the server did not become ready in 300 s")
-                time.sleep(0.2)
-        with Client(addr, timeout=120.0) as c:
-            print(f"\n>>> {a.prompt}", end="", flush=True)
-            last = None
-            for chunk in c.stream(a.prompt, max_tokens=a.max_tokens, temperature=a.temperature, seed=0):
-                print(chunk.text, end="", flush=True)
-                last = chunk
-            print(f"\n[{last.usage['completion_tokens']} tokens from worker {last.worker_pid} in "
-                  f"{last.timings['total_s']:.2f}s]\n")
-            print(format_status(c.stats()))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        print(f"\nserver stopped (exit {proc.returncode})", file=sys.stderr)
+    run(a, model, _die)
 
 
 _LAYOUT_HELP = ("how f16/bf16 matrices are stored: panels of 256 columns (faster decode) or rows "
@@ -487,7 +459,8 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="colibri", description="CPU inference server for Mixture-of-Experts models",
+    from .cli_parser import Parser
+    p = Parser(prog="colibri", description="CPU inference server for Mixture-of-Experts models",
                                 formatter_class=_HelpFormatter)
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")

@@ -131,12 +131,15 @@ class MemorySampler:
             self._wake.set()
 
     def get(self, pid) -> dict:
-        """The cached figures of pid, with its RSS read now (cheap: statm)."""
+        """The cached figures of pid, with its RSS read now (cheap: statm). memory_sampled is
+        False (and the other figures 0) until a sample has covered pid: a worker that just
+        started, or a `stats` before the sampling thread's first pass."""
         with self._lock:
             f = self._figures.get(pid)
         out = dict(f) if f else {"rss": 0, "uss": 0, "pss": 0, "anon": 0, "anon_private": 0,
                                  "model_rss": 0, "model_pss": 0}
         out["rss"] = rss(pid)
+        out["memory_sampled"] = f is not None
         return out
 
     def age(self):

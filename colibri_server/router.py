@@ -537,7 +537,7 @@ class Router(ControlRequests, RemoteHosts):
 
     def remove_worker(self, ident, why):
         """The worker is gone: each of its requests that streamed nothing is retried elsewhere, each
-        that did ends with worker_lost."""
+        that did ends with worker_lost; while the server stops, each ends with shutting_down."""
         w = self.workers.pop(ident, None)
         if w is None:
             return
@@ -548,7 +548,13 @@ class Router(ControlRequests, RemoteHosts):
             r = self.reqs.get(rid)
             if r is None:
                 continue
-            if not r.streamed and r.attempts < MAX_ATTEMPTS:
+            if self.draining:       # the server is stopping (a fast stop, or graceful_timeout ran out)
+                self._end(r, "failed: shutting_down")
+                r.worker = None
+                self.counters["cut_by_stop"] += 1
+                self.error(r.client, r.cid, "shutting_down", f"the server is stopping: worker {w.pid} ended with it "
+                           f"after streaming {'tokens' if r.streamed else 'nothing'} (a requested stop, not a crash)")
+            elif not r.streamed and r.attempts < MAX_ATTEMPTS:
                 self.counters["retries"] += 1
                 log.warning("%s: retrying request %s (attempt %d)", why, r.request_id, r.attempts + 1,
                             extra=request_extra(r.request_id))

@@ -11,7 +11,9 @@ Sources, later wins::
     defaults < TOML file < COLIBRI_* environment < command line
 
 `load_settings()` returns an immutable `Settings` (attribute access, `.source(name)` is
-'default', 'file:PATH', 'env:COLIBRI_X' or 'cli'). Every problem found (unknown key or
+'default', 'file:PATH', 'env:COLIBRI_X' or 'cli'). Automatic values (workers and
+threads_per_worker 0) are resolved for this machine; `.configured(name)` is what the
+sources said. Every problem found (unknown key or
 variable, with a "did you mean"; invalid value, naming the setting, the source, the value
 and what is allowed) is collected and raised together as one `SettingsError`.
 
@@ -72,10 +74,12 @@ def _suggest(word: str, names, fmt=lambda n: n) -> str:
 # ------------------------------------------------------------------ the settings object
 
 class Settings:
-    """Immutable effective settings: `s.workers`, `s.source('workers')`, `s.as_dict()`."""
-    __slots__ = ("_values", "_sources")
+    """Immutable effective settings: `s.workers`, `s.source('workers')`, `s.as_dict()`;
+    `s.configured('workers')` is the value before automatic ones were resolved (0 for auto)."""
+    __slots__ = ("_values", "_sources", "_configured")
 
-    def __init__(self, values: Mapping[str, Any], sources: Mapping[str, str] | None = None):
+    def __init__(self, values: Mapping[str, Any], sources: Mapping[str, str] | None = None,
+                 configured: Mapping[str, Any] | None = None):
         missing = set(SETTINGS) - set(values)
         extra = set(values) - set(SETTINGS)
         if missing or extra:
@@ -84,6 +88,8 @@ class Settings:
         object.__setattr__(self, "_values", MappingProxyType({n: values[n] for n in SETTINGS}))
         object.__setattr__(self, "_sources", MappingProxyType(
             {n: sources.get(n, "default") for n in SETTINGS}))
+        object.__setattr__(self, "_configured", MappingProxyType(
+            {n: v for n, v in (configured or {}).items() if n in SETTINGS and v != values[n]}))
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -111,7 +117,7 @@ class Settings:
         return hash(tuple(self._values.items()))
 
     def __reduce__(self):
-        return (Settings, (dict(self._values), dict(self._sources)))
+        return (Settings, (dict(self._values), dict(self._sources), dict(self._configured)))
 
     def __repr__(self):
         changed = ", ".join(f"{n}={v!r}" for n, v in self._values.items() if v != SETTINGS[n].value)
@@ -122,6 +128,10 @@ class Settings:
         if name not in self._sources:
             raise KeyError(f"no setting {name!r}{_suggest(name, SETTINGS)}")
         return self._sources[name]
+
+    def configured(self, name: str):
+        """What the sources set (auto stays 0), where the attribute is the value resolved for this machine."""
+        return self._configured.get(name, self[name])
 
     def as_dict(self) -> dict:
         return dict(self._values)
@@ -139,7 +149,8 @@ class Settings:
 
 
 def defaults() -> Settings:
-    return Settings(_layout({s.name: s.value for s in SCHEMA}))
+    values = {s.name: s.value for s in SCHEMA}
+    return Settings(_layout(dict(values)), configured=values)
 
 
 def _layout(values: dict, topology=None) -> dict:
@@ -267,7 +278,7 @@ def load_settings(argv_namespace_or_dict=None, config_path=None, env=None) -> Se
         problems.extend(_cross_check(values, sources))
     if problems:
         raise SettingsError(problems)
-    return Settings(_layout(values), sources)
+    return Settings(_layout(dict(values)), sources, configured=values)
 
 
 def _cross_check(v, src) -> list[str]:
@@ -352,14 +363,20 @@ def _toml_value(name, v) -> str:
 
 
 def describe(settings: Settings) -> str:
-    """Every setting, its effective value, where it came from and when a change applies,
-    aligned; the `name = value` part is valid TOML."""
-    rows = [(f"{n} = {_toml_value(n, settings[n])}", settings.source(n), _RELOAD_TEXT[SETTINGS[n].reload])
-            for n in SETTINGS]
+    """Every setting as configured (an automatic value stays automatic), where it came from,
+    when a change applies and, for an automatic value, what it resolves to on this machine,
+    aligned; the `name = value` part is valid TOML and the rest a comment, so pasted into a
+    file the lines set what was configured, never this machine's resolution of it."""
+    rows = []
+    for n in SETTINGS:
+        conf, now = settings.configured(n), settings[n]
+        rows.append((f"{n} = {_toml_value(n, conf)}", settings.source(n), _RELOAD_TEXT[SETTINGS[n].reload],
+                     f"resolves to {_toml_value(n, now)} here" if now != conf else ""))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
+    w2 = max(len(r[2]) for r in rows)
     head = f"{'# setting = value':<{w0}}  # {'source':<{w1}}  applies on"
-    return "\n".join([head] + [f"{a:<{w0}}  # {b:<{w1}}  {c}".rstrip() for a, b, c in rows]) + "\n"
+    return "\n".join([head] + [f"{a:<{w0}}  # {b:<{w1}}  {c:<{w2}}  {d}".rstrip() for a, b, c, d in rows]) + "\n"
 
 
 _EXAMPLE_HEAD = """\

@@ -251,7 +251,20 @@ class Worker:
             if not self.seqs and (self.draining or (self.max_requests and self.served >= self.max_requests)):
                 self.send(b"BYE", {"served": self.served})
                 return 0
+        self._cut_by_stop()
         return 0
+
+    def _cut_by_stop(self) -> None:
+        """A fast stop (SIGINT, SIGQUIT) leaves sequences unfinished. Each that has streamed tokens
+        ends with shutting_down, naming the stop: the router would otherwise see a worker exit
+        mid-stream and report worker_lost, which reads as a crash. One that streamed nothing is
+        left to the router, which retries it elsewhere unless the whole server is stopping."""
+        for rid, a in self.seqs.items():
+            n = sum(len(c.ids) for c in a.choices)
+            if a.stream and n:
+                self.send(b"ERROR", {"rid": rid, "code": "shutting_down", "message":
+                                     f"the server is stopping (fast stop): worker {self.pid} ended this request "
+                                     f"after {n} tokens (a requested stop, not a crash)"})
 
     def handle(self, kind: bytes, raw: bytes) -> None:
         try:

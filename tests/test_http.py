@@ -318,6 +318,33 @@ def test_tokenize_detokenize_round_trip(stack):
     assert d.status_code == 200 and d.json() == {"prompt": text}
 
 
+def test_a_raw_completion_prompt_reads_special_tokens_as_chat_renders_them(stack):
+    """/v1/completions parses special-token text in a raw prompt into its control tokens, as
+    llama.cpp's server and vLLM do: the chat template's text sent as a prompt is the same tokens
+    as the chat request (not `<s>` spelled out in characters, running on to `length`).
+    /tokenize counts a prompt the same way and takes `messages` (as chat renders them);
+    /apply-template gives the template's text, llama.cpp's endpoint. Message content stays text."""
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    post = lambda path, body: requests.post(stack.url + path, headers=stack.auth, json=body, timeout=30)  # noqa: E731
+    text = post("/apply-template", {"messages": messages}).json()["prompt"]
+    assert text == "<s>user\ndef add(a, b):</s>\n<s>assistant\n"             # the test model's template
+    chat = stack.oa.chat.completions.create(model=model_id(stack), messages=messages, max_tokens=8, temperature=0)
+    raw = stack.oa.completions.create(model=model_id(stack), prompt=text, max_tokens=8, temperature=0)
+    assert raw.usage.prompt_tokens == chat.usage.prompt_tokens
+    assert raw.choices[0].text == chat.choices[0].message.content
+    by_messages = post("/tokenize", {"messages": messages}).json()
+    by_prompt = post("/tokenize", {"prompt": text}).json()
+    assert by_messages["count"] == by_prompt["count"] == chat.usage.prompt_tokens
+    assert by_messages["tokens"] == by_prompt["tokens"]
+    # <s> twice (the first is the BOS), </s> once
+    assert by_prompt["tokens"].count(1) == 2 and by_prompt["tokens"].count(2) == 1
+    # content is text: "</s>" typed in a message is not the end-of-sequence token
+    forged = post("/tokenize", {"messages": [{"role": "user", "content": "</s>"}]}).json()["tokens"]
+    assert forged.count(2) == 1
+    r = post("/tokenize", {"prompt": text, "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
 # ---------------------------------------------------------------------------- errors
 
 LONG = list(range(3, 303))   # 300 tokens: more than the test model's context of 256

@@ -280,6 +280,41 @@ def test_term_while_streaming_finishes_requests(server):
     assert len(done) == 4, (load.results, load.errors)
 
 
+@pytest.mark.parametrize("how", ["INT", "TERM past graceful_timeout", "QUIT to the worker alone"])
+def test_a_stop_that_cuts_a_stream_says_so_not_worker_lost(server, how):
+    """Ctrl-C (SIGINT: a fast stop) or a SIGTERM whose graceful_timeout runs out, with a stream in
+    flight: the client is told the server is stopping (shutting_down), not worker_lost ("worker N
+    died after streaming tokens", which reads as a crash). The router knows
+    the server stops; a worker told to quit says so itself, for a router that does not (a worker
+    host's fast stop SIGQUITs its workers while the head serves on). The worker is paused
+    mid-stream (SIGSTOP) so the stop lands while the request still runs."""
+    from test_http import Throttle
+    s = server(workers=1, extra=("--graceful-timeout", "1"))
+    (wpid,) = s.worker_pids()
+    throttle = Throttle([wpid]).__enter__()      # no __exit__: the worker ends resumed (INT) or killed (TERM)
+    with s.client(timeout=30) as c:
+        stream = c.stream(PROMPTS[0], max_tokens=200, ignore_eos=True)
+        throttle.start()
+        first = next(stream)
+        throttle.stop.set()
+        throttle.thread.join(5)          # it leaves the worker stopped
+        assert first.text is not None
+        if how.startswith("QUIT"):
+            os.kill(wpid, signal.SIGQUIT)
+        else:
+            s.signal(signal.SIGINT if how == "INT" else signal.SIGTERM)
+        time.sleep(0.5)                  # the master has told the router and signalled the worker
+        if not how.startswith("TERM"):
+            os.kill(wpid, signal.SIGCONT)    # it takes its SIGQUIT (TERM: it stays stopped until killed)
+        with pytest.raises(ColibriError) as e:
+            for _ in stream:
+                pass
+    assert e.value.code == "shutting_down", (e.value.code, e.value.message)
+    assert "stopping" in e.value.message and "not a crash" in e.value.message
+    if not how.startswith("QUIT"):
+        s.proc.wait(30)
+
+
 def test_sigstopped_worker_is_replaced_within_timeout(server):
     s = server(workers=1, extra=("--timeout", "3", "--heartbeat-interval", "0.5"))
     (victim,) = s.worker_pids()

@@ -402,6 +402,31 @@ def test_describe(tmp_path):
     assert len({line.index("# ") for line in lines}) == 1
 
 
+def test_describe_prints_automatic_values_as_configured(tmp_path):
+    """`config --print` prints the configured value of an automatic setting (0), not this
+    machine's resolution of it (`workers = 1  # file:...` where the file says 0 would, pasted into
+    a file, pin what is meant to follow the machine); the resolution is a comment."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    p = write(tmp_path, "workers = 0\nseed = 5\n")
+    s = load_settings({}, config_path=p, env={})
+    assert s.workers >= 1 and s.threads_per_worker >= 1          # resolved for this machine
+    text = {line.split(" = ")[0]: line for line in S.describe(s).splitlines()[1:]}
+    assert re.search(rf"^workers = 0 +# file:{re.escape(p)} +SIGHUP +resolves to {s.workers} here$",
+                     text["workers"]), text["workers"]
+    assert re.search(rf"^threads_per_worker = 0 +# default +SIGHUP +resolves to {s.threads_per_worker} here$",
+                     text["threads_per_worker"]), text["threads_per_worker"]
+    pasted = tomllib.loads("\n".join(v for k, v in text.items() if k != "config"))
+    assert (pasted["workers"], pasted["threads_per_worker"], pasted["seed"]) == (0, 0, 5)
+    assert (s.configured("workers"), s.configured("threads_per_worker"), s.configured("seed")) == (0, 0, 5)
+    assert pickle.loads(pickle.dumps(s)).configured("workers") == 0
+    explicit = load_settings({"workers": "3", "threads_per_worker": "1"}, env={})
+    text = {line.split(" = ")[0]: line for line in S.describe(explicit).splitlines()[1:]}
+    assert re.search(r"^workers = 3 +# cli +SIGHUP$", text["workers"])        # nothing to resolve
+
+
 def test_gateway_and_soak_variables_are_not_settings():
     from colibri_server.settings import SettingsError, load_settings
     s = load_settings({}, env={"COLIBRI_HTTP_CONNECT": "tcp://127.0.0.1:1", "COLIBRI_SOAK_SECONDS": "5",

@@ -11,7 +11,11 @@ Endpoints
     POST /v1/completions        prompt: str | [int] | [str] (one) | [[int]] (one)
     POST /v1/chat/completions   messages rendered with the model's chat template
     GET  /v1/models, GET /v1/models/{id}
-    POST /tokenize              {"prompt": str, "add_special_tokens": bool = true} -> {"tokens", "count"}
+    POST /tokenize              {"prompt": str, "add_special_tokens": bool = true} -> {"tokens", "count"}:
+                                the prompt as /v1/completions reads it (special-token text parsed);
+                                or {"messages": [...], "add_generation_prompt": bool = true}: as chat does
+    POST /apply-template        {"messages": [...], "add_generation_prompt": bool = true} -> {"prompt": str},
+                                the chat template's text (llama.cpp's server has the same endpoint)
     POST /detokenize            {"tokens": [int]} -> {"prompt": str}
     GET  /health                200 {"status": "ok", ...} | 503 (starting, draining, unreachable in ~2 s);
                                 several routers: 200 while one is ok, each under "routers"
@@ -138,6 +142,7 @@ class Gateway(GenerationEndpoints):
             "/v1/models": _Route("/v1/models", ("GET",), self.models),
             "/tokenize": _Route("/tokenize", ("POST",), self.tokenize),
             "/detokenize": _Route("/detokenize", ("POST",), self.detokenize),
+            "/apply-template": _Route("/apply-template", ("POST",), self.apply_template),
             "/health": _Route("/health", ("GET",), self.health, auth=False),
             "/metrics": _Route("/metrics", ("GET",), self.metrics_endpoint, auth=self.metrics_auth),
         }
@@ -477,19 +482,46 @@ class Gateway(GenerationEndpoints):
         return _json(self._model_obj(info, name))
 
     def tokenize(self, environ) -> _Resp:
+        """A prompt's tokens as /v1/completions reads it (its special-token text parsed), or the
+        tokens of messages as /v1/chat/completions renders them (their content stays text)."""
         body = self._read_json(environ)
-        _check_known(body, {"prompt", "add_special_tokens", "model"})
+        _check_known(body, {"prompt", "messages", "add_special_tokens", "add_generation_prompt", "model"})
         f = _Fields(body)
         prompt = body.get("prompt")
+        if body.get("messages") is not None:
+            if prompt is not None:
+                raise _bad("give either 'prompt' or 'messages', not both", "messages")
+            segments, add = self._chat_segments(body, f)
+            if body.get("add_special_tokens") is not None:
+                add = f.bool("add_special_tokens", add)
+            ids = self._call(lambda c: c.tokenize(segments, add_special_tokens=add), "messages")
+            return _json({"tokens": ids, "count": len(ids)})
         if prompt is None:
-            raise _bad("'prompt' is required", "prompt", "missing_required_parameter")
+            raise _bad("'prompt' (or 'messages') is required", "prompt", "missing_required_parameter")
         if not isinstance(prompt, str):
             raise _bad("'prompt' must be a string", "prompt", "invalid_type")
+        f.neutral("add_generation_prompt", [], "add_generation_prompt applies to messages")
         add = f.bool("add_special_tokens", True)
         if body.get("model") is not None:
             self._check_model(f)
-        ids = self._call(lambda c: c.tokenize(prompt, add_special_tokens=add))
+        ids = self._call(lambda c: c.tokenize([(prompt, True)], add_special_tokens=add), "prompt")
         return _json({"tokens": ids, "count": len(ids)})
+
+    def _chat_segments(self, body, f) -> tuple:
+        """messages (with the chat endpoint's checks) -> (segments, add_special_tokens), as chat renders them."""
+        from .structured import messages_for_template
+        messages = _chat_messages(body)
+        info = self._check_model(f)
+        return render_chat_segments(info, messages_for_template(messages, "tool_calls" in (info.chat_template or "")),
+                                    f.bool("add_generation_prompt", True))
+
+    def apply_template(self, environ) -> _Resp:
+        """messages -> the chat template's text, as /v1/chat/completions renders it."""
+        body = self._read_json(environ)
+        _check_known(body, {"messages", "add_generation_prompt", "model"})
+        f = _Fields(body)
+        segments, _ = self._chat_segments(body, f)
+        return _json({"prompt": "".join(t for t, _ in segments)})
 
     def detokenize(self, environ) -> _Resp:
         body = self._read_json(environ)

@@ -44,6 +44,13 @@ class GenerationEndpoints:
         if grammar is not None:
             params["grammar"] = grammar
         info = self._check_model(f)
+        # a raw prompt's special-token text is its control tokens (ChatML's <|im_start|> one id), as
+        # llama.cpp's server and vLLM read it; a chat message's content never is (chat_completions)
+        ids = prompt
+        if isinstance(prompt, str):
+            ids = self._call(lambda c: c.tokenize([(prompt, True)]), "prompt")
+            if not ids:
+                raise _bad("'prompt' encodes to no tokens", "prompt")
         params["request_id"] = environ["colibri.request_id"]
         rid, created = "cmpl-" + params["request_id"], int(time.time())
         n = params.get("n", 1)
@@ -67,7 +74,7 @@ class GenerationEndpoints:
                 self._call(lambda c: c.detokenize(prompt), "prompt"), prompt_entries
 
         if not stream_mode:
-            _, final = self._generate(prompt, params, "prompt", environ)
+            _, final = self._generate(ids, params, "prompt", environ)
             head, head_lp = echoed(final.prompt_logprobs) if echo else ("", [])
             choices = [choice(c.index, head + ("" if score_only else c.text), "length" if score_only else
                               c.finish_reason, (head_lp or []) + ([] if score_only else c.logprobs or []))
@@ -76,7 +83,7 @@ class GenerationEndpoints:
             if score_only:
                 usage["completion_tokens"], usage["total_tokens"] = 0, usage["prompt_tokens"]
             return _json(obj(choices, usage))
-        stream, first = self._start(prompt, params, "prompt")
+        stream, first = self._start(ids, params, "prompt")
         opening = []
         if echo:
             head, head_lp = echoed(first.prompt_logprobs)

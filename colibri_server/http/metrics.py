@@ -86,7 +86,8 @@ class _ServerCollector:
         for w in workers:
             lv = [str(w.get("pid")), str(w.get("wid")), str(w.get("generation"))]
             for k, fam in fams.items():
-                fam.add_metric(lv, float(w.get(k) or 0))
+                if k == "rss" or w.get("memory_sampled", True):     # not sampled yet: no figure, not 0
+                    fam.add_metric(lv, float(w.get(k) or 0))
             running.add_metric(lv, float(w.get("running") or 0))
             served.add_metric(lv, float(w.get("served") or 0))
         yield from fams.values()

@@ -139,7 +139,8 @@ def _json_logconfig(level: str) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="colibri-http", description="OpenAI-compatible HTTP gateway to a colibri server")
+    from ..cli_parser import Parser
+    p = Parser(prog="colibri-http", description="OpenAI-compatible HTTP gateway to a colibri server")
     add_http_arguments(p)
     cmd_http(p.parse_args(argv))
 
