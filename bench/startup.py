@@ -4,16 +4,20 @@
     python bench/startup.py [--model SMOL.colibri] [--out bench/recorded/startup-DATE-MACHINE.json]
 
 The 30-layer model is SmolLM2-135M's shape (llama, 576 wide, 9 heads, 3 kv heads) with random f16
-weights, written here unless --model names a real file of it; "another shape" is the bundled model
-(4 layers, Mixtral-style). Each scenario gets a cache directory of its own (COLIBRI_CACHE_DIR), so
-"cold" is truly cold. The machine should be quiet: compiling is CPU-bound on every core.
+weights, written here unless --model names a real file of it; "another shape" is a 16-layer, 768-wide
+model of the same kind, "another family" the bundled model (4 layers, Mixtral-style). Each scenario
+gets a cache directory of its own (COLIBRI_CACHE_DIR), so "cold" is truly cold. The machine should be
+quiet: compiling is CPU-bound on every core.
 
-Scenarios (each line prints seconds and the kernels the process compiled, from its own log):
+Scenarios (each line prints seconds to the answer or to ready, and the kernels the process compiled, from
+its own log; a run also its exit, which a first start delays to compile serve's kernels on another core):
   cold run       empty cache: `colibri run` on the 30-layer model
-  other shape    that cache: `colibri run` on the bundled model
+  other shape    that cache: `colibri run` on a 16-layer, 768-wide model of the same kind (llama f16)
+  other family   that cache: `colibri run` on the bundled model (Mixtral-style MoE: its own kernels)
   warm run       that cache: `colibri run` on the 30-layer model again
   serve after    that cache: `colibri serve --workers 1 --threads-per-worker 2` on the 30-layer model, to ready
-  compiled run   a fresh cache after `colibri compile --family llama --family mixtral --kind f16`: both runs
+  compiled ...   a fresh cache after `colibri compile --family llama --family mixtral --kind f16`: the three
+                 runs and the serve again
 """
 from __future__ import annotations
 
@@ -56,9 +60,20 @@ def cli(cache, *args):
 
 
 def run(cache, model):
+    """(seconds to the answer, kernels compiled, seconds to the process's exit: a first start goes on compiling
+    what `colibri serve` needs beside it, and waits for that before it exits)."""
     args = ["run", "1,2,3", "--token-ids", "--max-tokens", "1"] + (["--model", model] if model else [])
-    dt, err = cli(cache, *args)
-    return dt, _compiled(err)
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", *args], env=_env(cache),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
+    answered, err = None, []
+    for line in p.stderr:
+        err.append(line)
+        if answered is None and "first token after" in line:
+            answered = time.perf_counter() - t0
+    if p.wait():
+        raise SystemExit(f"colibri {' '.join(args)} failed ({p.returncode}):\n{''.join(err)[-2000:]}")
+    return answered, _compiled("".join(err)), time.perf_counter() - t0
 
 
 def serve(cache, model, tmp):
@@ -88,20 +103,29 @@ def main():
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory(prefix="colibri-startup-") as tmp:
+        from colibri_server.model.config import ModelConfig
+        from colibri_server.model.synthetic import write_synthetic
         model = a.model
         if not model:
-            from colibri_server.model.config import ModelConfig
-            from colibri_server.model.synthetic import write_synthetic
             model = os.path.join(tmp, "smol-shape-f16.colibri")
             write_synthetic(model, ModelConfig(**SMOL))
         res = {}
 
         def show(name, r):
             res[name] = {"seconds": round(r[0], 2), "compiled": r[1]}
-            print(f"{name:14s} {r[0]:7.2f} s   {r[1]} kernels compiled", flush=True)
+            extra = ""
+            if len(r) > 2:
+                res[name]["exit_seconds"] = round(r[2], 2)
+                extra = f", exits after {r[2]:.2f} s"
+            print(f"{name:14s} {r[0]:7.2f} s   {r[1]} kernels compiled{extra}", flush=True)
+        other = os.path.join(tmp, "llama-16x768-f16.colibri")        # same kind, another shape
+        write_synthetic(other, ModelConfig(**{**SMOL, "num_layers": 16, "hidden_size": 768, "num_heads": 12,
+                                              "num_kv_heads": 4, "intermediate_size": 2048, "vocab_size": 32000,
+                                              "dense_layers": tuple(range(16))}))
         c1 = pathlib.Path(tmp) / "cache-cold"
         show("cold run", run(c1, model))
-        show("other shape", run(c1, None))
+        show("other shape", run(c1, other))
+        show("other family", run(c1, None))
         show("warm run", run(c1, model))
         show("serve after", serve(c1, model, tmp))
         c2 = pathlib.Path(tmp) / "cache-compiled"
@@ -109,7 +133,8 @@ def main():
         res["compile"] = {"seconds": round(dt, 2)}
         print(f"{'compile':14s} {dt:7.2f} s   (colibri compile --family llama --family mixtral --kind f16)")
         show("compiled run", run(c2, model))
-        show("compiled other", run(c2, None))
+        show("compiled other", run(c2, other))
+        show("compiled family", run(c2, None))
         show("compiled serve", serve(c2, model, tmp))
     if a.out:
         import platform
