@@ -64,8 +64,23 @@ def cmd_run(a):
     # compile (or load from the kernel cache) every kernel first: the figures below are the model's. When
     # something compiles (a first start of this kind of model), a second process compiles what `colibri serve`
     # will need, on another core, so that it starts warm
-    from .model.precompile import start_other_layouts
     others = []
+    try:
+        _generate(m, a, prompt, params, others)
+        for p in others:
+            if p.poll() is None:
+                print("colibri: finishing the kernels `colibri serve` needs (once per machine)...", file=sys.stderr,
+                      flush=True)
+            p.wait()
+    finally:
+        for p in others:             # an error or Ctrl-C: no compile left running behind the command
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+
+
+def _generate(m, a, prompt, params, others):
+    from .model.precompile import start_other_layouts
     compile_s = m.warm_up(announce=lambda msg: print(f"colibri: {msg}", file=sys.stderr, flush=True),
                           on_compile=lambda: others.append(start_other_layouts(m.path, "run")))
     t0 = time.perf_counter()
@@ -84,11 +99,6 @@ def cmd_run(a):
     dec = (n - 1) / (t1 - first) if n > 1 and t1 > first else float("nan")
     print(f"[{n} tokens; first token after {first - t0:.3f}s (prefill); decode {dec:.1f} tok/s; "
           f"kernels ready in {compile_s:.2f}s before ({m.compiled} compiled), not counted]", file=sys.stderr)
-    for p in others:
-        if p.poll() is None:
-            print("colibri: finishing the kernels `colibri serve` needs (once per machine)...", file=sys.stderr,
-                  flush=True)
-        p.wait()
 
 
 def _run_embedding(m, a):

@@ -146,3 +146,69 @@ def _crossed_entries(tmp_path, locked, procs=4, n=60):
 def test_concurrent_saves_never_cross_entries(tmp_path):
     crossed, kept = _crossed_entries(tmp_path, locked=True)
     assert (crossed, kept) == (0, 4 * 60)       # every signature kept, each with its own code
+
+
+def test_a_first_run_compiles_what_serve_needs_beside_it(monkeypatch, capsys):
+    """`colibri run` that compiles (a first start of its kind) starts `colibri compile --model` for the other
+    layouts and waits for it; one that compiles nothing starts nothing."""
+    from colibri_server import cli
+    from colibri_server.model import engine, precompile
+    started = []
+
+    class _Proc:
+        def __init__(self):
+            self.waited = False
+
+        def poll(self):
+            return None if not self.waited else 0
+
+        def wait(self):
+            self.waited = True
+            return 0
+
+        def terminate(self):
+            raise AssertionError("a finished run does not kill its compile")
+
+    def fake_start(path, own, kv_dtype="f16"):
+        started.append((path, own, _Proc()))
+        return started[-1][2]
+    monkeypatch.setattr(precompile, "start_other_layouts", fake_start)
+    real = engine.Model.warm_up
+
+    def compiling(self, announce=None, on_compile=None, **kw):
+        if on_compile is not None:
+            on_compile()
+        return real(self, announce=announce, **kw)
+    monkeypatch.setattr(engine.Model, "warm_up", compiling)
+    cli.main(["run", "1,2", "--token-ids", "--max-tokens", "1"])
+    assert len(started) == 1 and started[0][1] == "run" and started[0][2].waited
+    assert "finishing the kernels" in capsys.readouterr().err
+    monkeypatch.setattr(engine.Model, "warm_up", real)
+    cli.main(["run", "1,2", "--token-ids", "--max-tokens", "1"])      # the same kernels: nothing compiles
+    assert len(started) == 1
+
+
+@pytest.mark.slow
+def test_serve_after_a_first_run_compiles_nothing(tmp_path):
+    """From an empty cache: `colibri run`, then `colibri serve` with threaded workers on the same model starts
+    with nothing to compile (run compiled serve's kernels beside its own). Two cold compiles: behind `slow`."""
+    cache = tmp_path / "cache"
+    env = _clean_env(tmp_path, COLIBRI_CACHE_DIR=str(cache))
+    r = _run(env, "run", "def", "--max-tokens", "2")
+    assert r.returncode == 0 and int(re.search(r"\((\d+) compiled\)", r.stderr).group(1)) > 0, r.stderr
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", "serve", "--workers", "1",
+                              "--threads-per-worker", "2", "--bind", f"ipc://{tmp_path}/s.sock", "--runtime-dir",
+                              str(tmp_path / "run"), "--pin", "none"], env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        import time
+        deadline = time.monotonic() + 900
+        while "ready:" not in log.read_text() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        text = log.read_text()
+        assert "ready:" in text, text
+        assert "(0 compiled)" in text, text
+    finally:
+        p.terminate()
+        p.wait(60)

@@ -15,6 +15,12 @@ core, into the one cache (numba_cache: the directory and its locked saves); the 
 alone, so that the kernels every job shares compile once. A model file instead of the families
 compiles exactly what that model needs (`--model`).
 
+What stays specific to a model: nothing of its shape in the fused token (its stacks), and elsewhere only
+where a view's layout follows from a coincidence of sizes (a slice that is the whole row is C-ordered, a
+narrower one not): compile_threaded compiles both forms of each, and a model whose sizes meet another
+coincidence compiles one small kernel at its first start (measured: one conversion kernel, 0.3-0.5 s, for
+a 30-layer and an 8-layer model after the families' jobs).
+
 Names in FAMILIES are the model families of config.ARCHITECTURES that differ in their kernels' types:
 the others (qwen3_moe, olmoe, granitemoe, qwen2, qwen3) reach the same signatures as one listed here
 (q/k norms, clips and biases are data, not types).

@@ -13,25 +13,40 @@ rank, C order); the compiled type depends on the kind of array, never on L. A st
 `layer` gives the tuple of layer l's arrays, what the kernels took from a tuple over the layers.
 
 The arrays behind the addresses must outlive the stack (the Python side that builds one keeps
-them: decode_step.Stacks); every array is C-contiguous (the builder checks). The rebuilt arrays
-are writable views in Numba's eyes; kernels never write weights.
+them: decode_step.Stacks); every array is C-contiguous (the builder checks). A rebuilt array has
+the type of the stack's first (read-only when the mapping is), so the kernels it goes to are the
+specialisations forward's general path compiles: the fused token adds no second copy of them.
 """
 from __future__ import annotations
 
-from numba import carray, types
+from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
+from numba.np.arrayobj import get_itemsize, make_array, populate_array
 
 __all__ = ["layer", "is_stack"]
 
 
 @intrinsic
-def _pointer(typingctx, addr, like):
-    # the int64 address `addr` as a pointer to `like`'s dtype (a carray's first argument)
-    ptr = types.CPointer(like.dtype)
+def _view(typingctx, addr, shape, like):
+    # the C-ordered array of `like`'s type (its dtype, rank and read-only flag) at address `addr` with `shape`
+    # (a tuple): numba.carray's construction, but typed as the stack's own arrays, so every kernel the fused
+    # token calls with it is the specialisation forward's general path compiled (and no second one)
+    aryty = like
 
     def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(ptr))
-    return ptr(types.int64, like), codegen
+        out = make_array(aryty)(context, builder)
+        itemsize = cgutils.intp_t(get_itemsize(context, aryty))
+        shapes = cgutils.unpack_tuple(builder, args[1])
+        strides, off = [], itemsize
+        for s in reversed(shapes):
+            strides.append(off)
+            off = builder.mul(off, s)
+        strides.reverse()
+        data = builder.inttoptr(args[0], context.get_data_type(aryty.dtype).as_pointer())
+        populate_array(out, data=data, shape=shapes, strides=strides, itemsize=itemsize, meminfo=None)
+        return out._getvalue()
+    return aryty(types.int64, shape, like), codegen
 
 
 def is_stack(S) -> bool:
@@ -48,16 +63,16 @@ def layer(S, l):
 
 @overload(layer, inline="always")
 def _layer_overload(S, l):
-    if is_stack(S):
+    if is_stack(S) and S[2].layout == "C":
         nd = S[2].ndim
         if nd == 1:
-            return lambda S, l: carray(_pointer(S[0][l], S[2]), (S[1][l, 0],))
+            return lambda S, l: _view(S[0][l], (S[1][l, 0],), S[2])
         if nd == 2:
-            return lambda S, l: carray(_pointer(S[0][l], S[2]), (S[1][l, 0], S[1][l, 1]))
+            return lambda S, l: _view(S[0][l], (S[1][l, 0], S[1][l, 1]), S[2])
         if nd == 3:
-            return lambda S, l: carray(_pointer(S[0][l], S[2]), (S[1][l, 0], S[1][l, 1], S[1][l, 2]))
+            return lambda S, l: _view(S[0][l], (S[1][l, 0], S[1][l, 1], S[1][l, 2]), S[2])
         if nd == 4:         # experts in panels (E, nb, d, P)
-            return lambda S, l: carray(_pointer(S[0][l], S[2]), (S[1][l, 0], S[1][l, 1], S[1][l, 2], S[1][l, 3]))
+            return lambda S, l: _view(S[0][l], (S[1][l, 0], S[1][l, 1], S[1][l, 2], S[1][l, 3]), S[2])
         return None
     if isinstance(S, types.BaseTuple) and len(S) == 2:
         return lambda S, l: (layer(S[0], l), layer(S[1], l))
