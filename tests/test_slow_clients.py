@@ -260,3 +260,22 @@ def test_chunked_and_expect_requests_are_served_and_malformed_chunks_are_400(ser
         g.stop()
     assert "Traceback" not in g.logs()
 
+
+
+def test_the_app_answers_a_body_whose_framing_fails_with_400():
+    """The same fault under a worker class that leaves the chunked framing to the app (plain
+    gthread): gunicorn's InvalidChunkSize from wsgi.input, or a body cut short, is a 400."""
+    import io
+    from gunicorn.http.errors import InvalidChunkSize, NoMoreData
+    from colibri_server.http import create_app
+    app = create_app("ipc:///nonexistent/colibri.sock")
+    for fault in (InvalidChunkSize(b"zz"), NoMoreData(b"")):
+        class Input(io.RawIOBase):
+            def read(self, n=-1):
+                raise fault
+        seen = []
+        env = {"REQUEST_METHOD": "POST", "PATH_INFO": "/tokenize", "wsgi.input": Input(),
+               "HTTP_TRANSFER_ENCODING": "chunked"}
+        body = b"".join(app(env, lambda status, headers: seen.append(status)))
+        assert seen[0].startswith("400 "), (seen, body)
+        assert json.loads(body)["error"]["code"] == "invalid_body", body

@@ -36,10 +36,12 @@ A non-streaming request writes nothing until it ends: between its tokens the gat
 the connection and, once the client has hung up, cancels the request the same way.
 
 Slow clients: `HeadFirstWorker` (the default worker class of `colibri http` and
-configs/gunicorn.conf.py) reads each request's head, and a body up to 2 MiB, in gunicorn's
-main loop, and hands the request to a thread only when it is all there; a connection that
-takes longer than COLIBRI_HTTP_HEADER_TIMEOUT (10 s) is closed.  Idle or half-sent
-connections (slowloris) therefore hold no thread.
+configs/gunicorn.conf.py) reads each request whole (head and body, Content-Length or chunked,
+"100 Continue" sent by it) in gunicorn's main loop, and hands it to a thread only when it is all
+there; a request not all in within COLIBRI_HTTP_HEADER_TIMEOUT (10 s) of its first byte gets
+408, a Content-Length over max_body 413 before its body is read.  Idle or half-sent
+connections (slowloris) therefore hold no thread; GET /health and /metrics have threads of
+their own.
 
 Threads: a Client is not thread-safe, so each gunicorn thread lazily creates its own
 (`threading.local`); a streaming response is iterated by the thread that created it, as
@@ -257,9 +259,9 @@ class Gateway(GenerationEndpoints):
                 raise _bad("invalid Content-Length header") from None
             if n > self.max_body:
                 raise self._too_large(stream, f"request body of {n} bytes exceeds the limit of {self.max_body}")
-            data = stream.read(n) if stream is not None and n > 0 else b""
+            data = _read_body(stream, n) if stream is not None and n > 0 else b""
         else:
-            data = stream.read(self.max_body + 1) if stream is not None else b""
+            data = _read_body(stream, self.max_body + 1) if stream is not None else b""
             if len(data) > self.max_body:
                 raise self._too_large(stream, f"request body exceeds the limit of {self.max_body} bytes")
         if not data.strip():
@@ -560,6 +562,18 @@ class Gateway(GenerationEndpoints):
     def metrics_endpoint(self, environ) -> _Resp:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         return _Resp(200, generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def _read_body(stream, n: int) -> bytes:
+    """Up to n bytes of a request body; its framing's faults (a chunk size that is not hex, a
+    body cut short) are the client's: 400 naming them, not a 500 with a traceback."""
+    try:
+        return stream.read(n)
+    except Exception as e:
+        if not type(e).__module__.startswith("gunicorn.http") and not isinstance(e, OSError):
+            raise
+        raise _bad(f"the request body is malformed or cut short ({type(e).__name__}: {str(e)[:100]})",
+                   None, "invalid_body") from None
 
 
 def _hangup_probe(environ, every: float = 0.2):
