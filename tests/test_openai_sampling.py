@@ -387,3 +387,14 @@ def test_prompt_embeds_answer_as_the_tokens_they_embed(st):
     r = requests.post(st.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
                       json={"prompt_embeds": base64.b64encode(E[:, :-1].tobytes()).decode(), "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_embeds", r.text
+
+
+def test_an_unsatisfiable_schema_is_an_error_naming_the_grammar(st):
+    """Issue 38 item 3 over HTTP: never "content": "{" with finish_reason stop."""
+    schema = {"$defs": {"n": {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"]}},
+              "$ref": "#/$defs/n"}
+    r = requests.post(st.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 20,
+                            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("grammar: "), r.text
