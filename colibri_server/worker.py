@@ -393,9 +393,10 @@ class Worker:
             numerical = isinstance(e, ArithmeticError)
             log.log(logging.ERROR if numerical else logging.INFO, "worker %d: request %s: %s", self.pid, rq, e,
                     extra=request_extra(rq))
+            from .model.serving import RequestTooLarge
+            code = "numerical_fault" if numerical else "too_large" if isinstance(e, RequestTooLarge) else "bad_request"
             if self.seqs.pop(rid, None) is not None:
-                self.send(b"ERROR", {"rid": rid, "code": "numerical_fault" if numerical else "bad_request",
-                                     "message": str(e)})
+                self.send(b"ERROR", {"rid": rid, "code": code, "message": str(e)})
         for rid, ev in events:
             a = self.seqs.get(rid)
             if a is None:

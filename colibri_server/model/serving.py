@@ -123,6 +123,10 @@ class BatchEngine:
         self.faults = []
         plan = self.sched.schedule()
         if not plan:
+            s = self.sched.stuck()              # never expected: a request that can never start
+            if s is not None and s.rid in self.states:
+                self._fault(s, RequestTooLarge(f"request of {len(s.tokens)} positions cannot start in the worker's "
+                                               f"pool of {self.pool.num_blocks} KV blocks"))
             return []
         t0 = time.perf_counter()
         rows = self._rows(plan)
