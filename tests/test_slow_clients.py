@@ -279,3 +279,46 @@ def test_the_app_answers_a_body_whose_framing_fails_with_400():
         body = b"".join(app(env, lambda status, headers: seen.append(status)))
         assert seen[0].startswith("400 "), (seen, body)
         assert json.loads(body)["error"]["code"] == "invalid_body", body
+
+
+def _disconnected(g) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = requests.get(g.url + "/metrics", timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "colibri_http_requests"
+               for s in f.samples if s.name.endswith("_total") and s.labels.get("outcome") == "disconnected")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hang_up_is_noticed_within_a_second_while_no_token_flows(server, tmp_path, stream):
+    """Issue 38 item 9: the workers stopped (SIGSTOP), a completion dispatched to one of them sends
+    nothing. Its HTTP client hangs up: within 1.5 s the gateway has counted it disconnected and sent
+    the cancel; once the workers run again the request is cancelled, not completed."""
+    import signal as _signal
+    g = start_gateway(server, tmp_path, threads=2)
+    pids = server.worker_pids()
+    before = server.stats()["counters"]
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "stream": stream}).encode()
+    try:
+        gone_before = _disconnected(g)
+        for pid in pids:
+            os.kill(pid, _signal.SIGSTOP)
+        try:
+            sock = socket.create_connection(("127.0.0.1", g.port), timeout=10)
+            sock.sendall(head(f"Content-Length: {len(body)}\r\n") + body)
+            server.wait_for(lambda: server.stats()["in_flight"] == 1, timeout=10, what="dispatch")
+            time.sleep(0.5)
+            sock.close()
+            t0 = time.monotonic()
+            while _disconnected(g) == gone_before and time.monotonic() - t0 < 10:
+                time.sleep(0.05)
+            noticed = time.monotonic() - t0
+        finally:
+            for pid in pids:
+                os.kill(pid, _signal.SIGCONT)
+        assert noticed < 1.5, f"the hang-up was noticed after {noticed:.1f} s"
+        server.wait_for(lambda: server.stats()["in_flight"] == 0, timeout=20, what="the request leaving")
+        after = server.stats()["counters"]
+        assert after.get("done", 0) == before.get("done", 0), (before, after)
+    finally:
+        g.stop()
+    assert "Traceback" not in g.logs()

@@ -31,9 +31,11 @@ Streaming: server-sent events (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`) pr
 generator.  The gateway waits for the first token before answering, so an error before any
 token gets its proper HTTP status.  When the HTTP client goes away, gunicorn's write fails and
 it closes the response iterable: that closes the colibri Stream, which sends a `cancel`, and
-the router frees the worker.  (A disconnect is noticed at the next write, i.e. the next token.)
-A non-streaming request writes nothing until it ends: between its tokens the gateway peeks at
-the connection and, once the client has hung up, cancels the request the same way.
+the router frees the worker.  A non-streaming request writes nothing until it ends: between its
+tokens the gateway peeks at the connection and, once the client has hung up, cancels the request
+the same way.  While a request waits for its next message (queued, or on a worker that sends
+nothing) the gateway peeks every HANGUP_POLL (0.25) s too, so a hang-up is noticed within a
+second whether tokens flow or not.
 
 Slow clients: `HeadFirstWorker` (the default worker class of `colibri http` and
 configs/gunicorn.conf.py) reads each request whole (head and body, Content-Length or chunked,
@@ -89,6 +91,7 @@ MAX_BODY = 1 << 20             # bytes of an HTTP request body
 DRAIN_LIMIT = 16 << 20         # bytes of an oversized body read and dropped so that its 413 is seen
 DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions when neither max_tokens nor max_completion_tokens is given
 INFO_TTL = 30.0                # seconds a fetched ModelInfo is trusted without a new generation seen
+HANGUP_POLL = 0.25             # seconds between looks at a waiting request's HTTP connection
 
 _STATUS_TEXT = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
                 408: "Request Timeout", 413: "Payload Too Large", 429: "Too Many Requests",
@@ -320,6 +323,7 @@ class Gateway(GenerationEndpoints):
         if not REQUEST_ID.fullmatch(rq):          # the client's id when it is one the server accepts
             rq = uuid.uuid4().hex
         environ["colibri.request_id"] = rq
+        self._local.gone = _hangup_probe(environ)     # for _await: this thread's request
         path = environ.get("PATH_INFO") or "/"
         route = self.routes.get(path.rstrip("/") or "/")
         arg = None
@@ -361,7 +365,7 @@ class Gateway(GenerationEndpoints):
         t0 = time.monotonic()
         stream = self._call(lambda c: c.stream(prompt, **params), prompt_param)
         try:
-            first = self._call(lambda c: next(stream), prompt_param)
+            first = self._call(lambda c: (self._await(stream), next(stream))[1], prompt_param)
         except BaseException:
             stream.close()
             raise
@@ -386,11 +390,26 @@ class Gateway(GenerationEndpoints):
                     if _is_num(t.get(key)):
                         hist.observe(t[key])
                 return
+            self._await(stream)
             chunk = next(stream)
             now = time.monotonic()
             if not chunk.is_final and chunk.token_ids:
                 self.metrics.itl.observe(now - last)
                 last = now
+
+    def _await(self, stream):
+        """Wait for the stream's next message, looking every HANGUP_POLL s whether the HTTP client
+        hung up meanwhile (499, and the caller's close cancels the request): a request queued, or
+        on a worker that sends nothing, is noticed as soon as one sending tokens."""
+        gone = getattr(self._local, "gone", None)
+        if gone is None or not hasattr(stream, "wait"):
+            return
+        end = time.monotonic() + self.timeout
+        while not stream.wait(max(0.0, min(HANGUP_POLL, end - time.monotonic()))):
+            if gone():
+                raise HTTPError(499, "the client closed the connection", code="client_gone", outcome="disconnected")
+            if time.monotonic() >= end:
+                raise ColibriTimeout(f"no message within {self.timeout:g} s", code="timeout")
 
     @staticmethod
     def _usage(final, prompt_len=None):
@@ -453,6 +472,8 @@ class Gateway(GenerationEndpoints):
             yield _DONE
         except GeneratorExit:
             raise
+        except HTTPError as e:                  # the client hung up before the first byte: nobody to tell
+            state["outcome"] = e.outcome
         except Exception:
             log.exception("stream failed")
             state["outcome"] = "internal"
