@@ -124,6 +124,8 @@ class Arbiter(Reloads, Fleet):
         s = self.settings
         self.pid = os.getpid()
         self.runtime_dir = _runtime_dir(s)
+        from .generations import sweep_runtime_dir
+        sweep_runtime_dir(self.runtime_dir)      # a master killed with -9 cleaned up nothing
         self.backend = f"ipc://{self.runtime_dir}/backend-{self.pid}.sock"
         if s.pidfile:
             _write_pidfile(s.pidfile, self.pid)
