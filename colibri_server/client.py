@@ -76,6 +76,12 @@ class Stream(_StreamEnds, _StreamCore):
             raise
         return self._chunk(item)
 
+    def wait(self, timeout: float) -> bool:
+        """Whether the next message has arrived, waiting for it at most `timeout` seconds (no
+        timeout error, no cancel: a caller that wants to look elsewhere meanwhile, as the gateway
+        checks whether its HTTP client hung up)."""
+        return self._finished or self._client._wait(self.id, timeout)
+
 
 class Client(_ClientCore):
     """Synchronous client: one ZeroMQ context and DEALER socket.  NOT thread-safe.
@@ -137,14 +143,20 @@ class Client(_ClientCore):
 
     def _next(self, rid, timeout):
         """The next queued item for rid, receiving (and routing) until one is there."""
+        timeout = self._timeout_for(timeout)
+        if not self._wait(rid, timeout):
+            raise _timeout_error("no message", timeout, rid)
+        return self._queues[rid].popleft()
+
+    def _wait(self, rid, timeout) -> bool:
+        """Receive (and route) until an item for rid is queued or `timeout` seconds pass: whether one is."""
         self._check_open()
         q = self._queues[rid]
-        timeout = self._timeout_for(timeout)
         deadline = time.monotonic() + timeout
         while not q:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise _timeout_error("no message", timeout, rid)
+                return False
             poller = zmq.Poller()
             poller.register(self._sock, zmq.POLLIN)
             poller.register(self._mon, zmq.POLLIN)
@@ -158,7 +170,7 @@ class Client(_ClientCore):
                     self._dispatch(parts)
             if self._mon in events and self._drain_monitor():
                 self._connection_lost()
-        return q.popleft()
+        return True
 
     def _call(self, req: _Request, timeout):
         with self._awaiting(req.id):

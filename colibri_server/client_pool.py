@@ -394,6 +394,15 @@ class _PoolStream(_StreamEnds, _PoolStreamBase):
     def __iter__(self):
         return self
 
+    def wait(self, timeout: float) -> bool:
+        """Whether the next message has arrived (see client.Stream.wait); a failure is for __next__."""
+        if self._finished:
+            return True
+        try:
+            return self._stream.wait(timeout)
+        except Exception:
+            return True
+
     def __next__(self):
         while True:
             if self._finished:

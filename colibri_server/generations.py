@@ -12,12 +12,45 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 
 import msgpack
 
 log = logging.getLogger("colibri.master")
+_LEFT_BEHIND = re.compile(r"(?:backend-(\d+)\.sock|generation-(\d+)-\d+\.msgpack)")
+
+
+def sweep_runtime_dir(runtime_dir: str) -> list:
+    """Remove what masters that died without cleaning up (kill -9) left in the runtime directory:
+    their backend socket and generation files, named by their pid, when no process has that pid
+    now. Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(runtime_dir)
+    except OSError:
+        return removed
+    for name in names:
+        m = _LEFT_BEHIND.fullmatch(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1) or m.group(2)), 0)
+            continue                    # alive (or another user's): not ours to judge
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.unlink(os.path.join(runtime_dir, name))
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.info("runtime directory %s: removed %d files of masters no longer running (%s)", runtime_dir,
+                 len(removed), ", ".join(sorted(removed)[:4]) + (", ..." if len(removed) > 4 else ""))
+    return removed
 
 
 class Generation:

@@ -124,6 +124,8 @@ class Arbiter(Reloads, Fleet):
         s = self.settings
         self.pid = os.getpid()
         self.runtime_dir = _runtime_dir(s)
+        from .generations import sweep_runtime_dir
+        sweep_runtime_dir(self.runtime_dir)      # a master killed with -9 cleaned up nothing
         self.backend = f"ipc://{self.runtime_dir}/backend-{self.pid}.sock"
         if s.pidfile:
             _write_pidfile(s.pidfile, self.pid)
@@ -493,8 +495,10 @@ class Arbiter(Reloads, Fleet):
         ws = [w for w in self.workers.values() if w.generation == self.generation]
         uss = [process_memory(w.pid)["uss"] for w in ws]
         size = self.gens[self.generation].model.file.header["file_size"]
-        log.info("ready: %s on %s, %d workers (pids %s), model %s mapped once (%s), worker USS %s",
-                 os.path.basename(self.model_path), self.settings.bind, len(ws),
+        # a worker host listens on nothing: it names the head it joined, not the bind it never uses
+        where = f"joined to {self.settings.join}" if self.role == "host" else f"on {self.settings.bind}"
+        log.info("ready: %s %s, %d workers (pids %s), model %s mapped once (%s), worker USS %s",
+                 os.path.basename(self.model_path), where, len(ws),
                  ",".join(str(w.pid) for w in ws), self.model_path, mib(size), "/".join(mib(u) for u in uss))
         self.notify(f"READY=1\nSTATUS=serving generation {self.generation} with {len(ws)} workers")
 

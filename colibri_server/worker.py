@@ -387,12 +387,16 @@ class Worker:
                 del self.seqs[rid]
                 self.send(b"ERROR", {"rid": rid, "code": "internal", "message": f"{e.__class__.__name__}: {e}"})
             return
-        for rid, e in self.engine.faults:   # non-finite logits: corrupted weights or an overflow
+        for rid, e in self.engine.faults:   # non-finite logits (corrupted weights, an overflow), or a grammar's dead end
             a = self.seqs.get(rid)
             rq = a.request_id if a is not None else rid
-            log.error("worker %d: request %s: %s", self.pid, rq, e, extra=request_extra(rq))
+            numerical = isinstance(e, ArithmeticError)
+            log.log(logging.ERROR if numerical else logging.INFO, "worker %d: request %s: %s", self.pid, rq, e,
+                    extra=request_extra(rq))
+            from .model.serving import RequestTooLarge
+            code = "numerical_fault" if numerical else "too_large" if isinstance(e, RequestTooLarge) else "bad_request"
             if self.seqs.pop(rid, None) is not None:
-                self.send(b"ERROR", {"rid": rid, "code": "numerical_fault", "message": str(e)})
+                self.send(b"ERROR", {"rid": rid, "code": code, "message": str(e)})
         for rid, ev in events:
             a = self.seqs.get(rid)
             if a is None:

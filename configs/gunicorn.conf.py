@@ -19,9 +19,10 @@ bind = os.environ.get("COLIBRI_HTTP_BIND", "127.0.0.1:8000")
 # gthread: each thread serves one request at a time and keeps its own colibri Client
 # (a Client is not thread-safe).  The gateway only waits on ZeroMQ: threads are cheap, and
 # `threads` bounds the concurrent HTTP requests (streams included) of one process.
-# colibri's gthread: a connection gets a thread only once its request line and headers are in
-# (COLIBRI_HTTP_HEADER_TIMEOUT, default 10 s, then it is closed): idle or slowloris connections
-# wait in the poller and cannot take the threads that /health and the API need.
+# colibri's gthread: a connection gets a thread only once its whole request (head and body,
+# whatever the framing) is in, within COLIBRI_HTTP_HEADER_TIMEOUT (default 10 s) of its first
+# byte (then 408): idle or slow clients wait in the poller and cannot take the threads the API
+# needs; GET /health and /metrics have two threads of their own.
 worker_class = "colibri_server.http.HeadFirstWorker"
 threads = int(os.environ.get("COLIBRI_HTTP_THREADS", "8"))
 # One process by default: request metrics are per process (see colibri_server/http/metrics.py).

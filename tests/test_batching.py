@@ -327,3 +327,25 @@ def test_a_prompt_of_embeddings_is_its_tokens_through_preemption_and_never_cache
     assert eng.pool.hits == 0
     with pytest.raises(ValueError, match="prompt_embeds: expected"):
         eng.add("bad", None, embeddings=np.zeros((3, m.config.hidden_size + 1), np.float32))
+
+
+def test_n_completions_whose_blocks_never_fit_at_once_run_in_turns(built):
+    """Issue 38 item 9: a 5-token prompt with n = 5 on a pool of 3 blocks of 4 holds one sequence
+    (2 blocks) but never the prompt's blocks plus 4 siblings' copies at once. It used to wait
+    forever (waiting: 1, every step empty); it runs its completions in turns, each what a lone
+    request seeded seed + i gives, and the pool is empty after."""
+    m = Model.open(built("mixtral").colibri("f32"))
+    prompt = np.random.default_rng(8).integers(3, m.config.vocab_size, size=5).tolist()
+    kw = dict(max_tokens=3, temperature=1.0, seed=7, ignore_eos=True)
+    alone = {i: m.generate(prompt, **{**kw, "seed": 7 + i}) for i in range(5)}
+    per_block = KVPool(m.config, 1, 4, "f32").bytes_per_block
+    eng = BatchEngine(m, max_seqs=5, max_batch_tokens=16, kv_dtype="f32", block_size=4,
+                      kv_cache_memory=3 * per_block)
+    eng.add(0, prompt, n=5, **kw)
+    out, steps = {}, 0
+    while eng.has_work() and steps < 200:
+        for rid, ev in eng.step():
+            out.setdefault(ev.choice, []).append(ev.token_id)
+        steps += 1
+    assert not eng.has_work(), f"still {eng.sched.stats()} after {steps} steps"
+    assert out == alone and eng.pool.used() == 0

@@ -287,6 +287,9 @@ def test_a_plain_serve_takes_worker_hosts_beside_its_own_workers(tmp_path, keys)
         srv.wait_ready(workers=2, timeout=120)
         ws = srv.stats()["workers"]
         assert sorted(w["remote"] for w in ws) == [False, True]
+        # issue 38 item 11: the host's ready line names the head it joined, not an address it never listens on
+        ready = wait_until(lambda: [ln for ln in host.logs().splitlines() if "ready:" in ln], 30, "the host's ready line")
+        assert f"tcp://127.0.0.1:{port}" in ready[0] and host.addr not in ready[0], ready
         with Load(srv.addr, clients=8) as load:
             wait_until(lambda: len({r.worker_pid for r in load.done}) == 2, 60, "both workers answer")
         assert not load.errors

@@ -303,6 +303,36 @@ def test_openai_tool_calls_parse_and_name_a_listed_tool(st, tool_choice):
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
 
 
+# parameters as Pydantic writes them: the nested model under $defs, reached by $ref; the older
+# "definitions" spelling; and a reference to the parameters' own root
+TOOLS_REFS = [{"type": "function", "function": {"name": "weather", "parameters": {
+                  "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                                    "required": ["city"], "additionalProperties": False}},
+                  "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+                  "additionalProperties": False}}},
+              {"type": "function", "function": {"name": "add", "parameters": {
+                  "definitions": {"Digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "type": "object", "properties": {"a": {"$ref": "#/definitions/Digit"},
+                                                   "more": {"$ref": "#"}},
+                  "required": ["a"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "weather"}},
+                                         {"type": "function", "function": {"name": "add"}}])
+def test_tool_parameters_with_refs_compile_and_the_call_validates(st, tool_choice):
+    """Issue 38 item 2: parameters with $defs/$ref/definitions (Pydantic's output) nested under the
+    call's "arguments" kept their references working: the call validates against the parameters."""
+    import jsonschema
+    r = st.oa.chat.completions.create(model=st.name, messages=[{"role": "user", "content": "go"}], max_tokens=60,
+                                      temperature=0, tools=TOOLS_REFS, tool_choice=tool_choice)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    call = c.message.tool_calls[0].function
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS_REFS}
+    assert tool_choice == "required" or call.name == tool_choice["function"]["name"]
+    jsonschema.validate(json.loads(call.arguments), params[call.name])
+
+
 def test_auto_tool_choice_returns_a_call_only_when_the_output_is_one(st):
     from colibri_server.http.structured import Tools
     t = Tools.from_body({"tools": TOOLS})
@@ -357,3 +387,14 @@ def test_prompt_embeds_answer_as_the_tokens_they_embed(st):
     r = requests.post(st.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
                       json={"prompt_embeds": base64.b64encode(E[:, :-1].tobytes()).decode(), "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_embeds", r.text
+
+
+def test_an_unsatisfiable_schema_is_an_error_naming_the_grammar(st):
+    """Issue 38 item 3 over HTTP: never "content": "{" with finish_reason stop."""
+    schema = {"$defs": {"n": {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"]}},
+              "$ref": "#/$defs/n"}
+    r = requests.post(st.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 20,
+                            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("grammar: "), r.text

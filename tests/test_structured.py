@@ -71,3 +71,29 @@ def test_a_grammar_that_does_not_compile_is_a_bad_request_naming_it(model, spec,
     with pytest.raises(ValueError, match=r"^grammar: .*" + words):
         eng.add("x", "hi", grammar=spec)
     assert not eng.has_work()
+
+
+UNSATISFIABLE = {"$defs": {"n": {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"]}},
+                 "$ref": "#/$defs/n"}
+
+
+def test_a_grammar_with_no_way_on_ends_its_request_with_an_error_not_stop(model):
+    """Issue 38 item 3: an object that must contain itself admits no complete output. Its request
+    ends with a GrammarDeadEnd naming the grammar (never output marked stop that fails the schema),
+    and a request beside it in the batch finishes valid."""
+    eng = BatchEngine(model, max_seqs=2, max_batch_tokens=64)
+    eng.add("bad", "Answer in JSON:", max_tokens=40, grammar=("json_schema", json.dumps(UNSATISFIABLE)))
+    eng.add("good", "Answer in JSON:", max_tokens=40, grammar=("json_schema", '{"type": "object", "properties": '
+                                                                               '{"x": {"type": "boolean"}}, "required": ["x"]}'))
+    events, faults = [], []
+    while eng.has_work():
+        events += eng.step()
+        faults += eng.faults
+    assert [rid for rid, _ in faults] == ["bad"], (faults, [ev for rid, ev in events if rid == "bad"])
+    from colibri_server.model.grammar import GrammarDeadEnd
+    assert isinstance(faults[0][1], GrammarDeadEnd) and str(faults[0][1]).startswith("grammar: ")
+    assert "\n" not in str(faults[0][1])
+    assert not [ev for rid, ev in events if rid == "bad" and ev.finish_reason is not None]
+    good = "".join(ev.text for rid, ev in events if rid == "good")
+    assert [ev.finish_reason for rid, ev in events if rid == "good"][-1] == "stop"
+    assert isinstance(json.loads(good)["x"], bool)

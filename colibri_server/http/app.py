@@ -31,15 +31,19 @@ Streaming: server-sent events (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`) pr
 generator.  The gateway waits for the first token before answering, so an error before any
 token gets its proper HTTP status.  When the HTTP client goes away, gunicorn's write fails and
 it closes the response iterable: that closes the colibri Stream, which sends a `cancel`, and
-the router frees the worker.  (A disconnect is noticed at the next write, i.e. the next token.)
-A non-streaming request writes nothing until it ends: between its tokens the gateway peeks at
-the connection and, once the client has hung up, cancels the request the same way.
+the router frees the worker.  A non-streaming request writes nothing until it ends: between its
+tokens the gateway peeks at the connection and, once the client has hung up, cancels the request
+the same way.  While a request waits for its next message (queued, or on a worker that sends
+nothing) the gateway peeks every HANGUP_POLL (0.25) s too, so a hang-up is noticed within a
+second whether tokens flow or not.
 
 Slow clients: `HeadFirstWorker` (the default worker class of `colibri http` and
-configs/gunicorn.conf.py) reads each request's head, and a body up to 2 MiB, in gunicorn's
-main loop, and hands the request to a thread only when it is all there; a connection that
-takes longer than COLIBRI_HTTP_HEADER_TIMEOUT (10 s) is closed.  Idle or half-sent
-connections (slowloris) therefore hold no thread.
+configs/gunicorn.conf.py) reads each request whole (head and body, Content-Length or chunked,
+"100 Continue" sent by it) in gunicorn's main loop, and hands it to a thread only when it is all
+there; a request not all in within COLIBRI_HTTP_HEADER_TIMEOUT (10 s) of its first byte gets
+408, a Content-Length over max_body 413 before its body is read.  Idle or half-sent
+connections (slowloris) therefore hold no thread; GET /health and /metrics have threads of
+their own.
 
 Threads: a Client is not thread-safe, so each gunicorn thread lazily creates its own
 (`threading.local`); a streaming response is iterated by the thread that created it, as
@@ -87,6 +91,7 @@ MAX_BODY = 1 << 20             # bytes of an HTTP request body
 DRAIN_LIMIT = 16 << 20         # bytes of an oversized body read and dropped so that its 413 is seen
 DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions when neither max_tokens nor max_completion_tokens is given
 INFO_TTL = 30.0                # seconds a fetched ModelInfo is trusted without a new generation seen
+HANGUP_POLL = 0.25             # seconds between looks at a waiting request's HTTP connection
 
 _STATUS_TEXT = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
                 408: "Request Timeout", 413: "Payload Too Large", 429: "Too Many Requests",
@@ -257,9 +262,9 @@ class Gateway(GenerationEndpoints):
                 raise _bad("invalid Content-Length header") from None
             if n > self.max_body:
                 raise self._too_large(stream, f"request body of {n} bytes exceeds the limit of {self.max_body}")
-            data = stream.read(n) if stream is not None and n > 0 else b""
+            data = _read_body(stream, n) if stream is not None and n > 0 else b""
         else:
-            data = stream.read(self.max_body + 1) if stream is not None else b""
+            data = _read_body(stream, self.max_body + 1) if stream is not None else b""
             if len(data) > self.max_body:
                 raise self._too_large(stream, f"request body exceeds the limit of {self.max_body} bytes")
         if not data.strip():
@@ -318,6 +323,7 @@ class Gateway(GenerationEndpoints):
         if not REQUEST_ID.fullmatch(rq):          # the client's id when it is one the server accepts
             rq = uuid.uuid4().hex
         environ["colibri.request_id"] = rq
+        self._local.gone = _hangup_probe(environ)     # for _await: this thread's request
         path = environ.get("PATH_INFO") or "/"
         route = self.routes.get(path.rstrip("/") or "/")
         arg = None
@@ -359,7 +365,7 @@ class Gateway(GenerationEndpoints):
         t0 = time.monotonic()
         stream = self._call(lambda c: c.stream(prompt, **params), prompt_param)
         try:
-            first = self._call(lambda c: next(stream), prompt_param)
+            first = self._call(lambda c: (self._await(stream), next(stream))[1], prompt_param)
         except BaseException:
             stream.close()
             raise
@@ -384,11 +390,26 @@ class Gateway(GenerationEndpoints):
                     if _is_num(t.get(key)):
                         hist.observe(t[key])
                 return
+            self._await(stream)
             chunk = next(stream)
             now = time.monotonic()
             if not chunk.is_final and chunk.token_ids:
                 self.metrics.itl.observe(now - last)
                 last = now
+
+    def _await(self, stream):
+        """Wait for the stream's next message, looking every HANGUP_POLL s whether the HTTP client
+        hung up meanwhile (499, and the caller's close cancels the request): a request queued, or
+        on a worker that sends nothing, is noticed as soon as one sending tokens."""
+        gone = getattr(self._local, "gone", None)
+        if gone is None or not hasattr(stream, "wait"):
+            return
+        end = time.monotonic() + self.timeout
+        while not stream.wait(max(0.0, min(HANGUP_POLL, end - time.monotonic()))):
+            if gone():
+                raise HTTPError(499, "the client closed the connection", code="client_gone", outcome="disconnected")
+            if time.monotonic() >= end:
+                raise ColibriTimeout(f"no message within {self.timeout:g} s", code="timeout")
 
     @staticmethod
     def _usage(final, prompt_len=None):
@@ -451,6 +472,8 @@ class Gateway(GenerationEndpoints):
             yield _DONE
         except GeneratorExit:
             raise
+        except HTTPError as e:                  # the client hung up before the first byte: nobody to tell
+            state["outcome"] = e.outcome
         except Exception:
             log.exception("stream failed")
             state["outcome"] = "internal"
@@ -560,6 +583,18 @@ class Gateway(GenerationEndpoints):
     def metrics_endpoint(self, environ) -> _Resp:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         return _Resp(200, generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def _read_body(stream, n: int) -> bytes:
+    """Up to n bytes of a request body; its framing's faults (a chunk size that is not hex, a
+    body cut short) are the client's: 400 naming them, not a 500 with a traceback."""
+    try:
+        return stream.read(n)
+    except Exception as e:
+        if not type(e).__module__.startswith("gunicorn.http") and not isinstance(e, OSError):
+            raise
+        raise _bad(f"the request body is malformed or cut short ({type(e).__name__}: {str(e)[:100]})",
+                   None, "invalid_body") from None
 
 
 def _hangup_probe(environ, every: float = 0.2):

@@ -157,11 +157,23 @@ class Tools:
         if self.choice in ("none", "auto"):
             return None
         chosen = [t for t in self.tools if self.choice == "required" or t["function"]["name"] == self.choice]
-        alts = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                   "arguments": t["function"]["parameters"]},
-                 "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
-        return checked({"type": "json_schema", "value": json.dumps(alts[0] if len(alts) == 1 else {"anyOf": alts})},
-                       "tools")
+        defs, alts = {}, []
+        for i, t in enumerate(chosen):
+            params = t["function"]["parameters"]
+            if _has_ref(params):
+                # nested under properties.arguments, the parameters' own references ("#/$defs/Loc",
+                # "#/definitions/Loc", "#") would point into the call object: the parameters go
+                # under the root's $defs and their references follow them there
+                key = f"colibri_tool_{i}"
+                defs[key] = _rebase(params, f"#/$defs/{key}")
+                params = {"$ref": f"#/$defs/{key}"}
+            alts.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                          "arguments": params},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+        schema = alts[0] if len(alts) == 1 else {"anyOf": alts}
+        if defs:
+            schema = {**schema, "$defs": defs}
+        return checked({"type": "json_schema", "value": json.dumps(schema)}, "tools")
 
     def prompt_messages(self, messages: list, template_reads_tools: bool) -> list:
         """The messages, with the tools in a system message when the template does not show them."""
@@ -187,6 +199,37 @@ class Tools:
             return None
         return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                  "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}]
+
+
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})      # values, not schemas
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _has_ref(schema) -> bool:
+    if isinstance(schema, dict):
+        return isinstance(schema.get("$ref"), str) or any(
+            _has_ref(v) for k, v in schema.items() if k not in _DATA_KEYS)
+    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+
+
+def _rebase(schema, base: str, names: bool = False):
+    """A copy of a schema whose local references ("#", "#/...") point at the same place once the
+    schema itself lives at `base` ("#/$defs/x"); data (const, enum, ...) is left as it is."""
+    if isinstance(schema, list):
+        return [_rebase(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if names:                       # a map of names to schemas: every key is a name
+        return {k: _rebase(v, base) for k, v in schema.items()}
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = base + v[1:]
+        elif k in _DATA_KEYS:
+            out[k] = v
+        else:
+            out[k] = _rebase(v, base, names=k in _NAME_MAPS)
+    return out
 
 
 def messages_for_template(messages: list, reads_tool_calls: bool) -> list:

@@ -443,10 +443,13 @@ class Sequence:
 
     def _sample(self, logits) -> StreamEvent:
         p = self.params
-        allowed = None
+        allowed, complete = None, False
         if self.constraint is not None:
             allowed = self.constraint.allowed()
-            if not allowed.any():                       # a matcher in error (never expected): allow the end
+            complete = self.constraint.accepting        # the output so far satisfies the grammar
+            if not complete and (self.constraint.error is not None or not allowed.any()):
+                raise self._dead_end()
+            if not allowed.any():                       # complete, nothing more allowed: the end
                 allowed = np.zeros_like(allowed)        # (EOS; any token for a model without one)
                 allowed[list(self.model.config.eos_token_ids) or slice(None)] = True
         t = self.sampler.sample(logits[0], self.history, allowed)
@@ -457,7 +460,10 @@ class Sequence:
         emit, finished, reason = self.stops.push(t, self.decoder.push(t) if self.decoder is not None else "")
         if self.constraint is not None:
             self.constraint.advance(t)
-            grammar_end = self.constraint.done or t in self.model.config.eos_token_ids
+            if self.constraint.error is not None and not complete:   # stopped in error: not a completed grammar
+                raise self._dead_end()
+            grammar_end = self.constraint.done or t in self.model.config.eos_token_ids or complete and \
+                self.constraint.error is not None
             if grammar_end and not finished:            # complete (or ended by EOS under ignore_eos)
                 tail = self.decoder.flush() if self.decoder is not None else ""
                 emit += self.stops.push(None, tail)[0] + self.stops.flush()
@@ -469,6 +475,15 @@ class Sequence:
         if finished:
             self.finished, self.finish_reason = True, reason
         return StreamEvent(t, emit, reason if finished else None, lp)
+
+    def _dead_end(self):
+        from .grammar import GrammarDeadEnd
+        kind = self.params.grammar[0]
+        err = self.constraint.error
+        tail = self.model.tokenizer.decode(self.generated[-8:]) if self.decoder is not None else str(self.generated[-8:])
+        return GrammarDeadEnd(f"grammar: the output admits no continuation within its {kind} after "
+                              f"{len(self.generated)} tokens (ending {tail[-40:]!r})"
+                              + (f": {err.splitlines()[0][:200]}" if err else ": it cannot be satisfied"))
 
     def cancel(self) -> None:
         self.finished, self.finish_reason = True, "cancelled"

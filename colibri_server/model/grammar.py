@@ -38,6 +38,12 @@ class GrammarError(ValueError):
     request carrying it is a bad request."""
 
 
+class GrammarDeadEnd(GrammarError):
+    """The output so far admits no continuation within its grammar (an unsatisfiable schema, or
+    one beyond the parser's limits): the request ends with this, never with output marked
+    complete that fails the grammar."""
+
+
 def _llguidance():
     # llguidance computes masks on a rayon pool sized to the machine; its threads, spinning beside a
     # worker's Numba threads, made a one-sequence decode step twice as slow (bench/grammar.py: 50.1 vs
@@ -130,6 +136,11 @@ class Constraint:
     def advance(self, token: int) -> bool:
         """Consume a sampled token; False when the grammar refuses it (never after allowed())."""
         return bool(self.matcher.consume_token(int(token)))
+
+    @property
+    def error(self):
+        """The matcher's error (its parser gave up: an unsatisfiable or too ambiguous grammar), or None."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
 
     @property
     def done(self) -> bool:

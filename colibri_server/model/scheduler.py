@@ -9,7 +9,9 @@ the step it finishes. A prompt longer than the budget enters in chunks over seve
 When a decoding sequence needs a block and the pool has none, the youngest running sequence is
 preempted: its blocks go back to the pool and it waits at the head of the queue, to be recomputed
 from its tokens (prompt and generated so far) when it is admitted again; its registered prefix
-blocks may still be cached then. A request that could never fit is refused when it is added.
+blocks may still be cached then. A request that could never fit is refused when it is added; a
+request of n completions whose siblings' blocks could never all be held at once runs them in turns
+(a sibling with no block for its copy waits and recomputes its prompt).
 
 Owns: the waiting queue, the running set, the choice of rows, admission and preemption.
 Never: runs the model, samples, or talks to a socket (serving.py and the worker do).
@@ -112,7 +114,7 @@ class Scheduler:
             s = self.waiting[0]
             if not s.matched and self.prefix_cache and s.reuse:
                 self._match(s)
-            if self.pool.blocks_for(len(s.tokens)) - len(s.blocks) + s.width - 1 > self.pool.available():
+            if self.blocks_to_start(s) - len(s.blocks) > self.pool.available():
                 self._unmatch(s)         # a waiting sequence holds no block: running ones may need them all
                 break                    # admission: the whole prompt fits (and its siblings' last blocks)
             self.waiting.pop(0)
@@ -122,6 +124,19 @@ class Scheduler:
             plan.append(Segment(s, s.computed, n))
             budget -= n
         return plan
+
+    def blocks_to_start(self, s: SeqState) -> int:
+        """Blocks s is admitted with: its prompt's, and a last block for each sibling it forks when
+        the pool could ever hold them all at once; otherwise the siblings that find no block for
+        their copy wait and recompute (fork): the request runs in turns instead of never."""
+        prompt = self.pool.blocks_for(len(s.tokens))
+        return prompt + s.width - 1 if prompt + s.width - 1 <= self.pool.num_blocks else prompt
+
+    def stuck(self):
+        """After a schedule() that planned nothing: the waiting head, when nothing runs. With every
+        block free or evictable and every slot free it was still not admitted, so it never will be
+        (None when something runs: its blocks come back)."""
+        return self.waiting[0] if self.waiting and not self.running else None
 
     def occupied(self) -> int:
         """Slots held by running sequences (a request of n completions holds n from its admission)."""

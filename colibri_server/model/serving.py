@@ -15,6 +15,7 @@ the pool at once; their prompt blocks stay in the prefix cache.
 Non-finite logits (corrupted weights, an overflow) end only the requests whose rows gave them:
 after a step, `eng.faults` lists (rid, engine.NumericalFault naming the first layer whose keys or
 values of that request are non-finite); those requests have left the engine, the others go on.
+A request whose grammar admits no next token ends the same way, with a grammar.GrammarDeadEnd.
 A kernel's ArithmeticError on NaNs (the MoE router's ZeroDivisionError) aborts the forward: the
 requests whose new keys/values are non-finite are faulted the same way (all of the step's, when
 none is), the others are recomputed by the next step.
@@ -30,6 +31,7 @@ import numpy as np
 
 from .batch import Rows, forward_batch
 from .engine import NumericalFault, Sequence
+from .grammar import GrammarDeadEnd
 from .kernels import aligned_zeros
 from .kv import BLOCK_SIZE, KVPool, block_bytes
 from .sampler import SamplingParams
@@ -121,6 +123,10 @@ class BatchEngine:
         self.faults = []
         plan = self.sched.schedule()
         if not plan:
+            s = self.sched.stuck()              # never expected: a request that can never start
+            if s is not None and s.rid in self.states:
+                self._fault(s, RequestTooLarge(f"request of {len(s.tokens)} positions cannot start in the worker's "
+                                               f"pool of {self.pool.num_blocks} KV blocks"))
             return []
         t0 = time.perf_counter()
         rows = self._rows(plan)
@@ -166,7 +172,13 @@ class BatchEngine:
                 st.width = 1
                 self.states[st.rid].extend(group[1:])
             for s in group:
-                ev = s.seq._sample(logits[j:j + 1])
+                if s.rid not in self.states:
+                    break                                       # a sibling's grammar ended the request
+                try:
+                    ev = s.seq._sample(logits[j:j + 1])
+                except GrammarDeadEnd as e:
+                    self._fault(s, e)
+                    continue
                 ev.choice = s.choice
                 s.tokens.append(ev.token_id)
                 events.append((s.rid, ev))
@@ -207,7 +219,7 @@ class BatchEngine:
                  "final norm or the output head")
         return NumericalFault(f"{what}: {where}", layer)
 
-    def _fault(self, st, exc: NumericalFault) -> None:
+    def _fault(self, st, exc: Exception) -> None:
         """The request of st ends with exc, every completion of it."""
         self.faults.append((st.rid, exc))
         for s in self.states.pop(st.rid, [st]):
