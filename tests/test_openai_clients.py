@@ -43,3 +43,14 @@ def test_logprobs_bytes_are_each_tokens_own_bytes(st):
     # the alternatives: each one's bytes are one token's, never the replacement character's UTF-8
     for e in c.logprobs.content:
         assert all(a.bytes != list("\ufffd".encode()) for a in e.top_logprobs)
+
+
+def test_a_function_without_parameters_takes_no_arguments(st):
+    """As OpenAI: no `parameters` is no arguments, so a call of it has the arguments {}."""
+    for seed in range(3):
+        r = st.oa.chat.completions.create(model=st.name, messages=ASK, tools=[PING, WEATHER], max_tokens=64,
+                                          tool_choice={"type": "function", "function": {"name": "ping"}},
+                                          temperature=1.0, seed=seed)
+        call = r.choices[0].message.tool_calls[0]
+        assert (call.function.name, call.function.arguments) == ("ping", "{}")
+        assert r.choices[0].finish_reason == "tool_calls"

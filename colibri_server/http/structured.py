@@ -129,7 +129,8 @@ class Tools:
             name = fn.get("name")
             if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
                 raise _bad(f"'{at}.function.name' must be 1-64 letters, digits, _ . or -", f"{at}.function.name")
-            params = fn.get("parameters", {"type": "object", "properties": {}})
+            # no parameters: no arguments (as OpenAI), so a call of it is {"name": ..., "arguments": {}}
+            params = fn.get("parameters", {"type": "object", "properties": {}, "additionalProperties": False})
             if not isinstance(params, dict):
                 raise _bad(f"'{at}.function.parameters' must be a JSON schema object", f"{at}.function.parameters",
                            "invalid_type")
