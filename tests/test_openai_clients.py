@@ -54,3 +54,40 @@ def test_a_function_without_parameters_takes_no_arguments(st):
         call = r.choices[0].message.tool_calls[0]
         assert (call.function.name, call.function.arguments) == ("ping", "{}")
         assert r.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_tool_call_cut_off_by_max_tokens_is_a_partial_tool_call(st, choice):
+    """As OpenAI: finish_reason length with tool_calls holding the call begun (its name, the arguments
+    written so far), never the gateway's {"name": ...} envelope as content. Cut inside the name too."""
+    whole = st.oa.chat.completions.create(model=st.name, messages=ASK, tools=[WEATHER], tool_choice=choice,
+                                          max_tokens=96, temperature=0.0)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    args = whole.choices[0].message.tool_calls[0].function.arguments
+    n = whole.usage.completion_tokens
+    for cut in (2, n - 3):
+        for stream in (False, True):
+            kw = dict(model=st.name, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=cut,
+                      temperature=0.0)
+            if stream:
+                chunks = list(st.oa.chat.completions.create(stream=True, **kw))
+                deltas = [c.choices[0].delta for c in chunks if c.choices]
+                assert not "".join(d.content or "" for d in deltas)
+                calls = [t for d in deltas for t in d.tool_calls or ()]
+                name = "".join(t.function.name or "" for t in calls if t.function)
+                partial = "".join(t.function.arguments or "" for t in calls if t.function)
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            else:
+                r = st.oa.chat.completions.create(**kw)
+                msg = r.choices[0].message
+                assert msg.content is None and len(msg.tool_calls) == 1
+                name, partial = msg.tool_calls[0].function.name, msg.tool_calls[0].function.arguments
+                finish = [r.choices[0].finish_reason]
+            assert finish == ["length"]
+            assert name == "get_weather"
+            if cut == 2:
+                assert partial == ""
+            else:
+                assert partial and json.loads(args) != {} and args.replace(" ", "").startswith(
+                    partial.replace(" ", "")), (partial, args)

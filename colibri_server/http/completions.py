@@ -157,6 +157,9 @@ class GenerationEndpoints:
             calls = tools.parse(c.text) if calling else None
             if calls:
                 return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            calls = tools.partial(c.text) if calling and c.finish_reason == "length" else None
+            if calls:                           # cut off by max_tokens: the partial call, as OpenAI
+                return {"role": "assistant", "content": None, "tool_calls": calls}, "length"
             return {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
 
         if not stream_mode or calling:          # a tool call is known only at the end: streamed in one piece
