@@ -91,3 +91,61 @@ def test_a_tool_call_cut_off_by_max_tokens_is_a_partial_tool_call(st, choice):
             else:
                 assert partial and json.loads(args) != {} and args.replace(" ", "").startswith(
                     partial.replace(" ", "")), (partial, args)
+
+
+def _stream(st, **kw):
+    """The chunks of a streamed chat, each with the time it arrived."""
+    out, t0 = [], time.monotonic()
+    for c in st.oa.chat.completions.create(model=st.name, messages=ASK, stream=True, **kw):
+        out.append((time.monotonic() - t0, c))
+    return out
+
+
+def test_a_streaming_chat_with_tools_streams_its_content(st):
+    """tool_choice auto, an answer that is not a call: content deltas one by one as the tokens come (not one
+    delta at the end), the same text as unstreamed."""
+    kw = dict(tools=[WEATHER, PING], max_tokens=24, temperature=0.0)
+    whole = st.oa.chat.completions.create(model=st.name, messages=ASK, **kw)
+    assert whole.choices[0].message.tool_calls is None and whole.usage.completion_tokens == 24
+    chunks = _stream(st, **kw)
+    pieces = [c.choices[0].delta.content for _, c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert len(pieces) >= 12, pieces
+    assert [c.choices[0].finish_reason for _, c in chunks if c.choices][-1] == "length"
+
+
+def test_a_forced_tool_call_streams_as_openai_streams_it(st):
+    """A named tool call: a first delta with the call's id, type and name, then its arguments in pieces as
+    they are written; they add up to the unstreamed call's arguments; finish_reason tool_calls."""
+    kw = dict(tools=[WEATHER, PING], max_tokens=96, temperature=0.0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = st.oa.chat.completions.create(model=st.name, messages=ASK, **kw)
+    want = whole.choices[0].message.tool_calls[0].function
+    chunks = _stream(st, **kw)
+    calls = [t for _, c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+    assert calls[0].id and calls[0].type == "function" and calls[0].function.name == "get_weather"
+    assert all(t.id is None and t.function.name is None and t.index == 0 for t in calls[1:])
+    assert json.loads("".join(t.function.arguments or "" for t in calls)) == json.loads(want.arguments)
+    assert len(calls) >= 4, calls
+    assert not any(c.choices[0].delta.content for _, c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for _, c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_auto_holds_back_only_what_can_be_a_call():
+    """Auto: text that cannot begin a call streams at once; the start of a listed tool's envelope is held
+    to the end and comes out as one call; a held start that turns out to be text comes out as content."""
+    from colibri_server.http.structured import Tools
+    from colibri_server.http.toolstream import ToolStream
+    tools = Tools.from_body({"tools": [WEATHER, PING]})
+    ts = ToolStream(tools)
+    assert ts.feed("  ") == [] and ts.feed("Hel") == [({"content": "  Hel"}, [])]
+    assert ts.feed("lo") == [({"content": "lo"}, [])]
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    ts = ToolStream(tools)
+    assert all(ts.feed(call[i:i + 5]) == [] for i in range(0, len(call), 5))
+    out, fr = ts.finish(call, "stop")
+    assert fr == "tool_calls" and out[0][0]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    ts = ToolStream(tools)
+    assert ts.feed('{"name": "get_') == [] and ts.feed('time"') == [({"content": '{"name": "get_time"'}, [])]
+

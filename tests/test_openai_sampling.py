@@ -291,8 +291,8 @@ def test_openai_tool_calls_parse_and_name_a_listed_tool(st, tool_choice):
             chunks = list(st.oa.chat.completions.create(stream=True, **kw))
             deltas = [cc.delta.tool_calls[0] for ch in chunks for cc in ch.choices if cc.delta.tool_calls]
             assert [cc.finish_reason for ch in chunks for cc in ch.choices if cc.finish_reason] == ["tool_calls"]
-            call = deltas[0]
-            name, args = call.function.name, call.function.arguments
+            call = deltas[0]                  # the call's id, type and name, then its arguments in pieces
+            name, args = call.function.name, "".join(d.function.arguments or "" for d in deltas)
         assert call.id.startswith("call_") and call.type == "function"
         params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
         assert name in params and (tool_choice == "required" or name == "add")
