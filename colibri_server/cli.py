@@ -1,4 +1,4 @@
-"""`colibri` command line: serve | generate | status | config | run | inspect | validate | convert.
+"""`colibri` command line: serve | generate | status | config | run | chat | inspect | validate | convert.
 
 Each subcommand is a small function over the model API; user errors (bad file, missing
 model, bad arguments) print one line naming the thing at fault and exit 1 (2 for usage).
@@ -60,7 +60,16 @@ def cmd_run(a):
         return _run_embedding(m, a)
     if a.prompt is None:
         _die("give a prompt (or --embedding FILE.npy)", 2)
-    prompt = [int(t) for t in a.prompt.split(",")] if a.token_ids else a.prompt
+    if a.chat and a.token_ids:
+        _die("--chat takes the user's text, not --token-ids", 2)
+    if a.system is not None and not a.chat:
+        _die("--system goes with --chat", 2)
+    from .chat import ChatError, messages_for, model_info, prompt_ids
+    try:
+        prompt = (prompt_ids(m, model_info(m.path), messages_for(a.prompt, a.system)) if a.chat else
+                  [int(t) for t in a.prompt.split(",")] if a.token_ids else a.prompt)
+    except ChatError as e:
+        _die(str(e))
     # compile (or load from the kernel cache) every kernel first: the figures below are the model's. When
     # something compiles (a first start of this kind of model), a second process compiles what `colibri serve`
     # will need, on another core, so that it starts warm
@@ -99,6 +108,23 @@ def _generate(m, a, prompt, params, others):
     dec = (n - 1) / (t1 - first) if n > 1 and t1 > first else float("nan")
     print(f"[{n} tokens; first token after {first - t0:.3f}s (prefill); decode {dec:.1f} tok/s; "
           f"kernels ready in {compile_s:.2f}s before ({m.compiled} compiled), not counted]", file=sys.stderr)
+
+
+def cmd_chat(a):
+    from .chat import ChatError, converse, model_info
+    m = _open_model(a.model, context=a.context, seed=a.seed, prefill_bf16=a.prefill_bf16)
+    try:
+        info = model_info(m.path)
+        m.warm_up(announce=lambda msg: print(f"colibri: {msg}", file=sys.stderr, flush=True))
+        if sys.stdin.isatty():
+            print("colibri chat: one message a line; /exit or Ctrl-D to end", file=sys.stderr)
+        converse(m, info, dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                               min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed),
+                 a.system)
+    except ChatError as e:
+        _die(str(e))
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
 
 
 def _run_embedding(m, a):
@@ -326,17 +352,25 @@ def _client(a):
 
 def cmd_generate(a):
     from .client import ColibriError
+    from .chat import ChatError, messages_for, model_info_of_server, render
     params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                   seed=a.seed, stop=a.stop or None, ignore_eos=a.ignore_eos or None)
+    if a.system is not None and not a.chat:
+        _die("--system goes with --chat", 2)
     try:
         with _client(a) as c:
+            prompt = a.prompt
+            if a.chat:
+                prompt = c.tokenize(*render(model_info_of_server(c), messages_for(a.prompt, a.system)))
             last = None
-            for chunk in c.stream(a.prompt, **params):
+            for chunk in c.stream(prompt, **params):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk
     except ColibriError as e:
         _die(f"{e.code}: {e.message}")
+    except ChatError as e:
+        _die(str(e))
     sys.stdout.write("\n")
     if last is not None and last.usage:
         t = last.timings or {}
@@ -468,6 +502,12 @@ def _version() -> str:
     return f"colibri {v} (Python {platform.python_version()})"
 
 
+def _chat_arguments(p):
+    p.add_argument("--chat", action="store_true", help="the prompt is a user's message: send it through the "
+                   "model's chat template, so that an instruct model answers it")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .cli_parser import Parser
     p = Parser(prog="colibri", description="CPU inference server for Mixture-of-Experts models",
@@ -504,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     g.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="longest wait for the next message (no server: fails after 3 s)")
+    _chat_arguments(g)
     g.set_defaults(fn=cmd_generate)
 
     from .security import add_keys_parser
@@ -545,7 +586,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill bf16 weights with bf16-rounded activations (avx512bf16 CPUs: ~2x faster prefill)")
     r.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids; print ids")
     r.add_argument("--embedding", help="a .npy file of input embeddings (T, D): bypasses the tokenizer")
+    _chat_arguments(r)
     r.set_defaults(fn=cmd_run)
+
+    ch = sub.add_parser("chat", help="a conversation with an instruct model in this process: one message a line, "
+                                     "through the model's chat template")
+    ch.add_argument("--model", default=None, help="path to a .colibri file with a chat template")
+    ch.add_argument("--system", default=None, metavar="TEXT", help="a system message first")
+    ch.add_argument("--max-tokens", type=int, default=512, help="most tokens in one answer")
+    ch.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    ch.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    ch.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    ch.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest")
+    ch.add_argument("--repetition-penalty", type=float, default=1.0, help="penalty on tokens already seen (1: off)")
+    ch.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    ch.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens (default: the model's)")
+    ch.add_argument("--prefill-bf16", action="store_true", help="prefill bf16 weights with bf16-rounded activations")
+    ch.set_defaults(fn=cmd_chat)
 
     k = sub.add_parser("compile", help="compile the CPU kernels ahead of time, once per machine (every "
                                        "family and storage kind, or what --model files need)")

@@ -424,11 +424,22 @@ class Worker:
                 self.finish(a)
 
     def _logprob_entry(self, token_id, logprobs) -> list:
-        """[token text, log p, [[id, text, log p], ...]]: one position's logprobs on the wire."""
+        """[token text, log p, [[id, text, log p], ...]]: one position's logprobs on the wire; a token
+        holding part of a UTF-8 character (text U+FFFD) gets its own bytes after (..., bytes])."""
         tok = self.model.tokenizer if self.model.file.tokenizer_json else None
-        text = (lambda i: tok.token_text(int(i))) if tok is not None else (lambda i: "")
+
+        def named(i) -> list:
+            if tok is None:
+                return [""]
+            t, b = tok.token_text(int(i)), tok.token_bytes(int(i))
+            return [t] if "\ufffd" not in t or b == t.encode() else [t, b]
         lp, ids, lps = logprobs
-        return [text(token_id), None if lp is None else float(lp), [[int(i), text(i), float(v)] for i, v in zip(ids, lps)]]
+        first = named(token_id)
+        tops = []
+        for i, v in zip(ids, lps):
+            n = named(i)
+            tops.append([int(i), n[0], float(v), *n[1:]])
+        return [first[0], None if lp is None else float(lp), tops, *first[1:]]
 
     def _prompt_logprobs(self, s) -> list:
         """The prompt's entries: the first token with logprob None, then one per scored position."""

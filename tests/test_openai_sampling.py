@@ -184,7 +184,10 @@ def test_openai_chat_logprobs_and_n_sync_and_streaming(st):
     for e in content:
         assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
         assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=TOL)    # greedy: the top one
-        assert e.bytes == list(e.token.encode("utf-8"))
+        # a whole character's token: its text's UTF-8; part of one (U+FFFD): its own byte(s), never U+FFFD's
+        assert e.bytes == list(e.token.encode("utf-8")) if "\ufffd" not in e.token else \
+            e.bytes != list("\ufffd".encode())
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == c0.message.content
     chunks = list(st.oa.chat.completions.create(model=st.name, messages=msgs, max_tokens=6, temperature=0,
                                                 logprobs=True, top_logprobs=3, stream=True))
     streamed = [e for ch in chunks for cc in ch.choices if cc.logprobs for e in cc.logprobs.content]
@@ -288,8 +291,8 @@ def test_openai_tool_calls_parse_and_name_a_listed_tool(st, tool_choice):
             chunks = list(st.oa.chat.completions.create(stream=True, **kw))
             deltas = [cc.delta.tool_calls[0] for ch in chunks for cc in ch.choices if cc.delta.tool_calls]
             assert [cc.finish_reason for ch in chunks for cc in ch.choices if cc.finish_reason] == ["tool_calls"]
-            call = deltas[0]
-            name, args = call.function.name, call.function.arguments
+            call = deltas[0]                  # the call's id, type and name, then its arguments in pieces
+            name, args = call.function.name, "".join(d.function.arguments or "" for d in deltas)
         assert call.id.startswith("call_") and call.type == "function"
         params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
         assert name in params and (tool_choice == "required" or name == "add")

@@ -17,7 +17,7 @@ from server_harness import Server
 UNITS = pathlib.Path(__file__).resolve().parent.parent / "systemd"
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (Debian: apt-get install systemd)")
 def test_units_verify_cleanly(tmp_path):
     colibri = pathlib.Path(sys.executable).parent / "colibri"
     for unit in ("colibri.service", "colibri-http.service"):
@@ -33,7 +33,8 @@ def test_unit_contract():
     text = (UNITS / "colibri.service").read_text()
     for line in ("Type=notify", "ExecReload=/bin/kill -HUP $MAINPID", "KillMode=mixed", "Restart=on-failure",
                  "NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
-                 "RuntimeDirectory=colibri", "ReadOnlyPaths=/var/lib/colibri/models", "#CPUAffinity=", "#NUMAPolicy="):
+                 "RuntimeDirectory=colibri", "CacheDirectory=colibri",
+                 "ReadOnlyPaths=-/var/lib/colibri/models", "#CPUAffinity=", "#NUMAPolicy="):
         assert line in text, line
     stop = int(text.split("TimeoutStopSec=")[1].split()[0])
     from colibri_server.settings import SETTINGS

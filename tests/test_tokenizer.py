@@ -228,3 +228,20 @@ def test_incremental_long_stream_trims(tok):
     out = "".join(dec.push(i) for i in ids) + dec.flush()
     assert out == text
     assert len(dec._ids) < 100  # window list is trimmed
+
+
+def test_token_bytes_rebuild_text_split_over_byte_tokens(tok):
+    """A character split over tokens: each token's text alone is U+FFFD, its bytes are its own, and the
+    bytes of the ids, concatenated, are the text's UTF-8 (byte-level BPE, and a byte-fallback vocabulary)."""
+    for text in ("ŷ", "a🙂b", "Grüße ∑"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    ids = tok.encode("ŷ", add_special_tokens=False)
+    assert len(ids) == 2 and [tok.token_text(i) for i in ids] == ["\ufffd"] * 2
+    vocab = {"<unk>": 0, "▁": 1, "a": 2, "<0xC5>": 3, "<0xB7>": 4}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    sp = Tokenizer.from_json(hf.to_str())
+    ids = sp.encode("aŷ", add_special_tokens=False)
+    assert ids == [2, 3, 4] and [sp.token_text(i) for i in ids] == ["a", "\ufffd", "\ufffd"]
+    assert [sp.token_bytes(i) for i in ids] == [b"a", b"\xc5", b"\xb7"]

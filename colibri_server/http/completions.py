@@ -14,6 +14,7 @@ from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, _bad, _chat_messag
                      chat_logprobs, chat_logprobs_obj, completion_embeds, completion_logprobs, legacy_logprobs_obj)
 from .structured import Tools, messages_for_template, response_grammar
 from .template import render_chat_segments
+from .toolstream import ToolStream
 
 DEFAULT_MAX_TOKENS = 16        # /v1/completions, as in OpenAI
 
@@ -157,32 +158,61 @@ class GenerationEndpoints:
             calls = tools.parse(c.text) if calling else None
             if calls:
                 return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            calls = tools.partial(c.text) if calling and c.finish_reason == "length" else None
+            if calls:                           # cut off by max_tokens: the partial call, as OpenAI
+                return {"role": "assistant", "content": None, "tool_calls": calls}, "length"
             return {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
 
-        if not stream_mode or calling:          # a tool call is known only at the end: streamed in one piece
+        if not stream_mode:
             _, final = self._generate(ids, params, "messages", environ)
             usage = self._usage(final, len(ids))
             answers = [(c, *answer(c)) for c in final.choices]
-            if not stream_mode:
-                return _json(obj("chat.completion", [{
-                    "index": c.index, "message": msg, "finish_reason": fr,
-                    "logprobs": chat_logprobs_obj(c.logprobs) if lp is not None else None}
-                    for c, msg, fr in answers], usage))
-            events = [delta(c.index, {"role": "assistant", "content": ""}) for c, _, _ in answers]
-            for c, msg, fr in answers:
-                if msg.get("tool_calls"):
-                    events.append(delta(c.index, {"tool_calls": [{"index": 0, **msg["tool_calls"][0]}]}))
-                else:
-                    events.append(delta(c.index, {"content": msg["content"]}, None, c.logprobs))
-                events.append(delta(c.index, {}, fr))
-            if include_usage:
-                events.append(obj("chat.completion.chunk", [], usage))
-            body = _StreamBody(iter([_sse(e) for e in events] + [_DONE]), {"outcome": "ok"}, lambda: None,
-                               lambda outcome: None)
-            return _Resp(200, body, content_type="text/event-stream; charset=utf-8")
+            return _json(obj("chat.completion", [{
+                "index": c.index, "message": msg, "finish_reason": fr,
+                "logprobs": chat_logprobs_obj(c.logprobs) if lp is not None else None}
+                for c, msg, fr in answers], usage))
         stream, first = self._start(ids, params, "messages")
+        if calling:                 # content as it comes while it cannot be a call; a call as it is written
+            per = [ToolStream(tools) for _ in range(n)]
+
+            def piece(ch):
+                out = per[ch.choice].feed(ch.text, ch.logprobs)
+                return delta(ch.choice, *_merged(out)) if out else None
+
+            def finish(final):
+                events = []
+                for c in final.choices:
+                    out, fr = per[c.index].finish(c.text, c.finish_reason)
+                    if out:
+                        events.append(delta(c.index, *_merged(out)))
+                    events.append(delta(c.index, {}, fr))
+                return events
+        else:
+            def piece(ch):
+                return delta(ch.choice, {"content": ch.text}, None, ch.logprobs)
+
+            def finish(final):
+                return [delta(c.index, {}, c.finish_reason) for c in final.choices]
         return self._streaming(lambda state: self._events(
-            stream, first, lambda ch: delta(ch.choice, {"content": ch.text}, None, ch.logprobs),
-            lambda final: [delta(c.index, {}, c.finish_reason) for c in final.choices],
+            stream, first, piece, finish,
             (lambda u: obj("chat.completion.chunk", [], u)) if include_usage else None, state, "messages",
             opening=[delta(i, {"role": "assistant", "content": ""}) for i in range(n)]), stream)
+
+
+def _merged(out: list) -> tuple:
+    """One delta of a choice's (delta, logprob entries) pieces: (delta, None, entries)."""
+    d: dict = {}
+    entries: list = []
+    for piece, lp in out:
+        if "content" in piece:
+            d["content"] = d.get("content", "") + piece["content"]
+        else:
+            calls = d.setdefault("tool_calls", [])
+            for c in piece["tool_calls"]:
+                if calls and "id" not in c:
+                    calls[-1]["function"]["arguments"] = calls[-1]["function"].get("arguments", "") + \
+                        c["function"].get("arguments", "")
+                else:
+                    calls.append(c)
+        entries += lp or []
+    return d, None, entries or None

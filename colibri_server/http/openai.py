@@ -437,14 +437,17 @@ def _chat_unsupported(f: _Fields):
 # ---------------------------------------------------------------------------- responses
 
 # A logprobs entry from colibri (protocol): [token text, logprob, [[id, token text, logprob], ...]];
-# a prompt's first entry has logprob None (nothing predicts it).
+# a prompt's first entry has logprob None (nothing predicts it). A token holding part of a UTF-8
+# character (text U+FFFD) carries its own bytes last: [..., bytes] (OpenAI's `bytes` field).
 
 
 def chat_logprobs_obj(entries) -> dict:
     """Chat's choice.logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}."""
-    def one(text, lp):
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-    return {"content": [{**one(e[0], e[1]), "top_logprobs": [one(a[1], a[2]) for a in e[2]]} for e in entries or ()],
+    def one(text, lp, raw=None):
+        return {"token": text, "logprob": lp, "bytes": list(raw if raw is not None else text.encode("utf-8"))}
+    return {"content": [{**one(e[0], e[1], e[3] if len(e) > 3 else None),
+                         "top_logprobs": [one(a[1], a[2], a[3] if len(a) > 3 else None) for a in e[2]]}
+                        for e in entries or ()],
             "refusal": None}
 
 

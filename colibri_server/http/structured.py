@@ -129,7 +129,8 @@ class Tools:
             name = fn.get("name")
             if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
                 raise _bad(f"'{at}.function.name' must be 1-64 letters, digits, _ . or -", f"{at}.function.name")
-            params = fn.get("parameters", {"type": "object", "properties": {}})
+            # no parameters: no arguments (as OpenAI), so a call of it is {"name": ..., "arguments": {}}
+            params = fn.get("parameters", {"type": "object", "properties": {}, "additionalProperties": False})
             if not isinstance(params, dict):
                 raise _bad(f"'{at}.function.parameters' must be a JSON schema object", f"{at}.function.parameters",
                            "invalid_type")
@@ -199,6 +200,25 @@ class Tools:
             return None
         return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                  "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}]
+
+    def partial(self, text: str) -> Optional[list]:
+        """The tool call an output cut off by max_tokens had begun ({"name": ..., "arguments": <partial
+        JSON text>}, as OpenAI returns it with finish_reason length), or None when it had not begun one
+        of a listed tool (a cut name must be the start of exactly one, or the named tool_choice's)."""
+        forced = self.choice not in ("none", "auto")      # the grammar held the output to the envelope
+        m = re.match(r'\s*(?:<tool_call>\s*|```(?:json)?\s*)?\{\s*"name"\s*:\s*"([A-Za-z0-9_.\-]*)(")?', text)
+        if m is None and not forced:
+            return None
+        prefix, closed = (m.group(1), m.group(2)) if m else ("", None)     # forced, cut before the name
+        names = [n for n in self.names if (n == prefix if closed else n.startswith(prefix))]
+        if self.choice != "required" and forced:
+            names = [n for n in names if n == self.choice]
+        if len(names) != 1:
+            return None
+        a = re.match(r'\s*,\s*"arguments"\s*:\s*', text[m.end():]) if closed else None
+        args = text[m.end() + a.end():] if a else ""
+        return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                 "function": {"name": names[0], "arguments": args}}]
 
 
 _DATA_KEYS = frozenset({"const", "enum", "default", "examples"})      # values, not schemas

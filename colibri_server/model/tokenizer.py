@@ -211,6 +211,28 @@ class Tokenizer:
             t = cache[token_id] = self.decode([token_id], skip_special_tokens=False)
         return t
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes this token stands for. A token holding part of a UTF-8 character (its text is
+        U+FFFD) gives its own bytes: a byte-level BPE token's characters mapped back to bytes (GPT-2's
+        table), a byte-fallback token ``<0xE2>`` its byte; so the bytes of consecutive tokens,
+        concatenated, are the text's. Other tokens: the UTF-8 of their text. Cached."""
+        cache = self.__dict__.setdefault("_token_bytes", {})
+        b = cache.get(token_id)
+        if b is None:
+            text = self.token_text(token_id)
+            b = text.encode("utf-8")
+            if "\ufffd" in text:
+                piece = self._tk.id_to_token(int(token_id)) or ""
+                import re
+                m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+                table = _unicode_to_byte()
+                if m:
+                    b = bytes([int(m.group(1), 16)])
+                elif piece and all(c in table for c in piece):
+                    b = bytes(table[c] for c in piece)
+            cache[token_id] = b
+        return b
+
     def token_to_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
 
@@ -312,3 +334,22 @@ class IncrementalDecoder:
     def pending_ids(self) -> int:
         """Number of pushed ids whose text has not been emitted yet."""
         return len(self._ids) - self._read
+
+
+def _unicode_to_byte() -> dict:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of its bytes_to_unicode)."""
+    global _U2B
+    if _U2B is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+            list(range(ord("\xae"), ord("\xff") + 1))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _U2B = {chr(c): b for b, c in zip(bs, cs)}
+    return _U2B
+
+
+_U2B = None
