@@ -38,7 +38,7 @@ def sampled_after(st, t_age) -> bool:
 
 
 def run(a, model, die):
-    from .cli import format_status
+    from .status import format_status
     from .client import Client, ColibriError
     d = tempfile.mkdtemp(prefix="colibri-demo-")
     addr = f"ipc://{d}/colibri.sock"

@@ -88,7 +88,8 @@ def test_status_shows_an_unsampled_worker_as_unknown_not_zero():
     st = {"model": "m", "model_bytes": 2**20, "generation": 1, "queue": 0, "in_flight": 0, "draining": False,
           "router": {"pid": 1, "rss": 3 * 2**20}, "master": {"pid": 2, "model_rss": 0, "model_pss": 0},
           "workers": [w, ok], "memory_age_s": 0.5}
-    text = cli.format_status(st)
+    from colibri_server.status import format_status
+    text = format_status(st)
     assert "0.0 MiB" not in text, text
     assert "not sampled yet for 1 of 2 workers" in text
     assert "add up to" not in text          # the weights' total needs every worker's share
