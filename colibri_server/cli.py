@@ -459,6 +459,17 @@ def _chat_arguments(p):
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
 
 
+def _sampling_arguments(p, max_tokens: int, max_help: str) -> None:
+    """The sampling flags `run` and `chat` share."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=max_help)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="penalty on tokens already seen (1: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .cli_parser import Parser
     p = Parser(prog="colibri", description="CPU inference server for Mixture-of-Experts models",
@@ -522,13 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="generate from a prompt in this process (streams text)")
     r.add_argument("prompt", nargs="?", help="the prompt text (or token ids with --token-ids)")
     r.add_argument("--model", default=None, help="path to a .colibri file (default: the bundled tiny model)")
-    r.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
-    r.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    r.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
-    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    r.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest")
-    r.add_argument("--repetition-penalty", type=float, default=1.0, help="penalty on tokens already seen (1: off)")
-    r.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    _sampling_arguments(r, 64, "most tokens to generate")
     r.add_argument("--stop", action="append", help="stop string (repeatable)")
     r.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     r.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens (default: the model's)")
@@ -544,13 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "through the model's chat template")
     ch.add_argument("--model", default=None, help="path to a .colibri file with a chat template")
     ch.add_argument("--system", default=None, metavar="TEXT", help="a system message first")
-    ch.add_argument("--max-tokens", type=int, default=512, help="most tokens in one answer")
-    ch.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    ch.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
-    ch.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    ch.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest")
-    ch.add_argument("--repetition-penalty", type=float, default=1.0, help="penalty on tokens already seen (1: off)")
-    ch.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    _sampling_arguments(ch, 512, "most tokens in one answer")
     ch.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens (default: the model's)")
     ch.add_argument("--prefill-bf16", action="store_true", help="prefill bf16 weights with bf16-rounded activations")
     ch.set_defaults(fn=cmd_chat)
