@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import re
 from types import MappingProxyType
 from typing import Any, Mapping
 

@@ -60,7 +60,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 import threading
 import time
 import uuid
