@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from server_harness import Server
+from server_harness import READY_TIMEOUT, Server
 
 UNITS = pathlib.Path(__file__).resolve().parent.parent / "systemd"
 
@@ -47,9 +47,13 @@ class FakeSystemd:
         self.sock.settimeout(0.2)
         self.messages = []
 
-    def collect(self, until, timeout=60.0):
+    def collect(self, until, timeout=60.0, proc=None):
+        """Messages until until(messages); a start (READY_TIMEOUT, with its `proc`) waits on the
+        server's own readiness while it lives, not a fixed short time."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}; sd_notify messages: {self.messages}")
             try:
                 self.messages.append(self.sock.recv(4096).decode())
             except socket.timeout:
@@ -72,7 +76,7 @@ def test_sd_notify_sequence(built, tmp_path):
     s = Server(built("mixtral").colibri("f32"), tmp_path, workers=1,
                env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"})
     try:
-        sd.collect(lambda m: "READY=1" in sd.kinds())
+        sd.collect(lambda m: "READY=1" in sd.kinds(), READY_TIMEOUT, s.proc)
         ready = next(m for m in sd.messages if "READY=1" in m)
         assert "STATUS=serving generation 1 with 1 workers" in ready
         sd.collect(lambda m: sd.kinds().count("WATCHDOG=1") >= 2)
@@ -102,7 +106,7 @@ def test_failed_reload_is_rolled_back_and_shown_in_status(built, tmp_path):
     sd = FakeSystemd(tmp_path / "notify.sock")
     s = Server(live, tmp_path, workers=1, env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
     try:
-        sd.collect(lambda m: "READY=1" in sd.kinds())
+        sd.collect(lambda m: "READY=1" in sd.kinds(), READY_TIMEOUT, s.proc)
         os.unlink(live)
         s.signal(signal.SIGUSR1)
         sd.collect(lambda m: sd.kinds().count("READY=1") >= 2)
