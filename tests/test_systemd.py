@@ -115,3 +115,19 @@ def test_failed_reload_is_rolled_back_and_shown_in_status(built, tmp_path):
         assert s.proc.poll() is None
     finally:
         s.stop()
+
+
+def test_a_notify_socket_nobody_reads_never_stops_the_master(tmp_path):
+    """sd_notify to a receiver whose queue is full (10 datagrams by default) gives up after a
+    moment instead of blocking: the loading master notifies from a signal handler every few
+    seconds, and a blocked send there once stopped a start for good."""
+    import threading
+    from colibri_server.systemd import Notifier
+    deaf = FakeSystemd(tmp_path / "deaf.sock")     # bound, never read
+    notify = Notifier(str(tmp_path / "deaf.sock"))
+    t = threading.Thread(target=lambda: [notify(f"EXTEND_TIMEOUT_USEC=90000000\nSTATUS={i}") for i in range(14)],
+                         daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "sd_notify blocked on a full queue"
+    assert deaf.sock.fileno() >= 0
