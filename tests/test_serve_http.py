@@ -26,6 +26,13 @@ def _gateway_pid(server):
     return None
 
 
+def _gone(p):
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _wait(pred, timeout=60.0, what="condition"):
     return wait_until(pred, timeout, what)
 
@@ -54,10 +61,13 @@ def test_serve_with_http_answers_restarts_and_stops_with_the_server(built, tmp_p
         assert f"http://127.0.0.1:{port}/v1" in s.logs()
         # killed: the master starts another
         first = _gateway_pid(s)
+        orphans = psutil.Process(first).children()  # its gunicorn workers: they leave once they see it gone
         os.kill(first, signal.SIGKILL)
         wait_started(lambda: (_gateway_pid(s) or first) != first and _health(url), "a new gateway", [s.proc], s.logs)
         assert "HTTP gateway" in s.logs() and "restarting it" in s.logs()
         gw = _gateway_pid(s)
+        # they share the port the master holds: wait for them, as a new gateway's bind once did
+        wait_started(lambda: all(map(_gone, orphans)), "the killed gateway's workers leaving", [s.proc], s.logs)
     finally:
         s.stop()
     assert not psutil.pid_exists(gw) or psutil.Process(gw).status() == psutil.STATUS_ZOMBIE
