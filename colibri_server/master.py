@@ -290,7 +290,7 @@ class Arbiter(Reloads, Fleet):
             self.start()
         except HaltServer as h:
             log.log(logging.INFO if h.code == 0 else logging.ERROR, "halting: %s", h.reason)
-            self.cleanup()          # the router and the gateway may be up already
+            self.cleanup(quiet=True)    # the router and the gateway may be up already; the halt is the one line
             return h.code
         try:
             while True:
@@ -642,7 +642,7 @@ class Arbiter(Reloads, Fleet):
                              path)
                 self.model_identity[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def cleanup(self):
+    def cleanup(self, quiet=False):
         if self.http is not None and self.http.pid is not None:
             self.http.stop(signal.SIGTERM)
         if self.router_pid is not None:
@@ -674,5 +674,6 @@ class Arbiter(Reloads, Fleet):
                         os.unlink(self.settings.pidfile)
             except OSError:
                 pass
-        log.info("master %d: stopped", os.getpid())
+        if not quiet:
+            log.info("master %d: stopped", os.getpid())
 

@@ -667,8 +667,7 @@ def router_main(router: Router) -> None:
     try:
         router.init_process()
         router.run()
-    except BindFailed as e:
-        log.error("router: %s", e)
+    except BindFailed as e:         # the master says it: halting at start, or restarting the router
         router.to_master({"op": "bind_failed", "error": str(e)})
         code = EXIT_ROUTER_BIND
     except BaseException:
