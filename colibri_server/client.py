@@ -36,7 +36,7 @@ from .client_async import AsyncClient, AsyncStream  # noqa: F401
 from .client_pool import RouterSet, _PoolClient
 from .client_core import (  # noqa: F401  (re-exported: the public API lives here)
     ERRORS, BadRequest, Cancelled, Choice, Chunk, ColibriError, ColibriTimeout, Completion, DeadlineExceeded,
-    DuplicateId, InternalError, NotFound, Overloaded, Prompt, ShuttingDown, TooLarge, UnknownType,
+    DuplicateId, InternalError, NotFound, Overloaded, Prompt, ShuttingDown, Starting, TooLarge, UnknownType,
     UnsupportedVersion, WorkerLost, NumericalFault, ConnectionLost, Unauthorized, Unreachable, _ClientCore, _Request,
     _StreamCore, _StreamEnds, _cancel_body, _encode, _ms, _timeout_error, _unreachable, error_for)
 
@@ -44,7 +44,7 @@ __all__ = [
     "Client", "AsyncClient", "RouterSet", "Completion", "Chunk", "Choice", "Stream", "AsyncStream",
     "ColibriError", "ColibriTimeout", "ERRORS", "error_for",
     "BadRequest", "UnsupportedVersion", "UnknownType", "TooLarge", "Overloaded",
-    "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "DuplicateId",
+    "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "Starting", "DuplicateId",
     "NotFound", "Unauthorized", "InternalError", "Unreachable", "NumericalFault", "ConnectionLost",
 ]
 

@@ -26,7 +26,7 @@ RESPONSE_MAX_ARRAY = 1 << 24
 
 from .client_types import (  # noqa: F401,E402  (re-exported by client.py)
     ColibriError, BadRequest, UnsupportedVersion, UnknownType, TooLarge,
-    Overloaded, DeadlineExceeded, Cancelled, WorkerLost, ShuttingDown, DuplicateId,
+    Overloaded, DeadlineExceeded, Cancelled, WorkerLost, ShuttingDown, Starting, DuplicateId,
     NotFound, Unauthorized, InternalError, ColibriTimeout, Unreachable, ERRORS, error_for, _internal,
     NumericalFault, ConnectionLost,
     Completion, Chunk, Choice,

@@ -17,8 +17,8 @@ when none is connected it waits for the first to connect (all of them at once, w
 connect_timeout) and `grace` (0.1 s) more for the others, so that a burst at start is spread.
 
 Failover: a router that cannot be reached (Unreachable: nothing was delivered) or that refuses the
-request before starting it (shutting_down, overloaded) leaves it to the next; a request a router may
-have started (delivered, then the connection dropped: ConnectionLost; or a timeout) is never sent
+request before starting it (shutting_down, starting, overloaded) leaves it to the next; a request a
+router may have started (delivered, then the connection dropped: ConnectionLost; or a timeout) is never sent
 again: the caller gets that error. A router found down (those, or its connection dropped while idle)
 is skipped for a backoff (1 s, doubled per failure in a row, at most 30 s) and comes back once that
 has passed and its connection is up again (ZeroMQ reconnects every 100 ms by itself: that is the
@@ -35,7 +35,7 @@ import weakref
 from typing import Optional
 
 from .client_core import (DEFAULT_CONNECT_TIMEOUT, ColibriError, ColibriTimeout, ConnectionLost, Overloaded,
-                          ShuttingDown, Unreachable, _generate_body, _Ids, _ms, _StreamEnds, _unreachable)
+                          ShuttingDown, Starting, Unreachable, _generate_body, _Ids, _ms, _StreamEnds, _unreachable)
 
 log = logging.getLogger("colibri.client")
 
@@ -43,7 +43,7 @@ BACKOFF = 1.0           # seconds a router found down is first skipped
 BACKOFF_MAX = 30.0      # the most it is skipped (the backoff doubles per failure in a row)
 GRACE = 0.1             # seconds the others get to connect once the first did, when none was connected
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
-_REFUSALS = (ShuttingDown, Overloaded)  # answered before anything started: another router may take it
+_REFUSALS = (ShuttingDown, Starting, Overloaded)  # answered before anything started: another router may take it
 
 
 def _check_address(a) -> str:
@@ -176,10 +176,11 @@ class RouterSet:
 
     def exhausted(self, tried, rid=None) -> ColibriError:
         """The one error of a request that no router took. tried: [(address, error)], each router's
-        reason. Overloaded if one was only busy, ShuttingDown if one was stopping, else Unreachable."""
+        reason. Overloaded if one was only busy, Starting if one was loading, ShuttingDown if one was stopping,
+        else Unreachable."""
         kinds = [type(e) for _, e in tried]
         parts = "; ".join(f"{a}: {_reason(e)}" for a, e in tried)
-        for cls in (Overloaded, ShuttingDown):
+        for cls in (Overloaded, Starting, ShuttingDown):
             if cls in kinds:
                 return cls(f"no colibri router took the request ({parts})", code=cls.code, request_id=rid)
         return Unreachable(f"cannot reach any of the {len(tried)} colibri routers ({parts})", code="unreachable",

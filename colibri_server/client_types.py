@@ -86,6 +86,12 @@ class ShuttingDown(ColibriError):
     code = "shutting_down"
 
 
+class Starting(ColibriError):
+    """The server is still loading its model (and compiling its kernels): nothing was started;
+    retry shortly (or another router)."""
+    code = "starting"
+
+
 class DuplicateId(ColibriError):
     code = "duplicate_id"
 
@@ -124,7 +130,7 @@ class Unreachable(ColibriTimeout):
 
 ERRORS = {cls.code: cls for cls in (
     BadRequest, UnsupportedVersion, UnknownType, TooLarge, Overloaded, DeadlineExceeded,
-    Cancelled, WorkerLost, NumericalFault, ShuttingDown, DuplicateId, NotFound, Unauthorized, InternalError)}
+    Cancelled, WorkerLost, NumericalFault, ShuttingDown, Starting, DuplicateId, NotFound, Unauthorized, InternalError)}
 assert set(ERRORS) == set(protocol.ERROR_CODES), "client.ERRORS is out of date with protocol.ERROR_CODES"
 
 

@@ -174,17 +174,23 @@ class Reloads:
     def begin_generation(self, model, settings, kind, node_models=None):
         """Start bringing up a new generation on `model` (which it owns from now on)."""
         g = max(self.gens) + 1
-        gen = self.gens[g] = Generation(g, model, settings, kind, node_models)
+        self.gens[g] = Generation(g, model, settings, kind, node_models)
+        self.reloading = g
+        self.reload_deadline = time.monotonic() + max(60.0, 2 * settings.timeout)
+        self.hand_over(g)
+        for _ in range(self.num_workers):
+            self.spawn_worker(g)
+
+    def hand_over(self, g):
+        """Generation g's view (tokenizer, vocabulary, context) to the running router, in a file it
+        reads: a reload's new generation, or the first one to a router forked before the load."""
+        gen = self.gens[g]
         gen.info_path = os.path.join(self.runtime_dir, f"generation-{self.pid}-{g}.msgpack")
         tmp = gen.info_path + ".tmp"
         with open(tmp, "wb") as f:
             f.write(msgpack.packb(gen.info))
         os.replace(tmp, gen.info_path)
-        self.reloading = g
-        self.reload_deadline = time.monotonic() + max(60.0, 2 * settings.timeout)
         self.to_router({"op": "generation", "generation": g, "info": gen.info_path})
-        for _ in range(self.num_workers):
-            self.spawn_worker(g)
 
     def _reload(self, kind):
         if self.stopping:

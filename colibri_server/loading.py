@@ -16,6 +16,7 @@ import msgpack
 log = logging.getLogger("colibri.master")
 
 EXIT_LOAD = 4
+EXIT_BIND = 5           # a listening address (the router's, the gateway's) cannot be bound at start
 
 
 class HaltServer(Exception):

@@ -1,8 +1,11 @@
 """The master (arbiter): maps the model once, forks the router and the workers, reaps them.
 
-No ZeroMQ context and no thread live in this process, so every fork is safe. It opens and
+No ZeroMQ context and no thread live in this process, so every fork is safe. It takes every
+listening address first (startup.py: the gateway's HTTP socket here, the client address by the
+router, forked before the model is opened and answering "starting" meanwhile), then opens and
 validates the model (MAP_SHARED, read-only, optionally pre-faulted and locked), compiles the
-kernels by running one tiny non-parallel generation and one batched step, calls gc.freeze(), then forks. Signal
+kernels by running one tiny non-parallel generation and one batched step, calls gc.freeze(), hands
+the first generation to the router and forks the workers. Signal
 handlers only queue the signal; the main loop dispatches handle_<name>(). It talks to the
 router over a SOCK_SEQPACKET socketpair (worker exited, generation switched, drain, exit)
 and hears back which workers announced READY and which went silent.
@@ -27,9 +30,10 @@ Where the parts live: loading.py opens and checks what the master needs before i
 model, its checksums, the compile, the runtime directory, the pidfile); generations.py holds
 Generation and the reload transaction (`Reloads`, a part of the Arbiter).
 
-Exit codes: 0 clean stop; 3 a worker failed to boot at the first start (halt, do not respawn
-forever); 4 the model or settings could not be loaded at start; 5 the router cannot bind the
-client address at start (busy port, missing ipc directory). 3, 4 and 5 are in the unit's
+Exit codes: 0 clean stop (TERM while loading too); 3 a worker failed to boot at the first start
+(halt, do not respawn forever); 4 the model or settings could not be loaded at start; 5 a listening
+address cannot be bound at start (the router's client address or backend_bind, the gateway's http:
+busy port, missing ipc directory), found before the model is opened. 3, 4 and 5 are in the unit's
 RestartPreventExitStatus: they do not get better by retrying.
 """
 from __future__ import annotations
@@ -48,15 +52,15 @@ import msgpack
 
 from .fleet import Fleet
 from .generations import Generation, Reloads
-from .loading import (EXIT_LOAD, HaltServer, _describe, _model_path, _runtime_dir,  # noqa: F401
+from .loading import (EXIT_BIND, EXIT_LOAD, HaltServer, _describe, _model_path, _runtime_dir,  # noqa: F401
                       _verify_checksums, _write_pidfile, open_model)
 from .router import EXIT_ROUTER_BIND
+from .startup import Loading, bind_http, wait_router_up
 from .worker import EXIT_BOOT_FAILED, HeartbeatTable, Worker, worker_main
 
 log = logging.getLogger("colibri.master")
 
 EXIT_WORKER_BOOT = EXIT_BOOT_FAILED
-EXIT_BIND = 5
 MAX_WORKER_SLOTS = 1024
 SIGNALS = ("HUP", "TTIN", "TTOU", "USR1", "USR2", "TERM", "INT", "QUIT", "CHLD")
 CRASH_WINDOW_S = 60.0
@@ -112,6 +116,7 @@ class Arbiter(Reloads, Fleet):
         self.stopping = None            # None | "graceful" | "fast"
         self.stop_deadline = None
         self.http = None                # HttpChild when settings.http: the gateway under this master
+        self.http_listener = None       # its socket, bound before the model is loaded (startup.py)
         self.reloading = None           # generation number being brought up (uncommitted)
         self.announced = False
         self.exit_code = 0
@@ -144,33 +149,40 @@ class Arbiter(Reloads, Fleet):
                 raise HaltServer(str(e), EXIT_LOAD)
         for w in check_bind_security(s.bind, self.curve is not None) if self.role != "host" else ():
             log.warning("%s", w)
-        try:
-            model, nodes = self._open_model(self.model_path, s)
-        except HaltServer:
-            raise
-        except Exception as e:      # ColibriFormatError and ChecksumMismatch are ValueErrors; a failing warm-up too
-            raise HaltServer(f"model {self.model_path} refused: {e}", EXIT_LOAD) from None
-        self.generation = 1
-        self.gens[1] = Generation(1, model, s, node_models=nodes)
-        self.heartbeats = HeartbeatTable(MAX_WORKER_SLOTS)
-        self.num_workers = self.workers_for_role(s)
+        if s.http and self.curve is not None:
+            raise HaltServer("http: the gateway cannot join a CURVE-encrypted bind; bind ipc:// or a "
+                             "loopback tcp:// address, or run `colibri http` with its CURVE keys", EXIT_LOAD)
+        # every listening address before the model: a busy one fails in a second, not after the compile
+        self.http_listener = listener = bind_http(s.http) if s.http else None
         self._init_signals()
         self.pipe, router_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._router_end = router_end
         self.pipe.setblocking(False)
+        if self.role != "host":
+            self.spawn_router()     # generation 0: it answers "starting" until the first generation is handed over
+            wait_router_up(self)
+        if listener is not None:
+            from .http_child import HttpChild
+            self.http = HttpChild(s, s.bind, listener)
+            self.http.poll()
+        with Loading(self.notify, self.read_router, f"model {os.path.basename(self.model_path)}"):
+            try:
+                model, nodes = self._open_model(self.model_path, s)
+            except HaltServer:
+                raise
+            except Exception as e:  # ColibriFormatError and ChecksumMismatch are ValueErrors; a failing warm-up too
+                raise HaltServer(f"model {self.model_path} refused: {e}", EXIT_LOAD) from None
+        self.router_seen = time.monotonic()
+        self.generation = 1
+        self.gens[1] = Generation(1, model, s, node_models=nodes)
+        self.heartbeats = HeartbeatTable(MAX_WORKER_SLOTS)
+        self.num_workers = self.workers_for_role(s)
         gc.collect()
         gc.freeze()       # objects made so far stay out of the children's collector (copy-on-write)
-        if self.role != "host":
-            self.spawn_router()
+        if self.router_pid is not None:
+            self.hand_over(1)       # a router that died meanwhile is restarted with it in memory
         log.info("master %d (%s): model %s (generation 1), %d workers, %s", self.pid, self.role, self.model_path,
                  self.num_workers, f"joining {s.join}" if self.role == "host" else f"bind {s.bind}")
-        if s.http:
-            if self.curve is not None:
-                raise HaltServer("http: the gateway cannot join a CURVE-encrypted bind; bind ipc:// or a "
-                                 "loopback tcp:// address, or run `colibri http` with its CURVE keys", EXIT_LOAD)
-            from .http_child import HttpChild
-            self.http = HttpChild(s, s.bind)
-            self.http.poll()
         self.manage_workers()
 
     def _open_model(self, path, s):
@@ -270,6 +282,8 @@ class Arbiter(Reloads, Fleet):
             except OSError:
                 pass
         self.pipe.close()
+        if self.http_listener is not None:     # the gateway's alone: no other child holds its port
+            self.http_listener.close()
         random.seed()
 
     # ------------------------------------------------------------------------ main loop
@@ -277,7 +291,8 @@ class Arbiter(Reloads, Fleet):
         try:
             self.start()
         except HaltServer as h:
-            log.error("halting: %s", h.reason)
+            log.log(logging.INFO if h.code == 0 else logging.ERROR, "halting: %s", h.reason)
+            self.cleanup(quiet=True)    # the router and the gateway may be up already; the halt is the one line
             return h.code
         try:
             while True:
@@ -363,6 +378,8 @@ class Arbiter(Reloads, Fleet):
                 self.fleet = {h: set(ids) for h, ids in (msg.get("hosts") or {}).items()}
             elif op == "generation_failed" and msg.get("generation") == self.reloading:
                 self.rollback(f"the router could not load its tokenizer: {msg.get('error')}")
+            elif op == "generation_failed" and msg.get("generation") == self.generation and not self.announced:
+                raise HaltServer(f"the router could not load the model's tokenizer: {msg.get('error')}", EXIT_LOAD)
 
     def to_router(self, msg):
         try:
@@ -629,7 +646,7 @@ class Arbiter(Reloads, Fleet):
                              path)
                 self.model_identity[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def cleanup(self):
+    def cleanup(self, quiet=False):
         if self.http is not None and self.http.pid is not None:
             self.http.stop(signal.SIGTERM)
         if self.router_pid is not None:
@@ -645,9 +662,10 @@ class Arbiter(Reloads, Fleet):
                 except OSError:
                     pass
         backend = getattr(self, "backend", None) or ""
+        # the client address only when this server's router bound it (not another server's, found busy)
         for path in (backend[len("ipc://"):] if backend.startswith("ipc://") and self.role != "host" else None,
                      self.settings.bind[len("ipc://"):] if self.settings.bind.startswith("ipc://")
-                     and self.role != "host" else None):
+                     and self.role != "host" and self.router_up else None):
             if path and os.path.exists(path):
                 try:
                     os.unlink(path)
@@ -660,5 +678,6 @@ class Arbiter(Reloads, Fleet):
                         os.unlink(self.settings.pidfile)
             except OSError:
                 pass
-        log.info("master %d: stopped", os.getpid())
+        if not quiet:
+            log.info("master %d: stopped", os.getpid())
 

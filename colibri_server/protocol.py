@@ -97,6 +97,7 @@ ERROR_CODES = {
     "worker_lost":        "the worker died after streaming tokens; the request cannot be retried",
     "numerical_fault":    "the forward pass gave non-finite logits (corrupted weights or an overflow)",
     "shutting_down":      "the server is stopping: it takes no new requests, and a stop cut this one",
+    "starting":           "the server is loading its model (and compiling kernels): retry shortly",
     "duplicate_id":       "a request with this id is already in flight on this connection",
     "not_found":          "cancel of an id that is not in flight",
     "unauthorized":       "the client's CURVE key is no longer allowed (removed from curve_allowed_keys)",

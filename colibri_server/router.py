@@ -16,6 +16,11 @@ request is tokenized and checked with the serving generation's, is bound to that
 from arrival to end, and goes only to workers of it (a retry too). Once no queued request of
 an older generation is left, the router tells the master to retire it.
 
+Starting: the master forks the router before it loads the model (generation 0, no tokenizer yet), so
+that a busy client address fails the start at once and clients meanwhile get `health` "starting" and
+every other request refused with "starting"; the first generation arrives like a reload's, and the
+router serves it as soon as its tokenizer is loaded.
+
 Its records (Gen, Req, W, the prefix key, the control_rate bucket) are router_records.py's.
 """
 from __future__ import annotations
@@ -97,10 +102,11 @@ class Router(ControlRequests, RemoteHosts):
             except Exception as e:
                 log.error("router: generation %d's tokenizer cannot be loaded: %s", g, e)
                 self.to_master({"op": "generation_failed", "generation": g, "error": str(e)})
-        if self.generation not in self.gens:
+        if self.generation and self.generation not in self.gens:
             raise RuntimeError(f"the serving generation {self.generation} has no usable tokenizer")
         self.gen_infos = None
-        self._select(self.generation)
+        if self.generation:             # else starting: the model is still loading
+            self._select(self.generation)
         self.ctx = zmq.Context(io_threads=1)
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -211,6 +217,9 @@ class Router(ControlRequests, RemoteHosts):
             return
         cid, t = body["id"], body["type"]
         try:
+            if self.generation not in self.gens and t not in ("health", "stats", "cancel"):
+                raise P.ProtocolError("starting", "the server is loading its model and compiling its kernels: "
+                                                  "retry shortly")
             if t in CONTROL_TYPES:
                 self._rate_limit(client, t)
             getattr(self, "on_" + t)(client, cid, body)
@@ -602,6 +611,8 @@ class Router(ControlRequests, RemoteHosts):
                     self.to_master({"op": "generation_failed", "generation": g, "error": str(e)})
                     continue
                 log.info("router: generation %d loaded (%s)", g, self.gens[g].model_path)
+                if self.generation not in self.gens:     # the first one, at start: serve it at once
+                    self._select(g)
             elif op == "commit":           # generation g is READY: new requests go to it
                 g = msg["generation"]
                 if g not in self.gens:
@@ -662,8 +673,7 @@ def router_main(router: Router) -> None:
     try:
         router.init_process()
         router.run()
-    except BindFailed as e:
-        log.error("router: %s", e)
+    except BindFailed as e:         # the master says it: halting at start, or restarting the router
         router.to_master({"op": "bind_failed", "error": str(e)})
         code = EXIT_ROUTER_BIND
     except BaseException:

@@ -70,7 +70,8 @@ class ControlRequests:
             size = os.stat(self.model_path).st_size
         except OSError:
             size = 0
-        return {"generation": self.generation, "model": self.model_path, "model_bytes": size,
+        return {"generation": self.generation, "starting": self.generation not in self.gens,
+                "model": self.model_path, "model_bytes": size,
                 "queue": len(self.queue), "in_flight": sum(len(w.running) for w in self.workers.values()),
                 "workers": workers, "counters": dict(self.counters), "draining": self.draining,
                 "expert_counts": self.experts.total(self.generation, self.workers.values()),

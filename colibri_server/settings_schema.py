@@ -17,8 +17,9 @@ ENV_PREFIX = "COLIBRI_"
 # COLIBRI_* variables that are not settings (used by other parts of the program) and so are
 # not reported as unknown. Add a name here when one is introduced.
 ENV_NOT_SETTINGS: frozenset[str] = frozenset()
-# other tools' namespaces: the HTTP gateway (http/config.py) and the soak tests read these themselves
-ENV_NOT_SETTINGS_PREFIXES = ("COLIBRI_HTTP_", "COLIBRI_SOAK_")
+# other tools' namespaces: the HTTP gateway (http/config.py), the soak tests and the test harness
+# (tests/server_harness.py) read these themselves
+ENV_NOT_SETTINGS_PREFIXES = ("COLIBRI_HTTP_", "COLIBRI_SOAK_", "COLIBRI_TEST_")
 
 HUP, USR1, RESTART = "hup", "usr1", "restart"
 _RELOAD_TEXT = {HUP: "SIGHUP", USR1: "SIGUSR1 (model reload)", RESTART: "restart"}

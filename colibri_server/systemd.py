@@ -6,6 +6,8 @@ import os
 import socket
 import time
 
+SEND_TIMEOUT_S = 1.0
+
 
 class Notifier:
     def __init__(self, path: str):
@@ -15,6 +17,9 @@ class Notifier:
         if message.startswith("RELOADING=1") and "MONOTONIC_USEC" not in message:
             message += f"\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}"
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            # a receiver that does not read (its queue full: 10 datagrams by default) must not stop
+            # the master: it notifies from its loop and from a signal handler while loading
+            s.settimeout(SEND_TIMEOUT_S)
             try:
                 s.connect(self.path)
                 s.send(message.encode())

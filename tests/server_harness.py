@@ -1,4 +1,9 @@
-"""Start a real `colibri serve` (master, router, workers) in a subprocess for tests."""
+"""Start a real `colibri serve` (master, router, workers) in a subprocess for tests.
+
+Waits for a server (or a gateway) to start are on its own readiness, for as long as its process
+lives, never a fixed short time: a cold kernel compile on a loaded machine takes minutes. The limit,
+READY_TIMEOUT (COLIBRI_TEST_READY_TIMEOUT seconds, 15 minutes unless set), is for a start that hangs;
+a process that exits fails the wait at once, with its log."""
 from __future__ import annotations
 
 import os
@@ -10,6 +15,30 @@ import time
 import psutil
 
 from colibri_server.client import Client, ColibriError
+
+READY_TIMEOUT = float(os.environ.get("COLIBRI_TEST_READY_TIMEOUT") or 900.0)
+
+
+def child_env():
+    """os.environ for a server under test: without NOTIFY_SOCKET, nor the harness's own COLIBRI_TEST_*."""
+    return {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET" and not k.startswith("COLIBRI_TEST_")}
+
+
+def wait_started(predicate, what="the server", procs=(), context=lambda: "", timeout=None):
+    """predicate()'s first truthy value, polled every 0.1 s while every process in `procs` (Popen)
+    lives: RuntimeError at once when one has exited, TimeoutError after `timeout` (READY_TIMEOUT)."""
+    timeout = READY_TIMEOUT if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: a process exited with {p.returncode} before it was ready:\n{context()}")
+        v = predicate()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready in {timeout:.0f}s (COLIBRI_TEST_READY_TIMEOUT):\n{context()}")
+        time.sleep(0.1)
 
 
 def wait_until(predicate, timeout=30.0, what="condition", context=lambda: ""):
@@ -33,27 +62,36 @@ class Server:
         args = [sys.executable, "-m", "colibri_server.cli", cmd, "--model", str(model),
                 *(("--workers", str(workers)) if cmd == "serve" else ()),
                 "--bind", self.addr, "--runtime-dir", str(self.runtime), "--pin", "none", *map(str, extra)]
-        e = dict(os.environ)
-        e.pop("NOTIFY_SOCKET", None)
+        e = child_env()
         e.update(env or {})
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([*prefix, *args], stdout=self.log, stderr=subprocess.STDOUT, env=e)
         self.pid = self.proc.pid
 
-    def wait_ready(self, workers=None, timeout=60.0):
-        deadline = time.monotonic() + timeout
+    def wait_ready(self, workers=None, timeout=None, watch=()):
+        """The server's health once "ok" with `workers` ready, waited for while its process (and
+        those of the Servers in `watch`, e.g. worker hosts it waits for) lives; see READY_TIMEOUT."""
         with Client(self.addr, timeout=2.0) as c:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            def ready():
                 try:
                     h = c.health()
-                    if h["status"] == "ok" and (workers is None or h["workers_ready"] >= workers):
-                        return h
                 except ColibriError:
-                    pass
-                time.sleep(0.1)
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.logs()}")
+                    return None
+                return h if h["status"] == "ok" and (workers is None or h["workers_ready"] >= workers) else None
+            return wait_started(ready, f"server {self.addr}", [self.proc, *(w.proc for w in watch)],
+                                lambda: self.logs() + "".join(f"\n--- {w.addr}:\n{w.logs()}" for w in watch),
+                                timeout)
+
+    def wait_http(self, url, timeout=None):
+        """Wait until the gateway under this server answers /health with 200 (see READY_TIMEOUT)."""
+        import requests
+
+        def ok():
+            try:
+                return requests.get(url + "/health", timeout=10).status_code == 200
+            except requests.RequestException:
+                return False
+        return wait_started(ok, f"gateway {url}", [self.proc], self.logs, timeout)
 
     def client(self, timeout=60.0):
         return Client(self.addr, timeout=timeout)

@@ -47,7 +47,7 @@ class Pair:
         for n in names:
             self.s[n] = Server(BUNDLED_MODEL, self.tmp, workers=1, name=n, extra=["--threads-per-worker", "1"])
         for n in names:
-            self.s[n].wait_ready(1, timeout=180)   # ~2 s with Numba's cache warm; a cold one compiles first
+            self.s[n].wait_ready(1)   # ~2 s with Numba's cache warm; a cold one compiles first
 
     def addr(self, n):
         return self.s[n].addr

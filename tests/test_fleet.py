@@ -139,9 +139,9 @@ def test_two_hosts_serve_a_killed_host_loses_nothing_silently_and_rejoins(tmp_pa
     a = _host(BUNDLED_MODEL, tmp_path, keys, port, "host-a")
     intruder = None
     try:
-        head.wait_ready(workers=1, timeout=120)     # a alone first: b then finds the kernels compiled
+        head.wait_ready(workers=1, watch=[a])     # a alone first: b then finds the kernels compiled
         b = _host(BUNDLED_MODEL, tmp_path, keys, port, "host-b")
-        head.wait_ready(workers=2, timeout=120)
+        head.wait_ready(workers=2, watch=[a, b])
         # a host whose key the head does not list never gets in
         intruder = _host(BUNDLED_MODEL, tmp_path, keys, port, "host-intruder")
         with Load(head.addr) as load:
@@ -196,9 +196,9 @@ def test_another_model_is_refused_and_a_usr1_rollout_fails_no_request(tmp_path, 
     a = _host(paths["a"], tmp_path, keys, port, "host-a")
     other = None
     try:
-        head.wait_ready(workers=1, timeout=180)
+        head.wait_ready(workers=1, watch=[a])
         b = _host(paths["b"], tmp_path, keys, port, "host-b")
-        head.wait_ready(workers=2, timeout=180)
+        head.wait_ready(workers=2, watch=[a, b])
         # a host with another model file: refused by name on both sides, never given work
         other = _host(y, tmp_path, keys, port, "host-c")
         # both sides log it, each in its own process: the host's line can come after the head's
@@ -282,9 +282,9 @@ def test_a_plain_serve_takes_worker_hosts_beside_its_own_workers(tmp_path, keys)
                         "--worker-allowed-keys", keys["allowed"], "--slots", "4", *FAST))
     host = None      # (4 slots here, 8 there: 8 clients need both; the router fills the most free first)
     try:
-        srv.wait_ready(workers=1, timeout=120)
+        srv.wait_ready(workers=1)
         host = _host(BUNDLED_MODEL, tmp_path, keys, port, "host-a")
-        srv.wait_ready(workers=2, timeout=120)
+        srv.wait_ready(workers=2, watch=[host])
         ws = srv.stats()["workers"]
         assert sorted(w["remote"] for w in ws) == [False, True]
         # issue 38 item 11: the host's ready line names the head it joined, not an address it never listens on
@@ -308,7 +308,7 @@ def test_a_hosts_own_reloads_drain_its_old_workers(tmp_path, keys):
     host = None
     try:
         host = _host(BUNDLED_MODEL, tmp_path, keys, port, "host-a")
-        head.wait_ready(workers=1, timeout=120)
+        head.wait_ready(workers=1, watch=[host])
         for n in (2, 3):
             first = {w["pid"] for w in head.stats()["workers"]}
             host.signal(signal.SIGHUP)

@@ -48,10 +48,10 @@ def test_three_hosts_in_namespaces(tmp_path, keys, built, model_b):
             servers.append(head)
             a = _host(net, paths["a"], tmp_path, keys, "a")
             servers.append(a)
-            head.wait_ready(workers=1, timeout=240)
+            head.wait_ready(workers=1, watch=[a])
             b = _host(net, paths["b"], tmp_path, keys, "b")
             servers.append(b)
-            head.wait_ready(workers=2, timeout=240)
+            head.wait_ready(workers=2, watch=[a, b])
             with Load(head.addr, clients=16) as load:
                 wait_until(lambda: len(load.done) >= 64, 120, "64 answers")
                 hosts = _by_host(head)

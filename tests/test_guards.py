@@ -15,7 +15,7 @@ import zmq
 
 from colibri_server import protocol as P
 from colibri_server.client import Client, ColibriError
-from server_harness import Server
+from server_harness import Server, wait_started
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def model_path(built):
 def live(model_path, tmp_path_factory):
     s = Server(model_path, tmp_path_factory.mktemp("guards"), workers=1, extra=("--control-rate", "20"))
     try:
-        s.wait_ready(1, timeout=120)
+        s.wait_ready(1)
         yield s
     finally:
         s.stop()
@@ -164,7 +164,7 @@ def test_curve_key_removed_on_hup_stops_working_on_its_open_connection(model_pat
                     return c.health()["workers_ready"] >= 1
             except ColibriError:
                 return False
-        srv.wait_for(ready, timeout=90, what="CURVE server ready")
+        wait_started(ready, "CURVE server", [srv.proc], srv.logs)
         with Client(addr, timeout=10, curve=a) as ca, Client(addr, timeout=10, curve=b) as cb:
             assert len(ca.generate([5, 6, 7], max_tokens=2, ignore_eos=True).token_ids) == 2
             assert len(cb.generate([5, 6, 7], max_tokens=2, ignore_eos=True).token_ids) == 2
@@ -320,7 +320,7 @@ def test_each_worker_keeps_a_core_of_its_own_after_hup_and_ttin(model_path, tmp_
         pytest.skip("needs 2 allowed CPUs")
     s = Server(model_path, tmp_path, workers=1, extra=("--pin", "cores", "--threads-per-worker", "1"), name="pin")
     try:
-        s.wait_ready(1, timeout=120)
+        s.wait_ready(1)
 
         def cores(n, generation=None):
             ws = [w for w in s.stats()["workers"] if w["state"] == "ready"

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from colibri_server.http import HTTPError, ModelInfo, model_info_from_stats, render_chat
 from colibri_server.model.format import ColibriFile
-from server_harness import Server
+from server_harness import Server, wait_started
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "sk-colibri-test-key"
@@ -49,17 +49,15 @@ class Gateway:
         e.update(env)
         self.proc = subprocess.Popen(args, env=e, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
 
-    def wait_listening(self, url, timeout=30.0):
-        """Wait until the gateway answers HTTP at all; returns the first /health response."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.logs()}")
+    def wait_listening(self, url, timeout=None):
+        """Wait until the gateway answers HTTP at all, while its process lives (server_harness's
+        READY_TIMEOUT); returns the first /health response."""
+        def answer():        # in a tuple: a Response is false when its status is an error
             try:
-                return requests.get(url + "/health", timeout=10)
+                return (requests.get(url + "/health", timeout=10),)
             except requests.ConnectionError:
-                time.sleep(0.1)
-        raise TimeoutError(f"gateway not listening in {timeout}s:\n{self.logs()}")
+                return None
+        return wait_started(answer, f"gateway {url}", [self.proc], self.logs, timeout)[0]
 
     def logs(self):
         if not self.log.closed:

@@ -32,7 +32,7 @@ def obs(built, tmp_path_factory):
     s.server = Server(path, tmp, workers=1, extra=["--http", f"127.0.0.1:{port}", "--log-format", "json"])
     try:
         s.server.wait_ready(1)
-        _wait(lambda: _health(s.url), what="the gateway")
+        s.server.wait_http(s.url)
         s.oa = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
         yield s
     finally:

@@ -65,6 +65,7 @@ def test_its_chat_template_answers_through_the_gateway_as_llama_server_does(smol
     import subprocess
     import time
     import urllib.request
+    from server_harness import READY_TIMEOUT
     R, gguf, data = smol
     f32 = R.convert(gguf, data / "smollm2-f32.colibri", dtype="f32", quantize="none")
     ref = R.llama_f32(BIN, gguf, data)
@@ -80,7 +81,7 @@ def test_its_chat_template_answers_through_the_gateway_as_llama_server_does(smol
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         base = f"http://127.0.0.1:{port}/v1"
-        deadline = time.time() + 300
+        deadline = time.time() + READY_TIMEOUT      # a start waits while the process lives
         while True:
             try:
                 model = json.load(urllib.request.urlopen(base + "/models", timeout=10))["data"][0]["id"]

@@ -17,7 +17,7 @@ import zmq.auth
 
 from colibri_server import security as S
 from colibri_server.client import Client, ColibriError, ColibriTimeout
-from server_harness import Server
+from server_harness import Server, wait_started
 
 
 def mode(path):
@@ -338,7 +338,7 @@ def test_curve_end_to_end(model_path, keys, tmp_path):
                     return c.health()["workers_ready"] >= 1
             except ColibriError:
                 return False
-        srv.wait_for(ready, timeout=90, what="CURVE server ready")
+        wait_started(ready, "CURVE server", [srv.proc], srv.logs)
         with Client(addr, timeout=30, curve=keys.ok) as c:
             first = c.generate([5, 6, 7], max_tokens=4, ignore_eos=True)
         assert len(first.token_ids) == 4

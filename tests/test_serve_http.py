@@ -11,7 +11,7 @@ import openai
 import psutil
 import requests
 
-from server_harness import Server, wait_until
+from server_harness import Server, wait_started, wait_until
 from test_http import free_port
 
 
@@ -24,6 +24,13 @@ def _gateway_pid(server):
         except psutil.NoSuchProcess:
             pass
     return None
+
+
+def _gone(p):
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _wait(pred, timeout=60.0, what="condition"):
@@ -44,7 +51,7 @@ def test_serve_with_http_answers_restarts_and_stops_with_the_server(built, tmp_p
                extra=["--http", f"127.0.0.1:{port}", "--served-model-name", "tiny-moe,tiny"])
     try:
         s.wait_ready(1)
-        _wait(lambda: _health(url), what="the gateway's /health")
+        s.wait_http(url)
         oa = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         assert [m.id for m in oa.models.list().data] == ["tiny-moe", "tiny"]          # aliases
         r = oa.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
@@ -54,10 +61,13 @@ def test_serve_with_http_answers_restarts_and_stops_with_the_server(built, tmp_p
         assert f"http://127.0.0.1:{port}/v1" in s.logs()
         # killed: the master starts another
         first = _gateway_pid(s)
+        orphans = psutil.Process(first).children()  # its gunicorn workers: they leave once they see it gone
         os.kill(first, signal.SIGKILL)
-        _wait(lambda: (_gateway_pid(s) or first) != first and _health(url), what="a new gateway")
+        wait_started(lambda: (_gateway_pid(s) or first) != first and _health(url), "a new gateway", [s.proc], s.logs)
         assert "HTTP gateway" in s.logs() and "restarting it" in s.logs()
         gw = _gateway_pid(s)
+        # they share the port the master holds: wait for them, as a new gateway's bind once did
+        wait_started(lambda: all(map(_gone, orphans)), "the killed gateway's workers leaving", [s.proc], s.logs)
     finally:
         s.stop()
     assert not psutil.pid_exists(gw) or psutil.Process(gw).status() == psutil.STATUS_ZOMBIE

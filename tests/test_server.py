@@ -362,7 +362,7 @@ def test_memory_one_copy_of_the_weights(tmp_path):
                    check=True, timeout=600)
     s = Server(path, tmp_path, workers=4, name="mem")
     try:
-        s.wait_ready(4, timeout=180)
+        s.wait_ready(4)
         with s.client(120) as c:
             for i in range(8):
                 c.generate(PROMPTS[i], max_tokens=4, ignore_eos=True)

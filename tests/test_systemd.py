@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from server_harness import Server
+from server_harness import READY_TIMEOUT, Server
 
 UNITS = pathlib.Path(__file__).resolve().parent.parent / "systemd"
 
@@ -48,9 +48,13 @@ class FakeSystemd:
         self.sock.settimeout(0.2)
         self.messages = []
 
-    def collect(self, until, timeout=60.0):
+    def collect(self, until, timeout=60.0, proc=None):
+        """Messages until until(messages); a start (READY_TIMEOUT, with its `proc`) waits on the
+        server's own readiness while it lives, not a fixed short time."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}; sd_notify messages: {self.messages}")
             try:
                 self.messages.append(self.sock.recv(4096).decode())
             except socket.timeout:
@@ -73,7 +77,7 @@ def test_sd_notify_sequence(built, tmp_path):
     s = Server(built("mixtral").colibri("f32"), tmp_path, workers=1,
                env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"})
     try:
-        sd.collect(lambda m: "READY=1" in sd.kinds())
+        sd.collect(lambda m: "READY=1" in sd.kinds(), READY_TIMEOUT, s.proc)
         ready = next(m for m in sd.messages if "READY=1" in m)
         assert "STATUS=serving generation 1 with 1 workers" in ready
         sd.collect(lambda m: sd.kinds().count("WATCHDOG=1") >= 2)
@@ -103,7 +107,7 @@ def test_failed_reload_is_rolled_back_and_shown_in_status(built, tmp_path):
     sd = FakeSystemd(tmp_path / "notify.sock")
     s = Server(live, tmp_path, workers=1, env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
     try:
-        sd.collect(lambda m: "READY=1" in sd.kinds())
+        sd.collect(lambda m: "READY=1" in sd.kinds(), READY_TIMEOUT, s.proc)
         os.unlink(live)
         s.signal(signal.SIGUSR1)
         sd.collect(lambda m: sd.kinds().count("READY=1") >= 2)
@@ -112,3 +116,19 @@ def test_failed_reload_is_rolled_back_and_shown_in_status(built, tmp_path):
         assert s.proc.poll() is None
     finally:
         s.stop()
+
+
+def test_a_notify_socket_nobody_reads_never_stops_the_master(tmp_path):
+    """sd_notify to a receiver whose queue is full (10 datagrams by default) gives up after a
+    moment instead of blocking: the loading master notifies from a signal handler every few
+    seconds, and a blocked send there once stopped a start for good."""
+    import threading
+    from colibri_server.systemd import Notifier
+    deaf = FakeSystemd(tmp_path / "deaf.sock")     # bound, never read
+    notify = Notifier(str(tmp_path / "deaf.sock"))
+    t = threading.Thread(target=lambda: [notify(f"EXTEND_TIMEOUT_USEC=90000000\nSTATUS={i}") for i in range(14)],
+                         daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "sd_notify blocked on a full queue"
+    assert deaf.sock.fileno() >= 0

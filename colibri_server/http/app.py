@@ -18,6 +18,8 @@ Endpoints
                                 the chat template's text (llama.cpp's server has the same endpoint)
     POST /detokenize            {"tokens": [int]} -> {"prompt": str}
     GET  /health                200 {"status": "ok", ...} | 503 (starting, draining, unreachable in ~2 s);
+                                "starting" (the model loads, kernels compile) with Retry-After, as every
+                                other endpoint's 503 meanwhile (code "starting");
                                 several routers: 200 while one is ok, each under "routers"
     GET  /metrics               Prometheus text format
 
@@ -66,7 +68,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..client import Client, ColibriError, ColibriTimeout, RouterSet
+from ..client import Client, ColibriError, ColibriTimeout, RouterSet, Starting
 from ..protocol import REQUEST_ID
 from .config import DEFAULT_CONNECT, ENV, ENV_VARS, _env_bool, _read_key_file, options_from_env  # noqa: F401
 from .metrics import _Metrics, _ServerCollector
@@ -74,7 +76,8 @@ from .routers import connect_addresses
 from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _chat_messages,  # noqa: F401
                           _chat_unsupported, _check_known, _completion_prompt, _error_resp, _Fields, _is_int,
                           _is_num, _json, _json_bytes, _Resp, _sampling, _sse, _stream_options, _StreamBody,
-                          chat_logprobs, chat_logprobs_obj, completion_embeds, completion_logprobs, http_error_for, legacy_logprobs_obj)
+                          chat_logprobs, chat_logprobs_obj, completion_embeds, completion_logprobs, http_error_for,
+                          legacy_logprobs_obj, STARTING_RETRY_AFTER)
 from .completions import DEFAULT_MAX_TOKENS, GenerationEndpoints  # noqa: F401  (re-exported)
 from .template import (CHATML, STATS_TIMEOUT, ModelInfo, fetch_template, model_info_from_stats,  # noqa: F401
                        render_chat, render_chat_segments)
@@ -201,6 +204,9 @@ class Gateway(GenerationEndpoints):
         try:
             # no lock around the network call: a slow server must not serialise every thread
             st = self._call(lambda c: c.stats(timeout=min(self.timeout, STATS_TIMEOUT)))
+            if st.get("starting"):          # no generation yet: nothing to describe, nothing to serve
+                raise http_error_for(Starting("the server is loading its model and compiling its kernels: "
+                                              "retry shortly"))
         except HTTPError:
             if info is not None:
                 info.fetched_at = time.monotonic() - INFO_TTL + 2.0     # retry in 2 s, not at once
@@ -577,7 +583,8 @@ class Gateway(GenerationEndpoints):
         self._saw_generation(h.get("generation"))
         out = {k: h.get(k) for k in ("status", "workers_ready", "generation", "queue")}
         ok = h.get("status") == "ok"
-        return _Resp(200 if ok else 503, _json_bytes(out), outcome="ok" if ok else "unavailable")
+        retry = [("Retry-After", STARTING_RETRY_AFTER)] if h.get("status") == "starting" else []
+        return _Resp(200 if ok else 503, _json_bytes(out), retry, outcome="ok" if ok else "unavailable")
 
     def metrics_endpoint(self, environ) -> _Resp:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

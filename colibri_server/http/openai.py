@@ -21,8 +21,8 @@ JSON, field types or values (param names the field) and for an unknown model, 40
 413 for bodies over `max_body` (1 MiB), and colibri error codes map to: bad_request and
 too_large -> 400 (too_large on the prompt: code "context_length_exceeded"), overloaded -> 429
 with Retry-After (the queue is full: retry later), deadline_exceeded and timeout -> 504,
-shutting_down and cancelled -> 503, worker_lost -> 502, internal -> 500.  Once a stream has
-started (HTTP 200 sent), an error arrives as a last event `data: {"error": {...}}` followed by
+shutting_down and cancelled -> 503, starting -> 503 with Retry-After (the server is loading its
+model), worker_lost -> 502, internal -> 500.  Once a stream has started (HTTP 200 sent), an error arrives as a last event `data: {"error": {...}}` followed by
 `data: [DONE]` (the openai package raises it as APIError).  No traceback reaches a client.
 """
 from __future__ import annotations
@@ -61,10 +61,14 @@ def _bad(message, param=None, code="invalid_value"):
     return HTTPError(400, message, param=param, code=code, outcome="bad_request")
 
 
+# seconds a client is told to wait while the server loads its model and compiles (a cold compile
+# takes seconds to minutes; polling faster only adds load)
+STARTING_RETRY_AFTER = "5"
+
 # colibri error code -> HTTP status (the OpenAI "code" and the metrics outcome are the colibri code)
 _COLIBRI_STATUS = {
     "bad_request": 400, "too_large": 400, "overloaded": 429, "deadline_exceeded": 504, "timeout": 504,
-    "shutting_down": 503, "cancelled": 503, "worker_lost": 502, "internal": 500, "unreachable": 503,
+    "shutting_down": 503, "starting": 503, "cancelled": 503, "worker_lost": 502, "internal": 500, "unreachable": 503,
     "unauthorized": 502,
     # the gateway's own bugs if they ever happen
     "unsupported_version": 500, "unknown_type": 500, "duplicate_id": 500, "not_found": 500,
@@ -95,7 +99,8 @@ def http_error_for(e: ColibriError, prompt_param: str = "prompt") -> HTTPError:
     param = _param_of(msg, prompt_param) if status == 400 else None
     if code == "timeout":
         msg = f"the colibri server did not answer in time ({msg})"
-    headers = [("Retry-After", "1")] if code in ("overloaded", "shutting_down") else []
+    headers = [("Retry-After", STARTING_RETRY_AFTER if code == "starting" else "1")] \
+        if code in ("overloaded", "shutting_down", "starting") else []
     oa_code = code
     if code == "too_large" and param == prompt_param:
         oa_code = "context_length_exceeded"
