@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from colibri_server.model import Model
 from server_harness import Server
 from test_http import free_port
-from test_serve_http import _health, _wait
+from test_serve_http import _wait
 
 
 @pytest.fixture(scope="module")
