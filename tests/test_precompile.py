@@ -51,7 +51,8 @@ def test_every_listed_family_and_kind_is_a_valid_config():
     assert len(P.jobs()) == len(P.FAMILIES) * len(P.KINDS)
 
 
-@pytest.mark.parametrize("family, kind", [("mixtral", "f16-panels"), ("gpt_oss", "bf16-panels")])
+@pytest.mark.parametrize("family, kind", [("mixtral", "f16-panels"),
+                                          pytest.param("gpt_oss", "bf16-panels", marks=pytest.mark.slow)])  # ~40 s cold
 def test_the_fused_token_on_panels_is_the_general_path_bit_for_bit(tmp_path, family, kind):
     """Experts in panels are 4-D (E, nb, d, P): the fused token takes them from their stacks as forward's general
     path takes them from the weights (the test models of test_parity are too narrow for panels)."""
