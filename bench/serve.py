@@ -222,7 +222,7 @@ def fleet_round(a, path, conc, P, hosts, separate=False):
     sys.path.insert(0, str(HERE.parent / "tests"))
     from netns_hosts import Hosts
     from colibri_server.client import Client
-    from colibri_server.security import generate_keys
+    from colibri_server.wire.security import generate_keys
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"fleet{hosts}-", dir=a.tmp))
     sock = tmp / "c.sock"
     socks = [sock, tmp / "c2.sock"] if separate else [sock]

@@ -63,7 +63,7 @@ def cmd_run(a):
         _die("--chat takes the user's text, not --token-ids", 2)
     if a.system is not None and not a.chat:
         _die("--system goes with --chat", 2)
-    from .chat import ChatError, messages_for, model_info, prompt_ids
+    from .commands.chat import ChatError, messages_for, model_info, prompt_ids
     try:
         prompt = (prompt_ids(m, model_info(m.path), messages_for(a.prompt, a.system)) if a.chat else
                   [int(t) for t in a.prompt.split(",")] if a.token_ids else a.prompt)
@@ -110,7 +110,7 @@ def _generate(m, a, prompt, params, others):
 
 
 def cmd_chat(a):
-    from .chat import ChatError, converse, model_info
+    from .commands.chat import ChatError, converse, model_info
     m = _open_model(a.model, context=a.context, seed=a.seed, prefill_bf16=a.prefill_bf16)
     try:
         info = model_info(m.path)
@@ -148,7 +148,7 @@ def cmd_inspect(a):
         _die(str(e))
     h = cf.header
     if a.gate is not None:
-        from .debug import format_gate
+        from .commands.debug import format_gate
         try:
             print(format_gate(cf, a.gate, a.rows))
         except KeyError as e:
@@ -256,7 +256,7 @@ def cmd_convert(a):
 
 
 def cmd_debug_routing(a):
-    from .debug import format_routing, routing_trace
+    from .commands.debug import format_routing, routing_trace
     m = _open_model(a.model)
     try:
         ids, trace = routing_trace(m, [int(t) for t in a.input.split(",")] if a.token_ids else a.input)
@@ -271,12 +271,12 @@ DEFAULT_CONFIG = "/etc/colibri/colibri.toml"   # read by serve/config when prese
 
 
 def setup_logging(level="info", fmt="text"):
-    from .logs import setup
+    from .host.logs import setup
     setup(level, fmt)
 
 
 def _load_settings(a):
-    from .settings import SettingsError, load_settings
+    from .settings.load import SettingsError, load_settings
     try:
         return load_settings(a, config_path=DEFAULT_CONFIG)
     except SettingsError as e:
@@ -292,9 +292,9 @@ def use_cache_dir(path):
 
 
 def cmd_serve(a, role="serve"):
-    from .master import Arbiter
-    from .settings import load_settings
-    from .systemd import notifier
+    from .master.arbiter import Arbiter
+    from .settings.load import load_settings
+    from .host.systemd import notifier
     s = _load_settings(a)
     use_cache_dir(s.cache_dir)
     setup_logging(s.log_level, s.log_format)
@@ -337,7 +337,7 @@ def cmd_compile(a):
 
 
 def cmd_config(a):
-    from .settings import describe
+    from .settings.load import describe
     print(describe(_load_settings(a)))
 
 
@@ -351,7 +351,7 @@ def _client(a):
 
 def cmd_generate(a):
     from .client import ColibriError
-    from .chat import ChatError, messages_for, model_info_of_server, render
+    from .commands.chat import ChatError, messages_for, model_info_of_server, render
     params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                   seed=a.seed, stop=a.stop or None, ignore_eos=a.ignore_eos or None)
     if a.system is not None and not a.chat:
@@ -385,13 +385,13 @@ def cmd_status(a):
             st = c.stats()
     except ColibriError as e:
         _die(f"{e.code}: {e.message}")
-    from .status import format_status
+    from .commands.status import format_status
     print(json.dumps(st, indent=1) if a.json else format_status(st))
 
 
 def cmd_demo(a):
     """Start a server with 2 workers on the bundled model, ask it one thing, show memory, stop."""
-    from .demo import run
+    from .commands.demo import run
     model = default_model_path(a.model)
     problem = model_file_problem(model)
     if problem:
@@ -471,12 +471,12 @@ def _sampling_arguments(p, max_tokens: int, max_help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli_parser import Parser
+    from .settings.parser import Parser
     p = Parser(prog="colibri", description="CPU inference server for Mixture-of-Experts models",
                                 formatter_class=_HelpFormatter)
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    from .settings import add_arguments
+    from .settings.load import add_arguments
 
     sv = sub.add_parser("serve", help="serve a model: master, router and pre-forked workers")
     add_arguments(sv)
@@ -509,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     _chat_arguments(g)
     g.set_defaults(fn=cmd_generate)
 
-    from .security import add_keys_parser
+    from .wire.security import add_keys_parser
     add_keys_parser(sub)
     from .http import add_http_arguments, cmd_http
     add_http_arguments(sub.add_parser("http", help="OpenAI-compatible HTTP gateway (gunicorn) to a running server")

@@ -57,7 +57,7 @@ import msgpack
 import pytest
 import zmq
 
-from colibri_server import protocol as P
+from colibri_server.wire import protocol as P
 from colibri_server.model import Model
 from server_harness import Server
 
@@ -325,7 +325,7 @@ def test_a_long_tokenize_answer_reaches_the_client():
     """A tokenize answer of 140000 ids (a server with max_prompt_tokens large enough to take
     the text): the Client must be able to read it (it would decode answers with the request
     limits: max_array_len 131072)."""
-    from colibri_server.client_core import _decode
+    from colibri_server.client.core import _decode
     rid, body = _decode(P.frames({"type": "result", "id": "t", "ids": list(range(140_000))}))
     assert rid == "t" and len(body["ids"]) == 140_000
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from colibri_server.client import ColibriError
-from colibri_server.master import ROUTER_BACKOFF_MAX_S
+from colibri_server.master.arbiter import ROUTER_BACKOFF_MAX_S
 from colibri_server.model import Model
 from colibri_server.model.tokenizer import Tokenizer
 from server_harness import Server

@@ -78,7 +78,7 @@ def test_status_shows_an_unsampled_worker_as_unknown_not_zero():
     sampler's first pass still running) has no figures for it: `colibri status` says so."""
     import os
 
-    from colibri_server.memory import MemorySampler
+    from colibri_server.host.memory import MemorySampler
     got = MemorySampler().get(os.getpid())
     assert got["memory_sampled"] is False and got["rss"] > 0
     w = {"pid": 11, "wid": 0, "generation": 1, "state": "ready", "cores": [0], "running": 0, "served": 0,
@@ -88,7 +88,7 @@ def test_status_shows_an_unsampled_worker_as_unknown_not_zero():
     st = {"model": "m", "model_bytes": 2**20, "generation": 1, "queue": 0, "in_flight": 0, "draining": False,
           "router": {"pid": 1, "rss": 3 * 2**20}, "master": {"pid": 2, "model_rss": 0, "model_pss": 0},
           "workers": [w, ok], "memory_age_s": 0.5}
-    from colibri_server.status import format_status
+    from colibri_server.commands.status import format_status
     text = format_status(st)
     assert "0.0 MiB" not in text, text
     assert "not sampled yet for 1 of 2 workers" in text

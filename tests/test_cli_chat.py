@@ -35,7 +35,7 @@ def _answer(m, ids, n):
 
 
 def test_chat_prompt_is_the_templates_rendering(built):
-    from colibri_server import chat
+    from colibri_server.commands import chat
     from colibri_server.model import Model
     b = built("mixtral")
     path = b.colibri("f32")

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from colibri_server import protocol
+from colibri_server.wire import protocol
 from colibri_server.client import (ERRORS, AsyncClient, Chunk, Client, ColibriError, ColibriTimeout,
                                    Completion, InternalError, Overloaded, error_for)
 

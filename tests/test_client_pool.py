@@ -23,7 +23,8 @@ import psutil
 import pytest
 import requests
 
-from colibri_server import client_pool, protocol
+from colibri_server.client import pool as client_pool
+from colibri_server.wire import protocol
 from colibri_server.bundled import BUNDLED_MODEL
 from colibri_server.client import (AsyncClient, Cancelled, Client, ColibriError, ColibriTimeout, ConnectionLost,
                                    Overloaded, RouterSet, Unreachable)

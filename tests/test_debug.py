@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import torch
 
-from colibri_server.debug import routing_trace
+from colibri_server.commands.debug import routing_trace
 from colibri_server.model import Model
 
 

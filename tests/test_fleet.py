@@ -15,8 +15,8 @@ import pytest
 from server_harness import Server, wait_until
 
 from colibri_server.client import Client, ColibriError
-from colibri_server.fleet import file_identity
-from colibri_server.security import generate_keys
+from colibri_server.wire.identity import file_identity
+from colibri_server.wire.security import generate_keys
 
 FAST = ("--timeout", "3", "--heartbeat-interval", "0.5", "--graceful-timeout", "10")
 

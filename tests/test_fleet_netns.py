@@ -18,7 +18,7 @@ from netns_hosts import Hosts
 from server_harness import Server, wait_until
 from test_fleet import FAST, Load, _by_host, keys, model_copies, replace_everywhere  # noqa: F401  (keys: the fixture)
 
-from colibri_server.fleet import file_identity
+from colibri_server.wire.identity import file_identity
 
 pytestmark = pytest.mark.netns
 PORT = 5556

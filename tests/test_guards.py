@@ -12,7 +12,7 @@ import time
 import pytest
 import zmq
 
-from colibri_server import protocol as P
+from colibri_server.wire import protocol as P
 from colibri_server.client import Client, ColibriError
 from server_harness import Server, wait_started
 
@@ -45,8 +45,8 @@ def _dealer(addr):
 
 def test_stats_never_reads_smaps_in_the_router_loop(monkeypatch, model_path):
     """stats answers from a cache filled by a thread: a slow smaps read costs the loop nothing."""
-    from colibri_server import memory
-    from colibri_server.router import Router, W
+    from colibri_server.host import memory
+    from colibri_server.router.loop import Router, W
     from colibri_server.settings import defaults
 
     def slow(*a, **k):
@@ -142,7 +142,7 @@ def _free_port():
 def test_curve_key_removed_on_hup_stops_working_on_its_open_connection(model_path, tmp_path):
     import signal
 
-    from colibri_server import security as S
+    from colibri_server.wire import security as S
     d, allowed = tmp_path / "keys", tmp_path / "allowed"
     spub, ssec = S.generate_keys(d, "server")
     S.generate_keys(d, "a")
@@ -313,7 +313,7 @@ def test_integer_beyond_64_bits_is_a_400_not_a_502(live):
 def test_each_worker_keeps_a_core_of_its_own_after_hup_and_ttin(model_path, tmp_path):
     import signal
 
-    from colibri_server.pinning import current_affinity
+    from colibri_server.host.pinning import current_affinity
     ncpu = len(current_affinity() or [])
     if ncpu < 2:
         pytest.skip("needs 2 allowed CPUs")

@@ -145,7 +145,7 @@ def test_cli_reaches_the_model_through_its_api_only():
 def test_the_model_never_imports_the_roles_the_wire_or_the_gateway():
     g = import_graph()
     above = ("colibri_server.cli", "colibri_server.master", "colibri_server.router", "colibri_server.worker",
-             "colibri_server.http", "colibri_server.client", "colibri_server.protocol")
+             "colibri_server.http", "colibri_server.client", "colibri_server.wire", "colibri_server.commands")
     for mod, edges in g.items():
         if mod.startswith("colibri_server.model"):
             assert not {n for n in edges if n.startswith(above)}, mod

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings as hsettings
 from hypothesis import strategies as st
 
-from colibri_server import pinning as P
-from colibri_server.pinning import PinningError, Topology
+from colibri_server.host import pinning as P
+from colibri_server.host.pinning import PinningError, Topology
 
 
 def fake_sysfs(root, cores, nodes=None, siblings_files=True, online=True):

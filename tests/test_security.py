@@ -15,7 +15,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from colibri_server import security as S
+from colibri_server.wire import security as S
 from colibri_server.client import Client, ColibriError, ColibriTimeout
 from server_harness import Server, wait_started
 

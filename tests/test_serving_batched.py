@@ -79,7 +79,7 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_refused(server):
 def test_engine_figures_reach_metrics_and_status():
     """The heartbeat's engine figures become colibri_worker_* families (counters and gauges) in the
     gateway's /metrics and a `batch:` line per worker in `colibri status`."""
-    from colibri_server.status import format_status
+    from colibri_server.commands.status import format_status
     from colibri_server.http.metrics import _engine_families
     eng = {"running": 3, "waiting": 1, "steps": 40, "batch_rows_last": 4, "batch_rows_mean": 3.5,
            "kv_blocks": 100, "kv_blocks_used": 12, "kv_blocks_free": 80, "kv_blocks_cached": 8, "kv_dtype": "f16",

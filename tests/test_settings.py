@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings as hsettings
 from hypothesis import strategies as st
 
-from colibri_server import settings as S
+from colibri_server.settings import load as S, schema
 from colibri_server.settings import SCHEMA, SETTINGS, SettingsError, load_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -224,10 +224,10 @@ def test_invalid_value_each_source(tmp_path, name, raw, allowed):
     cases = [
         ({}, {env_var: raw}, None, f"environment {env_var}"),
         # a bool flag takes no value: give the string through a dict, as code would
-        ({name: raw} if SETTINGS[name].type is S.BOOL else parse_cli(SETTINGS[name].flag + "=" + raw),
+        ({name: raw} if SETTINGS[name].type is schema.BOOL else parse_cli(SETTINGS[name].flag + "=" + raw),
          {}, None, f"command line {SETTINGS[name].flag}"),
     ]
-    toml_raw = S._toml_str(raw) if SETTINGS[name].type not in (S.INT, S.FLOAT, S.BOOL) else raw
+    toml_raw = schema._toml_str(raw) if SETTINGS[name].type not in (schema.INT, schema.FLOAT, schema.BOOL) else raw
     if raw not in ("four", "maybe", "nan"):  # not TOML literals
         p = write(tmp_path, f"{name} = {toml_raw}\n")
         cases.append((None, {}, p, f"file {p}"))
@@ -440,7 +440,7 @@ def test_gateway_and_soak_variables_are_not_settings():
 def test_automatic_layout_gives_each_node_one_worker_on_all_its_cores():
     """threads_per_worker 0 (the default): one worker per NUMA node stepping its batch on every
     physical core of it; workers set: the cores shared out among them; threads set: workers stay 0."""
-    from colibri_server.pinning import Topology
+    from colibri_server.host.pinning import Topology
     two_nodes = Topology.from_cores([[c] for c in range(8)], nodes=[[0, 1, 2, 3], [4, 5, 6, 7]])
     one = Topology.from_cores([[0], [1]])
     assert S._layout({"workers": 0, "threads_per_worker": 0}, one) == {"workers": 1, "threads_per_worker": 2}

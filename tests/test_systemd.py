@@ -123,7 +123,7 @@ def test_a_notify_socket_nobody_reads_never_stops_the_master(tmp_path):
     moment instead of blocking: the loading master notifies from a signal handler every few
     seconds, and a blocked send there once stopped a start for good."""
     import threading
-    from colibri_server.systemd import Notifier
+    from colibri_server.host.systemd import Notifier
     deaf = FakeSystemd(tmp_path / "deaf.sock")     # bound, never read
     notify = Notifier(str(tmp_path / "deaf.sock"))
     t = threading.Thread(target=lambda: [notify(f"EXTEND_TIMEOUT_USEC=90000000\nSTATUS={i}") for i in range(14)],

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..client import Client, ColibriError, ColibriTimeout, RouterSet, Starting
-from ..protocol import REQUEST_ID
+from ..wire.protocol import REQUEST_ID
 from .config import DEFAULT_CONNECT, ENV, ENV_VARS, _env_bool, _read_key_file, options_from_env  # noqa: F401
 from .metrics import _Metrics, _ServerCollector
 from .routers import connect_addresses

@@ -77,7 +77,7 @@ def curve_from_files(server_key_file, secret_key_file):
     if not (server_key_file and secret_key_file):
         raise ValueError("the gateway's CURVE key files go together: the router's public key "
                          "(--curve-server-key) and the gateway's own secret key (--curve-secret-key)")
-    from ..security import SecurityError, client_curve
+    from ..wire.security import SecurityError, client_curve
     try:
         return client_curve(server_key_file, secret_key_file)
     except SecurityError as e:

@@ -34,7 +34,7 @@ import re
 from typing import Any, Callable, Iterator, Optional
 
 from ..client import ColibriError
-from ..protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from ..wire.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 
 log = logging.getLogger("colibri.http")
 

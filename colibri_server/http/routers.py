@@ -15,7 +15,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from ..client import Client, ColibriError, ColibriTimeout, Unreachable
-from ..client_pool import _reason, merge_health, parse_addresses
+from ..client import failure_cause, merge_health, parse_addresses
 from .openai import _json_bytes, _Resp
 
 _HEALTH_KEYS = ("status", "workers_ready", "generation", "queue")
@@ -58,9 +58,9 @@ def health(gw) -> _Resp:
             row = {"addr": a, **{k: h.get(k) for k in _HEALTH_KEYS}}
         else:
             if isinstance(h, Unreachable):
-                gw.routers.failed(a, _reason(h))
+                gw.routers.failed(a, failure_cause(h))
             row = {"addr": a, "status": "unreachable" if isinstance(h, ColibriTimeout) else "error",
-                   "error": _reason(h) if isinstance(h, ColibriError) else type(h).__name__}
+                   "error": failure_cause(h) if isinstance(h, ColibriError) else type(h).__name__}
         rows.append({**row, **gw.routers.state(a)})
     out = merge_health(rows)
     ok = out["status"] == "ok"

@@ -113,7 +113,7 @@ def cmd_http(a):
             metrics_auth = _env_bool("COLIBRI_HTTP_METRICS_AUTH", os.environ.get("COLIBRI_HTTP_METRICS_AUTH", "0"))
         if a.workers < 1 or a.threads < 1:
             raise ValueError("--workers and --threads must be >= 1")
-        from ..logs import set_role, setup
+        from ..host.logs import set_role, setup
         setup(a.log_level, a.log_format)
         set_role("http")                       # gunicorn titles its processes itself from here on
         gunicorn_options = {"logconfig_dict": _json_logconfig(a.log_level)} if a.log_format == "json" else None
@@ -138,7 +138,7 @@ def _json_logconfig(level: str) -> dict:
 
 
 def main(argv=None):
-    from ..cli_parser import Parser
+    from ..settings.parser import Parser
     p = Parser(prog="colibri-http", description="OpenAI-compatible HTTP gateway to a colibri server")
     add_http_arguments(p)
     cmd_http(p.parse_args(argv))

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from colibri_server.client import ColibriError
-from colibri_server.memory import process_memory
+from colibri_server.host.memory import process_memory
 from server_harness import Server
 
 ALLOWED_ERRORS = {"worker_lost"}     # a worker killed after streaming: explicit, expected under chaos

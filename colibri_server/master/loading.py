@@ -32,7 +32,7 @@ def _describe(code):
 def open_model(path, s):
     """Open, validate, map (and pre-fault / lock) a model with settings s; verify its
     checksums (verify_checksums); compile the kernels on it (the batched step's too)."""
-    from .model import Model
+    from ..model import Model
     size = os.path.getsize(path)
     populate = s.populate
     try:
@@ -84,7 +84,7 @@ def open_model(path, s):
 def _compile(m, s):
     # compile every kernel specialisation the workers will use, here, once: the batched engine's
     # (workers run nothing else); says so on stderr when the kernels compile (first start)
-    from .model import serving
+    from ..model import serving
     m.set_prefill_bf16(s.prefill_bf16)
     m.warm_up(announce=log.info, run=lambda: serving.warm_up(m, s.kv_dtype, s.threads_per_worker))
     if s.threads_per_worker > 1:
@@ -92,7 +92,7 @@ def _compile(m, s):
 
 
 def _model_path(path):
-    from .bundled import BUNDLED_MODEL, model_file_problem
+    from ..bundled import BUNDLED_MODEL, model_file_problem
     if not path:
         path = BUNDLED_MODEL
     problem = model_file_problem(path)
@@ -102,7 +102,7 @@ def _model_path(path):
 
 
 def _runtime_dir(settings):
-    from .settings import resolve_runtime_dir
+    from ..settings.load import resolve_runtime_dir
     d = resolve_runtime_dir(settings)
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)
@@ -159,7 +159,7 @@ def _start_checksums(cf, procs=None, min_bytes=64 << 20):
     first ChecksumMismatch (naming the tensor). zlib's CRC runs at about 1 GB/s on one core and
     the master starts no thread (fork safety), so the file is split by bytes between children
     that share the mapping, and they run while the master compiles the kernels."""
-    from .model import format as fmt
+    from ..model import format as fmt
     n = procs or min(8, len(os.sched_getaffinity(0)))
     records = sorted(cf.record_list, key=lambda r: -r.size)
     if n <= 1 or cf.header["file_size"] < min_bytes:
@@ -193,7 +193,7 @@ def _start_checksums(cf, procs=None, min_bytes=64 << 20):
 
 
 def _finish_checksums(cf, children):
-    from .model import format as fmt
+    from ..model import format as fmt
     failure = None
     for pid, rfd in children:
         data = b""

@@ -39,7 +39,7 @@ def sampled_after(st, t_age) -> bool:
 
 def run(a, model, die):
     from .status import format_status
-    from .client import Client, ColibriError
+    from ..client import Client, ColibriError
     d = tempfile.mkdtemp(prefix="colibri-demo-")
     addr = f"ipc://{d}/colibri.sock"
     log_path = os.path.join(d, "server.log")

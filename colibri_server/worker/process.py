@@ -29,49 +29,19 @@ is set; ZMTP heartbeats so a cut link is noticed); its identity names its host (
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import random
 import signal
-import struct
 import sys
 import time
 
-from . import protocol as P
-from .logs import request as request_extra
+from ..wire import protocol as P
+from ..host.logs import request as request_extra
+from .heartbeat import HeartbeatTable
 
 log = logging.getLogger("colibri.worker")
 
 EXIT_BOOT_FAILED = 3     # the master halts instead of respawning (gunicorn's WORKER_BOOT_ERROR)
-
-
-class HeartbeatTable:
-    """Liveness the master can read without ZeroMQ: one float64 per worker slot in an
-    anonymous MAP_SHARED page created before fork. A worker stamps time.monotonic();
-    a stopped or hung worker stops stamping and the master kills it after `timeout`.
-    A second float64 per slot says the router ACCEPTed the worker (a worker host's master has
-    no router of its own to tell it)."""
-
-    def __init__(self, slots: int):
-        self.slots = slots
-        self._mm = mmap.mmap(-1, max(16 * slots, mmap.PAGESIZE), flags=mmap.MAP_SHARED)
-
-    def set_joined(self, slot: int, joined: bool) -> None:
-        struct.pack_into("<d", self._mm, 8 * (self.slots + slot), 1.0 if joined else 0.0)
-
-    def joined(self, slot: int) -> bool:
-        return struct.unpack_from("<d", self._mm, 8 * (self.slots + slot))[0] != 0.0
-
-    def beat(self, slot: int) -> None:
-        struct.pack_into("<d", self._mm, 8 * slot, time.monotonic())
-
-    def age(self, slot: int) -> float:
-        (t,) = struct.unpack_from("<d", self._mm, 8 * slot)
-        return time.monotonic() - t if t else 0.0
-
-    def clear(self, slot: int) -> None:
-        struct.pack_into("<d", self._mm, 8 * slot, 0.0)
-        self.set_joined(slot, False)
 
 
 class Worker:
@@ -100,7 +70,7 @@ class Worker:
     # -- after fork ---------------------------------------------------------------
     def init_process(self) -> None:
         self.pid, self.ppid = os.getpid(), os.getppid()
-        from .logs import set_role
+        from ..host.logs import set_role
         set_role(f"worker {self.wid} [gen {self.generation}]")
         for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)     # those are the master's
@@ -108,7 +78,7 @@ class Worker:
         signal.signal(signal.SIGINT, self._on_quit)
         signal.signal(signal.SIGQUIT, self._on_quit)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        from .pinning import apply
+        from ..host.pinning import apply
         apply(self.cpus)
         self._limit_threads(self.settings.threads_per_worker)
         if self.settings.threads_per_worker > 1:
@@ -137,7 +107,7 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.setsockopt(zmq.SNDHWM, 0)      # a connected router gets everything; see send()
         if self.backend.startswith("tcp://"):
-            from .router_remote import zmtp_heartbeats
+            from ..wire.zmtp import zmtp_heartbeats
             zmtp_heartbeats(self.sock, self.settings)
             if self.curve is not None:
                 self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = self.curve
@@ -147,7 +117,7 @@ class Worker:
     def _engine(self):
         """The batch engine: `slots` sequences at once, a KV pool of `kv_cache_memory` (0: every slot at
         full context, at most a quarter of the memory available now shared by the workers)."""
-        from .model.serving import BatchEngine
+        from ..model.serving import BatchEngine
         st = self.settings
         mem = st.kv_cache_memory
         if not mem:                     # the engine caps it at every slot at full context
@@ -163,7 +133,7 @@ class Worker:
         limit = self.settings.memory_limit
         if not limit:
             return
-        from .memory import mib, process_memory
+        from ..host.memory import mib, process_memory
         kv = eng.pool.num_blocks * eng.pool.bytes_per_block
         ws = sum(a.nbytes for w in (self.model.workspace, eng.ws) for a in vars(w).values() if hasattr(a, "nbytes"))
         need = kv + ws + process_memory(os.getpid())["uss"]
@@ -328,7 +298,7 @@ class Worker:
         if not want or want == self.identity or now - self.rolled.get(want, -30.0) < 30.0:
             return
         self.rolled[want] = now
-        from .fleet import file_identity
+        from ..wire.identity import file_identity
         try:
             have = file_identity(self.model_path)
         except Exception as e:
@@ -358,7 +328,7 @@ class Worker:
         g = req.get("grammar")
         if g:
             params["grammar"] = (g["type"], g["value"])
-        from .model.serving import RequestTooLarge
+        from ..model.serving import RequestTooLarge
         try:
             emb = req.get("prompt_embeds")
             if emb is not None:
@@ -393,7 +363,7 @@ class Worker:
             numerical = isinstance(e, ArithmeticError)
             log.log(logging.ERROR if numerical else logging.INFO, "worker %d: request %s: %s", self.pid, rq, e,
                     extra=request_extra(rq))
-            from .model.serving import RequestTooLarge
+            from ..model.serving import RequestTooLarge
             code = "numerical_fault" if numerical else "too_large" if isinstance(e, RequestTooLarge) else "bad_request"
             if self.seqs.pop(rid, None) is not None:
                 self.send(b"ERROR", {"rid": rid, "code": code, "message": str(e)})

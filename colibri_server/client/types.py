@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from . import protocol
+from ..wire import protocol
 
 # ---------------------------------------------------------------------------- errors
 

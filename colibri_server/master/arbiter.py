@@ -52,11 +52,11 @@ import msgpack
 
 from .fleet import Fleet
 from .generations import Generation, Reloads
-from .loading import (EXIT_BIND, EXIT_LOAD, HaltServer, _describe, _model_path, _runtime_dir,  # noqa: F401
-                      _verify_checksums, _write_pidfile, open_model)
-from .router import EXIT_ROUTER_BIND
+from .loading import (EXIT_BIND, EXIT_LOAD, HaltServer, _describe, _model_path, _runtime_dir,
+                      _write_pidfile)
+from ..router.loop import EXIT_ROUTER_BIND
 from .startup import Loading, bind_http, wait_router_up
-from .worker import EXIT_BOOT_FAILED, HeartbeatTable, Worker, worker_main
+from ..worker.process import EXIT_BOOT_FAILED, HeartbeatTable, Worker, worker_main
 
 log = logging.getLogger("colibri.master")
 
@@ -120,7 +120,7 @@ class Arbiter(Reloads, Fleet):
         self.reloading = None           # generation number being brought up (uncommitted)
         self.announced = False
         self.exit_code = 0
-        from .systemd import watchdog_interval
+        from ..host.systemd import watchdog_interval
         self.watchdog = watchdog_interval()
         self.last_watchdog = 0.0
 
@@ -135,9 +135,9 @@ class Arbiter(Reloads, Fleet):
         if s.pidfile:
             _write_pidfile(s.pidfile, self.pid)
         self.model_path = _model_path(s.model)
-        from .logs import set_role
+        from ..host.logs import set_role
         set_role(f"master [{os.path.basename(self.model_path)}]")
-        from .security import CurveServer, SecurityError, check_bind_security
+        from ..wire.security import CurveServer, SecurityError, check_bind_security
         self.check_role(s)
         if self.role == "host":
             self.backend = s.join
@@ -162,7 +162,7 @@ class Arbiter(Reloads, Fleet):
             self.spawn_router()     # generation 0: it answers "starting" until the first generation is handed over
             wait_router_up(self)
         if listener is not None:
-            from .http_child import HttpChild
+            from .gateway import HttpChild
             self.http = HttpChild(s, s.bind, listener)
             self.http.poll()
         with Loading(self.notify, self.read_router, f"model {os.path.basename(self.model_path)}"):
@@ -189,8 +189,8 @@ class Arbiter(Reloads, Fleet):
         """loading.open_model (and with pin = numa on several nodes, its pages placed by numa.py: the
         file interleaved, or a copy per node), and the file's identity (check_model_file watches it).
         Returns (Model, {node: (Model, NodeCopy)})."""
-        from . import numa
-        from .pinning import Topology
+        from ..host import numa
+        from ..host.pinning import Topology
         self.topology = Topology.detect()
         with numa.interleaved(s, self.topology):
             m = self.open_for_role(path, s)
@@ -218,7 +218,7 @@ class Arbiter(Reloads, Fleet):
 
     # ------------------------------------------------------------------------ forking
     def spawn_router(self):
-        from .router import Router, router_main
+        from ..router.loop import Router, router_main
         # the router is forked with every live generation's tokenizer in memory: nothing to re-read
         gens = {g: dict(gen.info) for g, gen in self.gens.items()}
         router = Router(frontend=self.settings.bind, backend=self.backend, pipe_fd=self._router_end.fileno(),
@@ -243,7 +243,7 @@ class Arbiter(Reloads, Fleet):
             pass
 
     def spawn_worker(self, generation):
-        from .pinning import plan_free
+        from ..host.pinning import plan_free
         wid = self.next_wid
         self.next_wid += 1
         used = {w.slot for w in self.workers.values()}
@@ -259,7 +259,7 @@ class Arbiter(Reloads, Fleet):
             for msg in plan.warnings:
                 log.warning("pinning: %s", msg)
         self.heartbeats.beat(slot)
-        from .numa import node_of
+        from ..host.numa import node_of
         w = Worker(wid=wid, slot=slot, generation=generation, model=gen.model_for(node_of(cpus, self.topology)),
                    settings=gen.settings, backend=self.backend, cpus=cpus, heartbeats=self.heartbeats,
                    host=self.host_tag, curve=self.join_curve, model_path=gen.model.path)
@@ -508,7 +508,7 @@ class Arbiter(Reloads, Fleet):
             self._ready_line()
 
     def _ready_line(self):
-        from .memory import mib, process_memory
+        from ..host.memory import mib, process_memory
         ws = [w for w in self.workers.values() if w.generation == self.generation]
         uss = [process_memory(w.pid)["uss"] for w in ws]
         size = self.gens[self.generation].model.file.header["file_size"]

@@ -3,8 +3,9 @@ the synchronous pool (colibri_server.client_pool, which says how a router is cho
 goes to the next one and when it never does). Its concrete class is client_async.AsyncPoolClient."""
 from __future__ import annotations
 
-from .client_core import _AsyncStreamEnds, ColibriError, ColibriTimeout, ConnectionLost, Unreachable, _encode
-from .client_pool import _REFUSALS, _PoolBase, _PoolStreamBase, _reason, merge_health
+from .core import _AsyncStreamEnds, _encode
+from .pool import _REFUSALS, _PoolBase, _PoolStreamBase, failure_cause, merge_health
+from .types import ColibriError, ColibriTimeout, ConnectionLost, Unreachable
 
 
 class _AsyncPoolStream(_AsyncStreamEnds, _PoolStreamBase):
@@ -134,7 +135,7 @@ class _AsyncPoolClient(_PoolBase):
             except ColibriError as e:
                 self._note(a, e)
                 return {"addr": a, "status": "unreachable" if isinstance(e, Unreachable) else "error",
-                        "error": _reason(e)}
+                        "error": failure_cause(e)}
         return merge_health(list(await asyncio.gather(*(one(a, m) for a, m in self._members.items()))))
 
     async def cancel(self, request_id):

@@ -11,7 +11,7 @@ import os
 
 import zmq
 
-from . import protocol as P
+from ..wire import protocol as P
 
 log = logging.getLogger("colibri.router")
 
@@ -21,7 +21,7 @@ class Gen:
     __slots__ = ("number", "model_path", "tokenizer", "vocab_size", "hidden_size", "context", "limits", "identity")
 
     def __init__(self, info, settings):
-        from .model.tokenizer import Tokenizer
+        from ..model.tokenizer import Tokenizer
         self.number, self.model_path = info["generation"], info["model"]
         self.identity = info.get("identity")
         self.vocab_size, self.context = info["vocab_size"], info["context"]
@@ -58,7 +58,7 @@ class Req:
 
 def _prefix_key(prompt):
     """The key of a tokenized prompt's first KV block (model/kv.py's chain hash), None if shorter."""
-    from .model.kv import BLOCK_SIZE, chain_hash
+    from ..model.kv import BLOCK_SIZE, chain_hash
     if not isinstance(prompt, list) or len(prompt) <= BLOCK_SIZE:
         return None
     return chain_hash(0, tuple(prompt[:BLOCK_SIZE]))

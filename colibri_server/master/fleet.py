@@ -25,18 +25,9 @@ import logging
 import os
 import socket
 
+from ..wire.identity import file_identity
+
 log = logging.getLogger("colibri.master")
-
-
-def file_identity(path) -> str:
-    """ColibriFile.identity of the file at `path` now, reading only what precedes its tensor data
-    (a worker host checks the file under its model path against a head's rollout)."""
-    from .model.format import ColibriFile
-    cf = ColibriFile.open(path, populate=False, hugepages=False)
-    try:
-        return cf.identity
-    finally:
-        cf.close()
 
 
 class ModelHead:
@@ -45,8 +36,8 @@ class ModelHead:
     expects a Model."""
 
     def __init__(self, path):
-        from .model.config import file_config
-        from .model.format import ColibriFile
+        from ..model.config import file_config
+        from ..model.format import ColibriFile
         self.path = path
         self.file = ColibriFile.open(path, populate=False, hugepages=False)
         try:
@@ -72,7 +63,7 @@ class Fleet:
     def check_role(self, s):
         """Before anything is opened: the role's settings and its CURVE files (HaltServer naming them)."""
         from .loading import EXIT_LOAD, HaltServer
-        from .security import CurveServer, SecurityError, client_curve
+        from ..wire.security import CurveServer, SecurityError, client_curve
         if self.role == "head" and not s.backend_bind:
             raise HaltServer("colibri router serves through worker hosts: give --backend-bind tcp://HOST:PORT", EXIT_LOAD)
         if self.role == "head" and s.join:
@@ -157,7 +148,7 @@ class Fleet:
     def workers_for_role(self, s):
         if self.role == "head":
             return 0
-        from .pinning import Topology, default_workers
+        from ..host.pinning import Topology, default_workers
         return s.workers or default_workers(Topology.detect(), s.threads_per_worker)
 
     def scale_refused(self, what) -> bool:

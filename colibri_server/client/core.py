@@ -16,20 +16,26 @@ from typing import Optional, Sequence, Union
 import zmq
 import zmq.asyncio
 
-from . import protocol
-from .protocol import MAGIC, MAX_BODY, ProtocolError
+from ..wire import protocol
+from ..wire.protocol import MAGIC, MAX_BODY, ProtocolError
 
 Prompt = Union[str, Sequence[int]]
 # answers may be larger than requests (a tokenize of a long text: more ids than a request may carry)
 RESPONSE_MAX_BODY = 64 << 20
 RESPONSE_MAX_ARRAY = 1 << 24
 
-from .client_types import (  # noqa: F401,E402  (re-exported by client.py)
-    ColibriError, BadRequest, UnsupportedVersion, UnknownType, TooLarge,
-    Overloaded, DeadlineExceeded, Cancelled, WorkerLost, ShuttingDown, Starting, DuplicateId,
-    NotFound, Unauthorized, InternalError, ColibriTimeout, Unreachable, ERRORS, error_for, _internal,
-    NumericalFault, ConnectionLost,
-    Completion, Chunk, Choice,
+from .types import (
+    BadRequest,
+    Choice,
+    Chunk,
+    ColibriError,
+    ColibriTimeout,
+    Completion,
+    ConnectionLost,
+    TooLarge,
+    Unreachable,
+    _internal,
+    error_for,
 )
 
 

@@ -34,8 +34,23 @@ import time
 import weakref
 from typing import Optional
 
-from .client_core import (DEFAULT_CONNECT_TIMEOUT, ColibriError, ColibriTimeout, ConnectionLost, Overloaded,
-                          ShuttingDown, Starting, Unreachable, _generate_body, _Ids, _ms, _StreamEnds, _unreachable)
+from .core import (
+    DEFAULT_CONNECT_TIMEOUT,
+    _generate_body,
+    _Ids,
+    _ms,
+    _StreamEnds,
+    _unreachable,
+)
+from .types import (
+    ColibriError,
+    ColibriTimeout,
+    ConnectionLost,
+    Overloaded,
+    ShuttingDown,
+    Starting,
+    Unreachable,
+)
 
 log = logging.getLogger("colibri.client")
 
@@ -179,7 +194,7 @@ class RouterSet:
         reason. Overloaded if one was only busy, Starting if one was loading, ShuttingDown if one was stopping,
         else Unreachable."""
         kinds = [type(e) for _, e in tried]
-        parts = "; ".join(f"{a}: {_reason(e)}" for a, e in tried)
+        parts = "; ".join(f"{a}: {failure_cause(e)}" for a, e in tried)
         for cls in (Overloaded, Starting, ShuttingDown):
             if cls in kinds:
                 return cls(f"no colibri router took the request ({parts})", code=cls.code, request_id=rid)
@@ -187,7 +202,7 @@ class RouterSet:
                            request_id=rid)
 
 
-def _reason(e) -> str:
+def failure_cause(e) -> str:
     """An error as the cause it names ("cannot reach the colibri server at A within 3 s: X" -> X)."""
     msg = getattr(e, "message", None) or str(e)
     if isinstance(e, Unreachable):
@@ -289,7 +304,7 @@ class _PoolBase:
         """Learn from a member's error: a router that is unreachable, dropped the request or kept
         silent past the timeout is down; one that is stopping too."""
         if isinstance(e, (ColibriTimeout, ConnectionLost, ShuttingDown)):      # Unreachable is a ColibriTimeout
-            self.routers.failed(addr, _reason(e))
+            self.routers.failed(addr, failure_cause(e))
 
     def _state_row(self, addr, up) -> Optional[dict]:
         """A health row for a router skipped and not connected (no probe: it is known down), else None."""
@@ -514,7 +529,7 @@ class _PoolClient(_PoolBase):
                 except ColibriError as e:
                     self._note(a, e)
                     row = {"addr": a, "status": "unreachable" if isinstance(e, Unreachable) else "error",
-                           "error": _reason(e)}
+                           "error": failure_cause(e)}
             rows.append(row)
         return merge_health(rows)
 

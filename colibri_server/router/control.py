@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import protocol as P
+from ..wire import protocol as P
 
 
 class ControlRequests:

@@ -10,9 +10,19 @@ from typing import Optional, Sequence
 import zmq
 import zmq.asyncio
 
-from .client_core import (Chunk, Completion, Prompt, _AsyncStreamEnds, _ClientCore, _internal, _Request, _StreamCore,
-                          _cancel_body, _encode, _timeout_error, _unreachable)
-from .client_pool_async import _AsyncPoolClient
+from .core import (
+    Prompt,
+    _AsyncStreamEnds,
+    _cancel_body,
+    _ClientCore,
+    _encode,
+    _Request,
+    _StreamCore,
+    _timeout_error,
+    _unreachable,
+)
+from .pool_async import _AsyncPoolClient
+from .types import Chunk, Completion, _internal
 
 
 class AsyncStream(_AsyncStreamEnds, _StreamCore):

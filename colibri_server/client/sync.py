@@ -1,4 +1,4 @@
-"""Python client for the colibri wire protocol (see `colibri_server.protocol`).
+"""The synchronous client of the colibri wire protocol (see `colibri_server.wire.protocol`).
 
     from colibri_server.client import Client
     with Client("tcp://127.0.0.1:5555", timeout=30) as c:
@@ -7,7 +7,7 @@
             print(chunk.text, end="", flush=True)
 
 Several routers (one per machine): `Client([addr1, addr2])` spreads requests over them and fails over
-when one is down (see `colibri_server.client_pool`); `Client(RouterSet([...]))` in several threads
+when one is down (see `colibri_server.client.pool`); `Client(RouterSet([...]))` in several threads
 shares what they learn of the routers.
 
 `Client` is synchronous and NOT thread-safe: use one Client per thread (each has its own
@@ -32,21 +32,20 @@ from typing import Optional, Sequence
 
 import zmq
 
-from .client_async import AsyncClient, AsyncStream  # noqa: F401
-from .client_pool import RouterSet, _PoolClient
-from .client_core import (  # noqa: F401  (re-exported: the public API lives here)
-    ERRORS, BadRequest, Cancelled, Choice, Chunk, ColibriError, ColibriTimeout, Completion, DeadlineExceeded,
-    DuplicateId, InternalError, NotFound, Overloaded, Prompt, ShuttingDown, Starting, TooLarge, UnknownType,
-    UnsupportedVersion, WorkerLost, NumericalFault, ConnectionLost, Unauthorized, Unreachable, _ClientCore, _Request,
-    _StreamCore, _StreamEnds, _cancel_body, _encode, _ms, _timeout_error, _unreachable, error_for)
-
-__all__ = [
-    "Client", "AsyncClient", "RouterSet", "Completion", "Chunk", "Choice", "Stream", "AsyncStream",
-    "ColibriError", "ColibriTimeout", "ERRORS", "error_for",
-    "BadRequest", "UnsupportedVersion", "UnknownType", "TooLarge", "Overloaded",
-    "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "Starting", "DuplicateId",
-    "NotFound", "Unauthorized", "InternalError", "Unreachable", "NumericalFault", "ConnectionLost",
-]
+from .core import (
+    Prompt,
+    _cancel_body,
+    _ClientCore,
+    _encode,
+    _ms,
+    _Request,
+    _StreamCore,
+    _StreamEnds,
+    _timeout_error,
+    _unreachable,
+)
+from .pool import _PoolClient
+from .types import Chunk, ColibriError, Completion
 
 
 class Stream(_StreamEnds, _StreamCore):
@@ -81,7 +80,6 @@ class Stream(_StreamEnds, _StreamCore):
         timeout error, no cancel: a caller that wants to look elsewhere meanwhile, as the gateway
         checks whether its HTTP client hung up)."""
         return self._finished or self._client._wait(self.id, timeout)
-
 
 class Client(_ClientCore):
     """Synchronous client: one ZeroMQ context and DEALER socket.  NOT thread-safe.
@@ -234,7 +232,6 @@ class Client(_ClientCore):
             self.close()
         except Exception:
             pass
-
 
 class PoolClient(_PoolClient, Client):
     """`Client([addr1, addr2, ...])` or `Client(router_set)`: one Client per router, each request on

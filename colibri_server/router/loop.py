@@ -36,11 +36,11 @@ import time
 import msgpack
 import zmq
 
-from . import protocol as P
-from .logs import request as request_extra, set_role
-from .router_control import ControlRequests
-from .router_remote import RemoteHosts
-from .router_records import (W, BindFailed, ControlRate, ExpertCounts, Gen, Req, _AttrDict, _bind_message,  # noqa: F401
+from ..wire import protocol as P
+from ..host.logs import request as request_extra, set_role
+from .control import ControlRequests
+from .remote import RemoteHosts
+from .records import (W, BindFailed, ControlRate, ExpertCounts, Gen, Req, _AttrDict, _bind_message,
                              _chmod_ipc, _prefix_key, _salvage_id)
 
 log = logging.getLogger("colibri.router")
@@ -82,7 +82,7 @@ class Router(ControlRequests, RemoteHosts):
         self.t_start = time.monotonic()
         self.control = ControlRate()       # control_rate's token bucket per client
         self.experts = ExpertCounts()      # routing choices per layer and expert, per generation
-        from .memory import MemorySampler
+        from ..host.memory import MemorySampler
         self.memory = MemorySampler()      # smaps figures, read on a thread: never in this loop
 
     # -- setup -------------------------------------------------------------------------
@@ -648,7 +648,7 @@ class Router(ControlRequests, RemoteHosts):
         if self.generation in self.gens:
             self.limits = self.gens[self.generation].limits
         if self.curve is not None:
-            from .security import SecurityError
+            from ..wire.security import SecurityError
             try:
                 self.curve.reload()
             except SecurityError as e:

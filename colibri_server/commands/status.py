@@ -2,7 +2,7 @@
 workers with their cores, load and memory, the batch engines' figures and the last reload."""
 from __future__ import annotations
 
-from .memory import mib
+from ..host.memory import mib
 
 __all__ = ["format_status"]
 

@@ -29,8 +29,9 @@ import logging
 
 import zmq
 
-from . import protocol as P
-from .router_records import BindFailed, W, _bind_message
+from ..wire import protocol as P
+from ..wire.zmtp import zmtp_heartbeats
+from .records import BindFailed, W, _bind_message
 
 log = logging.getLogger("colibri.router")
 
@@ -168,12 +169,3 @@ class RemoteHosts:
             if w.remote and w.state != "draining":
                 hosts.setdefault(w.host, set()).add(w.identity)
         self.to_master({"op": "fleet", "hosts": {h: sorted(ids) for h, ids in hosts.items()}})
-
-
-def zmtp_heartbeats(sock, settings):
-    """ZMTP heartbeats on a tcp connection, so a cut link is noticed within `timeout` and the
-    connection re-made, instead of TCP keeping a dead one for minutes."""
-    ivl = int(settings.heartbeat_interval * 1000)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, max(ivl, 100))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(settings.timeout * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(settings.timeout * 1000))

@@ -18,7 +18,7 @@ class ChatError(Exception):
 
 def model_info(path: str):
     """The template, bos/eos token strings and name of the model file at `path`."""
-    from .http.template import model_info_from_stats
+    from ..http.template import model_info_from_stats
     info = model_info_from_stats({"model": path})
     if not info.chat_template:
         raise ChatError(f"{path} has no chat template (a base model): chat needs one; "
@@ -28,7 +28,7 @@ def model_info(path: str):
 
 def model_info_of_server(client):
     """The chat template of the model a running server serves (its file read on this host)."""
-    from .http.template import fetch_template
+    from ..http.template import fetch_template
     info = fetch_template(client)
     if info.source != "file":
         raise ChatError(f"cannot read the served model file {info.path!r} on this host: its chat template is "
@@ -42,8 +42,8 @@ def model_info_of_server(client):
 def render(info, messages: list) -> tuple:
     """(segments, add_special_tokens) of `messages` with the generation prompt, for a tokenizer's
     encode_segments or a server's tokenize."""
-    from .http.openai import HTTPError
-    from .http.template import render_chat_segments
+    from ..http.openai import HTTPError
+    from ..http.template import render_chat_segments
     try:
         return render_chat_segments(info, messages, True)
     except HTTPError as e:

@@ -50,10 +50,9 @@ __all__ = [
     "parse_size", "format_size", "parse_duration", "parse_bool", "resolve_runtime_dir",
 ]
 
-from .settings_schema import (BOOL, DURATION, ENUM, ENV_NOT_SETTINGS, ENV_NOT_SETTINGS_PREFIXES,  # noqa: F401
-                              ENV_PREFIX, FLOAT, HUP, INT, PATH, RESTART, SCHEMA, SETTINGS, SIZE, STR, USR1,
-                              Range, Setting, SettingsError, _Bool, _Invalid, _RELOAD_TEXT, _show, _toml_str,
-                              format_size, parse_bool, parse_duration, parse_size)
+from .schema import (ENV_NOT_SETTINGS, ENV_NOT_SETTINGS_PREFIXES,
+                              ENV_PREFIX, HUP, RESTART, SCHEMA, SETTINGS, USR1,
+                              Setting, SettingsError, _Bool, _Invalid, _RELOAD_TEXT, _show, format_size, parse_bool, parse_duration, parse_size)
 
 _NOT_IN_FILE = ("config",)
 
@@ -159,7 +158,7 @@ def _layout(values: dict, topology=None) -> dict:
     weight once per step for all of them, and one request alone still decodes on every core.
     workers 0 with threads_per_worker set stays 0: one worker per that many cores (pinning)."""
     if values.get("threads_per_worker") == 0:
-        from .pinning import detect
+        from ..host.pinning import detect
         topology = topology or detect()
         if not values.get("workers"):
             values["workers"] = max(1, len(topology.nodes))
@@ -320,7 +319,7 @@ def _loopback_address(addr: str) -> bool:
     """ipc://, or tcp:// on a loopback host."""
     if addr.startswith("ipc://"):
         return True
-    from .security import _is_loopback
+    from ..wire.security import _is_loopback
     host = addr[len("tcp://"):].rpartition(":")[0].strip("[]")
     return _is_loopback(host)
 
@@ -404,8 +403,3 @@ def example_toml() -> str:
             f"# Env: {s.env}  Flag: {s.flag}\n"
             + (f"# {line}    (not valid in this file)\n" if s.name in _NOT_IN_FILE else line + "\n"))
     return "".join(parts)
-
-
-if __name__ == "__main__":
-    import sys
-    sys.stdout.write(example_toml())
