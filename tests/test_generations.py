@@ -349,13 +349,13 @@ def test_corrupted_tensor_is_refused_at_start_and_on_usr1_naming_it(server, mode
 
 
 def test_checksums_verified_on_forked_processes_name_the_tensor(model_a, tmp_path):
-    from colibri_server.master.loading import _verify_checksums
+    from colibri_server.master.loading import verify_checksums
     from colibri_server.model import format as fmt
-    _verify_checksums(fmt.ColibriFile.open(model_a), procs=3, min_bytes=0)
+    verify_checksums(fmt.ColibriFile.open(model_a), procs=3, min_bytes=0)
     bad = tmp_path / "bad.colibri"
     _corrupt(model_a, bad, "blk.0.ffn_up_exps", b"\x01" * 64, offset=128)
     with pytest.raises(fmt.ChecksumMismatch) as ei:
-        _verify_checksums(fmt.ColibriFile.open(bad), procs=3, min_bytes=0)
+        verify_checksums(fmt.ColibriFile.open(bad), procs=3, min_bytes=0)
     assert ei.value.field == "blk.0.ffn_up_exps" and "CRC-32" in str(ei.value)
 
 

@@ -52,8 +52,8 @@ import msgpack
 
 from .fleet import Fleet
 from .generations import Generation, Reloads
-from .loading import (EXIT_BIND, EXIT_LOAD, HaltServer, _describe, _model_path, _runtime_dir,
-                      _write_pidfile)
+from .loading import (EXIT_BIND, EXIT_LOAD, HaltServer, describe_exit, model_path_of, make_runtime_dir,
+                      write_pidfile)
 from ..router.loop import EXIT_ROUTER_BIND
 from .startup import Loading, bind_http, wait_router_up
 from ..worker.process import EXIT_BOOT_FAILED, HeartbeatTable, Worker, worker_main
@@ -128,13 +128,13 @@ class Arbiter(Reloads, Fleet):
     def start(self):
         s = self.settings
         self.pid = os.getpid()
-        self.runtime_dir = _runtime_dir(s)
+        self.runtime_dir = make_runtime_dir(s)
         from .generations import sweep_runtime_dir
         sweep_runtime_dir(self.runtime_dir)      # a master killed with -9 cleaned up nothing
         self.backend = f"ipc://{self.runtime_dir}/backend-{self.pid}.sock"
         if s.pidfile:
-            _write_pidfile(s.pidfile, self.pid)
-        self.model_path = _model_path(s.model)
+            write_pidfile(s.pidfile, self.pid)
+        self.model_path = model_path_of(s.model)
         from ..host.logs import set_role
         set_role(f"master [{os.path.basename(self.model_path)}]")
         from ..wire.security import CurveServer, SecurityError, check_bind_security
@@ -397,7 +397,7 @@ class Arbiter(Reloads, Fleet):
             if pid == 0:
                 return
             code = os.waitstatus_to_exitcode(status)
-            if self.http is not None and self.http.reaped(pid, code, _describe):
+            if self.http is not None and self.http.reaped(pid, code, describe_exit):
                 continue
             if pid == self.router_pid:
                 self.router_pid = None
@@ -411,7 +411,7 @@ class Arbiter(Reloads, Fleet):
             self.heartbeats.clear(w.slot)
             self.to_router({"op": "exited", "pid": pid})
             if w.stopping or self.stopping:
-                log.info("worker %d exited (%s)", pid, _describe(code))
+                log.info("worker %d exited (%s)", pid, describe_exit(code))
                 continue
             if code == EXIT_BOOT_FAILED and not w.ready:
                 if w.generation == self.reloading:
@@ -430,14 +430,14 @@ class Arbiter(Reloads, Fleet):
                     gen.deaths += 1
                     if gen.deaths > RELOAD_CRASH_LIMIT:
                         self.rollback(f"{gen.deaths} workers of generation {w.generation} died before it "
-                                      f"was ready (last: {_describe(code)})")
+                                      f"was ready (last: {describe_exit(code)})")
                         continue
             if code == 0 and w.generation not in (self.generation, self.reloading):
                 log.info("worker %d of retired generation %d exited", pid, w.generation)
             elif code == 0:
                 log.info("worker %d exited after serving its max_requests: replacing it", pid)
             else:
-                log.error("worker %d died (%s): replacing it", pid, _describe(code))
+                log.error("worker %d died (%s): replacing it", pid, describe_exit(code))
                 self._note_crash()
 
     def _note_crash(self):
@@ -543,7 +543,7 @@ class Arbiter(Reloads, Fleet):
             self.router_backoff = 0.0
         self.router_next_start = now + self.router_backoff
         why = f": {self.bind_error}" if code == EXIT_ROUTER_BIND and self.bind_error else ""
-        log.error("router %d exited (%s%s): restarting it%s", pid, _describe(code), why,
+        log.error("router %d exited (%s%s): restarting it%s", pid, describe_exit(code), why,
                   f" in {self.router_backoff:.1f}s" if self.router_backoff else "")
         self.bind_error = None
 

@@ -25,7 +25,7 @@ class HaltServer(Exception):
         self.reason, self.code = reason, code
 
 
-def _describe(code):
+def describe_exit(code):
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
 
 
@@ -91,7 +91,7 @@ def _compile(m, s):
         serving.compile_threaded(m, s.kv_dtype)     # compiled here, launched only in the forked workers
 
 
-def _model_path(path):
+def model_path_of(path):
     from ..bundled import BUNDLED_MODEL, model_file_problem
     if not path:
         path = BUNDLED_MODEL
@@ -101,7 +101,7 @@ def _model_path(path):
     return os.path.abspath(path)
 
 
-def _runtime_dir(settings):
+def make_runtime_dir(settings):
     from ..settings.load import resolve_runtime_dir
     d = resolve_runtime_dir(settings)
     try:
@@ -111,7 +111,7 @@ def _runtime_dir(settings):
     return d
 
 
-def _write_pidfile(path, pid):
+def write_pidfile(path, pid):
     if os.path.exists(path):
         try:
             with open(path) as f:
@@ -148,7 +148,7 @@ def _mlock(cf, path):
     log.info("model %s locked in memory (%.0f MiB)", path, size / 2**20)
 
 
-def _verify_checksums(cf, procs=None, min_bytes=64 << 20):
+def verify_checksums(cf, procs=None, min_bytes=64 << 20):
     """Every tensor's CRC-32 (see _start_checksums); raises the first ChecksumMismatch."""
     _start_checksums(cf, procs, min_bytes)()
 
@@ -205,7 +205,7 @@ def _finish_checksums(cf, children):
         os.close(rfd)
         _, status = os.waitpid(pid, 0)
         if os.waitstatus_to_exitcode(status) != 0 and failure is None:
-            field, msg = msgpack.unpackb(data) if data else ("", f"checksum process {_describe(os.waitstatus_to_exitcode(status))}")
+            field, msg = msgpack.unpackb(data) if data else ("", f"checksum process {describe_exit(os.waitstatus_to_exitcode(status))}")
             failure = (field, msg)
     if failure is not None:
         field, msg = failure

@@ -30,7 +30,7 @@ import signal
 import socket
 import time
 
-from .loading import EXIT_BIND, EXIT_LOAD, HaltServer, _describe
+from .loading import EXIT_BIND, EXIT_LOAD, HaltServer, describe_exit
 
 log = logging.getLogger("colibri.master")
 
@@ -87,7 +87,7 @@ def wait_router_up(arb, timeout: float = ROUTER_UP_S) -> None:
             if arb.bind_error:
                 raise HaltServer(arb.bind_error, EXIT_BIND)
             raise HaltServer(f"the router exited before it listened on {arb.settings.bind} "
-                             f"({_describe(os.waitstatus_to_exitcode(status))}); see its log above", EXIT_LOAD)
+                             f"({describe_exit(os.waitstatus_to_exitcode(status))}); see its log above", EXIT_LOAD)
         if time.monotonic() > deadline:
             raise HaltServer(f"the router did not listen on {arb.settings.bind} within {timeout:.0f}s", EXIT_LOAD)
 

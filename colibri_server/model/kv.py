@@ -43,6 +43,16 @@ def chain_hash(parent: int, tokens: tuple) -> int:
     return hash((parent, tokens))
 
 
+def first_block_key(tokens, block_size: int = BLOCK_SIZE) -> int | None:
+    """The chain hash of a prompt's first block when a later sequence could take that block from the
+    prefix cache (the router's affinity key), else None. The scheduler matches at most
+    tokens[:len - 1] (one token is always left to compute), so a prompt of one block or less never
+    reuses its first block and has no key."""
+    if len(tokens) - 1 < block_size:
+        return None
+    return chain_hash(0, tuple(tokens[:block_size]))
+
+
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE, kv_dtype: str = "f16"):
         if kv_dtype not in KV_DTYPES:
@@ -152,9 +162,3 @@ class KVPool:
         self.release(blocks)
         self.hits -= len(blocks)
         self.hit_tokens -= len(blocks) * self.block_size
-
-    def first_block_key(self, tokens) -> int | None:
-        """The chain hash of the first full block of tokens (the router's affinity key), or None."""
-        if len(tokens) < self.block_size:
-            return None
-        return chain_hash(0, tuple(tokens[:self.block_size]))

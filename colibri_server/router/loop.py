@@ -40,8 +40,8 @@ from ..wire import protocol as P
 from ..host.logs import request as request_extra, set_role
 from .control import ControlRequests
 from .remote import RemoteHosts
-from .records import (W, BindFailed, ControlRate, ExpertCounts, Gen, Req, _AttrDict, _bind_message,
-                             _chmod_ipc, _prefix_key, _salvage_id)
+from .records import (W, BindFailed, ControlRate, ExpertCounts, Gen, Req, AttrDict, bind_message,
+                             chmod_ipc, salvage_id, prefix_key)
 
 log = logging.getLogger("colibri.router")
 
@@ -118,13 +118,13 @@ class Router(ControlRequests, RemoteHosts):
         try:
             self.front.bind(self.frontend_addr)
         except zmq.ZMQError as e:
-            raise BindFailed(_bind_message(self.frontend_addr, e)) from None
-        _chmod_ipc(self.frontend_addr, 0o660)
+            raise BindFailed(bind_message(self.frontend_addr, e)) from None
+        chmod_ipc(self.frontend_addr, 0o660)
         self.back = self.ctx.socket(zmq.ROUTER)
         self.back.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.back.setsockopt(zmq.LINGER, 0)
         self.back.bind(self.backend_addr)
-        _chmod_ipc(self.backend_addr, 0o600)
+        chmod_ipc(self.backend_addr, 0o600)
         self.init_remote()
         self.to_master({"op": "up", "pid": os.getpid()})
 
@@ -204,14 +204,14 @@ class Router(ControlRequests, RemoteHosts):
             if not self.curve.is_allowed(key):
                 # the handshake let this connection in, but its key has been removed since (HUP)
                 self.counters["unauthorized"] += 1
-                self._unauthorized(parts[0], _salvage_id(parts[1:]), key)
+                self._unauthorized(parts[0], salvage_id(parts[1:]), key)
                 return
         client, rest = parts[0], parts[1:]
         self._key = key
         try:
             body = P.parse_frames(rest, self.settings.max_body)
         except P.ProtocolError as e:
-            cid = _salvage_id(rest)
+            cid = salvage_id(rest)
             log.info("bad frame from client %s: %s", client.hex()[:12], e)
             self.error(client, cid, e.code, e.message)
             return
@@ -302,7 +302,7 @@ class Router(ControlRequests, RemoteHosts):
             n = r.request.get("n", 1)
             w = None
             if free.get(r.generation, 0) >= n:
-                key = _prefix_key(r.request.get("prompt"))
+                key = prefix_key(r.request.get("prompt"))
                 w = self._pick_worker(r.generation, self.prefix_owner.get(key), n)
             if w is None:               # no worker has n free slots: the generation's later requests wait
                 free[r.generation] = 0  # behind it (first come, first served), so a request of n > 1 runs
@@ -642,7 +642,7 @@ class Router(ControlRequests, RemoteHosts):
                 self.stopping = True
 
     def _apply_settings(self, settings):
-        self.settings = settings if not isinstance(settings, dict) else _AttrDict(settings)
+        self.settings = settings if not isinstance(settings, dict) else AttrDict(settings)
         for gen in self.gens.values():
             gen.set_limits(self.settings)
         if self.generation in self.gens:

@@ -56,12 +56,13 @@ class Req:
         self.deadline = now + dl / 1000.0 if dl else None
 
 
-def _prefix_key(prompt):
-    """The key of a tokenized prompt's first KV block (model/kv.py's chain hash), None if shorter."""
-    from ..model.kv import BLOCK_SIZE, chain_hash
-    if not isinstance(prompt, list) or len(prompt) <= BLOCK_SIZE:
+def prefix_key(prompt):
+    """The affinity key of a tokenized prompt: the model's key of its first KV block (None for a
+    text prompt, or one too short to reuse a block)."""
+    if not isinstance(prompt, list):
         return None
-    return chain_hash(0, tuple(prompt[:BLOCK_SIZE]))
+    from ..model.kv import first_block_key
+    return first_block_key(prompt)
 
 
 class W:
@@ -119,11 +120,11 @@ class ControlRate:
             self.buckets = {c: b for c, b in self.buckets.items() if now - b[1] < 60}
 
 
-class _AttrDict(dict):
+class AttrDict(dict):
     __getattr__ = dict.__getitem__
 
 
-def _salvage_id(rest):
+def salvage_id(rest):
     """The id of a malformed request, when the body decodes at all (so the error can name it)."""
     try:
         body = P.unpack(rest[-1]) if rest else {}
@@ -134,7 +135,7 @@ def _salvage_id(rest):
         return None
 
 
-def _chmod_ipc(addr, mode):
+def chmod_ipc(addr, mode):
     if addr.startswith("ipc://"):
         try:
             os.chmod(addr[len("ipc://"):], mode)
@@ -146,7 +147,7 @@ class BindFailed(Exception):
     pass
 
 
-def _bind_message(addr, e) -> str:
+def bind_message(addr, e) -> str:
     msg = f"cannot bind {addr}: {e.strerror if hasattr(e, 'strerror') else e}"
     if addr.startswith("ipc://"):
         d = os.path.dirname(addr[len("ipc://"):]) or "."

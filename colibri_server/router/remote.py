@@ -31,7 +31,7 @@ import zmq
 
 from ..wire import protocol as P
 from ..wire.zmtp import zmtp_heartbeats
-from .records import BindFailed, W, _bind_message
+from .records import BindFailed, W, bind_message
 
 log = logging.getLogger("colibri.router")
 
@@ -61,7 +61,7 @@ class RemoteHosts:
         try:
             s.bind(addr)
         except zmq.ZMQError as e:
-            raise BindFailed(_bind_message(addr, e)) from None
+            raise BindFailed(bind_message(addr, e)) from None
         self.rback = s
         log.info("router: worker hosts join on %s%s", addr, " (CURVE)" if self.worker_curve is not None else "")
 

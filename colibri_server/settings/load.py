@@ -319,9 +319,9 @@ def _loopback_address(addr: str) -> bool:
     """ipc://, or tcp:// on a loopback host."""
     if addr.startswith("ipc://"):
         return True
-    from ..wire.security import _is_loopback
+    from ..wire.security import is_loopback
     host = addr[len("tcp://"):].rpartition(":")[0].strip("[]")
-    return _is_loopback(host)
+    return is_loopback(host)
 
 
 def resolve_runtime_dir(settings: Settings, env=None, uid: int | None = None) -> str:

@@ -215,7 +215,7 @@ def check_bind_security(bind: str, curve_enabled: bool) -> list[str]:
         if ";" in host:                         # tcp://SOURCE;HOST:PORT (connect syntax)
             host = host.split(";", 1)[1]
         host = host.strip("[]")
-        if _is_loopback(host) or curve_enabled:
+        if is_loopback(host) or curve_enabled:
             return out
         where = "ALL interfaces" if host in ("*", "0.0.0.0", "::") else f"{host} (not loopback)"
         out.append(f"SECURITY WARNING: {bind} listens on {where} WITHOUT CURVE: anyone who can reach the port "
@@ -239,7 +239,7 @@ def check_bind_security(bind: str, curve_enabled: bool) -> list[str]:
     return out
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host in ("localhost", "lo", "ip6-localhost"):
         return True
     try:
