@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
@@ -155,3 +156,113 @@ def test_the_model_never_imports_the_roles_the_wire_or_the_gateway():
 def test_no_module_is_too_long_to_read(path):
     n = len(path.read_text().splitlines())
     assert n <= MAX_LINES, f"{path.relative_to(ROOT)}: {n} lines (split it by concept)"
+
+
+# -- the house: a package per process role ------------------------------------------------------
+MAX_TOP_LEVEL = 15
+PKG = "colibri_server"
+
+
+def top_level(root: pathlib.Path = ROOT) -> list[str]:
+    """The modules and packages directly under the package (its own __init__ not counted)."""
+    return sorted([p.stem for p in root.glob("*.py") if p.name != "__init__.py"] +
+                  [p.name for p in root.iterdir() if (p / "__init__.py").is_file()])
+
+
+def test_at_most_15_modules_and_packages_at_the_top():
+    names = top_level()
+    assert len(names) <= MAX_TOP_LEVEL, f"{len(names)} at the top of colibri_server: {names}"
+
+
+def _home(mod: str) -> str:
+    """The package a module belongs to (a top-level module is its own)."""
+    parts = mod.split(".")
+    return ".".join(parts[:-1]) if len(parts) > 2 else mod
+
+
+def _in(mod: str, pkg: str) -> bool:
+    """mod is package `pkg` of colibri_server or inside it ("": anything of colibri_server)."""
+    if not pkg:
+        return mod.startswith(PKG + ".")
+    return mod == f"{PKG}.{pkg}" or mod.startswith(f"{PKG}.{pkg}.")
+
+
+def private_imports(mods: dict[str, pathlib.Path] | None = None) -> list[str]:
+    """`from X import _name` where X is outside the importing module's own package (another package
+    or a top-level module): a name used there is that package's public name."""
+    mods = _modules() if mods is None else mods
+    out = []
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        own = mod if is_pkg else _home(mod)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            src = _resolve(mod, is_pkg, node.level, node.module)
+            if not _in(src, "") and src != PKG:
+                continue
+            holder = src if src in mods and mods[src].name == "__init__.py" else _home(src)
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__") and holder != own:
+                    out.append(f"{mod}:{node.lineno}: {a.name} from {src}")
+    return out
+
+
+def test_no_private_name_is_imported_from_another_package():
+    assert private_imports() == []
+
+
+def test_the_private_name_rule_sees_a_crossing(tmp_path):
+    pkg = tmp_path / "colibri_server"
+    (pkg / "a").mkdir(parents=True)
+    for f, text in {"__init__.py": "", "a/__init__.py": "", "a/x.py": "from .y import _ok\n",
+                    "a/y.py": "_ok = 1\n", "b.py": "from .a.y import _bad\nfrom .a import y\n"}.items():
+        (pkg / f).write_text(text)
+    mods = {"colibri_server": pkg / "__init__.py", "colibri_server.a": pkg / "a/__init__.py",
+            "colibri_server.a.x": pkg / "a/x.py", "colibri_server.a.y": pkg / "a/y.py", "colibri_server.b": pkg / "b.py"}
+    bad = private_imports(mods)
+    assert len(bad) == 1 and bad[0].endswith("_bad from colibri_server.a.y")
+
+
+def test_the_worker_never_imports_the_router_or_the_master():
+    g = import_graph()
+    for mod in g:
+        if _in(mod, "worker"):
+            reached = _reach(g, mod)
+            assert not {n for n in reached if _in(n, "router") or _in(n, "master")}, mod
+
+
+def _third_party(path: pathlib.Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out - set(sys.stdlib_module_names) - {PKG}
+
+
+def test_the_client_imports_only_the_wire_zmq_and_msgpack():
+    g, mods = import_graph(), _modules()
+    for mod, edges in g.items():
+        if _in(mod, "client"):
+            assert {n for n in edges if not (_in(n, "client") or _in(n, "wire"))} == set(), mod
+            assert _third_party(mods[mod]) <= {"zmq", "msgpack"}, mod
+
+
+# what the router may take from the model: the tokenizer and the block key, nothing else
+ROUTER_FROM_MODEL = {f"{PKG}.model.tokenizer": {"Tokenizer"}, f"{PKG}.model.kv": {"first_block_key"}}
+
+
+def test_the_router_takes_only_the_tokenizer_and_the_block_key_from_the_model():
+    for mod, path in _modules().items():
+        if not _in(mod, "router"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                assert not [a.name for a in node.names if _in(a.name, "model")], mod
+            elif isinstance(node, ast.ImportFrom):
+                src = _resolve(mod, path.name == "__init__.py", node.level, node.module)
+                if _in(src, "model"):
+                    names = {a.name for a in node.names}
+                    assert names <= ROUTER_FROM_MODEL.get(src, set()), f"{mod} takes {sorted(names)} from {src}"

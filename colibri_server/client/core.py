@@ -10,6 +10,7 @@ import json
 import math
 import os
 import secrets
+import struct
 from collections import deque
 from typing import Optional, Sequence, Union
 
@@ -199,6 +200,15 @@ _GEN_PARAMS = (set(protocol.SAMPLING_FIELDS) | {"stop", "stop_token_ids", "deadl
     {"max_tokens", "temperature"}
 
 
+def _embeds_bytes(v) -> bytes:
+    """Rows of embeddings as little-endian float32 bytes, row after row: an array by its own methods
+    (the client itself needs no numpy), rows of numbers by struct."""
+    if hasattr(v, "astype") and hasattr(v, "tobytes"):
+        return v.astype("<f4").tobytes(order="C")
+    flat = [float(x) for row in v for x in row]
+    return struct.pack(f"<{len(flat)}f", *flat)
+
+
 def _generate_body(rid, prompt, max_tokens, temperature, params) -> dict:
     unknown = sorted(set(params) - _GEN_PARAMS)
     if unknown:
@@ -212,8 +222,7 @@ def _generate_body(rid, prompt, max_tokens, temperature, params) -> dict:
     for k, v in params.items():
         if v is not None:
             if k == "prompt_embeds" and not isinstance(v, bytes):     # an array (T, hidden) -> float32 bytes
-                import numpy as np
-                v = np.ascontiguousarray(v, "<f4").tobytes()
+                v = _embeds_bytes(v)
             if k == "grammar" and isinstance(v, (tuple, list)):     # (type, value) -> {type, value}
                 v = {"type": v[0], "value": v[1] if isinstance(v[1], str) else json.dumps(v[1])}
             if k == "logit_bias":           # {id: bias} or pairs -> [[id, bias], ...] on the wire
