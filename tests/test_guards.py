@@ -63,7 +63,7 @@ def test_stats_never_reads_smaps_in_the_router_loop(monkeypatch, model_path):
     assert time.monotonic() - t0 < 0.2, "stats waited for smaps"
     assert st["workers"][0]["pid"] == os.getpid()
     deadline = time.monotonic() + 5
-    while r.memory.get(os.getpid())["model_rss"] != 1 and time.monotonic() < deadline:
+    while r.control_requests.memory.get(os.getpid())["model_rss"] != 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert r.stats()["workers"][0]["model_rss"] == 1     # the figures arrive, from the thread
 

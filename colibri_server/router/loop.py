@@ -21,7 +21,9 @@ that a busy client address fails the start at once and clients meanwhile get `he
 every other request refused with "starting"; the first generation arrives like a reload's, and the
 router serves it as soon as its tokenizer is loaded.
 
-Its records (Gen, Req, W, the prefix key, the control_rate bucket) are router_records.py's.
+Its records (Gen, Req, W, the prefix key, the control_rate bucket) are records.py's; it holds a
+ControlRequests (control.py: tokenize, detokenize, health, stats) and a RemoteHosts (remote.py: the
+tcp backend for worker hosts), each built here with what it reads and the calls it makes back.
 """
 from __future__ import annotations
 
@@ -39,35 +41,30 @@ import zmq
 from ..wire import protocol as P
 from ..host.logs import request as request_extra, set_role
 from .control import ControlRequests
+from .records import (AttrDict, BindFailed, ExpertCounts, Gen, Req, W, bind_message, check_text, chmod_ipc,
+                      prefix_key, salvage_id)
 from .remote import RemoteHosts
-from .records import (W, BindFailed, ControlRate, ExpertCounts, Gen, Req, AttrDict, bind_message,
-                             chmod_ipc, salvage_id, prefix_key)
 
 log = logging.getLogger("colibri.router")
 
 MAX_ATTEMPTS = 3          # dispatches of one request (retries after a worker died before any token)
 PREFIX_OWNERS = 4096      # prompt prefixes whose worker the router remembers (LRU)
-MAX_TEXT_BYTES_PER_TOKEN = 16   # a text prompt longer than this x max_prompt_tokens is refused untokenized
 EXIT_ROUTER_BIND = 5      # the client address cannot be bound (the master's EXIT_BIND at start)
 ALIVE_EVERY_S = 0.5       # "alive" to the master (it kills a router silent for `timeout`)
 CONTROL_TYPES = ("tokenize", "detokenize", "stats")   # rate-limited per client (control_rate); health is
                                                       # O(workers) and what probes poll: never refused
 
 
-class Router(ControlRequests, RemoteHosts):
+class Router:
     def __init__(self, *, frontend: str, backend: str, pipe_fd: int, settings, generation: int, model_path: str,
                  curve=None, generations=None, last_reload=None, worker_curve=None):
         self.frontend_addr, self.backend_addr, self.pipe_fd = frontend, backend, pipe_fd
-        self.settings, self.generation = settings, generation
-        self.model_path = model_path
+        self.settings, self.generation, self.model_path = settings, generation, model_path
         self.gen_infos = generations or {}  # generation -> info dict (parsed after fork)
         self.gens = {}                     # generation -> Gen
         self.retired = set()               # older generations the master was told to retire
-        self.last_reload = last_reload
-        self.last_alive = 0.0
+        self.last_reload, self.last_alive = last_reload, 0.0
         self.curve = curve
-        self.worker_curve = worker_curve   # CURVE of the tcp backend for worker hosts (router_remote.py)
-        self.rback = None                  # that backend's socket, when backend_bind is set
         self.reqs = {}                     # rid -> Req
         self.by_client = {}                # (client, cid) -> rid
         self.queue = collections.deque()   # rids
@@ -78,12 +75,16 @@ class Router(ControlRequests, RemoteHosts):
         self.draining = False
         self.stopping = False
         self.counters = collections.Counter()
-        self.tokenizer, self.vocab_size = None, None
+        self.tokenizer = None
         self.t_start = time.monotonic()
-        self.control = ControlRate()       # control_rate's token bucket per client
         self.experts = ExpertCounts()      # routing choices per layer and expert, per generation
-        from ..host.memory import MemorySampler
-        self.memory = MemorySampler()      # smaps figures, read on a thread: never in this loop
+        self.remote = RemoteHosts(settings=settings, curve=worker_curve, workers=self.workers, gens=self.gens,
+                                  counters=self.counters, send=self.send_worker, to_master=self.to_master,
+                                  remove_worker=self.remove_worker)
+        self.serves = self.remote.serves   # serves(w, g): worker w runs generation g's requests
+        self.control_requests = ControlRequests(workers=self.workers, gens=self.gens, queue=self.queue,
+                                                counters=self.counters, experts=self.experts,
+                                                serves=self.serves, t_start=self.t_start)
 
     # -- setup -------------------------------------------------------------------------
     def init_process(self):
@@ -125,15 +126,14 @@ class Router(ControlRequests, RemoteHosts):
         self.back.setsockopt(zmq.LINGER, 0)
         self.back.bind(self.backend_addr)
         chmod_ipc(self.backend_addr, 0o600)
-        self.init_remote()
+        self.remote.open()
         self.to_master({"op": "up", "pid": os.getpid()})
 
     def _select(self, g):
         """Serve new requests with generation g's tokenizer, vocabulary and context."""
         gen = self.gens[g]
         self.generation, self.model_path = g, gen.model_path
-        self.tokenizer, self.vocab_size, self.context, self.limits = gen.tokenizer, gen.vocab_size, gen.context, \
-            gen.limits
+        self.tokenizer, self.context, self.limits = gen.tokenizer, gen.context, gen.limits
 
     # -- loop ----------------------------------------------------------------------------
     def run(self):
@@ -141,16 +141,16 @@ class Router(ControlRequests, RemoteHosts):
         poller.register(self.front, zmq.POLLIN)
         poller.register(self.back, zmq.POLLIN)
         poller.register(self.pipe.fileno(), zmq.POLLIN)
-        if self.rback is not None:
-            poller.register(self.rback, zmq.POLLIN)
+        if self.remote.sock is not None:
+            poller.register(self.remote.sock, zmq.POLLIN)
         hb = self.settings.heartbeat_interval
         last_tick = 0.0
         while not self.stopping:
             events = dict(poller.poll(int(min(hb, 0.1) * 1000)))
             if self.back in events:
                 self._drain(self.back, self.on_backend)
-            if self.rback is not None and self.rback in events:
-                self._drain(self.rback, self.on_remote)
+            if self.remote.sock is not None and self.remote.sock in events:
+                self._drain(self.remote.sock, self.on_remote)
             if self.front in events:
                 self._drain(self.front, self.on_frontend, copy=self.curve is None)
             if self.pipe.fileno() in events:
@@ -221,37 +221,34 @@ class Router(ControlRequests, RemoteHosts):
                 raise P.ProtocolError("starting", "the server is loading its model and compiling its kernels: "
                                                   "retry shortly")
             if t in CONTROL_TYPES:
-                self._rate_limit(client, t)
-            getattr(self, "on_" + t)(client, cid, body)
+                self.control_requests.admit(client, t, float(getattr(self.settings, "control_rate", 0) or 0))
+            if t in CONTROL_TYPES or t == "health":
+                self.on_control(client, cid, t, body)
+            else:
+                getattr(self, "on_" + t)(client, cid, body)
         except P.ProtocolError as e:
             self.error(client, cid, e.code, e.message)
         except Exception as e:      # a bug must cost one answer, never the router
             log.exception("router: request %r (%s) failed", cid, t)
             self.error(client, cid, "internal", f"{e.__class__.__name__}: {e}")
 
-    def _rate_limit(self, client, t):
-        """control_rate: a client pipelining thousands of stats or tokenizes gets 'overloaded'
-        answers instead of taking the loop's time from everyone's generates."""
-        rate = float(getattr(self.settings, "control_rate", 0) or 0)
-        if not self.control.take(client, rate):
-            self.counters["rate_limited"] += 1
-            raise P.ProtocolError("overloaded", f"more than {rate:g} control requests ({t}) a second from this "
-                                                f"client (control_rate): slow down")
+    def on_control(self, client, cid, t, body):
+        """tokenize, detokenize, health, stats: answered by control.py from what this loop holds."""
+        c, gen = self.control_requests, self.gens.get(self.generation)
+        answer = (c.tokenize(body, gen) if t == "tokenize" else c.detokenize(body, gen) if t == "detokenize"
+                  else c.health(self.generation, self.draining) if t == "health" else self.stats())
+        self.reply(client, {"type": "result", "id": cid, **answer})
 
-    def _check_text(self, text, what):
-        """The size guard of text the router would tokenize in its loop."""
-        nbytes = len(text.encode("utf-8", "surrogatepass"))
-        if nbytes > MAX_TEXT_BYTES_PER_TOKEN * self.limits.max_prompt_tokens:
-            # refuse before tokenizing: tokenizing megabytes would stall this loop for seconds
-            raise P.ProtocolError("too_large", f"{what} of {nbytes} bytes cannot fit in max_prompt_tokens "
-                                               f"{self.limits.max_prompt_tokens}")
+    def stats(self) -> dict:
+        return self.control_requests.stats(generation=self.generation, model_path=self.model_path,
+                                           draining=self.draining, last_reload=self.last_reload, master_pid=self.ppid)
 
     def on_generate(self, client, cid, body):
         if self.draining:
             raise P.ProtocolError("shutting_down", "the server is stopping")
         req = P.validate_generate(body, self.limits)
         if isinstance(req["prompt"], str):
-            self._check_text(req["prompt"], "prompt text")
+            check_text(req["prompt"], "prompt text", self.limits)
             if self.tokenizer is None:
                 raise P.ProtocolError("bad_request", "this model has no tokenizer: send token ids")
             ids = self.tokenizer.encode(req["prompt"])
@@ -399,10 +396,10 @@ class Router(ControlRequests, RemoteHosts):
 
     def tick(self, now):
         self._drain(self.back, self.on_backend)     # fresh heartbeats before judging silence
-        if self.rback is not None:
-            self._drain(self.rback, self.on_remote)
+        if self.remote.sock is not None:
+            self._drain(self.remote.sock, self.on_remote)
         now = time.monotonic()
-        self.check_remote(now)
+        self.remote.check(now, self.generation)
         for r in list(self.reqs.values()):
             if r.deadline is not None and now > r.deadline:
                 self.cancel(r, "deadline_exceeded", f"deadline of {r.request['deadline_ms']} ms passed "
@@ -414,7 +411,7 @@ class Router(ControlRequests, RemoteHosts):
                 log.warning("worker %s silent for %.1fs: no more work for it", w.pid, silent)
                 self.to_master({"op": "unresponsive", "pid": w.pid})
             self.send_worker(w.ident, b"PING", b"\x80")
-        self.control.prune(now, self.t_start)
+        self.control_requests.prune(now)
         self.check_generations()
         self.alive(now)
         if os.getppid() != self.ppid:
@@ -439,9 +436,26 @@ class Router(ControlRequests, RemoteHosts):
             if not queued[g] and g not in self.retired:
                 self.retired.add(g)
                 self.to_master({"op": "retire", "generation": g})
-                self.retire_remote(g)
+                self.remote.retire(g, self.generation)
 
     # -- backend -------------------------------------------------------------------------
+    def send_worker(self, ident, kind, body, sock=None) -> bool:
+        """One backend message to a worker on its own socket; False when it cannot be delivered (a
+        remote worker is then dropped: it reconnects and announces itself again)."""
+        w = self.workers.get(ident)
+        if sock is None:
+            sock = w.sock if w is not None and w.sock is not None else self.back
+        try:
+            sock.send_multipart([ident, kind, body if isinstance(body, bytes) else P.pack(body)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            if w is not None and w.remote:
+                self.remote.lose(ident, "its connection is gone")
+            return False
+
+    def on_remote(self, parts):
+        self.on_backend(parts, sock=self.remote.sock)
+
     def on_backend(self, parts, sock=None):
         if len(parts) != 3:
             log.error("malformed backend message (%d frames) dropped", len(parts))
@@ -461,7 +475,7 @@ class Router(ControlRequests, RemoteHosts):
         if kind == b"READY":
             if w is None:
                 if sock is not None:
-                    w = self.remote_ready(ident, body, now)
+                    w = self.remote.ready(ident, body, now, self.generation)
                     if w is None:
                         return
                     self.workers[ident] = w
@@ -469,7 +483,7 @@ class Router(ControlRequests, RemoteHosts):
                     w = self.workers[ident] = W(ident, body, now)
                     self.by_pid[w.pid] = ident
                     log.info("worker %s (generation %s) ready with %d slots", w.pid, w.generation, w.slots)
-                    self._sample_memory()
+                    self.control_requests.sample_memory(self.model_path, self.ppid)
                     self.to_master({"op": "ready", "pid": w.pid, "generation": w.generation})
                 if body.get("draining"):
                     w.state = "draining"
@@ -494,10 +508,10 @@ class Router(ControlRequests, RemoteHosts):
             if w.remote:    # nobody reaps it here: it leaves now. Drained, it holds no request; its master
                             # gone, what it abandoned follows the ledger (retried if nothing streamed)
                 if body.get("master_gone"):
-                    self.lose_worker(ident, f"its master is gone ({body.get('abandoned', 0)} sequences abandoned)")
+                    self.remote.lose(ident, f"its master is gone ({body.get('abandoned', 0)} sequences abandoned)")
                 else:
                     self.remove_worker(ident, f"worker {w.pid} on host {w.host} left (drained)")
-                    self.fleet_changed()
+                    self.remote.fleet_changed()
             return
         rid = body.get("rid")
         r = self.reqs.get(rid)
@@ -647,6 +661,7 @@ class Router(ControlRequests, RemoteHosts):
             gen.set_limits(self.settings)
         if self.generation in self.gens:
             self.limits = self.gens[self.generation].limits
+        self.remote.settings = self.settings
         if self.curve is not None:
             from ..wire.security import SecurityError
             try:
@@ -664,7 +679,7 @@ class Router(ControlRequests, RemoteHosts):
         if self.curve is not None:
             self.curve.stop()
         self.back.close(linger=0)
-        self.close_remote()
+        self.remote.close()
         self.ctx.term()
 
 

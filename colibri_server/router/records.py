@@ -16,6 +16,18 @@ from ..wire import protocol as P
 log = logging.getLogger("colibri.router")
 
 
+MAX_TEXT_BYTES_PER_TOKEN = 16   # a text prompt longer than this x max_prompt_tokens is refused untokenized
+
+
+def check_text(text, what, limits):
+    """The size guard of text the router would tokenize in its loop (limits: the generation's)."""
+    nbytes = len(text.encode("utf-8", "surrogatepass"))
+    if nbytes > MAX_TEXT_BYTES_PER_TOKEN * limits.max_prompt_tokens:
+        # refuse before tokenizing: tokenizing megabytes would stall this loop for seconds
+        raise P.ProtocolError("too_large", f"{what} of {nbytes} bytes cannot fit in max_prompt_tokens "
+                                           f"{limits.max_prompt_tokens}")
+
+
 class Gen:
     """What the router needs of one generation: its tokenizer, vocabulary and context."""
     __slots__ = ("number", "model_path", "tokenizer", "vocab_size", "hidden_size", "context", "limits", "identity")

@@ -20,8 +20,10 @@ with three differences:
   the new one (generations.py). When the old generation is retired here (its queue empty), its
   remote workers get RETIRE and drain, as a local master drains a retired generation's.
 
-The tcp socket has its own ZeroMQ context, so its CURVE authenticator (worker_allowed_keys) is
-apart from the client socket's (curve_allowed_keys).
+The Router holds one RemoteHosts, built with the containers it keeps and the calls it makes back
+(send a backend message, write to the master, remove a worker). The tcp socket has its own ZeroMQ
+context, so its CURVE authenticator (worker_allowed_keys) is apart from the client socket's
+(curve_allowed_keys).
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ import logging
 
 import zmq
 
-from ..wire import protocol as P
 from ..wire.zmtp import zmtp_heartbeats
 from .records import BindFailed, W, bind_message
 
@@ -40,37 +41,47 @@ REFUSE_LOG_EVERY_S = 60.0
 
 
 class RemoteHosts:
-    """Mixed into Router: the tcp backend for worker hosts (see the module's doc)."""
+    """The tcp backend for worker hosts (see the module's doc). `workers`, `gens` and `counters` are
+    the router's containers (never rebound there); `send(ident, kind, body, sock=None) -> bool` sends
+    a backend message, `to_master(msg)` writes to the master, `remove_worker(ident, why)` ends a
+    worker's requests by the ledger's rule and forgets it."""
 
-    def init_remote(self):
-        self.rback = None
+    def __init__(self, *, settings, curve, workers: dict, gens: dict, counters, send, to_master, remove_worker):
+        self.settings, self.curve = settings, curve
+        self.workers, self.gens, self.counters = workers, gens, counters
+        self.send, self.to_master, self.remove_worker = send, to_master, remove_worker
+        self.sock = None                   # the tcp ROUTER socket, when backend_bind is set (after open())
+        self.ctx = None
         self.last_roll = 0.0
         self.refused_logged = {}           # (host, identity) -> when it was last logged
+
+    def open(self):
+        """Bind backend_bind (in the router process, after fork); nothing when it is not set."""
         addr = getattr(self.settings, "backend_bind", "")
         if not addr:
             return
-        self.rctx = zmq.Context(io_threads=1)
-        s = self.rctx.socket(zmq.ROUTER)
+        self.ctx = zmq.Context(io_threads=1)
+        s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.ROUTER_HANDOVER, 1)      # a host reconnecting after a cut takes its identity back
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         zmtp_heartbeats(s, self.settings)
-        if self.worker_curve is not None:
-            self.worker_curve.apply_server(self.rctx, s)
+        if self.curve is not None:
+            self.curve.apply_server(self.ctx, s)
         try:
             s.bind(addr)
         except zmq.ZMQError as e:
             raise BindFailed(bind_message(addr, e)) from None
-        self.rback = s
-        log.info("router: worker hosts join on %s%s", addr, " (CURVE)" if self.worker_curve is not None else "")
+        self.sock = s
+        log.info("router: worker hosts join on %s%s", addr, " (CURVE)" if self.curve is not None else "")
 
-    def close_remote(self):
-        if self.rback is not None:
-            self.rback.close(linger=0)
-            if self.worker_curve is not None:
-                self.worker_curve.stop()
-            self.rctx.term()
+    def close(self):
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            if self.curve is not None:
+                self.curve.stop()
+            self.ctx.term()
 
     # -- which generation a worker serves -----------------------------------------------
     def serves(self, w, g) -> bool:
@@ -81,79 +92,63 @@ class RemoteHosts:
         gen = self.gens.get(g)
         return gen is not None and gen.identity == w.identity
 
-    def _generation_of(self, identity):
+    def generation_of(self, identity):
         """The newest live generation of this model identity (None: not one of ours)."""
         gs = [g for g, gen in self.gens.items() if identity and gen.identity == identity]
         return max(gs) if gs else None
 
     # -- messages -----------------------------------------------------------------------
-    def on_remote(self, parts):
-        self.on_backend(parts, sock=self.rback)
-
-    def remote_ready(self, ident, body, now):
-        """A READY on the tcp backend: the new W, or None when refused (REFUSE sent, logged)."""
+    def ready(self, ident, body, now, serving: int):
+        """A READY on the tcp backend: the new W, or None when refused (REFUSE sent, logged).
+        serving: the router's serving generation."""
         identity, host = body.get("identity"), str(body.get("host") or ident.decode("utf-8", "replace"))
-        g = self._generation_of(identity)
+        g = self.generation_of(identity)
         if g is None:
-            serving = self.gens[self.generation]
+            gen = self.gens[serving]
             reason = (f"worker host {host} runs model identity {identity} ({body.get('model')}); this router serves "
-                      f"{serving.identity} ({serving.model_path}, generation {self.generation})")
+                      f"{gen.identity} ({gen.model_path}, generation {serving})")
             self.counters["hosts_refused"] += 1
             key = (host, identity)
             if now - self.refused_logged.get(key, -REFUSE_LOG_EVERY_S) >= REFUSE_LOG_EVERY_S:
                 self.refused_logged[key] = now
                 log.error("refused %s: a different model file", reason)
-            self.send_worker(ident, b"REFUSE", {"reason": f"refused by the head: {reason}"}, sock=self.rback)
+            self.send(ident, b"REFUSE", {"reason": f"refused by the head: {reason}"}, sock=self.sock)
             return None
         w = W(ident, body, now)
-        w.generation, w.remote, w.sock = g, True, self.rback
+        w.generation, w.remote, w.sock = g, True, self.sock
         log.info("worker %s on host %s (model %s, generation %d here) ready with %d slots", w.pid, host,
                  identity, g, w.slots)
         self.fleet_changed()
         return w
 
-    def send_worker(self, ident, kind, body, sock=None) -> bool:
-        """One backend message to a worker on its own socket; False when it cannot be delivered (a
-        remote worker is then dropped: it reconnects and announces itself again)."""
-        w = self.workers.get(ident)
-        if sock is None:
-            sock = w.sock if w is not None and w.sock is not None else self.back
-        try:
-            sock.send_multipart([ident, kind, body if isinstance(body, bytes) else P.pack(body)], zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            if w is not None and w.remote:
-                self.lose_worker(ident, "its connection is gone")
-            return False
-
     # -- in the tick --------------------------------------------------------------------
-    def check_remote(self, now):
+    def check(self, now, serving: int):
         """Drop remote workers silent for `timeout`; ROLL the hosts of other identities while a
-        generation of a new one comes up."""
+        generation newer than `serving` comes up."""
         for w in [w for w in self.workers.values() if w.remote]:
             silent = now - w.last_seen
             if silent > self.settings.timeout:
-                self.lose_worker(w.ident, f"silent for {silent:.1f}s (timeout {self.settings.timeout:g}s)")
-        if self.rback is None or now - self.last_roll < ROLL_EVERY_S:
+                self.lose(w.ident, f"silent for {silent:.1f}s (timeout {self.settings.timeout:g}s)")
+        if self.sock is None or now - self.last_roll < ROLL_EVERY_S:
             return
-        coming = [g for g in self.gens if g > self.generation]
+        coming = [g for g in self.gens if g > serving]
         if not coming:
             return
         self.last_roll = now
         target = self.gens[max(coming)].identity
         for w in [w for w in self.workers.values() if w.remote and w.identity != target]:
-            self.send_worker(w.ident, b"ROLL", {"identity": target, "model": self.gens[max(coming)].model_path})
+            self.send(w.ident, b"ROLL", {"identity": target, "model": self.gens[max(coming)].model_path})
 
-    def retire_remote(self, g):
+    def retire(self, g, serving: int):
         """Generation g is retired: the remote workers of its model file drain (RETIRE), unless the
         serving generation runs the same file."""
         gone = self.gens[g].identity if g in self.gens else None
-        if gone is None or gone == self.gens[self.generation].identity:
+        if gone is None or gone == self.gens[serving].identity:
             return
         for w in [w for w in self.workers.values() if w.remote and w.identity == gone]:
-            self.send_worker(w.ident, b"RETIRE", b"\x80")
+            self.send(w.ident, b"RETIRE", b"\x80")
 
-    def lose_worker(self, ident, why):
+    def lose(self, ident, why):
         w = self.workers.get(ident)
         if w is None:
             return
