@@ -27,8 +27,9 @@ delay while it keeps dying young. Its requests end with an explicit error on the
 heartbeat ping.
 
 Where the parts live: loading.py opens and checks what the master needs before it forks (the
-model, its checksums, the compile, the runtime directory, the pidfile); generations.py holds
-Generation and the reload transaction (`Reloads`, a part of the Arbiter).
+model, its checksums, the compile, the runtime directory, the pidfile); the Arbiter holds a Reloads
+(generations.py: what is served and the reload transaction) and a Fleet (fleet.py: what the role,
+head or worker host, changes), each built in __init__ with what it reads and calls.
 
 Exit codes: 0 clean stop (TERM while loading too); 3 a worker failed to boot at the first start
 (halt, do not respawn forever); 4 the model or settings could not be loaded at start; 5 a listening
@@ -51,7 +52,7 @@ import time
 import msgpack
 
 from .fleet import Fleet
-from .generations import Generation, Reloads
+from .generations import Reloads
 from .loading import (EXIT_BIND, EXIT_LOAD, HaltServer, describe_exit, model_path_of, make_runtime_dir,
                       write_pidfile)
 from ..router.loop import EXIT_ROUTER_BIND
@@ -84,19 +85,19 @@ class WorkerInfo:
         self.killed = False
 
 
-class Arbiter(Reloads, Fleet):
+class Arbiter:
     def __init__(self, settings, reload_settings=None, notify=None, role="serve"):
         """settings: a Settings object; reload_settings(): re-read them (HUP);
         notify: an sd_notify-like callable(str) or None; role: "serve", or "head" (`colibri router`:
         no workers); `join` in the settings makes it a worker host (fleet.py)."""
-        self.init_role(role)
-        self.settings = settings
-        self.reload_settings = reload_settings
         self.notify = notify or (lambda msg: None)
         self.sig_queue = []
         self.workers = {}               # pid -> WorkerInfo
-        self.gens = {}                  # generation number -> Generation (owns its Model)
-        self.generation = 0             # the serving (committed) generation
+        self.fleet = Fleet(role, self.notify)      # what the role (serve, head, worker host) changes
+        # what is served (settings, model path, worker count, generations) and the reload transaction
+        self.reloads = Reloads(settings, workers=self.workers, fleet=self.fleet, to_router=self.to_router,
+                               notify=self.notify, spawn_worker=self.spawn_worker, kill=self._kill,
+                               open_model=self._open_model, reload_settings=reload_settings)
         self.router_pid = None
         self.router_started = 0.0
         self.router_seen = 0.0
@@ -104,10 +105,6 @@ class Arbiter(Reloads, Fleet):
         self.router_backoff = 0.0
         self.router_next_start = 0.0
         self.bind_error = None
-        self.pending_reload = None      # "hup" | "usr1" arriving while a reload is under way
-        self.reload_prev = None         # num_workers to restore on rollback (settings change at commit)
-        self.reload_deadline = None
-        self.last_reload = None         # {"generation", "ok", "error", "time"} for status
         self.next_wid = 0
         self.crashes = []
         self.backoff_until = 0.0
@@ -117,28 +114,37 @@ class Arbiter(Reloads, Fleet):
         self.stop_deadline = None
         self.http = None                # HttpChild when settings.http: the gateway under this master
         self.http_listener = None       # its socket, bound before the model is loaded (startup.py)
-        self.reloading = None           # generation number being brought up (uncommitted)
         self.announced = False
         self.exit_code = 0
         from ..host.systemd import watchdog_interval
         self.watchdog = watchdog_interval()
         self.last_watchdog = 0.0
 
+    # what is served is the Reloads' (generations.py) and the role the Fleet's (fleet.py): read here
+    settings = property(lambda self: self.reloads.settings)
+    model_path = property(lambda self: self.reloads.model_path)
+    num_workers = property(lambda self: self.reloads.num_workers)
+    gens = property(lambda self: self.reloads.gens)
+    generation = property(lambda self: self.reloads.generation)
+    reloading = property(lambda self: self.reloads.reloading)
+    role = property(lambda self: self.fleet.role)
+
     # ------------------------------------------------------------------------ start
     def start(self):
         s = self.settings
         self.pid = os.getpid()
         self.runtime_dir = make_runtime_dir(s)
+        self.reloads.use_runtime_dir(self.runtime_dir, self.pid)
         from .generations import sweep_runtime_dir
         sweep_runtime_dir(self.runtime_dir)      # a master killed with -9 cleaned up nothing
         self.backend = f"ipc://{self.runtime_dir}/backend-{self.pid}.sock"
         if s.pidfile:
             write_pidfile(s.pidfile, self.pid)
-        self.model_path = model_path_of(s.model)
+        self.reloads.model_path = model_path_of(s.model)
         from ..host.logs import set_role
         set_role(f"master [{os.path.basename(self.model_path)}]")
         from ..wire.security import CurveServer, SecurityError, check_bind_security
-        self.check_role(s)
+        self.fleet.check_role(s)
         if self.role == "host":
             self.backend = s.join
         self.curve = None
@@ -173,14 +179,13 @@ class Arbiter(Reloads, Fleet):
             except Exception as e:  # ColibriFormatError and ChecksumMismatch are ValueErrors; a failing warm-up too
                 raise HaltServer(f"model {self.model_path} refused: {e}", EXIT_LOAD) from None
         self.router_seen = time.monotonic()
-        self.generation = 1
-        self.gens[1] = Generation(1, model, s, node_models=nodes)
+        self.reloads.serve_first(model, nodes)
         self.heartbeats = HeartbeatTable(MAX_WORKER_SLOTS)
-        self.num_workers = self.workers_for_role(s)
+        self.reloads.num_workers = self.fleet.workers_for_role(s)
         gc.collect()
         gc.freeze()       # objects made so far stay out of the children's collector (copy-on-write)
         if self.router_pid is not None:
-            self.hand_over(1)       # a router that died meanwhile is restarted with it in memory
+            self.reloads.hand_over(1)       # a router that died meanwhile is restarted with it in memory
         log.info("master %d (%s): model %s (generation 1), %d workers, %s", self.pid, self.role, self.model_path,
                  self.num_workers, f"joining {s.join}" if self.role == "host" else f"bind {s.bind}")
         self.manage_workers()
@@ -193,9 +198,9 @@ class Arbiter(Reloads, Fleet):
         from ..host.pinning import Topology
         self.topology = Topology.detect()
         with numa.interleaved(s, self.topology):
-            m = self.open_for_role(path, s)
+            m = self.fleet.open_for_role(path, s)
         try:
-            nodes = numa.place(path, s, self.topology, lambda p: self.open_for_role(p, s)) \
+            nodes = numa.place(path, s, self.topology, lambda p: self.fleet.open_for_role(p, s)) \
                 if self.role != "head" else {}
         except BaseException:
             m.close()
@@ -223,8 +228,8 @@ class Arbiter(Reloads, Fleet):
         gens = {g: dict(gen.info) for g, gen in self.gens.items()}
         router = Router(frontend=self.settings.bind, backend=self.backend, pipe_fd=self._router_end.fileno(),
                         settings=self.settings, generation=self.generation, model_path=self.model_path,
-                        curve=self.curve, generations=gens, last_reload=self.last_reload,
-                        worker_curve=self.worker_curve)
+                        curve=self.curve, generations=gens, last_reload=self.reloads.last_reload,
+                        worker_curve=self.fleet.worker_curve)
         self._drain_pipe()          # whatever the dead router left unread is stale
         pid = os.fork()
         if pid == 0:
@@ -262,7 +267,7 @@ class Arbiter(Reloads, Fleet):
         from ..host.numa import node_of
         w = Worker(wid=wid, slot=slot, generation=generation, model=gen.model_for(node_of(cpus, self.topology)),
                    settings=gen.settings, backend=self.backend, cpus=cpus, heartbeats=self.heartbeats,
-                   host=self.host_tag, curve=self.join_curve, model_path=gen.model.path)
+                   host=self.fleet.host_tag, curve=self.fleet.join_curve, model_path=gen.model.path)
         pid = os.fork()
         if pid == 0:
             self._in_child()
@@ -311,12 +316,12 @@ class Arbiter(Reloads, Fleet):
                         break
                 else:
                     self.manage_workers()
-                    self.check_reload()
+                    self.reloads.check(self.stopping)
                     if self.role != "host":
                         self.check_router()
                     if self.http is not None:
                         self.http.poll()
-                    self._close_unused_models()
+                    self.reloads.close_unused_models()
         except HaltServer as h:
             log.error("halting: %s", h.reason)
             self.exit_code = h.code
@@ -373,11 +378,11 @@ class Arbiter(Reloads, Fleet):
             elif op == "bind_failed":
                 self.bind_error = str(msg.get("error"))
             elif op == "retire":
-                self.retire(msg.get("generation"))
+                self.reloads.retire(msg.get("generation"))
             elif op == "fleet":
-                self.fleet = {h: set(ids) for h, ids in (msg.get("hosts") or {}).items()}
+                self.fleet.hosts = {h: set(ids) for h, ids in (msg.get("hosts") or {}).items()}
             elif op == "generation_failed" and msg.get("generation") == self.reloading:
-                self.rollback(f"the router could not load its tokenizer: {msg.get('error')}")
+                self.reloads.rollback(f"the router could not load its tokenizer: {msg.get('error')}")
             elif op == "generation_failed" and msg.get("generation") == self.generation and not self.announced:
                 raise HaltServer(f"the router could not load the model's tokenizer: {msg.get('error')}", EXIT_LOAD)
 
@@ -415,7 +420,7 @@ class Arbiter(Reloads, Fleet):
                 continue
             if code == EXIT_BOOT_FAILED and not w.ready:
                 if w.generation == self.reloading:
-                    self.rollback(f"worker {pid} of generation {w.generation} failed to boot (exit {code}); "
+                    self.reloads.rollback(f"worker {pid} of generation {w.generation} failed to boot (exit {code}); "
                                   "see its log line above")
                     continue
                 if not self.announced:      # only the first start may halt
@@ -429,7 +434,7 @@ class Arbiter(Reloads, Fleet):
                 if gen is not None:
                     gen.deaths += 1
                     if gen.deaths > RELOAD_CRASH_LIMIT:
-                        self.rollback(f"{gen.deaths} workers of generation {w.generation} died before it "
+                        self.reloads.rollback(f"{gen.deaths} workers of generation {w.generation} died before it "
                                       f"was ready (last: {describe_exit(code)})")
                         continue
             if code == 0 and w.generation not in (self.generation, self.reloading):
@@ -480,7 +485,7 @@ class Arbiter(Reloads, Fleet):
     def manage_workers(self):
         """Keep num_workers live workers of the serving generation and of the one being brought
         up (not counting draining ones)."""
-        self.poll_joined()
+        self.fleet.poll_joined(self.workers, self.heartbeats)
         for g in (self.generation, self.reloading):
             if g is None:
                 continue
@@ -501,7 +506,10 @@ class Arbiter(Reloads, Fleet):
                 for w in sorted(live, key=lambda w: w.started)[: len(live) - self.num_workers]:
                     log.info("worker %d: stopping (TTOU)", w.pid)
                     self._kill(w.pid, signal.SIGTERM)
-        self.announce_head()
+        if self.role == "head" and not self.announced and self.router_up:
+            self.announced = True
+            self.fleet.announce_head(self.settings, self.model_path, self.generation,
+                                     self.gens[self.generation].info.get("identity"))
         current = [w for w in self.workers.values() if w.generation == self.generation and not w.stopping]
         if not self.announced and current and all(w.ready for w in current) and len(current) >= self.num_workers:
             self.announced = True
@@ -552,26 +560,33 @@ class Arbiter(Reloads, Fleet):
         self.reap()
 
     def handle_ttin(self):
-        if self.scale_refused("TTIN"):
+        if self.fleet.scale_refused("TTIN"):
             return
-        self.num_workers += 1
+        self.reloads.num_workers += 1
         log.info("TTIN: %d workers", self.num_workers)
 
     def handle_ttou(self):
-        if self.scale_refused("TTOU"):
+        if self.fleet.scale_refused("TTOU"):
             return
         if self.num_workers > 1:
-            self.num_workers -= 1
+            self.reloads.num_workers -= 1
         log.info("TTOU: %d workers", self.num_workers)
 
     def handle_hup(self):
         """Re-read the settings, open the model again (the new generation owns its own mapping) and
         bring up a new generation on them; the old one drains only once the new one is READY."""
-        self._reload("hup")
+        self.reloads.reload("hup", self.stopping)
 
     def handle_usr1(self):
         """Hot model reload: re-open the model path, validate, map; a bad file is refused."""
-        self._reload("usr1")
+        self.reloads.reload("usr1", self.stopping)
+
+    def handle_usr2(self):
+        """A head's rollout (through a worker): reload when the file under the model path is another
+        model than the ones served or coming up."""
+        known = {self.gens[g].info.get("identity") for g in (self.generation, self.reloading) if g in self.gens}
+        if self.fleet.wants_reload(self.model_path, known):
+            self.reloads.reload("usr1", self.stopping)
 
     def handle_term(self):
         if self.stopping:
@@ -585,7 +600,7 @@ class Arbiter(Reloads, Fleet):
         self.kill_all(signal.SIGTERM)
         if self.http is not None:
             self.http.stop(signal.SIGTERM)
-        self.reloading = None
+        self.reloads.abandon()
 
     def handle_int(self):
         self.stopping = "fast"

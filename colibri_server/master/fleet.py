@@ -1,4 +1,4 @@
-"""The master's roles beyond one machine: the head and the worker host (the Arbiter's `Fleet` part).
+"""The master's roles beyond one machine: the head and the worker host (a `Fleet` the Arbiter holds).
 
     serve   a router and workers (the default); with `backend_bind` its router also takes worker hosts
     head    `colibri router`: a router and no workers; it reads of the model file only what a router
@@ -51,11 +51,13 @@ class ModelHead:
 
 
 class Fleet:
-    """Mixed into the Arbiter (master.py): the head's and the worker host's differences."""
+    """What the master's role changes (see the module's doc). The Arbiter holds one and asks it; every
+    figure of the running master it needs is an argument. `notify` is the sd_notify-like callable."""
 
-    def init_role(self, role):
+    def __init__(self, role: str, notify):
         self.role = role                # "serve" | "head" | "host"
-        self.fleet = {}                 # host -> identities its workers run (from the router)
+        self.notify = notify
+        self.hosts = {}                 # host -> identities its workers run (the router's "fleet" reports)
         self.host_tag = f"{socket.gethostname()}:{os.getpid()}"
         self.join_curve = None
         self.worker_curve = None
@@ -86,64 +88,58 @@ class Fleet:
         return open_model(path, s)
 
     # -- worker hosts -------------------------------------------------------------------
-    def poll_joined(self):
-        """A host's workers are ready once the head has ACCEPTed them."""
+    def poll_joined(self, workers, heartbeats):
+        """A host's workers (WorkerInfo by pid) are ready once the head has ACCEPTed them."""
         if self.role != "host":
             return
-        for w in self.workers.values():
-            w.ready = self.heartbeats.joined(w.slot)
+        for w in workers.values():
+            w.ready = heartbeats.joined(w.slot)
 
-    def after_commit(self, old):
+    def drains_at_commit(self, old_identity, new_identity) -> bool:
         """A worker host's reload of the same file (HUP, TTIN's settings): the head sees no new model, so
-        it never retires the old generation; its workers drain here (the new ones serve the same
+        it never retires the old generation; its workers drain at the commit (the new ones serve the same
         requests at the head). Of another file, the head retires it (RETIRE) once its queue is empty."""
-        if self.role == "host" and old in self.gens and \
-                self.gens[old].info.get("identity") == self.gens[self.generation].info.get("identity"):
-            self.retire(old)
+        return self.role == "host" and old_identity == new_identity
 
-    def handle_usr2(self):
-        """A head's rollout: reload when the file under the model path is another model than the
-        one served or coming up (several workers may ask; one reload)."""
+    def wants_reload(self, model_path, known) -> bool:
+        """USR2, a head's rollout: reload when the file under the model path is another model than the
+        ones served or coming up (`known`: their identities; several workers may ask: one reload)."""
         try:
-            have = file_identity(self.model_path)
+            have = file_identity(model_path)
         except Exception as e:
-            log.error("USR2: model %s cannot be read (%s): no reload", self.model_path, e)
-            return
-        known = {self.gens[g].info.get("identity") for g in (self.generation, self.reloading) if g in self.gens}
+            log.error("USR2: model %s cannot be read (%s): no reload", model_path, e)
+            return False
         if have in known:
-            log.info("USR2: %s is the model served or coming up: no reload", self.model_path)
-            return
-        log.info("USR2: %s holds model %s now: reloading", self.model_path, have)
-        self._reload("usr1")
+            log.info("USR2: %s is the model served or coming up: no reload", model_path)
+            return False
+        log.info("USR2: %s holds model %s now: reloading", model_path, have)
+        return True
 
     # -- the head -------------------------------------------------------------------------
-    def fleet_ready(self, g, deadline_passed: bool):
-        """True: commit generation g; False: wait; None: roll back. A generation of the head (or of a
-        serve with backend_bind) waits for every worker host the router knows to run its file."""
-        if not getattr(self.settings, "backend_bind", ""):
+    def ready_to_commit(self, g, gen, settings, deadline_passed: bool):
+        """True: commit generation g (a Generation `gen`); False: wait; None: roll back. A generation of
+        the head (or of a serve with backend_bind) waits for every worker host the router knows to run
+        its file."""
+        if not getattr(settings, "backend_bind", ""):
             return True
-        want = self.gens[g].info.get("identity")
-        behind = sorted(h for h, ids in self.fleet.items() if want not in ids)
+        want = gen.info.get("identity")
+        behind = sorted(h for h, ids in self.hosts.items() if want not in ids)
         if not behind:
             return True
         if not deadline_passed:
             return False
-        rolled = [h for h, ids in self.fleet.items() if want in ids]
+        rolled = [h for h, ids in self.hosts.items() if want in ids]
         if self.role == "head" and not rolled:
             return None
         log.error("generation %d: worker hosts %s do not run %s (%s) after the rollout's time: committing "
-                  "without them; they are refused until they run it", g, ", ".join(behind), want,
-                  self.gens[g].model.path)
+                  "without them; they are refused until they run it", g, ", ".join(behind), want, gen.model.path)
         return True
 
-    def announce_head(self):
+    def announce_head(self, settings, model_path, generation, identity) -> None:
         """A head is ready once its router listens (worker hosts join when they will)."""
-        if self.role == "head" and not self.announced and self.router_up:
-            self.announced = True
-            log.info("ready: %s on %s, worker hosts join on %s (model %s, identity %s)",
-                     os.path.basename(self.model_path), self.settings.bind, self.settings.backend_bind,
-                     self.model_path, self.gens[self.generation].info.get("identity"))
-            self.notify(f"READY=1\nSTATUS=head serving generation {self.generation}")
+        log.info("ready: %s on %s, worker hosts join on %s (model %s, identity %s)",
+                 os.path.basename(model_path), settings.bind, settings.backend_bind, model_path, identity)
+        self.notify(f"READY=1\nSTATUS=head serving generation {generation}")
 
     def workers_for_role(self, s):
         if self.role == "head":

@@ -1,4 +1,4 @@
-"""Generations and the reload transaction of the master (the Arbiter's `Reloads` part).
+"""Generations and the reload transaction of the master (`Reloads`, an object the Arbiter holds).
 
 A Generation owns its Model (its own mapping of the file, as opened when it began), its settings
 and the router's view of it (tokenizer JSON, vocabulary, context). A reload (HUP: settings and
@@ -84,16 +84,43 @@ class Generation:
 
 
 class Reloads:
-    """The Arbiter's reload transaction (it uses the Arbiter's workers, gens, router pipe and
-    settings; see master.py)."""
+    """What the master serves (its settings, model path, worker count, the generations and which one
+    serves) and the transaction that replaces it. The Arbiter holds one, built with what it calls:
+    `workers` is the Arbiter's {pid: WorkerInfo} (never rebound), `fleet` its Fleet, `to_router(msg)`
+    and `notify(text)` send, `spawn_worker(g)` forks a worker of generation g, `kill(pid, sig)` signals
+    one, `open_model(path, settings)` opens a model (-> (Model, node models)), `reload_settings()`
+    re-reads the settings (HUP; None: keep them)."""
 
-    def check_reload(self):
+    def __init__(self, settings, *, workers: dict, fleet, to_router, notify, spawn_worker, kill, open_model,
+                 reload_settings=None):
+        self.settings, self.model_path, self.num_workers = settings, None, 0
+        self.workers, self.fleet = workers, fleet
+        self.to_router, self.notify, self.spawn_worker, self.kill = to_router, notify, spawn_worker, kill
+        self.open_model, self.reload_settings = open_model, reload_settings
+        self.gens = {}                  # generation number -> Generation (owns its Model)
+        self.generation = 0             # the serving (committed) generation
+        self.reloading = None           # generation number being brought up (uncommitted)
+        self.pending_reload = None      # "hup" | "usr1" arriving while a reload is under way
+        self.reload_prev = None         # num_workers to restore on rollback (settings change at commit)
+        self.reload_deadline = None
+        self.last_reload = None         # {"generation", "ok", "error", "time"} for status
+        self.runtime_dir, self.pid = None, None    # where hand_over writes (use_runtime_dir)
+
+    def use_runtime_dir(self, runtime_dir: str, pid: int):
+        self.runtime_dir, self.pid = runtime_dir, pid
+
+    def serve_first(self, model, node_models=None):
+        """The first generation, on the model the start opened: serving at once (no transaction)."""
+        self.generation = 1
+        self.gens[1] = Generation(1, model, self.settings, node_models=node_models)
+
+    def check(self, stopping):
         """Commit the generation being brought up once all its workers are READY (and the router
         has its tokenizer); roll it back when it does not come up in time."""
         if self.reloading is None:
-            if self.pending_reload and not self.stopping:
+            if self.pending_reload and not stopping:
                 kind, self.pending_reload = self.pending_reload, None
-                getattr(self, "handle_" + kind)()
+                self.reload(kind, stopping)
             return
         g = self.reloading
         new = [w for w in self.workers.values() if w.generation == g and not w.stopping]
@@ -104,7 +131,7 @@ class Reloads:
                 self.rollback(f"generation {g}: {ready} of {self.num_workers} workers ready after "
                               f"{time.monotonic() - self.gens[g].started:.0f}s")
             return
-        fleet = self.fleet_ready(g, late)      # worker hosts run the new file (fleet.py)
+        fleet = self.fleet.ready_to_commit(g, self.gens[g], self.settings, late)   # worker hosts run the new file
         if fleet is None:
             self.rollback(f"generation {g}: no worker host runs {self.gens[g].info.get('identity')} "
                           f"({self.gens[g].model.path}) after {time.monotonic() - self.gens[g].started:.0f}s")
@@ -120,7 +147,9 @@ class Reloads:
                  g, len(new), old)
         self.last_reload = {"generation": g, "ok": True, "error": None, "time": time.time()}
         self.notify(f"READY=1\nSTATUS=serving generation {g} with {len(new)} workers")
-        self.after_commit(old)
+        if old in self.gens and self.fleet.drains_at_commit(self.gens[old].info.get("identity"),
+                                                            self.gens[g].info.get("identity")):
+            self.retire(old)
 
     def retire(self, g):
         """The router has no queued request of generation g left: its workers may drain."""
@@ -128,7 +157,7 @@ class Reloads:
             return
         old = [w for w in self.workers.values() if w.generation == g and not w.stopping]
         for w in old:
-            self._kill(w.pid, signal.SIGTERM)
+            self.kill(w.pid, signal.SIGTERM)
         if old:
             log.info("generation %d retired: draining its %d workers", g, len(old))
 
@@ -141,21 +170,25 @@ class Reloads:
         for w in list(self.workers.values()):
             if w.generation == g:
                 w.stopping = True
-                self._kill(w.pid, signal.SIGKILL)
+                self.kill(w.pid, signal.SIGKILL)
         self.reloading = None
         if self.reload_prev is not None:
             self.num_workers = self.reload_prev
             self.reload_prev = None
         self.to_router({"op": "abort", "generation": g})
-        self._fail_reload(g, f"reload rolled back, generation {self.generation} keeps serving: {reason}")
+        self._fail(g, f"reload rolled back, generation {self.generation} keeps serving: {reason}")
 
-    def _fail_reload(self, g, message):
+    def abandon(self):
+        """Stopping: the generation being brought up is no longer waited for."""
+        self.reloading = None
+
+    def _fail(self, g, message):
         log.error("%s", message)
         self.last_reload = {"generation": g, "ok": False, "error": message, "time": time.time()}
         self.to_router({"op": "reload_status", "last_reload": self.last_reload})
         self.notify(f"READY=1\nSTATUS={message[:400]}")
 
-    def _close_unused_models(self):
+    def close_unused_models(self):
         """Unmap a generation's model once nothing can use it: not serving, not being brought up,
         and no worker of it alive (a live worker holds its own inherited copy of the mapping, but
         a replacement would be forked from this one)."""
@@ -192,8 +225,10 @@ class Reloads:
         os.replace(tmp, gen.info_path)
         self.to_router({"op": "generation", "generation": g, "info": gen.info_path})
 
-    def _reload(self, kind):
-        if self.stopping:
+    def reload(self, kind, stopping):
+        """HUP ("hup": settings and model) or USR1 ("usr1": the model): open and check, then bring up
+        a new generation; one transaction at a time."""
+        if stopping:
             return
         if self.reloading is not None:
             # one transaction at a time: this one runs when the current one commits or rolls back
@@ -207,19 +242,19 @@ class Reloads:
             try:
                 settings = self.reload_settings()
             except Exception as e:
-                self._fail_reload(self.generation + 1, f"HUP: settings not reloaded, generation "
-                                                       f"{self.generation} keeps serving: {e}")
+                self._fail(self.generation + 1, f"HUP: settings not reloaded, generation "
+                                                f"{self.generation} keeps serving: {e}")
                 return
         path = self.model_path
         try:
-            model, nodes = self._open_model(path, settings)
+            model, nodes = self.open_model(path, settings)
         except Exception as e:
-            self._fail_reload(max(self.gens) + 1, f"{kind.upper()}: model {path} refused, generation "
-                                                  f"{self.generation} keeps serving: {e}")
+            self._fail(max(self.gens) + 1, f"{kind.upper()}: model {path} refused, generation "
+                                           f"{self.generation} keeps serving: {e}")
             return
         self.reload_prev = self.num_workers       # the settings change only at the commit
         if kind == "hup":
-            self.num_workers = self.workers_for_role(settings)
+            self.num_workers = self.fleet.workers_for_role(settings)
         log.info("%s: model %s validated: bringing up generation %d with %d workers", kind.upper(), path,
                  max(self.gens) + 1, self.num_workers)
         self.begin_generation(model, settings, kind, nodes)
