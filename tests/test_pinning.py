@@ -1,4 +1,4 @@
-"""CPU topology and pinning (colibri_server/pinning.py) on fake sysfs trees, plus apply()
+"""CPU topology and pinning (colibri_server/host/pinning.py) on fake sysfs trees, plus apply()
 on this process (its affinity is restored afterwards)."""
 from __future__ import annotations
 

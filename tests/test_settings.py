@@ -1,4 +1,4 @@
-"""Settings (colibri_server/settings.py): sources and precedence, unknown keys, invalid
+"""Settings (colibri_server/settings/): sources and precedence, unknown keys, invalid
 values from every source, value syntax, reload kinds, the example file, describe()."""
 from __future__ import annotations
 

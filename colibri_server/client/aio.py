@@ -55,7 +55,7 @@ class AsyncClient(_ClientCore):
     """asyncio client: one zmq.asyncio context and DEALER socket, shared by any number of
     tasks of one event loop.  A background task receives every message and routes it by
     request id to a per-request queue.  Same arguments as `Client` (a list of addresses, or a
-    RouterSet, makes an AsyncPoolClient: see colibri_server.client_pool)."""
+    RouterSet, makes an AsyncPoolClient: see colibri_server.client.pool)."""
 
     def __new__(cls, addr=None, *args, **kwargs):
         if cls is AsyncClient and addr is not None and not isinstance(addr, str):
@@ -212,6 +212,6 @@ class AsyncClient(_ClientCore):
 
 class AsyncPoolClient(_AsyncPoolClient, AsyncClient):
     """`AsyncClient([addr1, addr2, ...])`: one AsyncClient per router, each request on one of them
-    (see colibri_server.client_pool; arguments as PoolClient's)."""
+    (see colibri_server.client.pool; arguments as PoolClient's)."""
     _member_class = AsyncClient
     _member_stream = AsyncStream

@@ -417,7 +417,7 @@ class _ClientCore:
             # (only a connection that completed its handshake counts: a refused CURVE key is not a drop)
             self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self._up = False
-            self._drops = 0         # established connections that dropped (client_pool reads it)
+            self._drops = 0         # established connections that dropped (pool.py reads it)
             try:
                 self._sock.connect(addr)
             except zmq.ZMQError as e:

@@ -5,7 +5,7 @@ What the synchronous and the asyncio pools share lives here: the addresses (chec
 refused), a RouterSet (what the clients learnt of each router: down and skipped until when, the
 requests it holds from them, whose turn it is; thread-safe, so the HTTP gateway's threads share one),
 the error of a request no router took, the merged health, and the synchronous pool itself
-(`_PoolClient`, whose concrete class is client.PoolClient). client_pool_async.py has the asyncio one.
+(`_PoolClient`, whose concrete class is sync.PoolClient). pool_async.py has the asyncio one.
 
 Choice: a new request goes to the usable router holding the fewest requests from this RouterSet
 (least in flight: generations differ a hundredfold in length, and round-robin alone would keep

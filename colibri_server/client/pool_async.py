@@ -1,6 +1,6 @@
 """The asyncio pool: `AsyncClient([addr1, addr2])`, the API of AsyncClient over several routers, as
-the synchronous pool (colibri_server.client_pool, which says how a router is chosen, when a request
-goes to the next one and when it never does). Its concrete class is client_async.AsyncPoolClient."""
+the synchronous pool (colibri_server.client.pool, which says how a router is chosen, when a request
+goes to the next one and when it never does). Its concrete class is aio.AsyncPoolClient."""
 from __future__ import annotations
 
 from .core import _AsyncStreamEnds, _encode
@@ -46,9 +46,9 @@ class _AsyncPoolStream(_AsyncStreamEnds, _PoolStreamBase):
 
 
 class _AsyncPoolClient(_PoolBase):
-    """The asyncio pool's API (see AsyncClient and colibri_server.client_pool)."""
+    """The asyncio pool's API (see AsyncClient and colibri_server.client.pool)."""
 
-    _member_stream = None       # client_async.AsyncStream (set by the concrete class)
+    _member_stream = None       # aio.AsyncStream (set by the concrete class)
 
     @staticmethod
     def _member_up(m) -> bool:
@@ -56,7 +56,7 @@ class _AsyncPoolClient(_PoolBase):
         return m._up
 
     async def _pick(self, tried, rid=None):
-        """As the synchronous pool's (client_pool._PoolClient._pick)."""
+        """As the synchronous pool's (pool._PoolClient._pick)."""
         import asyncio
         a, order = self._choice(tried)
         if a is not None or not order:
@@ -119,7 +119,7 @@ class _AsyncPoolClient(_PoolBase):
         return {**st, "addr": a}
 
     async def health(self, *, timeout=None) -> dict:
-        """Every router's health, asked at once, merged (see client_pool.merge_health)."""
+        """Every router's health, asked at once, merged (see pool.merge_health)."""
         import asyncio
         self._check_open()
         ups = self._ups()

@@ -92,7 +92,7 @@ class Client(_ClientCore):
     client_secret), Z85 text or bytes.
 
     A list of addresses (or a RouterSet) instead of one makes a PoolClient: same API, each request
-    on one of the routers, failing over when one is down (colibri_server.client_pool).
+    on one of the routers, failing over when one is down (colibri_server.client.pool).
     """
 
     def __new__(cls, addr=None, *args, **kwargs):
@@ -235,7 +235,7 @@ class Client(_ClientCore):
 
 class PoolClient(_PoolClient, Client):
     """`Client([addr1, addr2, ...])` or `Client(router_set)`: one Client per router, each request on
-    one of them (see colibri_server.client_pool). Extra arguments: backoff, backoff_max (seconds a
+    one of them (see colibri_server.client.pool). Extra arguments: backoff, backoff_max (seconds a
     router found down is skipped: first, and at most; a RouterSet given has its own). Attributes:
     addrs, routers (the RouterSet). health() merges every router's; stats() is one router's, with
     "addr" naming it."""

@@ -2,7 +2,7 @@
 COLIBRI_HTTP_CONNECT="A,B"): the addresses it is given, /health with every router's state, and
 /metrics' server families per router (a `router` label). Its threads' clients share one
 `client.RouterSet` (which router is down, the requests each holds, whose turn it is; see
-colibri_server.client_pool). With one address none of this is used: the gateway is as it always was.
+colibri_server.client.pool). With one address none of this is used: the gateway is as it always was.
 
 Owns: asking every router at once (a short-lived Client each, on threads, so a router that does not
 answer costs the health timeout once, not once per router; a router the clients already found down

@@ -132,7 +132,7 @@ def _json_logconfig(level: str) -> dict:
     """gunicorn's own lines (its arbiter, worker boots) as JSON too."""
     h = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
     return {"version": 1, "disable_existing_loggers": False,
-            "formatters": {"json": {"()": "colibri_server.logs.JsonFormatter"}}, "handlers": {"json": h},
+            "formatters": {"json": {"()": "colibri_server.host.logs.JsonFormatter"}}, "handlers": {"json": h},
             "loggers": {"gunicorn.error": {"handlers": ["json"], "level": level.upper(), "propagate": False}},
             "root": {"handlers": ["json"], "level": level.upper()}}
 

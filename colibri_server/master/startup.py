@@ -1,12 +1,12 @@
-"""What the master does before it opens the model, and while it loads it (master.py's start).
+"""What the master does before it opens the model, and while it loads it (arbiter.py's start).
 
 Every listening address is taken first, so that a busy one fails the start in a second instead of
 after a load and a kernel compile that can take minutes:
 - the gateway's HTTP address (`http`) is bound here, in the master, and handed to every gateway it
-  starts (http_child.py). The port stays this server's for its whole life: a gateway restarted later
+  starts (gateway.py). The port stays this server's for its whole life: a gateway restarted later
   cannot find it taken, and connections made while no gateway runs wait in the backlog instead of
   being refused;
-- the router is forked before the model is opened (generation 0, see router.py): it binds the client
+- the router is forked before the model is opened (generation 0, see router/loop.py): it binds the client
   address (and backend_bind), and the master waits for its "up" or its bind failure.
 
 While the model loads and the kernels compile (`Loading`), the router answers `health` "starting"
@@ -18,7 +18,7 @@ processes fork during the load. TERM, INT and QUIT stop the start (the load is a
 children are stopped by the master's cleanup).
 
 Owns: the HTTP listening socket, the wait for the router's bind, the loading phase's signals.
-Never: forks (master.py does), opens the model (loading.py does).
+Never: forks (arbiter.py does), opens the model (loading.py does).
 """
 from __future__ import annotations
 

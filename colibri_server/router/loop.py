@@ -1,7 +1,7 @@
 """The router: one process, one poll loop, three inputs.
 
-    frontend  ROUTER  clients (protocol.py, COLI/1)
-    backend   ROUTER  workers (worker.py's backend messages)
+    frontend  ROUTER  clients (wire/protocol.py, COLI/1)
+    backend   ROUTER  workers (worker/process.py's backend messages)
     pipe      the master's socketpair (msgpack datagrams: worker exits, generations, drain)
 
 Work goes only to workers that announced free slots (credits); the rest waits in a bounded

@@ -2,7 +2,7 @@
 vocabulary, context and limits), Req (a request from arrival to its one answer), W (a worker and
 its credits), the prefix key of a prompt (affinity to the worker holding its first KV block),
 ControlRate (control_rate's token bucket per client), and the bind/chmod/id-salvage helpers.
-The loop that uses them is router.py's.
+The loop that uses them is loop.py's.
 """
 from __future__ import annotations
 

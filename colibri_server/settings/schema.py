@@ -1,6 +1,6 @@
 """The settings' schema: every setting declared once in SCHEMA (name, type, default, range, doc,
 reload kind), the value types and their parsers (int, float, bool, duration, size, path, enum,
-bind addresses). Loading and merging the sources is settings.py's (which re-exports all of this).
+bind addresses). Loading and merging the sources is load.py's.
 """
 from __future__ import annotations
 
