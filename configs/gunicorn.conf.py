@@ -8,13 +8,14 @@
 # The app reads its options from the environment: COLIBRI_HTTP_CONNECT, COLIBRI_HTTP_API_KEY
 # or COLIBRI_HTTP_API_KEY_FILE, COLIBRI_HTTP_MODEL_NAME, COLIBRI_HTTP_TIMEOUT,
 # COLIBRI_HTTP_MAX_BODY, COLIBRI_HTTP_DEFAULT_MAX_TOKENS, COLIBRI_HTTP_METRICS_AUTH,
-# COLIBRI_HTTP_CURVE_SERVERKEY.  This file reads COLIBRI_HTTP_BIND, _WORKERS, _THREADS.
+# COLIBRI_HTTP_CURVE_SERVERKEY.  This file reads COLIBRI_HTTP_BIND, _WORKERS, _THREADS, _ACCESS_LOG and
+# _LOG_LEVEL, every one a gateway setting of colibri_server/settings/schema.py (type, bound, default).
 # Command-line flags (--bind, --workers, ...) override what is set here.
-import os
+from colibri_server.settings.schema import gateway_value
 
 wsgi_app = "colibri_server.http:app_from_env()"
 
-bind = os.environ.get("COLIBRI_HTTP_BIND", "127.0.0.1:8000")
+bind = gateway_value("bind")
 
 # gthread: each thread serves one request at a time and keeps its own colibri Client
 # (a Client is not thread-safe).  The gateway only waits on ZeroMQ: threads are cheap, and
@@ -24,9 +25,9 @@ bind = os.environ.get("COLIBRI_HTTP_BIND", "127.0.0.1:8000")
 # byte (then 408): idle or slow clients wait in the poller and cannot take the threads the API
 # needs; GET /health and /metrics have two threads of their own.
 worker_class = "colibri_server.http.HeadFirstWorker"
-threads = int(os.environ.get("COLIBRI_HTTP_THREADS", "8"))
+threads = gateway_value("threads")
 # One process by default: request metrics are per process (see colibri_server/http/metrics.py).
-workers = int(os.environ.get("COLIBRI_HTTP_WORKERS", "1"))
+workers = gateway_value("workers")
 
 # gthread heartbeats from its main loop, so long streams do not trip this; it only catches a
 # wedged worker process.
@@ -45,5 +46,5 @@ control_socket_disable = True
 
 proc_name = "colibri-http"
 errorlog = "-"
-accesslog = os.environ.get("COLIBRI_HTTP_ACCESS_LOG") or None
-loglevel = os.environ.get("COLIBRI_HTTP_LOG_LEVEL", "info")
+accesslog = gateway_value("access_log") or None
+loglevel = gateway_value("log_level")

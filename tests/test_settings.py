@@ -448,3 +448,36 @@ def test_automatic_layout_gives_each_node_one_worker_on_all_its_cores():
     assert S._layout({"workers": 3, "threads_per_worker": 0}, two_nodes) == {"workers": 3, "threads_per_worker": 2}
     assert S._layout({"workers": 4, "threads_per_worker": 0}, one) == {"workers": 4, "threads_per_worker": 1}
     assert S._layout({"workers": 0, "threads_per_worker": 2}, two_nodes) == {"workers": 0, "threads_per_worker": 2}
+
+
+# ---------------------------------------------------------------------------- the gateway's settings
+
+def test_every_gateway_variable_the_code_reads_is_a_setting_of_the_schema():
+    """COLIBRI_HTTP_* named anywhere in the package or the gunicorn config is declared once, in
+    schema.GATEWAY, with its type and default (no second settings system in http/)."""
+    import re
+    from colibri_server.settings.schema import GATEWAY
+    declared = {s.env for s in GATEWAY}
+    named = set()
+    for path in [*__import__("pathlib").Path(ROOT, "colibri_server").rglob("*.py"),
+                 __import__("pathlib").Path(ROOT, "configs", "gunicorn.conf.py")]:
+        named |= set(re.findall(r"COLIBRI_HTTP_[A-Z_]*[A-Z]", path.read_text()))
+    assert named - declared == set()
+    assert all(s.reload == "restart" for s in GATEWAY)
+
+
+def test_gateway_variables_and_flags_are_parsed_by_the_schema():
+    from colibri_server.http.config import options_from_env
+    from colibri_server.http.serve import add_http_arguments
+    from colibri_server.settings import Parser
+    opts = options_from_env({"COLIBRI_HTTP_TIMEOUT": "2.5", "COLIBRI_HTTP_MAX_BODY": "2MiB",
+                             "COLIBRI_HTTP_METRICS_AUTH": "yes", "COLIBRI_HTTP_MODEL_NAME": "m"})
+    assert opts == {"connect": "tcp://127.0.0.1:5555", "timeout": 2.5, "max_body": 2 << 20, "metrics_auth": True,
+                    "model_name": "m"}
+    with pytest.raises(ValueError, match="COLIBRI_HTTP_DEFAULT_MAX_TOKENS.*allowed: an integer from 1"):
+        options_from_env({"COLIBRI_HTTP_DEFAULT_MAX_TOKENS": "0"})
+    p = add_http_arguments(Parser(prog="colibri http"))
+    a = p.parse_args(["--workers", "3", "--max-body", "64KiB"])
+    assert (a.workers, a.max_body, a.threads) == (3, 64 << 10, None)     # not given: the variable, then the default
+    with pytest.raises(SystemExit):
+        p.parse_args(["--threads", "0"])

@@ -70,7 +70,8 @@ from typing import Callable, Optional
 
 from ..client import Client, ColibriError, ColibriTimeout, RouterSet, Starting
 from ..wire.protocol import REQUEST_ID
-from .config import DEFAULT_CONNECT, ENV, ENV_VARS, _env_bool, _read_key_file, options_from_env  # noqa: F401
+from ..settings.schema import GATEWAY_SETTINGS
+from .config import DEFAULT_CONNECT, ENV, ENV_VARS, options_from_env  # noqa: F401
 from .metrics import _Metrics, _ServerCollector
 from .routers import connect_addresses
 from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _chat_messages,  # noqa: F401
@@ -86,12 +87,13 @@ log = logging.getLogger("colibri.http")
 
 __all__ = ["create_app", "app_from_env", "fetch_template", "ModelInfo", "render_chat", "Gateway", "HTTPError"]
 
-DEFAULT_BIND = "127.0.0.1:8000"
-DEFAULT_TIMEOUT = 120.0        # seconds to wait for the next message of a request (queueing included)
+# the defaults of the gateway's settings (settings/schema.py: GATEWAY)
+DEFAULT_BIND = GATEWAY_SETTINGS["bind"].value
+DEFAULT_TIMEOUT = GATEWAY_SETTINGS["timeout"].value   # seconds to wait for the next message of a request
 HEALTH_TIMEOUT = 2.0
-MAX_BODY = 1 << 20             # bytes of an HTTP request body
+MAX_BODY = GATEWAY_SETTINGS["max_body"].value        # bytes of an HTTP request body
 DRAIN_LIMIT = 16 << 20         # bytes of an oversized body read and dropped so that its 413 is seen
-DEFAULT_CHAT_MAX_TOKENS = 512  # /v1/chat/completions when neither max_tokens nor max_completion_tokens is given
+DEFAULT_CHAT_MAX_TOKENS = GATEWAY_SETTINGS["default_max_tokens"].value   # a chat completion that gives none
 INFO_TTL = 30.0                # seconds a fetched ModelInfo is trusted without a new generation seen
 HANGUP_POLL = 0.25             # seconds between looks at a waiting request's HTTP connection
 

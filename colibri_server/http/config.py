@@ -1,41 +1,25 @@
-"""The HTTP gateway's COLIBRI_HTTP_* environment (see `colibri_server.http`): the options
-of `app_from_env()` (gunicorn) and the variables `colibri serve` must leave alone."""
+"""The HTTP gateway's COLIBRI_HTTP_* environment (see `colibri_server.http`): the options of
+`app_from_env()` (gunicorn). Every variable is a gateway setting of the one schema
+(settings/schema.py: GATEWAY), which gives its type, bound and default."""
 from __future__ import annotations
 
 import os
 
-DEFAULT_CONNECT = "tcp://127.0.0.1:5555"
+from ..settings.schema import GATEWAY, GATEWAY_SETTINGS, SettingsError, gateway_value
 
-ENV = {  # env variable -> (create_app option, parser)
-    "COLIBRI_HTTP_CONNECT": ("connect", str),       # "A,B": several routers (http/routers.py)
-    "COLIBRI_HTTP_API_KEY": ("api_key", str),
-    "COLIBRI_HTTP_MODEL_NAME": ("model_name", str),
-    "COLIBRI_HTTP_TIMEOUT": ("timeout", float),
-    "COLIBRI_HTTP_MAX_BODY": ("max_body", int),
-    "COLIBRI_HTTP_DEFAULT_MAX_TOKENS": ("default_max_tokens", int),
-    "COLIBRI_HTTP_METRICS_AUTH": ("metrics_auth", None),
-    "COLIBRI_HTTP_CURVE_SERVERKEY": ("curve", str),
-}
+DEFAULT_CONNECT = GATEWAY_SETTINGS["connect"].value
 
+# create_app option -> the gateway setting it comes from
+APP_OPTIONS = {"connect": "connect", "api_key": "api_key", "model_name": "model_name", "timeout": "timeout",
+               "max_body": "max_body", "default_max_tokens": "default_max_tokens", "metrics_auth": "metrics_auth",
+               "curve": "curve_serverkey"}
+ENV = {GATEWAY_SETTINGS[name].env: opt for opt, name in APP_OPTIONS.items()}   # variable -> create_app option
 
-# every COLIBRI_HTTP_* variable read here or by configs/gunicorn.conf.py (`colibri serve` must
-# not take them for unknown settings: settings.ENV_NOT_SETTINGS)
-ENV_VARS = frozenset(ENV) | {"COLIBRI_HTTP_API_KEY_FILE", "COLIBRI_HTTP_CURVE_SERVER_KEY_FILE",
-                             "COLIBRI_HTTP_CURVE_SECRET_KEY_FILE", "COLIBRI_HTTP_BIND", "COLIBRI_HTTP_WORKERS",
-                             "COLIBRI_HTTP_THREADS", "COLIBRI_HTTP_LOG_LEVEL", "COLIBRI_HTTP_ACCESS_LOG",
-                             "COLIBRI_HTTP_HEADER_TIMEOUT"}
+# every COLIBRI_HTTP_* variable (`colibri serve` does not take them for unknown settings)
+ENV_VARS = frozenset(s.env for s in GATEWAY)
 
 
-def _env_bool(name, v):
-    low = v.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"{name}={v!r}: expected 1/0, true/false, yes/no or on/off")
-
-
-def _read_key_file(path) -> str:
+def read_key_file(path) -> str:
     try:
         with open(path, encoding="utf-8") as f:
             key = f.read().strip()
@@ -47,22 +31,21 @@ def _read_key_file(path) -> str:
 
 
 def options_from_env(environ=None) -> dict:
-    """create_app keyword arguments from COLIBRI_HTTP_* variables (ValueError naming a bad one)."""
+    """create_app keyword arguments from COLIBRI_HTTP_* variables (ValueError naming a bad one); an
+    option whose variable is unset is left to create_app's default."""
     environ = os.environ if environ is None else environ
     opts = {"connect": DEFAULT_CONNECT}
-    for name, (opt, parse) in ENV.items():
-        v = environ.get(name)
-        if v is None or v == "":
-            continue
-        try:
-            opts[opt] = _env_bool(name, v) if parse is None else parse(v)
-        except ValueError as e:
-            raise ValueError(f"{name}={v!r}: {e}") from None
-    kf = environ.get("COLIBRI_HTTP_API_KEY_FILE")
-    if kf and "api_key" not in opts:
-        opts["api_key"] = _read_key_file(kf)
-    curve = curve_from_files(environ.get("COLIBRI_HTTP_CURVE_SERVER_KEY_FILE"),
-                             environ.get("COLIBRI_HTTP_CURVE_SECRET_KEY_FILE"))
+    try:
+        for opt, name in APP_OPTIONS.items():
+            if environ.get(GATEWAY_SETTINGS[name].env):
+                opts[opt] = gateway_value(name, environ)
+        kf = gateway_value("api_key_file", environ)
+        if kf and "api_key" not in opts:
+            opts["api_key"] = read_key_file(kf)
+        curve = curve_from_files(gateway_value("curve_server_key", environ),
+                                 gateway_value("curve_secret_key", environ))
+    except SettingsError as e:
+        raise ValueError(str(e)) from None
     if curve is not None:
         opts["curve"] = curve
     return opts
@@ -82,4 +65,3 @@ def curve_from_files(server_key_file, secret_key_file):
         return client_curve(server_key_file, secret_key_file)
     except SecurityError as e:
         raise ValueError(str(e)) from None
-

@@ -5,11 +5,12 @@ first use (`colibri_server.http.HeadFirstWorker`), so importing the gateway does
 gunicorn's worker machinery."""
 from __future__ import annotations
 
-import os
 import re
 import time
 
-HEADER_TIMEOUT = 10.0          # seconds from a request's first byte to its last (head and body)
+from ..settings.schema import GATEWAY_SETTINGS, gateway_value
+
+HEADER_TIMEOUT = GATEWAY_SETTINGS["header_timeout"].value   # seconds from a request's first byte to its last
 WORKER_CLASS = "colibri_server.http.HeadFirstWorker"
 LANE_PATHS = (b"/health", b"/metrics")   # GET requests served by threads of their own
 LANE_THREADS = 2
@@ -147,7 +148,7 @@ def _head_first_worker():
 
     from .app import MAX_BODY
 
-    timeout = float(os.environ.get("COLIBRI_HTTP_HEADER_TIMEOUT") or HEADER_TIMEOUT)
+    timeout = gateway_value("header_timeout")          # COLIBRI_HTTP_HEADER_TIMEOUT, else HEADER_TIMEOUT
 
     class HeadFirstWorker(ThreadWorker):
         max_head = 65536 + 8190     # limit_request_fields x field size is gunicorn's own check

@@ -1,15 +1,15 @@
-"""Running the gateway: `colibri http` (its arguments, COLIBRI_HTTP_* defaults) and `serve`, which
+"""Running the gateway: `colibri http` (its flags and COLIBRI_HTTP_* variables: the schema's GATEWAY settings) and `serve`, which
 runs gunicorn (HeadFirstWorker, a gthread) programmatically in this process; `python -m colibri_server.http`."""
 from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import sys
 from typing import Optional
 
-from .app import DEFAULT_BIND, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_TIMEOUT, MAX_BODY, create_app, log
-from .config import DEFAULT_CONNECT, _env_bool, _read_key_file, curve_from_files
+from ..settings.schema import GATEWAY_SETTINGS, SettingsError, gateway_flag_value, gateway_value
+from .app import DEFAULT_BIND, DEFAULT_TIMEOUT, create_app, log
+from .config import curve_from_files, read_key_file
 from .headfirst import WORKER_CLASS
 
 __all__ = ["serve", "add_http_arguments", "cmd_http", "main"]
@@ -58,71 +58,65 @@ def serve(connect, bind: str = DEFAULT_BIND, workers: int = 1, threads: int = 8,
     _Application().run()
 
 
+# the gateway settings `colibri http` takes as flags (settings/schema.py: GATEWAY); the others are
+# variables only (COLIBRI_HTTP_CURVE_SERVERKEY, _HEADER_TIMEOUT, _ACCESS_LOG)
+FLAGS = ("connect", "bind", "workers", "threads", "api_key", "api_key_file", "model_name", "timeout", "max_body",
+         "default_max_tokens", "curve_server_key", "curve_secret_key", "metrics_auth", "log_format", "log_level")
+
+
+def _flag_type(name):
+    def parse(text):
+        try:
+            return gateway_flag_value(name, text)
+        except SettingsError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = name
+    return parse
+
+
 def add_http_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The `colibri http` options (defaults from the COLIBRI_HTTP_* environment; string
-    defaults, so that a malformed variable is reported by argparse only for `colibri http`)."""
-    env = os.environ.get
-    p.add_argument("--connect", action="append", default=None, metavar="ADDRESS",
-                   help="address of the colibri server (tcp://host:port or ipc:///path); repeat it (or give "
-                        "A,B) for several routers: requests are spread over them and fail over when one is down "
-                        f"(default {DEFAULT_CONNECT}) [COLIBRI_HTTP_CONNECT, comma-separated]")
-    p.add_argument("--bind", default=env("COLIBRI_HTTP_BIND", DEFAULT_BIND),
-                   help=f"HTTP address to listen on (default {DEFAULT_BIND}) [COLIBRI_HTTP_BIND]")
-    p.add_argument("--workers", type=int, default=env("COLIBRI_HTTP_WORKERS", "1"),
-                   help="gunicorn worker processes (each exports its own request metrics)")
-    p.add_argument("--threads", type=int, default=env("COLIBRI_HTTP_THREADS", "8"),
-                   help="threads per worker process = concurrent HTTP requests per process")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file or "
-                        "COLIBRI_HTTP_API_KEY)")
-    p.add_argument("--api-key-file", default=env("COLIBRI_HTTP_API_KEY_FILE"),
-                   help="read the API key from this file [COLIBRI_HTTP_API_KEY_FILE]")
-    p.add_argument("--model-name", default=env("COLIBRI_HTTP_MODEL_NAME"),
-                   help="model id to serve as; comma-separated aliases, the first named in answers (default: the model file's metadata name) [COLIBRI_HTTP_MODEL_NAME]")
-    p.add_argument("--timeout", type=float, default=env("COLIBRI_HTTP_TIMEOUT", str(DEFAULT_TIMEOUT)),
-                   help="seconds to wait for the next message of a request, queueing included")
-    p.add_argument("--max-body", type=int, default=env("COLIBRI_HTTP_MAX_BODY", str(MAX_BODY)),
-                   help="largest request body in bytes (413 beyond)")
-    p.add_argument("--default-max-tokens", type=int,
-                   default=env("COLIBRI_HTTP_DEFAULT_MAX_TOKENS", str(DEFAULT_CHAT_MAX_TOKENS)),
-                   help="max_tokens of a chat completion that gives none")
-    p.add_argument("--curve-server-key", default=env("COLIBRI_HTTP_CURVE_SERVER_KEY_FILE"), metavar="FILE",
-                   help="the router's CURVE public key file (its curve_secret_key's .key), for a router that "
-                        "admits clients by key [COLIBRI_HTTP_CURVE_SERVER_KEY_FILE]")
-    p.add_argument("--curve-secret-key", default=env("COLIBRI_HTTP_CURVE_SECRET_KEY_FILE"), metavar="FILE",
-                   help="the gateway's own CURVE secret key file (its .key goes into the router's "
-                        "curve_allowed_keys) [COLIBRI_HTTP_CURVE_SECRET_KEY_FILE]")
-    p.add_argument("--metrics-auth", action="store_true", default=None,
-                   help="require the API key on /metrics too [COLIBRI_HTTP_METRICS_AUTH=1]")
-    p.add_argument("--log-format", default=env("COLIBRI_HTTP_LOG_FORMAT", "text"), choices=("text", "json"),
-                   help="log lines as text or one JSON object per line [COLIBRI_HTTP_LOG_FORMAT]")
-    p.add_argument("--log-level", default=env("COLIBRI_HTTP_LOG_LEVEL", "info"),
-                   choices=("debug", "info", "warning", "error", "critical"),
-                   help="gunicorn and gateway log verbosity [COLIBRI_HTTP_LOG_LEVEL]")
+    """The `colibri http` options, one per gateway setting of the schema; a flag not given takes its
+    COLIBRI_HTTP_* variable, else the default (read by cmd_http, so that a malformed variable is
+    reported only by `colibri http`)."""
+    for name in FLAGS:
+        st = GATEWAY_SETTINGS[name]
+        shown = st.default if st.default not in ("", None) else "none"
+        text = f"{st.doc} (default {shown}) [{st.env}]"
+        if name == "connect":
+            p.add_argument(st.flag, action="append", default=None, metavar=st.metavar, help=text)
+        elif name == "metrics_auth":
+            p.add_argument(st.flag, action="store_true", default=None, help=text)
+        else:
+            p.add_argument(st.flag, default=None, type=_flag_type(name), metavar=st.metavar or st.type.metavar,
+                           help=text)
     return p
+
+
+def _setting(a, name):
+    """A flag's value when given, else its variable's, else the schema's default."""
+    v = getattr(a, name)
+    return gateway_value(name) if v is None else v
 
 
 def cmd_http(a):
     """`colibri http`: run the gateway (gunicorn, gthread) until stopped."""
     try:
-        key = a.api_key or os.environ.get("COLIBRI_HTTP_API_KEY") or None
-        if not key and a.api_key_file:
-            key = _read_key_file(a.api_key_file)
-        metrics_auth = a.metrics_auth
-        if metrics_auth is None:
-            metrics_auth = _env_bool("COLIBRI_HTTP_METRICS_AUTH", os.environ.get("COLIBRI_HTTP_METRICS_AUTH", "0"))
-        if a.workers < 1 or a.threads < 1:
-            raise ValueError("--workers and --threads must be >= 1")
+        key = _setting(a, "api_key") or None
+        if not key and _setting(a, "api_key_file"):
+            key = read_key_file(_setting(a, "api_key_file"))
+        metrics_auth = _setting(a, "metrics_auth")
+        log_level, log_format = _setting(a, "log_level"), _setting(a, "log_format")
         from ..host.logs import set_role, setup
-        setup(a.log_level, a.log_format)
+        setup(log_level, log_format)
         set_role("http")                       # gunicorn titles its processes itself from here on
-        gunicorn_options = {"logconfig_dict": _json_logconfig(a.log_level)} if a.log_format == "json" else None
-        connect = a.connect or [os.environ.get("COLIBRI_HTTP_CONNECT") or DEFAULT_CONNECT]
-        serve(connect if len(connect) > 1 else connect[0], bind=a.bind, workers=a.workers, threads=a.threads, api_key=key, model_name=a.model_name,
-              timeout=a.timeout, log_level=a.log_level, max_body=a.max_body,
-              default_max_tokens=a.default_max_tokens, metrics_auth=metrics_auth,
-              curve=curve_from_files(a.curve_server_key, a.curve_secret_key)
-              or os.environ.get("COLIBRI_HTTP_CURVE_SERVERKEY") or None, gunicorn_options=gunicorn_options)
+        gunicorn_options = {"logconfig_dict": _json_logconfig(log_level)} if log_format == "json" else None
+        connect = a.connect or [gateway_value("connect")]
+        serve(connect if len(connect) > 1 else connect[0], bind=_setting(a, "bind"), workers=_setting(a, "workers"),
+              threads=_setting(a, "threads"), api_key=key, model_name=_setting(a, "model_name") or None,
+              timeout=_setting(a, "timeout"), log_level=log_level, max_body=_setting(a, "max_body"),
+              default_max_tokens=_setting(a, "default_max_tokens"), metrics_auth=metrics_auth,
+              curve=curve_from_files(_setting(a, "curve_server_key"), _setting(a, "curve_secret_key"))
+              or gateway_value("curve_serverkey") or None, gunicorn_options=gunicorn_options)
     except ValueError as e:
         print(f"colibri: error: {e}", file=sys.stderr)
         sys.exit(2)

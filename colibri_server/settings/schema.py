@@ -1,6 +1,7 @@
-"""The settings' schema: every setting declared once in SCHEMA (name, type, default, range, doc,
-reload kind), the value types and their parsers (int, float, bool, duration, size, path, enum,
-bind addresses). Loading and merging the sources is load.py's.
+"""The settings' schema: every setting declared once, the server's in SCHEMA and the HTTP gateway's
+in GATEWAY (name, type, default, range, doc, reload kind, environment variable), the value types and
+their parsers (int, float, bool, duration, size, path, enum, bind addresses). Loading and merging
+the server's sources is load.py's; the gateway reads its own with gateway_options().
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ ENV_PREFIX = "COLIBRI_"
 # COLIBRI_* variables that are not settings (used by other parts of the program) and so are
 # not reported as unknown. Add a name here when one is introduced.
 ENV_NOT_SETTINGS: frozenset[str] = frozenset()
-# other tools' namespaces: the HTTP gateway (http/config.py), the soak tests and the test harness
-# (tests/server_harness.py) read these themselves
+# other namespaces: the HTTP gateway's (GATEWAY below), the soak tests' and the test harness's
+# (tests/server_harness.py): `colibri serve` leaves them alone
 ENV_NOT_SETTINGS_PREFIXES = ("COLIBRI_HTTP_", "COLIBRI_SOAK_", "COLIBRI_TEST_")
 
 HUP, USR1, RESTART = "hup", "usr1", "restart"
@@ -354,6 +355,8 @@ class Setting:
     check: Callable | None = None
     reload: str = HUP
     metavar: str | None = None  # for --help (default: the type's)
+    prefix: str = ENV_PREFIX    # of its environment variable (the gateway's: GATEWAY_ENV_PREFIX)
+    env_name: str | None = None  # its environment variable when not prefix + NAME
     value: Any = field(init=False, repr=False, compare=False)  # the parsed default
 
     def __post_init__(self):
@@ -367,7 +370,7 @@ class Setting:
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
+        return self.env_name or self.prefix + self.name.upper()
 
     @property
     def allowed(self) -> str:
@@ -505,3 +508,70 @@ SCHEMA: tuple[Setting, ...] = (
 
 SETTINGS: Mapping[str, Setting] = MappingProxyType({s.name: s for s in SCHEMA})
 assert len(SETTINGS) == len(SCHEMA), "duplicate setting name"
+
+
+# ------------------------------------------------------------------ the HTTP gateway's
+# `colibri http` (flags), gunicorn's app_from_env() and configs/gunicorn.conf.py (COLIBRI_HTTP_*), and
+# the gateway the master runs for `serve --http` read these; a flag wins over its variable
+
+GATEWAY_ENV_PREFIX = "COLIBRI_HTTP_"
+
+
+def _gw(name, typ, default, doc, check=None, **kw) -> Setting:
+    return Setting(name, typ, default, doc, check, reload=RESTART, prefix=GATEWAY_ENV_PREFIX, **kw)
+
+
+GATEWAY: tuple[Setting, ...] = (
+    _gw("connect", STR, "tcp://127.0.0.1:5555", "address of the colibri server (tcp://host:port or ipc:///path); "
+        "several, comma-separated (or the flag repeated): requests are spread over them and fail over when one "
+        "is down", metavar="ADDRESS"),
+    _gw("bind", STR, "127.0.0.1:8000", "HTTP address to listen on"),
+    _gw("workers", INT, 1, "gunicorn worker processes (each exports its own request metrics)", Range(1, 1024)),
+    _gw("threads", INT, 8, "threads per worker process = concurrent HTTP requests per process", Range(1, 4096)),
+    _gw("api_key", STR, "", "require 'Authorization: Bearer KEY' (as a flag it is visible in ps: prefer "
+        "the file or the variable)", metavar="KEY"),
+    _gw("api_key_file", PATH, "", "read the API key from this file"),
+    _gw("model_name", STR, "", "model id to serve as; comma-separated aliases, the first named in answers "
+        "(empty: the model file's metadata name)", metavar="NAME"),
+    _gw("timeout", FLOAT, 120.0, "seconds to wait for the next message of a request, queueing included",
+        Range(0.001)),
+    _gw("max_body", SIZE, 1 << 20, "largest request body (413 beyond)", Range(1)),
+    _gw("default_max_tokens", INT, 512, "max_tokens of a chat completion that gives none", Range(1, _MAXTOK)),
+    _gw("metrics_auth", BOOL, False, "require the API key on /metrics too"),
+    _gw("curve_server_key", PATH, "", "the router's CURVE public key file (its curve_secret_key's .key), for a "
+        "router that admits clients by key", env_name="COLIBRI_HTTP_CURVE_SERVER_KEY_FILE", metavar="FILE"),
+    _gw("curve_secret_key", PATH, "", "the gateway's own CURVE secret key file (its .key goes into the router's "
+        "curve_allowed_keys)", env_name="COLIBRI_HTTP_CURVE_SECRET_KEY_FILE", metavar="FILE"),
+    _gw("curve_serverkey", STR, "", "the router's CURVE public key itself (z85): the gateway then connects "
+        "with a fresh key pair of its own", metavar="KEY"),
+    _gw("log_format", ENUM("text", "json"), "text", "log lines as text or one JSON object per line"),
+    _gw("log_level", ENUM("debug", "info", "warning", "error", "critical"), "info",
+        "gunicorn and gateway log verbosity"),
+    _gw("header_timeout", FLOAT, 10.0, "seconds a request's line, headers and body have, from its first "
+        "byte, to be all in (408 after)", Range(0.001)),
+    _gw("access_log", STR, "", "gunicorn's access log (a path, or - for stderr; empty: none)"),
+)
+GATEWAY_SETTINGS: Mapping[str, Setting] = MappingProxyType({s.name: s for s in GATEWAY})
+assert len(GATEWAY_SETTINGS) == len(GATEWAY), "duplicate gateway setting name"
+
+
+def gateway_value(name: str, environ=None):
+    """A gateway setting's value from its environment variable (its default when unset or empty);
+    SettingsError, one line naming the variable, when the value is not allowed."""
+    s = GATEWAY_SETTINGS[name]
+    raw = (os.environ if environ is None else environ).get(s.env)
+    if raw is None or raw == "":
+        return s.value
+    try:
+        return s.parse(raw, s.env)
+    except _Invalid as e:
+        raise SettingsError(str(e)) from None
+
+
+def gateway_flag_value(name: str, text: str):
+    """A gateway setting's value from its command-line flag's text; SettingsError naming the flag."""
+    s = GATEWAY_SETTINGS[name]
+    try:
+        return s.parse(text, s.flag)
+    except _Invalid as e:
+        raise SettingsError(str(e)) from None
