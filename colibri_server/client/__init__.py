@@ -38,7 +38,8 @@ from .types import (
 )
 
 __all__ = [
-    "Client", "AsyncClient", "RouterSet", "merge_health", "parse_addresses", "failure_cause", "Completion", "Chunk", "Choice", "Stream", "AsyncStream",
+    "Client", "AsyncClient", "RouterSet", "merge_health", "parse_addresses", "failure_cause",
+    "Completion", "Chunk", "Choice", "Stream", "AsyncStream",
     "ColibriError", "ColibriTimeout", "ERRORS", "error_for",
     "BadRequest", "UnsupportedVersion", "UnknownType", "TooLarge", "Overloaded",
     "DeadlineExceeded", "Cancelled", "WorkerLost", "ShuttingDown", "Starting", "DuplicateId",

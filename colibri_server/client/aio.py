@@ -11,6 +11,8 @@ import zmq
 import zmq.asyncio
 
 from .core import (
+    MAX_TOKENS,
+    TEMPERATURE,
     Prompt,
     _AsyncStreamEnds,
     _cancel_body,
@@ -163,12 +165,12 @@ class AsyncClient(_ClientCore):
 
     # -- API
 
-    def stream(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
+    def stream(self, prompt: Prompt, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, *,
                timeout: Optional[float] = None, **params) -> AsyncStream:
         """`async for chunk in client.stream(...)`; see Client.stream."""
         return AsyncStream(self, self._generate(prompt, max_tokens, temperature, params), self._timeout_for(timeout))
 
-    async def generate(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
+    async def generate(self, prompt: Prompt, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, *,
                        timeout: Optional[float] = None, **params) -> Completion:
         async with self.stream(prompt, max_tokens, temperature, timeout=timeout, **params) as s:
             return await s.completion()

@@ -195,6 +195,10 @@ def _detokenize_result(r, rid):
     return text
 
 
+# the defaults of stream() and generate(): the protocol's field table (a field not sent takes its default there)
+MAX_TOKENS = protocol.SAMPLING_FIELDS["max_tokens"].default
+TEMPERATURE = protocol.SAMPLING_FIELDS["temperature"].default
+
 _GEN_PARAMS = (set(protocol.SAMPLING_FIELDS) | {"stop", "stop_token_ids", "deadline_ms", "n", "logit_bias",
                                                  "grammar", "prompt_embeds", "request_id"}) - \
     {"max_tokens", "temperature"}

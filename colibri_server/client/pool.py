@@ -34,14 +34,7 @@ import time
 import weakref
 from typing import Optional
 
-from .core import (
-    DEFAULT_CONNECT_TIMEOUT,
-    _generate_body,
-    _Ids,
-    _ms,
-    _StreamEnds,
-    _unreachable,
-)
+from .core import DEFAULT_CONNECT_TIMEOUT, MAX_TOKENS, TEMPERATURE, _generate_body, _Ids, _ms, _StreamEnds, _unreachable
 from .types import (
     ColibriError,
     ColibriTimeout,
@@ -477,11 +470,12 @@ class _PoolClient(_PoolBase):
             return None
         return self._choice(tried)[0] or next(x for x, up in zip(order, ups) if up)
 
-    def stream(self, prompt, max_tokens: int = 16, temperature: float = 0.0, *, timeout=None, **params):
+    def stream(self, prompt, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, *, timeout=None, **params):
         """As Client.stream; sent at once to one router (the stream's `addr`)."""
         return _PoolStream(self, self._body(prompt, max_tokens, temperature, params), self._timeout_for(timeout))
 
-    def generate(self, prompt, max_tokens: int = 16, temperature: float = 0.0, *, timeout=None, **params):
+    def generate(self, prompt, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, *, timeout=None,
+                 **params):
         with self.stream(prompt, max_tokens, temperature, timeout=timeout, **params) as s:
             return s.completion()
 

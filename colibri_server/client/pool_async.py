@@ -3,7 +3,7 @@ the synchronous pool (colibri_server.client.pool, which says how a router is cho
 goes to the next one and when it never does). Its concrete class is aio.AsyncPoolClient."""
 from __future__ import annotations
 
-from .core import _AsyncStreamEnds, _encode
+from .core import MAX_TOKENS, TEMPERATURE, _AsyncStreamEnds, _encode
 from .pool import _REFUSALS, _PoolBase, _PoolStreamBase, failure_cause, merge_health
 from .types import ColibriError, ColibriTimeout, ConnectionLost, Unreachable
 
@@ -82,10 +82,11 @@ class _AsyncPoolClient(_PoolBase):
             m._sock.close(linger=0)
             m._ctx.term()
 
-    def stream(self, prompt, max_tokens: int = 16, temperature: float = 0.0, *, timeout=None, **params):
+    def stream(self, prompt, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, *, timeout=None, **params):
         return _AsyncPoolStream(self, self._body(prompt, max_tokens, temperature, params), self._timeout_for(timeout))
 
-    async def generate(self, prompt, max_tokens: int = 16, temperature: float = 0.0, *, timeout=None, **params):
+    async def generate(self, prompt, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, *,
+                       timeout=None, **params):
         async with self.stream(prompt, max_tokens, temperature, timeout=timeout, **params) as s:
             return await s.completion()
 

@@ -33,6 +33,8 @@ from typing import Optional, Sequence
 import zmq
 
 from .core import (
+    MAX_TOKENS,
+    TEMPERATURE,
     Prompt,
     _cancel_body,
     _ClientCore,
@@ -177,7 +179,7 @@ class Client(_ClientCore):
 
     # -- API
 
-    def stream(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
+    def stream(self, prompt: Prompt, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, *,
                timeout: Optional[float] = None, **params) -> Stream:
         """Send a generate and return an iterator of Chunks (the last one has finish_reason).
 
@@ -190,7 +192,7 @@ class Client(_ClientCore):
         """
         return Stream(self, self._generate(prompt, max_tokens, temperature, params), self._timeout_for(timeout))
 
-    def generate(self, prompt: Prompt, max_tokens: int = 16, temperature: float = 0.0, *,
+    def generate(self, prompt: Prompt, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, *,
                  timeout: Optional[float] = None, **params) -> Completion:
         """Generate and return the whole Completion (streamed under the hood)."""
         with self.stream(prompt, max_tokens, temperature, timeout=timeout, **params) as s:

@@ -104,14 +104,50 @@ ERROR_CODES = {
     "internal":           "a server bug; the message says more",
 }
 REQUEST_TYPES = ("generate", "tokenize", "detokenize", "cancel", "health", "stats")
-SAMPLING_FIELDS = {  # name: (type, default)
-    "max_tokens": (int, 16), "temperature": (float, 0.0), "top_k": (int, 0), "top_p": (float, 1.0),
-    "min_p": (float, 0.0), "repetition_penalty": (float, 1.0), "seed": (int, None),
-    "ignore_eos": (bool, False), "presence_penalty": (float, 0.0), "frequency_penalty": (float, 0.0),
-    "logprobs": (int, None), "prompt_logprobs": (int, None),
-}
 MAX_N = 16
 MAX_LOGPROBS = 20
+
+
+class Field:
+    """One sampling field of a generate: its type, default and bounds (lo < v when lo_open, else
+    lo <= v; v <= hi). `text` says the range in an error when the bounds' own words do not."""
+    __slots__ = ("type", "default", "lo", "hi", "lo_open", "text")
+
+    def __init__(self, typ, default, lo=None, hi=None, lo_open=False, text=None):
+        self.type, self.default, self.lo, self.hi, self.lo_open, self.text = typ, default, lo, hi, lo_open, text
+
+    def problem(self, v):
+        """None when v is allowed, else the words that end "field 'name' must ..."."""
+        if v is None or self.type is bool:
+            return None
+        low = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        if low and (self.hi is None or v <= self.hi):
+            return None
+        if self.text:
+            return self.text
+        if self.hi is None:
+            return f">= {self.lo}"
+        if self.type is int:
+            return f"in {self.lo}..{self.hi}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+
+# the sampling fields: the one place of each one's type, default and bounds (the client's defaults
+# and the router's checks read it; max_tokens is also held to the server's max_tokens setting)
+SAMPLING_FIELDS = {
+    "max_tokens": Field(int, 16, 1),
+    "temperature": Field(float, 0.0, 0, 100),
+    "top_k": Field(int, 0, 0),
+    "top_p": Field(float, 1.0, 0, 1, lo_open=True),
+    "min_p": Field(float, 0.0, 0, 1),
+    "repetition_penalty": Field(float, 1.0, 0, 100, lo_open=True),
+    "seed": Field(int, None, 0, (1 << 63) - 1, text="in 0..2^63-1"),
+    "ignore_eos": Field(bool, False),
+    "presence_penalty": Field(float, 0.0, -2, 2),
+    "frequency_penalty": Field(float, 0.0, -2, 2),
+    "logprobs": Field(int, None, 0, MAX_LOGPROBS),
+    "prompt_logprobs": Field(int, None, 0, MAX_LOGPROBS),
+}
 MAX_LOGIT_BIAS = 1024
 GRAMMAR_KINDS = ("json_schema", "regex", "lark")     # model/grammar.py's KINDS
 MAX_GRAMMAR = 256 << 10
@@ -255,30 +291,13 @@ def validate_generate(body: dict, limits: Limits) -> dict:
     req = {"prompt": prompt}
     if embeds is not None:
         req["prompt_embeds"], req["prompt_len"] = embeds, len(embeds) // (4 * (limits.hidden_size or 1))
-    for name, (typ, default) in SAMPLING_FIELDS.items():
-        req[name] = _num(body, name, typ, default)
-    if req["max_tokens"] < 1:
-        raise ProtocolError("bad_request", "field 'max_tokens' must be >= 1")
+    for name, f in SAMPLING_FIELDS.items():
+        req[name] = _num(body, name, f.type, f.default)
+        why = f.problem(req[name])
+        if why:
+            raise ProtocolError("bad_request", f"field {name!r} must be {why}")
     if req["max_tokens"] > limits.max_tokens:
         raise ProtocolError("too_large", f"max_tokens {req['max_tokens']} exceeds {limits.max_tokens}")
-    if req["temperature"] < 0 or req["temperature"] > 100:
-        raise ProtocolError("bad_request", "field 'temperature' must be in [0, 100]")
-    if req["top_k"] < 0:
-        raise ProtocolError("bad_request", "field 'top_k' must be >= 0")
-    if not 0 < req["top_p"] <= 1:
-        raise ProtocolError("bad_request", "field 'top_p' must be in (0, 1]")
-    if not 0 <= req["min_p"] <= 1:
-        raise ProtocolError("bad_request", "field 'min_p' must be in [0, 1]")
-    if not 0 < req["repetition_penalty"] <= 100:
-        raise ProtocolError("bad_request", "field 'repetition_penalty' must be in (0, 100]")
-    if req["seed"] is not None and not 0 <= req["seed"] < (1 << 63):
-        raise ProtocolError("bad_request", "field 'seed' must be in 0..2^63-1")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not -2 <= req[name] <= 2:
-            raise ProtocolError("bad_request", f"field {name!r} must be in [-2, 2]")
-    for name in ("logprobs", "prompt_logprobs"):
-        if req[name] is not None and not 0 <= req[name] <= MAX_LOGPROBS:
-            raise ProtocolError("bad_request", f"field {name!r} must be in 0..{MAX_LOGPROBS}")
     req["n"] = _num(body, "n", int, 1)
     if not 1 <= req["n"] <= MAX_N:
         raise ProtocolError("bad_request", f"field 'n' must be in 1..{MAX_N}")
