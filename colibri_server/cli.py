@@ -292,9 +292,9 @@ def use_cache_dir(path):
 
 
 def cmd_serve(a, role="serve"):
+    from .host.systemd import notifier
     from .master.arbiter import Arbiter
     from .settings.load import load_settings
-    from .host.systemd import notifier
     s = _load_settings(a)
     use_cache_dir(s.cache_dir)
     setup_logging(s.log_level, s.log_format)

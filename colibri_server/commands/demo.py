@@ -38,8 +38,8 @@ def sampled_after(st, t_age) -> bool:
 
 
 def run(a, model, die):
-    from .status import format_status
     from ..client import Client, ColibriError
+    from .status import format_status
     d = tempfile.mkdtemp(prefix="colibri-demo-")
     addr = f"ipc://{d}/colibri.sock"
     log_path = os.path.join(d, "server.log")

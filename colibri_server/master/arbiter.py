@@ -51,13 +51,12 @@ import time
 
 import msgpack
 
+from ..router.loop import EXIT_ROUTER_BIND
+from ..worker import EXIT_BOOT_FAILED, HeartbeatTable, Worker, worker_main
 from .fleet import Fleet
 from .generations import Reloads
-from .loading import (EXIT_BIND, EXIT_LOAD, HaltServer, describe_exit, model_path_of, make_runtime_dir,
-                      write_pidfile)
-from ..router.loop import EXIT_ROUTER_BIND
+from .loading import EXIT_BIND, EXIT_LOAD, HaltServer, describe_exit, make_runtime_dir, model_path_of, write_pidfile
 from .startup import Loading, bind_http, wait_router_up
-from ..worker.process import EXIT_BOOT_FAILED, HeartbeatTable, Worker, worker_main
 
 log = logging.getLogger("colibri.master")
 

@@ -64,8 +64,8 @@ class Fleet:
 
     def check_role(self, s):
         """Before anything is opened: the role's settings and its CURVE files (HaltServer naming them)."""
-        from .loading import EXIT_LOAD, HaltServer
         from ..wire.security import CurveServer, SecurityError, client_curve
+        from .loading import EXIT_LOAD, HaltServer
         if self.role == "head" and not s.backend_bind:
             raise HaltServer("colibri router serves through worker hosts: give --backend-bind tcp://HOST:PORT", EXIT_LOAD)
         if self.role == "head" and s.join:

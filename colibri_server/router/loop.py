@@ -38,8 +38,8 @@ import time
 import msgpack
 import zmq
 
-from ..wire import protocol as P
 from ..host.logs import request as request_extra, set_role
+from ..wire import protocol as P
 from .control import ControlRequests
 from .records import (AttrDict, BindFailed, ExpertCounts, Gen, Req, W, bind_message, check_text, chmod_ipc,
                       prefix_key, salvage_id)

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-
 ENV_PREFIX = "COLIBRI_"
 # COLIBRI_* variables that are not settings (used by other parts of the program) and so are
 # not reported as unknown. Add a name here when one is introduced.

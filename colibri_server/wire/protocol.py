@@ -310,7 +310,7 @@ def validate_generate(body: dict, limits: Limits) -> dict:
                                 ", value: a non-empty string}")
         if len(g["value"]) > MAX_GRAMMAR:
             raise ProtocolError("too_large", f"grammar of {len(g['value'])} characters exceeds {MAX_GRAMMAR}")
-        from ..model.grammar import GrammarError, check       # (the router's import: clients never validate)
+        from ..model.grammar import GrammarError, check  # (the router's import: clients never validate)
         try:
             check(g["type"], g["value"])
         except GrammarError as e:

@@ -35,8 +35,8 @@ import signal
 import sys
 import time
 
-from ..wire import protocol as P
 from ..host.logs import request as request_extra
+from ..wire import protocol as P
 from .heartbeat import HeartbeatTable
 
 log = logging.getLogger("colibri.worker")
