@@ -266,3 +266,70 @@ def test_the_router_takes_only_the_tokenizer_and_the_block_key_from_the_model():
                 if _in(src, "model"):
                     names = {a.name for a in node.names}
                     assert names <= ROUTER_FROM_MODEL.get(src, set()), f"{mod} takes {sorted(names)} from {src}"
+
+
+# -- collaborators passed in, not mixed in --------------------------------------------------------
+MIXIN_FREE = ("master", "router", "worker", "wire", "host", "settings", "commands")
+
+
+def _self_attrs(cls: ast.ClassDef, ctx) -> set[str]:
+    return {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "self" and isinstance(n.ctx, ctx)}
+
+
+def _defined(cls: ast.ClassDef) -> set[str]:
+    """What a class sets itself: its methods, class attributes, __slots__ and self.X assignments."""
+    names = _self_attrs(cls, ast.Store)
+    for n in cls.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+            if any(isinstance(t, ast.Name) and t.id == "__slots__" for t in targets):
+                names |= set(ast.literal_eval(n.value))
+    return names
+
+
+def mixins(paths) -> list[str]:
+    """Classes whose methods read self attributes that neither they nor their bases (classes of the
+    same files) set: parts that work only when mixed into a class that provides them. A class with a
+    base from elsewhere (Exception, a library's) is not judged."""
+    classes = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, node)
+
+    def provided(cls, seen=()):
+        names = _defined(cls)
+        for b in cls.bases:
+            base = classes.get(b.id) if isinstance(b, ast.Name) and b.id not in seen else None
+            if base is None:
+                return None
+            more = provided(base, seen + (b.id,))
+            if more is None:
+                return None
+            names |= more
+        return names
+
+    out = []
+    for name, cls in classes.items():
+        have = provided(cls)
+        if have is not None and _self_attrs(cls, ast.Load) - have:
+            out.append(f"{name}: {sorted(_self_attrs(cls, ast.Load) - have)}")
+    return out
+
+
+def test_the_roles_are_assembled_from_collaborators_not_mixins():
+    paths = [p for pkg in MIXIN_FREE for p in sorted((ROOT / pkg).rglob("*.py"))]
+    assert mixins(paths) == []
+
+
+def test_the_mixin_rule_sees_a_mixin(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("class Part:\n    def go(self):\n        return self.workers\n\n"
+                 "class Whole(Part):\n    def __init__(self):\n        self.workers = {}\n\n"
+                 "class Held:\n    def __init__(self, workers):\n        self.workers = workers\n"
+                 "    def go(self):\n        return self.workers\n")
+    assert mixins([f]) == ["Part: ['workers']"]
