@@ -9,6 +9,7 @@ compiles, as on a fresh install.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -20,6 +21,8 @@ import pytest
 import requests
 
 from colibri_server.bundled import BUNDLED_MODEL
+from colibri_server.loading import HaltServer
+from colibri_server.startup import Loading
 from colibri_server.client import Client, ColibriError
 from server_harness import READY_TIMEOUT, Server, child_env, wait_started
 from test_http import free_port
@@ -80,6 +83,22 @@ def test_a_busy_http_port_fails_the_start_before_the_model_loads(tmp_path, busy_
     code, out, took = _run_until_exit(args, env, 60)
     _fails_at_once_naming(code, out, took, address)
     assert "in use" in out and "OpenAI API at" not in out      # no gateway announced on a port it lacks
+
+
+def test_a_stop_inside_a_c_callback_is_not_swallowed(capfd):
+    """The compile runs Python inside C callbacks (llvmlite's object cache): a TERM whose handler
+    runs there must still stop the load, at once and without an "Exception ignored" traceback."""
+    def inside_the_callback():
+        os.kill(os.getpid(), signal.SIGTERM)        # the handler runs here, inside the callback
+    callback = ctypes.CFUNCTYPE(None)(inside_the_callback)
+    t0 = time.monotonic()
+    with pytest.raises(HaltServer, match="SIGTERM while loading"):
+        with Loading(lambda message: None):
+            callback()
+            while time.monotonic() - t0 < 10:       # the rest of a long compile
+                time.sleep(0.001)
+    assert time.monotonic() - t0 < 5
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_term_while_loading_stops_at_once_and_leaves_nothing(tmp_path):

@@ -15,7 +15,10 @@ runs no loop then, so a SIGALRM every TICK_S stands in for it: EXTEND_TIMEOUT_US
 to systemd, so that a long first compile does not hit TimeoutStartSec, and the router's pipe read, so
 that its "alive" messages neither fill the pipe nor leave it judged silent. No thread: the checksum
 processes fork during the load. TERM, INT and QUIT stop the start (the load is abandoned; the
-children are stopped by the master's cleanup).
+children are stopped by the master's cleanup). The stop is raised from the signal handler; when the
+handler happens to run inside a C library's callback into Python (llvmlite's object cache while a
+kernel compiles), the callback swallows the exception as "unraisable": the hook installed here
+silences that one exception and fires the alarm 1 ms on, whose handler raises the stop again.
 
 Owns: the HTTP listening socket, the wait for the router's bind, the loading phase's signals.
 Never: forks (arbiter.py does), opens the model (loading.py does).
@@ -28,6 +31,7 @@ import os
 import select
 import signal
 import socket
+import sys
 import time
 
 from .loading import EXIT_BIND, EXIT_LOAD, HaltServer, describe_exit
@@ -100,6 +104,7 @@ class Loading:
         self.notify, self.tick, self.what, self.every = notify, tick, what, every
         self.stop_signal = None
         self._old = {}
+        self._old_unraisable = None
 
     def __enter__(self):
         self.t0 = time.monotonic()
@@ -109,11 +114,15 @@ class Loading:
         signal.siginterrupt(signal.SIGALRM, False)     # C code's blocking calls resume, never see EINTR
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_stop)
+        self._old_unraisable = sys.unraisablehook
+        sys.unraisablehook = self._on_unraisable
         self._on_alarm()                    # at once: a warm start may be over before the first tick
         signal.setitimer(signal.ITIMER_REAL, self.every, self.every)
         return self
 
     def _on_alarm(self, *_):
+        if self.stop_signal is not None:    # a stop swallowed by a C callback (_on_unraisable)
+            self._on_stop(self.stop_signal, None)
         try:
             self.notify(f"EXTEND_TIMEOUT_USEC={EXTEND_S * 1_000_000}\nSTATUS=starting: loading {self.what} and "
                         f"compiling kernels ({time.monotonic() - self.t0:.0f}s)")
@@ -126,8 +135,17 @@ class Loading:
         self.stop_signal = signum
         raise HaltServer(f"{signal.Signals(signum).name} while loading {self.what}: stopped", 0)
 
+    def _on_unraisable(self, unraisable):
+        """The stop raised inside a C callback, which swallowed it: raise it again from the next step."""
+        if isinstance(unraisable.exc_value, HaltServer) and self.stop_signal is not None:
+            # not from here (a handler run inside this hook is swallowed again): the alarm, 1 ms on
+            signal.setitimer(signal.ITIMER_REAL, 0.001, self.every)
+        else:
+            self._old_unraisable(unraisable)
+
     def __exit__(self, kind, exc, tb):
         signal.setitimer(signal.ITIMER_REAL, 0)
+        sys.unraisablehook = self._old_unraisable
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
         if self.stop_signal is not None:   # whatever the load made of the exception the handler raised
