@@ -21,8 +21,8 @@ import pytest
 import requests
 
 from colibri_server.bundled import BUNDLED_MODEL
-from colibri_server.loading import HaltServer
-from colibri_server.startup import Loading
+from colibri_server.master.loading import HaltServer
+from colibri_server.master.startup import Loading
 from colibri_server.client import Client, ColibriError
 from server_harness import READY_TIMEOUT, Server, child_env, wait_started
 from test_http import free_port
