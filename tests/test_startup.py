@@ -115,18 +115,21 @@ def test_term_while_loading_stops_at_once_and_leaves_nothing(tmp_path):
 
 
 def test_while_loading_the_server_answers_starting_and_systemd_waits(tmp_path):
-    """A cold compile: from the first notification to systemd (sent as the load begins), the
-    gateway answers 503 "starting" with Retry-After on /health and the API, the router says
-    "starting" and refuses requests with it; READY=1 comes once the workers serve, and then so
-    does the gateway."""
+    """From the first notification to systemd (sent as the load begins), the gateway answers 503
+    "starting" with Retry-After on /health and the API, the router says "starting" and refuses
+    requests with it; READY=1 comes once the workers serve, and then so does the gateway. The
+    master is held (SIGSTOP) in its load from that first notification until the probes are done:
+    a load as long as a cold compile, without paying for one."""
     sd = FakeSystemd(tmp_path / "notify.sock")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     s = Server(BUNDLED_MODEL, tmp_path, workers=1, extra=["--http", f"127.0.0.1:{port}"],
-               env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"),
-                    "NUMBA_CACHE_DIR": str(tmp_path / "cold-numba-cache")})
+               env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
+    held = False
     try:
         sd.collect(lambda m: any("EXTEND_TIMEOUT_USEC=" in x for x in m), READY_TIMEOUT, s.proc)
+        s.signal(signal.SIGSTOP)
+        held = True
         assert "ready:" not in s.logs()
         h = requests.get(url + "/health", timeout=60)
         assert h.status_code == 503 and h.json()["status"] == "starting", h.text
@@ -142,6 +145,8 @@ def test_while_loading_the_server_answers_starting_and_systemd_waits(tmp_path):
             assert e.value.code == "starting" and type(e.value).__name__ == "Starting"
         assert "ready:" not in s.logs(), "the load ended before the probes: they proved nothing"
         assert not any("READY=1" in m for m in sd.messages), sd.messages
+        s.signal(signal.SIGCONT)
+        held = False
         sd.collect(lambda m: any("READY=1" in x for x in m), READY_TIMEOUT, s.proc)  # reading: its queue is short
         s.wait_ready(1)
         s.wait_http(url)
@@ -150,4 +155,6 @@ def test_while_loading_the_server_answers_starting_and_systemd_waits(tmp_path):
         first_ready = next(i for i, m in enumerate(sd.messages) if "READY=1" in m)
         assert first_ready > 0 and all("EXTEND_TIMEOUT_USEC=" in m for m in sd.messages[:first_ready])
     finally:
+        if held:
+            s.signal(signal.SIGCONT)
         s.stop()
