@@ -87,7 +87,8 @@ def test_batched_step_logits_equal_the_one_sequence_forward(built):
     assert np.abs(got[1:] - ref_b).max() < 1e-5
 
 
-@pytest.mark.parametrize("arch,threads", [("mixtral", 1), ("deepseek_v3", 1), ("gpt_oss", 1), ("deepseek_v3", 2)])
+@pytest.mark.parametrize("arch,threads", [("mixtral", 1), ("deepseek_v3", 1), ("gpt_oss", 1),
+                                          pytest.param("deepseek_v3", 2, marks=pytest.mark.slow)])   # 27 s cold
 def test_one_sequence_step_is_the_fused_token_on_the_pool(built, arch, threads):
     """A step of ONE decoding sequence runs the fused decode token on the paged pool (decode_step.py,
     as fast as batch-1 decode was before batching): it stores the keys/values forward_batch stores and

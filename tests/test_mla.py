@@ -96,7 +96,8 @@ def test_threads_give_the_same_tokens(v3):
     assert H.engine_tokens(two, [(PROMPT[:8], 24), (PROMPT[3:30], 8)]) == [want, H.hf_greedy(hf, PROMPT[3:30], 8)]
 
 
-@pytest.mark.parametrize("wdtype", [np.float32, np.uint16, np.int16])
+@pytest.mark.parametrize("wdtype", [np.float32, np.uint16,
+                                    pytest.param(np.int16, marks=pytest.mark.slow)])   # bf16: 24 s cold
 def test_heads_matmul_is_its_twin(wdtype):
     rng = np.random.default_rng(0)
     X = rng.standard_normal((3, 5, 24)).astype(np.float32)

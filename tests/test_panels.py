@@ -150,8 +150,9 @@ def _convert(hf_dir, path, dtype, layout):
     return str(path)
 
 
-@pytest.mark.parametrize("arch", H.ARCHS)
-@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+# every family in f16 and mixtral in bf16 by default; the other bf16 families (20 s each cold) with -m slow
+@pytest.mark.parametrize("arch,dtype", [(a, "f16") for a in H.ARCHS] + [
+    (a, "bf16") if a == "mixtral" else pytest.param(a, "bf16", marks=pytest.mark.slow) for a in H.ARCHS])
 def test_panel_files_are_exact_against_transformers(wide, tmp_path, arch, dtype):
     hf_dir, ref = wide(arch, dtype)
     m = Model.open(_convert(hf_dir, tmp_path / "p.colibri", dtype, "panels"))

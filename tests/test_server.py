@@ -115,6 +115,7 @@ def test_threads_per_worker_splits_decode_and_keeps_the_answers(server, model_pa
         assert ids == want[tuple(prompt)]
 
 
+@pytest.mark.slow   # 56 s cold (threaded panel kernels); test_panels checks them in-process, threads included
 def test_panel_file_served_on_two_threads_keeps_the_answers(server, tmp_path):
     """A file in panels (f16p; hidden 256 so the matrices are whole panels): the threaded panel
     kernels compiled before fork split each panel's rows, and the answers equal one thread's."""
