@@ -675,7 +675,9 @@ class Router:
         for r in list(self.reqs.values()):
             self._end(r, "ended: shutting_down")
             self.error(r.client, r.cid, "shutting_down", "the server stopped before this request finished")
-        self.front.close(linger=500)
+        # the last answers (these, and the workers' own shutting_down just forwarded) must leave before the
+        # exit, also when a loaded machine is slow to schedule the I/O thread; the master kills at 5 s
+        self.front.close(linger=3000)
         if self.curve is not None:
             self.curve.stop()
         self.back.close(linger=0)
