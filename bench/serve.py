@@ -359,7 +359,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t/-tb")
     ap.add_argument("--llama-no-repack", action="store_true",
-                    help="llama-server --no-repack (on the session-9 Xeon VM it hangs at load repacking Q4_0)")
+                    help="llama-server --no-repack (on an AVX-512 Xeon VM listing AMX it hangs or dies at load repacking Q4_0)")
     ap.add_argument("--colibri-bin", default=shutil.which("colibri") or str(pathlib.Path(sys.executable).parent / "colibri"))
     ap.add_argument("--colibri-args", nargs=argparse.REMAINDER, default=[],
                     help="extra `colibri serve` options (default none: the user's defaults)")
