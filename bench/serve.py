@@ -346,8 +346,9 @@ def pct(v, q):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-bin", type=pathlib.Path, default=os.environ.get("LLAMA_CPP_BIN"),
-                    help="directory with llama-server and llama-quantize (or $LLAMA_CPP_BIN)")
+    ap.add_argument("--llama-bin", type=pathlib.Path,
+                    default=os.environ.get("LLAMA_BIN", pathlib.Path(__file__).resolve().parent / ".anchors" / "bin"),
+                    help="directory with llama-server and llama-quantize ($LLAMA_BIN; default bench/.anchors/bin)")
     ap.add_argument("--data", type=pathlib.Path,
                     default=pathlib.Path(os.environ.get("COLIBRI_BENCH_DATA", "~/.cache/colibri-speed")).expanduser())
     ap.add_argument("--precisions", nargs="+", default=["f16", "q4"], choices=sorted(GGUF))
@@ -358,7 +359,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t/-tb")
     ap.add_argument("--llama-no-repack", action="store_true",
-                    help="llama-server --no-repack (on the session-9 Xeon VM it hangs at load repacking Q4_0)")
+                    help="llama-server --no-repack (on an AVX-512 Xeon VM listing AMX it hangs or dies at load repacking Q4_0)")
     ap.add_argument("--colibri-bin", default=shutil.which("colibri") or str(pathlib.Path(sys.executable).parent / "colibri"))
     ap.add_argument("--colibri-args", nargs=argparse.REMAINDER, default=[],
                     help="extra `colibri serve` options (default none: the user's defaults)")
@@ -376,7 +377,7 @@ def main():
         a.tmp = tempfile.mkdtemp(prefix="bench-fleet-")
         return fleet_main(a)
     if a.llama_bin is None or not (a.llama_bin / "llama-server").exists():
-        ap.error("--llama-bin DIR with llama-server (bench/README.md says how to build it)")
+        ap.error("--llama-bin DIR with llama-server (bench/build_anchors.sh builds it into bench/.anchors/bin)")
     a.data.mkdir(parents=True, exist_ok=True)
     a.tmp = tempfile.mkdtemp(prefix="bench-serve-")
     col, ggufs = build(a.data, a.precisions, a.llama_bin)

@@ -6,7 +6,7 @@ For each B: B requests of 32 random prompt tokens join one engine (kv f16, the s
 max_batch_tokens), their prompts are prefilled, then 8 decode steps of B rows each are timed. Prints ms
 per step, tok/s and the ratio to the fused single-stream decode (Model.decode) of the same process.
 No llama.cpp here: bench/serve.py is the end-to-end comparison; this isolates the engine (what
-session 9's kernel and MoE changes were measured with). The machine must be quiet.
+the batched kernels and the one-call MoE were measured with). The machine must be quiet.
 """
 from __future__ import annotations
 

@@ -28,8 +28,7 @@ from test_gguf_import import PROMPT, _import
 
 T = gguf.MODEL_TENSOR
 Q = gguf.GGMLQuantizationType
-LLAMA_CPP = os.environ.get("LLAMA_CPP_SRC",
-                           os.path.expanduser("~/anchor-data/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP = os.environ.get("LLAMA_CPP_SRC", os.path.join(os.path.dirname(__file__), "..", "bench", ".anchors", "llama.cpp"))
 HF_TO_GGUF = os.path.join(os.path.dirname(__file__), "..", "tools", "hf_to_gguf.py")
 # Phi-MoE: a context of twice the original length (the long factors at the default context), the attention
 # factor llama.cpp's converter writes for that ratio (sqrt(1 + ln 2 / ln 64): the checkpoint's mscales do not
@@ -368,7 +367,7 @@ def test_a_phimoe_gguf_colibri_cannot_represent_is_named(ckpt, tmp_path, bad, ma
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(LLAMA_CPP, "convert_hf_to_gguf.py")),
-                    reason="llama.cpp's source is not on this machine (LLAMA_CPP_SRC)")
+                    reason="llama.cpp's source is not on this machine (bench/build_anchors.sh puts it in bench/.anchors; LLAMA_CPP_SRC)")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpps_own_gguf_imports_to_transformers(ckpt, arch, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py on the same checkpoint (the copy's json files given what the converter

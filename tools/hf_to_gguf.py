@@ -6,19 +6,20 @@ split, what tests/hf_models.train_tokenizer builds) where it would refuse. Every
 
     python tools/hf_to_gguf.py CHECKPOINT_DIR --outtype f16 --outfile model.gguf
 
-The llama.cpp source: $LLAMA_CPP_SRC, else ~/anchor-data/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp
-(../shared/anchors/setup_env.sh downloads it). Needs torch, transformers and numpy (the test extra).
+The llama.cpp source: $LLAMA_CPP_SRC, else bench/.anchors/llama.cpp (bench/build_anchors.sh puts it there).
+Needs torch, transformers and numpy (the test extra).
 """
 import os
 import runpy
 import sys
 
-SRC = os.environ.get("LLAMA_CPP_SRC", os.path.expanduser("~/anchor-data/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+SRC = os.environ.get("LLAMA_CPP_SRC", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", ".anchors",
+                                                   "llama.cpp"))
 
 
 def main() -> None:
     if not os.path.isfile(os.path.join(SRC, "convert_hf_to_gguf.py")):
-        sys.exit(f"hf_to_gguf: no llama.cpp source at {SRC} (set LLAMA_CPP_SRC)")
+        sys.exit(f"hf_to_gguf: no llama.cpp source at {SRC} (run bench/build_anchors.sh or set LLAMA_CPP_SRC)")
     sys.path[:0] = [SRC, os.path.join(SRC, "gguf-py")]
     from conversion import base
 

@@ -15,8 +15,8 @@ small pages: in our mapping, zap them (MADV_DONTNEED), drop them from the page c
 again. Which 2 MiB pieces are small comes from the PAGEMAP_SCAN ioctl (Linux >= 6.7, no
 privilege: categories only, never frame numbers); without it, the whole file is read again
 when smaps counts less than half of it on 2 MiB pages. Small pieces appear when part of the
-file was evicted and came back through read() or a mapping without the advice (a bench run
-of session 5 found 738 of 955 MiB). The page cache stays one shared copy either way.
+file was evicted and came back through read() or a mapping without the advice (after a
+20-minute bench run, 738 of bench-mixtral's 955 MiB were still on 2 MiB pages). The page cache stays one shared copy either way.
 Everything here is best effort: a kernel or filesystem without it leaves 4 KiB pages.
 """
 from __future__ import annotations

@@ -11,7 +11,6 @@ without ever emitting half a character.
 
 from __future__ import annotations
 
-import os
 from typing import Iterable, Sequence
 
 import tokenizers
@@ -91,11 +90,6 @@ class Tokenizer:
             chat_template=chat_template,
             add_bos=add_bos,
         )
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike, **kwargs) -> "Tokenizer":
-        with open(path, "rb") as f:
-            return cls.from_json(f.read(), **kwargs)
 
     # -- properties ------------------------------------------------------
 
@@ -329,11 +323,6 @@ class IncrementalDecoder:
             del self._ids[: self._prefix]
             self._read -= self._prefix
             self._prefix = 0
-
-    @property
-    def pending_ids(self) -> int:
-        """Number of pushed ids whose text has not been emitted yet."""
-        return len(self._ids) - self._read
 
 
 def _unicode_to_byte() -> dict:

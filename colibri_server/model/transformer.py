@@ -58,12 +58,12 @@ class Workspace:
     # up to this many rows, f16/bf16 matrices go through kernels.rowgemm (each weight converted once, in a
     # register, for every row) instead of converting 256-row tiles to f32 for BLAS: since rowgemm's IR
     # tile, a 256-row serving step (8 prompts of 32 tokens, bench-mixtral f16, 2 threads) took 727 ms
-    # with it against 808 with tiles above 48 rows (session 9, /tmp/bt/pf.py); both run at the FMA peak
+    # with it against 808 with tiles above 48 rows (a 2-vCPU AVX-512 Xeon); both run at the FMA peak
     ROWGEMM_MAX_ROWS = 256
     # on threads, moe() runs a step's experts in one call (each expert on one thread) up to this many rows,
     # beyond it one expert after another with each matrix's rows split over the threads: bench-mixtral
     # f16, 2 threads, BatchEngine step one call / per expert: B=8 64.8/81.5 ms, 16 95.6/112.2, 24
-    # 120.6/129.6, 32 134.4/127.8 (session 9, /tmp/bt/moe_ab.py); one thread: one call at every size
+    # 120.6/129.6, 32 134.4/127.8 (the same Xeon); one thread: one call at every size
     EXPERTS_ONE_CALL_MAX_ROWS = 24
 
     def __init__(self, cfg: ModelConfig, rows: int, threads: int = 1, prefill_bf16: bool = False):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
-import hmac
 import ipaddress
 import logging
 import os
@@ -52,20 +51,6 @@ class SecurityError(ValueError):
 
 
 # ---------------------------------------------------------------------------- small helpers
-
-def constant_time_equal(a, b) -> bool:
-    """Compare two secrets (str or bytes) in time independent of where they differ.
-    None never equals anything (an unset key must not match an empty one)."""
-    if a is None or b is None:
-        return False
-    if isinstance(a, str):
-        a = a.encode("utf-8")
-    if isinstance(b, str):
-        b = b.encode("utf-8")
-    if not isinstance(a, (bytes, bytearray)) or not isinstance(b, (bytes, bytearray)):
-        raise TypeError("constant_time_equal takes str or bytes")
-    return hmac.compare_digest(bytes(a), bytes(b))
-
 
 def _valid_z85_key(k) -> bool:
     if not isinstance(k, bytes) or len(k) != 40:

@@ -62,7 +62,7 @@ STEP8 = 32           # columns per iteration of the q8 and bf16 micro-kernels
 BF16_ROWS = 64       # weight rows per call of the bf16 micro-kernel (their sums: BF16_ROWS x tokens)
 BF16_R = 4           # rows per pass of the bf16 micro-kernel: 4 x 4 tokens, 16 zmm accumulators
 # bytes the micro-kernels prefetch ahead of the rows they read (kernels/prefetch): a row group's rows are
-# read after its activations are rounded, a pause the hardware prefetchers do not cover. Session 14, Zen 4
+# read after its activations are rounded, a pause the hardware prefetchers do not cover. A 2-vCPU Zen 4
 # VM, one thread, bench-mixtral's q4 expert matrices from DRAM, ms a matrix at 1 / 2 / 4 / 8 tokens:
 # 4 KB 0.10-0.12 / 0.11-0.13 / 0.12-0.17 / 0.20-0.30, 8 KB 0.08 / 0.09 / 0.12 / 0.17-0.20, 16 KB about
 # 8 KB's; none 0.20 / 0.21 / 0.23 / 0.24

@@ -2,7 +2,7 @@
 
 A kernel that multiplies each weight row into several rows of activations (kernels/rowgemm's
 tile, kernels/gemm's micro-kernels) consumes its weights at a few bytes a cycle, and the
-hardware prefetchers do not run far enough ahead of so slow a reader: on the session-14 Zen 4
+hardware prefetchers do not run far enough ahead of so slow a reader: on a 2-vCPU Zen 4
 VM, one thread, 64 f16 expert matrices (2048 x 1024 panels) from DRAM, the 4 x 4 tile took
 0.59 / 0.63 / 0.78 / 1.10 ms a matrix at 1 / 4 / 8 / 16 rows of X, where the one-row matvec
 (27 GB/s) takes 0.16. Asking for the bytes AHEAD beyond the ones being read, into L2

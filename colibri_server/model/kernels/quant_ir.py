@@ -209,28 +209,6 @@ _MAGIC = np.float32(12582912.0)     # 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 
 
 
 @njit(cache=True, inline="always")
-def _absmax(v, k0, k1):
-    # max |v[k0:k1]| in 8 independent lanes (LLVM leaves a float max reduction scalar)
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.float32(0.0)
-    k = k0
-    while k + 8 <= k1:
-        m0 = max(m0, abs(v[k]))
-        m1 = max(m1, abs(v[k + 1]))
-        m2 = max(m2, abs(v[k + 2]))
-        m3 = max(m3, abs(v[k + 3]))
-        m4 = max(m4, abs(v[k + 4]))
-        m5 = max(m5, abs(v[k + 5]))
-        m6 = max(m6, abs(v[k + 6]))
-        m7 = max(m7, abs(v[k + 7]))
-        k += 8
-    m = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
-    while k < k1:
-        m = max(m, abs(v[k]))
-        k += 1
-    return m
-
-
-@njit(cache=True, inline="always")
 def _round(v):
     # float32 -> nearest integer (ties to even) as int32, |v| < 2^22; vectorises (no libm call)
     return np.int32((v + _MAGIC) - _MAGIC)

@@ -14,9 +14,9 @@ accumulators kept across all the panels of a row and reduced once per row, the R
 read from memory once for every group of C rows of X (they stay in L1 for the next group; a last
 group of fewer rows runs the tile of its own width, C = 1..3), and
 asked for 4 KB ahead (kernels/prefetch: without it the tile read DRAM at a third of the matvec's rate).
-The Numba loop above reduces its 8 sums once per panel and ran at ~34 GFLOP/s on one core of the
-session-9 Xeon whatever T; the IR tile at 50-65 (bench-mixtral's shapes, T = 4..32; 4 x 4 was the
-best of 2x8, 3x8, 4x6, 6x4, 8x2 over those shapes: /tmp scratch measurement, one thread).
+The Numba loop above reduces its 8 sums once per panel and ran at ~34 GFLOP/s on one core of a
+2-vCPU AVX-512 Xeon whatever T; the IR tile at 50-65 (bench-mixtral's shapes, T = 4..32; 4 x 4 was the
+best of 2x8, 3x8, 4x6, 6x4, 8x2 over those shapes, one thread).
 
 Weights are 3-D float arrays (nb, d, P): the panels of a f16p/bf16p matrix as stored (panels.py),
 or a row-major (d, n) matrix viewed as one panel (1, d, n); f32, f16 (uint16 bits) or bf16 (int16
