@@ -127,7 +127,7 @@ def test_paged_attention_with_values_narrower_than_keys():
     seq, pos = np.array([0, 0, 1]), np.array([5, 9, 7])
     q = rng.standard_normal((3, H, hd)).astype(np.float32)
     ref = KP.paged_attention_ref(q, pool, pool, tables, seq, pos, 0, 0.3, dv=dv)
-    for kernel in (KP.paged_attention, lambda *a: KT.tiled_attention_par(*a, 2)):
+    for kernel in (KT.tiled_attention, lambda *a: KT.tiled_attention_par(*a, 2)):
         out = np.zeros((3, H, dv), np.float32)
         kernel(q, pool, pool, tables, seq, pos, 0, 0.3, out, np.zeros(0, np.float32))
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ Figures: kernels/attn.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -16,7 +17,7 @@ from numba.extending import intrinsic
 
 from .cpu import FEATURES as _FEATURES
 
-__all__ = ["HAVE_ATTN_IR", "scores8", "tile_scores", "tile_wsum", "wsum_rows"]
+__all__ = ["HAVE_ATTN_IR", "scores8", "tile_exp", "tile_max", "tile_scores", "tile_wsum", "wsum_rows"]
 
 HAVE_ATTN_IR = {"avx2", "fma"} <= _FEATURES
 
@@ -225,5 +226,85 @@ def tile_wsum(typingctx, P, n, Vt, A):
                 block(i, builder.mul(cb.index, _const(16)), 2)
             with cgutils.if_unlikely(builder, builder.icmp_signed("!=", builder.srem(dv, _const(16)), _const(0))):
                 block(i, builder.mul(n16, _const(16)), 1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _splat(builder, v):
+    return _shuffle(builder, builder.insert_element(ir.Constant(_V8, None), v, ir.Constant(ir.IntType(32), 0)),
+                    ir.Constant(_V8, None), [0] * 8)
+
+
+def _fv(x):
+    return ir.Constant(_V8, [ir.Constant(_F32, float(np.float32(x)))] * 8)
+
+
+def _vexp(builder, x):
+    """kernels.expf on 8 lanes, operation for operation (Cephes: range reduction by ln2, degree-6
+    polynomial, the exponent assembled from bits; x > 88.72 -> inf, x < -86 -> 0), no fused operations."""
+    lo, hi = _fv(-86.0), _fv(88.72283)
+    xc = builder.select(builder.fcmp_ordered(">", x, lo), x, lo)
+    xc = builder.select(builder.fcmp_ordered("<", xc, hi), xc, hi)
+    rnd = _fv(12582912.0)
+    n = builder.fsub(builder.fadd(builder.fmul(xc, _fv(1.4426950408889634)), rnd), rnd)
+    r = builder.fsub(builder.fsub(xc, builder.fmul(n, _fv(0.693359375))), builder.fmul(n, _fv(-2.12194440e-4)))
+    p = _fv(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = builder.fadd(builder.fmul(p, r), _fv(c))
+    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), _fv(1.0))
+    i32x8 = ir.VectorType(ir.IntType(32), 8)
+    e = builder.mul(builder.add(builder.fptosi(n, i32x8), ir.Constant(i32x8, [ir.Constant(ir.IntType(32), 126)] * 8)),
+                    ir.Constant(i32x8, [ir.Constant(ir.IntType(32), 8388608)] * 8))
+    e = builder.fmul(builder.fmul(p, _fv(2.0)), builder.bitcast(e, _V8))
+    e = builder.select(builder.fcmp_ordered(">", x, hi), _fv(np.inf), e)
+    return builder.select(builder.fcmp_ordered("<", x, lo), _fv(0.0), e)
+
+
+@intrinsic
+def tile_max(typingctx, St, n, tmax):
+    # St (>= n, NQ) f32, NQ a multiple of 8, n >= 1 -> tmax[i] = max_j St[j, i], j < n
+    sig = types.void(St, n, tmax)
+
+    def codegen(context, builder, signature, args):
+        sa, ta = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2))
+        nk = context.cast(builder, args[1], signature.args[1], types.int64)
+        nq = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
+        tp = builder.bitcast(ta.data, _F32.as_pointer())
+        with cgutils.for_range(builder, builder.sdiv(nq, _const(8))) as g:
+            i = builder.mul(g.index, _const(8))
+            acc = cgutils.alloca_once_value(builder, _fv(-np.inf))
+            builder.store(_fv(-np.inf), acc)
+            with cgutils.for_range(builder, nk) as j:
+                v = _vload(builder, _row(builder, sa, j.index), i)
+                a = builder.load(acc)
+                builder.store(builder.select(builder.fcmp_ordered(">", v, a), v, a), acc)
+            builder.store(builder.load(acc), builder.bitcast(builder.gep(tp, [i]), _V8.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def tile_exp(typingctx, St, n, ms, tsum):
+    # St (>= n, NQ) f32, ms (NQ,), NQ a multiple of 8 -> St[j, i] = expf(St[j, i] - ms[i]) for j < n, and
+    # tsum[i] = their sum, added in key order from 0
+    sig = types.void(St, n, ms, tsum)
+
+    def codegen(context, builder, signature, args):
+        sa, ma, ta = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2, 3))
+        nk = context.cast(builder, args[1], signature.args[1], types.int64)
+        nq = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
+        mp = builder.bitcast(ma.data, _F32.as_pointer())
+        tp = builder.bitcast(ta.data, _F32.as_pointer())
+        with cgutils.for_range(builder, builder.sdiv(nq, _const(8))) as g:
+            i = builder.mul(g.index, _const(8))
+            mv = _vload(builder, mp, i)
+            acc = cgutils.alloca_once_value(builder, _fv(0.0))
+            builder.store(_fv(0.0), acc)
+            with cgutils.for_range(builder, nk) as j:
+                ptr = builder.bitcast(builder.gep(_row(builder, sa, j.index), [i]), _V8.as_pointer())
+                e = _vexp(builder, builder.fsub(builder.load(ptr, align=4), mv))
+                builder.store(e, ptr, align=4)
+                builder.store(builder.fadd(builder.load(acc), e), acc)
+            builder.store(builder.load(acc), builder.bitcast(builder.gep(tp, [i]), _V8.as_pointer()), align=4)
         return context.get_dummy_value()
     return sig, codegen

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attn_ir import HAVE_ATTN_IR, tile_scores, tile_wsum
+from .attn_ir import HAVE_ATTN_IR, tile_exp, tile_max, tile_scores, tile_wsum
 from .base import expf, to_f32
 
 TILE = 64          # keys converted at once and scored against every query vector of an item
@@ -91,15 +91,28 @@ def _first(p, window):
 @njit(cache=True)
 def _load_rows(pool, table, kh, k0, n, dst):
     # positions k0..k0+n-1 of kv head kh -> dst (>= n, >= d) f32, the first d = dst.shape[1] dims of each
-    # (the columns beyond the pool's stay zero)
-    BS = pool.shape[2]
-    d = min(dst.shape[1], pool.shape[3])
-    for j in range(n):
+    # (the columns beyond the pool's stay zero); a block's rows at once
+    BS, hd = pool.shape[2], pool.shape[3]
+    d = min(dst.shape[1], hd)
+    flat = dst.shape[1] == hd
+    j = 0
+    while j < n:
         p = k0 + j
-        src = pool[table[p // BS], kh, p % BS]
-        row = dst[j]
-        for c in range(d):
-            row[c] = to_f32(src[c])
+        o = p % BS
+        cnt = min(BS - o, n - j)
+        src = pool[table[p // BS], kh]
+        if flat:
+            s1 = src.reshape(BS * hd)[o * hd:(o + cnt) * hd]
+            d1 = dst[j:j + cnt].reshape(cnt * hd)
+            for e in range(cnt * hd):
+                d1[e] = to_f32(s1[e])
+        else:
+            for r in range(cnt):
+                sr = src[o + r]
+                dr = dst[j + r]
+                for c in range(d):
+                    dr[c] = to_f32(sr[c])
+        j += cnt
 
 
 @njit(cache=True)
@@ -139,10 +152,10 @@ def _wsum(P, n, Vt, A):
 
 
 @njit(cache=True, error_model="numpy")
-def _tile(St, n, k0, lo, hi, masked, m, l, A, tmax, ms, corr, tsum, Vt):
-    # one tile's scores St[:n] (keys k0..k0+n-1, all query vectors) into the running max m, sum l and
-    # weighted sum A of each vector: a key outside [lo[i], hi[i]] weighs exactly 0
-    nq = St.shape[1]
+def _tile(St, n, k0, lo, hi, masked, m, l, A, tmax, ms, corr, tsum, Vt, nq):
+    # one tile's scores St[:n] (keys k0..k0+n-1) into the running max m, sum l and weighted sum A of the
+    # first nq query vectors (a multiple of 4; St's columns beyond them are not read): a key outside
+    # [lo[i], hi[i]] weighs exactly 0
     if masked:
         for j in range(n):
             s = St[j]
@@ -150,24 +163,32 @@ def _tile(St, n, k0, lo, hi, masked, m, l, A, tmax, ms, corr, tsum, Vt):
             for i in range(nq):
                 if p < lo[i] or p > hi[i]:
                     s[i] = _NEG_INF
-    for i in range(nq):
-        tmax[i] = _NEG_INF
-        tsum[i] = 0.0
-    for j in range(n):
-        s = St[j]
-        for i in range(nq):
-            tmax[i] = max(tmax[i], s[i])
-    for i in range(nq):
+    nqp = St.shape[1]
+    if HAVE_ATTN_IR:
+        tile_max(St, n, tmax)
+    else:
+        for i in range(nqp):
+            tmax[i] = _NEG_INF
+        for j in range(n):
+            s = St[j]
+            for i in range(nqp):
+                tmax[i] = max(tmax[i], s[i])
+    for i in range(nqp):
         mn = max(m[i], tmax[i])
         ms[i] = mn if mn != _NEG_INF else np.float32(0.0)
         corr[i] = expf(m[i] - ms[i])
         m[i] = mn
-    for j in range(n):
-        s = St[j]
-        for i in range(nq):
-            e = expf(s[i] - ms[i])
-            s[i] = e
-            tsum[i] += e
+    if HAVE_ATTN_IR:
+        tile_exp(St, n, ms, tsum)
+    else:
+        for i in range(nqp):
+            tsum[i] = 0.0
+        for j in range(n):
+            s = St[j]
+            for i in range(nqp):
+                e = expf(s[i] - ms[i])
+                s[i] = e
+                tsum[i] += e
     dv = A.shape[1]
     for i in range(nq):
         l[i] = l[i] * corr[i] + tsum[i]
@@ -175,7 +196,7 @@ def _tile(St, n, k0, lo, hi, masked, m, l, A, tmax, ms, corr, tsum, Vt):
         cr = corr[i]
         for c in range(dv):
             a[c] *= cr
-    _wsum(St, n, Vt, A)
+    _wsum(St, n, Vt, A[:nq])
 
 
 @njit(cache=True, error_model="numpy")
@@ -220,6 +241,7 @@ def _segment(q, kpool, vpool, table, kh, r0, r1, h0, gh, s, window, scale, sc):
     lo, hi = bounds[0], bounds[1]
     m, l, tmax, ms, corr, tsum = vec[0], vec[1], vec[2], vec[3], vec[4], vec[5]
     nq = (r1 - r0) * gh
+    nq4 = (nq + 3) // 4 * 4
     nqp = Qt.shape[1]
     lo_min, hi_max = lo[0], hi[nq - 1]
     for i in range(nq):
@@ -246,7 +268,7 @@ def _segment(q, kpool, vpool, table, kh, r0, r1, h0, gh, s, window, scale, sc):
         _load_rows(vpool, table, kh, ks, n, Vt)
         _scores(Kt, n, Qt, St)
         masked = ks < lo_max or ke - 1 > hi_min
-        _tile(St, n, ks, lo, hi, masked, m, l, acc, tmax, ms, corr, tsum, Vt)
+        _tile(St, n, ks, lo, hi, masked, m, l, acc, tmax, ms, corr, tsum, Vt, nq4)
         t += TILE
     return True
 
