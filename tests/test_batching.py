@@ -65,7 +65,8 @@ def test_f16_kv_pool_keeps_the_greedy_tokens(built, arch):
 
 def test_batched_step_logits_equal_the_one_sequence_forward(built):
     """One step holding a decode row of one sequence and a prefill chunk of another: each row's logits
-    equal Model.logits of its own sequence within 1e-5 (f32), so no row reads another's KV."""
+    equal Model.logits of its own sequence within 2e-5 (f32: the pool's tiled attention sums in another
+    order than the contiguous cache's), so no row reads another's KV."""
     m = Model.open(built("qwen3_moe").colibri("f32"))
     V = m.config.vocab_size
     rng = np.random.default_rng(5)
@@ -83,8 +84,8 @@ def test_batched_step_logits_equal_the_one_sequence_forward(built):
                 list(range(len(b) + 1)))
     got = forward_batch(m.config, m.weights, m.rope, ws, pool, rows, np.zeros((len(b) + 1, V), np.float32))
     ref_a, ref_b = m.logits(a), m.logits(b)
-    assert np.abs(got[0] - ref_a[20]).max() < 1e-5
-    assert np.abs(got[1:] - ref_b).max() < 1e-5
+    assert np.abs(got[0] - ref_a[20]).max() < 2e-5
+    assert np.abs(got[1:] - ref_b).max() < 2e-5
 
 
 @pytest.mark.parametrize("arch,threads", [("mixtral", 1), ("deepseek_v3", 1), ("gpt_oss", 1),

@@ -16,6 +16,7 @@ from colibri_server.model import Model
 from colibri_server.model import kernels as K
 from colibri_server.model.convert import convert
 from colibri_server.model.kernels import paged as KP
+from colibri_server.model.kernels import tiled as KT
 from colibri_server.model.mxfp4 import E2M1, dequantize
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 512, size=40)]
@@ -185,7 +186,7 @@ def test_attention_with_sinks_is_its_twin():
     pos = np.arange(start, start + T)
     pref = KP.paged_attention_ref(q, kp, vp, tables, np.zeros(T, np.int64), pos, window, 0.3, sinks=sinks)
     np.testing.assert_allclose(pref, ref, rtol=1e-5, atol=2e-6)
-    for kernel in (KP.paged_attention, lambda *a: KP.paged_attention_par(*a, 2)):
+    for kernel in (KT.tiled_attention, lambda *a: KT.tiled_attention_par(*a, 2)):
         o = np.zeros_like(q)
         kernel(q, kp, vp, tables, np.zeros(T, np.int64), pos, window, 0.3, o, sinks)
         np.testing.assert_allclose(o, ref, rtol=1e-5, atol=2e-6)

@@ -1,12 +1,13 @@
 """The serving step's kernels against their numpy twins: rowgemm (X (B,n) @ W.T, each weight row read
 once for the batch; f32/f16/bf16, rows or panels, threads) and the paged KV cache (write_kv,
-paged_attention over block tables, f32 and f16 pools, sliding windows, threads)."""
+tiled_attention over block tables, f32 and f16 pools, sliding windows, threads)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from colibri_server.model.kernels import paged as KP
+from colibri_server.model.kernels import tiled as KT
 from colibri_server.model.kernels import rowgemm as RG
 from colibri_server.model.kernels.packing import to_panels
 
@@ -117,14 +118,14 @@ def test_paged_attention_is_attention_over_each_rows_own_blocks(kvdt, window):
         assert np.array_equal(kp[blocks[0], :, 0], KP.to_f16_bits(k[0]))
     q = rng.standard_normal((5, H, hd)).astype(np.float32)
     out, out2 = np.zeros_like(q), np.zeros_like(q)
-    KP.paged_attention(q, kp, vp, tables, row_seq, row_pos, window, 0.25, out, NO_SINKS)
-    KP.paged_attention_par(q, kp, vp, tables, row_seq, row_pos, window, 0.25, out2, NO_SINKS, 2)
+    KT.tiled_attention(q, kp, vp, tables, row_seq, row_pos, window, 0.25, out, NO_SINKS)
+    KT.tiled_attention_par(q, kp, vp, tables, row_seq, row_pos, window, 0.25, out2, NO_SINKS, 2)
     ref = KP.paged_attention_ref(q, kp, vp, tables, row_seq, row_pos, window, 0.25)
     assert np.abs(out - ref).max() < 1e-5
     assert np.array_equal(out, out2)
     # a row pointed at the other sequence's table gives another answer (the test can see a mix-up)
     wrong = np.zeros_like(q)
-    KP.paged_attention(q, kp, vp, tables, np.array([0, 0, 0, 0, 1]), row_pos, window, 0.25, wrong, NO_SINKS)
+    KT.tiled_attention(q, kp, vp, tables, np.array([0, 0, 0, 0, 1]), row_pos, window, 0.25, wrong, NO_SINKS)
     assert np.abs(wrong[3] - ref[3]).max() > 1e-3
 
 
@@ -132,7 +133,7 @@ def test_paged_attention_refuses_a_position_beyond_its_table():
     kp, vp = _pool(np.float32, None)
     q = np.zeros((1, 4, 16), np.float32)
     with pytest.raises(ValueError, match="beyond its block table"):
-        KP.paged_attention(q, kp, vp, np.zeros((1, 2), np.int32), np.zeros(1, np.int64), np.array([8]), 0, 1.0,
+        KT.tiled_attention(q, kp, vp, np.zeros((1, 2), np.int32), np.zeros(1, np.int64), np.array([8]), 0, 1.0,
                            np.zeros_like(q), NO_SINKS)
 
 

@@ -12,6 +12,7 @@ from colibri_server.model import Model
 from colibri_server.model.convert import convert
 from colibri_server.model.kernels import heads as KH
 from colibri_server.model.kernels import paged as KP
+from colibri_server.model.kernels import tiled as KT
 from colibri_server.model.kv import block_bytes
 from colibri_server.model.serving import BatchEngine
 
@@ -127,12 +128,12 @@ def test_paged_attention_with_values_narrower_than_keys():
     seq, pos = np.array([0, 0, 1]), np.array([5, 9, 7])
     q = rng.standard_normal((3, H, hd)).astype(np.float32)
     ref = KP.paged_attention_ref(q, pool, pool, tables, seq, pos, 0, 0.3, dv=dv)
-    for kernel in (KP.paged_attention, lambda *a: KP.paged_attention_par(*a, 2)):
+    for kernel in (KT.tiled_attention, lambda *a: KT.tiled_attention_par(*a, 2)):
         out = np.zeros((3, H, dv), np.float32)
         kernel(q, pool, pool, tables, seq, pos, 0, 0.3, out, np.zeros(0, np.float32))
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
-        KP.paged_attention(q, pool, pool, tables, seq, pos, 0, 0.3, np.zeros((3, H, hd + 8), np.float32),
+        KT.tiled_attention(q, pool, pool, tables, seq, pos, 0, 0.3, np.zeros((3, H, hd + 8), np.float32),
                            np.zeros(0, np.float32))
 
 
@@ -195,10 +196,10 @@ def test_paged_attention_on_threads_splits_one_rows_heads_bit_for_bit():
         sinks = rng.standard_normal(H).astype(np.float32)
         args = (tables, np.zeros(1, np.int64), np.array([33]), 0, 0.3)
         one, two = np.zeros((1, H, dv), np.float32), np.full((1, H, dv), np.nan, np.float32)
-        KP.paged_attention(q, kp, vp, *args, one, sinks)
+        KT.tiled_attention(q, kp, vp, *args, one, sinks)
         numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
         try:
-            KP.paged_attention_par(q, kp, vp, *args, two, sinks, 2)
+            KT.tiled_attention_par(q, kp, vp, *args, two, sinks, 2)
         finally:
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         np.testing.assert_array_equal(two, one)

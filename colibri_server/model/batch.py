@@ -17,6 +17,7 @@ import numpy as np
 
 from . import kernels as K
 from .kernels import paged as KP
+from .kernels import tiled as KT
 from . import mla as MLA
 from .config import ModelConfig
 from .moe import moe, swiglu
@@ -54,9 +55,9 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
     scale = attention_scale(cfg)
     if ws.threads > 1:
         def attend(*args):
-            KP.paged_attention_par(*args, ws.threads)
+            KT.tiled_attention_par(*args, ws.threads)
     else:
-        attend = KP.paged_attention
+        attend = KT.tiled_attention
     x, h, sub = ws.x[:N], ws.h[:N], ws.sub[:N]                                 # (N,D)
 
     K.embed(w.token_embd, rows.tokens, x)

@@ -22,7 +22,7 @@ wants one type, get None from `build`, and forward keeps its general path.
 With threads > 1 (a workspace of several scratch rows) every matrix's rows, q|k|v, wo, the
 experts and the head, are split over Numba threads inside the one call, and attention's kv
 heads run side by side (a 2-D scores scratch; on the paged pool its query heads split over the
-threads, as forward_batch's paged_attention_par does); the router stays on the calling thread.
+threads, as forward_batch's tiled_attention_par does); the router stays on the calling thread.
 forward's general path on threads runs the q|k|v stack and matrices of PAR_MIN_WEIGHTS and
 more on threads, and pays a Python dispatch per matrix.
 """

@@ -308,7 +308,7 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
     """The threaded kernels of the batched step, compiled by signature without running them."""
     import numba
     from . import kernels as K
-    from .kernels import paged as KP
+    from .kernels import tiled as KT
     from .kernels import rowgemm as RG
     from .panels import Panels, kernel_array
     from .kernels import parallel_runtime
@@ -360,7 +360,7 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
     if step is not None:
         step.compile_paged(model.rope, pool)
     q = np.zeros((1, cfg.num_heads, cfg.cache_dim), np.float32)
-    KP.paged_attention_par.compile(sig(q, pool.k[0], pool.v[0], np.zeros((1, 1), np.int32), np.zeros(1, np.int64),
+    KT.tiled_attention_par.compile(sig(q, pool.k[0], pool.v[0], np.zeros((1, 1), np.int32), np.zeros(1, np.int64),
                                        np.zeros(1, np.int64), cfg.sliding_window, 1.0, q, w.layers[0].sinks, 2))
     if cfg.mla:
         from .mla import compile_threaded as mla_compile

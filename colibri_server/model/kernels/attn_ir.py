@@ -9,6 +9,7 @@ Figures: kernels/attn.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -16,7 +17,7 @@ from numba.extending import intrinsic
 
 from .cpu import FEATURES as _FEATURES
 
-__all__ = ["HAVE_ATTN_IR", "scores8", "wsum_rows"]
+__all__ = ["HAVE_ATTN_IR", "scores8", "tile_exp", "tile_max", "tile_scores", "tile_wsum", "wsum_rows"]
 
 HAVE_ATTN_IR = {"avx2", "fma"} <= _FEATURES
 
@@ -119,5 +120,191 @@ def wsum_rows(typingctx, w, V, o):
             block(builder.mul(b.index, ir.Constant(_I64, 64)), 8)
         with cgutils.for_range(builder, builder.sub(nvec, builder.mul(nfull, ir.Constant(_I64, 8)))) as r:
             block(builder.add(builder.mul(nfull, ir.Constant(_I64, 64)), builder.mul(r.index, ir.Constant(_I64, 8))), 1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _bcast(builder, p, k):
+    """The float at p[k] in all 8 lanes."""
+    e = builder.load(builder.gep(p, [k]))
+    v = builder.insert_element(ir.Constant(_V8, None), e, ir.Constant(ir.IntType(32), 0))
+    return _shuffle(builder, v, v, [0] * 8)
+
+
+def _const(n):
+    return ir.Constant(_I64, n)
+
+
+@intrinsic
+def tile_scores(typingctx, Kt, n, Qt, St):
+    # Kt (>= n, d) f32 key rows, Qt (d, NQ) f32 the queries' columns, NQ a multiple of 8 -> St[j, i] =
+    # sum_c Kt[j, c] * Qt[c, i] for j < n, every element one fma chain over c = 0..d-1 from 0, whichever
+    # block of 4 keys x 16 queries computes it (its bits do not depend on n, NQ or its place)
+    sig = types.void(Kt, n, Qt, St)
+
+    def codegen(context, builder, signature, args):
+        ka, qa, sa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2, 3))
+        nk = context.cast(builder, args[1], signature.args[1], types.int64)
+        d = cgutils.unpack_tuple(builder, ka.shape, 2)[1]
+        nq = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
+        fma = _fma(builder)
+
+        def block(j, i, keys, vecs):      # keys x (8 * vecs) scores at (j, i)
+            krows = [_row(builder, ka, builder.add(j, _const(r))) for r in range(keys)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, None)) for _ in range(vecs)]
+                    for _ in range(keys)]
+            for row in accs:
+                for a in row:
+                    builder.store(ir.Constant(_V8, None), a)
+            with cgutils.for_range(builder, d) as c:
+                qrow = _row(builder, qa, c.index)
+                qv = [_vload(builder, qrow, builder.add(i, _const(8 * v))) for v in range(vecs)]
+                for r in range(keys):
+                    kb = _bcast(builder, krows[r], c.index)
+                    for v in range(vecs):
+                        builder.store(builder.call(fma, [kb, qv[v], builder.load(accs[r][v])]), accs[r][v])
+            for r in range(keys):
+                srow = _row(builder, sa, builder.add(j, _const(r)))
+                for v in range(vecs):
+                    dst = builder.bitcast(builder.gep(srow, [builder.add(i, _const(8 * v))]), _V8.as_pointer())
+                    builder.store(builder.load(accs[r][v]), dst, align=4)
+
+        def keys_of(j, keys):
+            n16 = builder.sdiv(nq, _const(16))
+            with cgutils.for_range(builder, n16) as b:
+                block(j, builder.mul(b.index, _const(16)), keys, 2)
+            with cgutils.if_unlikely(builder, builder.icmp_signed("!=", builder.srem(nq, _const(16)), _const(0))):
+                block(j, builder.mul(n16, _const(16)), keys, 1)
+
+        n4 = builder.sdiv(nk, _const(4))
+        with cgutils.for_range(builder, n4) as b:
+            keys_of(builder.mul(b.index, _const(4)), 4)
+        with cgutils.for_range(builder, builder.sub(nk, builder.mul(n4, _const(4)))) as r:
+            keys_of(builder.add(builder.mul(n4, _const(4)), r.index), 1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def tile_wsum(typingctx, P, n, Vt, A):
+    # P (>= n, NQ) f32 weights of n keys for NQ queries, Vt (>= n, DV) f32 value rows, A (NQ, DV) f32, NQ a
+    # multiple of 4 and DV of 8 -> A[i, c] += sum_j P[j, i] * Vt[j, c], one fma chain over j = 0..n-1 from
+    # A[i, c] for every element, whichever block of 4 queries x 16 columns computes it
+    sig = types.void(P, n, Vt, A)
+
+    def codegen(context, builder, signature, args):
+        pa, va, aa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2, 3))
+        nk = context.cast(builder, args[1], signature.args[1], types.int64)
+        nq, dv = cgutils.unpack_tuple(builder, aa.shape, 2)
+        fma = _fma(builder)
+
+        def block(i, c0, vecs):            # 4 queries x (8 * vecs) columns at (i, c0)
+            arows = [_row(builder, aa, builder.add(i, _const(r))) for r in range(4)]
+            ptrs = [[builder.bitcast(builder.gep(arows[r], [builder.add(c0, _const(8 * v))]), _V8.as_pointer())
+                     for v in range(vecs)] for r in range(4)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, None)) for _ in range(vecs)]
+                    for _ in range(4)]
+            for r in range(4):
+                for v in range(vecs):
+                    builder.store(builder.load(ptrs[r][v], align=4), accs[r][v])
+            with cgutils.for_range(builder, nk) as j:
+                prow = _row(builder, pa, j.index)
+                vrow = _row(builder, va, j.index)
+                vv = [_vload(builder, vrow, builder.add(c0, _const(8 * v))) for v in range(vecs)]
+                for r in range(4):
+                    pb = _bcast(builder, prow, builder.add(i, _const(r)))
+                    for v in range(vecs):
+                        builder.store(builder.call(fma, [pb, vv[v], builder.load(accs[r][v])]), accs[r][v])
+            for r in range(4):
+                for v in range(vecs):
+                    builder.store(builder.load(accs[r][v]), ptrs[r][v], align=4)
+
+        with cgutils.for_range(builder, builder.sdiv(nq, _const(4))) as ib:
+            i = builder.mul(ib.index, _const(4))
+            n16 = builder.sdiv(dv, _const(16))
+            with cgutils.for_range(builder, n16) as cb:
+                block(i, builder.mul(cb.index, _const(16)), 2)
+            with cgutils.if_unlikely(builder, builder.icmp_signed("!=", builder.srem(dv, _const(16)), _const(0))):
+                block(i, builder.mul(n16, _const(16)), 1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _splat(builder, v):
+    return _shuffle(builder, builder.insert_element(ir.Constant(_V8, None), v, ir.Constant(ir.IntType(32), 0)),
+                    ir.Constant(_V8, None), [0] * 8)
+
+
+def _fv(x):
+    return ir.Constant(_V8, [ir.Constant(_F32, float(np.float32(x)))] * 8)
+
+
+def _vexp(builder, x):
+    """kernels.expf on 8 lanes, operation for operation (Cephes: range reduction by ln2, degree-6
+    polynomial, the exponent assembled from bits; x > 88.72 -> inf, x < -86 -> 0), no fused operations."""
+    lo, hi = _fv(-86.0), _fv(88.72283)
+    xc = builder.select(builder.fcmp_ordered(">", x, lo), x, lo)
+    xc = builder.select(builder.fcmp_ordered("<", xc, hi), xc, hi)
+    rnd = _fv(12582912.0)
+    n = builder.fsub(builder.fadd(builder.fmul(xc, _fv(1.4426950408889634)), rnd), rnd)
+    r = builder.fsub(builder.fsub(xc, builder.fmul(n, _fv(0.693359375))), builder.fmul(n, _fv(-2.12194440e-4)))
+    p = _fv(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = builder.fadd(builder.fmul(p, r), _fv(c))
+    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), _fv(1.0))
+    i32x8 = ir.VectorType(ir.IntType(32), 8)
+    e = builder.mul(builder.add(builder.fptosi(n, i32x8), ir.Constant(i32x8, [ir.Constant(ir.IntType(32), 126)] * 8)),
+                    ir.Constant(i32x8, [ir.Constant(ir.IntType(32), 8388608)] * 8))
+    e = builder.fmul(builder.fmul(p, _fv(2.0)), builder.bitcast(e, _V8))
+    e = builder.select(builder.fcmp_ordered(">", x, hi), _fv(np.inf), e)
+    return builder.select(builder.fcmp_ordered("<", x, lo), _fv(0.0), e)
+
+
+@intrinsic
+def tile_max(typingctx, St, n, tmax):
+    # St (>= n, NQ) f32, NQ a multiple of 8, n >= 1 -> tmax[i] = max_j St[j, i], j < n
+    sig = types.void(St, n, tmax)
+
+    def codegen(context, builder, signature, args):
+        sa, ta = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2))
+        nk = context.cast(builder, args[1], signature.args[1], types.int64)
+        nq = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
+        tp = builder.bitcast(ta.data, _F32.as_pointer())
+        with cgutils.for_range(builder, builder.sdiv(nq, _const(8))) as g:
+            i = builder.mul(g.index, _const(8))
+            acc = cgutils.alloca_once_value(builder, _fv(-np.inf))
+            builder.store(_fv(-np.inf), acc)
+            with cgutils.for_range(builder, nk) as j:
+                v = _vload(builder, _row(builder, sa, j.index), i)
+                a = builder.load(acc)
+                builder.store(builder.select(builder.fcmp_ordered(">", v, a), v, a), acc)
+            builder.store(builder.load(acc), builder.bitcast(builder.gep(tp, [i]), _V8.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def tile_exp(typingctx, St, n, ms, tsum):
+    # St (>= n, NQ) f32, ms (NQ,), NQ a multiple of 8 -> St[j, i] = expf(St[j, i] - ms[i]) for j < n, and
+    # tsum[i] = their sum, added in key order from 0
+    sig = types.void(St, n, ms, tsum)
+
+    def codegen(context, builder, signature, args):
+        sa, ma, ta = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2, 3))
+        nk = context.cast(builder, args[1], signature.args[1], types.int64)
+        nq = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
+        mp = builder.bitcast(ma.data, _F32.as_pointer())
+        tp = builder.bitcast(ta.data, _F32.as_pointer())
+        with cgutils.for_range(builder, builder.sdiv(nq, _const(8))) as g:
+            i = builder.mul(g.index, _const(8))
+            mv = _vload(builder, mp, i)
+            acc = cgutils.alloca_once_value(builder, _fv(0.0))
+            builder.store(_fv(0.0), acc)
+            with cgutils.for_range(builder, nk) as j:
+                ptr = builder.bitcast(builder.gep(_row(builder, sa, j.index), [i]), _V8.as_pointer())
+                e = _vexp(builder, builder.fsub(builder.load(ptr, align=4), mv))
+                builder.store(e, ptr, align=4)
+                builder.store(builder.fadd(builder.load(acc), e), acc)
+            builder.store(builder.load(acc), builder.bitcast(builder.gep(tp, [i]), _V8.as_pointer()), align=4)
         return context.get_dummy_value()
     return sig, codegen

@@ -7,7 +7,7 @@ covers; moe_float/moe_quant and rope_cache_attend are the per-layer steps forwar
 Its cache is either a sequence's own (L,Hkv,S,hd) arrays (Model.decode) or a paged pool
 (L,NB,Hkv,BS,hd) with the sequence's block table (a serving step of one decoding sequence:
 serving.BatchEngine), chosen by the arrays' rank; the paged keys/values are stored and read as
-forward_batch does (paged.write_kv's rounding, paged.paged_attention's row kernel).
+forward_batch does (paged.write_kv's rounding, kernels/tiled's attention: the same bits for a row).
 Each function calls the same kernels, in the same order, as transformer.forward's general
 path, so the logits are bit for bit the same (tests/test_parity.py checks it).
 """
@@ -18,7 +18,8 @@ from numba import literal_unroll, njit, types
 from numba.extending import overload
 
 from .attn import attend
-from .paged import _attend_row, _put_row, paged_attention_par
+from .paged import _put_row
+from .tiled import tiled_attention, tiled_attention_par
 from .dense import _matvec_core, embed, layernorm, matvec_stack, rmsnorm, rope
 from .heads import heads_matmul, heads_matmul_par
 from .moe import (_matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, matvec_qkv_par, route, route_rule,
@@ -75,21 +76,21 @@ def _store_attend_overload(kc, vc, table, l, q3, k3, v3, start, window, scale, o
     par = _threaded(xs)
 
     def paged(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks, xs):
-        # (L,NB,Hkv,BS,hd) pool, table the sequence's blocks; scores a 1-D scratch of >= H/Hkv * (start+1). On
-        # threads the query heads split over them as forward_batch's paged_attention_par does for one row
+        # (L,NB,Hkv,BS,hd) pool, table the sequence's blocks (scores unused). On threads the kv heads, or a
+        # long sequence's segments, split over them as forward_batch's tiled_attention_par does for one row
         BS = kc.shape[3]
         b, o = table[start // BS], start % BS
         for h in range(k3.shape[1]):
             _put_row(k3[0, h], kc[l, b, h, o])
             _put_row(v3[0, h], vc[l, b, h, o])
+        row = np.zeros(1, np.int64)
+        row_pos = np.full(1, start, np.int64)
         if par:
-            row = np.zeros(1, np.int64)
-            row_pos = np.full(1, start, np.int64)
-            paged_attention_par(q3, kc[l], vc[l], table.reshape((1, table.shape[0])), row, row_pos, window, scale,
+            tiled_attention_par(q3, kc[l], vc[l], table.reshape((1, table.shape[0])), row, row_pos, window, scale,
                                 out, sinks, xs.shape[0] // 2)
         else:
-            acc = np.empty((q3.shape[1] // k3.shape[1], out.shape[2]), np.float32)
-            _attend_row(q3[0], kc[l], vc[l], table, start, window, scale, out[0], scores, acc, sinks)
+            tiled_attention(q3, kc[l], vc[l], table.reshape((1, table.shape[0])), row, row_pos, window, scale, out,
+                            sinks)
     return paged
 
 
