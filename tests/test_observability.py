@@ -122,3 +122,46 @@ def test_expert_counts_sum_to_tokens_times_top_k_per_layer(obs):
     for name in ("colibri_http_prefill_seconds", "colibri_http_decode_seconds", "colibri_worker_kv_blocks_used",
                  "colibri_worker_prefill_tokens"):
         assert name in fams, name
+
+
+def _sample(fams, family, url):
+    """The one sample of a family of vLLM's names, labelled with the name /v1/models gives."""
+    (s,) = [s for s in fams[family].samples if not s.name.endswith("_created")]
+    assert s.labels == {"model_name": requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]}
+    return s.value
+
+
+def test_vllm_names_for_the_inference_gateway(obs):
+    """The figures Kubernetes' inference gateway reads, under vLLM's names: queue and running
+    requests, KV cache usage as a fraction, and the prefix cache's looked-up and found prompt tokens
+    (a prompt sent twice: the second finds its whole blocks)."""
+    with obs.server.client() as c:
+        bs = c.stats()["workers"][0]["engine"]["kv_block_size"]
+
+    def prefix():
+        f = _metrics(obs.url)
+        return _sample(f, "vllm:prefix_cache_queries", obs.url), _sample(f, "vllm:prefix_cache_hits", obs.url)
+
+    def settled(quiet=2.5):
+        last, since = None, time.monotonic()
+        while True:
+            v = prefix()
+            if v != last:
+                last, since = v, time.monotonic()
+            elif time.monotonic() - since > quiet:
+                return v
+            time.sleep(0.3)
+    q0, h0 = settled()
+    P = 2 * bs + 5
+    prompt = np.random.default_rng(78).integers(3, obs.model.config.vocab_size, P).tolist()
+    with obs.server.client() as c:
+        for _ in range(2):
+            c.generate(prompt, max_tokens=2, ignore_eos=True)
+    q1, h1 = settled()
+    assert q1 - q0 == 2 * (P - 1), (q0, q1)          # each start looks up all but its last token
+    assert h1 - h0 == ((P - 1) // bs) * bs, (h0, h1)  # the second finds the first's whole blocks
+    f = _metrics(obs.url)
+    usage = _sample(f, "vllm:kv_cache_usage_perc", obs.url)
+    assert 0.0 <= usage <= 1.0 and _sample(f, "vllm:gpu_cache_usage_perc", obs.url) == usage
+    assert _sample(f, "vllm:num_requests_waiting", obs.url) == 0
+    assert _sample(f, "vllm:num_requests_running", obs.url) == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from .openai import _is_num
+from .template import name_from_path
 
 log = logging.getLogger("colibri.http")
 
@@ -48,6 +49,14 @@ class _ServerCollector:
         yield up
         self.gw._saw_generation(st.get("generation"), st.get("model"))
         yield from self._families(st)
+        yield from vllm_families(st, self.model_name(st))
+
+    def model_name(self, st) -> str:
+        """The name /v1/models gives first (the gateway's cached model info), else the file's."""
+        try:
+            return self.gw.model_info().name
+        except Exception:
+            return name_from_path(str(st.get("model") or ""))
 
     @staticmethod
     def _families(st):
@@ -166,6 +175,35 @@ _ENGINE = (("kv_blocks_used", "gauge", "KV pool blocks held by running sequences
            ("prefix_hits", "counter", "KV blocks reused from the prefix cache"),
            ("prefill_tokens", "counter", "prompt positions computed (n completions of a prompt: once)"),
            ("kv_blocks", "gauge", "KV pool blocks in all"))
+
+
+def vllm_families(st, model_name):
+    """The scheduling figures under vLLM's names, which Kubernetes' inference gateway (its endpoint
+    picker's model server protocol) and other vLLM dashboards read: queue length, running requests,
+    KV cache usage (a fraction, over every worker's pool) and the prefix cache's queried and hit
+    prompt tokens. Labelled model_name, as vLLM's are."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    workers = [w for w in (st.get("workers") or []) if isinstance(w, dict)]
+    engines = [w["engine"] for w in workers if isinstance(w.get("engine"), dict)]
+
+    def total(key):
+        return sum(float(e[key]) for e in engines if _is_num(e.get(key)))
+    blocks = total("kv_blocks")
+    usage = total("kv_blocks_used") / blocks if blocks else 0.0
+    for name, doc, value in (
+            ("vllm:num_requests_waiting", "requests waiting to be scheduled (the router's queue)", st.get("queue")),
+            ("vllm:num_requests_running", "requests running on workers", st.get("in_flight")),
+            ("vllm:kv_cache_usage_perc", "KV cache usage, 1 is 100% (blocks held over all workers' pools)", usage),
+            ("vllm:gpu_cache_usage_perc", "the same KV cache usage under vLLM's older name", usage)):
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([model_name], float(value) if _is_num(value) else 0.0)
+        yield g
+    for name, doc, key in (("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                            "prefix_query_tokens"),
+                           ("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache", "prefix_hit_tokens")):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([model_name], total(key))
+        yield c
 
 
 def _engine_families(workers, labels):

@@ -52,7 +52,7 @@ class ModelInfo:
     _compile_error: Optional[str] = field(default=None, repr=False)
 
 
-def _name_from_path(path: str) -> str:
+def name_from_path(path: str) -> str:
     base = os.path.basename(path or "") or "colibri"
     return base[:-len(".colibri")] if base.endswith(".colibri") else base
 
@@ -67,7 +67,7 @@ def model_info_from_stats(stats: dict, model_name: Optional[str] = None) -> Mode
     except Exception as e:  # another host, permissions, a replaced file, ...
         log.warning("cannot read the model file %r (%s): chat completions fall back to ChatML; "
                     "run the gateway on the server's host to use the model's template", path, e)
-        return ModelInfo(model_name or _name_from_path(path), path, gen, created=int(time.time()),
+        return ModelInfo(model_name or name_from_path(path), path, gen, created=int(time.time()),
                          source="unreadable")
     try:
         try:
@@ -93,7 +93,7 @@ def model_info_from_stats(stats: dict, model_name: Optional[str] = None) -> Mode
             except Exception as e:
                 log.warning("cannot read the tokenizer of %r (%s): bos_token/eos_token are empty", path, e)
         name = model_name or (meta.get("name") if isinstance(meta.get("name"), str) and meta.get("name")
-                              else _name_from_path(path))
+                              else name_from_path(path))
         try:
             created = int(os.path.getmtime(path))
         except OSError:

@@ -72,6 +72,7 @@ class KVPool:
         self._by_key = {}                                       # chain hash -> block
         self.hits = 0                                           # prefix blocks reused
         self.hit_tokens = 0
+        self.query_tokens = 0                                   # prompt tokens looked up (match)
 
     # -- counts -----------------------------------------------------------------------
     @property
@@ -92,7 +93,7 @@ class KVPool:
         return {"kv_blocks": self.num_blocks, "kv_blocks_used": self.used(), "kv_blocks_free": len(self._free),
                 "kv_blocks_cached": len(self._cached), "kv_block_size": self.block_size, "kv_dtype": self.kv_dtype,
                 "kv_pool_bytes": self.num_blocks * self.bytes_per_block, "prefix_hits": self.hits,
-                "prefix_hit_tokens": self.hit_tokens}
+                "prefix_hit_tokens": self.hit_tokens, "prefix_query_tokens": self.query_tokens}
 
     # -- allocation -------------------------------------------------------------------
     def allocate(self) -> int:
@@ -155,10 +156,13 @@ class KVPool:
             parent = key
         self.hits += len(out)
         self.hit_tokens += len(out) * BS
+        self.query_tokens += limit
         return out, parent
 
-    def unmatch(self, blocks) -> None:
-        """Undo a match() whose sequence could not start after all (it does not count as a hit)."""
+    def unmatch(self, blocks, limit: int = 0) -> None:
+        """Undo a match(tokens, limit) whose sequence could not start after all (neither a hit nor a query:
+        it is matched again when it starts)."""
         self.release(blocks)
         self.hits -= len(blocks)
         self.hit_tokens -= len(blocks) * self.block_size
+        self.query_tokens -= limit

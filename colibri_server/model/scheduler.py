@@ -175,7 +175,7 @@ class Scheduler:
     def _unmatch(self, s: SeqState) -> None:
         """Give back the prefix blocks s took when it was matched (it stays waiting; matched again later)."""
         if s.blocks:
-            self.pool.unmatch(s.blocks)
+            self.pool.unmatch(s.blocks, len(s.tokens) - 1)
             s.blocks, s.computed, s.registered, s.parent, s.matched = [], 0, 0, 0, False
 
     def _insert_running(self, s: SeqState) -> None:
