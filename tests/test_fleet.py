@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 
 import psutil
 import pytest
@@ -318,6 +319,55 @@ def test_a_hosts_own_reloads_drain_its_old_workers(tmp_path, keys):
                        "the old worker drained", lambda: host.logs()[-2000:])
         with head.client() as c:
             assert c.generate("def g(x):", max_tokens=4, temperature=0.0).token_ids
+    finally:
+        for s in (host, head):
+            if s is not None:
+                s.stop(15)
+
+
+def test_term_on_a_head_lets_the_streams_on_its_hosts_finish(tmp_path, keys):
+    """TERM on a head drains as a master does: it has no workers of its own, and the streams in flight
+    on its hosts' workers run to their end (within graceful_timeout) before its router exits; then it
+    exits 0. The host's worker is paused across the TERM so the streams are surely mid-way."""
+    from colibri_server.bundled import BUNDLED_MODEL
+    port = _free_port()
+    head = _head(BUNDLED_MODEL, tmp_path, keys, port)
+    host = None
+    n, M = 3, 120
+    started, results, errors = threading.Semaphore(0), [], []
+
+    def one(i):
+        try:
+            with Client(head.addr, timeout=60.0) as c:
+                s = c.stream(f"def h{i}(x):", max_tokens=M, temperature=0.0, ignore_eos=True)
+                chunks = [next(s)]
+                started.release()
+                chunks += list(s)
+                results.append((sum(len(ch.token_ids) for ch in chunks), chunks[-1].finish_reason))
+        except ColibriError as e:
+            errors.append(e)
+            started.release()
+    try:
+        host = _host(BUNDLED_MODEL, tmp_path, keys, port, "host-a")
+        head.wait_ready(workers=1, watch=[host])
+        (wpid,) = head.worker_pids()
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        for _ in range(n):
+            assert started.acquire(timeout=60)
+        os.kill(wpid, signal.SIGSTOP)
+        try:
+            head.signal(signal.SIGTERM)
+            wait_until(lambda: "graceful stop" in head.logs(), 10, "the head's graceful stop")
+            time.sleep(0.5)
+        finally:
+            os.kill(wpid, signal.SIGCONT)
+        for t in threads:
+            t.join(60)
+        assert not errors, [(e.code, str(e)) for e in errors]
+        assert sorted(results) == [(M, "length")] * n, results
+        assert head.proc.wait(30) == 0, head.logs()[-2000:]
     finally:
         for s in (host, head):
             if s is not None:

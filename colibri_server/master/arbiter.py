@@ -104,6 +104,7 @@ class Arbiter:
         self.router_backoff = 0.0
         self.router_next_start = 0.0
         self.bind_error = None
+        self.router_drained = False     # a graceful stop: the router has no request running any more
         self.next_wid = 0
         self.crashes = []
         self.backoff_until = 0.0
@@ -376,6 +377,8 @@ class Arbiter:
                 self.router_up = True
             elif op == "bind_failed":
                 self.bind_error = str(msg.get("error"))
+            elif op == "drained":
+                self.router_drained = True
             elif op == "retire":
                 self.reloads.retire(msg.get("generation"))
             elif op == "fleet":
@@ -621,6 +624,9 @@ class Arbiter:
             self.stop_deadline = time.monotonic() + 5.0
         if self.workers:
             return False
+        if (self.stopping == "graceful" and self.router_pid is not None and not self.router_drained
+                and time.monotonic() <= self.stop_deadline):
+            return False        # requests still run on workers the router reaches (a head's hosts'): they finish
         if self.http is not None and self.http.pid is not None:     # the gateway's requests end with the workers'
             if time.monotonic() > self.stop_deadline:
                 self.http.stop(signal.SIGKILL)

@@ -73,6 +73,7 @@ class Router:
         self.by_pid = {}                   # pid -> ident
         self.next_rid = 1
         self.draining = False
+        self.told_drained = False
         self.stopping = False
         self.counters = collections.Counter()
         self.tokenizer = None
@@ -412,11 +413,20 @@ class Router:
                 self.to_master({"op": "unresponsive", "pid": w.pid})
             self.send_worker(w.ident, b"PING", b"\x80")
         self.control_requests.prune(now)
+        if self.draining and not self.told_drained and self.drained():
+            self.told_drained = True
+            self.to_master({"op": "drained"})      # a graceful stop goes on: nothing of a client's still runs
         self.check_generations()
         self.alive(now)
         if os.getppid() != self.ppid:
             log.error("router: the master is gone, exiting")
             self.stopping = True
+
+    def drained(self) -> bool:
+        """Nothing runs, and nothing queued can still start (no worker takes work)."""
+        if any(r.state == "running" for r in self.reqs.values()):
+            return False
+        return not self.queue or not any(w.state == "ready" for w in self.workers.values())
 
     def check_generations(self):
         """Older generations: retire each once none of its requests is queued; a queued request of
