@@ -433,3 +433,36 @@ def test_async_client_in_flight_requests_get_connection_lost(server):
     errors, after = asyncio.run(main())
     assert errors and all(code == "connection_lost" and took < 5 for code, took in errors), errors
     assert after > 3
+
+
+def test_a_signal_between_fork_and_the_childs_handlers_reaches_the_child():
+    """TERM right after a HUP can reach a new worker before its own handlers are in: the master's
+    handlers, inherited by the fork, would take it in the child and queue it where nothing reads it
+    (the worker then ran until graceful_timeout killed it). The master forks with its signals
+    blocked; the child's role installs its handlers, then unblocks, and the signal reaches them."""
+    import signal as S
+
+    from colibri_server.master.arbiter import fork_with_signals_blocked
+    queued = []
+    old = S.signal(S.SIGTERM, lambda *a: queued.append("master's handler"))   # as the master's
+    r, w = os.pipe()
+    try:
+        pid = fork_with_signals_blocked()
+        if pid == 0:                                        # the child, before its role's handlers
+            code = 1
+            try:
+                os.kill(os.getpid(), S.SIGTERM)             # a stop sent in that window
+                S.signal(S.SIGTERM, lambda *a: os.write(w, b"T"))   # the role's own handler, then unblock
+                S.pthread_sigmask(S.SIG_UNBLOCK, {S.SIGTERM})
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert os.read(r, 10) == b"T", "the child's own handler never saw the TERM"
+        assert S.SIGTERM not in S.pthread_sigmask(S.SIG_BLOCK, set())    # the parent unblocked again
+        assert not queued
+    finally:
+        S.signal(S.SIGTERM, old)
+        os.close(r)

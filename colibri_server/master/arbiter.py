@@ -73,6 +73,18 @@ ROUTER_BACKOFF_MAX_S = 10.0
 RELOAD_CRASH_LIMIT = 3   # deaths of a reloading generation's workers (beyond its size) before rollback
 
 
+def fork_with_signals_blocked() -> int:
+    """os.fork with the master's signals blocked across it. A signal meant for the child that comes
+    before its role installed its own handlers then waits for them (each role unblocks after
+    installing), instead of running the master's handler in the child, where nothing reads what it
+    queues; one meant for the master waits for the parent's unblock, right after the fork."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {getattr(signal, "SIG" + n) for n in SIGNALS})
+    pid = os.fork()
+    if pid != 0:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return pid
+
+
 class WorkerInfo:
     __slots__ = ("pid", "wid", "slot", "generation", "started", "ready", "cpus", "stopping", "killed")
 
@@ -231,7 +243,7 @@ class Arbiter:
                         curve=self.curve, generations=gens, last_reload=self.reloads.last_reload,
                         worker_curve=self.fleet.worker_curve)
         self._drain_pipe()          # whatever the dead router left unread is stale
-        pid = os.fork()
+        pid = fork_with_signals_blocked()
         if pid == 0:
             self._in_child()
             router_main(router)
@@ -268,7 +280,7 @@ class Arbiter:
         w = Worker(wid=wid, slot=slot, generation=generation, model=gen.model_for(node_of(cpus, self.topology)),
                    settings=gen.settings, backend=self.backend, cpus=cpus, heartbeats=self.heartbeats,
                    host=self.fleet.host_tag, curve=self.fleet.join_curve, model_path=gen.model.path)
-        pid = os.fork()
+        pid = fork_with_signals_blocked()
         if pid == 0:
             self._in_child()
             self._router_end.close()

@@ -25,6 +25,10 @@ import signal
 import sys
 import time
 
+# the master handles these: a forked child must not run its handlers
+_FORWARDED = {signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM,
+              signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD}
+
 log = logging.getLogger("colibri.master")
 
 YOUNG_S = 10.0          # a gateway that dies younger than this is restarted after a growing delay
@@ -53,9 +57,18 @@ class HttpChild:
     def start(self) -> None:
         argv = self.argv()
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "LISTEN_FDNAMES")}
+        # the master's signals blocked across the fork: its handlers would take a signal meant for the
+        # child (a stop) and drop it; the child puts the defaults back, then unblocks, then execs
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
         pid = os.fork()
+        if pid != 0:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         if pid == 0:                                  # the child: die with the master, become the gateway
             try:
+                signal.set_wakeup_fd(-1)
+                for sig in _FORWARDED:
+                    signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
                 ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
                 if os.getppid() == 1:                 # the master died before prctl took hold
                     os._exit(0)

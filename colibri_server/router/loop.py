@@ -95,6 +95,10 @@ class Router:
             signal.signal(sig, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # the master forked with these blocked: one sent before the handlers above waits for them
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1,
+                                                    signal.SIGUSR2, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
+                                                    signal.SIGCHLD})
         self.ppid = os.getppid()
         self.pipe = socket.socket(fileno=self.pipe_fd)
         self.pipe.setblocking(False)

@@ -78,6 +78,10 @@ class Worker:
         signal.signal(signal.SIGINT, self._on_quit)
         signal.signal(signal.SIGQUIT, self._on_quit)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # the master forked with these blocked: one sent before the handlers above waits for them
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGUSR1,
+                                                    signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGQUIT,
+                                                    signal.SIGCHLD})
         from ..host.pinning import apply
         apply(self.cpus)
         self._limit_threads(self.settings.threads_per_worker)
