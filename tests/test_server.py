@@ -408,6 +408,34 @@ def test_model_file_changed_in_place_is_logged_loudly(server, tmp_path, model_pa
     assert "CRITICAL" in s.logs()
 
 
+def test_a_truncated_model_is_faulty_in_health_not_retried_and_a_hup_to_a_good_file_replaces_it(
+        server, tmp_path, model_path):
+    """A model file truncated under the map: health says the generation is faulty and why (not ok);
+    a request that meets the missing pages kills its worker with SIGBUS once, not once per retry;
+    a good file renamed over the path and a HUP bring a generation that serves, and health is ok."""
+    path = tmp_path / "live.colibri"
+    shutil.copy(model_path, path)
+    s = server(workers=1, model=path)
+    with s.client() as c:
+        assert c.health()["status"] == "ok"
+        os.truncate(path, os.path.getsize(path) // 2)      # what an operator must never do
+        s.wait_for(lambda: c.health()["status"] == "faulty", what="health saying faulty")
+        h = c.health()
+        assert "changed in place (truncated)" in h["reason"] and str(path) in h["reason"], h
+        with pytest.raises(ColibriError) as e:
+            c.generate(PROMPTS[0], max_tokens=4, timeout=60)
+        assert e.value.code == "worker_lost" and "not retried: the model is faulty" in e.value.message, e.value
+    assert s.logs().count("SIGBUS") <= 2, s.logs()[-3000:]      # its one death (logged, and named in the fault)
+    good = tmp_path / "good.colibri"
+    shutil.copy(model_path, good)
+    os.replace(good, path)
+    s.signal(signal.SIGHUP)
+    with s.client() as c:
+        s.wait_for(lambda: c.health()["status"] == "ok" and c.health()["generation"] == 2, timeout=120,
+                   what="generation 2 serving")
+        assert c.generate(PROMPTS[0], max_tokens=4).token_ids
+
+
 def test_repeated_crashes_back_off(server):
     s = server(workers=1)
     for i in range(5):

@@ -583,7 +583,7 @@ class Gateway(GenerationEndpoints):
             log.warning("health check failed: %r", e)
             return _Resp(503, _json_bytes({"status": "error", "error": type(e).__name__}), outcome="unavailable")
         self._saw_generation(h.get("generation"))
-        out = {k: h.get(k) for k in ("status", "workers_ready", "generation", "queue")}
+        out = {k: h.get(k) for k in ("status", "workers_ready", "generation", "queue", "reason") if k in h}
         ok = h.get("status") == "ok"
         retry = [("Retry-After", STARTING_RETRY_AFTER)] if h.get("status") == "starting" else []
         return _Resp(200 if ok else 503, _json_bytes(out), retry, outcome="ok" if ok else "unavailable")

@@ -117,6 +117,7 @@ class Arbiter:
         self.router_next_start = 0.0
         self.bind_error = None
         self.router_drained = False     # a graceful stop: the router has no request running any more
+        self.faulty = {}                # generation -> why its model fails requests (told to the router)
         self.next_wid = 0
         self.crashes = []
         self.backoff_until = 0.0
@@ -457,6 +458,9 @@ class Arbiter:
                 log.info("worker %d exited after serving its max_requests: replacing it", pid)
             else:
                 log.error("worker %d died (%s): replacing it", pid, describe_exit(code))
+                if code == -signal.SIGBUS:
+                    self.mark_faulty(w.generation, f"worker {pid} died of SIGBUS reading the model file "
+                                                   "(truncated or changed under the map)")
                 self._note_crash()
 
     def _note_crash(self):
@@ -677,6 +681,21 @@ class Arbiter:
                              "sees the change through MAP_SHARED. Replace files with a rename, then send USR1.",
                              path)
                 self.model_identity[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
+                for g, gen in self.gens.items():
+                    if os.path.realpath(gen.model.path) == os.path.realpath(path):
+                        self.mark_faulty(g, f"its model file {path} was changed in place "
+                                            f"({'truncated' if st.st_size < ident[1] else 'rewritten'})")
+
+    def mark_faulty(self, generation, reason):
+        """The generation's model fails requests for a reason of the model (its file changed under the
+        map, a worker killed by SIGBUS): health says so, the router stops retrying its requests onto
+        workers that would die the same way. A HUP or USR1 to a good file replaces it."""
+        if generation in self.faulty or generation not in self.gens:
+            return
+        self.faulty[generation] = reason
+        log.error("generation %d is faulty: %s; replace the file (a rename over it) and send HUP", generation,
+                  reason)
+        self.to_router({"op": "faulty", "generation": generation, "reason": reason})
 
     def cleanup(self, quiet=False):
         if self.http is not None and self.http.pid is not None:

@@ -69,8 +69,11 @@ class ControlRequests:
 
     def health(self, generation: int, draining: bool) -> dict:
         ready = sum(1 for w in self.workers.values() if w.state == "ready" and self.serves(w, generation))
-        status = "draining" if draining else ("ok" if ready else "starting")
-        return {"status": status, "workers_ready": ready, "generation": generation, "queue": len(self.queue)}
+        gen = self.gens.get(generation)
+        faulty = gen.faulty if gen is not None else None
+        status = "draining" if draining else "faulty" if faulty else ("ok" if ready else "starting")
+        out = {"status": status, "workers_ready": ready, "generation": generation, "queue": len(self.queue)}
+        return {**out, "reason": faulty} if faulty and not draining else out
 
     def sample_memory(self, model_path: str, master_pid: int):
         self.memory.refresh([w.pid for w in self.workers.values() if not w.remote] + [master_pid, os.getpid()],

@@ -426,6 +426,11 @@ class Router:
             log.error("router: the master is gone, exiting")
             self.stopping = True
 
+    def faulty(self, generation) -> str | None:
+        """Why a generation's model fails its requests, when the master found it (None: not known to)."""
+        gen = self.gens.get(generation)
+        return gen.faulty if gen is not None else None
+
     def drained(self) -> bool:
         """Nothing runs, and nothing queued can still start (no worker takes work)."""
         if any(r.state == "running" for r in self.reqs.values()):
@@ -591,7 +596,7 @@ class Router:
                 self.counters["cut_by_stop"] += 1
                 self.error(r.client, r.cid, "shutting_down", f"the server is stopping: worker {w.pid} ended with it "
                            f"after streaming {'tokens' if r.streamed else 'nothing'} (a requested stop, not a crash)")
-            elif not r.streamed and r.attempts < MAX_ATTEMPTS:
+            elif not r.streamed and r.attempts < MAX_ATTEMPTS and not self.faulty(r.generation):
                 self.counters["retries"] += 1
                 log.warning("%s: retrying request %s (attempt %d)", why, r.request_id, r.attempts + 1,
                             extra=request_extra(r.request_id))
@@ -601,8 +606,10 @@ class Router:
                 self._end(r, "failed: worker_lost")
                 r.worker = None
                 self.counters["worker_lost"] += 1
+                fault = self.faulty(r.generation)
                 self.error(r.client, r.cid, "worker_lost", f"{why} after streaming "
-                           f"{'tokens' if r.streamed else 'nothing'} ({r.attempts} attempts)")
+                           f"{'tokens' if r.streamed else 'nothing'} ({r.attempts} attempts)"
+                           + (f"; not retried: the model is faulty ({fault})" if fault else ""))
 
     # -- master pipe ---------------------------------------------------------------------
     def to_master(self, msg):
@@ -666,6 +673,9 @@ class Router:
                 self._apply_settings(msg["settings"])
             elif op == "drain":
                 self.draining = True
+            elif op == "faulty" and msg.get("generation") in self.gens:
+                self.gens[msg["generation"]].faulty = str(msg.get("reason"))
+                log.error("generation %d is faulty: %s", msg["generation"], msg.get("reason"))
             elif op == "exit":
                 self.stopping = True
 

@@ -30,7 +30,8 @@ def check_text(text, what, limits):
 
 class Gen:
     """What the router needs of one generation: its tokenizer, vocabulary and context."""
-    __slots__ = ("number", "model_path", "tokenizer", "vocab_size", "hidden_size", "context", "limits", "identity")
+    __slots__ = ("number", "model_path", "tokenizer", "vocab_size", "hidden_size", "context", "limits", "identity",
+                 "faulty")
 
     def __init__(self, info, settings):
         from ..model.tokenizer import Tokenizer
@@ -38,6 +39,7 @@ class Gen:
         self.identity = info.get("identity")
         self.vocab_size, self.context = info["vocab_size"], info["context"]
         self.hidden_size = info.get("hidden_size")
+        self.faulty = None          # why the model of this generation fails its requests (the master says)
         tj = info.get("tokenizer_json") or ""
         self.tokenizer = Tokenizer.from_json(tj) if tj else None
         self.set_limits(settings)
