@@ -2,7 +2,7 @@
 
 The binding (llama-cpp-python) pays a Python call per token and is slower than the library, so
 speed is never taken from it. `run` calls `llama-bench` (built from the pinned source with
--DGGML_NATIVE=ON: bench/README.md, "llama.cpp's binaries") at flash attention auto (its default) and
+-DGGML_NATIVE=ON: bench/build_anchors.sh) at flash attention auto (its default) and
 off, and keeps, for prefill and for decode, the faster of the two; `quantize` calls `llama-quantize`.
 LLAMA_BIN names the directory of the binaries (default bench/.anchors/bin, which bench/build_anchors.sh builds).
 """

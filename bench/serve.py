@@ -1,9 +1,9 @@
 """Serving under load: colibri (its DEFAULT settings) against llama.cpp's llama-server, taking turns.
 
-    python bench/serve.py --llama-bin DIR [--precisions f16 q4] [--conc 1 4 8 16 32] [--json OUT]
+    python bench/serve.py [--llama-bin DIR] [--precisions f16 q4] [--conc 1 4 8 16 32] [--json OUT]
 
 DIR holds llama-server and llama-quantize, built from the pinned llama.cpp source with
--DGGML_NATIVE=ON (bench/README.md, "Serving"). The model is bench-mixtral (bench/decode.py builds
+-DGGML_NATIVE=ON (default bench/.anchors/bin, which bench/build_anchors.sh builds). The model is bench-mixtral (bench/decode.py builds
 it, the .colibri files and the GGUFs, once, under --data). For each precision and each number of
 concurrent clients C, llama-server (continuous batching, -np C, -t/-tb = the machine's cores) and
 `colibri serve --model FILE` (nothing else: what a user gets) take turns, --rounds times. Each

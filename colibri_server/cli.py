@@ -247,7 +247,7 @@ def cmd_convert(a):
         print(report.summary(), file=sys.stderr)
         if cfg.quant == "q4" and report.low_bit_share > 0.5:
             print("note: q4 re-quantizes this GGUF's 4-5-bit blocks a second time (SmolLM2-135M's Q4_1: "
-                  "perplexity +50% under q4, +0.7% under q8, the default); see README \"Models\"", file=sys.stderr)
+                  "perplexity +50% under q4, +0.7% under q8, the default); see docs/models.md", file=sys.stderr)
     if cfg.quant != "none":
         kept = sorted(k for k, q in cfg.quant_overrides.items() if q == "none")
         print(f"quantization groups of {cfg.quant_group} rows"

@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random Hugging Face models of every supported architecture,
-built in the test session (nothing is downloaded) and converted to .colibri files."""
+built once per test run (nothing is downloaded) and converted to .colibri files."""
 from __future__ import annotations
 
 import os

@@ -3,7 +3,7 @@
 Every case is sent on its own raw ZeroMQ DEALER (not `Client`, which refuses to send most
 of these) and must be answered, on that connection, by exactly one `error` with the stable
 code the case names -- or, for "expect": "dropped" (a message over 4 x max_body, see
-protocol.py), by nothing at all while the server keeps serving. After each case a `health`
+wire/protocol.py), by nothing at all while the server keeps serving. After each case a `health`
 probe on the same connection must be the very next reply (no duplicate or stray answers).
 At the end the same server must still answer a good request with the in-process answer,
 with the same router and worker processes as at the start and error counters that match

@@ -1,4 +1,4 @@
-"""numa.py: with pin = numa on several NUMA nodes, each worker computes on a copy of the model bound
+"""host/numa.py: with pin = numa on several NUMA nodes, each worker computes on a copy of the model bound
 to its own node (numa_memory = node), or the file's pages are read interleaved (interleave). The
 placement is checked on a fake two-node topology with a recording kernel interface, and the real
 mbind on this machine's node 0 (numa_maps); on one node nothing runs."""

@@ -1,4 +1,4 @@
-"""The README's "Deploy with systemd" steps against the units they install: the same user, venv,
+"""docs/deployment.md's "Deploy with systemd" steps against the units they install: the same user, venv,
 settings file, models and cache directories; the settings file as written serves under the
 environment systemd gives the unit; where systemd is PID 1, the unit itself starts, serves,
 reloads and stops."""
@@ -24,9 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _section():
-    text = (ROOT / "README.md").read_text()
-    m = re.search(r"^## Deploy with systemd\n(.*?)^## ", text, re.S | re.M)
-    assert m, "README.md has no '## Deploy with systemd' section"
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    m = re.search(r"^## Deploy with systemd\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert m, "docs/deployment.md has no '## Deploy with systemd' section"
     return m.group(1)
 
 
@@ -55,7 +55,7 @@ def _settings_file(section):
     return m.group(1), "\n".join(ln.strip() for ln in m.group(2).splitlines())
 
 
-def test_readme_steps_make_what_the_unit_needs():
+def test_deployment_steps_make_what_the_unit_needs():
     sec, unit = _section(), _unit()
     cmds = _commands(sec)
     joined = "\n".join(cmds)
@@ -125,8 +125,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_readme_settings_file_serves_as_the_unit_runs_it(tmp_path):
-    """The README's colibri.toml, its model path and ports moved here, run by the unit's ExecStart with
+def test_deployment_settings_file_serves_as_the_unit_runs_it(tmp_path):
+    """docs/deployment.md's colibri.toml, its model path and ports moved here, run by the unit's ExecStart with
     the environment the unit gives (RUNTIME_DIRECTORY, STATE_DIRECTORY, NOTIFY_SOCKET, WATCHDOG_USEC):
     READY within TimeoutStartSec, the HTTP API answers under served_model_name, a reload (the unit's
     ExecReload signal) comes back READY, a stop exits 0 within TimeoutStopSec."""

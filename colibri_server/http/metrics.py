@@ -114,7 +114,7 @@ class _ServerCollector:
                 if _is_num(v):
                     ev.add_metric([str(k)], float(v))
             yield ev
-            restarts = counters.get("worker_restarts")          # the router's count (router.py)
+            restarts = counters.get("worker_restarts")          # the router's count (router/loop.py)
             if _is_num(restarts):
                 yield CounterMetricFamily("colibri_worker_restarts", "workers replaced after dying", value=restarts)
         yield from _expert_family(st.get("expert_counts"))

@@ -8,7 +8,7 @@ Owns: asking every router at once (a short-lived Client each, on threads, so a r
 answer costs the health timeout once, not once per router; a router the clients already found down
 gets KNOWN_DOWN_WAIT seconds to connect, so that /health stays quick while one machine is away).
 Never: the choice of a router for a
-request (client_pool does it).
+request (client/pool.py does it).
 """
 from __future__ import annotations
 

@@ -204,7 +204,7 @@ class Arbiter:
         self.manage_workers()
 
     def _open_model(self, path, s):
-        """loading.open_model (and with pin = numa on several nodes, its pages placed by numa.py: the
+        """loading.open_model (and with pin = numa on several nodes, its pages placed by host/numa.py: the
         file interleaved, or a copy per node), and the file's identity (check_model_file watches it).
         Returns (Model, {node: (Model, NodeCopy)})."""
         from ..host import numa

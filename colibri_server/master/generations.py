@@ -59,7 +59,7 @@ class Generation:
     __slots__ = ("number", "model", "settings", "info", "info_path", "started", "deaths", "kind", "node_models")
 
     def __init__(self, number, model, settings, kind="start", node_models=None):
-        """node_models: {NUMA node: (Model, NodeCopy)} when numa_memory places a copy per node (numa.py)."""
+        """node_models: {NUMA node: (Model, NodeCopy)} when numa_memory places a copy per node (host/numa.py)."""
         self.number, self.model, self.settings, self.kind = number, model, settings, kind
         self.node_models = node_models or {}
         cfg = model.config

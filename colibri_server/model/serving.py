@@ -21,7 +21,7 @@ requests whose new keys/values are non-finite are faulted the same way (all of t
 none is), the others are recomputed by the next step.
 
 Owns: the KV pool, the scheduler, the step's row arrays and logits buffer, per-request timings.
-Never: touches a socket or a process (worker.py does), or decides routing (the router does).
+Never: touches a socket or a process (worker/process.py does), or decides routing (the router does).
 """
 from __future__ import annotations
 

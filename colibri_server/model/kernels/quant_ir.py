@@ -46,7 +46,7 @@ Q8_STEP = 64 if HAVE_VNNI512 else 32       # q8 columns per iteration of _dot_i8
 # Rows the AVX2 integer dots stream at once, far apart (split_rows; kernels/float_ir has its own
 # STREAMS8). Measured on a Zen 3 VM, bench-mixtral's expert matrices from DRAM, whole matvec, one
 # thread, alternating processes: q4 8.0-9.7 GB/s one row at a time, 10.2-13.2 with 2, 12.7-14.5 with 4 (one run 8.2);
-# q8 9.2-11.3, 10.4-14.1, 14.0-16.4 (bench/README.md). AVX-512 VNNI machines keep one stream (measured
+# q8 9.2-11.3, 10.4-14.1, 14.0-16.4 (docs/performance.md). AVX-512 VNNI machines keep one stream (measured
 # on Zen 4: one sequential stream read fastest there; far-apart streams were not tried).
 STREAMS = 1 if HAVE_VNNI512 else 4
 
