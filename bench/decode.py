@@ -354,7 +354,7 @@ def worker_membw(a):
     out = dict(GBps=GBps, samples=samples)
     out["read4_GBps"], out["read4_samples"] = rate(read4, arr.view(np.int64))
     if a.path != "-":       # the same read over a populated MAP_SHARED mapping of a model file: what decode
-        import mmap         # streams (the page cache's folios: 2 MiB ones are PMD-mapped, file_huge_mib)
+        import mmap  # streams (the page cache's folios: 2 MiB ones are PMD-mapped, file_huge_mib)
         with open(a.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                            prot=mmap.PROT_READ)

@@ -66,9 +66,9 @@ def build(data: pathlib.Path, name: str):
     d = data / f"bench-{name}"
     col, gg = data / f"bench-{name}-f16.colibri", data / f"bench-{name}-F16.gguf"
     if not (d / "config.json").exists():
+        import hf_models
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
-        import hf_models
         print(f"building bench-{name} with transformers (torch.manual_seed(0)) ...", flush=True)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=torch.float32).eval()
@@ -87,8 +87,9 @@ def build(data: pathlib.Path, name: str):
 
 
 def worker_colibri(path: str, threads: int, reps: int) -> dict:
-    from colibri_server.model import Model
     from decode import colibri_timers
+
+    from colibri_server.model import Model
     m = Model.open(path, threads=threads, populate=True)
     prefill, decode = colibri_timers(m, np.asarray(prompt_ids(), np.int64), NEW_TOKENS)
     prefill()

@@ -221,6 +221,7 @@ def fleet_round(a, path, conc, P, hosts, separate=False):
     memory give two servers with no head at all)."""
     sys.path.insert(0, str(HERE.parent / "tests"))
     from netns_hosts import Hosts
+
     from colibri_server.client import Client
     from colibri_server.wire.security import generate_keys
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"fleet{hosts}-", dir=a.tmp))

@@ -5,11 +5,19 @@ per worker means prefill_tokens = workers x 512 + 32 x 16.
 
     python bench/shared_prefix.py ~/.cache/colibri-speed/bench-mixtral-f16.colibri
 """
-import json, subprocess, sys, time, threading
+import json
+import subprocess
+import sys
+import threading
+import time
+
 import numpy as np
+
 from colibri_server.client import Client
+
 MODEL = sys.argv[1]
 import tempfile
+
 ADDR = f"ipc://{tempfile.mkdtemp()}/pfx.sock"
 p = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", "serve", "--model", MODEL, "--bind", ADDR],
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -55,6 +55,7 @@ def model_b(tmp_path_factory):
     """A second mixtral file with another tokenizer (vocabulary 384, other merges) and other
     weights: a reload between it and built("mixtral").colibri() changes how text tokenizes."""
     import hf_models as H
+
     from colibri_server.model.convert import convert
     root = tmp_path_factory.mktemp("model-b")
     H.build_hf_model("mixtral", root / "hf", seed=1, vocab_size=384)

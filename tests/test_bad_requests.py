@@ -56,10 +56,10 @@ import time
 import msgpack
 import pytest
 import zmq
-
-from colibri_server.wire import protocol as P
-from colibri_server.model import Model
 from server_harness import Server
+
+from colibri_server.model import Model
+from colibri_server.wire import protocol as P
 
 CORPUS = pathlib.Path(__file__).parent / "bad_requests"
 CASE_FILES = sorted(CORPUS.glob("*.json"))

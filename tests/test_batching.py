@@ -3,10 +3,10 @@ stepped together are the answers of each request run alone, whatever joins or le
 or reuses a prefix; the context and the pool are checked before a request starts."""
 from __future__ import annotations
 
+import hf_models as H
 import numpy as np
 import pytest
 
-import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model.batch import Rows, forward_batch
 from colibri_server.model.kv import KVPool

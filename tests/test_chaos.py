@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 import pytest
+from server_harness import Server
 
 from colibri_server.client import ColibriError
 from colibri_server.master.arbiter import ROUTER_BACKOFF_MAX_S
 from colibri_server.model import Model
 from colibri_server.model.tokenizer import Tokenizer
-from server_harness import Server
 
 TEXTS = ["def f(x):", "Once upon a time", "The quick brown fox", "import numpy as np", "hello world, again",
          "for i in range(10):", "a b c d e", "The cat sat on"]

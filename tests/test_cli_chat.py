@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from server_harness import Server
 
 MESSAGES = [{"role": "system", "content": "Answer in one word."},

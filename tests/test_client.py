@@ -14,9 +14,19 @@ import msgpack
 import pytest
 import zmq
 
+from colibri_server.client import (
+    ERRORS,
+    AsyncClient,
+    Chunk,
+    Client,
+    ColibriError,
+    ColibriTimeout,
+    Completion,
+    InternalError,
+    Overloaded,
+    error_for,
+)
 from colibri_server.wire import protocol
-from colibri_server.client import (ERRORS, AsyncClient, Chunk, Client, ColibriError, ColibriTimeout,
-                                   Completion, InternalError, Overloaded, error_for)
 
 PID, GENERATION = 4242, 3
 

@@ -22,15 +22,24 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 import requests
-
-from colibri_server.client import pool as client_pool
-from colibri_server.wire import protocol
-from colibri_server.bundled import BUNDLED_MODEL
-from colibri_server.client import (AsyncClient, Cancelled, Client, ColibriError, ColibriTimeout, ConnectionLost,
-                                   Overloaded, RouterSet, Unreachable)
 from server_harness import Server, wait_until
 from test_client import FakeServer
 from test_http import Gateway, free_port
+
+from colibri_server.bundled import BUNDLED_MODEL
+from colibri_server.client import (
+    AsyncClient,
+    Cancelled,
+    Client,
+    ColibriError,
+    ColibriTimeout,
+    ConnectionLost,
+    Overloaded,
+    RouterSet,
+    Unreachable,
+)
+from colibri_server.client import pool as client_pool
+from colibri_server.wire import protocol
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):"]
 
@@ -395,8 +404,8 @@ def test_cancel_and_timeout_reach_the_router_that_holds_the_request(fakes):
         assert wait_until(lambda: len(f0.cancels) + len(f1.cancels) == 3, 3, "the timeout's cancel")
         s = c.stream("silent")
         s.close()                                   # closed before it ended: cancelled on its router
-        holder = f0 if s.addr == f0.addr else f1
-        assert wait_until(lambda: s.id in holder.cancels, 3, "the close's cancel")
+        closed, holder = s.id, (f0 if s.addr == f0.addr else f1)
+        assert wait_until(lambda: closed in holder.cancels, 3, "the close's cancel")
         s = c.stream("silent")
         rid, holder = s.id, (f0 if s.addr == f0.addr else f1)
         del s                                       # abandoned: collected, and cancelled on its router

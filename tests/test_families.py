@@ -4,10 +4,10 @@ against transformers' own class on a tiny random config: f32 logits within 1e-4 
 (sequences joining at different steps)."""
 from __future__ import annotations
 
+import hf_models as H
 import numpy as np
 import pytest
 
-import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model.convert import ConvertError, convert
 
@@ -165,8 +165,10 @@ def test_route_rule_is_transformers_routers(family_router, cfg_kw):
     group's best, routed scale, no renormalisation in transformers 5), DeepSeek-V3 and GLM-4.5 (sigmoid,
     correction bias, top-2 group sums), run as transformers' own modules: the same experts and weights."""
     import importlib
+
     import torch
     from transformers import AutoConfig
+
     from colibri_server.model import kernels as K
     from colibri_server.model.kernels.moe import RULE_GROUPS, RULE_RENORM, RULE_SIGMOID
     mod, cls = family_router.rsplit(".", 1)

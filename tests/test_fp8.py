@@ -6,11 +6,11 @@ from __future__ import annotations
 import glob
 import json
 
+import hf_models as H
 import numpy as np
 import pytest
 import torch
 
-import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model.convert import ConvertError, convert
 from colibri_server.model.fp8 import E4M3FN

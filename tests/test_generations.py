@@ -19,11 +19,11 @@ import time
 import numpy as np
 import psutil
 import pytest
+from server_harness import Server
 
 from colibri_server.client import ColibriError
 from colibri_server.model import Model
 from colibri_server.model.tokenizer import Tokenizer
-from server_harness import Server
 
 PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(3, 300, size=6 + i % 5)] for i in range(8)]
 TEXTS = ["def f(x):", "Once upon a time", "The quick brown fox", "import numpy as np", "hello world, again",
@@ -404,6 +404,7 @@ def test_async_client_in_flight_requests_get_connection_lost(server):
     """The same promise through AsyncClient (the HTTP gateway's client): kill -9 of the router
     ends the requests in flight with connection_lost at once; the next ones are answered."""
     import asyncio
+
     from colibri_server.client import AsyncClient
     s = server(workers=1)
     old = router_pid(s)

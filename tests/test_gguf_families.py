@@ -17,14 +17,14 @@ import subprocess
 import sys
 
 import gguf
+import hf_models as H
 import numpy as np
 import pytest
+from test_gguf_import import PROMPT, _import
 
-import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model.convert import convert
 from colibri_server.model.gguf_import import convert_gguf
-from test_gguf_import import PROMPT, _import
 
 T = gguf.MODEL_TENSOR
 Q = gguf.GGMLQuantizationType

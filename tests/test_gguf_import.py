@@ -7,15 +7,15 @@ a Q4_K file imports exactly to f32 and with its error stated under q4. Bad files
 from __future__ import annotations
 
 import glob
-import zlib
 import subprocess
 import sys
+import zlib
 
 import gguf
+import hf_models as H
 import numpy as np
 import pytest
 
-import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model.convert import ConvertError, convert
 from colibri_server.model.gguf_import import convert_gguf
@@ -243,7 +243,6 @@ def test_f32_gguf_imports_to_the_direct_conversion_bit_for_bit(ckpt, arch):
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_f16_and_q8_0_ggufs_match_the_direct_conversion_within_their_bounds(ckpt, arch):
     d, ref = ckpt(arch)
-    scale = np.abs(ref).max()
     write_gguf(d / "hf", d / "F16.gguf", arch, Q.F16)
     _, rep16, got16 = _import(d, "F16", dtype="f32", quantize="auto")
     assert max(rep16.errors.values()) == 0.0      # f16 values are exact in f32

@@ -20,9 +20,8 @@ import time
 import urllib.request
 
 import pytest
-from tokenizers import Regex
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from colibri_server.model.gguf_vocab import GgufVocab, VocabError, tokenizer_from_gguf
 from colibri_server.model.tokenizer import Tokenizer

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 
+import hf_models as H
 import numpy as np
 import pytest
 import torch
 
-import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model import kernels as K
 from colibri_server.model.convert import convert
@@ -97,6 +97,7 @@ def test_mxfp4_re_encoding_states_its_error(mx):
 
 def test_broken_mxfp4_tensors_are_named(tmp_path):
     from safetensors.numpy import load_file, save_file
+
     from colibri_server.model.convert import ConvertError
     H.build_hf_model("gpt_oss", tmp_path / "hf")
     st = tmp_path / "hf" / "model.safetensors"

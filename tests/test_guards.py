@@ -11,10 +11,10 @@ import time
 
 import pytest
 import zmq
-
-from colibri_server.wire import protocol as P
-from colibri_server.client import Client, ColibriError
 from server_harness import Server, wait_started
+
+from colibri_server.client import Client, ColibriError
+from colibri_server.wire import protocol as P
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from server_harness import READY_TIMEOUT
 
 

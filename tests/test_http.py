@@ -23,10 +23,10 @@ import openai
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import Server, wait_started
 
 from colibri_server.http import HTTPError, ModelInfo, model_info_from_stats, render_chat
 from colibri_server.model.format import ColibriFile
-from server_harness import Server, wait_started
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "sk-colibri-test-key"

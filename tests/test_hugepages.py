@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from synth_model import write_model
 
 from colibri_server.model import Model
 from colibri_server.model import format as fmt
 from colibri_server.model import hugepages as HP
-from synth_model import write_model
 
 SMALL = dict(hidden_size=512, num_layers=1, moe_intermediate_size=2048)   # ~115 MiB of f16
 

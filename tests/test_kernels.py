@@ -156,7 +156,7 @@ def test_matmul_par_is_matmul_bit_for_bit(rng, monkeypatch, kind, d, threads):
     tiles than threads (192 rows: one tile) leaves the pool unused. Quantized weights take these
     tiles only without the integer GEMM (switched off here)."""
     from colibri_server.model import quant
-    from colibri_server.model.kernels import matmuls as K      # the module whose _GEMM is switched off
+    from colibri_server.model.kernels import matmuls as K  # the module whose _GEMM is switched off
     from colibri_server.model.panels import Panels, to_panels
     n, T, tile = 512, 5, 256
     W = as_weights(rng.standard_normal((d, n)), kind.split("-")[0] if kind != "q8" else "f32")
@@ -177,7 +177,7 @@ def test_matmul_par_is_matmul_bit_for_bit(rng, monkeypatch, kind, d, threads):
 
 
 def test_matmul_par_raises_a_thread_s_error_after_every_run_finished(rng, monkeypatch):
-    from colibri_server.model.kernels import matmuls as K      # the module whose _tiles is replaced
+    from colibri_server.model.kernels import matmuls as K  # the module whose _tiles is replaced
     W = as_weights(rng.standard_normal((600, 64)), "f16")
     X = rng.standard_normal((3, 64)).astype(np.float32)
     bad = np.empty((256, 32), np.float32)                 # the second run's tile has the wrong width
@@ -468,8 +468,8 @@ def test_aligned_zeros_start_on_a_cache_line(shape, dtype):
 def test_workspace_decode_vectors_are_aligned():
     """Every vector a decode matvec reads or writes starts on a cache line (see buffers.py: a
     16-byte-aligned input cost the f16 head a fifth of its streaming rate)."""
-    from colibri_server.model.kernels import quant as KQ
     from colibri_server.model.config import ModelConfig
+    from colibri_server.model.kernels import quant as KQ
     from colibri_server.model.transformer import Workspace
     cfg = ModelConfig(arch="mixtral", vocab_size=100, hidden_size=64, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=96,

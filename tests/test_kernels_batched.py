@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from colibri_server.model.kernels import paged as KP
-from colibri_server.model.kernels import tiled as KT
 from colibri_server.model.kernels import rowgemm as RG
+from colibri_server.model.kernels import tiled as KT
 from colibri_server.model.kernels.packing import to_panels
 
 NO_SINKS = np.zeros(0, np.float32)      # attention without GPT-OSS sinks

@@ -25,9 +25,9 @@ from colibri_server.cli import build_parser
 from colibri_server.http.app import HEALTH_TIMEOUT
 from colibri_server.http.config import ENV_VARS as HTTP_ENV_VARS
 from colibri_server.http.config import curve_from_files
-from colibri_server.wire.security import CLI_NAME_RE, CurveServer, client_curve
 from colibri_server.settings import SettingsError, load_settings
 from colibri_server.settings.schema import SETTINGS
+from colibri_server.wire.security import CLI_NAME_RE, CurveServer, client_curve
 
 DIR = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 # the newest schemas kubernetes-validate ships (1.37.0 has 1.25 .. 1.37), and an older release

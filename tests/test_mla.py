@@ -4,10 +4,10 @@ threaded kernels give the same tokens, and the per-head kernel and the narrower-
 against their twins."""
 from __future__ import annotations
 
+import hf_models as H
 import numpy as np
 import pytest
 
-import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model.convert import convert
 from colibri_server.model.kernels import heads as KH
@@ -157,6 +157,7 @@ def test_latent_fields_get_named_config_errors(v3):
 
 def test_converter_refuses_what_it_cannot_run(tmp_path):
     import json
+
     from colibri_server.model.convert import ConvertError
     H.build_hf_model("deepseek_v2", tmp_path / "hf")
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -187,15 +188,15 @@ def test_paged_attention_on_threads_splits_one_rows_heads_bit_for_bit():
     one kv head; GQA 8 on 2), each head as on one thread."""
     import numba
     rng = np.random.default_rng(3)
-    for Hkv, H, hd, dv in ((1, 16, 40, 32), (2, 8, 16, 16)):
+    for Hkv, Hq, hd, dv in ((1, 16, 40, 32), (2, 8, 16, 16)):
         NB, BS = 10, 4
         kp = KP.to_f16_bits(rng.standard_normal((NB, Hkv, BS, hd)).astype(np.float32))
         vp = kp if dv < hd else KP.to_f16_bits(rng.standard_normal((NB, Hkv, BS, hd)).astype(np.float32))
         tables = rng.permutation(NB).astype(np.int32)[None]
-        q = rng.standard_normal((1, H, hd)).astype(np.float32)
-        sinks = rng.standard_normal(H).astype(np.float32)
+        q = rng.standard_normal((1, Hq, hd)).astype(np.float32)
+        sinks = rng.standard_normal(Hq).astype(np.float32)
         args = (tables, np.zeros(1, np.int64), np.array([33]), 0, 0.3)
-        one, two = np.zeros((1, H, dv), np.float32), np.full((1, H, dv), np.nan, np.float32)
+        one, two = np.zeros((1, Hq, dv), np.float32), np.full((1, Hq, dv), np.nan, np.float32)
         KT.tiled_attention(q, kp, vp, *args, one, sinks)
         numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
         try:

@@ -9,11 +9,11 @@ import types
 
 import pytest
 
-from colibri_server.host import numa
 from colibri_server.bundled import BUNDLED_MODEL
+from colibri_server.host import numa
+from colibri_server.host.pinning import Topology, plan_free
 from colibri_server.master.generations import Generation
 from colibri_server.model import Model, hugepages
-from colibri_server.host.pinning import Topology, plan_free
 
 TWO_NODES = Topology.from_cores([[0], [1], [2], [3]], nodes=[[0, 1], [2, 3]])
 ONE_NODE = Topology.from_cores([[0], [1], [2], [3]])

@@ -128,6 +128,7 @@ def _crossed_entries(tmp_path, locked, procs=4, n=60):
     another key's data (what made a cached kernel run another signature's code), and how many
     keys the index kept."""
     import multiprocessing as mp
+
     from numba.core import caching
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(procs)

@@ -12,11 +12,11 @@ import psutil
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
-
-from colibri_server.model import Model
 from server_harness import Server
 from test_http import free_port
 from test_serve_http import _wait
+
+from colibri_server.model import Model
 
 
 @pytest.fixture(scope="module")

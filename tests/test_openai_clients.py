@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
-
 import hf_models as H
+import pytest
 from test_openai_sampling import _stack
 
 WEATHER = {"type": "function", "function": {

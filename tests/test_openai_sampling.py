@@ -12,15 +12,15 @@ import json
 import os
 import sys
 
+import hf_models as H
 import numpy as np
 import openai
 import pytest
 import requests
-
-import hf_models as H
-from colibri_server.model import Model
 from server_harness import Server
 from test_http import KEY, ROOT, Gateway, free_port
+
+from colibri_server.model import Model
 
 TOL = 1e-5
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 
+import hf_models as H
 import numpy as np
 import pytest
 import torch
 
-import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model import format as fmt
 from colibri_server.model import kernels as K

@@ -14,11 +14,12 @@ Every architecture, seeded random weights (tests/hf_models.py), nothing download
 from __future__ import annotations
 
 import dataclasses
+
+import hf_models as H
 import numpy as np
 import pytest
 import torch
 
-import hf_models as H
 from colibri_server.model import Model
 
 ARCHS = H.ARCHS

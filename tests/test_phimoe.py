@@ -3,11 +3,11 @@
 errors for the new fields."""
 from __future__ import annotations
 
+import hf_models as H
 import numpy as np
 import pytest
 import torch
 
-import hf_models as H
 from colibri_server.model import Model
 from colibri_server.model import kernels as K
 from colibri_server.model.convert import convert
@@ -99,9 +99,10 @@ def test_each_part_changes_the_logits(phi, change):
 
 
 def test_new_fields_get_named_errors(phi, tmp_path):
+    from test_families import _patched
+
     from colibri_server.model import format as fmt
     from colibri_server.model.config import ConfigError, ModelConfig
-    from test_families import _patched
     _, d = phi
     path = str(d / "f32.colibri")
     cfg = Model.open(path).config.to_dict()

@@ -6,7 +6,8 @@ import os
 
 import psutil
 import pytest
-from hypothesis import given, settings as hsettings
+from hypothesis import given
+from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from colibri_server.host import pinning as P

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
-
-from colibri_server.wire import protocol as P
-from colibri_server.model.sampler import Sampler, SamplingParams
 from server_harness import Server
 from test_bad_requests import Raw, count_error, error_counters_grew_as_received, snapshot
+
+from colibri_server.model.sampler import Sampler, SamplingParams
+from colibri_server.wire import protocol as P
 
 VOCAB = 512
 _rng = np.random.default_rng(0)

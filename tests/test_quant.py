@@ -8,9 +8,9 @@ import pytest
 from colibri_server.model import Model
 from colibri_server.model import format as fmt
 from colibri_server.model import kernels as K
-from colibri_server.model.kernels import quant as KQ
 from colibri_server.model import quant as Q
 from colibri_server.model.config import ModelConfig, expected_tensors
+from colibri_server.model.kernels import quant as KQ
 
 KINDS = ["q8", "q4"]
 
@@ -91,7 +91,8 @@ def test_rows_must_fill_groups():
 def _close_q(got, ref, kind, W, x):
     """Within float rounding of the twin, plus (on AVX2, where the activations are rounded to
     int8 (q4) / int16 (q8) per chunk) the bound that rounding implies."""
-    from colibri_server.model.kernels.quant_ir import HAVE_AVX2, act_error_bound
+    from colibri_server.model.kernels.cpu import HAVE_AVX2
+    from colibri_server.model.kernels.quant_ir import act_error_bound
     scale = np.abs(Q.dequantize(W)) @ np.abs(x).astype(np.float64)
     bound = 2e-5 * scale + (act_error_bound(kind, W.q, W.s, x) if HAVE_AVX2 else 0) + 1e-30
     assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / bound)
@@ -186,7 +187,7 @@ def test_integer_kernels_are_vector_code(rng, kind):
 
     from colibri_server.model.kernels import gemm as GE
     from colibri_server.model.kernels import quant_ir as KS
-    if not KS.HAVE_AVX2:
+    if not GE.HAVE_AVX2:
         pytest.skip("the integer kernels need AVX2")
     _, W = _qt(rng, kind, (64, 256), 32)
     cols = W.q.shape[1]                                   # packed bytes (q4) or columns (q8) of a row
@@ -313,9 +314,10 @@ def mixtral_files(built, tmp_path_factory):
 
 
 def test_converter_default_group_is_64_and_a_stated_constant(built):
-    from colibri_server.model.convert import config_from_hf, quant_config
     import json
     import os
+
+    from colibri_server.model.convert import config_from_hf, quant_config
     b = built("mixtral")
     with open(os.path.join(b.hf_dir, "config.json")) as f:
         cfg = config_from_hf(json.load(f), "f16")
@@ -373,8 +375,8 @@ def test_threaded_model_gives_the_same_logits(mixtral_files, kind):
 def test_prefill_bf16_beside_quantized_matrices(built, tmp_path):
     """A bf16 file with q8 experts and attention: prefill_bf16 takes the bf16 matrices only (the
     quantized ones keep the integer GEMM), and the logits stay within the activations' rounding."""
-    from colibri_server.model.kernels import gemm as GE
     from colibri_server.model.convert import convert
+    from colibri_server.model.kernels import gemm as GE
     path = str(tmp_path / "bf16-q8.colibri")
     convert(built("mixtral").hf_dir, path, "bf16", progress=False, quantize="q8", quant_group=32,
             quantize_head="none")

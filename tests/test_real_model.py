@@ -65,6 +65,7 @@ def test_its_chat_template_answers_through_the_gateway_as_llama_server_does(smol
     import subprocess
     import time
     import urllib.request
+
     from server_harness import READY_TIMEOUT
     R, gguf, data = smol
     f32 = R.convert(gguf, data / "smollm2-f32.colibri", dtype="f32", quantize="none")

@@ -7,8 +7,9 @@ import signal
 import subprocess
 import sys
 
-from colibri_server.bundled import BUNDLED_MODEL
 from server_harness import Server
+
+from colibri_server.bundled import BUNDLED_MODEL
 
 
 def test_the_next_start_removes_the_files_of_a_master_killed_with_sigkill(tmp_path):

@@ -14,10 +14,10 @@ import time
 import pytest
 import zmq
 import zmq.auth
-
-from colibri_server.wire import security as S
-from colibri_server.client import Client, ColibriError, ColibriTimeout
 from server_harness import Server, wait_started
+
+from colibri_server.client import Client, ColibriError, ColibriTimeout
+from colibri_server.wire import security as S
 
 
 def mode(path):

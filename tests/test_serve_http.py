@@ -10,7 +10,6 @@ import socket
 import openai
 import psutil
 import requests
-
 from server_harness import Server, wait_started, wait_until
 from test_http import free_port
 

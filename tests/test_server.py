@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 import pytest
+from server_harness import Server
 
 from colibri_server.client import ColibriError
 from colibri_server.model import Model
-from server_harness import Server
 
 PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(3, 512, size=6 + i % 5)] for i in range(16)]
 
@@ -120,6 +120,7 @@ def test_panel_file_served_on_two_threads_keeps_the_answers(server, tmp_path):
     """A file in panels (f16p; hidden 256 so the matrices are whole panels): the threaded panel
     kernels compiled before fork split each panel's rows, and the answers equal one thread's."""
     import hf_models as H
+
     from colibri_server.model.convert import convert
     H.build_hf_model("mixtral", tmp_path / "hf", hidden_size=256, intermediate_size=256)
     path = str(tmp_path / "panels.colibri")
@@ -229,8 +230,9 @@ def test_usr1_hot_reload_under_load(server, tmp_path, built):
     shutil.copy(built("mixtral").colibri("f32"), path)
     s = server(workers=2, model=path)
     other = tmp_path / "other.colibri"
-    from colibri_server.model.convert import convert
     import hf_models as H
+
+    from colibri_server.model.convert import convert
     H.build_hf_model("mixtral", tmp_path / "hf2", seed=1)
     convert(tmp_path / "hf2", other, "f32", progress=False)
     stop = threading.Event()
@@ -450,6 +452,7 @@ def test_cli_generate_status_and_async_client(server):
     import asyncio
     import subprocess
     import sys
+
     from colibri_server.client import AsyncClient
     s = server(workers=2)
     r = subprocess.run([sys.executable, "-m", "colibri_server.cli", "generate", "--connect", s.addr, "--max-tokens", "6",

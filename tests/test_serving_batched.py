@@ -7,10 +7,10 @@ import threading
 
 import numpy as np
 import pytest
+from test_server import server  # noqa: F401,F811  (the fixture: start(workers, extra=...))
 
 from colibri_server.client import ColibriError
 from colibri_server.model import Model
-from test_server import server  # noqa: F401,F811  (the fixture: start(workers, extra=...))
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,12 @@ import pickle
 import re
 
 import pytest
-from hypothesis import given, settings as hsettings
+from hypothesis import given
+from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from colibri_server.settings import load as S, schema
-from colibri_server.settings import SCHEMA, SETTINGS, SettingsError, load_settings
+from colibri_server.settings import SCHEMA, SETTINGS, SettingsError, load_settings, schema
+from colibri_server.settings import load as S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "configs", "colibri.toml")
@@ -456,6 +457,7 @@ def test_every_gateway_variable_the_code_reads_is_a_setting_of_the_schema():
     """COLIBRI_HTTP_* named anywhere in the package or the gunicorn config is declared once, in
     schema.GATEWAY, with its type and default (no second settings system in http/)."""
     import re
+
     from colibri_server.settings.schema import GATEWAY
     declared = {s.env for s in GATEWAY}
     named = set()

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-
 from server_harness import Server
 from test_http import Gateway, Throttle, free_port
 
@@ -266,7 +265,9 @@ def test_the_app_answers_a_body_whose_framing_fails_with_400():
     """The same fault under a worker class that leaves the chunked framing to the app (plain
     gthread): gunicorn's InvalidChunkSize from wsgi.input, or a body cut short, is a 400."""
     import io
+
     from gunicorn.http.errors import InvalidChunkSize, NoMoreData
+
     from colibri_server.http import create_app
     app = create_app("ipc:///nonexistent/colibri.sock")
     for fault in (InvalidChunkSize(b"zz"), NoMoreData(b"")):

@@ -10,6 +10,7 @@ from soak import check, print_report, run_soak  # noqa: E402
 
 def test_short_soak_under_faults(built, tmp_path):
     import hf_models as H
+
     from colibri_server.model.convert import convert
     H.build_hf_model("mixtral", tmp_path / "hf-b", seed=1)
     b = tmp_path / "b.colibri"

@@ -19,14 +19,14 @@ import time
 
 import pytest
 import requests
-
-from colibri_server.bundled import BUNDLED_MODEL
-from colibri_server.master.loading import HaltServer
-from colibri_server.master.startup import Loading
-from colibri_server.client import Client, ColibriError
 from server_harness import READY_TIMEOUT, Server, child_env, wait_started
 from test_http import free_port
 from test_systemd import FakeSystemd
+
+from colibri_server.bundled import BUNDLED_MODEL
+from colibri_server.client import Client, ColibriError
+from colibri_server.master.loading import HaltServer
+from colibri_server.master.startup import Loading
 
 FAST_S = 10.0       # a loose bound for "at once" on a loaded machine (about 1 s on a quiet one)
 

@@ -8,11 +8,11 @@ import re
 
 import jsonschema
 import pytest
+from schema_corpus import schemas
 
 from colibri_server.bundled import BUNDLED_MODEL
 from colibri_server.model import Model
 from colibri_server.model.serving import BatchEngine
-from schema_corpus import schemas
 
 
 def _run(eng, reqs):

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from server_harness import READY_TIMEOUT, Server
 
 UNITS = pathlib.Path(__file__).resolve().parent.parent / "systemd"
@@ -123,6 +122,7 @@ def test_a_notify_socket_nobody_reads_never_stops_the_master(tmp_path):
     moment instead of blocking: the loading master notifies from a signal handler every few
     seconds, and a blocked send there once stopped a start for good."""
     import threading
+
     from colibri_server.host.systemd import Notifier
     deaf = FakeSystemd(tmp_path / "deaf.sock")     # bound, never read
     notify = Notifier(str(tmp_path / "deaf.sock"))

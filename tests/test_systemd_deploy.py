@@ -17,7 +17,6 @@ import time
 import urllib.request
 
 import pytest
-
 from test_systemd import UNITS, FakeSystemd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -345,14 +345,12 @@ def main(argv=None):
     eval_s = 0.0
     bar = tqdm(total=a.max_steps, initial=step_no, desc="train", file=sys.stderr, dynamic_ncols=True,
                mininterval=2.0)
-    last_eval = None
     while True:
         el = time.process_time() - c_start
         if el >= next_eval:
             te = time.process_time()
             vl = evaluate(model, val_windows, autocast)
             eval_s += time.process_time() - te
-            last_eval = vl
             history.append({"step": step_no, "cpu_minutes": round(el / 60, 2),
                             "wall_minutes": round((time.time() - t_start) / 60, 2), "tokens": tokens,
                             "train_loss_ema": None if ema is None else round(ema, 4), "heldout_loss": round(vl, 4)})

@@ -14,8 +14,18 @@ chat template and name, when the gateway runs beside the server).
 Users load `colibri_server.http:app_from_env()` (gunicorn) or run `colibri http` /
 `python -m colibri_server.http`.
 """
-from .app import (CHATML, DEFAULT_BIND, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT,  # noqa: F401
-                  MAX_BODY, STATS_TIMEOUT, Gateway, app_from_env, create_app)
+from .app import (  # noqa: F401
+    CHATML,
+    DEFAULT_BIND,
+    DEFAULT_CHAT_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TIMEOUT,
+    MAX_BODY,
+    STATS_TIMEOUT,
+    Gateway,
+    app_from_env,
+    create_app,
+)
 from .config import DEFAULT_CONNECT, ENV, ENV_VARS, options_from_env  # noqa: F401
 from .headfirst import HEADER_TIMEOUT, WORKER_CLASS  # noqa: F401
 from .openai import HTTPError  # noqa: F401

@@ -69,19 +69,50 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..client import Client, ColibriError, ColibriTimeout, RouterSet, Starting
-from ..wire.protocol import REQUEST_ID
 from ..settings.schema import GATEWAY_SETTINGS
+from ..wire.protocol import REQUEST_ID
+from .completions import DEFAULT_MAX_TOKENS, GenerationEndpoints  # noqa: F401  (re-exported)
 from .config import DEFAULT_CONNECT, ENV, ENV_VARS, options_from_env  # noqa: F401
 from .metrics import _Metrics, _ServerCollector
+from .openai import (  # noqa: F401
+    _CHAT_FIELDS,
+    _COMPLETION_FIELDS,
+    _DONE,
+    STARTING_RETRY_AFTER,
+    HTTPError,
+    _bad,
+    _chat_messages,
+    _chat_unsupported,
+    _check_known,
+    _completion_prompt,
+    _error_resp,
+    _Fields,
+    _is_int,
+    _is_num,
+    _json,
+    _json_bytes,
+    _Resp,
+    _sampling,
+    _sse,
+    _stream_options,
+    _StreamBody,
+    chat_logprobs,
+    chat_logprobs_obj,
+    completion_embeds,
+    completion_logprobs,
+    http_error_for,
+    legacy_logprobs_obj,
+)
 from .routers import connect_addresses
-from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _DONE, HTTPError, _bad, _chat_messages,  # noqa: F401
-                          _chat_unsupported, _check_known, _completion_prompt, _error_resp, _Fields, _is_int,
-                          _is_num, _json, _json_bytes, _Resp, _sampling, _sse, _stream_options, _StreamBody,
-                          chat_logprobs, chat_logprobs_obj, completion_embeds, completion_logprobs, http_error_for,
-                          legacy_logprobs_obj, STARTING_RETRY_AFTER)
-from .completions import DEFAULT_MAX_TOKENS, GenerationEndpoints  # noqa: F401  (re-exported)
-from .template import (CHATML, STATS_TIMEOUT, ModelInfo, fetch_template, model_info_from_stats,  # noqa: F401
-                       render_chat, render_chat_segments)
+from .template import (  # noqa: F401
+    CHATML,
+    STATS_TIMEOUT,
+    ModelInfo,
+    fetch_template,
+    model_info_from_stats,
+    render_chat,
+    render_chat_segments,
+)
 
 log = logging.getLogger("colibri.http")
 

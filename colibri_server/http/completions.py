@@ -9,9 +9,26 @@ from __future__ import annotations
 
 import time
 
-from .openai import (_CHAT_FIELDS, _COMPLETION_FIELDS, _bad, _chat_messages, _chat_unsupported, _check_known,
-                     _completion_prompt, _Fields, _json, _Resp, _sampling, _stream_options, chat_logprobs, chat_logprobs_obj, completion_embeds, completion_logprobs, legacy_logprobs_obj)
 from ..wire.protocol import SAMPLING_FIELDS
+from .openai import (
+    _CHAT_FIELDS,
+    _COMPLETION_FIELDS,
+    _bad,
+    _chat_messages,
+    _chat_unsupported,
+    _check_known,
+    _completion_prompt,
+    _Fields,
+    _json,
+    _Resp,
+    _sampling,
+    _stream_options,
+    chat_logprobs,
+    chat_logprobs_obj,
+    completion_embeds,
+    completion_logprobs,
+    legacy_logprobs_obj,
+)
 from .structured import Tools, messages_for_template, response_grammar
 from .template import render_chat_segments
 from .toolstream import ToolStream

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from ..client import Client, ColibriError, ColibriTimeout, Unreachable
-from ..client import failure_cause, merge_health, parse_addresses
+from ..client import Client, ColibriError, ColibriTimeout, Unreachable, failure_cause, merge_health, parse_addresses
 from .openai import _json_bytes, _Resp
 
 _HEALTH_KEYS = ("status", "workers_ready", "generation", "queue")

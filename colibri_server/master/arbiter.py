@@ -53,6 +53,7 @@ import msgpack
 
 from ..router.loop import EXIT_ROUTER_BIND
 from ..worker import EXIT_BOOT_FAILED, HeartbeatTable, Worker, worker_main
+from .faults import ModelFaults
 from .fleet import Fleet
 from .generations import Reloads
 from .loading import EXIT_BIND, EXIT_LOAD, HaltServer, describe_exit, make_runtime_dir, model_path_of, write_pidfile
@@ -74,10 +75,9 @@ RELOAD_CRASH_LIMIT = 3   # deaths of a reloading generation's workers (beyond it
 
 
 def fork_with_signals_blocked() -> int:
-    """os.fork with the master's signals blocked across it. A signal meant for the child that comes
-    before its role installed its own handlers then waits for them (each role unblocks after
-    installing), instead of running the master's handler in the child, where nothing reads what it
-    queues; one meant for the master waits for the parent's unblock, right after the fork."""
+    """os.fork with the master's signals blocked across it: one meant for the child before its role's
+    handlers are in waits for them (each role unblocks after installing), instead of running the
+    master's inherited handler, which queues it where nothing reads; the parent unblocks at once."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {getattr(signal, "SIG" + n) for n in SIGNALS})
     pid = os.fork()
     if pid != 0:
@@ -109,6 +109,7 @@ class Arbiter:
         self.reloads = Reloads(settings, workers=self.workers, fleet=self.fleet, to_router=self.to_router,
                                notify=self.notify, spawn_worker=self.spawn_worker, kill=self._kill,
                                open_model=self._open_model, reload_settings=reload_settings)
+        self.faults = ModelFaults(gens=self.reloads.gens, to_router=self.to_router)  # the model file under the map
         self.router_pid = None
         self.router_started = 0.0
         self.router_seen = 0.0
@@ -117,7 +118,6 @@ class Arbiter:
         self.router_next_start = 0.0
         self.bind_error = None
         self.router_drained = False     # a graceful stop: the router has no request running any more
-        self.faulty = {}                # generation -> why its model fails requests (told to the router)
         self.next_wid = 0
         self.crashes = []
         self.backoff_until = 0.0
@@ -205,7 +205,7 @@ class Arbiter:
 
     def _open_model(self, path, s):
         """loading.open_model (and with pin = numa on several nodes, its pages placed by host/numa.py: the
-        file interleaved, or a copy per node), and the file's identity (check_model_file watches it).
+        file interleaved, or a copy per node), and the file's identity (ModelFaults watches it).
         Returns (Model, {node: (Model, NodeCopy)})."""
         from ..host import numa
         from ..host.pinning import Topology
@@ -218,8 +218,7 @@ class Arbiter:
         except BaseException:
             m.close()
             raise
-        st = os.stat(path)
-        self.model_identity = {path: (st.st_ino, st.st_size, st.st_mtime_ns)}
+        self.faults.watch(path)
         return m, nodes
 
     def _init_signals(self):
@@ -323,7 +322,7 @@ class Arbiter:
                 self.ping_watchdog()
                 self.reap()
                 self.murder_hung()
-                self.check_model_file()
+                self.faults.check_file()
                 if self.stopping:
                     if self.stop_step():
                         break
@@ -459,8 +458,7 @@ class Arbiter:
             else:
                 log.error("worker %d died (%s): replacing it", pid, describe_exit(code))
                 if code == -signal.SIGBUS:
-                    self.mark_faulty(w.generation, f"worker {pid} died of SIGBUS reading the model file "
-                                                   "(truncated or changed under the map)")
+                    self.faults.worker_died_of_sigbus(w.generation, pid)
                 self._note_crash()
 
     def _note_crash(self):
@@ -664,38 +662,6 @@ class Arbiter:
                 os.kill(self.router_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-    def check_model_file(self):
-        """MAP_SHARED shows an in-place write to every worker: say so loudly."""
-        now = time.monotonic()
-        if now - getattr(self, "_last_file_check", 0.0) < 2.0:
-            return
-        self._last_file_check = now
-        for path, ident in self.model_identity.items():
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            if (st.st_ino, st.st_size, st.st_mtime_ns) != ident and ident[0] == st.st_ino:
-                log.critical("model file %s was modified IN PLACE (same inode, new size/mtime): every worker "
-                             "sees the change through MAP_SHARED. Replace files with a rename, then send USR1.",
-                             path)
-                self.model_identity[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
-                for g, gen in self.gens.items():
-                    if os.path.realpath(gen.model.path) == os.path.realpath(path):
-                        self.mark_faulty(g, f"its model file {path} was changed in place "
-                                            f"({'truncated' if st.st_size < ident[1] else 'rewritten'})")
-
-    def mark_faulty(self, generation, reason):
-        """The generation's model fails requests for a reason of the model (its file changed under the
-        map, a worker killed by SIGBUS): health says so, the router stops retrying its requests onto
-        workers that would die the same way. A HUP or USR1 to a good file replaces it."""
-        if generation in self.faulty or generation not in self.gens:
-            return
-        self.faulty[generation] = reason
-        log.error("generation %d is faulty: %s; replace the file (a rename over it) and send HUP", generation,
-                  reason)
-        self.to_router({"op": "faulty", "generation": generation, "reason": reason})
 
     def cleanup(self, quiet=False):
         if self.http is not None and self.http.pid is not None:

@@ -12,6 +12,5 @@ _numba_cache.configure()    # before any kernel module is imported: the machine'
 _numba_cache.lock_saves()   # and two processes compiling at once never cross their cache entries
 
 from . import hugepages as _hugepages  # noqa: E402,F401  (installs the 2 MiB page policy into format)
-
 from .engine import Completion, Model, StreamEvent  # noqa: E402,F401
 from .format import ColibriFormatError  # noqa: E402,F401

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import format as fmt
-from .kernels import gemm as GE
 from . import weights as W
 from .config import ModelConfig, file_config
+from .kernels import gemm as GE
 from .moe import RoutingNoise
 from .rope import rope_tables
 from .sampler import Sampler, SamplingParams, StopChecker, token_logprobs
@@ -173,8 +173,9 @@ class Model:
         """Compile the parallel decode kernels for this model's weight types without running
         them (safe in a pre-fork master: nothing is launched)."""
         import numba
-        from .kernels import attn as KA
+
         from .decode_step import DecodeStep
+        from .kernels import attn as KA
         from .transformer import compile_parallel
         cfg, ws, cache = self.config, Workspace(self.config, 1, threads=2), self.new_cache(1)
         compile_parallel(self.weights, ws)

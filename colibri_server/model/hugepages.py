@@ -51,7 +51,7 @@ def populate(mm: mmap.mmap, size: int, start: int = 0) -> None:
         return
     except (AttributeError, OSError, ValueError):
         pass
-    import numpy as np                   # older kernels: touch a byte of every page
+    import numpy as np  # older kernels: touch a byte of every page
     buf = np.frombuffer(mm, np.uint8, count=size, offset=start)
     int(buf[::mmap.PAGESIZE].sum(dtype=np.uint64))
 

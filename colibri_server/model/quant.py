@@ -29,8 +29,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels.packing import (CONVERT_GROUP, GROUP, Q4_CANDIDATES, dequantize_q4, dequantize_q8,  # noqa: F401
-                              quantize, quantize_q4, quantize_q8, unpack_q4)
+from .kernels.packing import (  # noqa: F401
+    CONVERT_GROUP,
+    GROUP,
+    Q4_CANDIDATES,
+    dequantize_q4,
+    dequantize_q8,
+    quantize,
+    quantize_q4,
+    quantize_q8,
+    unpack_q4,
+)
 
 
 @dataclass(frozen=True)

@@ -32,17 +32,27 @@ import errno
 import logging
 import os
 import signal
-import socket
 import time
 
-import msgpack
 import zmq
 
-from ..host.logs import request as request_extra, set_role
+from ..host.logs import request as request_extra
+from ..host.logs import set_role
 from ..wire import protocol as P
 from .control import ControlRequests
-from .records import (AttrDict, BindFailed, ExpertCounts, Gen, Req, W, bind_message, check_text, chmod_ipc,
-                      prefix_key, salvage_id)
+from .master_pipe import MasterPipe
+from .records import (
+    AttrDict,
+    BindFailed,
+    ExpertCounts,
+    Req,
+    W,
+    bind_message,
+    check_text,
+    chmod_ipc,
+    prefix_key,
+    salvage_id,
+)
 from .remote import RemoteHosts
 
 log = logging.getLogger("colibri.router")
@@ -100,19 +110,14 @@ class Router:
                                                     signal.SIGUSR2, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
                                                     signal.SIGCHLD})
         self.ppid = os.getppid()
-        self.pipe = socket.socket(fileno=self.pipe_fd)
-        self.pipe.setblocking(False)
+        self.master = MasterPipe(self, self.pipe_fd)
         for g, info in sorted(self.gen_infos.items()):
-            try:
-                self.gens[g] = Gen(info, self.settings)
-            except Exception as e:
-                log.error("router: generation %d's tokenizer cannot be loaded: %s", g, e)
-                self.to_master({"op": "generation_failed", "generation": g, "error": str(e)})
+            self.master.load(g, info)
         if self.generation and self.generation not in self.gens:
             raise RuntimeError(f"the serving generation {self.generation} has no usable tokenizer")
         self.gen_infos = None
         if self.generation:             # else starting: the model is still loading
-            self._select(self.generation)
+            self.select(self.generation)
         self.ctx = zmq.Context(io_threads=1)
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -134,7 +139,7 @@ class Router:
         self.remote.open()
         self.to_master({"op": "up", "pid": os.getpid()})
 
-    def _select(self, g):
+    def select(self, g):
         """Serve new requests with generation g's tokenizer, vocabulary and context."""
         gen = self.gens[g]
         self.generation, self.model_path = g, gen.model_path
@@ -145,7 +150,7 @@ class Router:
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)
         poller.register(self.back, zmq.POLLIN)
-        poller.register(self.pipe.fileno(), zmq.POLLIN)
+        poller.register(self.master.fileno(), zmq.POLLIN)
         if self.remote.sock is not None:
             poller.register(self.remote.sock, zmq.POLLIN)
         hb = self.settings.heartbeat_interval
@@ -158,8 +163,8 @@ class Router:
                 self._drain(self.remote.sock, self.on_remote)
             if self.front in events:
                 self._drain(self.front, self.on_frontend, copy=self.curve is None)
-            if self.pipe.fileno() in events:
-                self.on_pipe()
+            if self.master.fileno() in events:
+                self.master.read()
             now = time.monotonic()
             if now - last_tick >= min(hb, 0.1):
                 last_tick = now
@@ -613,73 +618,9 @@ class Router:
 
     # -- master pipe ---------------------------------------------------------------------
     def to_master(self, msg):
-        try:
-            self.pipe.send(msgpack.packb(msg))
-        except (BlockingIOError, OSError) as e:
-            log.error("router: cannot reach the master (%s)", e)
+        self.master.send(msg)
 
-    def on_pipe(self):
-        while True:
-            try:
-                data = self.pipe.recv(65536)
-            except BlockingIOError:
-                return
-            if not data:
-                self.stopping = True      # the master closed its end
-                return
-            try:
-                msg = msgpack.unpackb(data, raw=False)
-            except Exception:
-                log.error("router: malformed message from the master dropped")
-                continue
-            op = msg.get("op")
-            if op == "exited":
-                self.worker_exited(msg["pid"])
-            elif op == "generation":       # a generation coming up: its tokenizer, not serving yet
-                g = msg["generation"]
-                try:
-                    with open(msg["info"], "rb") as f:
-                        info = msgpack.unpackb(f.read(), raw=False)
-                    self.gens[g] = Gen(info, self.settings)
-                except Exception as e:
-                    log.error("router: generation %d's tokenizer cannot be loaded: %s", g, e)
-                    self.to_master({"op": "generation_failed", "generation": g, "error": str(e)})
-                    continue
-                log.info("router: generation %d loaded (%s)", g, self.gens[g].model_path)
-                if self.generation not in self.gens:     # the first one, at start: serve it at once
-                    self._select(g)
-            elif op == "commit":           # generation g is READY: new requests go to it
-                g = msg["generation"]
-                if g not in self.gens:
-                    log.error("router: commit of unknown generation %d", g)
-                    continue
-                if msg.get("settings") is not None:
-                    self._apply_settings(msg["settings"])
-                self._select(g)
-                self.last_reload = {"generation": g, "ok": True, "error": None, "time": time.time()}
-                log.info("router: generation %d serving (%s)", g, self.model_path)
-            elif op == "abort":            # it did not come up: forget it
-                g = msg["generation"]
-                if g != self.generation:
-                    self.gens.pop(g, None)
-            elif op == "forget":
-                g = msg["generation"]
-                if g != self.generation and not any(r.generation == g for r in self.reqs.values()):
-                    self.gens.pop(g, None)
-                    self.retired.discard(g)
-            elif op == "reload_status":
-                self.last_reload = msg.get("last_reload")
-            elif op == "settings":
-                self._apply_settings(msg["settings"])
-            elif op == "drain":
-                self.draining = True
-            elif op == "faulty" and msg.get("generation") in self.gens:
-                self.gens[msg["generation"]].faulty = str(msg.get("reason"))
-                log.error("generation %d is faulty: %s", msg["generation"], msg.get("reason"))
-            elif op == "exit":
-                self.stopping = True
-
-    def _apply_settings(self, settings):
+    def apply_settings(self, settings):
         self.settings = settings if not isinstance(settings, dict) else AttrDict(settings)
         for gen in self.gens.values():
             gen.set_limits(self.settings)

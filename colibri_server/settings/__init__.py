@@ -2,9 +2,27 @@
 bound, reload rule, doc, env, flag), and their loading (load.py: defaults < TOML < COLIBRI_* env
 < command-line flags -> Settings); parser.py is the exact-flag argument parser both commands use."""
 
-from .load import (ENV_PREFIX, HUP, RESTART, SCHEMA, SETTINGS, USR1, Setting, Settings, SettingsError, add_arguments,
-                   defaults, describe, example_toml, format_size, load_settings, parse_bool, parse_duration,
-                   parse_size, resolve_runtime_dir)
+from .load import (
+                   ENV_PREFIX,
+                   HUP,
+                   RESTART,
+                   SCHEMA,
+                   SETTINGS,
+                   USR1,
+                   Setting,
+                   Settings,
+                   SettingsError,
+                   add_arguments,
+                   defaults,
+                   describe,
+                   example_toml,
+                   format_size,
+                   load_settings,
+                   parse_bool,
+                   parse_duration,
+                   parse_size,
+                   resolve_runtime_dir,
+)
 from .parser import Parser
 
 __all__ = [

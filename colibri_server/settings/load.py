@@ -50,9 +50,26 @@ __all__ = [
     "parse_size", "format_size", "parse_duration", "parse_bool", "resolve_runtime_dir",
 ]
 
-from .schema import (ENV_NOT_SETTINGS, ENV_NOT_SETTINGS_PREFIXES,
-                              ENV_PREFIX, HUP, RESTART, SCHEMA, SETTINGS, USR1,
-                              Setting, SettingsError, _Bool, _Invalid, _RELOAD_TEXT, _show, format_size, parse_bool, parse_duration, parse_size)
+from .schema import (
+    _RELOAD_TEXT,
+    ENV_NOT_SETTINGS,
+    ENV_NOT_SETTINGS_PREFIXES,
+    ENV_PREFIX,
+    HUP,
+    RESTART,
+    SCHEMA,
+    SETTINGS,
+    USR1,
+    Setting,
+    SettingsError,
+    _Bool,
+    _Invalid,
+    _show,
+    format_size,
+    parse_bool,
+    parse_duration,
+    parse_size,
+)
 
 _NOT_IN_FILE = ("config",)
 

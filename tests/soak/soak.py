@@ -15,10 +15,10 @@ import threading
 import time
 
 import numpy as np
+from server_harness import Server
 
 from colibri_server.client import ColibriError
 from colibri_server.host.memory import process_memory
-from server_harness import Server
 
 ALLOWED_ERRORS = {"worker_lost"}     # a worker killed after streaming: explicit, expected under chaos
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from .base import ConvertError, Family, get
 
-
 SPARSEMIXER_EPS = 0.01         # router_jitter_noise: Phi-3.5-MoE's and transformers' default
 
 

@@ -19,17 +19,49 @@ Kernels never allocate (outputs and scratch are passed in), never import a model
 (only ..format's constants), and know nothing of configs, files or requests. Model code imports
 them through this face: `from . import kernels as K` and the families as `from .kernels import quant as KQ`.
 """
+from . import attn, attn_ir, cpu, decode, dense, float_ir, gemm, heads, packing, quant, quant_ir  # noqa: F401,E402
+from .attn import attend, attention, attention_par, attention_ref  # noqa: F401
 from .base import expf, nrows, parallel_runtime, row_slice, to_f32, weights_to_f32  # noqa: F401  (sets the threading layer first)
 from .buffers import ALIGN, aligned_zeros, lazy_zeros  # noqa: F401
-from .dense import _matvec_core, _panels_loop  # noqa: F401  (the Numba loops, for the tests)
-from .dense import (argmax, argmax_ref, embed, embed_ref, matvec, matvec_ref, matvec_stack,  # noqa: F401
-                    panel_rows_to_f32, rmsnorm, rmsnorm_heads, rmsnorm_heads_ref, rmsnorm_ref, rope, rope_ref,
-                    layernorm, layernorm_ref,
-                    rows_to_f32, rows_to_f32_ref)
-from .moe import (expert_ffn, expert_ffn_par, expert_ffn_ref, group_by_expert, group_by_expert_ref,  # noqa: F401
-                  matvec_par, matvec_qkv_par, route, route_ref, route_rule, route_rule_ref, silu_mul,
-                  silu_mul_ref, swiglu_clamped, swiglu_clamped_ref, route_sparsemixer,
-                  shared_gate_scale)
-from .attn import attend, attention, attention_par, attention_ref  # noqa: F401
+from .dense import (  # noqa: F401  (the Numba loops, for the tests)  # noqa: F401
+                    _matvec_core,
+                    _panels_loop,
+                    argmax,
+                    argmax_ref,
+                    embed,
+                    embed_ref,
+                    layernorm,
+                    layernorm_ref,
+                    matvec,
+                    matvec_ref,
+                    matvec_stack,
+                    panel_rows_to_f32,
+                    rmsnorm,
+                    rmsnorm_heads,
+                    rmsnorm_heads_ref,
+                    rmsnorm_ref,
+                    rope,
+                    rope_ref,
+                    rows_to_f32,
+                    rows_to_f32_ref,
+)
 from .matmuls import matmul, matmul_par, matmul_ref  # noqa: F401
-from . import attn, attn_ir, cpu, heads, decode, dense, float_ir, gemm, packing, quant, quant_ir  # noqa: F401,E402
+from .moe import (  # noqa: F401
+                    expert_ffn,
+                    expert_ffn_par,
+                    expert_ffn_ref,
+                    group_by_expert,
+                    group_by_expert_ref,
+                    matvec_par,
+                    matvec_qkv_par,
+                    route,
+                    route_ref,
+                    route_rule,
+                    route_rule_ref,
+                    route_sparsemixer,
+                    shared_gate_scale,
+                    silu_mul,
+                    silu_mul_ref,
+                    swiglu_clamped,
+                    swiglu_clamped_ref,
+)

@@ -18,14 +18,24 @@ from numba import literal_unroll, njit, types
 from numba.extending import overload
 
 from .attn import attend
-from .paged import _put_row
-from .tiled import tiled_attention, tiled_attention_par
 from .dense import _matvec_core, embed, layernorm, matvec_stack, rmsnorm, rope
 from .heads import heads_matmul, heads_matmul_par
-from .moe import (_matvec_par, _silu_mul_1d, expert_ffn, expert_ffn_par, matvec_qkv_par, route, route_rule,
-                  route_sparsemixer, shared_gate_scale, swiglu_clamped)
+from .moe import (
+    _matvec_par,
+    _silu_mul_1d,
+    expert_ffn,
+    expert_ffn_par,
+    matvec_qkv_par,
+    route,
+    route_rule,
+    route_sparsemixer,
+    shared_gate_scale,
+    swiglu_clamped,
+)
+from .paged import _put_row
 from .quant import _qmv_par, expert_ffn_q, expert_ffn_q_par, matvec_q, matvec_q_qkv_par
 from .stacks import layer
+from .tiled import tiled_attention, tiled_attention_par
 
 __all__ = ["decode_token", "experts_biased", "moe_float", "moe_quant", "rope_cache_attend"]
 

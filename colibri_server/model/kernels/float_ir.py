@@ -32,10 +32,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ..format import PANEL
 from .cpu import FEATURES as _FEATURES
 from .quant_ir import split_rows
-
-from ..format import PANEL
 
 __all__ = ["HAVE_FLOAT_IR", "HAVE_FLOAT_IR8", "STEP", "STEP8", "STREAMS8", "float_rows", "float_rows_stack"]
 

@@ -48,8 +48,9 @@ from numba.extending import intrinsic, overload
 from ..format import PANEL
 from .base import nrows, to_f32
 from .cpu import FEATURES as _FEATURES
+from .cpu import HAVE_AVX2
 from .prefetch import prefetch_ahead
-from .quant_ir import HAVE_AVX2, HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, _f32_bits, _vec, act_chunk_q4, act_chunk_q8
+from .quant_ir import HAVE_VNNI512, Q4_CHUNK, Q8_CHUNK, _f32_bits, _vec, act_chunk_q4, act_chunk_q8
 
 __all__ = ["HAVE_GEMM", "HAVE_BF16_GEMM", "matmul_q4_i8", "matmul_q8_i16", "matmul_q4_i8_par", "matmul_q8_i16_par",
            "matmul_bf16", "matmul_bf16_par", "round_bf16"]

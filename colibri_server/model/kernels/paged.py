@@ -23,7 +23,6 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-
 __all__ = ["write_kv", "paged_attention_ref", "to_f16_bits"]
 
 

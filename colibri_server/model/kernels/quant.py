@@ -25,8 +25,9 @@ from numba.extending import overload
 
 from .base import _REDUCE_FM, to_f32
 from .buffers import aligned_zeros
+from .cpu import HAVE_AVX2
 from .moe import _silu_mul_1d
-from .quant_ir import ACT_GROUPS, HAVE_AVX2, SUMS_MAX, q4_groups_i8, q8_groups_i16
+from .quant_ir import ACT_GROUPS, SUMS_MAX, q4_groups_i8, q8_groups_i16
 
 __all__ = ["matvec_q", "matvec_q_ref", "rows_to_f32_q", "rows_to_f32_q_ref", "expert_ffn_q",
            "expert_ffn_q_ref", "matvec_q_par", "matvec_q_qkv_par", "expert_ffn_q_par"]

@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from .base import to_f32
 from .cpu import FEATURES as _FEATURES  # noqa: F401
-from .cpu import HAVE_AVX2, HAVE_VNNI512
+from .cpu import HAVE_VNNI512
 
 Q4_CHUNK = 1024     # packed bytes (2048 weights) per int8 activation scale
 Q8_CHUNK = 1024     # columns per int16 activation scale (127 * 16383 * 1024 < 2^31)
