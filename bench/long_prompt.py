@@ -67,9 +67,9 @@ def build(data: pathlib.Path):
     col, gg = data / "bench-mixtral-long-f16.colibri", data / "bench-mixtral-long-F16.gguf"
     if not (d / "config.json").exists():
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import hf_models
         import torch
         from transformers import MixtralConfig, MixtralForCausalLM
-        import hf_models
         print("building bench-mixtral-long with transformers (torch.manual_seed(0)) ...", flush=True)
         torch.manual_seed(0)
         model = MixtralForCausalLM(MixtralConfig(**dict(D.BENCH_MIXTRAL, max_position_embeddings=MAX_POSITIONS)))

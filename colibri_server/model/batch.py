@@ -16,10 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels as K
-from .kernels import paged as KP
-from .kernels import tiled as KT
 from . import mla as MLA
 from .config import ModelConfig
+from .kernels import paged as KP
+from .kernels import tiled as KT
 from .moe import moe, swiglu
 from .rope import attention_scale
 from .transformer import norm, qkv_finish, qkv_rows

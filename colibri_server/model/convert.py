@@ -18,7 +18,8 @@ import numpy as np
 
 from . import format as fmt
 from .config import LAYOUTS, ConfigError, ModelConfig, expected_tensors
-from .families import BY_ARCH, BY_HF_CLASS, ConvertError, by_hf_class, get as _get
+from .families import BY_ARCH, BY_HF_CLASS, ConvertError, by_hf_class
+from .families import get as _get
 from .families.base import HF_LAYER_NAMES
 from .panels import to_panels
 

@@ -19,8 +19,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .convert import (CONVERTER_VERSION, ROTARY_KEYS, _to_f32, checked_config, default_layout, partial_rotary_rows,
-                      quant_config, write_model)
+from .convert import (
+    CONVERTER_VERSION,
+    ROTARY_KEYS,
+    _to_f32,
+    checked_config,
+    default_layout,
+    partial_rotary_rows,
+    quant_config,
+    write_model,
+)
 from .families import BY_ARCH, ConvertError, by_gguf_arch, gguf_name
 
 MISSING = object()

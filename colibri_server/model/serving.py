@@ -307,11 +307,12 @@ def warm_up(model, kv_dtype: str = "f16", threads: int = 1) -> None:
 def compile_threaded(model, kv_dtype: str = "f16") -> None:
     """The threaded kernels of the batched step, compiled by signature without running them."""
     import numba
+
     from . import kernels as K
-    from .kernels import tiled as KT
-    from .kernels import rowgemm as RG
-    from .panels import Panels, kernel_array
     from .kernels import parallel_runtime
+    from .kernels import rowgemm as RG
+    from .kernels import tiled as KT
+    from .panels import Panels, kernel_array
     from .transformer import compile_parallel
     parallel_runtime()
 

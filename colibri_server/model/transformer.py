@@ -13,14 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels as K
+from . import mla as MLA
+from .config import ModelConfig
+from .decode_step import DecodeStep
 from .kernels import aligned_zeros, lazy_zeros
 from .kernels import decode as KD
 from .kernels import gemm as GE
 from .kernels import quant as KQ
 from .kernels import rowgemm as RG
-from .config import ModelConfig
-from . import mla as MLA
-from .decode_step import DecodeStep
 from .moe import moe, swiglu
 from .panels import Panels, kernel_array
 from .rope import attention_scale

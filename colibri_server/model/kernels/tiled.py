@@ -259,7 +259,6 @@ def _segment(q, kpool, vpool, table, kh, r0, r1, h0, gh, s, window, scale, sc):
         m[i] = _NEG_INF
         l[i] = 0.0
     acc[:] = 0.0
-    dv = Vt.shape[1]
     t = k0 // TILE * TILE
     while t < k1:
         ks, ke = max(t, k0), min(t + TILE, k1)
