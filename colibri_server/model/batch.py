@@ -21,7 +21,7 @@ from . import mla as MLA
 from .config import ModelConfig
 from .moe import moe, swiglu
 from .rope import attention_scale
-from .transformer import norm, qkv_finish, qkv_rows
+from .transformer import embed, norm, qkv_finish, qkv_rows
 
 
 class Rows:
@@ -59,7 +59,7 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
         attend = KP.paged_attention
     x, h, sub = ws.x[:N], ws.h[:N], ws.sub[:N]                                 # (N,D)
 
-    K.embed(w.token_embd, rows.tokens, x)
+    embed(w.token_embd, rows.tokens, x)
     for r, e in rows.embeds:                                                   # a prompt given as embeddings
         x[r:r + e.shape[0]] = e
     for l, L in enumerate(w.layers):
