@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .base import _REDUCE_FM, to_f32
+from .blocks_ir import dot_i8, dot_nib, dot_q6
 from .quant_ir import _bits_f32, _round
 
 QB = 32          # activations per rounding block
@@ -225,24 +226,6 @@ def quant_acts(x, xq, xd, xs):
 
 # ---------------------------------------------------------------------------- dots
 
-@njit(cache=True, inline="always")
-def _isum32(r, o, xq, x0):
-    # sum_k int8(r[o+k]) * xq[x0+k], k < 32
-    s = np.int32(0)
-    for k in range(32):
-        s += np.int32(np.int8(r[o + k])) * np.int32(xq[x0 + k])
-    return s
-
-
-@njit(cache=True, inline="always")
-def _isum_nib(r, o, sh, xq, x0, cnt):
-    # sum_k ((r[o+k] >> sh) & 15) * xq[x0+k], k < cnt
-    s = np.int32(0)
-    for k in range(cnt):
-        s += ((np.int32(r[o + k]) >> sh) & 15) * np.int32(xq[x0 + k])
-    return s
-
-
 @njit(cache=True, fastmath=_REDUCE_FM)
 def _dot_f32(y, x):
     s = np.float32(0.0)
@@ -259,11 +242,11 @@ def row_dot(kind, r, x, xq, xd, xs, tmp):
     if kind == Q8_0:
         for b in range(n // 32):
             o = b * 34
-            acc += (_f16(r, o) * xd[b]) * np.float32(_isum32(r, o + 2, xq, b * 32))
+            acc += (_f16(r, o) * xd[b]) * np.float32(dot_i8(r, o + 2, xq, b * 32))
     elif kind == Q4_0:
         for b in range(n // 32):
             o = b * 18
-            s = _isum_nib(r, o + 2, 0, xq, b * 32, 16) + _isum_nib(r, o + 2, 4, xq, b * 32 + 16, 16)
+            s = dot_nib(r, o + 2, 0, xq, b * 32, 16) + dot_nib(r, o + 2, 4, xq, b * 32 + 16, 16)
             acc += (_f16(r, o) * xd[b]) * np.float32(s - 8 * (xs[2 * b] + xs[2 * b + 1]))
     elif kind == Q4_K:
         for b in range(n // 256):
@@ -276,7 +259,7 @@ def row_dot(kind, r, x, xq, xd, xs, tmp):
             for j in range(8):
                 s, m = _k_scale_min(sc, j)
                 a = b * 8 + j
-                isum = _isum_nib(r, o + 16 + (j // 2) * 32, 4 * (j % 2), xq, a * 32, 32)
+                isum = dot_nib(r, o + 16 + (j // 2) * 32, 4 * (j % 2), xq, a * 32, 32)
                 sums += np.float32(s * isum) * xd[a]
                 mins += np.float32(m * (xs[2 * a] + xs[2 * a + 1])) * xd[a]
             acc += d * sums - dmin * mins
@@ -289,14 +272,8 @@ def row_dot(kind, r, x, xq, xd, xs, tmp):
                     a = b * 8 + h * 4 + c                 # the 32-block of activations
                     lo = o + h * 64 + (c % 2) * 32
                     hq = o + 128 + h * 32
-                    s0 = np.int32(0)
-                    s1 = np.int32(0)
-                    for k in range(16):
-                        q = ((np.int32(r[lo + k]) >> (4 * (c // 2))) & 15) | (((np.int32(r[hq + k]) >> (2 * c)) & 3) << 4)
-                        s0 += q * np.int32(xq[a * 32 + k])
-                    for k in range(16, 32):
-                        q = ((np.int32(r[lo + k]) >> (4 * (c // 2))) & 15) | (((np.int32(r[hq + k]) >> (2 * c)) & 3) << 4)
-                        s1 += q * np.int32(xq[a * 32 + k])
+                    s0 = dot_q6(r, lo, 4 * (c // 2), hq, 2 * c, xq, a * 32)
+                    s1 = dot_q6(r, lo + 16, 4 * (c // 2), hq + 16, 2 * c, xq, a * 32 + 16)
                     g = h * 8 + c * 2
                     sums += xd[a] * np.float32(np.int32(np.int8(r[o + 192 + g])) * (s0 - 32 * xs[2 * a])
                                                + np.int32(np.int8(r[o + 193 + g])) * (s1 - 32 * xs[2 * a + 1]))
