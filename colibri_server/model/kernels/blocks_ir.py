@@ -89,3 +89,113 @@ def dot_q6(typingctx, w, lo, sh4, hi, sh2, x, xo):
         xv = _load(builder, _ptr(context, builder, signature.args[5], args[5], args[6]), n)
         return _dot(builder, v, xv, n, True)
     return sig, codegen
+
+
+# ---------------------------------------------------------------------------- multiply-accumulate forms
+# acc (8,) f32 += float(p) * scale, p the <8 x i32> of pairwise-summed products (even + odd lanes: the
+# `vpmaddwd` pattern, which AVX-512 VNNI folds into `vpdpwssd`): the horizontal sum is left to the end
+# of the row (one per row instead of one per block).
+
+_f32 = ir.FloatType()
+
+
+def _pairs(builder, w16, x16, n):
+    """<n x i16> w, x -> <8 x i32>: products summed in adjacent pairs, then the halves folded to 8 lanes."""
+    vd = ir.VectorType(_i32, n)
+    prod = builder.mul(builder.sext(w16, vd), builder.sext(x16, vd))
+    half = n // 2
+    ev = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_i32, half), list(range(0, n, 2))))
+    od = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_i32, half), list(range(1, n, 2))))
+    s = builder.add(ev, od)
+    while half > 8:
+        half //= 2
+        lo = builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(_i32, half), list(range(half))))
+        hi = builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(_i32, half), list(range(half, 2 * half))))
+        s = builder.add(lo, hi)
+    return s
+
+
+def _mac(context, builder, aty, acc_arr, p8, scale):
+    a = context.make_array(aty)(context, builder, acc_arr)
+    vf = ir.VectorType(_f32, 8)
+    ptr = builder.bitcast(a.data, vf.as_pointer())
+    sv = builder.insert_element(ir.Constant(vf, None), scale, ir.Constant(_i32, 0))
+    sv = builder.shuffle_vector(sv, ir.Constant(vf, None), ir.Constant(ir.VectorType(_i32, 8), [0] * 8))
+    builder.store(builder.fadd(builder.load(ptr, align=4), builder.fmul(builder.sitofp(p8, vf), sv)), ptr, align=4)
+
+
+def _i16(builder, v, n, signed):
+    vw = ir.VectorType(ir.IntType(16), n)
+    return builder.sext(v, vw) if signed else builder.zext(v, vw)
+
+
+@intrinsic
+def mac_i8(typingctx, acc, w, wo, x, xo, scale):
+    """acc (8,) f32 += pairs(int8(w[wo:wo+32]) * x[xo:xo+32]) * scale (Q8_0's block)."""
+    sig = types.void(acc, w, wo, x, xo, scale)
+
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        wv = _load(builder, _ptr(context, builder, a[1], args[1], args[2]), 32)
+        xv = _load(builder, _ptr(context, builder, a[3], args[3], args[4]), 32)
+        _mac(context, builder, a[0], args[0], _pairs(builder, _i16(builder, wv, 32, True), _i16(builder, xv, 32, True), 32),
+             args[5])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def mac_q4_0(typingctx, acc, w, wo, x, xo, scale):
+    """acc (8,) f32 += pairs((nibbles of w[wo:wo+16], low then high) - 8) * x[xo:xo+32]) * scale (Q4_0's block)."""
+    sig = types.void(acc, w, wo, x, xo, scale)
+
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        vt = ir.VectorType(_i8, 16)
+        b = _load(builder, _ptr(context, builder, a[1], args[1], args[2]), 16)
+        lo = builder.and_(b, ir.Constant(vt, [15] * 16))
+        hi = builder.lshr(b, ir.Constant(vt, [4] * 16))
+        q = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
+        q = builder.sub(q, ir.Constant(ir.VectorType(_i8, 32), [8] * 32))
+        xv = _load(builder, _ptr(context, builder, a[3], args[3], args[4]), 32)
+        _mac(context, builder, a[0], args[0], _pairs(builder, _i16(builder, q, 32, True), _i16(builder, xv, 32, True), 32),
+             args[5])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def mac_nib(typingctx, acc, w, wo, sh, x, xo, scale):
+    """acc (8,) f32 += pairs(((w[wo:wo+32] >> sh) & 15) * x[xo:xo+32]) * scale (a Q4_K sub-block, before its min)."""
+    sig = types.void(acc, w, wo, sh, x, xo, scale)
+
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        b = _load(builder, _ptr(context, builder, a[1], args[1], args[2]), 32)
+        q = builder.and_(builder.lshr(b, _splat(builder, args[3], 32)), ir.Constant(ir.VectorType(_i8, 32), [15] * 32))
+        xv = _load(builder, _ptr(context, builder, a[4], args[4], args[5]), 32)
+        _mac(context, builder, a[0], args[0], _pairs(builder, _i16(builder, q, 32, False), _i16(builder, xv, 32, True), 32),
+             args[6])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def mac_q6(typingctx, acc, w, lo, sh4, hi, sh2, x, xo, scale):
+    """acc (8,) f32 += pairs((6-bit values - 32) * x[xo:xo+16]) * scale: Q6_K's 16 values sharing one scale."""
+    sig = types.void(acc, w, lo, sh4, hi, sh2, x, xo, scale)
+
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        n = 16
+        vt = ir.VectorType(_i8, n)
+        bl = _load(builder, _ptr(context, builder, a[1], args[1], args[2]), n)
+        bh = _load(builder, _ptr(context, builder, a[1], args[1], args[4]), n)
+        low = builder.and_(builder.lshr(bl, _splat(builder, args[3], n)), ir.Constant(vt, [15] * n))
+        high = builder.and_(builder.lshr(bh, _splat(builder, args[5], n)), ir.Constant(vt, [3] * n))
+        q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * n))), ir.Constant(vt, [32] * n))
+        xv = _load(builder, _ptr(context, builder, a[6], args[6], args[7]), n)
+        _mac(context, builder, a[0], args[0], _pairs(builder, _i16(builder, q, n, True), _i16(builder, xv, n, True), n),
+             args[8])
+        return context.get_dummy_value()
+    return sig, codegen
