@@ -12,7 +12,7 @@ the GGML type id. Three things here:
   rounded values (the offsets and minimums of Q4_0, Q4_1, Q5_*, Q4_K, Q2_K, Q6_K are folded through
   them);
 * dots of one weight row with a rounded activation row: integer products accumulated in int32
-  per sub-block, scaled by f32 once per sub-block (Q8_0, Q4_0, Q4_K, Q6_K), and for the other
+  per sub-block, scaled by f32 once per sub-block (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), and for the other
   kinds the row dequantized to f32 and dotted with the f32 activations (the generic path).
 
 Every product (batch-1 matvec, a serving step's rows, prefill, experts) goes through row_dot,
@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .base import _REDUCE_FM, to_f32
-from .blocks_ir import mac_i8, mac_nib, mac_q4_0, mac_q6
+from .blocks_ir import mac_i8, mac_nib, mac_q4_0, mac_q5, mac_q6
 from .quant_ir import _bits_f32, _round
 
 QB = 32          # activations per rounding block
@@ -33,7 +33,7 @@ SB = 16          # activations per int32 sum
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 IQ4_NL, IQ4_XS, MXFP4 = 20, 23, 39
-FAST = (Q8_0, Q4_0, Q4_K, Q6_K)          # the kinds with integer dots
+FAST = (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)    # the kinds with integer dots
 
 _KV_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 _KV_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
@@ -275,6 +275,23 @@ def _dot_q4_k(r, x, xq, xd, xs, v):
 
 
 @njit(cache=True, inline="always")
+def _dot_q5_k(r, x, xq, xd, xs, v):
+    v[:] = 0.0
+    mins = np.float32(0.0)
+    for b in range(x.shape[0] // 256):
+        o = b * 176
+        d = _f16(r, o)
+        dmin = _f16(r, o + 2)
+        sc = r[o + 4:o + 16]
+        for j in range(8):
+            s, m = _k_scale_min(sc, j)
+            a = b * 8 + j
+            mac_q5(v, r, o + 48 + (j // 2) * 32, 4 * (j % 2), o + 16, j, xq, a * 32, (d * np.float32(s)) * xd[a])
+            mins += (dmin * np.float32(m)) * (xd[a] * np.float32(xs[2 * a] + xs[2 * a + 1]))
+    return _hsum8(v) - mins
+
+
+@njit(cache=True, inline="always")
 def _dot_q6_k(r, x, xq, xd, xs, v):
     v[:] = 0.0
     for b in range(x.shape[0] // 256):
@@ -304,6 +321,8 @@ def row_dot(kind, r, x, xq, xd, xs, tmp):
         return _dot_q4_k(r, x, xq, xd, xs, tmp[:8])
     if kind == Q6_K:
         return _dot_q6_k(r, x, xq, xd, xs, tmp[:8])
+    if kind == Q5_K:
+        return _dot_q5_k(r, x, xq, xd, xs, tmp[:8])
     deq_row(kind, r, tmp)
     return _dot_f32(tmp, x)
 
@@ -342,6 +361,14 @@ def _rows_q4_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 
 @njit(cache=True)
+def _rows_q5_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    v = tmp[:8]
+    for i in range(i0, i1):
+        for t in range(X.shape[0]):
+            _put2(out, t, i, _dot_q5_k(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
+
+
+@njit(cache=True)
 def _rows_q6_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     v = tmp[:8]
     for i in range(i0, i1):
@@ -358,6 +385,8 @@ def _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         _rows_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
     elif kind == Q4_K:
         _rows_q4_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
+    elif kind == Q5_K:
+        _rows_q5_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
     elif kind == Q6_K:
         _rows_q6_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
     else:

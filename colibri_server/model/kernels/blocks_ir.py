@@ -199,3 +199,25 @@ def mac_q6(typingctx, acc, w, lo, sh4, hi, sh2, x, xo, scale):
              args[8])
         return context.get_dummy_value()
     return sig, codegen
+
+
+@intrinsic
+def mac_q5(typingctx, acc, w, wo, sh, h, hsh, x, xo, scale):
+    """acc (8,) f32 += pairs(((w[wo+k] >> sh) & 15 | ((w[h+k] >> hsh) & 1) << 4) * x[xo+k], k < 32) * scale
+    (a Q5_K sub-block, before its min)."""
+    sig = types.void(acc, w, wo, sh, h, hsh, x, xo, scale)
+
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        n = 32
+        vt = ir.VectorType(_i8, n)
+        bl = _load(builder, _ptr(context, builder, a[1], args[1], args[2]), n)
+        bh = _load(builder, _ptr(context, builder, a[1], args[1], args[4]), n)
+        low = builder.and_(builder.lshr(bl, _splat(builder, args[3], n)), ir.Constant(vt, [15] * n))
+        high = builder.and_(builder.lshr(bh, _splat(builder, args[5], n)), ir.Constant(vt, [1] * n))
+        q = builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * n)))
+        xv = _load(builder, _ptr(context, builder, a[6], args[6], args[7]), n)
+        _mac(context, builder, a[0], args[0], _pairs(builder, _i16(builder, q, n, False), _i16(builder, xv, n, True), n),
+             args[8])
+        return context.get_dummy_value()
+    return sig, codegen
