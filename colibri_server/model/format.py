@@ -129,8 +129,7 @@ DTYPES = {
     8: ("i8", np.dtype("i1"), 1),
     9: ("u4", np.dtype("u1"), 0.5),
 }
-# Codes 64 + a GGML type id: llama.cpp's block kinds (blocks.py), version 3 only; viewed as uint8
-# (..., d, bytes of a row), the row's blocks as the GGUF holds them.
+# Codes 64 + a GGML type id (version 3): llama.cpp's block kinds as a GGUF holds them (blocks.py), uint8 views.
 DTYPES.update({k.code: (k.name, np.dtype("u1"), k.size / k.block) for k in _blocks.KINDS.values()})
 BLOCK_DTYPES = frozenset(_blocks.KINDS)
 DTYPE_CODES = {name: code for code, (name, _, _) in DTYPES.items()}
@@ -203,8 +202,6 @@ def nbytes(dtype: str, shape) -> int:
     if dtype in PANEL_DTYPES and (len(shape) < 2 or int(shape[-1]) % PANEL):
         raise ValueError(f"a {dtype} tensor is a matrix of whole {PANEL}-column panels, not {list(shape)}")
     if dtype in BLOCK_DTYPES:
-        if not shape:
-            raise ValueError(f"a {dtype} tensor needs a shape")
         return _blocks.nbytes(dtype, shape)
     n = 1
     for s in shape:
@@ -428,8 +425,9 @@ def _validate(path, mm, size):
         if name in seen:
             raise DuplicateName(path, name, f"tensor name appears twice (again at record {i})")
         seen.add(name)
-        if code not in DTYPES or (version < 3 and code in _blocks.BY_CODE):
-            raise UnknownDtype(path, name, f"dtype code {code} is not one of {sorted(c for c in DTYPES if version >= 3 or c not in _blocks.BY_CODE)} (version {version})")
+        known = [c for c in DTYPES if version >= 3 or c not in _blocks.BY_CODE]
+        if code not in known:
+            raise UnknownDtype(path, name, f"dtype code {code} is not one of {sorted(known)} (version {version})")
         if not 1 <= ndim <= MAX_NDIM:
             raise BadTensorRecord(path, name, f"ndim {ndim} is not in 1..{MAX_NDIM}")
         if res:

@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .base import _REDUCE_FM, to_f32
-from .blocks_ir import mac_i8, mac_nib, mac_q4_0, mac_q5, mac_q6
+from .blocks_ir import kblock_q4_k, kblock_q6_k, mac_q5, row_q4_0, row_q8_0
 from .quant_ir import _bits_f32, _round
 
 QB = 32          # activations per rounding block
@@ -241,37 +241,21 @@ def _hsum8(v):
 
 @njit(cache=True, inline="always")
 def _dot_q8_0(r, x, xq, xd, xs, v):
-    v[:] = 0.0
-    for b in range(x.shape[0] // 32):
-        o = b * 34
-        mac_i8(v, r, o + 2, xq, b * 32, _f16(r, o) * xd[b])
-    return _hsum8(v)
+    return row_q8_0(r, xq, xd, x.shape[0] // 32)
 
 
 @njit(cache=True, inline="always")
 def _dot_q4_0(r, x, xq, xd, xs, v):
-    v[:] = 0.0
-    for b in range(x.shape[0] // 32):
-        o = b * 18
-        mac_q4_0(v, r, o + 2, xq, b * 32, _f16(r, o) * xd[b])
-    return _hsum8(v)
+    # (q - 8) . x in the integer dot: no offset term
+    return row_q4_0(r, xq, xd, x.shape[0] // 32)
 
 
 @njit(cache=True, inline="always")
 def _dot_q4_k(r, x, xq, xd, xs, v):
-    v[:] = 0.0
-    mins = np.float32(0.0)
+    acc = np.float32(0.0)
     for b in range(x.shape[0] // 256):
-        o = b * 144
-        d = _f16(r, o)
-        dmin = _f16(r, o + 2)
-        sc = r[o + 4:o + 16]
-        for j in range(8):
-            s, m = _k_scale_min(sc, j)
-            a = b * 8 + j
-            mac_nib(v, r, o + 16 + (j // 2) * 32, 4 * (j % 2), xq, a * 32, (d * np.float32(s)) * xd[a])
-            mins += (dmin * np.float32(m)) * (xd[a] * np.float32(xs[2 * a] + xs[2 * a + 1]))
-    return _hsum8(v) - mins
+        acc += kblock_q4_k(r, b * 144, xq, xd, xs, b)
+    return acc
 
 
 @njit(cache=True, inline="always")
@@ -293,20 +277,10 @@ def _dot_q5_k(r, x, xq, xd, xs, v):
 
 @njit(cache=True, inline="always")
 def _dot_q6_k(r, x, xq, xd, xs, v):
-    v[:] = 0.0
+    acc = np.float32(0.0)
     for b in range(x.shape[0] // 256):
-        o = b * 210
-        d = _f16(r, o + 208)
-        for h in range(2):
-            for c in range(4):
-                a = b * 8 + h * 4 + c                 # the 32-block of activations
-                lo = o + h * 64 + (c % 2) * 32
-                hq = o + 128 + h * 32
-                g = o + 192 + h * 8 + c * 2
-                mac_q6(v, r, lo, 4 * (c // 2), hq, 2 * c, xq, a * 32, (d * np.float32(np.int8(r[g]))) * xd[a])
-                mac_q6(v, r, lo + 16, 4 * (c // 2), hq + 16, 2 * c, xq, a * 32 + 16,
-                       (d * np.float32(np.int8(r[g + 1]))) * xd[a])
-    return _hsum8(v)
+        acc += kblock_q6_k(r, b * 210, xq, xd, b)
+    return acc
 
 
 @njit(cache=True)
@@ -314,15 +288,15 @@ def row_dot(kind, r, x, xq, xd, xs, tmp):
     # one weight row r (row bytes,) u8 . activations x (n,) f32 (rounded: xq, xd, xs) -> f32; tmp (n,) f32 scratch
     # (the integer kinds: its first 8 floats are the vector accumulator, summed once at the end of the row)
     if kind == Q8_0:
-        return _dot_q8_0(r, x, xq, xd, xs, tmp[:8])
+        return _dot_q8_0(r, x, xq, xd, xs, tmp[:16])
     if kind == Q4_0:
-        return _dot_q4_0(r, x, xq, xd, xs, tmp[:8])
+        return _dot_q4_0(r, x, xq, xd, xs, tmp[:16])
     if kind == Q4_K:
-        return _dot_q4_k(r, x, xq, xd, xs, tmp[:8])
+        return _dot_q4_k(r, x, xq, xd, xs, tmp[:16])
     if kind == Q6_K:
-        return _dot_q6_k(r, x, xq, xd, xs, tmp[:8])
+        return _dot_q6_k(r, x, xq, xd, xs, tmp[:16])
     if kind == Q5_K:
-        return _dot_q5_k(r, x, xq, xd, xs, tmp[:8])
+        return _dot_q5_k(r, x, xq, xd, xs, tmp[:16])
     deq_row(kind, r, tmp)
     return _dot_f32(tmp, x)
 
@@ -338,7 +312,7 @@ def _put2(out, t, i, v, alpha, accumulate):
 # one loop per integer kind, so that its dot is inlined (a kind chosen per row costs 2.5x on Q8_0)
 @njit(cache=True)
 def _rows_q8_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    v = tmp[:8]
+    v = tmp[:16]
     for i in range(i0, i1):
         for t in range(X.shape[0]):
             _put2(out, t, i, _dot_q8_0(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
@@ -346,7 +320,7 @@ def _rows_q8_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 @njit(cache=True)
 def _rows_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    v = tmp[:8]
+    v = tmp[:16]
     for i in range(i0, i1):
         for t in range(X.shape[0]):
             _put2(out, t, i, _dot_q4_0(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
@@ -354,7 +328,7 @@ def _rows_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 @njit(cache=True)
 def _rows_q4_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    v = tmp[:8]
+    v = tmp[:16]
     for i in range(i0, i1):
         for t in range(X.shape[0]):
             _put2(out, t, i, _dot_q4_k(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
@@ -362,7 +336,7 @@ def _rows_q4_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 @njit(cache=True)
 def _rows_q5_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    v = tmp[:8]
+    v = tmp[:16]
     for i in range(i0, i1):
         for t in range(X.shape[0]):
             _put2(out, t, i, _dot_q5_k(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
@@ -370,7 +344,7 @@ def _rows_q5_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 @njit(cache=True)
 def _rows_q6_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    v = tmp[:8]
+    v = tmp[:16]
     for i in range(i0, i1):
         for t in range(X.shape[0]):
             _put2(out, t, i, _dot_q6_k(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)

@@ -221,3 +221,247 @@ def mac_q5(typingctx, acc, w, wo, sh, h, hsh, x, xo, scale):
              args[8])
         return context.get_dummy_value()
     return sig, codegen
+
+
+# ---------------------------------------------------------------------------- whole rows and blocks
+# The forms above keep the accumulator in memory, one load and store per sub-block: a dependency chain
+# of ~8 cycles per 32 weights (Q8_0 at 19 GB/s). These keep it in a register for a whole row (Q8_0,
+# Q4_0) or a whole 256-block (the k-quants, their sub-block scales computed beforehand).
+
+def _arr_ptr(context, builder, aty, arr, ty):
+    return builder.bitcast(context.make_array(aty)(context, builder, arr).data, ty.as_pointer())
+
+
+def _splat_f(builder, s):
+    vf = ir.VectorType(_f32, 8)
+    v = builder.insert_element(ir.Constant(vf, None), s, ir.Constant(_i32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vf, None), ir.Constant(ir.VectorType(_i32, 8), [0] * 8))
+
+
+def _hsum(builder, acc):
+    lanes = [builder.extract_element(acc, ir.Constant(_i32, i)) for i in range(8)]
+    return builder.fadd(builder.fadd(builder.fadd(lanes[0], lanes[1]), builder.fadd(lanes[2], lanes[3])),
+                        builder.fadd(builder.fadd(lanes[4], lanes[5]), builder.fadd(lanes[6], lanes[7])))
+
+
+def _row32(nibbles):
+    """The row loop of a 32-block kind with an f16 scale first: Q8_0 (34 bytes) or Q4_0 (18)."""
+    size = 18 if nibbles else 34
+
+    def impl(typingctx, r, xq, xd, nb):
+        sig = types.float32(r, xq, xd, nb)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            idx = ir.IntType(64)
+            rp = _arr_ptr(context, builder, a[0], args[0], _i8)
+            xp = _arr_ptr(context, builder, a[1], args[1], _i8)
+            dp = _arr_ptr(context, builder, a[2], args[2], _f32)
+            vf = ir.VectorType(_f32, 8)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+            with cgutils.for_range(builder, args[3]) as loop:
+                b = loop.index
+                o = builder.mul(b, ir.Constant(idx, size))
+                hp = builder.bitcast(builder.gep(rp, [o]), ir.IntType(16).as_pointer())
+                d = builder.fpext(builder.bitcast(builder.load(hp, align=1), ir.HalfType()), _f32)
+                scale = builder.fmul(d, builder.load(builder.gep(dp, [b])))
+                xv = _load(builder, builder.gep(xp, [builder.mul(b, ir.Constant(idx, 32))]), 32)
+                wp = builder.gep(rp, [builder.add(o, ir.Constant(idx, 2))])
+                if nibbles:
+                    vt = ir.VectorType(_i8, 16)
+                    bb = _load(builder, wp, 16)
+                    q = builder.shuffle_vector(builder.and_(bb, ir.Constant(vt, [15] * 16)),
+                                               builder.lshr(bb, ir.Constant(vt, [4] * 16)),
+                                               ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
+                    q = builder.sub(q, ir.Constant(ir.VectorType(_i8, 32), [8] * 32))
+                else:
+                    q = _load(builder, wp, 32)
+                p8 = _pairs(builder, _i16(builder, q, 32, True), _i16(builder, xv, 32, True), 32)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(p8, vf), _splat_f(builder, scale))),
+                              acc)
+            return _hsum(builder, builder.load(acc))
+        return sig, codegen
+    return impl
+
+
+row_q8_0 = intrinsic(_row32(False))
+row_q8_0.__doc__ = "r (row bytes,) u8 Q8_0 row . xq (n,) i8 with scales xd (n/32,) f32, nb blocks -> f32"
+row_q4_0 = intrinsic(_row32(True))
+row_q4_0.__doc__ = "r (row bytes,) u8 Q4_0 row . xq (n,) i8 with scales xd (n/32,) f32, nb blocks -> f32"
+
+
+@intrinsic
+def block_q4_k(typingctx, r, o, xq, xo, sc):
+    """sum over Q4_K's 8 sub-blocks i of the block at r[o:] (qs at o+16) of sc[i] * (nibbles_i . xq[xo+32i:+32])
+    -> f32 (sc (8,) f32: each sub-block's scale times its activations' scale; the mins are the caller's)."""
+    sig = types.float32(r, o, xq, xo, sc)
+
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        idx = ir.IntType(64)
+        rp = _arr_ptr(context, builder, a[0], args[0], _i8)
+        xp = _arr_ptr(context, builder, a[2], args[2], _i8)
+        sp = _arr_ptr(context, builder, a[4], args[4], _f32)
+        vf = ir.VectorType(_f32, 8)
+        vt = ir.VectorType(_i8, 32)
+        acc = ir.Constant(vf, None)
+        for c in range(4):
+            bb = _load(builder, builder.gep(rp, [builder.add(args[1], ir.Constant(idx, 16 + 32 * c))]), 32)
+            for half in range(2):
+                q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
+                i = 2 * c + half
+                xv = _load(builder, builder.gep(xp, [builder.add(args[3], ir.Constant(idx, 32 * i))]), 32)
+                p8 = _pairs(builder, _i16(builder, q, 32, False), _i16(builder, xv, 32, True), 32)
+                s = builder.load(builder.gep(sp, [ir.Constant(idx, i)]))
+                acc = builder.fadd(acc, builder.fmul(builder.sitofp(p8, vf), _splat_f(builder, s)))
+        return _hsum(builder, acc)
+    return sig, codegen
+
+
+@intrinsic
+def block_q6_k(typingctx, r, o, xq, xo, sc):
+    """sum over Q6_K's 16 groups g of the block at r[o:] of sc[g] * ((6-bit values - 32) . xq[xo+16g:+16]) -> f32
+    (sc (16,) f32: d * the group's scale * its activations' scale)."""
+    sig = types.float32(r, o, xq, xo, sc)
+
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        idx = ir.IntType(64)
+        rp = _arr_ptr(context, builder, a[0], args[0], _i8)
+        xp = _arr_ptr(context, builder, a[2], args[2], _i8)
+        sp = _arr_ptr(context, builder, a[4], args[4], _f32)
+        vf = ir.VectorType(_f32, 8)
+        vt = ir.VectorType(_i8, 32)
+        acc = ir.Constant(vf, None)
+
+        def at(off):
+            return builder.add(args[1], ir.Constant(idx, off))
+        for h in range(2):
+            qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
+            for c in range(4):
+                ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
+                low = builder.and_(builder.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
+                high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
+                q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32))), ir.Constant(vt, [32] * 32))
+                xv = _load(builder, builder.gep(xp, [builder.add(args[3], ir.Constant(idx, 128 * h + 32 * c))]), 32)
+                q16, x16 = _i16(builder, q, 32, True), _i16(builder, xv, 32, True)
+                for part in range(2):            # the two groups of 16 in these 32 values, each its own scale
+                    sel = ir.Constant(ir.VectorType(_i32, 16), list(range(16 * part, 16 * part + 16)))
+                    p8 = _pairs(builder, builder.shuffle_vector(q16, q16, sel), builder.shuffle_vector(x16, x16, sel), 16)
+                    s = builder.load(builder.gep(sp, [ir.Constant(idx, 8 * h + 2 * c + part)]))
+                    acc = builder.fadd(acc, builder.fmul(builder.sitofp(p8, vf), _splat_f(builder, s)))
+        return _hsum(builder, acc)
+    return sig, codegen
+
+
+def _vload(builder, base, off, vt):
+    return builder.load(builder.bitcast(builder.gep(base, [off]), vt.as_pointer()), align=1)
+
+
+def _bcast(builder, vec, i):
+    """Lane i of an <8|16 x float> broadcast to <8 x float>."""
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_i32, 8), [i] * 8))
+
+
+@intrinsic
+def kblock_q4_k(typingctx, r, o, xq, xd, xs, b):
+    """Q4_K's 256-block b at r[o:] . the activations' block (xq int8, xd (n/32,) f32 scales, xs (n/16,) i32 sums)
+    -> f32: its 8 scales and mins decoded as vectors (llama.cpp's masks), the sub-block dots accumulated in
+    two 8-lane registers, the mins folded through the activations' 32-sums."""
+    sig = types.float32(r, o, xq, xd, xs, b)
+
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        idx = ir.IntType(64)
+        rp = _arr_ptr(context, builder, a[0], args[0], _i8)
+        xp = _arr_ptr(context, builder, a[2], args[2], _i8)
+        dp = _arr_ptr(context, builder, a[3], args[3], _f32)
+        sp = _arr_ptr(context, builder, a[4], args[4], _i32)
+        o, b = args[1], args[5]
+        vf, vt = ir.VectorType(_f32, 8), ir.VectorType(_i8, 32)
+
+        def c32(v):
+            return ir.Constant(_i32, v)
+        u = [builder.load(builder.bitcast(builder.gep(rp, [builder.add(o, ir.Constant(idx, 4 + 4 * k))]),
+                                          _i32.as_pointer()), align=1) for k in range(3)]
+        k1, k2, k3 = c32(0x3F3F3F3F), c32(0x0F0F0F0F), c32(0x03030303)
+        u3 = builder.or_(builder.and_(builder.lshr(u[2], c32(4)), k2),
+                         builder.shl(builder.and_(builder.lshr(u[1], c32(6)), k3), c32(4)))
+        m0 = builder.and_(u[1], k1)
+        s1 = builder.or_(builder.and_(u[2], k2), builder.shl(builder.and_(builder.lshr(u[0], c32(6)), k3), c32(4)))
+        s0 = builder.and_(u[0], k1)
+        v2 = ir.VectorType(_i32, 2)
+
+        def bytes8(lo, hi):
+            p = builder.insert_element(builder.insert_element(ir.Constant(v2, None), lo, c32(0)), hi, c32(1))
+            return builder.uitofp(builder.bitcast(p, ir.VectorType(_i8, 8)), vf)
+        hp = builder.bitcast(builder.gep(rp, [o]), ir.IntType(16).as_pointer())
+        d = builder.fpext(builder.bitcast(builder.load(hp, align=1), ir.HalfType()), _f32)
+        hp2 = builder.bitcast(builder.gep(rp, [builder.add(o, ir.Constant(idx, 2))]), ir.IntType(16).as_pointer())
+        dmin = builder.fpext(builder.bitcast(builder.load(hp2, align=1), ir.HalfType()), _f32)
+        a0 = builder.mul(b, ir.Constant(idx, 8))
+        xd8 = _vload(builder, dp, a0, vf)
+        scales = builder.fmul(builder.fmul(bytes8(s0, s1), _splat_f(builder, d)), xd8)
+        xs16 = _vload(builder, sp, builder.mul(a0, ir.Constant(idx, 2)), ir.VectorType(_i32, 16))
+        ev = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(0, 16, 2))))
+        od = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(1, 16, 2))))
+        xsum = builder.fmul(builder.sitofp(builder.add(ev, od), vf), xd8)
+        mins = builder.fmul(builder.fmul(bytes8(m0, u3), _splat_f(builder, dmin)), xsum)
+        accs = [ir.Constant(vf, None), ir.Constant(vf, None)]
+        x0 = builder.mul(b, ir.Constant(idx, 256))
+        for c in range(4):
+            bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, 16 + 32 * c))]), 32)
+            for half in range(2):
+                q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
+                i = 2 * c + half
+                xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 32 * i))]), 32)
+                p8 = _pairs(builder, _i16(builder, q, 32, False), _i16(builder, xv, 32, True), 32)
+                accs[half] = builder.fadd(accs[half], builder.fmul(builder.sitofp(p8, vf), _bcast(builder, scales, i)))
+        return builder.fsub(_hsum(builder, builder.fadd(accs[0], accs[1])), _hsum(builder, mins))
+    return sig, codegen
+
+
+@intrinsic
+def kblock_q6_k(typingctx, r, o, xq, xd, b):
+    """Q6_K's 256-block b at r[o:] . the activations' block (xq int8, xd (n/32,) f32 scales) -> f32: its 16
+    scales as one vector, the group dots accumulated in two 8-lane registers."""
+    sig = types.float32(r, o, xq, xd, b)
+
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        idx = ir.IntType(64)
+        rp = _arr_ptr(context, builder, a[0], args[0], _i8)
+        xp = _arr_ptr(context, builder, a[2], args[2], _i8)
+        dp = _arr_ptr(context, builder, a[3], args[3], _f32)
+        o, b = args[1], args[4]
+        vf, vt = ir.VectorType(_f32, 8), ir.VectorType(_i8, 32)
+        v16 = ir.VectorType(_f32, 16)
+
+        def at(off):
+            return builder.add(o, ir.Constant(idx, off))
+        hp = builder.bitcast(builder.gep(rp, [at(208)]), ir.IntType(16).as_pointer())
+        d = builder.fpext(builder.bitcast(builder.load(hp, align=1), ir.HalfType()), _f32)
+        sc = builder.sitofp(_vload(builder, rp, at(192), ir.VectorType(_i8, 16)), v16)
+        xd8 = _vload(builder, dp, builder.mul(b, ir.Constant(idx, 8)), vf)
+        xd16 = builder.shuffle_vector(xd8, xd8, ir.Constant(ir.VectorType(_i32, 16), [g // 2 for g in range(16)]))
+        dv = builder.insert_element(ir.Constant(v16, None), d, ir.Constant(_i32, 0))
+        dv = builder.shuffle_vector(dv, ir.Constant(v16, None), ir.Constant(ir.VectorType(_i32, 16), [0] * 16))
+        scales = builder.fmul(builder.fmul(sc, dv), xd16)
+        accs = [ir.Constant(vf, None), ir.Constant(vf, None)]
+        x0 = builder.mul(b, ir.Constant(idx, 256))
+        for h in range(2):
+            qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
+            for c in range(4):
+                ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
+                low = builder.and_(builder.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
+                high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
+                q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32))), ir.Constant(vt, [32] * 32))
+                xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 128 * h + 32 * c))]), 32)
+                q16, x16 = _i16(builder, q, 32, True), _i16(builder, xv, 32, True)
+                for part in range(2):
+                    sel = ir.Constant(ir.VectorType(_i32, 16), list(range(16 * part, 16 * part + 16)))
+                    p8 = _pairs(builder, builder.shuffle_vector(q16, q16, sel), builder.shuffle_vector(x16, x16, sel), 16)
+                    s = _bcast(builder, scales, 8 * h + 2 * c + part)
+                    accs[part] = builder.fadd(accs[part], builder.fmul(builder.sitofp(p8, vf), s))
+        return _hsum(builder, builder.fadd(accs[0], accs[1]))
+    return sig, codegen
