@@ -279,7 +279,7 @@ def _dot_q5_k(r, x, xq, xd, xs, v):
 def _dot_q6_k(r, x, xq, xd, xs, v):
     acc = np.float32(0.0)
     for b in range(x.shape[0] // 256):
-        acc += kblock_q6_k(r, b * 210, xq, xd, b)
+        acc += kblock_q6_k(r, b * 210, xq, xd, xs, b)
     return acc
 
 

@@ -14,6 +14,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .cpu import FEATURES, HAVE_VNNI512
+
+# vpdpbusd on 256-bit registers: AVX-512 VNNI with VL (Zen 4, Ice Lake on), or AVX-VNNI (Alder Lake on)
+HAVE_VNNI256 = (HAVE_VNNI512 and "avx512vl" in FEATURES) or "avxvnni" in FEATURES
+
 _i8, _i32 = ir.IntType(8), ir.IntType(32)
 
 
@@ -113,6 +118,22 @@ def _pairs(builder, w16, x16, n):
         hi = builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(_i32, half), list(range(half, 2 * half))))
         s = builder.add(lo, hi)
     return s
+
+
+def _dot8(builder, w, x, signed):
+    """<32 x i8> weights (signed, or unsigned values 0..127) . <32 x i8> activations -> <8 x i32>, lane l
+    the sum of the products of bytes 4l..4l+3: one `vpdpbusd` where the CPU has it (signed weights
+    through llama.cpp's sign trick: |w| times x with w's sign), else sign-extended pairs (`vpmaddwd`)."""
+    if not HAVE_VNNI256:
+        p = _pairs(builder, _i16(builder, w, 32, signed), _i16(builder, x, 32, True), 32)
+        return p if not signed else p
+    vt, vd = ir.VectorType(_i8, 32), ir.VectorType(_i32, 8)
+    if signed:
+        neg = builder.icmp_signed("<", w, ir.Constant(vt, None))
+        x = builder.select(neg, builder.sub(ir.Constant(vt, None), x), x)
+        w = builder.select(neg, builder.sub(ir.Constant(vt, None), w), w)
+    f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vd, [vd, vd, vd]), "llvm.x86.avx512.vpdpbusd.256")
+    return builder.call(f, [ir.Constant(vd, None), builder.bitcast(w, vd), builder.bitcast(x, vd)])
 
 
 def _mac(context, builder, aty, acc_arr, p8, scale):
@@ -258,9 +279,9 @@ def _row32(nibbles):
             xp = _arr_ptr(context, builder, a[1], args[1], _i8)
             dp = _arr_ptr(context, builder, a[2], args[2], _f32)
             vf = ir.VectorType(_f32, 8)
-            acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
-            with cgutils.for_range(builder, args[3]) as loop:
-                b = loop.index
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(2)]
+
+            def block(b, acc):
                 o = builder.mul(b, ir.Constant(idx, size))
                 hp = builder.bitcast(builder.gep(rp, [o]), ir.IntType(16).as_pointer())
                 d = builder.fpext(builder.bitcast(builder.load(hp, align=1), ir.HalfType()), _f32)
@@ -276,10 +297,19 @@ def _row32(nibbles):
                     q = builder.sub(q, ir.Constant(ir.VectorType(_i8, 32), [8] * 32))
                 else:
                     q = _load(builder, wp, 32)
-                p8 = _pairs(builder, _i16(builder, q, 32, True), _i16(builder, xv, 32, True), 32)
+                p8 = _dot8(builder, q, xv, True)
                 builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(p8, vf), _splat_f(builder, scale))),
                               acc)
-            return _hsum(builder, builder.load(acc))
+            two = ir.Constant(idx, 2)
+            with cgutils.for_range(builder, builder.sdiv(args[3], two)) as loop:      # two blocks, two accumulators
+                b0 = builder.mul(loop.index, two)
+                block(b0, accs[0])
+                block(builder.add(b0, ir.Constant(idx, 1)), accs[1])
+            with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(args[3], two), two), args[3],
+                                         ir.Constant(idx, 1)) as (b, _):
+                block(b, accs[0])
+            acc = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+            return _hsum(builder, acc)
         return sig, codegen
     return impl
 
@@ -415,17 +445,19 @@ def kblock_q4_k(typingctx, r, o, xq, xd, xs, b):
                 q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
                 i = 2 * c + half
                 xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 32 * i))]), 32)
-                p8 = _pairs(builder, _i16(builder, q, 32, False), _i16(builder, xv, 32, True), 32)
+                p8 = _dot8(builder, q, xv, False)
                 accs[half] = builder.fadd(accs[half], builder.fmul(builder.sitofp(p8, vf), _bcast(builder, scales, i)))
         return builder.fsub(_hsum(builder, builder.fadd(accs[0], accs[1])), _hsum(builder, mins))
     return sig, codegen
 
 
 @intrinsic
-def kblock_q6_k(typingctx, r, o, xq, xd, b):
-    """Q6_K's 256-block b at r[o:] . the activations' block (xq int8, xd (n/32,) f32 scales) -> f32: its 16
-    scales as one vector, the group dots accumulated in two 8-lane registers."""
-    sig = types.float32(r, o, xq, xd, b)
+def kblock_q6_k(typingctx, r, o, xq, xd, xs, b):
+    """Q6_K's 256-block b at r[o:] . the activations' block (xq int8, xd (n/32,) f32 scales, xs (n/16,) i32 sums)
+    -> f32: its 16 scales as one vector, the group dots accumulated in two 8-lane registers (with VNNI: the
+    values 0..63 times the activations in `vpdpbusd`, lanes 0-3 one group and 4-7 the next, Q6_K's offset
+    of 32 taken out once per block through the 16-sums)."""
+    sig = types.float32(r, o, xq, xd, xs, b)
 
     def codegen(context, builder, signature, args):
         a = signature.args
@@ -433,7 +465,7 @@ def kblock_q6_k(typingctx, r, o, xq, xd, b):
         rp = _arr_ptr(context, builder, a[0], args[0], _i8)
         xp = _arr_ptr(context, builder, a[2], args[2], _i8)
         dp = _arr_ptr(context, builder, a[3], args[3], _f32)
-        o, b = args[1], args[4]
+        o, b = args[1], args[5]
         vf, vt = ir.VectorType(_f32, 8), ir.VectorType(_i8, 32)
         v16 = ir.VectorType(_f32, 16)
 
@@ -455,13 +487,29 @@ def kblock_q6_k(typingctx, r, o, xq, xd, b):
                 ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
                 low = builder.and_(builder.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
                 high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
-                q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32))), ir.Constant(vt, [32] * 32))
+                q = builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32)))
                 xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 128 * h + 32 * c))]), 32)
+                if HAVE_VNNI256:
+                    g = 8 * h + 2 * c
+                    sv = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(_i32, 8), [g] * 4 + [g + 1] * 4))
+                    p8 = _dot8(builder, q, xv, False)
+                    accs[c % 2] = builder.fadd(accs[c % 2], builder.fmul(builder.sitofp(p8, vf), sv))
+                    continue
+                q = builder.sub(q, ir.Constant(vt, [32] * 32))
                 q16, x16 = _i16(builder, q, 32, True), _i16(builder, xv, 32, True)
                 for part in range(2):
                     sel = ir.Constant(ir.VectorType(_i32, 16), list(range(16 * part, 16 * part + 16)))
                     p8 = _pairs(builder, builder.shuffle_vector(q16, q16, sel), builder.shuffle_vector(x16, x16, sel), 16)
                     s = _bcast(builder, scales, 8 * h + 2 * c + part)
                     accs[part] = builder.fadd(accs[part], builder.fmul(builder.sitofp(p8, vf), s))
-        return _hsum(builder, builder.fadd(accs[0], accs[1]))
+        total = _hsum(builder, builder.fadd(accs[0], accs[1]))
+        if not HAVE_VNNI256:
+            return total
+        sp = _arr_ptr(context, builder, a[4], args[4], _i32)                # the offset: 32 * sum_g scale_g * xsum_g
+        xs16 = builder.sitofp(_vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16)), v16)
+        corr = builder.fmul(scales, xs16)
+        lanes = [builder.extract_element(corr, ir.Constant(_i32, i)) for i in range(16)]
+        while len(lanes) > 1:
+            lanes = [builder.fadd(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
+        return builder.fsub(total, builder.fmul(lanes[0], ir.Constant(_f32, 32.0)))
     return sig, codegen
