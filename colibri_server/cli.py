@@ -172,9 +172,20 @@ def cmd_inspect(a):
     print(f"tokenizer {len(cf.tokenizer_json)} bytes; chat template {len(cf.chat_template)} bytes")
     print(f"routing   {len(cf.routing)} layers: " + ", ".join(
         f"{i}:{'moe k=%d' % r.top_k if r.num_experts else 'dense'}" for i, r in enumerate(cf.routing)))
-    print(f"{'#':>4} {'name':24} {'dtype':5} {'shape':22} {'offset':>12} {'bytes':>12} crc32")
+    print(f"{'#':>4} {'name':24} {'dtype':6} {'shape':22} {'offset':>12} {'bytes':>12} {'bits/w':>6} crc32")
     for r in cf.record_list:
-        print(f"{r.index:>4} {r.name:24} {r.dtype:5} {str(list(r.shape)):22} {r.offset:>12} {r.size:>12} {r.crc32:08x}")
+        print(f"{r.index:>4} {r.name:24} {r.dtype:6} {str(list(r.shape)):22} {r.offset:>12} {r.size:>12} "
+              f"{_bits(cf, r):6.2f} {r.crc32:08x}")
+    mats = [r for r in cf.record_list if len(r.shape) >= 2 and not r.name.endswith(".s")]
+    n = sum(int(np.prod(r.shape)) for r in mats)
+    print(f"weights   {n / 1e6:.1f} M in matrices, {sum(_bits(cf, r) * int(np.prod(r.shape)) for r in mats) / n:.3f} "
+          "bits per weight (a group-quantized matrix's scales counted with it)")
+
+
+def _bits(cf, r) -> float:
+    """Bits per element of a tensor as stored (q8/q4: with its `.s` scales)."""
+    s = cf.records.get(r.name + ".s")
+    return 8.0 * (r.size + (s.size if s is not None else 0)) / int(np.prod(r.shape))
 
 
 def _print_rows(cf, name, rows):
@@ -600,9 +611,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--license", help="license string in the metadata")
     c.add_argument("--no-tokenizer", action="store_true", help="convert without tokenizer.json (token ids only)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
-    c.add_argument("--quantize", choices=("none", "q8", "q4", "auto"), default=None,
+    c.add_argument("--quantize", choices=("none", "q8", "q4", "auto", "blocks"), default=None,
                    help="group-quantize the attention projections, experts and output head (docs/format.md); "
-                        "default none for a checkpoint, auto for a GGUF (float -> none, quantized -> q8)")
+                        "default none for a checkpoint, auto for a GGUF (float -> none, quantized -> q8); blocks keeps a "
+                        "GGUF's quantized tensors in their own llama.cpp block types")
     c.add_argument("--quantize-head", choices=("none", "q8", "q4"), default=None,
                    help="the output head's precision (default: q8 under q4, else as --quantize)")
     c.add_argument("--quant-group", type=int, choices=(8, 16, 32, 64, 128), default=None,

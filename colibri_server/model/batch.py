@@ -22,7 +22,7 @@ from .kernels import paged as KP
 from .kernels import tiled as KT
 from .moe import moe, swiglu
 from .rope import attention_scale
-from .transformer import norm, qkv_finish, qkv_rows
+from .transformer import embed, norm, qkv_finish, qkv_rows
 
 
 class Rows:
@@ -60,7 +60,7 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
         attend = KT.tiled_attention
     x, h, sub = ws.x[:N], ws.h[:N], ws.sub[:N]                                 # (N,D)
 
-    K.embed(w.token_embd, rows.tokens, x)
+    embed(w.token_embd, rows.tokens, x)
     for r, e in rows.embeds:                                                   # a prompt given as embeddings
         x[r:r + e.shape[0]] = e
     for l, L in enumerate(w.layers):

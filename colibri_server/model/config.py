@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from .blocks import KINDS as BLOCK_KINDS
 from .format import PANEL
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "qwen3", "granitemoe", "glm4_moe",
@@ -26,7 +27,7 @@ QUANTIZABLE = ("attn_q", "attn_k", "attn_v", "attn_o", "attn_q_a", "attn_kv_a", 
                "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate", "ffn_up", "ffn_down", "output")
 
 
-OMITTED_AT_DEFAULT = ("layout", "score_func", "correction_bias", "n_group", "topk_group", "routed_scaling_factor",
+OMITTED_AT_DEFAULT = ("layout", "block_types", "score_func", "correction_bias", "n_group", "topk_group", "routed_scaling_factor",
                       "shared_expert_gate", "rotary_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                       "v_head_dim", "sliding_layers", "attn_sinks", "router_bias", "expert_bias", "swiglu_limit",
                       "swiglu_alpha", "norm", "output_bias", "sparsemixer_eps")
@@ -75,6 +76,9 @@ class ModelConfig:
     quant_group: int = 32            # G: rows of a matrix that share one scale per column
     quant_overrides: dict = field(default_factory=dict)  # matrix key -> none|q8|q4, overriding `quant`
     layout: str = "rows"             # rows | panels: f16/bf16 QUANTIZABLE matrices in panels (f16p/bf16p)
+    # tensor name -> block kind (blocks.py: q4_k, q6_k, ...): matrices kept in llama.cpp's block formats
+    # as the GGUF holds them (the QUANTIZABLE ones and token_embd), one kind per tensor
+    block_types: dict = field(default_factory=dict)
     # version-2 routing (docs/format.md) and what else later families need; left out of the blob
     # at their defaults, so that files of the first families read as before
     score_func: str = "softmax"      # softmax | sigmoid: the router's scores
@@ -260,6 +264,10 @@ class ModelConfig:
         for k, v in self.quant_overrides.items():
             need(k in QUANTIZABLE, "quant_overrides", f"{k!r} is not a quantizable matrix {QUANTIZABLE}")
             need(v in QUANTS, "quant_overrides", f"{k}: {v!r} is not one of {QUANTS}")
+        for name, kind in self.block_types.items():
+            need(isinstance(kind, str) and kind in BLOCK_KINDS, "block_types", f"{name}: {kind!r} is not a block kind {tuple(BLOCK_KINDS)}")
+            need(name == "token_embd" or name == "output" or name.split(".", 2)[-1] in QUANTIZABLE,
+                 "block_types", f"{name!r} is not a matrix that can be stored in blocks")
         for name, shape, _ in (_expected_plain(self) if self.quant != "none" or self.quant_overrides else ()):
             q = self.quant_of(name.split(".", 2)[-1])
             need(quant_fits(self, q, shape), "quant",
@@ -362,6 +370,9 @@ def expected_tensors(cfg: ModelConfig):
     the big matrices are in cfg.dtype, in panels (f16p / bf16p) under layout "panels"."""
     for name, shape, dtypes in _expected_plain(cfg):
         key = name.split(".", 2)[-1]
+        if name in cfg.block_types:
+            yield name, shape, (cfg.block_types[name],)
+            continue
         q = cfg.quant_of(key)
         if q == "none":
             yield name, shape, (stored_dtype(cfg, key, shape),) if dtypes == (cfg.dtype,) else dtypes
@@ -472,4 +483,5 @@ def _expected_mla(cfg: ModelConfig, p: str):
     yield p + "attn_v_up", (H, cfg.v_head_dim, r), W
 
 
-_DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
+_DEFAULTS = {f.name: f.default if f.default is not MISSING else f.default_factory()
+             for f in fields(ModelConfig) if f.default is not MISSING or f.default_factory is not MISSING}

@@ -533,6 +533,13 @@ def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer
                     bar.update(blk.nbytes)
                 continue
             for src_dtype, blocks in pieces(n, s):
+                if dt in fmt.BLOCK_DTYPES:       # llama.cpp's blocks, as the source holds them (gguf_import)
+                    if src_dtype != "BLOCKS":
+                        raise ConvertError(f"{n}: stored as {dt}, but its source gives {src_dtype} values")
+                    for raw in blocks:
+                        w.write(n, raw)
+                        bar.update(raw.nbytes)
+                    continue
                 if dt in ("i8", "u4"):
                     kind = "q8" if dt == "i8" else "q4"
                     for q, sc, a in _quantized_blocks(blocks, kind, cfg.quant_group, src_dtype):

@@ -32,6 +32,7 @@ import numba
 import numpy as np
 
 from . import mla as MLA
+from .blocks import is_block
 from .kernels import decode as KD
 from .panels import kernel_array
 from .rope import attention_scale
@@ -46,6 +47,8 @@ def _weight(W):
     """The kernel's form of a matrix: a float array, or the pair (q, s); None for f32 (BLAS)."""
     if hasattr(W, "q"):
         return (W.q, W.s)
+    if is_block(W):                 # block kinds: not in the fused token (the general path runs them)
+        return None
     a = kernel_array(W)
     return None if a.dtype == np.float32 else a
 

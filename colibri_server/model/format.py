@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import blocks as _blocks
+
 
 class _KernelPages:
     """The page policy until the memory layer installs its own: pages as the kernel makes them."""
@@ -69,8 +71,8 @@ def use_pages(pages) -> None:
 
 
 MAGIC = b"COLI"
-VERSION = 2              # the newest version written; 1 is still read (docs/format.md "Version 2")
-VERSIONS = (1, 2)
+VERSION = 3              # the newest version written; 1 and 2 are still read (docs/format.md "Version 2", "Version 3")
+VERSIONS = (1, 2, 3)
 HEADER_SIZE = 128
 RECORD_SIZE = 64
 ROUTING_RECORD_SIZE = 32
@@ -127,6 +129,9 @@ DTYPES = {
     8: ("i8", np.dtype("i1"), 1),
     9: ("u4", np.dtype("u1"), 0.5),
 }
+# Codes 64 + a GGML type id (version 3): llama.cpp's block kinds as a GGUF holds them (blocks.py), uint8 views.
+DTYPES.update({k.code: (k.name, np.dtype("u1"), k.size / k.block) for k in _blocks.KINDS.values()})
+BLOCK_DTYPES = frozenset(_blocks.KINDS)
 DTYPE_CODES = {name: code for code, (name, _, _) in DTYPES.items()}
 PANEL = 256                       # columns per panel of an f16p / bf16p matrix
 PANEL_DTYPES = {"f16p": "f16", "bf16p": "bf16"}   # panel dtype -> the element type it stores
@@ -196,6 +201,8 @@ def nbytes(dtype: str, shape) -> int:
     panel tensor that is not a matrix of whole panels."""
     if dtype in PANEL_DTYPES and (len(shape) < 2 or int(shape[-1]) % PANEL):
         raise ValueError(f"a {dtype} tensor is a matrix of whole {PANEL}-column panels, not {list(shape)}")
+    if dtype in BLOCK_DTYPES:
+        return _blocks.nbytes(dtype, shape)
     n = 1
     for s in shape:
         n *= int(s)
@@ -210,6 +217,8 @@ def view_shape(dtype: str, shape) -> tuple:
     """Shape of the numpy view of a tensor (u4: the last dimension counts bytes, two elements each;
     f16p / bf16p: (..., n/PANEL, d, PANEL) for the logical (..., d, n))."""
     shape = tuple(int(s) for s in shape)
+    if dtype in BLOCK_DTYPES:
+        return _blocks.view_shape(dtype, shape)
     if dtype in PANEL_DTYPES:
         return shape[:-2] + (shape[-1] // PANEL, shape[-2], PANEL)
     return shape[:-1] + (shape[-1] // 2,) if dtype == "u4" else shape
@@ -315,7 +324,7 @@ class ColibriFile:
         and columns, their rows stacked (e.g. attn_q, attn_k, attn_v: one matvec streams all
         three); None when they are not stored that way. No copy."""
         rs = [self.records.get(n) for n in names]
-        if any(r is None or len(r.shape) != 2 or r.dtype in PANEL_DTYPES for r in rs):
+        if any(r is None or len(r.shape) != 2 or r.dtype in PANEL_DTYPES or r.dtype in BLOCK_DTYPES for r in rs):
             return None
         first = rs[0]
         for a, b in zip(rs, rs[1:]):
@@ -416,8 +425,9 @@ def _validate(path, mm, size):
         if name in seen:
             raise DuplicateName(path, name, f"tensor name appears twice (again at record {i})")
         seen.add(name)
-        if code not in DTYPES:
-            raise UnknownDtype(path, name, f"dtype code {code} is not one of {sorted(DTYPES)}")
+        known = [c for c in DTYPES if version >= 3 or c not in _blocks.BY_CODE]
+        if code not in known:
+            raise UnknownDtype(path, name, f"dtype code {code} is not one of {sorted(known)} (version {version})")
         if not 1 <= ndim <= MAX_NDIM:
             raise BadTensorRecord(path, name, f"ndim {ndim} is not in 1..{MAX_NDIM}")
         if res:
@@ -577,6 +587,8 @@ class ColibriWriter:
             raise ValueError(f"{len(records)} routing records for {self.num_layers} layers")
         self._routing = [r if isinstance(r, RoutingRecord) else RoutingRecord(*r) for r in records]
         self._version = 2 if any(r.is_v2 for r in self._routing) else 1
+        if any(d[1] in BLOCK_DTYPES for d in self._decl):
+            self._version = 3
 
     def _layout(self):
         table_end = HEADER_SIZE + len(self._decl) * RECORD_SIZE

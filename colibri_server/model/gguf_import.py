@@ -96,12 +96,19 @@ class ImportReport:
     source_types: dict = field(default_factory=dict)        # GGUF type name -> tensor count
     low_bit_share: float = 0.0                               # matrix weights below 6 bits, a share
     errors: dict = field(default_factory=dict)              # our tensor name -> relative RMS error
+    blocks: dict = field(default_factory=dict)              # block kind kept -> tensor count (--quantize blocks)
+    converted: dict = field(default_factory=dict)           # GGUF tensor -> "TYPE -> kind": no native kernel
 
     def worst(self, n: int = 3):
         return sorted(self.errors.items(), key=lambda kv: -kv[1])[:n]
 
     def summary(self) -> str:
         types = ", ".join(f"{k} x{v}" for k, v in sorted(self.source_types.items()))
+        if self.blocks:
+            types += "; kept as they are: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.blocks.items()))
+        if self.converted:
+            types += "; no kernel for these types, dequantized and stored as the nearest kind: " + ", ".join(
+                f"{k} ({v})" for k, v in sorted(self.converted.items()))
         if not self.errors:
             return f"GGUF tensors: {types}"
         vals = np.array(list(self.errors.values()))
@@ -291,6 +298,9 @@ def _pieces_of(kv: GgufKV, family, cfg, name: str, gname: str, shape):
     rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[0])
     raw = raw.reshape(lead, rows, -1)
     key = name.split(".", 2)[-1]
+    if name in cfg.block_types:                 # kept in its block kind: the GGUF's bytes, rows as they are
+        yield from _block_pieces(t, raw, cfg.block_types[name], key, family, cfg, rows, cols)
+        return
     fold = np.float32((family.gguf_folds(kv, cfg) if family.gguf_folds else {}).get(key, 1.0))
     if fold != 1:
         src = "F32"
@@ -328,6 +338,63 @@ def _pieces_of(kv: GgufKV, family, cfg, name: str, gname: str, shape):
 
     for e in range(lead):
         yield src, matrix(e)
+
+
+def _block_pieces(t, raw, kind, key, family, cfg, rows, cols):
+    """("BLOCKS", row-block iterator of uint8 bytes) per matrix of a tensor kept in block kind `kind`:
+    the GGUF's own bytes when its type is that kind (q/k rows unpermuted whole), else its values
+    dequantized and quantized to `kind` by the gguf package (a type with no kernel here)."""
+    import gguf
+    permute = family.gguf_qk_permuted and key in ("attn_q", "attn_k", "attn_q_b", "attn_k_b")
+    heads = cfg.num_heads if key.startswith("attn_q") else cfg.num_kv_heads
+    own = _type_name(t).lower() == kind
+    target = gguf.GGMLQuantizationType[kind.upper()]
+
+    def matrix(m):
+        if permute:
+            m = _unpermute(np.asarray(m), heads)
+        step = max(1, ROW_BLOCK_BYTES // max(1, m.strides[0]))
+        for r in range(0, rows, step):
+            b = np.asarray(m[r:r + step])
+            if own:
+                yield np.ascontiguousarray(b)
+            else:
+                f = gguf.quants.dequantize(b, t.tensor_type).astype(np.float32).reshape(-1, cols)
+                yield gguf.quants.quantize(f, target)
+    for e in range(raw.shape[0]):
+        yield "BLOCKS", matrix(raw[e])
+
+
+def block_plan(kv: GgufKV, family, cfg) -> tuple[dict, dict]:
+    """--quantize blocks: (our tensor name -> block kind, GGUF tensor -> "TYPE -> kind" for the types
+    with no kernel here). Every quantized matrix the kernels multiply (the QUANTIZABLE ones and the
+    token embedding) keeps its GGUF type; float tensors stay float, and so do tensors a family
+    transforms or scales (their values change: llama.cpp's blocks would not hold them)."""
+    from .blocks import BY_GGML
+    from .config import QUANTIZABLE, expected_tensors
+    folds = family.gguf_folds(kv, cfg) if family.gguf_folds else {}
+    kinds, converted = {}, {}
+    for n, shape, _ in expected_tensors(cfg):
+        key = n.split(".", 2)[-1]
+        if (n != "token_embd" and key not in QUANTIZABLE) or folds.get(key, 1.0) != 1.0 \
+                or (key in ROTARY_KEYS and cfg.rotary_dim):
+            continue
+        own = _own(kv, family, cfg, n)
+        if own is not None and own[1] is not None:
+            continue
+        gname = own[0] if own is not None else _source_name(kv, n)
+        names = [gname] if gname in kv.tensors else _per_expert_names(n, shape[0])
+        types = {_type_name(kv.tensors[g]) for g in names if g in kv.tensors}
+        if len(types) != 1 or next(iter(types)) in _FLOAT_TYPES:
+            continue
+        tname = types.pop()
+        bk = BY_GGML.get(int(kv.tensors[names[0]].tensor_type))
+        if bk is None or shape[-1] % bk.block:
+            converted[gname] = f"{tname} -> q8_0"
+            kinds[n] = "q8_0"
+        else:
+            kinds[n] = bk.name
+    return kinds, converted
 
 
 def source_types(kv: GgufKV) -> dict:
@@ -390,7 +457,14 @@ def convert_gguf(gguf_path, out_path, dtype: str = "f16", *, name=None, license=
         raise ConvertError(f"{kv.path}: no tokenizer in the GGUF (tokenizer.ggml.model); pass --no-tokenizer to "
                            "convert without one: such a model takes token ids only")
     cfg = checked_config({**cfg.__dict__, "bos_token_id": bos, "eos_token_ids": eos}, kv.path)
-    cfg = replace(quant_config(cfg, quantize, quantize_head, quant_group), layout=default_layout(dtype, layout))
+    blocks = quantize == "blocks"
+    cfg = replace(quant_config(cfg, "none" if blocks else quantize, quantize_head, quant_group),
+                  layout=default_layout(dtype, layout))
+    converted = {}
+    if blocks:
+        kinds, converted = block_plan(kv, family, cfg)
+        cfg = replace(cfg, block_types=kinds)
+        cfg.check()
     assert BY_ARCH[cfg.arch] is family
     from .config import expected_tensors
     for n, s, _ in expected_tensors(cfg):       # every source resolved before a byte is written
@@ -400,7 +474,9 @@ def convert_gguf(gguf_path, out_path, dtype: str = "f16", *, name=None, license=
                 _check_present(kv, n, s, own[0] if own else None)
             elif own[0] not in kv.tensors:
                 raise ConvertError(f"{kv.path}: tensor {own[0]!r} (for {n}) is missing")
-    report = ImportReport(source_types=source_types(kv), low_bit_share=low_bit_share(kv))
+    report = ImportReport(source_types=source_types(kv), low_bit_share=low_bit_share(kv), converted=converted)
+    for k in cfg.block_types.values():
+        report.blocks[k] = report.blocks.get(k, 0) + 1
     metadata = {"name": name or str(kv.fields.get("general.name") or os.path.basename(kv.path)),
                 "license": license or str(kv.fields.get("general.license") or ""),
                 "source": os.path.abspath(kv.path), "source_architecture": f"gguf:{kv.arch}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernels as K
+from .blocks import is_block
 from .kernels import decode as KD
 from .kernels import experts_q as KX
 from .kernels import rowgemm as RG
@@ -68,7 +69,7 @@ def moe(layer, x, ws, out, noise=None, trace=None):
     idx, wts = ws.route_idx[:T, :A], ws.route_w[:T, :A]                       # (T,A) i32, (T,A) f32
     general = layer.b1 is not None          # GPT-OSS: biased experts and its clamped SwiGLU (config: both or neither)
     if T == 1 and ws.threads == 1 and trace is None and (noise is None or noise.scale <= 0) and layer.rule is None \
-            and layer.gate_b is None and not general and not layer.sparsemixer:
+            and layer.gate_b is None and not general and not layer.sparsemixer and not is_block(layer.w1):
         # decode: router, top-k and the experts in one Numba call (kernels/decode), same kernels
         if hasattr(layer.w1, "q"):
             KD.moe_quant(layer.gate, layer.w1.q, layer.w1.s, layer.w3.q, layer.w3.s, layer.w2.q, layer.w2.s, x[0],
@@ -93,7 +94,7 @@ def moe(layer, x, ws, out, noise=None, trace=None):
         K.route(logits, A, layer.renorm, idx, wts)
     if trace is not None:
         trace.append((idx.copy(), wts.copy()))
-    if general and T == 1 and ws.threads == 1 and not hasattr(layer.w1, "q"):
+    if general and T == 1 and ws.threads == 1 and not hasattr(layer.w1, "q") and not is_block(layer.w1):
         # GPT-OSS decode on one thread: its biased experts in one Numba call, as the loop below adds them
         KD.experts_biased(kernel_array(layer.w1), kernel_array(layer.w3), kernel_array(layer.w2), layer.b1, layer.b3,
                           layer.b2, idx[0], wts[0], x[0], layer.swiglu[0], layer.swiglu[1], ws.h1, ws.h3,

@@ -309,6 +309,7 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
     import numba
 
     from . import kernels as K
+    from .blocks import is_block
     from .kernels import parallel_runtime
     from .kernels import rowgemm as RG
     from .kernels import tiled as KT
@@ -324,6 +325,7 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
     seen = set()
     mats = [m for L in w.layers for m in (L.wq, L.wk, L.wv, L.wo, L.w1, L.w3, L.w2, L.mlp_w1, L.mlp_w3, L.mlp_w2,
                                           L.shared_w1, L.shared_w3, L.shared_w2, L.q_a, L.kv_a)] + [w.output]
+    mats = [W for W in mats if not is_block(W)]          # block kinds: kernels/blocks, compiled on first use
     for W in mats:
         if W is None or hasattr(W, "q") or W.dtype == np.float32:
             continue

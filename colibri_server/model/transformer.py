@@ -14,9 +14,11 @@ import numpy as np
 
 from . import kernels as K
 from . import mla as MLA
+from .blocks import is_block
 from .config import ModelConfig
 from .decode_step import DecodeStep
 from .kernels import aligned_zeros, lazy_zeros
+from .kernels import blocks as KB
 from .kernels import decode as KD
 from .kernels import gemm as GE
 from .kernels import quant as KQ
@@ -106,6 +108,10 @@ class Workspace:
         # opt-in: prefill of bf16 weights with bf16 activations (kernels/gemm.matmul_bf16)
         self.prefill_bf16 = bool(prefill_bf16) and GE.HAVE_BF16_GEMM
         self.xs, self.xi = KQ.scratch(n_max, 2 * self.threads)  # quantized matvec scratch, one row per chunk
+        # block kinds (kernels/blocks): the rows' activations rounded to int8 per 32, their scales and
+        # 16-sums, and one row of f32 scratch per thread chunk; allocated on first use
+        self._n_max = -(-n_max // KB.QB) * KB.QB
+        self._block_acts = None
         self.logits = aligned_zeros((1, cfg.vocab_size), f32)
         self.positions = aligned_zeros(rows, np.int64)
         self.scores = None                                 # the attention scratch, sized on use (attention_scores)
@@ -129,6 +135,8 @@ class Workspace:
         `threads` threads when > 1, and so is prefill (T > 1): the integer GEMM's row groups for
         quantized weights, the converted tiles of f16/bf16 ones (f32 weights: one BLAS call)."""
         n = X.shape[1]
+        if is_block(W):
+            return self.mm_blocks(X, W, out)
         if X.shape[0] == 1 and self.threads > 1 and out.shape[1] * n >= self.PAR_MIN_WEIGHTS:
             if hasattr(W, "q"):
                 KQ.matvec_q_par(W.q, W.s, X[0], out[0], self.xs[:self.threads], self.xi[:self.threads])
@@ -164,8 +172,35 @@ class Workspace:
                                 self.pool())
         return K.matmul(X, W, out, self.tile_for(n), self.mm_tmps[0])
 
+    def block_acts(self, T: int, n: int):
+        """The block kinds' activation scratch for T rows of n columns: (Xq, Xd, Xs, tmps)."""
+        if self._block_acts is None or self._block_acts[0].shape[0] < T:
+            R, N = max(T, self.rows), self._n_max
+            self._block_acts = (aligned_zeros((R, N), np.int8), aligned_zeros((R, N // KB.QB), np.float32),
+                                aligned_zeros((R, N // KB.SB), np.int32), aligned_zeros((2 * self.threads, N), np.float32))
+        q, d, s, tmps = self._block_acts
+        return q[:T, :n], d[:T, :n // KB.QB], s[:T, :n // KB.SB], tmps[:, :n]
+
+    def mm_blocks(self, X, W, out, alpha: float = 1.0, accumulate: bool = False):
+        """out (T,d) (=|+=) alpha * X (T,n) @ W.T for a block-kind W (kernels/blocks): the rows of X rounded
+        once, each weight row read once for all of them; rows over the threads when the matrix is big."""
+        T, n = X.shape
+        Xq, Xd, Xs, tmps = self.block_acts(T, n)
+        if self.threads > 1 and out.shape[1] * n >= self.PAR_MIN_WEIGHTS:
+            KB.matmul_blocks_par(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[:self.threads], np.float32(alpha), accumulate)
+        else:
+            KB.matmul_blocks(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[0], np.float32(alpha), accumulate)
+        return out
+
     def expert(self, w1, w3, w2, e, x, weight, out):
         """out (D,) += weight * expert e's SwiGLU of x (D,): one fused kernel call."""
+        if is_block(w1):
+            h1, h3 = self.h1[None], self.h3[None]
+            self.mm_blocks(x[None], w1[e], h1)
+            self.mm_blocks(x[None], w3[e], h3)
+            K.silu_mul(h1, h3, h1)
+            self.mm_blocks(h1, w2[e], out[None], weight, True)
+            return
         if hasattr(w1, "q"):
             if self.threads > 1:
                 KQ.expert_ffn_q_par(w1.q, w1.s, w3.q, w3.s, w2.q, w2.s, e, x, weight, self.h1, self.h3, out,
@@ -189,7 +224,7 @@ class Workspace:
         if self.threads > 1 and (T > self.EXPERTS_ONE_CALL_MAX_ROWS or active < self.threads):
             return False
         for W in (layer.w1, layer.w3, layer.w2):
-            a = kernel_array(W) if W is not None and not hasattr(W, "q") else None
+            a = kernel_array(W) if W is not None and not hasattr(W, "q") and not is_block(W) else None
             if a is None or a.dtype not in (np.uint16, np.int16) or a.ndim != (4 if isinstance(W, Panels) else 3) \
                     or not a.flags.c_contiguous:
                 return False
@@ -245,6 +280,7 @@ def compile_parallel(weights, ws: Workspace) -> None:
                                                   L.mlp_w1, L.mlp_w3, L.mlp_w2, L.q_a, L.kv_a)] + [weights.output]
     # one expert of each stack: a serving step's expert with one routed row is a matvec (Workspace.mm)
     mats += [E[0] for L in weights.layers for E in (L.w1, L.w3, L.w2) if E is not None and not hasattr(E, "q")]
+    mats = [W for W in mats if not is_block(W)]          # block kinds: kernels/blocks, compiled on first use
     for W in mats:
         if W is None:
             continue
@@ -270,7 +306,7 @@ def compile_parallel(weights, ws: Workspace) -> None:
     if GE.HAVE_BF16_GEMM:                        # prefill_bf16 on threads: the bf16 GEMM's row split
         x2 = np.zeros((4, x.shape[0]), np.int16)
         for W in mats + [L.w1 for L in weights.layers] + [L.w2 for L in weights.layers]:
-            if W is None or hasattr(W, "q") or W.dtype != np.int16:
+            if W is None or hasattr(W, "q") or is_block(W) or W.dtype != np.int16:
                 continue
             W2 = kernel_array(W if W.ndim == 2 else W[0])
             for out in (X2, X2[:, :1]):
@@ -285,7 +321,7 @@ def compile_parallel(weights, ws: Workspace) -> None:
             if key not in seen:
                 seen.add(key)
                 compile_for(K.matvec_qkv_par, *L.qkv_stack, x, x, ws.threads)
-        if L.w1 is None:
+        if L.w1 is None or is_block(L.w1):
             continue
         if hasattr(L.w1, "q"):
             args = (L.w1.q, L.w1.s, L.w3.q, L.w3.s, L.w2.q, L.w2.s, 0, x, 1.0, ws.h1, ws.h3, x, ws.xs, ws.xi)
@@ -297,6 +333,14 @@ def compile_parallel(weights, ws: Workspace) -> None:
         if key not in seen:
             seen.add(key)
             compile_for(kernel, *args)
+
+
+def embed(W, tokens, out) -> None:
+    """out (T,D) = the rows of the token embedding W for tokens (T,) (a block kind: each row dequantized)."""
+    if is_block(W):
+        KB.embed_blocks(W.raw, W.ggml, tokens, out)
+    else:
+        K.embed(W, tokens, out)
 
 
 def norm(x, w, b, eps, out) -> None:
@@ -367,7 +411,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     if embeddings is not None:
         x[...] = embeddings
     else:
-        K.embed(w.token_embd, np.asarray(tokens, np.int64), x)
+        embed(w.token_embd, np.asarray(tokens, np.int64), x)
 
     for l, L in enumerate(w.layers):
         # attention: RMSNorm -> latent attention, or q, k, v -> RoPE -> cache -> attention (_attention)

@@ -4,7 +4,7 @@ Legend: D hidden, V vocab, H heads, Hkv kv heads, hd head dim, E experts, I expe
 intermediate, S shared-expert intermediate, F dense-MLP intermediate.
 Matrices are in the file's dtype (f32; f16 viewed as uint16; bf16 viewed as int16), or,
 when quantized, a quant.QTensor pairing the values (int8 / packed uint8) with their f16
-scales `<name>.s`, or, stored in panels (f16p / bf16p), a panels.Panels wrapping the panel
+scales `<name>.s`, or a blocks.BlockTensor (llama.cpp's block kinds), or, stored in panels (f16p / bf16p), a panels.Panels wrapping the panel
 array; norms, biases and router gates are f32.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import format as fmt
+from .blocks import BlockTensor
 from .config import ModelConfig, expected_tensors
 from .panels import Panels
 from .quant import QTensor
@@ -167,6 +168,8 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
         if name not in cf:
             return None
         kind = QUANT_KIND.get(cf.records[name].dtype)
+        if cf.records[name].dtype in fmt.BLOCK_DTYPES:
+            return BlockTensor(cf.records[name].dtype, cf.view(name))
         if kind is not None:
             return QTensor(kind, cf.view(name), cf.view(name + ".s"))
         if cf.records[name].dtype in fmt.PANEL_DTYPES:
@@ -201,7 +204,7 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
             if (all(isinstance(a, np.ndarray) and a.dtype in (np.uint16, np.int16) for a in qkv)
                     and len({(a.dtype, a.ndim, a.flags.c_contiguous) for a in qkv}) == 1):
                 layers[-1] = dataclasses.replace(L, qkv_stack=tuple(qkv))
-    emb = cf.view("token_embd")
+    emb = v("token_embd")
     return Weights(token_embd=emb, layers=tuple(layers), output_norm=cf.view("output_norm"),
                    output=emb if cfg.tie_word_embeddings else v("output"), output_norm_b=v("output_norm_b"),
                    output_b=v("output_b"))
@@ -218,4 +221,8 @@ def first_rows(cf: fmt.ColibriFile, name: str, rows: int) -> tuple[np.ndarray, i
         total = v.size // (p.shape[0] * p.shape[2])
         return weights_to_f32(from_panels(p[:, :rows])), total
     v2 = v.reshape(-1, v.shape[-1])
+    if r.dtype in fmt.BLOCK_DTYPES:
+        from .blocks import KINDS
+        from .kernels.blocks import dequantize_ref
+        return dequantize_ref(v2[:rows], KINDS[r.dtype].ggml, int(r.shape[-1])), v2.shape[0]
     return weights_to_f32(v2[:rows]), v2.shape[0]

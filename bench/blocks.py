@@ -1,0 +1,76 @@
+"""llama.cpp's block kinds kept as they are (`colibri convert --quantize blocks`) against colibri's q8 of the
+same GGUF and llama.cpp's own llama-bench on the GGUF, in ONE run.
+
+    python bench/blocks.py [--data DIR] [--ggufs Q4_K_M Q4_0 Q8_0] [--threads 1 2] [--reps 3] [--json OUT]
+
+For each of bench-mixtral's GGUFs (llama-quantize from its F32 GGUF, as bench/decode.py builds them):
+the .colibri file's size against the GGUF's, then batch-1 prefill (128 tokens) and decode (128 tokens)
+tok/s of the blocks file, of the q8 file (what `--quantize auto` writes today) and of llama-bench on the
+GGUF, at each thread count, one subprocess after the other (bench/decode.py's workers). Run it under
+`flock /tmp/bench.lock`; on a shared machine compare the ratios of one run, not absolute figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import decode as D  # noqa: E402  (bench/, on the path above)
+import llama_bench  # noqa: E402
+
+
+def converted(data, name, how):
+    from colibri_server.model.gguf_import import convert_gguf
+    src = data / f"bench-mixtral-{name}.gguf"
+    out = data / f"bench-mixtral-{name}-{how}.colibri"
+    if not out.exists():
+        convert_gguf(str(src), str(out), "f16", quantize=how, progress=False, require_tokenizer=False)
+    return src, out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default=os.environ.get("COLIBRI_BENCH_DATA", os.path.expanduser("~/.cache/colibri-speed")))
+    ap.add_argument("--ggufs", nargs="+", default=["Q4_K_M", "Q4_0", "Q8_0"])
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    data = pathlib.Path(a.data)
+    data.mkdir(parents=True, exist_ok=True)
+    D.build_gguf(data, D.build_hf(data), a.ggufs)
+    res = {"date": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpu": D._cpu(), "rows": []}
+    for name in a.ggufs:
+        src, blocks = converted(data, name, "blocks")
+        _, q8 = converted(data, name, "q8")
+        row = {"gguf": name, "gguf_bytes": src.stat().st_size, "blocks_bytes": blocks.stat().st_size,
+               "q8_bytes": q8.stat().st_size}
+        row["blocks_size_ratio"] = row["blocks_bytes"] / row["gguf_bytes"]
+        row["q8_size_ratio"] = row["q8_bytes"] / row["gguf_bytes"]
+        for th in a.threads:
+            r = {"blocks": D.run_worker("colibri", blocks, th, a.reps), "q8": D.run_worker("colibri", q8, th, a.reps)}
+            try:
+                r["llama"] = llama_bench.run(src, th, a.reps, D.PROMPT_LEN, D.NEW_TOKENS)
+            except RuntimeError as e:
+                r["llama"] = {"error": str(e)[-500:]}
+            row[f"t{th}"] = {k: {m: v.get(m) for m in ("decode_tok_s", "prefill_tok_s", "error")} for k, v in r.items()}
+            dec = {k: v.get("decode_tok_s") for k, v in r.items()}
+            pf = {k: v.get("prefill_tok_s") for k, v in r.items()}
+            print(f"{name} {th} thread(s): decode tok/s blocks {dec['blocks']} / q8 {dec['q8']} / llama-bench "
+                  f"{dec['llama']}; prefill blocks {pf['blocks']} / q8 {pf['q8']} / llama-bench {pf['llama']}", flush=True)
+        print(f"{name}: size blocks {row['blocks_size_ratio']:.4f}x the GGUF, q8 {row['q8_size_ratio']:.3f}x", flush=True)
+        res["rows"].append(row)
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""Block-kind tensors for the tests: written by the `gguf` package's quantize where it has one, else
+random valid blocks (random bytes, the f16 scale fields set to a finite value that gives weights of a
+trained model's size)."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+Q = gguf.GGMLQuantizationType
+KINDS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
+         Q.MXFP4)
+# kind -> [(byte offset of an f16 field in a block, its value)], for the kinds gguf cannot quantize
+_F16_FIELDS = {Q.Q2_K: [(80, 2e-3), (82, 2e-3)], Q.Q3_K: [(108, 5e-4)], Q.Q4_K: [(0, 3e-4), (2, 4e-4)],
+               Q.Q5_K: [(0, 1.5e-4), (2, 2e-4)], Q.Q6_K: [(208, 1e-5)], Q.IQ4_NL: [(0, 5e-4)], Q.IQ4_XS: [(0, 2e-5)]}
+
+
+def quantized(a: np.ndarray, kind, seed: int = 0) -> np.ndarray:
+    """a (..., n) f32 as blocks of `kind` (uint8 (..., n/B*size)): gguf's quantize of a, or random valid
+    blocks of the same shape where gguf has no quantizer for the kind."""
+    B, S = gguf.GGML_QUANT_SIZES[kind]
+    if kind not in _F16_FIELDS:
+        return gguf.quants.quantize(np.ascontiguousarray(a, np.float32), kind)
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(a.size // B, S), dtype=np.uint8)
+    for off, v in _F16_FIELDS[kind]:
+        blocks[:, off:off + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
+    return blocks.reshape(*a.shape[:-1], a.shape[-1] // B * S)

@@ -1,0 +1,105 @@
+"""llama.cpp's block kinds kept as they are: the dequantizers bit for bit against the `gguf` package,
+the integer-dot products against the dequantized f32 product within the activations' rounding, and a
+GGUF of mixed block types converted with --quantize blocks: the file holds the GGUF's bytes (its
+size), and its logits match a model converted from the gguf package's dequantized values."""
+from __future__ import annotations
+
+import zlib
+
+import gguf
+import hf_models as H
+import numpy as np
+import pytest
+from blocks_data import KINDS, Q, quantized
+from test_gguf_import import PROMPT, write_gguf
+
+from colibri_server.model import Model
+from colibri_server.model import format as fmt
+from colibri_server.model.blocks import BY_GGML, BlockTensor
+from colibri_server.model.blocks import KINDS as BLOCK_KINDS
+from colibri_server.model.gguf_import import convert_gguf
+from colibri_server.model.kernels import blocks as KB
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_dequantizer_is_bit_exact_against_gguf(kind):
+    a = np.random.default_rng(int(kind)).standard_normal((6, 1024)).astype(np.float32) * 0.05
+    raw = quantized(a, kind, seed=int(kind))
+    ref = gguf.quants.dequantize(raw, kind)
+    got = KB.dequantize_ref(raw, int(kind), 1024)
+    assert np.isfinite(ref).all()
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_the_table_matches_gguf():
+    for kind in KINDS:
+        bk = BY_GGML[int(kind)]
+        assert (bk.block, bk.size) == gguf.GGML_QUANT_SIZES[kind] and bk.name == kind.name.lower()
+    assert len(BLOCK_KINDS) == 13
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_products_equal_the_dequantized_product_within_the_rounding(kind):
+    rng = np.random.default_rng(7)
+    d, n, T = 48, 512, 3
+    raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=3)
+    X = rng.standard_normal((T, n)).astype(np.float32)
+    ref = KB.matmul_blocks_ref(raw, int(kind), X)
+    out = np.zeros((T, d), np.float32)
+    Xq, Xd, Xs = np.zeros((T, n), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32)
+    KB.matmul_blocks(raw, int(kind), X, out, Xq, Xd, Xs, np.zeros(n, np.float32), np.float32(1.0), False)
+    W = KB.dequantize_ref(raw, int(kind), n).astype(np.float64)
+    if int(kind) in KB.FAST:
+        # activations rounded to int8 per 32: at most half a step (max|x_b|/127/2) per value, times |w|
+        step = np.abs(X.reshape(T, -1, 32)).max(axis=2) / 127 / 2                    # (T, n/32)
+        bound = (np.repeat(step, 32, axis=1) @ np.abs(W).T) * 1.001 + 1e-5
+    else:
+        bound = np.abs(X).astype(np.float64) @ np.abs(W).T * 1e-6 + 1e-6                 # f32 sums only
+    assert (np.abs(out - ref) <= bound).all()
+    one = np.zeros((1, d), np.float32)                                                 # one row: the same bits
+    KB.matmul_blocks(raw, int(kind), X[1:2], one, Xq[:1], Xd[:1], Xs[:1], np.zeros(n, np.float32), np.float32(1.0),
+                     False)
+    assert np.array_equal(one[0], out[1])
+
+
+def _mixed(name, a):
+    """Every matrix in a block kind (the kinds in turn, by name), where its columns are whole blocks."""
+    kinds = [k for k in KINDS if a.shape[-1] % gguf.GGML_QUANT_SIZES[k][0] == 0]
+    if a.ndim < 2 or not kinds or "ffn_gate_inp" in name:
+        return a, Q.F32
+    kind = kinds[zlib.crc32(name.encode()) % len(kinds)]
+    return quantized(a, kind, seed=zlib.crc32(name.encode())), kind
+
+
+def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path):
+    c = {**H.SMALL_CONFIGS["mixtral"], "hidden_size": 256}
+    H.build_hf_model("mixtral", tmp_path / "hf", hidden_size=256)
+    write_gguf(tmp_path / "hf", tmp_path / "mixed.gguf", "mixtral", matrix_type=_mixed, config=c)
+
+    def dequantized(name, a):
+        b, t = _mixed(name, a)
+        return (gguf.quants.dequantize(b, t) if t != Q.F32 else a), Q.F32
+    write_gguf(tmp_path / "hf", tmp_path / "ref.gguf", "mixtral", matrix_type=dequantized, config=c)
+    reader = gguf.GGUFReader(str(tmp_path / "mixed.gguf"))
+    used = {t.tensor_type for t in reader.tensors} - {Q.F32}
+    assert len(used) >= 8
+    cfg, rep = convert_gguf(str(tmp_path / "mixed.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks",
+                            progress=False, require_tokenizer=False)
+    convert_gguf(str(tmp_path / "ref.gguf"), str(tmp_path / "ref.colibri"), "f32", quantize="none", progress=False,
+                 require_tokenizer=False)
+    cf = fmt.ColibriFile.open(tmp_path / "b.colibri")
+    assert cf.header["version"] == 3
+    kept = {r.dtype for r in cf.record_list} & fmt.BLOCK_DTYPES
+    assert kept == {t.name.lower() for t in used}
+    for t in reader.tensors:               # the GGUF's bytes, unchanged (q/k rows aside: unpermuted)
+        ours = "token_embd" if t.name == "token_embd.weight" else t.name[:-len(".weight")]
+        if t.tensor_type != Q.F32 and not ours.endswith(("attn_q", "attn_k")) and ours in cf.records:
+            assert bytes(cf.tensor_bytes(ours)) == np.asarray(t.data).tobytes(), ours
+    cf.close()
+    m = Model.open(str(tmp_path / "b.colibri"))
+    assert isinstance(m.weights.layers[0].w1, BlockTensor)
+    got = m.logits(PROMPT)
+    ref = Model.open(str(tmp_path / "ref.colibri")).logits(PROMPT)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err < 2e-2, err                 # the activations' int8 rounding (measured 2-4e-3)
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
