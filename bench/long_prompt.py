@@ -114,7 +114,7 @@ def wait_until(check, what, proc, timeout=900):
 def figures(t0, stamps) -> dict:
     gaps = np.diff(stamps)
     return {"ttft_s": stamps[0] - t0, "decode_ms": 1e3 * float(np.mean(gaps)) if len(gaps) else None,
-            "tokens": len(stamps)}
+            "generated": len(stamps)}
 
 
 class Colibri:
