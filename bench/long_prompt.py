@@ -8,8 +8,9 @@ converter's defaults) and to GGUF F16 by llama.cpp's own convert_hf_to_gguf.py (
 source from $LLAMA_CPP_SRC, else bench/.anchors/llama.cpp).
 
 For each prompt length P, one request alone on each server, one server after another:
-  colibri        `colibri serve --model FILE --context C` (its defaults otherwise: workers, threads, step
-                 budget, prefix cache; every prompt is distinct random ids, so nothing is reused)
+  colibri        `colibri serve --model FILE --context C --max-prompt-tokens C` (its defaults otherwise:
+                 workers, threads, step budget, prefix cache; every prompt is distinct random ids, so nothing
+                 is reused)
   colibri@REV    --rev: the same command from a git worktree of an older revision, side by side
   llama-server   its defaults with -c C -np 1 (one sequence of the whole context), threads = the cores,
                  flash attention on and off (-fa on / off): the faster of the two for each figure
@@ -124,7 +125,7 @@ class Colibri:
         self.sock = os.path.join(a.tmp, f"colibri-{len(os.listdir(a.tmp))}.sock")
         argv = ([sys.executable, "-m", "colibri_server.cli"] if tree else [a.colibri_bin]) + [
             "serve", "--model", str(path), "--bind", f"ipc://{self.sock}", "--context", str(a.context),
-            "--runtime-dir", self.sock + ".run"]
+            "--max-prompt-tokens", str(a.context), "--runtime-dir", self.sock + ".run"]
         env = dict(os.environ, PYTHONPATH=str(tree)) if tree else None
         self.log = open(self.sock + ".log", "w")
         self.p = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -212,7 +213,12 @@ def run_system(name, start, lengths, new, rows):
     try:
         srv.run(prompt(16, 1), 4)                                                    # warm-up
         for i, P in enumerate(lengths):
-            f = srv.run(prompt(P, 100 + i), new)
+            try:
+                f = srv.run(prompt(P, 100 + i), new)
+            except Exception as e:  # noqa: BLE001  (recorded; the other lengths go on)
+                rows.append({"system": name, "tokens": P, "error": repr(e)[:300]})
+                print(f"  {name} {P:6d} tokens: {e!r}", flush=True)
+                continue
             rows.append({"system": name, "tokens": P, **f})
             dm = f"{f['decode_ms']:.1f}" if f["decode_ms"] is not None else "-"
             print(f"  {name} {P:6d} tokens: TTFT {f['ttft_s']:.2f} s, decode {dm} ms/token", flush=True)

@@ -6,6 +6,12 @@ load and store the output row for every V row; here 8 keys' partial sums are red
 transpose-and-add tree, and up to 64 columns of the output stay in 8 registers while the V rows
 stream. The kernels assume rows with contiguous elements (the cache's and the scores' rows are).
 Figures: kernels/attn.
+
+The tile kernels (kernels/tiled: a block of query vectors against a tile of keys) put the queries in
+the lanes instead: tile_scores and tile_wsum keep a block of 4 rows x 2 vectors in registers and give
+every element one fma chain of its own (over the head dims, over the keys), so an element's bits do not
+depend on the block, the lane count (16 where AVX-512 runs them, else 8) or the other queries;
+tile_max and tile_exp are the online softmax's per-lane max and kernels.expf with the sum in key order.
 """
 from __future__ import annotations
 
@@ -251,11 +257,6 @@ def tile_wsum(typingctx, P, n, Vt, A):
                 block(i, builder.mul(n2, _const(2 * W)), 1)
         return context.get_dummy_value()
     return sig, codegen
-
-
-def _splat(builder, v):
-    return _shuffle(builder, builder.insert_element(ir.Constant(_V8, None), v, ir.Constant(ir.IntType(32), 0)),
-                    ir.Constant(_V8, None), [0] * 8)
 
 
 def _fv(x):

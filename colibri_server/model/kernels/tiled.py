@@ -246,14 +246,13 @@ def _scratch(hd, dvp, nqp):
 
 
 @njit(cache=True)
-def _segment(q, kpool, vpool, table, kh, r0, r1, h0, gh, s, window, scale, sc):
-    # one segment's partial of an item (rows r0..r1-1 of one sequence at consecutive positions from q's
-    # row positions, heads h0..h0+gh-1 of kv head kh): leaves (m, l, acc) in the scratch sc; returns
-    # False when no row of the item sees a key of the segment (nothing computed)
+def _segment(kpool, vpool, table, kh, nq, s, sc):
+    # segment s's partial of an item's nq query vectors (_prepare's, on kv head kh of the sequence whose
+    # blocks are `table`): leaves (m, l, acc) in the scratch sc; returns False when no vector of the item
+    # sees a key of the segment (nothing computed)
     Qt, Kt, Vt, St, vec, acc, bounds = sc
     lo, hi = bounds[0], bounds[1]
     m, l, tmax, ms, corr, tsum = vec[0], vec[1], vec[2], vec[3], vec[4], vec[5]
-    nq = (r1 - r0) * gh
     nq4 = (nq + 3) // 4 * 4
     nqp = Qt.shape[1]
     lo_min, hi_max = lo[0], hi[nq - 1]
@@ -272,7 +271,6 @@ def _segment(q, kpool, vpool, table, kh, r0, r1, h0, gh, s, window, scale, sc):
         m[i] = _NEG_INF
         l[i] = 0.0
     acc[:] = 0.0
-    dv = Vt.shape[1]
     t = k0 // TILE * TILE
     while t < k1:
         ks, ke = max(t, k0), min(t + TILE, k1)
@@ -340,7 +338,7 @@ def _item(q, kpool, vpool, table, row_pos, r0, r1, kh, h0, gh, window, scale, si
     s_first = _first(row_pos[r0], window) // SEGMENT
     s_last = row_pos[r1 - 1] // SEGMENT
     for s in range(s_first, s_last + 1):
-        if _segment(q, kpool, vpool, table, kh, r0, r1, h0, gh, s, window, scale, sc):
+        if _segment(kpool, vpool, table, kh, (r1 - r0) * gh, s, sc):
             _merge(M, L, A, vec[0], vec[1], acc)
     _finish(M, L, A, sinks, r0, gh, h0, nq, out)
 
@@ -473,7 +471,7 @@ def tiled_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale
             scf = _fit(sc, hd, (r1 - r0) * gh)
             if u == t * per or nseg[k] == u:
                 _prepare(q, row_pos, r0, r1, kh, gh, h0, window, scale, scf)
-            if _segment(q, kpool, vpool, tables[row_seq[r0]], kh, r0, r1, h0, gh, s, window, scale, scf):
+            if _segment(kpool, vpool, tables[row_seq[r0]], kh, (r1 - r0) * gh, s, scf):
                 vec, acc = scf[4], scf[5]
                 pm[u, :nq] = vec[0]
                 pl[u, :nq] = vec[1]
