@@ -1,15 +1,18 @@
 """Long prompts: time to the first token and decode at depth, colibri against llama.cpp, in one run.
 
     python bench/long_prompt.py [--tokens 512 2048 8192 16384 32768] [--rev REV] [--new 33] [--json OUT]
+                                [--shape mixtral|mixtral-gqa8|deepseek]
 
-Model: bench-mixtral-long, bench-mixtral's shape and weights (bench/decode.py BENCH_MIXTRAL: transformers,
-torch.manual_seed(0)) with 32768 positions, built into --data once; converted to .colibri f16 (the
+Model: bench-mixtral-long, bench-mixtral's shape (bench/decode.py BENCH_MIXTRAL: transformers,
+torch.manual_seed(0)) with 32768 positions, built into --data once; --shape mixtral-gqa8: the same with 2 kv
+heads (GQA 8:1), deepseek: families.py's bench-deepseek (latent attention). Converted to .colibri f16 (the
 converter's defaults) and to GGUF F16 by llama.cpp's own convert_hf_to_gguf.py (tools/hf_to_gguf.py; the
-source from $LLAMA_CPP_SRC, else bench/.anchors/llama.cpp).
+source from $LLAMA_CPP_SRC, else bench/.anchors/llama.cpp; it needs the sentencepiece package).
 
 For each prompt length P, one request alone on each server, one server after another:
-  colibri        `colibri serve --model FILE --context C` (its defaults otherwise: workers, threads, step
-                 budget, prefix cache; every prompt is distinct random ids, so nothing is reused)
+  colibri        `colibri serve --model FILE --context C --max-prompt-tokens C` (its defaults otherwise:
+                 workers, threads, step budget, prefix cache; every prompt is distinct random ids, so nothing
+                 is reused)
   colibri@REV    --rev: the same command from a git worktree of an older revision, side by side
   llama-server   its defaults with -c C -np 1 (one sequence of the whole context), threads = the cores,
                  flash attention on and off (-fa on / off): the faster of the two for each figure
@@ -45,6 +48,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(HERE))
 
 import decode as D  # noqa: E402  (bench-mixtral's shape)
+import families as F  # noqa: E402  (bench-deepseek's)
 
 MAX_POSITIONS = 32768
 ANCHORS = HERE / ".anchors"
@@ -61,20 +65,32 @@ def machine() -> str:
     return model.split()[0].lower()
 
 
-def build(data: pathlib.Path):
-    """(.colibri f16, GGUF F16) of bench-mixtral-long, built once."""
-    d = data / "bench-mixtral-long"
-    col, gg = data / "bench-mixtral-long-f16.colibri", data / "bench-mixtral-long-F16.gguf"
+SHAPES = {            # name: (transformers model type, config), each with MAX_POSITIONS positions
+    "mixtral": ("mixtral", dict(D.BENCH_MIXTRAL, max_position_embeddings=MAX_POSITIONS)),
+    "mixtral-gqa8": ("mixtral", dict(D.BENCH_MIXTRAL, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS)),
+    "deepseek": ("deepseek_v3", dict(F.MODELS["deepseek"][1], max_position_embeddings=MAX_POSITIONS)),
+}
+
+
+def build(data: pathlib.Path, shape: str = "mixtral"):
+    """(.colibri f16, GGUF F16) of bench-SHAPE-long, built once: mixtral is bench-mixtral's shape (GQA 4:1),
+    mixtral-gqa8 the same with 2 kv heads (8:1), deepseek families.py's bench-deepseek (latent attention)."""
+    model_type, kw = SHAPES[shape]
+    d = data / f"bench-{shape}-long"
+    col, gg = data / f"bench-{shape}-long-f16.colibri", data / f"bench-{shape}-long-F16.gguf"
     if not (d / "config.json").exists():
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import hf_models
         import torch
-        from transformers import MixtralConfig, MixtralForCausalLM
-        print("building bench-mixtral-long with transformers (torch.manual_seed(0)) ...", flush=True)
+        from transformers import AutoConfig, AutoModelForCausalLM
+        print(f"building bench-{shape}-long with transformers (torch.manual_seed(0)) ...", flush=True)
         torch.manual_seed(0)
-        model = MixtralForCausalLM(MixtralConfig(**dict(D.BENCH_MIXTRAL, max_position_embeddings=MAX_POSITIONS)))
-        model.eval().to(torch.float32).save_pretrained(str(d), safe_serialization=True)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=torch.float32).eval()
+        model.save_pretrained(str(d), safe_serialization=True)
         hf_models.train_tokenizer(d, vocab_size=512)
+        if model_type == "deepseek_v3":        # as the released V3's config.json says it (llama.cpp reads it)
+            c = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**c, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}))
     if not col.exists():
         from colibri_server.model.convert import convert
         convert(str(d), str(col), "f16", progress=False)
@@ -114,7 +130,7 @@ def wait_until(check, what, proc, timeout=900):
 def figures(t0, stamps) -> dict:
     gaps = np.diff(stamps)
     return {"ttft_s": stamps[0] - t0, "decode_ms": 1e3 * float(np.mean(gaps)) if len(gaps) else None,
-            "tokens": len(stamps)}
+            "generated": len(stamps)}
 
 
 class Colibri:
@@ -124,7 +140,7 @@ class Colibri:
         self.sock = os.path.join(a.tmp, f"colibri-{len(os.listdir(a.tmp))}.sock")
         argv = ([sys.executable, "-m", "colibri_server.cli"] if tree else [a.colibri_bin]) + [
             "serve", "--model", str(path), "--bind", f"ipc://{self.sock}", "--context", str(a.context),
-            "--runtime-dir", self.sock + ".run"]
+            "--max-prompt-tokens", str(a.context), "--runtime-dir", self.sock + ".run"]
         env = dict(os.environ, PYTHONPATH=str(tree)) if tree else None
         self.log = open(self.sock + ".log", "w")
         self.p = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -212,7 +228,12 @@ def run_system(name, start, lengths, new, rows):
     try:
         srv.run(prompt(16, 1), 4)                                                    # warm-up
         for i, P in enumerate(lengths):
-            f = srv.run(prompt(P, 100 + i), new)
+            try:
+                f = srv.run(prompt(P, 100 + i), new)
+            except Exception as e:  # noqa: BLE001  (recorded; the other lengths go on)
+                rows.append({"system": name, "tokens": P, "error": repr(e)[:300]})
+                print(f"  {name} {P:6d} tokens: {e!r}", flush=True)
+                continue
             rows.append({"system": name, "tokens": P, **f})
             dm = f"{f['decode_ms']:.1f}" if f["decode_ms"] is not None else "-"
             print(f"  {name} {P:6d} tokens: TTFT {f['ttft_s']:.2f} s, decode {dm} ms/token", flush=True)
@@ -238,8 +259,8 @@ def report(rows, lengths, systems, rev):
         row = {"tokens": P, "ttft_s": t, "decode_ms": d, "ttft_llama_over_colibri": ratio(t["llama-server"], t["colibri"]),
                "decode_llama_over_colibri": ratio(d["llama-server"], d["colibri"])}
         if rev:
-            row["ttft_rev_over_colibri"] = ratio(t[f"colibri@{rev}"], t["colibri"])
-            row["decode_rev_over_colibri"] = ratio(d[f"colibri@{rev}"], d["colibri"])
+            row["ttft_rev_over_colibri"] = ratio(t[rev], t["colibri"])
+            row["decode_rev_over_colibri"] = ratio(d[rev], d["colibri"])
         table.append(row)
 
         def fmt(v, spec):
@@ -255,6 +276,7 @@ def main():
     ap.add_argument("--data", type=pathlib.Path,
                     default=os.environ.get("COLIBRI_BENCH_DATA", os.path.expanduser("~/.cache/colibri-speed")))
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192, 16384])
+    ap.add_argument("--shape", default="mixtral", choices=list(SHAPES), help="the bench model (see build)")
     ap.add_argument("--new", type=int, default=33, help="tokens each request generates (decode at depth: the gaps)")
     ap.add_argument("--rev", help="also run this older colibri revision (a git worktree of it), side by side")
     ap.add_argument("--systems", nargs="+", default=["colibri", "rev", "llama-server"],
@@ -271,47 +293,51 @@ def main():
         ap.error(f"--llama-bin: no llama-server in {a.llama_bin} (bench/build_anchors.sh builds it)")
     a.context = max(a.tokens) + a.new + 16
     a.data.mkdir(parents=True, exist_ok=True)
-    col, gg = build(a.data)
+    col, gg = build(a.data, a.shape)
     a.tmp = tempfile.mkdtemp(prefix="long-prompt-")
-    rows, systems, tree = [], [], None
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    what = "long-prompt" if a.shape == "mixtral" else f"long-prompt-{a.shape}"
+    out = a.json or HERE / "recorded" / f"{what}-{time.strftime('%Y-%m-%d')}-{machine()}.json"
+    rows, systems, tree, bench, rev, table = [], [], None, {}, None, []
+
+    def save():                         # after every system: a run cut short keeps what it measured
+        out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or machine(),
+                                   "cpus": os.cpu_count(), "colibri": head, "rev": rev, "model": col.name,
+                                   "gguf": gg.name, "new_tokens": a.new, "rows": rows, "table": table,
+                                   "llama_bench_depth": bench}, indent=1))
     try:
         if a.rev and "rev" in a.systems:
             tree = pathlib.Path(a.tmp) / "rev"
             subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), a.rev], check=True,
                            capture_output=True)
-            rev = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip()
-            systems.append(f"colibri@{rev}")
-            run_system(systems[-1], lambda: Colibri(a, col, tree), a.tokens, a.new, rows)
+            rev = "colibri@" + subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                                              capture_output=True, text=True).stdout.strip()
+            systems.append(rev)
+            run_system(rev, lambda: Colibri(a, col, tree), a.tokens, a.new, rows)
+            save()
         if "colibri" in a.systems:
             systems.insert(0, "colibri")
             run_system("colibri", lambda: Colibri(a, col), a.tokens, a.new, rows)
+            save()
         if "llama-server" in a.systems:
             for fa in ("on", "off"):
                 run_system(f"llama-server fa {fa}", lambda fa=fa: LlamaServer(a, gg, fa), a.tokens, a.new, rows)
+                save()
             for r in [r for r in rows if r["system"].startswith("llama-server fa")]:
                 rows.append({**r, "system": "llama-server", "from": r["system"]})
             systems.append("llama-server")
-        bench = {}
         if a.llama_bench:
             for P in a.tokens:
                 bench[P] = llama_bench_depth(a, gg, P)
                 print(f"  llama-bench -d {P}: {bench[P]}", flush=True)
+                save()
     finally:
         if tree is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
-    rev = systems[1] if a.rev and len(systems) > 1 and systems[1].startswith("colibri@") else None
     if "colibri" in systems and "llama-server" in systems:
         table = report(rows, a.tokens, systems, rev)
-    else:
-        table = []
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    out = a.json or HERE / "recorded" / f"long-prompt-{time.strftime('%Y-%m-%d')}-{machine()}.json"
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or machine(),
-                               "cpus": os.cpu_count(), "colibri": head, "rev": rev, "model": col.name, "gguf": gg.name,
-                               "new_tokens": a.new, "rows": rows, "table": table, "llama_bench_depth": bench},
-                              indent=1))
+    save()
     print(f"wrote {out}")
 
 

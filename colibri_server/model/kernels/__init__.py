@@ -11,7 +11,8 @@ Rooms, imports running upward only (a module imports only those above it):
   quant     q8/q4 matvecs and experts      gemm   q8/q4 and bf16 GEMMs for prefill
   attn      causal attention               matmuls   X @ W.T for any weight kind (BLAS tiles or GEMM)
   heads     per-head products (latent attention's query absorption and value expansion), over dense and rowgemm
-  paged     attention over the paged KV pool          rowgemm   few-row GEMM of a serving step
+  paged     the paged KV pool's store and attention twin   tiled  tiled attention over it (online softmax)
+  rowgemm   few-row GEMM of a serving step
   experts_q a serving step's q8/q4 experts in one call  prefetch  software prefetch for slow weight readers
   decode    the whole decode token fused into one Numba call
 

@@ -6,6 +6,12 @@ load and store the output row for every V row; here 8 keys' partial sums are red
 transpose-and-add tree, and up to 64 columns of the output stay in 8 registers while the V rows
 stream. The kernels assume rows with contiguous elements (the cache's and the scores' rows are).
 Figures: kernels/attn.
+
+The tile kernels (kernels/tiled: a block of query vectors against a tile of keys) put the queries in
+the lanes instead: tile_scores and tile_wsum keep a block of 4 rows x 2 vectors in registers and give
+every element one fma chain of its own (over the head dims, over the keys), so an element's bits do not
+depend on the block, the lane count (16 where AVX-512 runs them, else 8) or the other queries;
+tile_max and tile_exp are the online softmax's per-lane max and kernels.expf with the sum in key order.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from numba.extending import intrinsic
 
 from .cpu import FEATURES as _FEATURES
 
-__all__ = ["HAVE_ATTN_IR", "scores8", "tile_exp", "tile_max", "tile_scores", "tile_wsum", "wsum_rows"]
+__all__ = ["HAVE_ATTN_IR", "TILE_LANES", "scores8", "tile_exp", "tile_max", "tile_scores", "tile_scores8", "tile_wsum", "wsum_rows"]
 
 HAVE_ATTN_IR = {"avx2", "fma"} <= _FEATURES
 
@@ -124,85 +130,108 @@ def wsum_rows(typingctx, w, V, o):
     return sig, codegen
 
 
-def _bcast(builder, p, k):
-    """The float at p[k] in all 8 lanes."""
+# the tile kernels' vector width: 16 lanes where AVX-512 runs them (twice the FMAs per instruction), else 8;
+# every element is its own fma chain, so the width changes no bit
+TILE_LANES = 16 if "avx512f" in _FEATURES else 8
+_VT = ir.VectorType(_F32, TILE_LANES)
+
+
+def _bcast(builder, p, k, W=TILE_LANES):
+    """The float at p[k] in every lane of a W-lane vector."""
+    VT = ir.VectorType(_F32, W)
     e = builder.load(builder.gep(p, [k]))
-    v = builder.insert_element(ir.Constant(_V8, None), e, ir.Constant(ir.IntType(32), 0))
-    return _shuffle(builder, v, v, [0] * 8)
+    v = builder.insert_element(ir.Constant(VT, None), e, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(v, ir.Constant(VT, None), ir.Constant(ir.VectorType(ir.IntType(32), W), [0] * W))
+
+
+def _tload(builder, p, k, W=TILE_LANES):
+    return builder.load(builder.bitcast(builder.gep(p, [k]), ir.VectorType(_F32, W).as_pointer()), align=4)
+
+
+def _tfma(builder, W=TILE_LANES):
+    VT = ir.VectorType(_F32, W)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(VT, [VT, VT, VT]), f"llvm.fma.v{W}f32")
 
 
 def _const(n):
     return ir.Constant(_I64, n)
 
 
-@intrinsic
-def tile_scores(typingctx, Kt, n, Qt, St):
-    # Kt (>= n, d) f32 key rows, Qt (d, NQ) f32 the queries' columns, NQ a multiple of 8 -> St[j, i] =
-    # sum_c Kt[j, c] * Qt[c, i] for j < n, every element one fma chain over c = 0..d-1 from 0, whichever
-    # block of 4 keys x 16 queries computes it (its bits do not depend on n, NQ or its place)
-    sig = types.void(Kt, n, Qt, St)
+def _tile_scores(W):
+    def tile_scores(typingctx, Kt, n, Qt, St):
+        # Kt (>= n, d) f32 key rows, Qt (d, NQ) f32 the queries' columns, NQ a multiple of W -> St[j, i] =
+        # sum_c Kt[j, c] * Qt[c, i] for j < n, every element one fma chain over c = 0..d-1 from 0, whichever
+        # block of 4 keys x 2 vectors of queries computes it (its bits do not depend on n, NQ, W or its place)
+        sig = types.void(Kt, n, Qt, St)
+        VT = ir.VectorType(_F32, W)
 
-    def codegen(context, builder, signature, args):
-        ka, qa, sa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2, 3))
-        nk = context.cast(builder, args[1], signature.args[1], types.int64)
-        d = cgutils.unpack_tuple(builder, ka.shape, 2)[1]
-        nq = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
-        fma = _fma(builder)
+        def codegen(context, builder, signature, args):
+            ka, qa, sa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2, 3))
+            nk = context.cast(builder, args[1], signature.args[1], types.int64)
+            d = cgutils.unpack_tuple(builder, ka.shape, 2)[1]
+            nq = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
+            fma = _tfma(builder, W)
 
-        def block(j, i, keys, vecs):      # keys x (8 * vecs) scores at (j, i)
-            krows = [_row(builder, ka, builder.add(j, _const(r))) for r in range(keys)]
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, None)) for _ in range(vecs)]
-                    for _ in range(keys)]
-            for row in accs:
-                for a in row:
-                    builder.store(ir.Constant(_V8, None), a)
-            with cgutils.for_range(builder, d) as c:
-                qrow = _row(builder, qa, c.index)
-                qv = [_vload(builder, qrow, builder.add(i, _const(8 * v))) for v in range(vecs)]
+            def block(j, i, keys, vecs):      # keys x (W * vecs) scores at (j, i)
+                krows = [_row(builder, ka, builder.add(j, _const(r))) for r in range(keys)]
+                accs = [[cgutils.alloca_once_value(builder, ir.Constant(VT, None)) for _ in range(vecs)]
+                        for _ in range(keys)]
+                for row in accs:
+                    for a in row:
+                        builder.store(ir.Constant(VT, None), a)
+                with cgutils.for_range(builder, d) as c:
+                    qrow = _row(builder, qa, c.index)
+                    qv = [_tload(builder, qrow, builder.add(i, _const(W * v)), W) for v in range(vecs)]
+                    for r in range(keys):
+                        kb = _bcast(builder, krows[r], c.index, W)
+                        for v in range(vecs):
+                            builder.store(builder.call(fma, [kb, qv[v], builder.load(accs[r][v])]), accs[r][v])
                 for r in range(keys):
-                    kb = _bcast(builder, krows[r], c.index)
+                    srow = _row(builder, sa, builder.add(j, _const(r)))
                     for v in range(vecs):
-                        builder.store(builder.call(fma, [kb, qv[v], builder.load(accs[r][v])]), accs[r][v])
-            for r in range(keys):
-                srow = _row(builder, sa, builder.add(j, _const(r)))
-                for v in range(vecs):
-                    dst = builder.bitcast(builder.gep(srow, [builder.add(i, _const(8 * v))]), _V8.as_pointer())
-                    builder.store(builder.load(accs[r][v]), dst, align=4)
+                        dst = builder.bitcast(builder.gep(srow, [builder.add(i, _const(W * v))]), VT.as_pointer())
+                        builder.store(builder.load(accs[r][v]), dst, align=4)
 
-        def keys_of(j, keys):
-            n16 = builder.sdiv(nq, _const(16))
-            with cgutils.for_range(builder, n16) as b:
-                block(j, builder.mul(b.index, _const(16)), keys, 2)
-            with cgutils.if_unlikely(builder, builder.icmp_signed("!=", builder.srem(nq, _const(16)), _const(0))):
-                block(j, builder.mul(n16, _const(16)), keys, 1)
+            def keys_of(j, keys):
+                n2 = builder.sdiv(nq, _const(2 * W))
+                with cgutils.for_range(builder, n2) as b:
+                    block(j, builder.mul(b.index, _const(2 * W)), keys, 2)
+                with cgutils.if_unlikely(builder, builder.icmp_signed("!=", builder.srem(nq, _const(2 * W)), _const(0))):
+                    block(j, builder.mul(n2, _const(2 * W)), keys, 1)
 
-        n4 = builder.sdiv(nk, _const(4))
-        with cgutils.for_range(builder, n4) as b:
-            keys_of(builder.mul(b.index, _const(4)), 4)
-        with cgutils.for_range(builder, builder.sub(nk, builder.mul(n4, _const(4)))) as r:
-            keys_of(builder.add(builder.mul(n4, _const(4)), r.index), 1)
-        return context.get_dummy_value()
-    return sig, codegen
+            n4 = builder.sdiv(nk, _const(4))
+            with cgutils.for_range(builder, n4) as b:
+                keys_of(builder.mul(b.index, _const(4)), 4)
+            with cgutils.for_range(builder, builder.sub(nk, builder.mul(n4, _const(4)))) as r:
+                keys_of(builder.add(builder.mul(n4, _const(4)), r.index), 1)
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(tile_scores)
+
+
+tile_scores = _tile_scores(TILE_LANES)     # queries in TILE_LANES-lane vectors
+tile_scores8 = _tile_scores(8)             # the same chains on 8 lanes, for items of 8 query vectors or fewer
 
 
 @intrinsic
 def tile_wsum(typingctx, P, n, Vt, A):
     # P (>= n, NQ) f32 weights of n keys for NQ queries, Vt (>= n, DV) f32 value rows, A (NQ, DV) f32, NQ a
-    # multiple of 4 and DV of 8 -> A[i, c] += sum_j P[j, i] * Vt[j, c], one fma chain over j = 0..n-1 from
-    # A[i, c] for every element, whichever block of 4 queries x 16 columns computes it
+    # multiple of 4 and DV of TILE_LANES -> A[i, c] += sum_j P[j, i] * Vt[j, c], one fma chain over j = 0..n-1
+    # from A[i, c] for every element, whichever block of 4 queries x 2 vectors of columns computes it
     sig = types.void(P, n, Vt, A)
+    W = TILE_LANES
 
     def codegen(context, builder, signature, args):
         pa, va, aa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2, 3))
         nk = context.cast(builder, args[1], signature.args[1], types.int64)
         nq, dv = cgutils.unpack_tuple(builder, aa.shape, 2)
-        fma = _fma(builder)
+        fma = _tfma(builder)
 
-        def block(i, c0, vecs):            # 4 queries x (8 * vecs) columns at (i, c0)
+        def block(i, c0, vecs):            # 4 queries x (W * vecs) columns at (i, c0)
             arows = [_row(builder, aa, builder.add(i, _const(r))) for r in range(4)]
-            ptrs = [[builder.bitcast(builder.gep(arows[r], [builder.add(c0, _const(8 * v))]), _V8.as_pointer())
+            ptrs = [[builder.bitcast(builder.gep(arows[r], [builder.add(c0, _const(W * v))]), _VT.as_pointer())
                      for v in range(vecs)] for r in range(4)]
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V8, None)) for _ in range(vecs)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VT, None)) for _ in range(vecs)]
                     for _ in range(4)]
             for r in range(4):
                 for v in range(vecs):
@@ -210,7 +239,7 @@ def tile_wsum(typingctx, P, n, Vt, A):
             with cgutils.for_range(builder, nk) as j:
                 prow = _row(builder, pa, j.index)
                 vrow = _row(builder, va, j.index)
-                vv = [_vload(builder, vrow, builder.add(c0, _const(8 * v))) for v in range(vecs)]
+                vv = [_tload(builder, vrow, builder.add(c0, _const(W * v))) for v in range(vecs)]
                 for r in range(4):
                     pb = _bcast(builder, prow, builder.add(i, _const(r)))
                     for v in range(vecs):
@@ -221,18 +250,13 @@ def tile_wsum(typingctx, P, n, Vt, A):
 
         with cgutils.for_range(builder, builder.sdiv(nq, _const(4))) as ib:
             i = builder.mul(ib.index, _const(4))
-            n16 = builder.sdiv(dv, _const(16))
-            with cgutils.for_range(builder, n16) as cb:
-                block(i, builder.mul(cb.index, _const(16)), 2)
-            with cgutils.if_unlikely(builder, builder.icmp_signed("!=", builder.srem(dv, _const(16)), _const(0))):
-                block(i, builder.mul(n16, _const(16)), 1)
+            n2 = builder.sdiv(dv, _const(2 * W))
+            with cgutils.for_range(builder, n2) as cb:
+                block(i, builder.mul(cb.index, _const(2 * W)), 2)
+            with cgutils.if_unlikely(builder, builder.icmp_signed("!=", builder.srem(dv, _const(2 * W)), _const(0))):
+                block(i, builder.mul(n2, _const(2 * W)), 1)
         return context.get_dummy_value()
     return sig, codegen
-
-
-def _splat(builder, v):
-    return _shuffle(builder, builder.insert_element(ir.Constant(_V8, None), v, ir.Constant(ir.IntType(32), 0)),
-                    ir.Constant(_V8, None), [0] * 8)
 
 
 def _fv(x):

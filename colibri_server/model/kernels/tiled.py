@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attn_ir import HAVE_ATTN_IR, tile_exp, tile_max, tile_scores, tile_wsum
+from .attn_ir import HAVE_ATTN_IR, TILE_LANES, tile_exp, tile_max, tile_scores, tile_scores8, tile_wsum
 from .base import expf, to_f32
 
 TILE = 64          # keys converted at once and scored against every query vector of an item
@@ -45,8 +45,17 @@ _NEG_INF = np.float32(-np.inf)
 
 
 @njit(cache=True, inline="always")
-def _pad8(n):
-    return (n + 7) // 8 * 8
+def _padl(n):
+    # n rounded up to the tile kernels' lanes (8 or 16: attn_ir.TILE_LANES); 8 for up to 8
+    if n <= 8:
+        return 8
+    return _padv(n)
+
+
+@njit(cache=True, inline="always")
+def _padv(n):
+    # value dims rounded up to the tile kernels' lanes
+    return (n + TILE_LANES - 1) // TILE_LANES * TILE_LANES
 
 
 @njit(cache=True)
@@ -117,9 +126,13 @@ def _load_rows(pool, table, kh, k0, n, dst):
 
 @njit(cache=True)
 def _scores(Kt, n, Qt, St):
-    # St[:n] = Kt[:n] @ Qt: attn_ir's tile kernel, or the same chains (mul and add, not fused) without it
+    # St[:n] = Kt[:n] @ Qt: attn_ir's tile kernel (8 lanes for an item of 8 query vectors or fewer: the same
+    # chains), or the same chains (mul and add, not fused) without it
     if HAVE_ATTN_IR:
-        tile_scores(Kt, n, Qt, St)
+        if Qt.shape[1] == 8:
+            tile_scores8(Kt, n, Qt, St)
+        else:
+            tile_scores(Kt, n, Qt, St)
         return
     d, nq = Qt.shape
     for j in range(n):
@@ -233,14 +246,13 @@ def _scratch(hd, dvp, nqp):
 
 
 @njit(cache=True)
-def _segment(q, kpool, vpool, table, kh, r0, r1, h0, gh, s, window, scale, sc):
-    # one segment's partial of an item (rows r0..r1-1 of one sequence at consecutive positions from q's
-    # row positions, heads h0..h0+gh-1 of kv head kh): leaves (m, l, acc) in the scratch sc; returns
-    # False when no row of the item sees a key of the segment (nothing computed)
+def _segment(kpool, vpool, table, kh, nq, s, sc):
+    # segment s's partial of an item's nq query vectors (_prepare's, on kv head kh of the sequence whose
+    # blocks are `table`): leaves (m, l, acc) in the scratch sc; returns False when no vector of the item
+    # sees a key of the segment (nothing computed)
     Qt, Kt, Vt, St, vec, acc, bounds = sc
     lo, hi = bounds[0], bounds[1]
     m, l, tmax, ms, corr, tsum = vec[0], vec[1], vec[2], vec[3], vec[4], vec[5]
-    nq = (r1 - r0) * gh
     nq4 = (nq + 3) // 4 * 4
     nqp = Qt.shape[1]
     lo_min, hi_max = lo[0], hi[nq - 1]
@@ -326,7 +338,7 @@ def _item(q, kpool, vpool, table, row_pos, r0, r1, kh, h0, gh, window, scale, si
     s_first = _first(row_pos[r0], window) // SEGMENT
     s_last = row_pos[r1 - 1] // SEGMENT
     for s in range(s_first, s_last + 1):
-        if _segment(q, kpool, vpool, table, kh, r0, r1, h0, gh, s, window, scale, sc):
+        if _segment(kpool, vpool, table, kh, (r1 - r0) * gh, s, sc):
             _merge(M, L, A, vec[0], vec[1], acc)
     _finish(M, L, A, sinks, r0, gh, h0, nq, out)
 
@@ -363,21 +375,21 @@ def tiled_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, ou
     _checked(q, kpool, vpool, out, tables, row_pos)
     items, _ = _items(q, kpool, row_seq, row_pos, QROWS, 1)
     g = q.shape[1] // kpool.shape[1]
-    dvp = _pad8(out.shape[2])
-    sc = _scratch(q.shape[2], dvp, _pad8(QROWS * g))
-    total = np.empty((_pad8(QROWS * g), dvp), np.float32)
+    dvp = _padv(out.shape[2])
+    sc = _scratch(q.shape[2], dvp, _padl(QROWS * g))
+    total = np.empty((_padl(QROWS * g), dvp), np.float32)
     for k in range(items.shape[0]):
         r0, r1, kh, h0, gh = items[k, 0], items[k, 1], items[k, 2], items[k, 3], items[k, 4]
         _item(q, kpool, vpool, tables[row_seq[r0]], row_pos, r0, r1, kh, h0, gh, window, scale, sinks, out,
-              _fit(sc, q.shape[2], (r1 - r0) * gh), total[:_pad8((r1 - r0) * gh)])
+              _fit(sc, q.shape[2], (r1 - r0) * gh), total[:_padl((r1 - r0) * gh)])
 
 
 @njit(cache=True)
 def _fit(sc, hd, nq):
-    # the scratch as C-contiguous arrays for nq query vectors (padded to 8): the tile kernels run over
+    # the scratch as C-contiguous arrays for nq query vectors (padded to the lanes): the tile kernels run over
     # exactly these lanes
     Qt, Kt, Vt, St, vec, acc, bounds = sc
-    n = _pad8(nq)
+    n = _padl(nq)
     dvp = Vt.shape[1]
     return (Qt[:hd * n].reshape((hd, n)), Kt, Vt, St[:TILE * n].reshape((TILE, n)), vec[:8 * n].reshape((8, n)),
             acc[:n * dvp].reshape((n, dvp)), bounds[:2 * n].reshape((2, n)))
@@ -415,16 +427,16 @@ def tiled_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale
         chunks = min(g, (threads + base - 1) // base)
     items, cost = _items(q, kpool, row_seq, row_pos, QROWS, chunks)
     n = items.shape[0]
-    dvp = _pad8(out.shape[2])
+    dvp = _padv(out.shape[2])
     hd = q.shape[2]
-    nqp_max = _pad8(QROWS * g)
+    nqp_max = _padl(QROWS * g)
     # split-K: segments of every item as units
     nseg = np.zeros(n + 1, np.int64)
     for k in range(n):
         r0, r1 = items[k, 0], items[k, 1]
         nseg[k + 1] = nseg[k] + row_pos[r1 - 1] // SEGMENT - _first(row_pos[r0], window) // SEGMENT + 1
     units = nseg[n]
-    split = n < 2 * threads and units > n and units * _pad8(QROWS * g) * (dvp + 2) <= SPLIT_MAX_FLOATS
+    split = n < 2 * threads and units > n and units * _padl(QROWS * g) * (dvp + 2) <= SPLIT_MAX_FLOATS
     if not split:
         lists = _assign(cost, threads)
         for t in prange(threads):
@@ -437,11 +449,11 @@ def tiled_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale
                 r0, r1, kh, h0, gh = items[k, 0], items[k, 1], items[k, 2], items[k, 3], items[k, 4]
                 nq = (r1 - r0) * gh
                 _item(q, kpool, vpool, tables[row_seq[r0]], row_pos, r0, r1, kh, h0, gh, window, scale, sinks,
-                      out, _fit(sc, hd, nq), total[:_pad8(nq)])
+                      out, _fit(sc, hd, nq), total[:_padl(nq)])
         return
     nqs = np.empty(n, np.int64)
     for k in range(n):
-        nqs[k] = _pad8((items[k, 1] - items[k, 0]) * items[k, 4])
+        nqs[k] = _padl((items[k, 1] - items[k, 0]) * items[k, 4])
     pm = np.empty((units, nqp_max), np.float32)
     pl = np.empty((units, nqp_max), np.float32)
     pa = np.empty((units, nqp_max, dvp), np.float32)
@@ -459,7 +471,7 @@ def tiled_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale
             scf = _fit(sc, hd, (r1 - r0) * gh)
             if u == t * per or nseg[k] == u:
                 _prepare(q, row_pos, r0, r1, kh, gh, h0, window, scale, scf)
-            if _segment(q, kpool, vpool, tables[row_seq[r0]], kh, r0, r1, h0, gh, s, window, scale, scf):
+            if _segment(kpool, vpool, tables[row_seq[r0]], kh, (r1 - r0) * gh, s, scf):
                 vec, acc = scf[4], scf[5]
                 pm[u, :nq] = vec[0]
                 pl[u, :nq] = vec[1]
