@@ -5,8 +5,9 @@ same GGUF and llama.cpp's own llama-bench on the GGUF, in ONE run.
 
 For each of bench-mixtral's GGUFs (llama-quantize from its F32 GGUF, as bench/decode.py builds them):
 the .colibri file's size against the GGUF's, then batch-1 prefill (128 tokens) and decode (128 tokens)
-tok/s of the blocks file, of the q8 file (what `--quantize auto` writes today) and of llama-bench on the
-GGUF, at each thread count, one subprocess after the other (bench/decode.py's workers). Run it under
+tok/s of the blocks file, of the q8 file (`--quantize q8`) and of llama-bench on the GGUF (its defaults,
+repacking on; where its repacking crashes, as in prefill on the Zen 4 machine these were taken on, without
+it: "repack" in the JSON), at each thread count, one subprocess after the other (bench/decode.py's workers). Run it under
 `flock /tmp/bench.lock`; on a shared machine compare the ratios of one run, not absolute figures.
 """
 from __future__ import annotations
@@ -58,10 +59,15 @@ def main():
         for th in a.threads:
             r = {"blocks": D.run_worker("colibri", blocks, th, a.reps), "q8": D.run_worker("colibri", q8, th, a.reps)}
             try:
-                r["llama"] = llama_bench.run(src, th, a.reps, D.PROMPT_LEN, D.NEW_TOKENS)
-            except RuntimeError as e:
-                r["llama"] = {"error": str(e)[-500:]}
-            row[f"t{th}"] = {k: {m: v.get(m) for m in ("decode_tok_s", "prefill_tok_s", "error")} for k, v in r.items()}
+                r["llama"] = {**llama_bench.run(src, th, a.reps, D.PROMPT_LEN, D.NEW_TOKENS), "repack": True}
+            except RuntimeError:           # its CPU repacking crashed in prefill here (Zen 4): without it
+                try:
+                    r["llama"] = {**llama_bench.run(src, th, a.reps, D.PROMPT_LEN, D.NEW_TOKENS, no_repack=True),
+                                  "repack": False}
+                except RuntimeError as e:
+                    r["llama"] = {"error": str(e)[-500:]}
+            row[f"t{th}"] = {k: {m: v.get(m) for m in ("decode_tok_s", "prefill_tok_s", "repack", "error")}
+                             for k, v in r.items()}
             dec = {k: v.get("decode_tok_s") for k, v in r.items()}
             pf = {k: v.get("prefill_tok_s") for k, v in r.items()}
             print(f"{name} {th} thread(s): decode tok/s blocks {dec['blocks']} / q8 {dec['q8']} / llama-bench "

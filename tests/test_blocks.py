@@ -10,7 +10,7 @@ import gguf
 import hf_models as H
 import numpy as np
 import pytest
-from blocks_data import KINDS, Q, quantized
+from blocks_data import KINDS, Q, int8_rounded_products, quantized
 from test_gguf_import import PROMPT, write_gguf
 
 from colibri_server.model import Model
@@ -71,7 +71,7 @@ def _mixed(name, a):
     return quantized(a, kind, seed=zlib.crc32(name.encode())), kind
 
 
-def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path):
+def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path, monkeypatch):
     c = {**H.SMALL_CONFIGS["mixtral"], "hidden_size": 256}
     H.build_hf_model("mixtral", tmp_path / "hf", hidden_size=256)
     write_gguf(tmp_path / "hf", tmp_path / "mixed.gguf", "mixtral", matrix_type=_mixed, config=c)
@@ -98,8 +98,10 @@ def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path):
     cf.close()
     m = Model.open(str(tmp_path / "b.colibri"))
     assert isinstance(m.weights.layers[0].w1, BlockTensor)
-    got = m.logits(PROMPT)
-    ref = Model.open(str(tmp_path / "ref.colibri")).logits(PROMPT)
+    got = Model.open(str(tmp_path / "b.colibri")).logits(PROMPT)
+    exact = Model.open(str(tmp_path / "ref.colibri")).logits(PROMPT)
+    int8_rounded_products(monkeypatch)
+    ref = Model.open(str(tmp_path / "b.colibri")).logits(PROMPT)
     err = np.abs(got - ref).max() / np.abs(ref).max()
-    assert err < 2e-2, err                 # the activations' int8 rounding (measured 2-4e-3)
-    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    assert err < 5e-3, err                # f32 sums against float64 (measured 1.5e-3 on the llama-quantize'd file)
+    assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.9    # and the rounding itself stays small

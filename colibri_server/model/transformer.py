@@ -57,6 +57,10 @@ class Workspace:
     # on VMs), so it runs the experts (two regions per expert) and matrices of at least this many
     # weights on threads, the rest (attention projections) on the calling thread
     PAR_MIN_WEIGHTS = 1 << 20
+    # the same for block-kind matrices (mm_blocks), which have no fused expert call on threads: one region a
+    # matrix, so only the big ones (an output head) go to the threads. bench-mixtral Q4_K_M blocks, decode on
+    # 2 threads (shared, loaded machine): 1 << 20 74.2 tok/s, 1 << 23 78.7
+    PAR_MIN_BLOCK_WEIGHTS = 1 << 23
     # up to this many rows, f16/bf16 matrices go through kernels.rowgemm (each weight converted once, in a
     # register, for every row) instead of converting 256-row tiles to f32 for BLAS: since rowgemm's IR
     # tile, a 256-row serving step (8 prompts of 32 tokens, bench-mixtral f16, 2 threads) took 727 ms
@@ -186,7 +190,7 @@ class Workspace:
         once, each weight row read once for all of them; rows over the threads when the matrix is big."""
         T, n = X.shape
         Xq, Xd, Xs, tmps = self.block_acts(T, n)
-        if self.threads > 1 and out.shape[1] * n >= self.PAR_MIN_WEIGHTS:
+        if self.threads > 1 and out.shape[1] * n >= self.PAR_MIN_BLOCK_WEIGHTS:
             KB.matmul_blocks_par(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[:self.threads], np.float32(alpha), accumulate)
         else:
             KB.matmul_blocks(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[0], np.float32(alpha), accumulate)

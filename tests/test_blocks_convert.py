@@ -1,0 +1,129 @@
+"""`colibri convert --quantize blocks` on GGUFs: a type with no kernel is named and stored as the nearest kind;
+the format's version 3 is written only with block kinds and refused under an older version number;
+threads give the single-thread bits; and, where llama.cpp's binaries are built (bench/.anchors), a
+llama-quantize'd Q4_K_M file keeps every tensor's bytes and gives the logits of the gguf package's
+dequantized values within the activations' rounding."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+
+import gguf
+import hf_models as H
+import numpy as np
+import pytest
+from blocks_data import Q, int8_rounded_products, quantized
+from test_gguf_import import PROMPT, write_gguf
+
+from colibri_server.model import Model
+from colibri_server.model import format as fmt
+from colibri_server.model.gguf_import import convert_gguf
+from colibri_server.model.kernels import blocks as KB
+
+ANCHORS = pathlib.Path(__file__).resolve().parent.parent / "bench" / ".anchors" / "bin"
+
+
+def _cfg():
+    return {**H.SMALL_CONFIGS["mixtral"], "hidden_size": 256, "intermediate_size": 256}
+
+
+def _hf(tmp_path):
+    H.build_hf_model("mixtral", tmp_path / "hf", hidden_size=256, intermediate_size=256)
+    return tmp_path / "hf"
+
+
+def test_a_type_without_a_kernel_is_named_and_stored_as_q8_0(tmp_path):
+    hf = _hf(tmp_path)
+
+    def iq2(name, a):                       # one matrix in IQ2_XXS (random valid blocks), the rest Q4_K
+        if a.ndim < 2 or "ffn_gate_inp" in name or a.shape[-1] % 256:
+            return a, Q.F32
+        if name == "blk.1.attn_output.weight":
+            rng = np.random.default_rng(5)
+            b = rng.integers(0, 256, size=(a.size // 256, 66), dtype=np.uint8)
+            b[:, 0:2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+            return b.reshape(*a.shape[:-1], a.shape[-1] // 256 * 66), Q.IQ2_XXS
+        return quantized(a, Q.Q4_K), Q.Q4_K
+    write_gguf(hf, tmp_path / "m.gguf", "mixtral", matrix_type=iq2, config=_cfg())
+    cfg, rep = convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "m.colibri"), "f32", quantize="blocks",
+                            progress=False, require_tokenizer=False)
+    assert rep.converted == {"blk.1.attn_output.weight": "IQ2_XXS -> q8_0"}
+    assert "IQ2_XXS -> q8_0" in rep.summary() and "blk.1.attn_output.weight" in rep.summary()
+    assert cfg.block_types["blk.1.attn_o"] == "q8_0" and cfg.block_types["blk.0.attn_o"] == "q4_k"
+    t = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}["blk.1.attn_output.weight"]
+    want = gguf.quants.quantize(gguf.quants.dequantize(np.asarray(t.data), Q.IQ2_XXS), Q.Q8_0)
+    cf = fmt.ColibriFile.open(tmp_path / "m.colibri")
+    assert bytes(cf.tensor_bytes("blk.1.attn_o")) == want.tobytes()
+    cf.close()
+
+
+def test_version_3_only_with_block_kinds_and_refused_under_version_2(tmp_path):
+    hf = _hf(tmp_path)
+    write_gguf(hf, tmp_path / "m.gguf", "mixtral", matrix_type=lambda n, a: (
+        (quantized(a, Q.Q8_0), Q.Q8_0) if a.ndim >= 2 and "ffn_gate_inp" not in n else (a, Q.F32)), config=_cfg())
+    convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "q8.colibri"), "f32", quantize="q8", progress=False,
+                 require_tokenizer=False)
+    cf = fmt.ColibriFile.open(tmp_path / "q8.colibri")
+    assert cf.header["version"] < 3 and not {r.dtype for r in cf.record_list} & fmt.BLOCK_DTYPES
+    cf.close()
+    convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks", progress=False,
+                 require_tokenizer=False)
+    raw = bytearray((tmp_path / "b.colibri").read_bytes())
+    assert int.from_bytes(raw[4:8], "little") == 3
+    raw[4:8] = (2).to_bytes(4, "little")
+    (tmp_path / "v2.colibri").write_bytes(raw)
+    with pytest.raises(fmt.UnknownDtype, match="version 2"):
+        fmt.ColibriFile.open(tmp_path / "v2.colibri")
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS], ids=lambda k: k.name)
+def test_threads_give_the_one_thread_bits(kind):
+    rng = np.random.default_rng(3)
+    d, n, T = 96, 512, 5
+    raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=9)
+    X = rng.standard_normal((T, n)).astype(np.float32)
+
+    def scratch():
+        return (np.zeros((T, n), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32))
+    one = np.zeros((T, d), np.float32)
+    KB.matmul_blocks(raw, int(kind), X, one, *scratch(), np.zeros(n, np.float32), np.float32(1.0), False)
+    par = np.zeros((T, d), np.float32)
+    KB.matmul_blocks_par(raw, int(kind), X, par, *scratch(), np.zeros((2, n), np.float32), np.float32(1.0), False)
+    assert np.array_equal(one, par)
+
+
+@pytest.mark.skipif(not (ANCHORS / "llama-quantize").exists(), reason="llama.cpp's binaries are not built (bench/.anchors)")
+def test_a_llama_quantized_q4_k_m_file_keeps_its_bytes_and_logits(tmp_path, monkeypatch):
+    hf = _hf(tmp_path)
+    write_gguf(hf, tmp_path / "F32.gguf", "mixtral", Q.F32, config=_cfg())
+    env = {"LD_LIBRARY_PATH": str(ANCHORS)}
+    r = subprocess.run([str(ANCHORS / "llama-quantize"), str(tmp_path / "F32.gguf"), str(tmp_path / "Q4_K_M.gguf"),
+                        "Q4_K_M"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "Q4_K_M.gguf")).tensors}
+    types = {t.tensor_type for t in tensors.values()}
+    assert Q.Q4_K in types and Q.Q6_K in types
+    cfg, rep = convert_gguf(str(tmp_path / "Q4_K_M.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks",
+                            progress=False, require_tokenizer=False)
+    assert not rep.converted
+    cf = fmt.ColibriFile.open(tmp_path / "b.colibri")
+    for name, kind in cfg.block_types.items():
+        t = tensors["token_embd.weight" if name == "token_embd" else name.replace("attn_o", "attn_output") + ".weight"]
+        assert kind == t.tensor_type.name.lower()
+        if not name.endswith(("attn_q", "attn_k")):     # q/k rows are unpermuted; their bytes move as whole rows
+            assert bytes(cf.tensor_bytes(name)) == np.asarray(t.data).tobytes(), name
+        got = KB.dequantize_ref(cf.view(name), int(t.tensor_type), cf.records[name].shape[-1])
+        if not name.endswith(("attn_q", "attn_k")):
+            want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(got.shape)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
+    cf.close()
+    # the reference: the same file through the gguf package's dequantize, stored as f32
+    convert_gguf(str(tmp_path / "Q4_K_M.gguf"), str(tmp_path / "ref.colibri"), "f32", quantize="none", progress=False,
+                 require_tokenizer=False)
+    got = Model.open(str(tmp_path / "b.colibri")).logits(PROMPT)
+    exact = Model.open(str(tmp_path / "ref.colibri")).logits(PROMPT)
+    int8_rounded_products(monkeypatch)
+    ref = Model.open(str(tmp_path / "b.colibri")).logits(PROMPT)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err < 5e-3, err                # f32 sums against float64 (measured 1.5e-3 on the llama-quantize'd file)
+    assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.9    # and the rounding itself stays small
