@@ -10,6 +10,12 @@ the only errors are the explicit ones of a killed process (connection_lost, work
 the master never halts; after each fault a fresh request is answered within 5 s (after a router killed young
 again and again, 5 s plus the master's restart delay, which grows up to ROUTER_BACKOFF_MAX_S).
 
+Beside them, over the HTTP gateway: slow clients (a chunked body trickled a byte at a time, a head
+never finished, garbage framing), reconnecting whenever the gateway closes them, and a /health probe
+every 0.3 s. Every probe is answered within the gateway's health timeout plus 2 s, and tells the
+truth: 200 only with "ok", 503 only with a named state (starting, draining, unreachable, error,
+faulty), and ok again once the last fault's recovery served a request.
+
 The short form (~25 s of faults) runs in the default suite; the long one (CHAOS_SECONDS,
 default 300) behind the soak marker. CHAOS_SEED replays a sequence.
 """
@@ -19,14 +25,18 @@ import os
 import random
 import shutil
 import signal
+import socket
 import threading
 import time
 
 import numpy as np
 import pytest
+import requests
 from server_harness import Server
+from test_http import free_port
 
 from colibri_server.client import ColibriError
+from colibri_server.http.app import HEALTH_TIMEOUT
 from colibri_server.master.arbiter import ROUTER_BACKOFF_MAX_S
 from colibri_server.model import Model
 from colibri_server.model.tokenizer import Tokenizer
@@ -70,9 +80,45 @@ class Chaos:
         self.recoveries = []              # (fault, seconds until a fresh request was answered, its limit)
         self.probes = []                  # (token ids, generation) of those fresh requests
         self.stop = threading.Event()
+        self.health = []                  # (seconds, HTTP status, body status) of each /health probe
+        self.slow_reconnects = 0
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         self.s = Server(self.live, tmp_path, workers=2, name="chaos",
-                        extra=("--config", self.cfg, "--timeout", "3", "--heartbeat-interval", "0.5"))
+                        extra=("--config", self.cfg, "--timeout", "3", "--heartbeat-interval", "0.5",
+                               "--http", f"127.0.0.1:{port}"))
         self.s.wait_ready(2)
+        self.s.wait_http(self.url)
+
+    # -- the gateway's slow and abusive clients, and its health
+    def slow_client(self, i):
+        """One connection at a time, held as long as the gateway lets it: a chunked body trickled, a head
+        never finished, or garbage framing; a new one whenever the gateway closes it."""
+        host, port = self.url[len("http://"):].split(":")
+        starts = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{",
+                  b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ",
+                  b"zz\r\n\x00\xff garbage \r\n\r\n"]
+        while not self.stop.is_set():
+            try:
+                with socket.create_connection((host, int(port)), timeout=2) as so:
+                    so.sendall(starts[i % len(starts)])
+                    while not self.stop.is_set():
+                        so.sendall(b"a")
+                        time.sleep(0.5)
+            except OSError:
+                self.slow_reconnects += 1           # closed by the gateway (its timeouts, a 400): again
+                time.sleep(0.2)
+
+    def probe_health(self):
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            try:
+                r = requests.get(self.url + "/health", timeout=30)
+                status = r.json().get("status")
+                self.health.append((time.monotonic() - t0, r.status_code, status))
+            except Exception as e:                  # no answer at all: a lie by silence
+                self.health.append((time.monotonic() - t0, None, repr(e)))
+            time.sleep(0.3)
 
     # -- load
     def client(self, i):
@@ -213,6 +259,8 @@ class Chaos:
 
     def run(self, seconds):
         threads = [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(3)]
+        threads += [threading.Thread(target=self.slow_client, args=(i,), daemon=True) for i in range(6)]
+        threads.append(threading.Thread(target=self.probe_health, daemon=True))
         for t in threads:
             t.start()
         done = []
@@ -225,6 +273,7 @@ class Chaos:
                 self.fault(name)
                 done.append(name)
                 time.sleep(self.rng.uniform(0.0, 0.5))
+            self.s.wait_http(self.url, timeout=30)   # the last fault's recovery served a request: ok again
         except BaseException:
             self.s.stop()                        # never leave a server behind a failed run
             raise
@@ -259,6 +308,14 @@ class Chaos:
         assert not silent, silent[:5]
         assert not other, other[:5]
         assert all(t < limit for _, t, limit in self.recoveries), self.recoveries
+        states = {"starting", "draining", "unreachable", "error", "faulty"}
+        silent_health = [h for h in self.health if h[1] is None or h[0] > HEALTH_TIMEOUT + 2.0]
+        lies = [h for h in self.health if h[1] is not None and (h[1] == 200) != (h[2] == "ok")
+                or h[1] == 503 and h[2] not in states or h[1] not in (None, 200, 503)]
+        print(f"chaos: {len(self.health)} /health probes ({sum(h[1] == 200 for h in self.health)} ok, slowest "
+              f"{max(h[0] for h in self.health):.2f}s); slow clients closed and reconnected {self.slow_reconnects}x")
+        assert len(self.health) >= 10 and not silent_health, silent_health[:5]
+        assert not lies, lies[:5]
         assert {"a", "b"} <= {self.model_of[g] for g in gens if g in self.model_of}, "both models served"
 
 

@@ -323,3 +323,25 @@ def test_a_hang_up_is_noticed_within_a_second_while_no_token_flows(server, tmp_p
     finally:
         g.stop()
     assert "Traceback" not in g.logs()
+
+
+def test_clients_that_keep_their_end_open_after_an_error_answer_do_not_stall_health(server, tmp_path):
+    """A request line gunicorn refuses (400) on a connection the client keeps open: gunicorn's own close
+    drains it for up to 2 s on its main loop, serving nobody meanwhile (every /health probe after such a
+    client waited ~2 s). The drain is the poller's here: probes answer at once, the client gets its 400."""
+    g = start_gateway(server, tmp_path, threads=2)
+    socks = []
+    try:
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", g.port), timeout=10)
+            s.sendall(b"zz\r\n\x00\xff not a request line\r\n\r\n")       # and never closes its end
+            socks.append(s)
+            t0 = time.monotonic()
+            assert requests.get(g.url + "/health", timeout=10).status_code == 200
+            assert time.monotonic() - t0 < 1.0, f"/health took {time.monotonic() - t0:.2f}s"
+        for s in socks:
+            assert s.recv(64).startswith(b"HTTP/1.1 400 ")
+    finally:
+        for s in socks:
+            s.close()
+        g.stop()

@@ -231,6 +231,29 @@ def _head_first_worker():
             self.heads[conn].buf += data
             self._advance(conn)                 # the connection stays registered until it leaves
 
+        def finish_request(self, conn, fs):
+            """gunicorn closes a connection whose request ended it (an error answer, Connection: close)
+            gracefully ON ITS MAIN LOOP: up to 2 s reading what the client still sends, while no other
+            connection is served (/health included). Here that drain is the poller's: the same answer
+            and FIN, the same 2 s for the client, and no stall."""
+            try:
+                result = fs.result() if not fs.cancelled() else False
+            except Exception:
+                result = False
+            if result:                              # kept alive, or deferred: gunicorn's own handling
+                return super().finish_request(conn, fs)
+            self._close_lingering(conn)
+
+        def _close_lingering(self, conn):
+            try:
+                conn.sock.setblocking(False)
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                self._drop(conn)
+                return
+            self.closing[conn] = time.monotonic() + LINGER
+            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_closing_readable, conn))
+
         def _refuse(self, conn, status, message, code):
             """Answer `status` and close: first the answer and our side of the connection, then
             reading (and dropping) what the client still sends for up to LINGER seconds, so that
@@ -239,12 +262,10 @@ def _head_first_worker():
             self._unregister(conn)
             try:
                 conn.sock.send(_answer(status, message, code))
-                conn.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 self._drop(conn)
                 return
-            self.closing[conn] = time.monotonic() + LINGER
-            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_closing_readable, conn))
+            self._close_lingering(conn)
 
         def _on_closing_readable(self, conn, client):
             try:
