@@ -7,17 +7,18 @@ from __future__ import annotations
 import zlib
 
 import gguf
+import hf_models as H
 import numpy as np
 import pytest
-
-import hf_models as H
 from blocks_data import KINDS, Q, int8_rounded_products, quantized
+from test_gguf_import import PROMPT, write_gguf
+
 from colibri_server.model import Model
 from colibri_server.model import format as fmt
-from colibri_server.model.blocks import BY_GGML, KINDS as BLOCK_KINDS, BlockTensor
+from colibri_server.model.blocks import BY_GGML, BlockTensor
+from colibri_server.model.blocks import KINDS as BLOCK_KINDS
 from colibri_server.model.gguf_import import convert_gguf
 from colibri_server.model.kernels import blocks as KB
-from test_gguf_import import PROMPT, write_gguf
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
@@ -82,7 +83,7 @@ def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path, monkeypatch):
     reader = gguf.GGUFReader(str(tmp_path / "mixed.gguf"))
     used = {t.tensor_type for t in reader.tensors} - {Q.F32}
     assert len(used) >= 8
-    cfg, rep = convert_gguf(str(tmp_path / "mixed.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks",
+    convert_gguf(str(tmp_path / "mixed.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks",
                             progress=False, require_tokenizer=False)
     convert_gguf(str(tmp_path / "ref.gguf"), str(tmp_path / "ref.colibri"), "f32", quantize="none", progress=False,
                  require_tokenizer=False)

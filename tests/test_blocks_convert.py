@@ -9,16 +9,16 @@ import pathlib
 import subprocess
 
 import gguf
+import hf_models as H
 import numpy as np
 import pytest
-
-import hf_models as H
 from blocks_data import Q, int8_rounded_products, quantized
+from test_gguf_import import PROMPT, write_gguf
+
 from colibri_server.model import Model
 from colibri_server.model import format as fmt
 from colibri_server.model.gguf_import import convert_gguf
 from colibri_server.model.kernels import blocks as KB
-from test_gguf_import import PROMPT, write_gguf
 
 ANCHORS = pathlib.Path(__file__).resolve().parent.parent / "bench" / ".anchors" / "bin"
 
@@ -98,7 +98,7 @@ def test_a_llama_quantized_q4_k_m_file_keeps_its_bytes_and_logits(tmp_path, monk
     write_gguf(hf, tmp_path / "F32.gguf", "mixtral", Q.F32, config=_cfg())
     env = {"LD_LIBRARY_PATH": str(ANCHORS)}
     r = subprocess.run([str(ANCHORS / "llama-quantize"), str(tmp_path / "F32.gguf"), str(tmp_path / "Q4_K_M.gguf"),
-                        "Q4_K_M"], capture_output=True, text=True, env=env)
+                        "Q4_K_M"], check=False, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "Q4_K_M.gguf")).tensors}
     types = {t.tensor_type for t in tensors.values()}

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from .format import PANEL
 from .blocks import KINDS as BLOCK_KINDS
+from .format import PANEL
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "llama", "qwen2", "qwen3", "granitemoe", "glm4_moe",
                  "deepseek2", "gpt_oss", "phimoe")

@@ -130,8 +130,7 @@ def _dot8(builder, w, x, signed):
     the sum of the products of bytes 4l..4l+3: one `vpdpbusd` where the CPU has it (signed weights
     through llama.cpp's sign trick: |w| times x with w's sign), else sign-extended pairs (`vpmaddwd`)."""
     if not HAVE_VNNI256:
-        p = _pairs(builder, _i16(builder, w, 32, signed), _i16(builder, x, 32, True), 32)
-        return p if not signed else p
+        return _pairs(builder, _i16(builder, w, 32, signed), _i16(builder, x, 32, True), 32)
     vt, vd = ir.VectorType(_i8, 32), ir.VectorType(_i32, 8)
     if signed:
         neg = builder.icmp_signed("<", w, ir.Constant(vt, None))
