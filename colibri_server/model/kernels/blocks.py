@@ -242,13 +242,12 @@ def _hsum8(v):
 
 @njit(cache=True, inline="always")
 def _dot_q8_0(r, x, xq, xd, xs, v):
-    return row_q8_0(r, xq, xd, x.shape[0] // 32)
+    return row_q8_0(r, xq, xd, xs, x.shape[0] // 32)
 
 
 @njit(cache=True, inline="always")
 def _dot_q4_0(r, x, xq, xd, xs, v):
-    # (q - 8) . x in the integer dot: no offset term
-    return row_q4_0(r, xq, xd, x.shape[0] // 32)
+    return row_q4_0(r, xq, xd, xs, x.shape[0] // 32)
 
 
 @njit(cache=True, inline="always")
