@@ -15,6 +15,7 @@ import pytest
 from blocks_data import Q, int8_rounded_products, quantized
 from test_gguf_import import PROMPT, write_gguf
 
+from colibri_server import cli
 from colibri_server.model import Model
 from colibri_server.model import format as fmt
 from colibri_server.model.gguf_import import convert_gguf
@@ -32,7 +33,7 @@ def _hf(tmp_path):
     return tmp_path / "hf"
 
 
-def test_a_type_without_a_kernel_is_named_and_stored_as_q8_0(tmp_path):
+def test_a_type_without_a_kernel_is_named_and_stored_as_q8_0(tmp_path, capsys):
     hf = _hf(tmp_path)
 
     def iq2(name, a):                       # one matrix in IQ2_XXS (random valid blocks), the rest Q4_K
@@ -55,6 +56,10 @@ def test_a_type_without_a_kernel_is_named_and_stored_as_q8_0(tmp_path):
     cf = fmt.ColibriFile.open(tmp_path / "m.colibri")
     assert bytes(cf.tensor_bytes("blk.1.attn_o")) == want.tobytes()
     cf.close()
+    cli.main(["inspect", str(tmp_path / "m.colibri")])          # each tensor's type and bits per weight
+    shown = capsys.readouterr().out
+    assert "blk.0.attn_o             q4_k" in shown and "4.50" in shown and "blk.1.attn_o             q8_0" in shown
+    assert "bits per weight" in shown
 
 
 def test_version_3_only_with_block_kinds_and_refused_under_version_2(tmp_path):
