@@ -153,3 +153,20 @@ def test_decode_on_two_threads_gives_the_one_thread_bits(tmp_path):
         m.prefill(c, PROMPT[:8])
         runs.append(np.stack([m.decode(c, t)[0].copy() for t in PROMPT[8:14]]))
     assert np.array_equal(runs[0], runs[1])
+
+
+def test_colibri_dequantize_writes_the_block_kinds_values_as_floats(tmp_path):
+    from colibri_server.model.quant import dequantize_file
+    hf = _hf(tmp_path)
+    write_gguf(hf, tmp_path / "m.gguf", "mixtral", matrix_type=lambda n, a: (
+        (quantized(a, Q.Q4_K), Q.Q4_K) if a.ndim >= 2 and "ffn_gate_inp" not in n else (a, Q.F32)), config=_cfg())
+    convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks", progress=False,
+                 require_tokenizer=False)
+    convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "ref.colibri"), "f32", quantize="none", progress=False,
+                 require_tokenizer=False)
+    dequantize_file(tmp_path / "b.colibri", tmp_path / "f.colibri", "f32", layout="rows")
+    a, b = fmt.ColibriFile.open(tmp_path / "f.colibri"), fmt.ColibriFile.open(tmp_path / "ref.colibri")
+    for r in b.record_list:
+        assert a.records[r.name].dtype == "f32" and np.array_equal(a.view(r.name), b.view(r.name)), r.name
+    a.close()
+    b.close()
