@@ -24,8 +24,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import decode as D  # noqa: E402  (bench/, on the path above)
-import llama_bench  # noqa: E402
+import decode as D
+import llama_bench
 
 
 def converted(data, name, how):

@@ -83,7 +83,7 @@ def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path, monkeypatch):
     reader = gguf.GGUFReader(str(tmp_path / "mixed.gguf"))
     used = {t.tensor_type for t in reader.tensors} - {Q.F32}
     assert len(used) >= 8
-    cfg, rep = convert_gguf(str(tmp_path / "mixed.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks",
+    convert_gguf(str(tmp_path / "mixed.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks",
                             progress=False, require_tokenizer=False)
     convert_gguf(str(tmp_path / "ref.gguf"), str(tmp_path / "ref.colibri"), "f32", quantize="none", progress=False,
                  require_tokenizer=False)

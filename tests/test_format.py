@@ -175,7 +175,7 @@ def _header_rel(field, fn):
 CASES = [
     # (base, mutation, error, field)
     pytest.param("mixtral", _hdr(magic=b"GGUF"), fmt.BadMagic, "magic", id="magic"),
-    pytest.param("mixtral", _hdr(version=3), fmt.UnsupportedVersion, "version", id="version-3"),
+    pytest.param("mixtral", _hdr(version=4), fmt.UnsupportedVersion, "version", id="version-4"),
     pytest.param("mixtral", _hdr(version=0), fmt.UnsupportedVersion, "version", id="version-0"),
     pytest.param("mixtral", _truncate(100), fmt.Truncated, "header", id="shorter-than-header"),
     pytest.param("mixtral", _truncate(0), fmt.Truncated, "header", id="empty-file"),

@@ -91,7 +91,7 @@ class BlockTensor:
     def nbytes(self) -> int:
         return self.raw.nbytes
 
-    def __getitem__(self, e) -> "BlockTensor":
+    def __getitem__(self, e) -> BlockTensor:
         """One matrix of a stack, or a run of rows of a matrix (slices on the leading axis)."""
         raw = self.raw[e]
         return BlockTensor(self.kind, raw)

@@ -107,19 +107,11 @@ ROUTE_BIAS_IN_LOGITS = 1 << 8  # `bias` is part of the logits (W x + b, GPT-OSS)
 V1_FLAGS = ROUTE_SOFTMAX | ROUTE_RENORM | ROUTE_SHARED_EXPERT
 V2_FLAGS = V1_FLAGS | ROUTE_SIGMOID | ROUTE_GROUP_LIMITED | ROUTE_BIAS_IN_LOGITS | ROUTE_SPARSEMIXER
 
-# dtype code -> (name, numpy view dtype, bytes per element). f16 is viewed as uint16 and bf16
-# as int16: Numba has no float16 on the CPU, and the view dtype alone tells a kernel which
-# conversion to apply.
-#
-# The quantized element types hold the values of a group-quantized matrix (quant.py; the
-# scales are a separate f16 tensor named `<name>.s`): i8 one signed byte per element; u4 two
-# 4-bit elements per byte (the last dimension is even; shape is the logical one, the view's
-# last dimension is half of it). Codes 5..7 are left for float types.
-#
-# f16p / bf16p are f16 / bf16 matrices stored in panels of PANEL columns: the record's shape is
-# the logical (..., d, n), n a multiple of PANEL, and the bytes are the array (..., n/PANEL, d,
-# PANEL), i.e. panel b holds columns b*PANEL..(b+1)*PANEL-1 of every row. A decode matvec keeps
-# one panel's slice of x in registers and streams the panel's rows in one sequence (panels.py).
+# dtype code -> (name, numpy view dtype, bytes per element); docs/format.md lays each out. f16 is
+# viewed as uint16 and bf16 as int16 (Numba has no float16 on the CPU; the view dtype tells a kernel
+# which conversion to apply). i8 / u4: a group-quantized matrix's values (quant.py; scales in
+# `<name>.s`), u4 two per byte. f16p / bf16p: in panels of PANEL columns, the bytes the array
+# (..., n/PANEL, d, PANEL) of the logical (..., d, n) (panels.py). Codes 5..7 are left for floats.
 DTYPES = {
     0: ("f32", np.dtype("<f4"), 4),
     1: ("f16", np.dtype("<u2"), 2),

@@ -123,6 +123,9 @@ def moe(layer, x, ws, out, noise=None, trace=None):
             RG.weighted_rows(Y, wts, out)
             return _shared_expert(layer, x, ws, out)
     out[...] = 0.0
+    if T == 1 and not general and ws.threads > 1 and is_block(layer.w1):
+        ws.experts_blocks(layer, idx[0], wts[0], x[0], out[0])
+        return _shared_expert(layer, x, ws, out)
     if T == 1 and not general:
         for a in range(A):
             ws.expert(layer.w1, layer.w3, layer.w2, int(idx[0, a]), x[0], float(wts[0, a]), out[0])

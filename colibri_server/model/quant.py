@@ -85,7 +85,7 @@ def dequantize_file(src, dst, dtype: str = "f16", progress=None, layout: str | N
     try:
         cfg = file_config(cf)
         out_cfg = ModelConfig.from_dict({**cfg.to_dict(), "dtype": dtype, "quant": "none", "quant_overrides": {},
-                                         "layout": layout})
+                                         "layout": layout, "block_types": {}})
         meta = fmt.read_json_blob(cf.path, "metadata", cf.metadata_json, required=False)
         meta = {**meta, "dequantized_from": f"{cfg.quant} {dict(cfg.quant_overrides)}"}
         plan = list(expected_tensors(out_cfg))
@@ -106,6 +106,12 @@ def dequantize_file(src, dst, dtype: str = "f16", progress=None, layout: str | N
                     stack = [t[e] for e in range(shape[0])] if len(shape) == 3 else [t]
                     for m in stack:
                         w.write(name, _encode(dequantize(m), "F32", dts[0], name))
+                elif rec.dtype in fmt.BLOCK_DTYPES:             # llama.cpp's blocks, one matrix at a time
+                    from .blocks import KINDS
+                    from .kernels.blocks import dequantize_ref
+                    v = cf.view(name)
+                    for m in (v if v.ndim == 3 else (v,)):
+                        w.write(name, _encode(dequantize_ref(m, KINDS[rec.dtype].ggml, shape[-1]), "F32", dts[0], name))
                 else:
                     w.write(name, _encode_view(cf.view(name), rec.dtype, dts[0], name))
                 if progress:

@@ -116,6 +116,7 @@ class Workspace:
         # 16-sums, and one row of f32 scratch per thread chunk; allocated on first use
         self._n_max = -(-n_max // KB.QB) * KB.QB
         self._block_acts = None
+        self._block_h = None
         self.logits = aligned_zeros((1, cfg.vocab_size), f32)
         self.positions = aligned_zeros(rows, np.int64)
         self.scores = None                                 # the attention scratch, sized on use (attention_scores)
@@ -195,6 +196,20 @@ class Workspace:
         else:
             KB.matmul_blocks(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[0], np.float32(alpha), accumulate)
         return out
+
+    def experts_blocks(self, layer, idx, wts, x, out) -> None:
+        """out (D,) += the chosen experts (idx (A,), wts (A,)) of block-kind stacks on x (D,), on the threads in two
+        parallel regions (kernels/blocks.experts_decode_par: the same bits as one expert after another)."""
+        A, I, D = idx.shape[0], layer.w1.shape[1], x.shape[0]
+        if self._block_h is None or self._block_h[0].shape != (A, I):
+            self._block_h = (aligned_zeros((A, I), np.float32), aligned_zeros((A, I), np.float32),
+                             aligned_zeros((A, I), np.int8), aligned_zeros((A, I // KB.QB), np.float32),
+                             aligned_zeros((A, I // KB.SB), np.int32))
+        Xq, Xd, Xs, tmps = self.block_acts(1, D)
+        H1, H3, Hq, Hd, Hs = self._block_h
+        KB.experts_decode_par(layer.w1.raw, layer.w1.ggml, layer.w3.raw, layer.w3.ggml, layer.w2.raw, layer.w2.ggml,
+                              np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(wts, np.float32), x[None],
+                              H1, H3, out[None], Xq, Xd, Xs, Hq, Hd, Hs, tmps[:self.threads])
 
     def expert(self, w1, w3, w2, e, x, weight, out):
         """out (D,) += weight * expert e's SwiGLU of x (D,): one fused kernel call."""

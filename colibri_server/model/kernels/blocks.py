@@ -25,6 +25,7 @@ from numba import njit, prange
 
 from .base import _REDUCE_FM, to_f32
 from .blocks_ir import kblock_q4_k, kblock_q6_k, mac_q5, row_q4_0, row_q8_0
+from .moe import _silu_mul_1d
 from .quant_ir import _bits_f32, _round
 
 QB = 32          # activations per rounding block
@@ -241,13 +242,12 @@ def _hsum8(v):
 
 @njit(cache=True, inline="always")
 def _dot_q8_0(r, x, xq, xd, xs, v):
-    return row_q8_0(r, xq, xd, x.shape[0] // 32)
+    return row_q8_0(r, xq, xd, xs, x.shape[0] // 32)
 
 
 @njit(cache=True, inline="always")
 def _dot_q4_0(r, x, xq, xd, xs, v):
-    # (q - 8) . x in the integer dot: no offset term
-    return row_q4_0(r, xq, xd, x.shape[0] // 32)
+    return row_q4_0(r, xq, xd, xs, x.shape[0] // 32)
 
 
 @njit(cache=True, inline="always")
@@ -406,3 +406,29 @@ def embed_blocks(raw, kind, tokens, out):
     # raw (V, row bytes) u8 token embedding of GGML type kind, tokens (T,) i64 -> out (T, D) f32 (rows dequantized)
     for t in range(tokens.shape[0]):
         deq_row(kind, raw[tokens[t]], out[t])
+
+
+@njit(cache=True, parallel=True)
+def experts_decode_par(r1, k1, r3, k3, r2, k2, idx, wts, x, H1, H3, out, Xq, Xd, Xs, Hq, Hd, Hs, tmps):
+    # one token's chosen experts (idx (A,), weights wts (A,)) of block-kind stacks r1, r3 (E, I, row bytes), r2 (E, D, row
+    # bytes) on x (1, D) -> out (1, D) += sum_a wts[a] * expert idx[a](x), in two parallel regions (the up rows of every
+    # chosen expert split over tmps.shape[0] parts, then the down rows), the same products and order as one
+    # expert after another on one thread. Scratch: H1, H3 (A, I) f32; Xq/Xd/Xs x's rounding; Hq/Hd/Hs (A, ...) H1's
+    A = idx.shape[0]
+    I = H1.shape[1]
+    D = out.shape[1]
+    nt = tmps.shape[0]
+    round_rows(x, Xq, Xd, Xs)
+    one = np.float32(1.0)
+    for p in prange(nt):
+        for a in range(A):
+            e = idx[a]
+            _rows(r1[e], k1, x, Xq, Xd, Xs, H1[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, False)
+            _rows(r3[e], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, False)
+    for a in range(A):
+        _silu_mul_1d(H1[a], H3[a])
+    round_rows(H1, Hq, Hd, Hs)
+    for p in prange(nt):
+        for a in range(A):
+            _rows(r2[idx[a]], k2, H1[a:a + 1], Hq[a:a + 1], Hd[a:a + 1], Hs[a:a + 1], out, tmps[p],
+                  p * D // nt, (p + 1) * D // nt, wts[a], True)

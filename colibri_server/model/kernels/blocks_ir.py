@@ -130,8 +130,7 @@ def _dot8(builder, w, x, signed):
     the sum of the products of bytes 4l..4l+3: one `vpdpbusd` where the CPU has it (signed weights
     through llama.cpp's sign trick: |w| times x with w's sign), else sign-extended pairs (`vpmaddwd`)."""
     if not HAVE_VNNI256:
-        p = _pairs(builder, _i16(builder, w, 32, signed), _i16(builder, x, 32, True), 32)
-        return p if not signed else p
+        return _pairs(builder, _i16(builder, w, 32, signed), _i16(builder, x, 32, True), 32)
     vt, vd = ir.VectorType(_i8, 32), ir.VectorType(_i32, 8)
     if signed:
         neg = builder.icmp_signed("<", w, ir.Constant(vt, None))
@@ -274,8 +273,9 @@ def _row32(nibbles):
     """The row loop of a 32-block kind with an f16 scale first: Q8_0 (34 bytes) or Q4_0 (18)."""
     size = 18 if nibbles else 34
 
-    def impl(typingctx, r, xq, xd, nb):
-        sig = types.float32(r, xq, xd, nb)
+    def impl(typingctx, r, xq, xd, xs, nb):
+        sig = types.float32(r, xq, xd, xs, nb)
+        offset = nibbles and HAVE_VNNI256     # Q4_0 as unsigned nibbles, its 8 taken out through the 16-sums
 
         def codegen(context, builder, signature, args):
             a = signature.args
@@ -285,6 +285,9 @@ def _row32(nibbles):
             dp = _arr_ptr(context, builder, a[2], args[2], _f32)
             vf = ir.VectorType(_f32, 8)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(2)]
+            sp = _arr_ptr(context, builder, a[3], args[3], _i32)
+            corr = cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0))
+            nb = args[4]
 
             def block(b, acc):
                 o = builder.mul(b, ir.Constant(idx, size))
@@ -300,30 +303,36 @@ def _row32(nibbles):
                     q = builder.shuffle_vector(builder.and_(bb, ir.Constant(vt, [15] * 16)),
                                                builder.lshr(bb, ir.Constant(vt, [4] * 16)),
                                                ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-                    q = builder.sub(q, ir.Constant(ir.VectorType(_i8, 32), [8] * 32))
+                    if offset:
+                        s2 = builder.gep(sp, [builder.mul(b, ir.Constant(idx, 2))])
+                        xsum = builder.add(builder.load(s2), builder.load(builder.gep(s2, [ir.Constant(idx, 1)])))
+                        c = builder.fmul(scale, builder.sitofp(builder.mul(xsum, ir.Constant(_i32, 8)), _f32))
+                        builder.store(builder.fadd(builder.load(corr), c), corr)
+                    else:
+                        q = builder.sub(q, ir.Constant(ir.VectorType(_i8, 32), [8] * 32))
                 else:
                     q = _load(builder, wp, 32)
-                p8 = _dot8(builder, q, xv, True)
+                p8 = _dot8(builder, q, xv, not offset)
                 builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(p8, vf), _splat_f(builder, scale))),
                               acc)
             two = ir.Constant(idx, 2)
-            with cgutils.for_range(builder, builder.sdiv(args[3], two)) as loop:      # two blocks, two accumulators
+            with cgutils.for_range(builder, builder.sdiv(nb, two)) as loop:      # two blocks, two accumulators
                 b0 = builder.mul(loop.index, two)
                 block(b0, accs[0])
                 block(builder.add(b0, ir.Constant(idx, 1)), accs[1])
-            with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(args[3], two), two), args[3],
+            with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(nb, two), two), nb,
                                          ir.Constant(idx, 1)) as (b, _):
                 block(b, accs[0])
             acc = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-            return _hsum(builder, acc)
+            return builder.fsub(_hsum(builder, acc), builder.load(corr))
         return sig, codegen
     return impl
 
 
 row_q8_0 = intrinsic(_row32(False))
-row_q8_0.__doc__ = "r (row bytes,) u8 Q8_0 row . xq (n,) i8 with scales xd (n/32,) f32, nb blocks -> f32"
+row_q8_0.__doc__ = "r (row bytes,) u8 Q8_0 row . xq (n,) i8 with scales xd (n/32,) f32 (xs unused), nb blocks -> f32"
 row_q4_0 = intrinsic(_row32(True))
-row_q4_0.__doc__ = "r (row bytes,) u8 Q4_0 row . xq (n,) i8 with scales xd (n/32,) f32, nb blocks -> f32"
+row_q4_0.__doc__ = "r (row bytes,) u8 Q4_0 row . xq (n,) i8 with scales xd (n/32,) f32 and 16-sums xs, nb blocks -> f32"
 
 
 @intrinsic
