@@ -351,6 +351,7 @@ def test_quantized_model_tracks_the_float_one(mixtral_files, kind):
     np.testing.assert_allclose(dec, got[-1], rtol=0, atol={"q8": 1e-3, "q4": 5e-2}[kind] * np.abs(got).max())
 
 
+@pytest.mark.slow   # 22 s cold; test_threaded_model_gives_the_same_logits[q4] holds the same bits
 def test_quantized_threads_match_single_thread(mixtral_files):
     a = Model.open(mixtral_files["q4"]).generate(PROMPT, max_tokens=8, ignore_eos=True)
     b = Model.open(mixtral_files["q4"], threads=2).generate(PROMPT, max_tokens=8, ignore_eos=True)
