@@ -36,7 +36,9 @@ from .base import expf, to_f32
 
 TILE = 64          # keys converted at once and scored against every query vector of an item
 SEGMENT = 512      # positions per split-K segment (a multiple of TILE): a row's merge points
-QROWS = 16         # query rows per block: 16 rows x 4 heads = 64 query vectors for GQA 4:1
+QROWS = 16         # query rows per block at most: 16 rows x 4 heads = 64 query vectors for GQA 4:1
+QVECS = 64         # query vectors per block at most (latent attention's 16 heads: 4 rows), so the item's
+                   # query columns and weighted sums stay near L1
 SPLIT_MAX_FLOATS = 1 << 24   # partials of a split call (64 MiB); beyond it items run whole
 
 __all__ = ["SEGMENT", "TILE", "QROWS", "tiled_attention", "tiled_attention_par", "query_blocks"]
@@ -344,6 +346,12 @@ def _item(q, kpool, vpool, table, row_pos, r0, r1, kh, h0, gh, window, scale, si
 
 
 @njit(cache=True)
+def _qrows(g):
+    # rows per query block for g query heads per kv head
+    return max(1, min(QROWS, QVECS // g))
+
+
+@njit(cache=True)
 def _items(q, kpool, row_seq, row_pos, qrows, chunks):
     # the work items (block first row, end row, kv head, first head, heads) and each one's cost
     blocks = query_blocks(row_seq, row_pos, qrows)
@@ -373,11 +381,12 @@ def tiled_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, ou
     # q (N,H,hd) f32 rows of a step, kpool/vpool (NB,Hkv,BS,hd) f32 or f16 bits, tables (S,maxb) i32,
     # row_seq (N,) index into tables, row_pos (N,) absolute positions -> out (N,H,dv), dv <= hd
     _checked(q, kpool, vpool, out, tables, row_pos)
-    items, _ = _items(q, kpool, row_seq, row_pos, QROWS, 1)
     g = q.shape[1] // kpool.shape[1]
+    qrows = _qrows(g)
+    items, _ = _items(q, kpool, row_seq, row_pos, qrows, 1)
     dvp = _padv(out.shape[2])
-    sc = _scratch(q.shape[2], dvp, _padl(QROWS * g))
-    total = np.empty((_padl(QROWS * g), dvp), np.float32)
+    sc = _scratch(q.shape[2], dvp, _padl(qrows * g))
+    total = np.empty((_padl(qrows * g), dvp), np.float32)
     for k in range(items.shape[0]):
         r0, r1, kh, h0, gh = items[k, 0], items[k, 1], items[k, 2], items[k, 3], items[k, 4]
         _item(q, kpool, vpool, tables[row_seq[r0]], row_pos, r0, r1, kh, h0, gh, window, scale, sinks, out,
@@ -420,23 +429,24 @@ def tiled_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale
     _checked(q, kpool, vpool, out, tables, row_pos)
     Hkv = kpool.shape[1]
     g = q.shape[1] // Hkv
-    blocks = query_blocks(row_seq, row_pos, QROWS)
+    qrows = _qrows(g)
+    blocks = query_blocks(row_seq, row_pos, qrows)
     base = blocks.shape[0] * Hkv
     chunks = 1
     if base < threads:
         chunks = min(g, (threads + base - 1) // base)
-    items, cost = _items(q, kpool, row_seq, row_pos, QROWS, chunks)
+    items, cost = _items(q, kpool, row_seq, row_pos, qrows, chunks)
     n = items.shape[0]
     dvp = _padv(out.shape[2])
     hd = q.shape[2]
-    nqp_max = _padl(QROWS * g)
+    nqp_max = _padl(qrows * g)
     # split-K: segments of every item as units
     nseg = np.zeros(n + 1, np.int64)
     for k in range(n):
         r0, r1 = items[k, 0], items[k, 1]
         nseg[k + 1] = nseg[k] + row_pos[r1 - 1] // SEGMENT - _first(row_pos[r0], window) // SEGMENT + 1
     units = nseg[n]
-    split = n < 2 * threads and units > n and units * _padl(QROWS * g) * (dvp + 2) <= SPLIT_MAX_FLOATS
+    split = n < 2 * threads and units > n and units * nqp_max * (dvp + 2) <= SPLIT_MAX_FLOATS
     if not split:
         lists = _assign(cost, threads)
         for t in prange(threads):
