@@ -242,3 +242,13 @@ def make_bases(d) -> dict:
         with open(path, "rb") as f:
             out[name] = Base(name, path, cfg, data, f.read())
     return out
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    return make_bases(tmp_path_factory.mktemp("bases"))
+
+
+@pytest.fixture(scope="module")
+def base(bases):
+    return bases["mixtral"]

@@ -17,26 +17,16 @@ from format_files import (
     NO,
     TEMPLATE,
     TOKENIZER,
+    base,  # noqa: F401  (a fixture)
+    bases,  # noqa: F401  (a fixture)
     build_file,
     expect_error,
-    make_bases,
     routing_records,
 )
 
 from colibri_server.model import format as fmt
 from colibri_server.model.config import ModelConfig
 from colibri_server.model.engine import Model
-
-
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory):
-    return make_bases(tmp_path_factory.mktemp("bases"))
-
-
-@pytest.fixture(scope="module")
-def base(bases):
-    return bases["mixtral"]
-
 
 # ---------------------------------------------------------------------------- valid files
 

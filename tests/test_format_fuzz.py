@@ -15,7 +15,8 @@ from format_files import (
     ROUTE_FIELDS,
     ROUTE_MAX,
     Patch,
-    make_bases,
+    base,  # noqa: F401  (a fixture)
+    bases,  # noqa: F401  (a fixture)
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,17 +24,6 @@ from hypothesis import strategies as st
 from colibri_server.model import format as fmt
 from colibri_server.model.config import ROPE_TYPES
 from colibri_server.model.engine import Model
-
-
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory):
-    return make_bases(tmp_path_factory.mktemp("bases"))
-
-
-@pytest.fixture(scope="module")
-def base(bases):
-    return bases["mixtral"]
-
 
 # ---------------------------------------------------------------------------- fuzz
 # Mutations of a valid file: any input must give a clean open or a ColibriFormatError.

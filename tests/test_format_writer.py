@@ -12,8 +12,9 @@ from format_files import (
     META,
     TEMPLATE,
     TOKENIZER,
+    base,  # noqa: F401  (a fixture)
+    bases,  # noqa: F401  (a fixture)
     build_file,
-    make_bases,
     routing_records,
 )
 
@@ -21,17 +22,6 @@ from colibri_server import cli
 from colibri_server.model import format as fmt
 from colibri_server.model.config import expected_tensors
 from colibri_server.model.engine import Model
-
-
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory):
-    return make_bases(tmp_path_factory.mktemp("bases"))
-
-
-@pytest.fixture(scope="module")
-def base(bases):
-    return bases["mixtral"]
-
 
 # ---------------------------------------------------------------------------- writer safety
 
