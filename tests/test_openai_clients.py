@@ -148,3 +148,22 @@ def test_auto_holds_back_only_what_can_be_a_call():
     ts = ToolStream(tools)
     assert ts.feed('{"name": "get_') == [] and ts.feed('time"') == [({"content": '{"name": "get_time"'}, [])]
 
+
+def test_auto_recognises_a_call_written_arguments_first():
+    """Auto: {"arguments": ..., "name": ...} is held until its object closes and comes out as the call;
+    an object with another key, or an arguments-first object naming no listed tool, streams as content."""
+    from colibri_server.http.structured import Tools
+    from colibri_server.http.toolstream import ToolStream
+    tools = Tools.from_body({"tools": [WEATHER, PING]})
+    call = '{"arguments": {"city": "Paris"}, "name": "get_weather"}'
+    ts = ToolStream(tools)
+    assert all(ts.feed(call[i:i + 3]) == [] for i in range(0, len(call), 3))
+    out, fr = ts.finish(call, "stop")
+    assert fr == "tool_calls" and out[0][0]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    ts = ToolStream(tools)
+    assert ts.feed('{"ar') == [] and ts.feed('tist": 1') == [({"content": '{"artist": 1'}, [])]
+    ts = ToolStream(tools)
+    other = '{"arguments": {}, "name": "nope"}'
+    assert ts.feed(other[:-1]) == [] and ts.feed(other[-1]) == [({"content": other}, [])]
+

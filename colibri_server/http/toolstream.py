@@ -9,12 +9,14 @@ the arguments' text as it comes; the envelope's own characters are never sent.
 start of a listed tool's envelope, bare, in ```json fences or in <tool_call> tags); from the
 first character that rules a call out, the text streams as content deltas. Output held to the end
 is a tool call when it parses as one, else content. A call written with "arguments" before "name"
-is not recognised while streaming: its text streams as content.
+is held until its object closes (its name is not known before) and is a call when that object names
+a listed tool.
 
 Owns: what each choice has sent, and the deltas.  Never: talks to the server or renders HTTP.
 """
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from typing import Optional
@@ -61,7 +63,9 @@ def could_be_call(text: str, names) -> bool:
         return True
     if s[0] != "{":
         return False
-    s = s[1:].lstrip()
+    obj, s = s, s[1:].lstrip()
+    if s.startswith('"arguments"') or (s and '"arguments"'.startswith(s) and not '"name"'.startswith(s)):
+        return _arguments_first_call(obj, names)
     key = '"name"'
     if len(s) < len(key):
         return key.startswith(s)
@@ -79,6 +83,19 @@ def could_be_call(text: str, names) -> bool:
         return False
     name, closed, _ = s[1:].partition('"')
     return any(n == name if closed else n.startswith(name) for n in names)
+
+
+def _arguments_first_call(obj: str, names) -> bool:
+    """An envelope written {"arguments": ..., "name": ...}: a call can be ruled out only once its object
+    closes (whether its name is a listed tool's)."""
+    end = _value_end(obj)
+    if end is None:
+        return True
+    try:
+        parsed = json.loads(obj[:end])
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("name") in names
 
 
 class ToolStream:
