@@ -74,6 +74,32 @@ def test_params_invalid_names_field(field, value):
     assert str(ei.value).startswith(field + ":"), str(ei.value)
 
 
+def test_engine_and_wire_read_one_table_of_defaults_and_bounds():
+    """SamplingParams' defaults are the protocol's, and every value just outside a field's range
+    in the one table (sampling_fields.py) is refused by both the router's check and the engine;
+    the bounds themselves are taken by both."""
+    from colibri_server.sampling_fields import SAMPLING_FIELDS
+    from colibri_server.wire import protocol as P
+    d = SamplingParams()
+    limits = P.Limits(max_tokens=1 << 30)
+    for name, f in SAMPLING_FIELDS.items():
+        assert getattr(d, name) == f.default, name
+        if f.type is bool:
+            continue
+        step = 1 if f.type is int else 1e-3
+        outside = [f.lo - step if not f.lo_open else f.lo] if f.lo is not None else []
+        outside += [f.hi + step] if f.hi is not None else []
+        inside = [v for v in (f.lo + step if f.lo_open else f.lo, f.hi) if v is not None]
+        for v in outside:
+            with pytest.raises(ValueError, match=name):
+                SamplingParams(**{name: v})
+            with pytest.raises(P.ProtocolError, match=name):
+                P.validate_generate({"type": "generate", "id": 1, "prompt": "x", name: v}, limits)
+        for v in inside:
+            SamplingParams(**{name: v})
+            P.validate_generate({"type": "generate", "id": 1, "prompt": "x", name: v}, limits)
+
+
 def test_params_valid_and_normalised():
     p = SamplingParams(
         temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,

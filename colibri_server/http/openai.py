@@ -34,7 +34,8 @@ import re
 from typing import Any, Callable, Iterator, Optional
 
 from ..client import ColibriError
-from ..wire.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
+from ..sampling_fields import MAX_LOGPROBS
+from ..wire.protocol import MAX_LOGIT_BIAS, MAX_N
 
 log = logging.getLogger("colibri.http")
 

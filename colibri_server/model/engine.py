@@ -331,7 +331,8 @@ class Model:
         self.compiled = compiles.count
         return time.perf_counter() - t0
 
-    def generate(self, prompt, max_tokens: int = 16, temperature: float = 0.0, seed=None, **params) -> list:
+    def generate(self, prompt, max_tokens: int = SamplingParams.max_tokens,
+                 temperature: float = SamplingParams.temperature, seed=None, **params) -> list:
         """Generated token ids (temperature 0 = greedy), through the decode path and the KV cache."""
         return [ev.token_id for ev in self.stream(prompt, max_tokens=max_tokens, temperature=temperature,
                                                   seed=seed, **params)]

@@ -29,9 +29,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..sampling_fields import MAX_LOGPROBS, SAMPLING_FIELDS
+
 __all__ = ["SamplingParams", "Sampler", "StopChecker", "token_logprobs", "MAX_LOGPROBS"]
 
-MAX_LOGPROBS = 20       # alternatives per position, as OpenAI and vLLM's default
+_D = {name: f.default for name, f in SAMPLING_FIELDS.items()}     # the one table's defaults
 
 
 # --------------------------------------------------------------------------
@@ -73,21 +75,21 @@ class SamplingParams:
     single string for ``stop`` becomes a one-element tuple.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 16
+    temperature: float = _D["temperature"]
+    top_k: int = _D["top_k"]
+    top_p: float = _D["top_p"]
+    min_p: float = _D["min_p"]
+    repetition_penalty: float = _D["repetition_penalty"]
+    seed: int | None = _D["seed"]
+    max_tokens: int = _D["max_tokens"]
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    ignore_eos: bool = _D["ignore_eos"]
+    presence_penalty: float = _D["presence_penalty"]
+    frequency_penalty: float = _D["frequency_penalty"]
     logit_bias: tuple = ()
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: int | None = _D["logprobs"]
+    prompt_logprobs: int | None = _D["prompt_logprobs"]
     grammar: tuple | None = None      # (kind, text): see grammar.py; compiled by the caller
 
     def __post_init__(self) -> None:
@@ -146,25 +148,22 @@ class SamplingParams:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
     def validate(self) -> None:
-        """Raise ``ValueError("<field>: ...")`` for the first invalid field."""
-        t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature: must be a finite number >= 0, got {t!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        p = self.top_p
-        if not _is_real(p) or not math.isfinite(p) or not (0.0 < p <= 1.0):
-            raise ValueError(f"top_p: must be in (0, 1], got {p!r}")
-        mp = self.min_p
-        if not _is_real(mp) or not math.isfinite(mp) or not (0.0 <= mp <= 1.0):
-            raise ValueError(f"min_p: must be in [0, 1], got {mp!r}")
-        rp = self.repetition_penalty
-        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
-            raise ValueError(f"repetition_penalty: must be a finite number > 0, got {rp!r}")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise ValueError(f"seed: must be a non-negative integer or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        """Raise ``ValueError("<field>: ...")`` for the first invalid field: the sampling fields by
+        their type and range in the one table (sampling_fields.py), then stop, stop ids, bias, grammar."""
+        for name, f in SAMPLING_FIELDS.items():
+            v = getattr(self, name)
+            if v is None and f.default is None:
+                continue
+            if f.type is bool:
+                ok = isinstance(v, (bool, np.bool_))
+            elif f.type is int:
+                ok = _is_int(v)
+            else:
+                ok = _is_real(v) and math.isfinite(v)
+            why = f.problem(v) if ok else None
+            if not ok or why:
+                kind = {bool: "a boolean", int: "an integer"}.get(f.type, "a finite number")
+                raise ValueError(f"{name}: must be {why or kind}, got {v!r}")
         for s in self.stop:
             if not isinstance(s, str):
                 raise ValueError(f"stop: stop strings must be strings, got {type(s).__name__}")
@@ -173,12 +172,6 @@ class SamplingParams:
         for i in self.stop_token_ids:
             if not _is_int(i) or i < 0:
                 raise ValueError(f"stop_token_ids: must be non-negative integers, got {i!r}")
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):
-            raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _is_real(v) or not math.isfinite(v):
-                raise ValueError(f"{name}: must be a finite number, got {v!r}")
         for i, b in self.logit_bias:
             if not _is_int(i) or i < 0:
                 raise ValueError(f"logit_bias: token ids must be non-negative integers, got {i!r}")
@@ -187,10 +180,6 @@ class SamplingParams:
         g = self.grammar
         if g is not None and not (isinstance(g, (tuple, list)) and len(g) == 2 and all(isinstance(x, str) for x in g)):
             raise ValueError(f"grammar: expected a (kind, text) pair of strings, got {g!r:.60}")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                raise ValueError(f"{name}: must be None or an integer in 0..{MAX_LOGPROBS}, got {v!r}")
 
     @property
     def greedy(self) -> bool:
