@@ -271,12 +271,12 @@ def test_the_router_takes_only_the_tokenizer_and_the_block_key_from_the_model():
 
 
 # -- collaborators passed in, not mixed in --------------------------------------------------------
-MIXIN_FREE = ("master", "router", "worker", "wire", "host", "settings", "commands")
+MIXIN_FREE = ("master", "router", "worker", "wire", "host", "settings", "commands", "http", "model")
 
 
 def _self_attrs(cls: ast.ClassDef, ctx) -> set[str]:
     return {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-            and n.value.id == "self" and isinstance(n.ctx, ctx)}
+            and n.value.id == "self" and isinstance(n.ctx, ctx) and not n.attr.startswith("__")}
 
 
 def _defined(cls: ast.ClassDef) -> set[str]:

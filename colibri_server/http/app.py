@@ -71,7 +71,7 @@ from typing import Callable, Optional
 from ..client import Client, ColibriError, ColibriTimeout, RouterSet, Starting
 from ..settings.schema import GATEWAY_SETTINGS
 from ..wire.protocol import REQUEST_ID
-from .completions import DEFAULT_MAX_TOKENS, GenerationEndpoints  # noqa: F401  (re-exported)
+from .completions import DEFAULT_MAX_TOKENS, Generations  # noqa: F401  (re-exported)
 from .config import DEFAULT_CONNECT, ENV, ENV_VARS, options_from_env  # noqa: F401
 from .metrics import _Metrics, _ServerCollector
 from .openai import (  # noqa: F401
@@ -144,7 +144,7 @@ class _Route:
     auth: bool = True
 
 
-class Gateway(GenerationEndpoints):
+class Gateway:
     """The WSGI callable (see the module docstring).  Build it with `create_app`."""
 
     def __init__(self, connect: str, api_key: Optional[str] = None, model_name: Optional[str] = None,
@@ -176,9 +176,10 @@ class Gateway(GenerationEndpoints):
         self.metrics = _Metrics()
         self.registry = self.metrics.registry
         self.registry.register(_ServerCollector(self))
+        self.generations = Generations(self)
         self.routes = {
-            "/v1/completions": _Route("/v1/completions", ("POST",), self.completions),
-            "/v1/chat/completions": _Route("/v1/chat/completions", ("POST",), self.chat_completions),
+            "/v1/completions": _Route("/v1/completions", ("POST",), self.generations.completions),
+            "/v1/chat/completions": _Route("/v1/chat/completions", ("POST",), self.generations.chat_completions),
             "/v1/models": _Route("/v1/models", ("GET",), self.models),
             "/tokenize": _Route("/tokenize", ("POST",), self.tokenize),
             "/detokenize": _Route("/detokenize", ("POST",), self.detokenize),
@@ -236,7 +237,7 @@ class Gateway(GenerationEndpoints):
             return info
         try:
             # no lock around the network call: a slow server must not serialise every thread
-            st = self._call(lambda c: c.stats(timeout=min(self.timeout, STATS_TIMEOUT)))
+            st = self.call(lambda c: c.stats(timeout=min(self.timeout, STATS_TIMEOUT)))
             if st.get("starting"):          # no generation yet: nothing to describe, nothing to serve
                 raise http_error_for(Starting("the server is loading its model and compiling its kernels: "
                                               "retry shortly"))
@@ -262,7 +263,7 @@ class Gateway(GenerationEndpoints):
                      info.generation, "the model's" if info.chat_template else "ChatML")
             return info
 
-    def _call(self, fn, prompt_param="prompt"):
+    def call(self, fn, prompt_param="prompt"):
         """Run fn(client) mapping colibri errors to HTTP errors."""
         try:
             return fn(self._client())
@@ -290,7 +291,7 @@ class Gateway(GenerationEndpoints):
             pass
         return HTTPError(413, message, code="request_too_large", outcome="too_large")
 
-    def _read_json(self, environ) -> dict:
+    def read_json(self, environ) -> dict:
         length = environ.get("CONTENT_LENGTH") or ""
         stream = environ.get("wsgi.input")
         if length:
@@ -338,7 +339,7 @@ class Gateway(GenerationEndpoints):
             raise HTTPError(401, "incorrect API key provided", code="invalid_api_key",
                             headers=[("WWW-Authenticate", "Bearer")], outcome="unauthorized")
 
-    def _check_model(self, f: _Fields) -> ModelInfo:
+    def check_model(self, f: _Fields) -> ModelInfo:
         model = f.str("model")
         info = self.model_info()
         if model is not None and model != info.name and model not in self.model_names:
@@ -398,12 +399,12 @@ class Gateway(GenerationEndpoints):
 
     # -- generation core
 
-    def _start(self, prompt, params, prompt_param):
+    def start(self, prompt, params, prompt_param):
         """Send a generate and wait for its first message: (stream, first chunk)."""
         t0 = time.monotonic()
-        stream = self._call(lambda c: c.stream(prompt, **params), prompt_param)
+        stream = self.call(lambda c: c.stream(prompt, **params), prompt_param)
         try:
-            first = self._call(lambda c: (self._await(stream), next(stream))[1], prompt_param)
+            first = self.call(lambda c: (self._await(stream), next(stream))[1], prompt_param)
         except BaseException:
             stream.close()
             raise
@@ -450,17 +451,17 @@ class Gateway(GenerationEndpoints):
                 raise ColibriTimeout(f"no message within {self.timeout:g} s", code="timeout")
 
     @staticmethod
-    def _usage(final, prompt_len=None):
+    def usage(final, prompt_len=None):
         u = final.usage or {}
         pt = u.get("prompt_tokens", prompt_len or 0)
         ct = u.get("completion_tokens", 0)
         return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
 
-    def _generate(self, prompt, params, prompt_param, environ=None):
+    def generate(self, prompt, params, prompt_param, environ=None):
         """Non-streaming: (text, final chunk).  The HTTP client's socket is probed between
         tokens: when it has hung up, the request is cancelled (closing the stream sends the
         cancel) and its worker is free at once, not after the whole completion."""
-        stream, first = self._start(prompt, params, prompt_param)
+        stream, first = self.start(prompt, params, prompt_param)
         gone = _hangup_probe(environ)
         parts, final = [], None
 
@@ -473,7 +474,7 @@ class Gateway(GenerationEndpoints):
                     raise HTTPError(499, "the client closed the connection", code="client_gone",
                                     outcome="disconnected")
         try:
-            self._call(collect, prompt_param)
+            self.call(collect, prompt_param)
         finally:
             stream.close()
         if final.finish_reason not in ("stop", "length"):
@@ -481,7 +482,7 @@ class Gateway(GenerationEndpoints):
                             code="cancelled", outcome="cancelled")
         return "".join(parts), final
 
-    def _events(self, stream, first, piece, finish, usage_chunk, state, prompt_param, opening=()):
+    def events(self, stream, first, piece, finish, usage_chunk, state, prompt_param, opening=()):
         """SSE events of a started stream: the opening objects, a piece per chunk with text or
         logprobs (piece(chunk) -> obj or None), the finish objects of every choice (finish(final)),
         usage, [DONE]."""
@@ -500,7 +501,7 @@ class Gateway(GenerationEndpoints):
                     for o in finish(ch):
                         yield _sse(o)
                     if usage_chunk is not None:
-                        yield _sse(usage_chunk(self._usage(ch)))
+                        yield _sse(usage_chunk(self.usage(ch)))
             state["outcome"] = "ok"
             yield _DONE
         except ColibriError as e:
@@ -520,7 +521,7 @@ class Gateway(GenerationEndpoints):
         finally:
             stream.close()
 
-    def _streaming(self, gen_factory, stream) -> _Resp:
+    def streaming(self, gen_factory, stream) -> _Resp:
         state: dict = {}
         body = _StreamBody(gen_factory(state), state, stream.close, lambda outcome: None)
         return _Resp(200, body, content_type="text/event-stream; charset=utf-8")
@@ -545,7 +546,7 @@ class Gateway(GenerationEndpoints):
     def tokenize(self, environ) -> _Resp:
         """A prompt's tokens as /v1/completions reads it (its special-token text parsed), or the
         tokens of messages as /v1/chat/completions renders them (their content stays text)."""
-        body = self._read_json(environ)
+        body = self.read_json(environ)
         _check_known(body, {"prompt", "messages", "add_special_tokens", "add_generation_prompt", "model"})
         f = _Fields(body)
         prompt = body.get("prompt")
@@ -555,7 +556,7 @@ class Gateway(GenerationEndpoints):
             segments, add = self._chat_segments(body, f)
             if body.get("add_special_tokens") is not None:
                 add = f.bool("add_special_tokens", add)
-            ids = self._call(lambda c: c.tokenize(segments, add_special_tokens=add), "messages")
+            ids = self.call(lambda c: c.tokenize(segments, add_special_tokens=add), "messages")
             return _json({"tokens": ids, "count": len(ids)})
         if prompt is None:
             raise _bad("'prompt' (or 'messages') is required", "prompt", "missing_required_parameter")
@@ -564,28 +565,28 @@ class Gateway(GenerationEndpoints):
         f.neutral("add_generation_prompt", [], "add_generation_prompt applies to messages")
         add = f.bool("add_special_tokens", True)
         if body.get("model") is not None:
-            self._check_model(f)
-        ids = self._call(lambda c: c.tokenize([(prompt, True)], add_special_tokens=add), "prompt")
+            self.check_model(f)
+        ids = self.call(lambda c: c.tokenize([(prompt, True)], add_special_tokens=add), "prompt")
         return _json({"tokens": ids, "count": len(ids)})
 
     def _chat_segments(self, body, f) -> tuple:
         """messages (with the chat endpoint's checks) -> (segments, add_special_tokens), as chat renders them."""
         from .structured import messages_for_template
         messages = _chat_messages(body)
-        info = self._check_model(f)
+        info = self.check_model(f)
         return render_chat_segments(info, messages_for_template(messages, "tool_calls" in (info.chat_template or "")),
                                     f.bool("add_generation_prompt", True))
 
     def apply_template(self, environ) -> _Resp:
         """messages -> the chat template's text, as /v1/chat/completions renders it."""
-        body = self._read_json(environ)
+        body = self.read_json(environ)
         _check_known(body, {"messages", "add_generation_prompt", "model"})
         f = _Fields(body)
         segments, _ = self._chat_segments(body, f)
         return _json({"prompt": "".join(t for t, _ in segments)})
 
     def detokenize(self, environ) -> _Resp:
-        body = self._read_json(environ)
+        body = self.read_json(environ)
         _check_known(body, {"tokens", "model"})
         f = _Fields(body)
         toks = body.get("tokens")
@@ -594,8 +595,8 @@ class Gateway(GenerationEndpoints):
         if not isinstance(toks, list) or not all(_is_int(t) and t >= 0 for t in toks):
             raise _bad("'tokens' must be a list of token ids (integers >= 0)", "tokens", "invalid_type")
         if body.get("model") is not None:
-            self._check_model(f)
-        text = self._call(lambda c: c.detokenize(toks), "tokens")
+            self.check_model(f)
+        text = self.call(lambda c: c.detokenize(toks), "tokens")
         return _json({"prompt": text})
 
     def health(self, environ) -> _Resp:

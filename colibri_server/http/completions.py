@@ -1,7 +1,7 @@
 """The gateway's two generation endpoints, POST /v1/completions and /v1/chat/completions: the OpenAI
 request turned into a colibri generate (sampling fields, logprobs, n, echo, prompt_embeds, grammar,
-tools), and the answer shaped as OpenAI's, whole or as server-sent events. A mixin of app.Gateway,
-whose generation core (_start, _generate, _events, _streaming) talks to the server.
+tools), and the answer shaped as OpenAI's, whole or as server-sent events. `Generations` is held by
+app.Gateway, whose generation core (start, generate, events, streaming) talks to the server.
 
 Owns: the mapping of these two endpoints. Never: opens sockets or reads HTTP bodies (the Gateway does).
 """
@@ -36,9 +36,16 @@ from .toolstream import ToolStream
 DEFAULT_MAX_TOKENS = SAMPLING_FIELDS["max_tokens"].default   # /v1/completions: the protocol's (16, as in OpenAI)
 
 
-class GenerationEndpoints:
+class Generations:
+    """The two generating endpoints, /v1/completions and /v1/chat/completions, on the gateway's
+    plumbing (`gw`: reads and checks a body, checks the model, starts a generation on the router,
+    answers it whole or as a stream)."""
+
+    def __init__(self, gw):
+        self.gw = gw
+
     def completions(self, environ) -> _Resp:
-        body = self._read_json(environ)
+        body = self.gw.read_json(environ)
         _check_known(body, _COMPLETION_FIELDS)
         f = _Fields(body)
         embeds = completion_embeds(body)
@@ -61,12 +68,12 @@ class GenerationEndpoints:
         grammar = response_grammar(body)
         if grammar is not None:
             params["grammar"] = grammar
-        info = self._check_model(f)
+        info = self.gw.check_model(f)
         # a raw prompt's special-token text is its control tokens (ChatML's <|im_start|> one id), as
         # llama.cpp's server and vLLM read it; a chat message's content never is (chat_completions)
         ids = prompt
         if isinstance(prompt, str):
-            ids = self._call(lambda c: c.tokenize([(prompt, True)]), "prompt")
+            ids = self.gw.call(lambda c: c.tokenize([(prompt, True)]), "prompt")
             if not ids:
                 raise _bad("'prompt' encodes to no tokens", "prompt")
         params["request_id"] = environ["colibri.request_id"]
@@ -89,19 +96,19 @@ class GenerationEndpoints:
             if isinstance(prompt, str):
                 return prompt, prompt_entries
             return "".join(e[0] for e in prompt_entries or ()) if prompt_entries else \
-                self._call(lambda c: c.detokenize(prompt), "prompt"), prompt_entries
+                self.gw.call(lambda c: c.detokenize(prompt), "prompt"), prompt_entries
 
         if not stream_mode:
-            _, final = self._generate(ids, params, "prompt", environ)
+            _, final = self.gw.generate(ids, params, "prompt", environ)
             head, head_lp = echoed(final.prompt_logprobs) if echo else ("", [])
             choices = [choice(c.index, head + ("" if score_only else c.text), "length" if score_only else
                               c.finish_reason, (head_lp or []) + ([] if score_only else c.logprobs or []))
                        for c in final.choices]
-            usage = self._usage(final)
+            usage = self.gw.usage(final)
             if score_only:
                 usage["completion_tokens"], usage["total_tokens"] = 0, usage["prompt_tokens"]
             return _json(obj(choices, usage))
-        stream, first = self._start(ids, params, "prompt")
+        stream, first = self.gw.start(ids, params, "prompt")
         opening = []
         if echo:
             head, head_lp = echoed(first.prompt_logprobs)
@@ -118,16 +125,16 @@ class GenerationEndpoints:
         def finish(final):
             return [obj([choice(c.index, "", "length" if score_only else c.finish_reason, [])])
                     for c in final.choices]
-        return self._streaming(lambda state: self._events(
+        return self.gw.streaming(lambda state: self.gw.events(
             stream, first, piece, finish, (lambda u: obj([], u)) if include_usage else None, state, "prompt",
             opening=opening), stream)
 
     def chat_completions(self, environ) -> _Resp:
-        body = self._read_json(environ)
+        body = self.gw.read_json(environ)
         _check_known(body, _CHAT_FIELDS)
         f = _Fields(body)
         messages = _chat_messages(body)
-        params = _sampling(f, self.default_max_tokens, chat=True)
+        params = _sampling(f, self.gw.default_max_tokens, chat=True)
         stream_mode = f.bool("stream", False)
         include_usage = _stream_options(f, stream_mode)
         _chat_unsupported(f)
@@ -145,13 +152,13 @@ class GenerationEndpoints:
         if grammar is not None:
             params["grammar"] = grammar
         add_gen = f.bool("add_generation_prompt", True)
-        info = self._check_model(f)
+        info = self.gw.check_model(f)
         template = info.chat_template or ""
         if calling:
             messages = tools.prompt_messages(messages, "tools" in template)
         segments, special = render_chat_segments(info, messages_for_template(messages, "tool_calls" in template),
                                                  add_gen, **({"tools": tools.tools} if calling else {}))
-        ids = self._call(lambda c: c.tokenize(segments, add_special_tokens=special), "messages")
+        ids = self.gw.call(lambda c: c.tokenize(segments, add_special_tokens=special), "messages")
         if not ids:
             raise _bad("the messages render to an empty prompt", "messages")
         params["request_id"] = environ["colibri.request_id"]
@@ -181,14 +188,14 @@ class GenerationEndpoints:
             return {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
 
         if not stream_mode:
-            _, final = self._generate(ids, params, "messages", environ)
-            usage = self._usage(final, len(ids))
+            _, final = self.gw.generate(ids, params, "messages", environ)
+            usage = self.gw.usage(final, len(ids))
             answers = [(c, *answer(c)) for c in final.choices]
             return _json(obj("chat.completion", [{
                 "index": c.index, "message": msg, "finish_reason": fr,
                 "logprobs": chat_logprobs_obj(c.logprobs) if lp is not None else None}
                 for c, msg, fr in answers], usage))
-        stream, first = self._start(ids, params, "messages")
+        stream, first = self.gw.start(ids, params, "messages")
         if calling:                 # content as it comes while it cannot be a call; a call as it is written
             per = [ToolStream(tools) for _ in range(n)]
 
@@ -210,7 +217,7 @@ class GenerationEndpoints:
 
             def finish(final):
                 return [delta(c.index, {}, c.finish_reason) for c in final.choices]
-        return self._streaming(lambda state: self._events(
+        return self.gw.streaming(lambda state: self.gw.events(
             stream, first, piece, finish,
             (lambda u: obj("chat.completion.chunk", [], u)) if include_usage else None, state, "messages",
             opening=[delta(i, {"role": "assistant", "content": ""}) for i in range(n)]), stream)
