@@ -27,7 +27,7 @@ from .pool_async import _AsyncPoolClient
 from .types import Chunk, Completion, _internal
 
 
-class AsyncStream(_AsyncStreamEnds, _StreamCore):
+class AsyncStream(_StreamCore, _AsyncStreamEnds):
     """Async iterator of Chunks for one generate (returned by `AsyncClient.stream`).  The
     request is sent on the first `__anext__`.  Closing it early (aclose(), `async with`,
     garbage collection after a `break`) or cancelling the task that awaits it sends a cancel."""

@@ -541,7 +541,14 @@ class _ClientCore:
 
 class _StreamEnds:
     """How a synchronous stream (Stream, the pool's stream) ends: iterated to its end by
-    completion(), or closed by its `with` block. The class gives __iter__, _completion, close."""
+    completion(), or closed by its `with` block. A stream class puts its core first among its
+    bases (Stream(_StreamCore, _StreamEnds)): the core gives __iter__, _completion and close."""
+
+    def _completion(self) -> Completion:
+        raise NotImplementedError
+
+    def close(self):
+        raise NotImplementedError
 
     def completion(self) -> Completion:
         """Consume the rest of the stream and return the whole answer."""
@@ -558,6 +565,12 @@ class _StreamEnds:
 
 class _AsyncStreamEnds:
     """The same for an asyncio stream (AsyncStream, the async pool's stream)."""
+
+    def _completion(self) -> Completion:
+        raise NotImplementedError
+
+    def close(self):
+        raise NotImplementedError
 
     async def completion(self) -> Completion:
         async for _ in self:

@@ -34,7 +34,17 @@ import time
 import weakref
 from typing import Optional
 
-from .core import DEFAULT_CONNECT_TIMEOUT, MAX_TOKENS, TEMPERATURE, _generate_body, _Ids, _ms, _StreamEnds, _unreachable
+from .core import (
+    DEFAULT_CONNECT_TIMEOUT,
+    MAX_TOKENS,
+    TEMPERATURE,
+    _ClientCore,
+    _generate_body,
+    _Ids,
+    _ms,
+    _StreamEnds,
+    _unreachable,
+)
 from .types import (
     ColibriError,
     ColibriTimeout,
@@ -220,12 +230,18 @@ def merge_health(rows: list) -> dict:
 # ---------------------------------------------------------------------------- what both pools share
 
 
-class _PoolBase:
-    """The pool's own part of PoolClient and AsyncPoolClient (mixed in before Client/AsyncClient,
-    whose public API it replaces): one member client per router, sharing this pool's request ids."""
+class _PoolBase(_ClientCore):
+    """The pool's own part of PoolClient and AsyncPoolClient (before Client/AsyncClient among their
+    bases, whose public API it replaces; their shared core, _ClientCore, is this class's base): one
+    member client per router, sharing this pool's request ids."""
 
     _member_class = None        # Client or AsyncClient (set by the concrete class)
     grace = GRACE
+
+    @staticmethod
+    def _member_up(m) -> bool:
+        """Whether member client m is connected (the sync and async pools look differently)."""
+        raise NotImplementedError
 
     def __init__(self, addrs, *, timeout: float = 60.0, curve=None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                  backoff: float = BACKOFF, backoff_max: float = BACKOFF_MAX):
@@ -377,7 +393,7 @@ class _PoolStreamBase:
 # ---------------------------------------------------------------------------- the synchronous pool
 
 
-class _PoolStream(_StreamEnds, _PoolStreamBase):
+class _PoolStream(_PoolStreamBase, _StreamEnds):
     """PoolClient.stream's iterator of Chunks: sent at once to the first router that takes it."""
 
     def __init__(self, pool, body, timeout):

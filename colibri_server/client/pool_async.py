@@ -8,7 +8,7 @@ from .pool import _REFUSALS, _PoolBase, _PoolStreamBase, failure_cause, merge_he
 from .types import ColibriError, ColibriTimeout, ConnectionLost, Unreachable
 
 
-class _AsyncPoolStream(_AsyncStreamEnds, _PoolStreamBase):
+class _AsyncPoolStream(_PoolStreamBase, _AsyncStreamEnds):
     """AsyncPoolClient.stream's async iterator of Chunks: sent on the first __anext__ to the first
     router that takes it."""
 

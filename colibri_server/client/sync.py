@@ -50,7 +50,7 @@ from .pool import _PoolClient
 from .types import Chunk, ColibriError, Completion
 
 
-class Stream(_StreamEnds, _StreamCore):
+class Stream(_StreamCore, _StreamEnds):
     """Iterator of Chunks for one generate (returned by `Client.stream`).  The request is
     sent when the Stream is created.  Closing it (close(), `with`, garbage collection) before
     the final chunk sends a cancel; the request's remaining messages are discarded."""
