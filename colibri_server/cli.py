@@ -611,10 +611,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--license", help="license string in the metadata")
     c.add_argument("--no-tokenizer", action="store_true", help="convert without tokenizer.json (token ids only)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
-    c.add_argument("--quantize", choices=("none", "q8", "q4", "auto", "blocks"), default=None,
-                   help="group-quantize the attention projections, experts and output head (docs/format.md); "
-                        "default none for a checkpoint, auto for a GGUF (float -> none, quantized -> q8); blocks keeps a "
-                        "GGUF's quantized tensors in their own llama.cpp block types")
+    c.add_argument("--quantize", default=None, metavar="KIND",
+                   help="none, q8 or q4: group-quantize the attention projections, experts and output head "
+                        "(docs/format.md); default none for a checkpoint, auto for a GGUF (float -> none, quantized -> "
+                        "q8); blocks keeps a GGUF's quantized tensors in their own llama.cpp block types; "
+                        "q4_k_m, q5_k_m, q6_k, q8_0 or q4_0 (a checkpoint): its matrices in llama.cpp's block types, "
+                        "mixed per tensor as llama-quantize mixes that file type")
     c.add_argument("--quantize-head", choices=("none", "q8", "q4"), default=None,
                    help="the output head's precision (default: q8 under q4, else as --quantize)")
     c.add_argument("--quant-group", type=int, choices=(8, 16, 32, 64, 128), default=None,

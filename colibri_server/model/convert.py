@@ -334,7 +334,9 @@ def quant_config(cfg: ModelConfig, quantize: str, head: str | None = None, group
     the group stays in cfg.dtype."""
     from .config import QUANTS, _expected_plain, quant_fits
     if quantize not in QUANTS or (head is not None and head not in QUANTS):
-        raise ConvertError(f"--quantize {quantize!r} / head {head!r}: choose one of {', '.join(QUANTS)}")
+        from .kquants import SCHEMES
+        raise ConvertError(f"--quantize {quantize!r} / head {head!r}: choose one of {', '.join(QUANTS)} (and for a GGUF "
+                           f"auto or blocks; for a checkpoint one of llama.cpp's file types {', '.join(SCHEMES)})")
     if quantize == "none" and head in (None, "none"):
         return cfg
     over = {}
@@ -393,8 +395,17 @@ def convert(hf_dir, out_path, dtype: str = "f16", *, name=None, license=None, re
         raise ConvertError(f"{cfg_path}: not valid JSON ({e})") from None
     if dtype not in ("f32", "f16", "bf16"):
         raise ConvertError(f"--dtype {dtype!r}: choose f32, f16 or bf16")
-    cfg = replace(quant_config(config_from_hf(hf, dtype), quantize, quantize_head, quant_group),
-                  layout=default_layout(dtype, layout))
+    from .kquants import SCHEMES, scheme_kinds
+    if quantize in SCHEMES:         # llama.cpp's block kinds, each matrix's as llama-quantize picks it (kquants.py)
+        if quantize_head is not None or quant_group is not None:
+            raise ConvertError(f"--quantize {quantize} picks every matrix's block kind itself: "
+                               "drop --quantize-head / --quant-group")
+        cfg = config_from_hf(hf, dtype)
+        cfg = replace(cfg, block_types=scheme_kinds(cfg, quantize), layout=default_layout(dtype, layout))
+        cfg.check()
+    else:
+        cfg = replace(quant_config(config_from_hf(hf, dtype), quantize, quantize_head, quant_group),
+                      layout=default_layout(dtype, layout))
     tensors = index_checkpoint(hf_dir)
     tok, template = _tokenizer_blobs(hf_dir, require_tokenizer)
     plan = [(n, s, dts[0]) for n, s, dts in expected_tensors(cfg)]
@@ -533,9 +544,9 @@ def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer
                     bar.update(blk.nbytes)
                 continue
             for src_dtype, blocks in pieces(n, s):
-                if dt in fmt.BLOCK_DTYPES:       # llama.cpp's blocks, as the source holds them (gguf_import)
+                if dt in fmt.BLOCK_DTYPES:       # llama.cpp's blocks: as a GGUF holds them, or quantized here
                     if src_dtype != "BLOCKS":
-                        raise ConvertError(f"{n}: stored as {dt}, but its source gives {src_dtype} values")
+                        blocks = _block_encoded(blocks, src_dtype, cfg.block_types[n], err, n)
                     for raw in blocks:
                         w.write(n, raw)
                         bar.update(raw.nbytes)
@@ -568,6 +579,21 @@ def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer
     bar.close()
     if err:
         errors.update(err.result())
+
+
+def _block_encoded(blocks, src_dtype: str, kind: str, err, name: str):
+    """Row blocks of float values -> their bytes in block kind `kind` (kquants.py)."""
+    import gguf
+
+    from .blocks import KINDS
+    from .kquants import quantize
+    for b in blocks:
+        a = _to_f32(b, src_dtype)
+        a2 = a.reshape(-1, a.shape[-1])
+        raw = quantize(kind, a2)
+        if err:
+            err.add(name, a2, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(KINDS[kind].ggml)))
+        yield raw.reshape(a.shape[:-1] + (raw.shape[-1],))
 
 
 class _ErrorMeter:

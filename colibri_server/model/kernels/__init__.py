@@ -15,6 +15,7 @@ Rooms, imports running upward only (a module imports only those above it):
   rowgemm   few-row GEMM of a serving step
   experts_q a serving step's q8/q4 experts in one call  prefetch  software prefetch for slow weight readers
   decode    the whole decode token fused into one Numba call
+  kquants   llama.cpp's k-quant encoders (converter), over base and paged's f16 conversions
 
 Kernels never allocate (outputs and scratch are passed in), never import a model-level module
 (only ..format's constants), and know nothing of configs, files or requests. Model code imports
