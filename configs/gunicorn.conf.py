@@ -8,7 +8,7 @@
 # The app reads its options from the environment: COLIBRI_HTTP_CONNECT, COLIBRI_HTTP_API_KEY
 # or COLIBRI_HTTP_API_KEY_FILE, COLIBRI_HTTP_MODEL_NAME, COLIBRI_HTTP_TIMEOUT,
 # COLIBRI_HTTP_MAX_BODY, COLIBRI_HTTP_DEFAULT_MAX_TOKENS, COLIBRI_HTTP_METRICS_AUTH,
-# COLIBRI_HTTP_CURVE_SERVERKEY.  This file reads COLIBRI_HTTP_BIND, _WORKERS, _THREADS, _ACCESS_LOG and
+# COLIBRI_HTTP_CURVE_SERVERKEY, COLIBRI_HTTP_PAGES.  This file reads COLIBRI_HTTP_BIND, _WORKERS, _THREADS, _ACCESS_LOG and
 # _LOG_LEVEL, every one a gateway setting of colibri_server/settings/schema.py (type, bound, default).
 # Command-line flags (--bind, --workers, ...) override what is set here.
 from colibri_server.settings.schema import gateway_value

@@ -190,6 +190,17 @@ def test_models_lists_the_served_model(stack):
         stack.oa.models.retrieve("gpt-4")
 
 
+def test_the_pages_are_public_but_their_data_asks_for_the_key(stack):
+    """The chat and status pages hold no data (served without the key; they ask their user for it);
+    /status.json, the stats they show, asks for it as the API does."""
+    r = requests.get(stack.url + "/", timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/html") and "ETag" in r.headers
+    r = requests.get(stack.url + "/status.json", timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = requests.get(stack.url + "/status.json", headers=stack.auth, timeout=10)
+    assert r.status_code == 200 and len([w for w in r.json()["workers"] if w["state"] == "ready"]) == 2
+
+
 def test_api_key_is_required_except_on_health_and_metrics(stack):
     bad = openai.OpenAI(base_url=stack.url + "/v1", api_key="sk-wrong", max_retries=0, timeout=10)
     with pytest.raises(openai.AuthenticationError) as ei:

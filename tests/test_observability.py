@@ -4,6 +4,8 @@ top_k per layer; prefill and decode histograms; the processes' titles."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -122,6 +124,40 @@ def test_expert_counts_sum_to_tokens_times_top_k_per_layer(obs):
     for name in ("colibri_http_prefill_seconds", "colibri_http_decode_seconds", "colibri_worker_kv_blocks_used",
                  "colibri_worker_prefill_tokens"):
         assert name in fams, name
+
+
+def test_status_json_is_colibri_status_and_its_heat_map_moves_with_a_request(obs):
+    """/status.json (what the status page polls) is the router's stats, as `colibri status --json` prints them:
+    workers with their memory and batch engine figures, queue and in flight, the context, and the window of
+    recent figures whose expert counts (the heat map) and tokens/s take in a request just served."""
+    def status():
+        r = requests.get(obs.url + "/status.json", timeout=30)
+        assert r.status_code == 200 and r.headers["Cache-Control"] == "no-store"
+        return r.json()
+    st = obs.server.wait_for(lambda: (lambda s: s if all(w.get("memory_sampled", True) and w.get("engine")
+                                                         for w in s["workers"]) else None)(status()),
+                             what="the workers' memory and engine figures")
+    (w,) = st["workers"]
+    assert {"pid", "wid", "generation", "state", "cores", "running", "served", "rss", "uss", "pss"} <= set(w)
+    assert w["state"] == "ready" and w["uss"] > 0 and w["pss"] > 0
+    assert {"kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "kv_blocks", "batch_rows_last",
+            "batch_rows_mean", "prefix_hits", "preemptions", "tokens_out", "rows_total"} <= set(w["engine"])
+    assert {"queue", "in_flight", "context", "expert_counts", "recent", "counters", "generation"} <= set(st)
+    assert requests.get(obs.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"] == st["context"] > 0
+    cli = subprocess.run([sys.executable, "-m", "colibri_server.cli", "status", "--json", "--connect", obs.server.addr],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and set(json.loads(cli.stdout)) == set(st)
+    before = status()["recent"]
+    P, M = 19, 11
+    prompt = np.random.default_rng(79).integers(3, obs.model.config.vocab_size, P).tolist()
+    with obs.server.client() as c:
+        c.generate(prompt, max_tokens=M, ignore_eos=True)
+    # the workers' next heartbeat brings the request's figures into the window
+    after = obs.server.wait_for(lambda: (lambda r: r if r["tokens"] >= M and r["expert_counts"] != before["expert_counts"]
+                                         else None)(status()["recent"]), what="the window's figures")
+    k, L = obs.model.config.top_k, obs.model.config.num_layers
+    assert len(after["expert_counts"]) == L and all(sum(row) >= (P + M - 1) * k for row in after["expert_counts"])
+    assert after["tokens_per_s"] > 0 and after["window_s"] > 0 and after["rows_per_step"] >= 1
 
 
 def _sample(fams, family, url):

@@ -95,6 +95,9 @@ def test_engine_figures_reach_metrics_and_status():
                                                              uss=0, pss=0, anon_private=0)]}
     text = format_status(st)
     assert "12/100 blocks used (8 cached, f16), 2 preemptions, 7 prefix hits" in text
+    assert "recent" not in text                                 # no window yet: no line
+    st["recent"] = {"window_s": 30.4, "tokens": 120, "tokens_per_s": 3.9, "steps": 100, "rows_per_step": 1.5}
+    assert "recent     last 30s: 120 tokens (3.9/s), 100 steps of 1.5 rows" in format_status(st)
 
 
 def test_a_request_of_n_is_not_starved_by_a_stream_of_single_requests(server, model_path):

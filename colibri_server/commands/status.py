@@ -46,6 +46,10 @@ def format_status(st) -> str:
                    f"private anonymous {', '.join(fig(w, 'anon_private') for w in local)}")
     if st.get("memory_age_s") is not None:
         out.append(f"memory     figures sampled {st['memory_age_s']:.1f}s ago (off the router's loop)")
+    r = st.get("recent") or {}
+    if r.get("window_s"):
+        out.append(f"recent     last {r['window_s']:.0f}s: {r.get('tokens', 0)} tokens ({r.get('tokens_per_s', 0)}/s), "
+                   f"{r.get('steps', 0)} steps of {r.get('rows_per_step', 0)} rows")
     if st.get("counters"):
         out.append("counters   " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
     lr = st.get("last_reload")

@@ -22,6 +22,7 @@ Endpoints
                                 other endpoint's 503 meanwhile (code "starting");
                                 several routers: 200 while one is ok, each under "routers"
     GET  /metrics               Prometheus text format
+    GET  /, /status, /status.json  the chat and status pages and the stats they poll (pages.py; `pages` off: 404)
 
 API key (optional: `--api-key`, `--api-key-file` or COLIBRI_HTTP_API_KEY): every endpoint
 requires `Authorization: Bearer <key>` (compared with hmac.compare_digest) EXCEPT /health,
@@ -128,7 +129,7 @@ DEFAULT_CHAT_MAX_TOKENS = GATEWAY_SETTINGS["default_max_tokens"].value   # a cha
 INFO_TTL = 30.0                # seconds a fetched ModelInfo is trusted without a new generation seen
 HANGUP_POLL = 0.25             # seconds between looks at a waiting request's HTTP connection
 
-_STATUS_TEXT = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+_STATUS_TEXT = {200: "OK", 304: "Not Modified", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
                 408: "Request Timeout", 413: "Payload Too Large", 429: "Too Many Requests",
                 499: "Client Closed Request", 500: "Internal Server Error",
                 502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
@@ -150,7 +151,7 @@ class Gateway:
     def __init__(self, connect: str, api_key: Optional[str] = None, model_name: Optional[str] = None,
                  timeout: float = DEFAULT_TIMEOUT, *, max_body: int = MAX_BODY,
                  default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, metrics_auth: bool = False,
-                 curve=None, health_timeout: float = HEALTH_TIMEOUT):
+                 curve=None, health_timeout: float = HEALTH_TIMEOUT, pages: bool = True):
         addrs = connect_addresses(connect)
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty (omit it to run without one)")
@@ -188,6 +189,9 @@ class Gateway:
             "/metrics": _Route("/metrics", ("GET",), self.metrics_endpoint, auth=self.metrics_auth),
         }
         self._model_route = _Route("/v1/models/{id}", ("GET",), self.model)
+        if pages:               # the chat and status pages, their assets and /status.json (pages.py)
+            from .pages import Pages
+            self.routes.update({p: _Route(p, m, h, a) for p, (m, h, a) in Pages(self).routes().items()})
 
     # -- plumbing
 
@@ -530,7 +534,7 @@ class Gateway:
 
     def _model_obj(self, info, name=None):
         return {"id": name or info.name, "object": "model", "created": info.created, "owned_by": "colibri",
-                "root": info.path, "parent": None}
+                "root": info.path, "parent": None, "max_model_len": info.context}     # vLLM's name for the context
 
     def models(self, environ) -> _Resp:
         info = self.model_info()
@@ -665,7 +669,7 @@ def _hangup_probe(environ, every: float = 0.2):
 def create_app(connect: str, api_key: Optional[str] = None, model_name: Optional[str] = None,
                timeout: float = DEFAULT_TIMEOUT, **options) -> Gateway:
     """The WSGI callable.  options: max_body, default_max_tokens, metrics_auth, curve,
-    health_timeout (see Gateway)."""
+    health_timeout, pages (see Gateway)."""
     return Gateway(connect, api_key, model_name, timeout, **options)
 
 

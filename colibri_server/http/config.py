@@ -12,7 +12,7 @@ DEFAULT_CONNECT = GATEWAY_SETTINGS["connect"].value
 # create_app option -> the gateway setting it comes from
 APP_OPTIONS = {"connect": "connect", "api_key": "api_key", "model_name": "model_name", "timeout": "timeout",
                "max_body": "max_body", "default_max_tokens": "default_max_tokens", "metrics_auth": "metrics_auth",
-               "curve": "curve_serverkey"}
+               "curve": "curve_serverkey", "pages": "pages"}
 ENV = {GATEWAY_SETTINGS[name].env: opt for opt, name in APP_OPTIONS.items()}   # variable -> create_app option
 
 # every COLIBRI_HTTP_* variable (`colibri serve` does not take them for unknown settings)

@@ -61,7 +61,8 @@ def serve(connect, bind: str = DEFAULT_BIND, workers: int = 1, threads: int = 8,
 # the gateway settings `colibri http` takes as flags (settings/schema.py: GATEWAY); the others are
 # variables only (COLIBRI_HTTP_CURVE_SERVERKEY, _HEADER_TIMEOUT, _ACCESS_LOG)
 FLAGS = ("connect", "bind", "workers", "threads", "api_key", "api_key_file", "model_name", "timeout", "max_body",
-         "default_max_tokens", "curve_server_key", "curve_secret_key", "metrics_auth", "log_format", "log_level")
+         "default_max_tokens", "curve_server_key", "curve_secret_key", "metrics_auth", "pages", "log_format",
+         "log_level")
 
 
 def _flag_type(name):
@@ -115,6 +116,7 @@ def cmd_http(a):
               threads=_setting(a, "threads"), api_key=key, model_name=_setting(a, "model_name") or None,
               timeout=_setting(a, "timeout"), log_level=log_level, max_body=_setting(a, "max_body"),
               default_max_tokens=_setting(a, "default_max_tokens"), metrics_auth=metrics_auth,
+              pages=_setting(a, "pages"),
               curve=curve_from_files(_setting(a, "curve_server_key"), _setting(a, "curve_secret_key"))
               or gateway_value("curve_serverkey") or None, gunicorn_options=gunicorn_options)
     except ValueError as e:

@@ -47,6 +47,7 @@ class ModelInfo:
     eos_token: str = ""
     created: int = 0
     source: str = "file"                    # "file" | "unreadable"
+    context: Optional[int] = None           # the router's context length (tokens) for this generation
     fetched_at: float = field(default_factory=time.monotonic)
     _compiled: Any = field(default=None, repr=False)
     _compile_error: Optional[str] = field(default=None, repr=False)
@@ -61,6 +62,7 @@ def model_info_from_stats(stats: dict, model_name: Optional[str] = None) -> Mode
     """Open the model file named by a `stats` answer and read its header blobs."""
     path = stats.get("model") or ""
     gen = stats.get("generation")
+    ctx = stats.get("context") if isinstance(stats.get("context"), int) else None
     try:
         from ..model.format import ColibriFile
         cf = ColibriFile.open(path)
@@ -68,7 +70,7 @@ def model_info_from_stats(stats: dict, model_name: Optional[str] = None) -> Mode
         log.warning("cannot read the model file %r (%s): chat completions fall back to ChatML; "
                     "run the gateway on the server's host to use the model's template", path, e)
         return ModelInfo(model_name or name_from_path(path), path, gen, created=int(time.time()),
-                         source="unreadable")
+                         source="unreadable", context=ctx)
     try:
         try:
             meta = json.loads(cf.metadata_json or "{}")
@@ -98,7 +100,7 @@ def model_info_from_stats(stats: dict, model_name: Optional[str] = None) -> Mode
             created = int(os.path.getmtime(path))
         except OSError:
             created = int(time.time())
-        return ModelInfo(name, path, gen, template, bos, eos, created, "file")
+        return ModelInfo(name, path, gen, template, bos, eos, created, "file", ctx)
     finally:
         cf.close()
 

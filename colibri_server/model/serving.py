@@ -72,6 +72,7 @@ class BatchEngine:
         self.prefill_rows = 0                                         # prompt positions computed (recomputations too)
         self.rows_total = 0
         self.last_rows = 0
+        self.tokens_out = 0                                           # tokens sampled (every completion's)
 
     # -- requests -------------------------------------------------------------------------
     def add(self, rid, prompt, n: int = 1, embeddings=None, **params):
@@ -187,6 +188,7 @@ class BatchEngine:
         self.steps += 1
         self.last_rows = len(rows)
         self.rows_total += len(rows)
+        self.tokens_out += len(events)
         return events
 
     def _leave(self, st) -> None:
@@ -274,7 +276,7 @@ class BatchEngine:
         s = dict(self.pool.stats())
         s.update(self.sched.stats())
         s.update(steps=self.steps, prefill_tokens=self.prefill_rows, expert_counts=self.expert_counts.tolist(),
-                 batch_rows_last=self.last_rows,
+                 batch_rows_last=self.last_rows, rows_total=self.rows_total, tokens_out=self.tokens_out,
                  batch_rows_mean=round(self.rows_total / self.steps, 2) if self.steps else 0.0)
         return s
 

@@ -11,6 +11,7 @@ import os
 import time
 
 from ..wire import protocol as P
+from .recent import RecentWindow
 from .records import ControlRate, check_text
 
 
@@ -28,6 +29,7 @@ class ControlRequests:
             memory = MemorySampler()
         self.memory = memory
         self.rate = ControlRate()          # control_rate's token bucket per client
+        self.recent = RecentWindow()       # the workers' figures over the last half minute (recent.py)
 
     def admit(self, client, t: str, rate: float):
         """control_rate: a client pipelining thousands of stats or tokenizes gets 'overloaded'
@@ -37,8 +39,10 @@ class ControlRequests:
             raise P.ProtocolError("overloaded", f"more than {rate:g} control requests ({t}) a second from this "
                                                 f"client (control_rate): slow down")
 
-    def prune(self, now: float):
+    def tick(self, now: float):
+        """From the router's tick: forget idle clients' buckets, sample the workers' figures."""
         self.rate.prune(now, self.t_start)
+        self.recent.sample(now, self.workers.values())
 
     def tokenize(self, body, gen) -> dict:
         """gen: the serving generation (Gen)."""
@@ -97,11 +101,13 @@ class ControlRequests:
             size = os.stat(model_path).st_size
         except OSError:
             size = 0
-        return {"generation": generation, "starting": generation not in self.gens,
-                "model": model_path, "model_bytes": size,
+        gen = self.gens.get(generation)
+        return {"generation": generation, "starting": gen is None,
+                "model": model_path, "model_bytes": size, "context": gen.context if gen is not None else None,
                 "queue": len(self.queue), "in_flight": sum(len(w.running) for w in self.workers.values()),
                 "workers": workers, "counters": dict(self.counters), "draining": draining,
                 "expert_counts": self.experts.total(generation, self.workers.values()),
+                "recent": self.recent.figures(time.monotonic(), generation, self.workers.values()),
                 "router": {"pid": os.getpid(), **me},
                 "generations": sorted(self.gens), "last_reload": last_reload,
                 "master": {"pid": master_pid, "model_rss": master["model_rss"], "model_pss": master["model_pss"]},

@@ -421,7 +421,7 @@ class Router:
                 log.warning("worker %s silent for %.1fs: no more work for it", w.pid, silent)
                 self.to_master({"op": "unresponsive", "pid": w.pid})
             self.send_worker(w.ident, b"PING", b"\x80")
-        self.control_requests.prune(now)
+        self.control_requests.tick(now)
         if self.draining and not self.told_drained and self.drained():
             self.told_drained = True
             self.to_master({"op": "drained"})      # a graceful stop goes on: nothing of a client's still runs

@@ -537,6 +537,8 @@ GATEWAY: tuple[Setting, ...] = (
     _gw("max_body", SIZE, 1 << 20, "largest request body (413 beyond)", Range(1)),
     _gw("default_max_tokens", INT, 512, "max_tokens of a chat completion that gives none", Range(1, _MAXTOK)),
     _gw("metrics_auth", BOOL, False, "require the API key on /metrics too"),
+    _gw("pages", BOOL, True, "serve the chat page at / and the status page at /status (read-only views; "
+        "/status.json asks for the API key as the API does)"),
     _gw("curve_server_key", PATH, "", "the router's CURVE public key file (its curve_secret_key's .key), for a "
         "router that admits clients by key", env_name="COLIBRI_HTTP_CURVE_SERVER_KEY_FILE", metavar="FILE"),
     _gw("curve_secret_key", PATH, "", "the gateway's own CURVE secret key file (its .key goes into the router's "
