@@ -202,7 +202,7 @@ class Gateway:
             self._local.client = c
         return c
 
-    def _probe_client(self) -> Client:
+    def probe_client(self) -> Client:
         """A fresh short-lived Client for /health and /metrics: while the server is away, the
         long-lived per-thread clients would queue probe after probe (up to the socket's
         high-water mark, after which sends block) to be delivered in a burst on its return."""
@@ -218,7 +218,7 @@ class Gateway:
             except Exception:
                 pass
 
-    def _saw_generation(self, generation, path=None, router=None):
+    def saw_generation(self, generation, path=None, router=None):
         if router is not None:      # several routers: each counts its own generations (and has its own path)
             with self._info_lock:
                 prev = self._seen.get(router, (None, None))
@@ -251,7 +251,7 @@ class Gateway:
                 return info
             raise
         if self.routers is not None and isinstance(st.get("addr"), str):
-            self._saw_generation(st.get("generation"), st.get("model"), router=st["addr"])
+            self.saw_generation(st.get("generation"), st.get("model"), router=st["addr"])
         with self._info_lock:
             info = prev = self._info
             if info is not None and st.get("model") == info.path and st.get("generation") == info.generation:
@@ -422,7 +422,7 @@ class Gateway:
         while True:
             yield chunk
             if chunk.is_final:
-                self._saw_generation(chunk.generation, router=getattr(stream, "addr", None))
+                self.saw_generation(chunk.generation, router=getattr(stream, "addr", None))
                 u = chunk.usage or {}
                 if _is_num(u.get("prompt_tokens")):
                     self.metrics.prompt_tokens.inc(u["prompt_tokens"])
@@ -608,7 +608,7 @@ class Gateway:
             from .routers import health
             return health(self)
         try:
-            with self._probe_client() as c:
+            with self.probe_client() as c:
                 h = c.health()
         except ColibriTimeout:
             return _Resp(503, _json_bytes({"status": "unreachable", "error": f"the colibri server at "
@@ -618,7 +618,7 @@ class Gateway:
         except Exception as e:
             log.warning("health check failed: %r", e)
             return _Resp(503, _json_bytes({"status": "error", "error": type(e).__name__}), outcome="unavailable")
-        self._saw_generation(h.get("generation"))
+        self.saw_generation(h.get("generation"))
         out = {k: h.get(k) for k in ("status", "workers_ready", "generation", "queue", "reason") if k in h}
         ok = h.get("status") == "ok"
         retry = [("Retry-After", STARTING_RETRY_AFTER)] if h.get("status") == "starting" else []

@@ -38,7 +38,7 @@ class _ServerCollector:
             return
         up = GaugeMetricFamily("colibri_up", "1 when the colibri server answered stats at this scrape")
         try:
-            with self.gw._probe_client() as c:
+            with self.gw.probe_client() as c:
                 st = c.stats()
         except Exception as e:
             log.info("metrics: stats failed: %s", e)
@@ -47,7 +47,7 @@ class _ServerCollector:
             return
         up.add_metric([], 1)
         yield up
-        self.gw._saw_generation(st.get("generation"), st.get("model"))
+        self.gw.saw_generation(st.get("generation"), st.get("model"))
         yield from self._families(st)
         yield from vllm_families(st, self.model_name(st))
 

@@ -72,7 +72,7 @@ def load_assets(directory: str = STATIC) -> dict:
 
 
 class Pages:
-    """The routes of the pages for a Gateway `gw` (its `_call` runs a client call with its errors mapped)."""
+    """The routes of the pages for a Gateway `gw` (its `call` runs a client call with its errors mapped)."""
 
     def __init__(self, gw):
         self.gw = gw
@@ -98,5 +98,5 @@ class Pages:
 
     def status_json(self, environ) -> _Resp:
         """The router's stats (one router's, with several: its address under "addr"), as `colibri status --json`."""
-        st = self.gw._call(lambda c: c.stats(timeout=min(self.gw.timeout, STATS_TIMEOUT)))
+        st = self.gw.call(lambda c: c.stats(timeout=min(self.gw.timeout, STATS_TIMEOUT)))
         return _json(st, headers=[("Cache-Control", "no-store")])

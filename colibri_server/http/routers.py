@@ -53,7 +53,7 @@ def health(gw) -> _Resp:
     for a, h in ask_each(gw, "health"):
         if isinstance(h, dict):
             gw.routers.succeeded(a)
-            gw._saw_generation(h.get("generation"), router=a)
+            gw.saw_generation(h.get("generation"), router=a)
             row = {"addr": a, **{k: h.get(k) for k in _HEALTH_KEYS}}
         else:
             if isinstance(h, Unreachable):
@@ -81,7 +81,7 @@ def server_families(gw, families):
         if not isinstance(st, dict):
             continue
         answered += 1
-        gw._saw_generation(st.get("generation"), st.get("model"), router=a)
+        gw.saw_generation(st.get("generation"), st.get("model"), router=a)
         for fam in families(st):
             m = merged.get(fam.name)
             if m is None:
