@@ -12,7 +12,8 @@ import pytest
 from synth_checkpoint import write_checkpoint
 
 from colibri_server.model import Model
-from colibri_server.model.convert import ConvertError, convert, index_checkpoint
+from colibri_server.model.checkpoint import index_checkpoint
+from colibri_server.model.convert import ConvertError, convert
 
 TINY = dict(hidden_size=32, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)

@@ -68,12 +68,21 @@ def mx(tmp_path_factory):
 
 
 def test_an_mxfp4_checkpoint_matches_transformers_on_its_values(mx):
-    """The converted file's logits within 1e-4 of transformers' on the dequantized values, 32 greedy tokens
-    identical."""
+    """The experts are kept as MXFP4 (llama.cpp's block kind, the checkpoint's bytes reordered), so the file
+    holds 17 bytes per 32 expert weights; the converted file's logits are within 1e-4 of transformers' on the
+    dequantized values, 32 greedy tokens identical."""
     hf, d = mx
     errors = {}
-    convert(str(d / "hf"), str(d / "m.colibri"), "f32", progress=False, errors=errors)
-    assert max(errors.values()) == 0                   # f32 holds the MXFP4 values exactly
+    cfg = convert(str(d / "hf"), str(d / "m.colibri"), "f32", progress=False, errors=errors)
+    assert cfg.block_types and set(cfg.block_types) == {n for n in cfg.block_types if n.endswith(
+        ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))} and set(cfg.block_types.values()) == {"mxfp4"}
+    assert len(cfg.block_types) == 3 * cfg.num_layers
+    from colibri_server.model import format as fmt
+    cf = fmt.ColibriFile.open(d / "m.colibri")
+    E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    assert len(bytes(cf.tensor_bytes("blk.0.ffn_gate_exps"))) == E * I * D // 32 * 17
+    cf.close()
+    assert max(errors.values()) == 0                   # the other tensors: f32 holds them exactly
     m = Model.open(str(d / "m.colibri"))
     ref = H.hf_logits(hf, PROMPT)
     assert np.abs(m.logits(PROMPT) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
