@@ -78,15 +78,15 @@ def read_answer(sock, timeout=5.0) -> bytes:
     return out
 
 
-def probe_while(url, seconds, interval=0.2):
-    """GET /health and /metrics every `interval` s for `seconds` s: [(path, status, latency)]."""
+def probe_while(url, seconds, interval=0.2, limit=3.0):
+    """GET /health and /metrics every `interval` s for `seconds` s, each given `limit` s: [(path, status, latency)]."""
     out = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for path in ("/health", "/metrics"):
             t0 = time.monotonic()
             try:
-                status = requests.get(url + path, timeout=1.0).status_code
+                status = requests.get(url + path, timeout=limit).status_code
             except requests.RequestException as e:
                 status = type(e).__name__
             out.append((path, status, time.monotonic() - t0))
@@ -103,7 +103,9 @@ def completion(url, max_tokens=2):
 def test_slow_clients_of_every_framing_hold_no_thread(server, tmp_path):
     """40 connections of each kind (head only, trickled chunked body, Content-Length 3,000,000,
     Expect: 100-continue) held open for 4 s on a gateway of 4 threads: every /health and /metrics
-    probe answers 200 within 1 s, 8 normal clients get their completions, the over-limit
+    probe answers 200 within 3 s (a thread held by a slow client would hold it for the whole 4 s) and
+    their median within 1 s (a loaded machine's stray probe can take a second), 8 normal clients get
+    their completions, the over-limit
     Content-Length is refused with 413 before its body is sent, and the Expect clients are
     told to continue."""
     g = start_gateway(server, tmp_path, threads=4)
@@ -129,8 +131,9 @@ def test_slow_clients_of_every_framing_hold_no_thread(server, tmp_path):
             normal = [ex.submit(completion, g.url) for _ in range(8)]
             probes = probe_while(g.url, 4.0)
             answers = [f.result() for f in normal]
-        slow = [p for p in probes if p[1] != 200 or p[2] > 1.0]
-        assert not slow, f"{len(slow)} of {len(probes)} probes failed or were slow: {slow[:5]}"
+        slow = [p for p in probes if p[1] != 200]
+        assert not slow, f"{len(slow)} of {len(probes)} probes failed or took over 3 s: {slow[:5]}"
+        assert sorted(p[2] for p in probes)[len(probes) // 2] < 1.0, probes
         assert all(st == 200 and a["choices"][0]["finish_reason"] == "length" for st, a in answers), answers
         for c in conns["large"]:
             ans = read_answer(c, 2.0)
@@ -214,8 +217,9 @@ def test_health_and_metrics_answer_while_every_thread_generates(server, tmp_path
             for s in socks:                      # still generating while we probed
                 s.setblocking(False)
                 assert s.recv(65536)
-        slow = [p for p in probes if p[1] not in (200, 503) or p[2] > 1.0]
-        assert not slow, f"{len(slow)} of {len(probes)} probes failed or were slow: {slow[:5]}"
+        slow = [p for p in probes if p[1] not in (200, 503)]
+        assert not slow, f"{len(slow)} of {len(probes)} probes failed or took over 3 s: {slow[:5]}"
+        assert sorted(p[2] for p in probes)[len(probes) // 2] < 1.0, probes
     finally:
         for s in socks:
             s.close()
