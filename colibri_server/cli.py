@@ -571,8 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(repeatable) instead of every family and kind")
     k.add_argument("--family", action="append", metavar="NAME", help="only these families (repeatable)")
     k.add_argument("--kind", action="append", metavar="NAME", help="only these storage kinds (repeatable)")
-    k.add_argument("--layout", action="append", choices=("run", "serve-1", "serve-n"), help="only these ways of "
-                   "running (repeatable; default all: `colibri run`, one-thread workers, threaded workers)")
+    k.add_argument("--layout", action="append", choices=("run", "serve-1", "serve-n", "prefill"), help="only "
+                   "these ways of running (repeatable; default all: `colibri run`, one-thread workers, threaded "
+                   "workers; prefill: run's prompt kernels alone)")
     k.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16", help="the servers' KV cache precision")
     k.add_argument("--jobs", type=int, default=0, metavar="N", help="processes compiling at once (0: one per core)")
     k.add_argument("--cache-dir", default=os.environ.get("COLIBRI_CACHE_DIR", ""), metavar="DIR",
