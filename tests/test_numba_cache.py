@@ -69,7 +69,7 @@ def test_an_unwritable_root_falls_back_to_a_temporary_directory_and_says_so(tmp_
     blocker = tmp_path / "file"
     blocker.write_text("")                       # a directory below a regular file cannot be made, even by root
     env = _clean_env(tmp_path, COLIBRI_CACHE_DIR=str(blocker / "cache"))
-    r = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(); import colibri_server.model; "
+    r = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(); import colibri_server.model.kernels; "
                         "import os; print(os.environ['NUMBA_CACHE_DIR'])"], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
@@ -114,7 +114,7 @@ def _save_many(cache_dir, who, n, locked, barrier):
     from numba.core import caching
     if locked:
         numba_cache.lock_saves()
-    else:       # Numba's own save (importing colibri_server.model installed the lock in this process)
+    else:       # Numba's own save (importing the kernels installed the lock in this process)
         caching.IndexDataCacheFile.save = getattr(caching.IndexDataCacheFile.save, "__wrapped__",
                                                   caching.IndexDataCacheFile.save)
     f = caching.IndexDataCacheFile(str(cache_dir), "kernel-1", ("stamp", 1))
