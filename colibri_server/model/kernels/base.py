@@ -23,10 +23,6 @@ Conventions (shared by every kernel module, and with the rest of the project):
   functions whose floating point work is a reduction (dot products, sums of
   squares); everything elementwise is compiled without it, so it rounds like
   numpy.  No ``nnan``/``ninf`` anywhere: NaN/inf propagate as in numpy.
-* Arrays are copied element by element (``for c in range(n): dst[c] = src[c]``), not by slice
-  assignment (``dst[i, :] = src``): Numba compiles an array-to-array slice assignment with a
-  shape check whose error message it formats at run time, and compiling that formatting (string
-  kernels, once per process and per pair of ranks) cost 3-5 s of a first start's compile.
 """
 
 from __future__ import annotations

@@ -60,11 +60,9 @@ def rope_cache_attend(q3, k3, v3, pos, cos, sin, kcache, vcache, start, window, 
     # sinks (H,) per-head softmax sinks or size 0
     rope(q3, pos, cos, sin)
     rope(k3, pos, cos, sin)
-    for h in range(k3.shape[1]):            # element by element: kernels/base's note on array slice copies
-        for d in range(k3.shape[2]):
-            kcache[h, start, d] = k3[0, h, d]
-        for d in range(v3.shape[2]):
-            vcache[h, start, d] = v3[0, h, d]
+    for h in range(k3.shape[1]):
+        kcache[h, start] = k3[0, h]
+        vcache[h, start] = v3[0, h]
     attend(q3, kcache, vcache, start, window, scale, out, scores, sinks)
 
 
@@ -80,8 +78,8 @@ def _store_attend_overload(kc, vc, table, l, q3, k3, v3, start, window, scale, o
         # a 2-D scores scratch runs the kv heads, or a latent's query heads, on threads)
         def own(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks, xs):
             kcl, vcl = kc[l], vc[l]
-            for h in range(k3.shape[1]):        # element by element: kernels/base's note on array slice copies
-                for d in range(k3.shape[2]):
+            for h in range(k3.shape[1]):        # element by element: an array slice assignment compiles Numba's
+                for d in range(k3.shape[2]):    # shape-mismatch message (string formatting), seconds of a first start
                     kcl[h, start, d] = k3[0, h, d]
                 for d in range(v3.shape[2]):
                     vcl[h, start, d] = v3[0, h, d]
@@ -362,8 +360,7 @@ def _attention_overload(attn, l, h, pos, cos, sin, kc, vc, table, start, window,
             qa3 = qa.reshape((1, H, r + dr))
             _heads(q3[:, :, :nope], kup, qa3[:, :, :r], xs)
             for hh in range(H):
-                for c in range(dr):
-                    qa3[0, hh, r + c] = q3[0, hh, nope + c]
+                qa3[0, hh, r:] = q3[0, hh, nope:]
             lat3 = lat.reshape((1, H, r))
             _store_attend(kc, vc, table, l, qa3, rows3, rows3, start, window, scale, lat3, scores, sinks, xs)
             _heads(lat3, layer(v_up, l), ah.reshape((1, H, ah.shape[1] // H)), xs)

@@ -26,17 +26,14 @@ def _head(X, W, out, h, xs, ys):
     # matvec (dense._matvec_core: f16/bf16 rows in IR on AVX-512), more rows rowgemm (each weight converted once
     # for all of them, the IR tile on AVX-512)
     T = X.shape[0]
-    n, d = xs.shape[1], ys.shape[1]
-    for t in range(T):                  # element by element: kernels/base's note on array slice copies
-        for c in range(n):
-            xs[t, c] = X[t, h, c]
+    for t in range(T):
+        xs[t, :] = X[t, h, :]
     if T == 1:
         _matvec_core(W[h], xs[0], ys[0], np.float32(1.0), False)
     else:
         rowgemm(W[h:h + 1], xs, ys)
     for t in range(T):
-        for c in range(d):
-            out[t, h, c] = ys[t, c]
+        out[t, h, :] = ys[t, :]
 
 
 @njit(cache=True)

@@ -224,9 +224,7 @@ def _merge(M, L, A, m, l, acc):
         if M[i] == _NEG_INF:
             M[i] = m[i]
             L[i] = l[i]
-            Ai, ai = A[i], acc[i]
-            for c in range(Ai.shape[0]):      # not A[i, :] = acc[i]: see kernels/base's note on array slice copies
-                Ai[c] = ai[c]
+            A[i, :] = acc[i]
             continue
         mn = max(M[i], m[i])
         a = expf(M[i] - mn)
@@ -485,11 +483,9 @@ def tiled_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale
                 _prepare(q, row_pos, r0, r1, kh, gh, h0, window, scale, scf)
             if _segment(kpool, vpool, tables[row_seq[r0]], kh, (r1 - r0) * gh, s, scf):
                 vec, acc = scf[4], scf[5]
-                for i in range(nq):           # element by element: kernels/base's note on array slice copies
-                    pm[u, i] = vec[0, i]
-                    pl[u, i] = vec[1, i]
-                    for c in range(dvp):
-                        pa[u, i, c] = acc[i, c]
+                pm[u, :nq] = vec[0]
+                pl[u, :nq] = vec[1]
+                pa[u, :nq] = acc
                 done[u] = True
     for k in prange(n):
         r0, r1, kh, h0, gh = items[k, 0], items[k, 1], items[k, 2], items[k, 3], items[k, 4]
