@@ -2,6 +2,7 @@
 `colibri compile`, each a fresh process timed from its start to its answer (run) or to ready (serve).
 
     python bench/startup.py [--model SMOL.colibri] [--out bench/recorded/startup-DATE-MACHINE.json]
+    python bench/startup.py --rev REV [--rounds 2] [--cold-only]    # the cold run against an older revision
 
 The 30-layer model is SmolLM2-135M's shape (llama, 576 wide, 9 heads, 3 kv heads) with random f16
 weights, written here unless --model names a real file of it; "another shape" is a 16-layer, 768-wide
@@ -18,6 +19,10 @@ its own log; a run also its exit, which a first start delays to compile serve's 
   serve after    that cache: `colibri serve --workers 1 --threads-per-worker 2` on the 30-layer model, to ready
   compiled ...   a fresh cache after `colibri compile --family llama --family mixtral --kind f16`: the three
                  runs and the serve again
+
+--rev REV checks REV out beside this tree (a detached git worktree) and times its cold run in turns with this
+tree's (`--rounds` each, every one in an empty cache of its own), so that both meet the same load; the
+ratio is REV's seconds over this tree's. --cold-only skips the other scenarios.
 """
 from __future__ import annotations
 
@@ -38,9 +43,11 @@ SMOL = dict(arch="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_
             eos_token_ids=(2,), dtype="f16")
 
 
-def _env(cache):
+def _env(cache, tree=None):
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR",)}
     env["COLIBRI_CACHE_DIR"] = str(cache)
+    if tree is not None:                    # another revision's package first on the path
+        env["PYTHONPATH"] = str(tree)
     return env
 
 
@@ -59,12 +66,12 @@ def cli(cache, *args):
     return dt, r.stderr
 
 
-def run(cache, model):
+def run(cache, model, tree=None):
     """(seconds to the answer, kernels compiled, seconds to the process's exit: a first start goes on compiling
-    what `colibri serve` needs beside it, and waits for that before it exits)."""
+    what `colibri serve` needs beside it, and waits for that before it exits). tree: another revision's."""
     args = ["run", "1,2,3", "--token-ids", "--max-tokens", "1"] + (["--model", model] if model else [])
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", *args], env=_env(cache),
+    p = subprocess.Popen([sys.executable, "-m", "colibri_server.cli", *args], env=_env(cache, tree),
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
     answered, err = None, []
     for line in p.stderr:
@@ -100,6 +107,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a 30-layer .colibri file (default: SmolLM2-135M's shape, random f16 weights)")
     ap.add_argument("--out", help="write the figures as JSON here")
+    ap.add_argument("--rev", help="time this older revision's cold run too, in turns with this tree's")
+    ap.add_argument("--rounds", type=int, default=2, help="cold runs of each tree with --rev (default 2)")
+    ap.add_argument("--cold-only", action="store_true", help="only the cold run (and --rev's)")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory(prefix="colibri-startup-") as tmp:
@@ -122,8 +132,12 @@ def main():
         write_synthetic(other, ModelConfig(**{**SMOL, "num_layers": 16, "hidden_size": 768, "num_heads": 12,
                                               "num_kv_heads": 4, "intermediate_size": 2048, "vocab_size": 32000,
                                               "dense_layers": tuple(range(16))}))
+        if a.rev:
+            compare(a.rev, a.rounds, model, tmp, res)
         c1 = pathlib.Path(tmp) / "cache-cold"
         show("cold run", run(c1, model))
+        if a.cold_only:
+            return _write(a.out, res)
         show("other shape", run(c1, other))
         show("other family", run(c1, None))
         show("warm run", run(c1, model))
@@ -136,10 +150,33 @@ def main():
         show("compiled other", run(c2, other))
         show("compiled family", run(c2, None))
         show("compiled serve", serve(c2, model, tmp))
-    if a.out:
+    _write(a.out, res)
+
+
+def compare(rev, rounds, model, tmp, res):
+    """The cold run of `rev` and of this tree in turns, each in an empty cache: seconds to the answer."""
+    old = pathlib.Path(tmp) / "old"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), rev], check=True)
+    try:
+        pairs = []
+        for r in range(rounds):
+            o = run(pathlib.Path(tmp) / f"cache-old-{r}", model, old)
+            n = run(pathlib.Path(tmp) / f"cache-new-{r}", model)
+            pairs.append((o[0], n[0]))
+            print(f"cold run, round {r + 1}: {rev} {o[0]:.2f} s ({o[1]} compiled, exits {o[2]:.2f} s), "
+                  f"this tree {n[0]:.2f} s ({n[1]} compiled, exits {n[2]:.2f} s): ratio {o[0] / n[0]:.2f}",
+                  flush=True)
+        res["cold run against " + rev] = {"rounds": [{"rev_seconds": round(o, 2), "seconds": round(n, 2)}
+                                                    for o, n in pairs]}
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
+
+
+def _write(out, res):
+    if out:
         import platform
-        pathlib.Path(a.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
-                                                   "cores": len(os.sched_getaffinity(0)), "results": res}, indent=1))
+        pathlib.Path(out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                                 "cores": len(os.sched_getaffinity(0)), "results": res}, indent=1))
 
 
 if __name__ == "__main__":

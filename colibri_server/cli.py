@@ -297,8 +297,8 @@ def _load_settings(a):
 def use_cache_dir(path):
     """The kernel cache root for this process and those it starts (model/numba_cache reads it at import)."""
     if path:
-        if "colibri_server.model" in sys.modules:       # pragma: no cover - a caller's ordering error
-            raise RuntimeError("cache_dir must be set before colibri_server.model is imported")
+        if "colibri_server.model.kernels" in sys.modules:   # pragma: no cover - a caller's ordering error
+            raise RuntimeError("cache_dir must be set before colibri_server.model.kernels is imported")
         os.environ["COLIBRI_CACHE_DIR"] = os.path.abspath(path)
 
 
@@ -320,7 +320,7 @@ def cmd_router(a):
 def cmd_compile(a):
     use_cache_dir(a.cache_dir)
     from .model import precompile as P
-    from .model.numba_cache import kernel_dir
+    from .model.numba_cache import configure, kernel_dir
     try:
         layouts = tuple(a.layout or P.LAYOUTS)
         todo = ([P.Job("", "", layouts, a.kv_dtype, model=os.path.abspath(m)) for m in a.model] if a.model else
@@ -331,7 +331,7 @@ def cmd_compile(a):
         problem = model_file_problem(m)
         if problem:
             _die(problem)
-    where = kernel_dir()
+    where = configure() or kernel_dir()
     print(f"colibri compile: {len(todo)} jobs into {where}", file=sys.stderr, flush=True)
     t0, total = time.perf_counter(), [0]
 
@@ -571,8 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(repeatable) instead of every family and kind")
     k.add_argument("--family", action="append", metavar="NAME", help="only these families (repeatable)")
     k.add_argument("--kind", action="append", metavar="NAME", help="only these storage kinds (repeatable)")
-    k.add_argument("--layout", action="append", choices=("run", "serve-1", "serve-n"), help="only these ways of "
-                   "running (repeatable; default all: `colibri run`, one-thread workers, threaded workers)")
+    k.add_argument("--layout", action="append", choices=("run", "serve-1", "serve-n", "prefill"), help="only "
+                   "these ways of running (repeatable; default all: `colibri run`, one-thread workers, threaded "
+                   "workers; prefill: run's prompt kernels alone)")
     k.add_argument("--kv-dtype", choices=("f16", "f32"), default="f16", help="the servers' KV cache precision")
     k.add_argument("--jobs", type=int, default=0, metavar="N", help="processes compiling at once (0: one per core)")
     k.add_argument("--cache-dir", default=os.environ.get("COLIBRI_CACHE_DIR", ""), metavar="DIR",

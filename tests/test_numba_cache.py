@@ -69,7 +69,7 @@ def test_an_unwritable_root_falls_back_to_a_temporary_directory_and_says_so(tmp_
     blocker = tmp_path / "file"
     blocker.write_text("")                       # a directory below a regular file cannot be made, even by root
     env = _clean_env(tmp_path, COLIBRI_CACHE_DIR=str(blocker / "cache"))
-    r = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(); import colibri_server.model; "
+    r = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(); import colibri_server.model.kernels; "
                         "import os; print(os.environ['NUMBA_CACHE_DIR'])"], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
@@ -114,7 +114,7 @@ def _save_many(cache_dir, who, n, locked, barrier):
     from numba.core import caching
     if locked:
         numba_cache.lock_saves()
-    else:       # Numba's own save (importing colibri_server.model installed the lock in this process)
+    else:       # Numba's own save (importing the kernels installed the lock in this process)
         caching.IndexDataCacheFile.save = getattr(caching.IndexDataCacheFile.save, "__wrapped__",
                                                   caching.IndexDataCacheFile.save)
     f = caching.IndexDataCacheFile(str(cache_dir), "kernel-1", ("stamp", 1))
@@ -187,6 +187,68 @@ def test_a_first_run_compiles_what_serve_needs_beside_it(monkeypatch, capsys):
     monkeypatch.setattr(engine.Model, "warm_up", real)
     cli.main(["run", "1,2", "--token-ids", "--max-tokens", "1"])      # the same kernels: nothing compiles
     assert len(started) == 1
+
+
+_TOP_COMPILES = """
+from numba.core import event
+from colibri_server.bundled import BUNDLED_MODEL
+from colibri_server.model import Model
+names, depth = [], [0]
+class Top(event.Listener):
+    def on_start(self, ev):
+        if depth[0] == 0:
+            names.append(ev.data["dispatcher"].py_func.__name__)
+        depth[0] += 1
+    def on_end(self, ev):
+        depth[0] -= 1
+m = Model.open(BUNDLED_MODEL)
+with event.install_listener("numba:compile", Top()):
+    m.warm_up()
+print(" ".join(names))
+"""
+
+
+def test_a_first_run_shares_its_compile_with_a_second_process(tmp_path):
+    """A cold `colibri run` compiles its fused token while the process start_other_layouts starts compiles the
+    prompt's kernels (the prefill layout): those two parts are the whole run, so with the prefill layout's
+    kernels cached by another process, the run's warm-up compiles the fused token and nothing else."""
+    from colibri_server.bundled import BUNDLED_MODEL
+    from colibri_server.model import precompile
+    env = _clean_env(tmp_path, COLIBRI_CACHE_DIR=str(tmp_path / "cache"))
+    c = _run(env, "compile", "--model", BUNDLED_MODEL, "--layout", precompile.PREFILL)
+    assert c.returncode == 0, c.stderr
+    r = subprocess.run([sys.executable, "-c", _TOP_COMPILES], env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["decode_token"], r.stdout
+    started = []
+
+    class _Popen:
+        def __init__(self, args, **kw):
+            started.append(args)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(subprocess, "Popen", _Popen)
+    try:
+        precompile.start_other_layouts("m.colibri", "run")
+    finally:
+        mp.undo()
+    layouts = [a for i, a in enumerate(started[0]) if i and started[0][i - 1] == "--layout"]
+    assert layouts == [precompile.PREFILL, "serve-1", "serve-n"]       # the run's share first
+
+
+def test_the_warm_up_compiles_the_fused_token_before_the_prompt(monkeypatch):
+    """The order that lets a first run overlap its two parts: the token (this process) while the prompt's kernels
+    compile in the other, whose results this process then loads."""
+    from colibri_server.bundled import BUNDLED_MODEL
+    from colibri_server.model import Model
+    calls = []
+    monkeypatch.setattr(Model, "decode", lambda self, cache, token: calls.append("decode"))
+    monkeypatch.setattr(Model, "generate", lambda self, prompt, **kw: calls.append("generate"))
+    m = Model.open(BUNDLED_MODEL)
+    try:
+        m.warm_up()
+    finally:
+        m.close()
+    assert calls == ["decode", "generate"]
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from colibri_server.bundled import BUNDLED_MODEL
 def test_the_next_start_removes_the_files_of_a_master_killed_with_sigkill(tmp_path):
     first = Server(BUNDLED_MODEL, tmp_path, workers=1, name="s")
     try:
-        first.wait_ready(1, timeout=120)
+        first.wait_ready(1)
         run = first.runtime
         left = sorted(n for n in os.listdir(run) if str(first.pid) in n)
         assert any(n.startswith("backend-") for n in left), left
@@ -34,7 +34,7 @@ def test_the_next_start_removes_the_files_of_a_master_killed_with_sigkill(tmp_pa
         (run / n).write_bytes(b"")
     second = Server(BUNDLED_MODEL, tmp_path, workers=1, name="s")
     try:
-        second.wait_ready(1, timeout=120)
+        second.wait_ready(1)
         now = os.listdir(run)
         assert not [n for n in left if n in now], now
         assert all(n in now for n in kept), now

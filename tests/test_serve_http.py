@@ -108,7 +108,7 @@ def test_the_readmes_openai_snippet_returns_what_it_shows(tmp_path):
     url = f"http://127.0.0.1:{port}"
     s = Server(BUNDLED_MODEL, tmp_path, workers=1, extra=["--http", f"127.0.0.1:{port}", "--served-model-name", "tiny"])
     try:
-        s.wait_ready(1, timeout=180)
+        s.wait_ready(1)
         _wait(lambda: _health(url), what="the gateway's /health")
         for _ in range(5):
             ns, out = {}, io.StringIO()

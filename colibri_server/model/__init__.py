@@ -5,12 +5,19 @@
 sequence), batch/kv/scheduler/serving (many), weights/panels/quant (views of the mapping),
 format (bytes) and hugepages (pages), convert (HF -> .colibri), kernels/ (every Numba loop).
 It never imports the roles (master, router, worker), the wire (protocol, client) or the gateway.
+Importing it imports neither the engine nor the kernels (nor Numba): `Model` and its kin load on first use.
 """
-from . import numba_cache as _numba_cache
+from . import hugepages as _hugepages  # noqa: F401  (installs the 2 MiB page policy into format)
+from .format import ColibriFormatError  # noqa: F401
 
-_numba_cache.configure()    # before any kernel module is imported: the machine's and build's own cache directory
-_numba_cache.lock_saves()   # and two processes compiling at once never cross their cache entries
+_LAZY = {"Model": "engine", "Completion": "engine", "StreamEvent": "engine"}
 
-from . import hugepages as _hugepages  # noqa: E402,F401  (installs the 2 MiB page policy into format)
-from .engine import Completion, Model, StreamEvent  # noqa: E402,F401
-from .format import ColibriFormatError  # noqa: E402,F401
+
+def __getattr__(name):
+    # the engine (and through it Numba and LLVM, ~80 MiB) only when asked for: the router and the gateway import
+    # the tokenizer, the grammar and the format from here and never run a kernel. The kernels' cache is set up
+    # by kernels/__init__, before the first kernel module
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

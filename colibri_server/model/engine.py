@@ -323,7 +323,10 @@ class Model:
                 if run is not None:
                     run()
                 else:
+                    # the fused token first, alone: the longest compile of a first start, which a first `colibri
+                    # run` overlaps with a second process compiling the prompt's kernels (precompile.PREFILL)
                     bos = self.config.bos_token_id if self.config.bos_token_id >= 0 else 0
+                    self.decode(self.new_cache(2), bos)
                     self.generate([bos, bos], max_tokens=2, ignore_eos=True)
         finally:
             done.set()

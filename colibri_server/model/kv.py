@@ -24,7 +24,6 @@ from collections import OrderedDict
 import numpy as np
 
 from .config import ModelConfig
-from .kernels import lazy_zeros
 
 KV_DTYPES = {"f32": np.float32, "f16": np.uint16}
 BLOCK_SIZE = 16
@@ -61,6 +60,7 @@ class KVPool:
             raise ValueError("the KV pool needs at least one block of at least one position")
         self.cfg, self.block_size, self.kv_dtype = cfg, block_size, kv_dtype
         self.num_blocks = num_blocks
+        from .kernels import lazy_zeros  # here, not at the top: the router imports first_block_key, no kernel
         shape = (cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.cache_dim)   # (L,NB,Hkv,BS,hd)
         self.k = lazy_zeros(shape, KV_DTYPES[kv_dtype])
         self.v = self.k if cfg.mla else lazy_zeros(shape, KV_DTYPES[kv_dtype])

@@ -26,7 +26,7 @@ and the next load of that signature runs another signature's machine code (a seg
 `lock_saves()` holds an flock on the index's lock file around each save, so the second save reads
 the first one's index and picks another number.
 
-`configure()` runs once, at import of colibri_server.model, before any kernel module is imported
+`configure()` runs once, at import of colibri_server.model.kernels, before any kernel module is imported
 (a kernel's cache location is fixed when it is decorated). Owns only the directories it names.
 """
 from __future__ import annotations

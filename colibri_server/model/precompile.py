@@ -7,6 +7,8 @@ and on the thread layout (one thread, or rows split over several), never on a mo
 up the ways the roles warm a model up, compiles what any model of that family and kind needs:
 
   run      Model.warm_up: `colibri run`'s decode on a sequence's own cache, one thread
+  prefill  run's kernels of a prompt of several tokens, without its fused token: what a first `colibri run`
+           leaves to a second process (start_other_layouts) while it compiles that token itself
   serve-1  serving.warm_up with one-thread workers: the batched step, the fused token on the pool
   serve-n  serving.warm_up and compile_threaded with threaded workers (their kernels compiled, not run)
 
@@ -32,7 +34,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-__all__ = ["FAMILIES", "KINDS", "LAYOUTS", "Job", "jobs", "run_job", "compile_jobs", "start_other_layouts"]
+import numpy as np
+
+__all__ = ["FAMILIES", "KINDS", "LAYOUTS", "PREFILL", "Job", "jobs", "run_job", "compile_jobs", "start_other_layouts"]
 
 _BASE = dict(vocab_size=512, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
              num_experts=4, top_k=2, moe_intermediate_size=512, rms_norm_eps=1e-5, max_position_embeddings=512,
@@ -69,6 +73,7 @@ KINDS = {
 }
 
 LAYOUTS = ("run", "serve-1", "serve-n")
+PREFILL = "prefill"         # a part of "run" (see the module's doc); not a layout of its own in `colibri compile`
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,9 @@ def _warm(m, layout: str, kv_dtype: str) -> None:
     from .transformer import Workspace
     if layout == "run":
         m.warm_up()
+    elif layout == PREFILL:
+        bos = max(m.config.bos_token_id, 0)
+        m.prefill(m.new_cache(8), np.array([bos, bos], np.int64))
     elif layout == "serve-1":
         m.warm_up(run=lambda: serving.warm_up(m, kv_dtype, 1))
     else:
@@ -174,13 +182,16 @@ def compile_jobs(todo, procs: int = 0, progress=None) -> list:
 
 def start_other_layouts(model_path: str, own: str, kv_dtype: str = "f16"):
     """A `colibri compile --model` process for the layouts other than `own`, started beside a first start
-    that is compiling its own (Numba compiles on one core; this takes another): `colibri serve` after
-    `colibri run` then finds its kernels cached. Returns the Popen (its output discarded; the caller waits)."""
+    that is compiling its own (Numba compiles on one core; this takes another). For `own` "run" it compiles
+    run's prompt kernels first (PREFILL), which that start, compiling its fused token first (Model.warm_up),
+    then finds in the cache: a cold `colibri run` waits for the longer of the two parts, not their sum. Then
+    the other layouts, so that `colibri serve` after `colibri run` starts warm. Returns the Popen (its output
+    discarded; the caller waits)."""
     import subprocess
     import sys
     args = [sys.executable, "-m", "colibri_server.cli", "compile", "--model", model_path, "--kv-dtype", kv_dtype,
             "--jobs", "1"]
-    for layout in LAYOUTS:
+    for layout in ((PREFILL,) if own == "run" else ()) + LAYOUTS:
         if layout != own:
             args += ["--layout", layout]
     return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

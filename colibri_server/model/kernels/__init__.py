@@ -18,9 +18,14 @@ Rooms, imports running upward only (a module imports only those above it):
   kquants   llama.cpp's k-quant encoders (converter), over base and paged's f16 conversions
 
 Kernels never allocate (outputs and scratch are passed in), never import a model-level module
-(only ..format's constants), and know nothing of configs, files or requests. Model code imports
+(only ..format's constants, and ..numba_cache: where their compiled code is cached, set here first), and know nothing of configs, files or requests. Model code imports
 them through this face: `from . import kernels as K` and the families as `from .kernels import quant as KQ`.
 """
+from .. import numba_cache as _numba_cache
+
+_numba_cache.configure()    # before any kernel module is imported: the machine's and build's own cache directory
+_numba_cache.lock_saves()   # and two processes compiling at once never cross their cache entries
+
 from . import attn, attn_ir, cpu, decode, dense, float_ir, gemm, heads, packing, quant, quant_ir  # noqa: F401,E402
 from .attn import attend, attention, attention_par, attention_ref  # noqa: F401
 from .base import expf, nrows, parallel_runtime, row_slice, to_f32, weights_to_f32  # noqa: F401  (sets the threading layer first)

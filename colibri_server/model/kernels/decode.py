@@ -78,9 +78,11 @@ def _store_attend_overload(kc, vc, table, l, q3, k3, v3, start, window, scale, o
         # a 2-D scores scratch runs the kv heads, or a latent's query heads, on threads)
         def own(kc, vc, table, l, q3, k3, v3, start, window, scale, out, scores, sinks, xs):
             kcl, vcl = kc[l], vc[l]
-            for h in range(k3.shape[1]):
-                kcl[h, start] = k3[0, h]
-                vcl[h, start] = v3[0, h]
+            for h in range(k3.shape[1]):        # element by element: an array slice assignment compiles Numba's
+                for d in range(k3.shape[2]):    # shape-mismatch message (string formatting), seconds of a first start
+                    kcl[h, start, d] = k3[0, h, d]
+                for d in range(v3.shape[2]):
+                    vcl[h, start, d] = v3[0, h, d]
             attend(q3, kcl, vcl, start, window, scale, out, scores, sinks)
         return own
     par = _threaded(xs)
