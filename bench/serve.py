@@ -121,10 +121,15 @@ def run_clients(conc, reqs, one, P):
 
 
 def wait_until(check, what, timeout=180):
+    """Until check() is true; check() may answer "starting" (alive, loading or compiling: a cold compile on a
+    loaded machine takes minutes), which restarts the `timeout` s a silent server is given."""
     t_end = time.time() + timeout
     while time.time() < t_end:
         try:
-            if check():
+            got = check()
+            if got == "starting":
+                t_end = time.time() + timeout
+            elif got:
                 return
         except Exception:  # noqa: BLE001  (not up yet)
             pass
@@ -203,7 +208,7 @@ def colibri_round(a, path, conc, P):
                 if p.poll() is not None:
                     raise SystemExit(f"colibri exited: see {log.name}")
                 h = c.health()
-                return h["status"] == "ok" and h["workers_ready"] >= 1
+                return "starting" if h["status"] == "starting" else h["status"] == "ok" and h["workers_ready"] >= 1
             wait_until(ready, "colibri")
         return colibri_clients(a, conc, P, [sock])
     finally:
