@@ -20,6 +20,7 @@ from colibri_server.model import Model
 from colibri_server.model import format as fmt
 from colibri_server.model.gguf_import import convert_gguf
 from colibri_server.model.kernels import blocks as KB
+from colibri_server.model.kernels import blocks_gemm as KG
 
 ANCHORS = pathlib.Path(__file__).resolve().parent.parent / "bench" / ".anchors" / "bin"
 
@@ -91,9 +92,9 @@ def test_threads_give_the_one_thread_bits(kind):
     def scratch():
         return (np.zeros((T, n), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32))
     one = np.zeros((T, d), np.float32)
-    KB.matmul_blocks(raw, int(kind), X, one, *scratch(), np.zeros(n, np.float32), np.float32(1.0), False)
+    KG.matmul_blocks(raw, int(kind), X, one, *scratch(), np.zeros(KG.scratch_words(n), np.float32), np.float32(1.0), False)
     par = np.zeros((T, d), np.float32)
-    KB.matmul_blocks_par(raw, int(kind), X, par, *scratch(), np.zeros((2, n), np.float32), np.float32(1.0), False)
+    KG.matmul_blocks_par(raw, int(kind), X, par, *scratch(), np.zeros((2, KG.scratch_words(n)), np.float32), np.float32(1.0), False)
     assert np.array_equal(one, par)
 
 
@@ -131,7 +132,10 @@ def test_a_llama_quantized_q4_k_m_file_keeps_its_bytes_and_logits(tmp_path, monk
     ref = Model.open(str(tmp_path / "b.colibri")).logits(PROMPT)
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err < 5e-3, err                # f32 sums against float64 (measured 1.5e-3 on the llama-quantize'd file)
-    assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.9    # and the rounding itself stays small
+    # and the rounding itself stays small: the k-quants' activations are rounded per 256 as llama.cpp's Q8_K
+    # rounds them (kernels/blocks.quant_acts_k), which moves this small random model's near-even logits more than
+    # per-32 rounding did: argmax agreement measured 0.75 (0.9 per 32)
+    assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.7
 
 
 def test_decode_on_two_threads_gives_the_one_thread_bits(tmp_path):
