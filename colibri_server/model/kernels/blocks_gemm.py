@@ -22,8 +22,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks import Q4_K, Q5_K, Q6_K, _f16, _k_scale_min, _put2, _rows, round_rows
-from .blocks_ir import _arr_ptr, k_update
+from .blocks import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _k_scale_min, _put2, _rows, round_rows
+from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
 from .cpu import HAVE_VNNI512
 
 R = 16                     # weight rows per tile (the 16 i32 lanes of a zmm register)
@@ -100,6 +100,24 @@ def _prep_q6_k(raw, r0, nb, PL, PH, SC, SP, DD):
                 PL[(32 * b + q) * R + r] = ld32(row, o + 4 * q)
             for q in range(16):
                 PH[(16 * b + q) * R + r] = ld32(row, o + 128 + 4 * q)
+
+
+FLIP = np.int32(-0x7F7F7F80)       # 0x80808080: Q8_0's int8 values + 128 as u8 (vpdpbusd's unsigned side)
+
+
+@njit(cache=True)
+def _prep_b32(raw, r0, nb, nibbles, P, DD):
+    # rows r0..r0+R of a Q8_0 (Q4_0: nibbles) matrix -> P[(w*b + g)*R + r] = dword g of block b's w = 8 value
+    # dwords, each byte + 128 (Q4_0: w = 4 dwords of nibbles, as they are), DD[b*R + r] = d
+    size, nw = (18, 4) if nibbles else (34, 8)
+    for r in range(R):
+        row = raw[r0 + r]
+        for b in range(nb):
+            o = b * size
+            DD[b * R + r] = _f16(row, o)
+            for g in range(nw):
+                v = ld32(row, o + 2 + 4 * g)
+                P[(nw * b + g) * R + r] = v if nibbles else v ^ FLIP
 
 
 # ---------------------------------------------------------------------------- micro-kernels (LLVM IR)
@@ -275,6 +293,53 @@ def _mk_q6_k(nc):
     return intrinsic(impl)
 
 
+def _mk_b32(nc, nibbles):
+    def impl(typingctx, P, DD, xq, xd, xs, t0, nb, res):
+        sig = types.void(P, DD, xq, xd, xs, t0, nb, res)
+
+        def codegen(context, builder, signature, args):
+            k = _Kernel(context, builder, signature, args, 2)
+            b = builder
+            p = _arr_ptr(context, builder, signature.args[0], args[0], _i32)
+            dd = _arr_ptr(context, builder, signature.args[1], args[1], _f32)
+            zero = ir.Constant(k.v16, None)
+            nw = 4 if nibbles else 8
+            mask = k.splat(ir.Constant(_i32, 0x0F0F0F0F))
+            accs = [[cgutils.alloca_once_value(b, ir.Constant(k.f16, None)) for _ in range(8)] for _ in range(nc)]
+            with cgutils.for_range(b, b.sdiv(k.nb, k.c(8))) as loop:            # 8 blocks: accumulator b mod 8
+                for i in range(8):
+                    blk = b.add(b.mul(loop.index, k.c(8)), k.c(i))
+                    x0 = b.mul(blk, k.c(32))
+                    isum = [zero] * nc
+                    for g in range(nw):
+                        w = k.vec(p, b.mul(b.add(b.mul(blk, k.c(nw)), k.c(g)), k.c(R)))
+                        if nibbles:
+                            lo, hi = b.and_(w, mask), b.and_(b.lshr(w, k.splat(ir.Constant(_i32, 4))), mask)
+                        for t in range(nc):
+                            if nibbles:
+                                isum[t] = b.call(k.dpbusd, [isum[t], lo, k.x4(t, b.add(x0, k.c(4 * g)))])
+                                isum[t] = b.call(k.dpbusd, [isum[t], hi, k.x4(t, b.add(x0, k.c(16 + 4 * g)))])
+                            else:
+                                isum[t] = b.call(k.dpbusd, [isum[t], w, k.x4(t, b.add(x0, k.c(4 * g)))])
+                    d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
+                    for t in range(nc):
+                        s2 = b.gep(k.xs[t], [b.mul(blk, k.c(2))])
+                        xsum = b.add(b.load(s2), b.load(b.gep(s2, [k.c(1)])))
+                        corr = b.mul(xsum, ir.Constant(_i32, 8 if nibbles else 128))
+                        it = b.sub(isum[t], k.splat(corr))
+                        xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
+                        b.store(b32_update(b, b.load(accs[t][i]), it, d, xdb), accs[t][i])
+            for t in range(nc):
+                tot = b32_total(b, [b.load(a) for a in accs[t]])
+                b.store(tot, b.bitcast(b.gep(k.res, [k.c(t * R)]), k.f16.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+C32 = 2                    # activation rows per pass of the 32-block kinds' micro-kernel (8 accumulators each)
+_q8_2, _q8_1 = _mk_b32(C32, False), _mk_b32(1, False)
+_q40_2, _q40_1 = _mk_b32(C32, True), _mk_b32(1, True)
 _q4k_4, _q4k_1 = _mk_q45_k(C, False), _mk_q45_k(1, False)
 _q5k_4, _q5k_1 = _mk_q45_k(C, True), _mk_q45_k(1, True)
 _q6k_4, _q6k_1 = _mk_q6_k(C), _mk_q6_k(1)
@@ -332,6 +397,30 @@ def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 
 @njit(cache=True)
+def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # rows i0..i0 + R*k (whole tiles) of a Q8_0 (Q4_0: nibbles) matrix times every row of Xq (rounded per 32: quant_acts)
+    nb = Xq.shape[1] // 32
+    T = Xq.shape[0]
+    nw = 4 if nibbles else 8
+    P = tmp.view(np.int32)[:nb * nw * R]
+    DD, res = tmp[nb * nw * R:nb * (nw + 1) * R], tmp[nb * (nw + 1) * R:nb * (nw + 1) * R + C * R]
+    for r0 in range(i0, i1 - R + 1, R):
+        _prep_b32(raw, r0, nb, nibbles, P, DD)
+        for t0 in range(0, T - C32 + 1, C32):
+            if nibbles:
+                _q40_2(P, DD, Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q8_2(P, DD, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, C32, r0, alpha, accumulate)
+        for t0 in range(T // C32 * C32, T):
+            if nibbles:
+                _q40_1(P, DD, Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q8_1(P, DD, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, 1, r0, alpha, accumulate)
+
+
+@njit(cache=True)
 def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # out[t, i] (=|+=) alpha * raw[i] . X[t] for rows i0..i1 and every t, X rounded for kind (round_rows): whole
     # tiles of R rows through the micro-kernels where they run (HAVE_TILES, Q4_K / Q5_K / Q6_K, >= GEMM_MIN_ROWS rows of X),
@@ -343,6 +432,9 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             _tiles_q45_k(raw, kind == Q5_K, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         else:
             _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
+    elif HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q8_0 or kind == Q4_0) and X.shape[1] % 256 == 0:
+        end = i0 + (i1 - i0) // R * R
+        _tiles_b32(raw, kind == Q4_0, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
     if end < i1:
         _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, end, i1, alpha, accumulate)
 

@@ -102,13 +102,39 @@ def _hsum(builder, acc):
                         builder.fadd(builder.fadd(lanes[4], lanes[5]), builder.fadd(lanes[6], lanes[7])))
 
 
+def _sum8(builder, ps):
+    """8 <8 x i32> vectors -> one <8 x i32>, lane i the sum of ps[i]'s lanes (exact: integers)."""
+    v8 = ir.VectorType(_i32, 8)
+    while len(ps) > 1:
+        nxt = []
+        for a, b in zip(ps[0::2], ps[1::2]):
+            ev = builder.shuffle_vector(a, b, ir.Constant(v8, list(range(0, 16, 2))))
+            od = builder.shuffle_vector(a, b, ir.Constant(v8, list(range(1, 16, 2))))
+            nxt.append(builder.add(ev, od))
+        ps = nxt
+    return ps[0]
+
+
+def b32_update(builder, acc, isum, d, xd):
+    """The 32-block kinds' float step, shared with the tiled GEMM (kernels/blocks_gemm): acc + float(isum) * (d * xd),
+    acc one of 8 partial sums (block b goes to lane b mod 8 here, to accumulator b mod 8 there)."""
+    return builder.fadd(acc, builder.fmul(builder.sitofp(isum, acc.type), builder.fmul(d, xd)))
+
+
+def b32_total(builder, accs):
+    """The 8 partial sums of a 32-block row: ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))."""
+    return builder.fadd(builder.fadd(builder.fadd(accs[0], accs[1]), builder.fadd(accs[2], accs[3])),
+                        builder.fadd(builder.fadd(accs[4], accs[5]), builder.fadd(accs[6], accs[7])))
+
+
 def _row32(nibbles):
-    """The row loop of a 32-block kind with an f16 scale first: Q8_0 (34 bytes) or Q4_0 (18)."""
+    """The row dot of a 32-block kind with an f16 scale first: Q8_0 (34 bytes) or Q4_0 (18). Block b's exact
+    integer sum (Q4_0: its nibbles' 8 taken out through the activations' 16-sums) times d_b * xd_b goes to
+    partial sum b mod 8 (b32_update), 8 blocks at a time as one vector; the partials summed by b32_total."""
     size = 18 if nibbles else 34
 
     def impl(typingctx, r, xq, xd, xs, nb):
         sig = types.float32(r, xq, xd, xs, nb)
-        offset = nibbles and HAVE_VNNI256     # Q4_0 as unsigned nibbles, its 8 taken out through the 16-sums
 
         def codegen(context, builder, signature, args):
             a = signature.args
@@ -116,18 +142,15 @@ def _row32(nibbles):
             rp = _arr_ptr(context, builder, a[0], args[0], _i8)
             xp = _arr_ptr(context, builder, a[1], args[1], _i8)
             dp = _arr_ptr(context, builder, a[2], args[2], _f32)
-            vf = ir.VectorType(_f32, 8)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(2)]
             sp = _arr_ptr(context, builder, a[3], args[3], _i32)
-            corr = cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0))
+            vf, v8 = ir.VectorType(_f32, 8), ir.VectorType(_i32, 8)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
             nb = args[4]
 
-            def block(b, acc):
+            def block(b):
+                """(block b's exact integer sum, its f16 scale as f32)."""
                 o = builder.mul(b, ir.Constant(idx, size))
                 prefetch_ahead(builder, [rp], o, ahead=BLOCK_AHEAD)
-                hp = builder.bitcast(builder.gep(rp, [o]), ir.IntType(16).as_pointer())
-                d = builder.fpext(builder.bitcast(builder.load(hp, align=1), ir.HalfType()), _f32)
-                scale = builder.fmul(d, builder.load(builder.gep(dp, [b])))
                 xv = _load(builder, builder.gep(xp, [builder.mul(b, ir.Constant(idx, 32))]), 32)
                 wp = builder.gep(rp, [builder.add(o, ir.Constant(idx, 2))])
                 if nibbles:
@@ -136,28 +159,44 @@ def _row32(nibbles):
                     q = builder.shuffle_vector(builder.and_(bb, ir.Constant(vt, [15] * 16)),
                                                builder.lshr(bb, ir.Constant(vt, [4] * 16)),
                                                ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-                    if offset:
-                        s2 = builder.gep(sp, [builder.mul(b, ir.Constant(idx, 2))])
-                        xsum = builder.add(builder.load(s2), builder.load(builder.gep(s2, [ir.Constant(idx, 1)])))
-                        c = builder.fmul(scale, builder.sitofp(builder.mul(xsum, ir.Constant(_i32, 8)), _f32))
-                        builder.store(builder.fadd(builder.load(corr), c), corr)
-                    else:
-                        q = builder.sub(q, ir.Constant(ir.VectorType(_i8, 32), [8] * 32))
+                    p8 = _dot8(builder, q, xv, False)
                 else:
-                    q = _load(builder, wp, 32)
-                p8 = _dot8(builder, q, xv, not offset)
-                builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(p8, vf), _splat_f(builder, scale))),
-                              acc)
-            two = ir.Constant(idx, 2)
-            with cgutils.for_range(builder, builder.sdiv(nb, two)) as loop:      # two blocks, two accumulators
-                b0 = builder.mul(loop.index, two)
-                block(b0, accs[0])
-                block(builder.add(b0, ir.Constant(idx, 1)), accs[1])
-            with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(nb, two), two), nb,
-                                         ir.Constant(idx, 1)) as (b, _):
-                block(b, accs[0])
-            acc = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-            return builder.fsub(_hsum(builder, acc), builder.load(corr))
+                    p8 = _dot8(builder, _load(builder, wp, 32), xv, True)
+                return p8, _f16_at(builder, rp, o)
+
+            def correction(b0, n):
+                """Q4_0: 8 * the activations' 32-sums of blocks b0..b0+n (<8 x i32>, n <= 8 lanes)."""
+                xs16 = _vload(builder, sp, builder.mul(b0, ir.Constant(idx, 2)), ir.VectorType(_i32, 16))
+                ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
+                od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
+                return builder.mul(builder.add(ev, od), ir.Constant(v8, [8] * 8))
+
+            eight = ir.Constant(idx, 8)
+            with cgutils.for_range(builder, builder.sdiv(nb, eight)) as loop:      # 8 blocks, one per lane
+                b0 = builder.mul(loop.index, eight)
+                ps, ds = [], ir.Constant(vf, None)
+                for i in range(8):
+                    p8, d = block(builder.add(b0, ir.Constant(idx, i)))
+                    ps.append(p8)
+                    ds = builder.insert_element(ds, d, ir.Constant(_i32, i))
+                isum = _sum8(builder, ps)
+                if nibbles:
+                    isum = builder.sub(isum, correction(b0, 8))
+                builder.store(b32_update(builder, builder.load(acc), isum, ds, _vload(builder, dp, b0, vf)), acc)
+            with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(nb, eight), eight), nb,
+                                         ir.Constant(idx, 1)) as (b, _):           # the rest: lane b mod 8 alone
+                p8, d = block(b)
+                isum = _reduce(builder, p8, 8)
+                if nibbles:
+                    s2 = builder.gep(sp, [builder.mul(b, ir.Constant(idx, 2))])
+                    xsum = builder.add(builder.load(s2), builder.load(builder.gep(s2, [ir.Constant(idx, 1)])))
+                    isum = builder.sub(isum, builder.mul(xsum, ir.Constant(_i32, 8)))
+                lane = builder.trunc(builder.srem(b, eight), _i32)
+                v = builder.load(acc)
+                upd = b32_update(builder, builder.extract_element(v, lane), isum, d, builder.load(builder.gep(dp, [b])))
+                builder.store(builder.insert_element(v, upd, lane), acc)
+            v = builder.load(acc)
+            return b32_total(builder, [builder.extract_element(v, ir.Constant(_i32, i)) for i in range(8)])
         return sig, codegen
     return impl
 
