@@ -613,8 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--quantize", choices=("none", "q8", "q4", "auto", "blocks"), default=None,
                    help="group-quantize the attention projections, experts and output head (docs/format.md); "
-                        "default none for a checkpoint, auto for a GGUF (float -> none, quantized -> q8); blocks keeps a "
-                        "GGUF's quantized tensors in their own llama.cpp block types")
+                        "default none for a checkpoint, auto for a GGUF (float -> none, quantized -> blocks); blocks keeps "
+                        "a GGUF's quantized tensors in their own llama.cpp block types, at the GGUF's size")
     c.add_argument("--quantize-head", choices=("none", "q8", "q4"), default=None,
                    help="the output head's precision (default: q8 under q4, else as --quantize)")
     c.add_argument("--quant-group", type=int, choices=(8, 16, 32, 64, 128), default=None,

@@ -98,6 +98,24 @@ def test_threads_give_the_one_thread_bits(kind):
     assert np.array_equal(one, par)
 
 
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda k: k.name)
+def test_a_quantized_gguf_converts_by_default_to_its_own_size(tmp_path, kind):
+    hf = _hf(tmp_path)
+    B = gguf.GGML_QUANT_SIZES[kind][0]
+
+    def matrix(name, a):
+        if a.ndim < 2 or a.shape[-1] % B or "ffn_gate_inp" in name:
+            return a, Q.F32
+        return quantized(a, kind, seed=len(name)), kind
+    write_gguf(hf, tmp_path / "q.gguf", "mixtral", matrix_type=matrix, config=_cfg())
+    cfg, rep = convert_gguf(str(tmp_path / "q.gguf"), str(tmp_path / "q.colibri"), "f32", progress=False,
+                            require_tokenizer=False)                           # --quantize auto, the default
+    assert cfg.quant == "none" and set(cfg.block_types.values()) == {kind.name.lower()}
+    size = (tmp_path / "q.colibri").stat().st_size / (tmp_path / "q.gguf").stat().st_size
+    assert size <= 1.03, size
+    assert np.isfinite(Model.open(str(tmp_path / "q.colibri")).logits(PROMPT)).all()
+
+
 @pytest.mark.skipif(not (ANCHORS / "llama-quantize").exists(), reason="llama.cpp's binaries are not built (bench/.anchors)")
 def test_a_llama_quantized_q4_k_m_file_keeps_its_bytes_and_logits(tmp_path, monkeypatch):
     hf = _hf(tmp_path)
@@ -109,9 +127,10 @@ def test_a_llama_quantized_q4_k_m_file_keeps_its_bytes_and_logits(tmp_path, monk
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "Q4_K_M.gguf")).tensors}
     types = {t.tensor_type for t in tensors.values()}
     assert Q.Q4_K in types and Q.Q6_K in types
-    cfg, rep = convert_gguf(str(tmp_path / "Q4_K_M.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks",
-                            progress=False, require_tokenizer=False)
-    assert not rep.converted
+    cfg, rep = convert_gguf(str(tmp_path / "Q4_K_M.gguf"), str(tmp_path / "b.colibri"), "f32",
+                            progress=False, require_tokenizer=False)                   # --quantize auto: blocks
+    assert not rep.converted and cfg.block_types
+    assert (tmp_path / "b.colibri").stat().st_size <= 1.03 * (tmp_path / "Q4_K_M.gguf").stat().st_size
     cf = fmt.ColibriFile.open(tmp_path / "b.colibri")
     for name, kind in cfg.block_types.items():
         t = tensors["token_embd.weight" if name == "token_embd" else name.replace("attn_o", "attn_output") + ".weight"]
