@@ -1,10 +1,11 @@
 """Serving under load: colibri (its DEFAULT settings) against llama.cpp's llama-server, taking turns.
 
-    python bench/serve.py [--llama-bin DIR] [--precisions f16 q4] [--conc 1 4 8 16 32] [--json OUT]
+    python bench/serve.py [--llama-bin DIR] [--precisions f16 q4 q4_k_m] [--conc 1 4 8 16 32] [--json OUT]
 
 DIR holds llama-server and llama-quantize, built from the pinned llama.cpp source with
 -DGGML_NATIVE=ON (default bench/.anchors/bin, which bench/build_anchors.sh builds). The model is bench-mixtral (bench/decode.py builds
-it, the .colibri files and the GGUFs, once, under --data). For each precision and each number of
+it, the .colibri files and the GGUFs, once, under --data; q4_k_m: llama-quantize's Q4_K_M and, for colibri,
+that GGUF converted with the defaults, its block kinds kept). For each precision and each number of
 concurrent clients C, llama-server (continuous batching, -np C, -t/-tb = the machine's cores) and
 `colibri serve --model FILE` (nothing else: what a user gets) take turns, --rounds times. Each
 client streams --reqs requests one after another: a --prompt-token prompt of random ids (a different
@@ -48,7 +49,8 @@ sys.path.insert(0, str(HERE))
 
 import decode as D  # noqa: E402  (bench-mixtral, its .colibri files and GGUFs)
 
-GGUF = {"f16": "F16", "q8": "Q8_0", "q4": "Q4_0"}
+GGUF = {"f16": "F16", "q8": "Q8_0", "q4": "Q4_0", "q4_k_m": "Q4_K_M"}
+FROM_GGUF = {"q4_k_m"}     # colibri's file is the GGUF converted with its defaults (the block kinds kept)
 
 
 def free_port() -> int:
@@ -66,7 +68,7 @@ def prompts(n, length, seed=7):
 
 def build(data: pathlib.Path, precisions, llama_bin: pathlib.Path):
     hf = D.build_hf(data)
-    col = D.build_colibri(data, hf, precisions)
+    col = D.build_colibri(data, hf, [p for p in precisions if p not in FROM_GGUF])
     ggufs = {}
     for p in precisions:
         name = GGUF[p]
@@ -81,6 +83,11 @@ def build(data: pathlib.Path, precisions, llama_bin: pathlib.Path):
                 subprocess.run([str(llama_bin / "llama-quantize"), str(f32), str(path), name, "2"], check=True,
                                stdout=subprocess.DEVNULL)
         ggufs[p] = path
+        if p in FROM_GGUF:
+            from colibri_server.model.gguf_import import convert_gguf
+            col[p] = data / f"bench-mixtral-{name}-auto.colibri"
+            if not col[p].exists():
+                convert_gguf(str(path), str(col[p]), progress=False, require_tokenizer=False)
     return col, ggufs
 
 

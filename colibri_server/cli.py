@@ -234,7 +234,8 @@ def cmd_convert(a):
                                        quant_group=a.quant_group, layout=a.layout)
         else:
             if a.quantize == "auto":
-                _die("--quantize auto keeps a GGUF's precision; for a checkpoint directory choose none, q8 or q4")
+                _die("--quantize auto keeps a GGUF's precision; for a checkpoint directory choose none, q8, q4 or one of "
+                     "llama.cpp's file types q4_k_m, q5_k_m, q6_k, q8_0, q4_0")
             errors = {}
             cfg = convert(a.hf_dir, a.output, a.dtype, name=a.name, license=a.license,
                           require_tokenizer=not a.no_tokenizer, progress=not a.quiet, quantize=a.quantize or "none",
@@ -615,9 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quantize", default=None, metavar="KIND",
                    help="none, q8 or q4: group-quantize the attention projections, experts and output head "
                         "(docs/format.md); default none for a checkpoint, auto for a GGUF (float -> none, quantized -> "
-                        "q8); blocks keeps a GGUF's quantized tensors in their own llama.cpp block types; "
-                        "q4_k_m, q5_k_m, q6_k, q8_0 or q4_0 (a checkpoint): its matrices in llama.cpp's block types, "
-                        "mixed per tensor as llama-quantize mixes that file type")
+                        "blocks); blocks keeps a GGUF's quantized tensors in their own llama.cpp block types, at the "
+                        "GGUF's size; q4_k_m, q5_k_m, q6_k, q8_0 or q4_0 (a checkpoint): its matrices in llama.cpp's "
+                        "block types, mixed per tensor as llama-quantize mixes that file type")
     c.add_argument("--quantize-head", choices=("none", "q8", "q4"), default=None,
                    help="the output head's precision (default: q8 under q4, else as --quantize)")
     c.add_argument("--quant-group", type=int, choices=(8, 16, 32, 64, 128), default=None,

@@ -30,16 +30,16 @@ def quantized(a: np.ndarray, kind, seed: int = 0) -> np.ndarray:
 def int8_rounded_products(monkeypatch):
     """Make every block-kind product of a Model the exact (float64) product of the `gguf` package's
     dequantized weights with the activations rounded as llama.cpp rounds them for its integer dots
-    (int8 per 32, scale max|x|/127, ties to even) for the kinds the kernels multiply that way (kernels/blocks
+    (int8 per 32, or per 256 for the k-quants in KROUND, scale max|x|/127, ties to even) for the kinds the kernels multiply that way (kernels/blocks
     FAST; the others take f32 activations): the reference the kernels are held to. (That rounding alone
     moves a small random model's logits far: its error is not the kernels'.)"""
     from colibri_server.model import transformer as TR
-    from colibri_server.model.kernels.blocks import FAST
+    from colibri_server.model.kernels.blocks import FAST, KROUND
 
     def product(self, X, W, out, alpha=1.0, accumulate=False):
         X = np.asarray(X, np.float64)
         T, n = X.shape
-        xb = X.reshape(T, -1, 32)
+        xb = X.reshape(T, -1, 256 if W.ggml in KROUND else 32)
         d = (np.abs(xb).max(-1, keepdims=True).astype(np.float32) / np.float32(127)).astype(np.float64)
         xr = (np.round(np.divide(xb, d, out=np.zeros_like(xb), where=d > 0)) * d).reshape(T, n) if W.ggml in FAST else X
         Wf = gguf.quants.dequantize(np.ascontiguousarray(W.raw), Q(W.ggml)).reshape(-1, n).astype(np.float64)

@@ -19,6 +19,7 @@ from colibri_server.model.blocks import BY_GGML, BlockTensor
 from colibri_server.model.blocks import KINDS as BLOCK_KINDS
 from colibri_server.model.gguf_import import convert_gguf
 from colibri_server.model.kernels import blocks as KB
+from colibri_server.model.kernels import blocks_gemm as KG
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
@@ -47,19 +48,47 @@ def test_products_equal_the_dequantized_product_within_the_rounding(kind):
     ref = KB.matmul_blocks_ref(raw, int(kind), X)
     out = np.zeros((T, d), np.float32)
     Xq, Xd, Xs = np.zeros((T, n), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32)
-    KB.matmul_blocks(raw, int(kind), X, out, Xq, Xd, Xs, np.zeros(n, np.float32), np.float32(1.0), False)
+    KG.matmul_blocks(raw, int(kind), X, out, Xq, Xd, Xs, np.zeros(KG.scratch_words(n), np.float32), np.float32(1.0), False)
     W = KB.dequantize_ref(raw, int(kind), n).astype(np.float64)
     if int(kind) in KB.FAST:
-        # activations rounded to int8 per 32: at most half a step (max|x_b|/127/2) per value, times |w|
-        step = np.abs(X.reshape(T, -1, 32)).max(axis=2) / 127 / 2                    # (T, n/32)
-        bound = (np.repeat(step, 32, axis=1) @ np.abs(W).T) * 1.001 + 1e-5
+        # activations rounded to int8 per 32 (256): at most half a step (max|x_b|/127/2) per value, times |w|
+        B = 256 if int(kind) in KB.KROUND else 32
+        step = np.abs(X.reshape(T, -1, B)).max(axis=2) / 127 / 2                    # (T, n/B)
+        bound = (np.repeat(step, B, axis=1) @ np.abs(W).T) * 1.001 + 1e-5
     else:
         bound = np.abs(X).astype(np.float64) @ np.abs(W).T * 1e-6 + 1e-6                 # f32 sums only
     assert (np.abs(out - ref) <= bound).all()
     one = np.zeros((1, d), np.float32)                                                 # one row: the same bits
-    KB.matmul_blocks(raw, int(kind), X[1:2], one, Xq[:1], Xd[:1], Xs[:1], np.zeros(n, np.float32), np.float32(1.0),
+    KG.matmul_blocks(raw, int(kind), X[1:2], one, Xq[:1], Xd[:1], Xs[:1], np.zeros(KG.scratch_words(n), np.float32), np.float32(1.0),
                      False)
     assert np.array_equal(one[0], out[1])
+
+
+@pytest.mark.skipif(not KG.HAVE_TILES, reason="the tiled product runs on AVX-512 VNNI only")
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda k: k.name)
+def test_the_tiled_product_gives_each_rows_matvec_bits(kind):
+    # 53 weight rows: 3 tiles of 16 and 5 rows through the row dots; 11 rows of X: 2 passes of 4 and 3 single rows
+    rng = np.random.default_rng(11)
+    d, n, T = 53, 768, 11
+    raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=5)
+    X = rng.standard_normal((T, n)).astype(np.float32) * rng.uniform(0.1, 3.0, (T, 1)).astype(np.float32)
+
+    def scratch(t):
+        return (np.zeros((t, n), np.int8), np.zeros((t, n // 32), np.float32), np.zeros((t, n // 16), np.int32),
+                np.zeros(KG.scratch_words(n), np.float32))
+    assert T >= KG.GEMM_MIN_ROWS
+    out = np.full((T, d), 0.5, np.float32)
+    KG.matmul_blocks(raw, int(kind), X, out, *scratch(T), np.float32(0.75), True)
+    for t in range(T):
+        one = np.full((1, d), 0.5, np.float32)
+        KG.matmul_blocks(raw, int(kind), X[t:t + 1], one, *scratch(1), np.float32(0.75), True)     # the row dots
+        assert np.array_equal(one[0].view(np.uint32), out[t].view(np.uint32)), t
+    ref = KB.matmul_blocks_ref(raw, int(kind), X)
+    W = np.abs(KB.dequantize_ref(raw, int(kind), n).astype(np.float64))
+    B = 256 if int(kind) in KB.KROUND else 32
+    step = np.abs(X.reshape(T, -1, B)).max(axis=2) / 127 / 2
+    bound = (np.repeat(step, B, axis=1) @ W.T) * 1.001 + 1e-5
+    assert (np.abs((out - 0.5) / 0.75 - ref) <= bound * 1.01 + 1e-5).all()
 
 
 def _mixed(name, a):

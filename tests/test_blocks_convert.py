@@ -20,6 +20,7 @@ from colibri_server.model import Model
 from colibri_server.model import format as fmt
 from colibri_server.model.gguf_import import convert_gguf
 from colibri_server.model.kernels import blocks as KB
+from colibri_server.model.kernels import blocks_gemm as KG
 
 ANCHORS = pathlib.Path(__file__).resolve().parent.parent / "bench" / ".anchors" / "bin"
 
@@ -91,10 +92,28 @@ def test_threads_give_the_one_thread_bits(kind):
     def scratch():
         return (np.zeros((T, n), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32))
     one = np.zeros((T, d), np.float32)
-    KB.matmul_blocks(raw, int(kind), X, one, *scratch(), np.zeros(n, np.float32), np.float32(1.0), False)
+    KG.matmul_blocks(raw, int(kind), X, one, *scratch(), np.zeros(KG.scratch_words(n), np.float32), np.float32(1.0), False)
     par = np.zeros((T, d), np.float32)
-    KB.matmul_blocks_par(raw, int(kind), X, par, *scratch(), np.zeros((2, n), np.float32), np.float32(1.0), False)
+    KG.matmul_blocks_par(raw, int(kind), X, par, *scratch(), np.zeros((2, KG.scratch_words(n)), np.float32), np.float32(1.0), False)
     assert np.array_equal(one, par)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda k: k.name)
+def test_a_quantized_gguf_converts_by_default_to_its_own_size(tmp_path, kind):
+    hf = _hf(tmp_path)
+    B = gguf.GGML_QUANT_SIZES[kind][0]
+
+    def matrix(name, a):
+        if a.ndim < 2 or a.shape[-1] % B or "ffn_gate_inp" in name:
+            return a, Q.F32
+        return quantized(a, kind, seed=len(name)), kind
+    write_gguf(hf, tmp_path / "q.gguf", "mixtral", matrix_type=matrix, config=_cfg())
+    cfg, rep = convert_gguf(str(tmp_path / "q.gguf"), str(tmp_path / "q.colibri"), "f32", progress=False,
+                            require_tokenizer=False)                           # --quantize auto, the default
+    assert cfg.quant == "none" and set(cfg.block_types.values()) == {kind.name.lower()}
+    size = (tmp_path / "q.colibri").stat().st_size / (tmp_path / "q.gguf").stat().st_size
+    assert size <= 1.03, size
+    assert np.isfinite(Model.open(str(tmp_path / "q.colibri")).logits(PROMPT)).all()
 
 
 @pytest.mark.skipif(not (ANCHORS / "llama-quantize").exists(), reason="llama.cpp's binaries are not built (bench/.anchors)")
@@ -108,9 +127,10 @@ def test_a_llama_quantized_q4_k_m_file_keeps_its_bytes_and_logits(tmp_path, monk
     tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "Q4_K_M.gguf")).tensors}
     types = {t.tensor_type for t in tensors.values()}
     assert Q.Q4_K in types and Q.Q6_K in types
-    cfg, rep = convert_gguf(str(tmp_path / "Q4_K_M.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks",
-                            progress=False, require_tokenizer=False)
-    assert not rep.converted
+    cfg, rep = convert_gguf(str(tmp_path / "Q4_K_M.gguf"), str(tmp_path / "b.colibri"), "f32",
+                            progress=False, require_tokenizer=False)                   # --quantize auto: blocks
+    assert not rep.converted and cfg.block_types
+    assert (tmp_path / "b.colibri").stat().st_size <= 1.03 * (tmp_path / "Q4_K_M.gguf").stat().st_size
     cf = fmt.ColibriFile.open(tmp_path / "b.colibri")
     for name, kind in cfg.block_types.items():
         t = tensors["token_embd.weight" if name == "token_embd" else name.replace("attn_o", "attn_output") + ".weight"]
@@ -131,7 +151,10 @@ def test_a_llama_quantized_q4_k_m_file_keeps_its_bytes_and_logits(tmp_path, monk
     ref = Model.open(str(tmp_path / "b.colibri")).logits(PROMPT)
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err < 5e-3, err                # f32 sums against float64 (measured 1.5e-3 on the llama-quantize'd file)
-    assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.9    # and the rounding itself stays small
+    # and the rounding itself stays small: the k-quants' activations are rounded per 256 as llama.cpp's Q8_K
+    # rounds them (kernels/blocks.quant_acts_k), which moves this small random model's near-even logits more than
+    # per-32 rounding did: argmax agreement measured 0.75 (0.9 per 32)
+    assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.7
 
 
 def test_decode_on_two_threads_gives_the_one_thread_bits(tmp_path):

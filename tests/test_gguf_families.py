@@ -20,6 +20,7 @@ import gguf
 import hf_models as H
 import numpy as np
 import pytest
+from blocks_data import int8_rounded_products
 from test_gguf_import import PROMPT, _import
 
 from colibri_server.model import Model
@@ -292,7 +293,7 @@ def test_f32_and_f16_ggufs_import_to_the_direct_conversion(ckpt, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_q8_0_gguf_imports_within_its_stated_error(ckpt, arch):
+def test_q8_0_gguf_imports_within_its_stated_error(ckpt, arch, monkeypatch):
     d, _, direct = ckpt(arch)
     _write(arch, d / "hf", d / "Q8_0.gguf", Q.Q8_0)
     cfg, report, _ = _import(d, "Q8_0", dtype="f32", quantize="none")
@@ -303,6 +304,17 @@ def test_q8_0_gguf_imports_within_its_stated_error(ckpt, arch):
     for name in ("wo", "w1"):       # Q8_0's own rounding of the checkpoint: under 1% relative RMS
         a, b = getattr(ref.layers[1], name), getattr(exact.layers[1], name)
         assert 0 < np.linalg.norm(a - b) / np.linalg.norm(b) < 0.01
+    # by default (--quantize auto) the Q8_0 blocks are kept and multiplied as they are (kernels/blocks): the
+    # logits of the gguf package's dequantized values with the activations rounded to int8 per 32, as the
+    # kernels round them (blocks_data.int8_rounded_products), up to f32 sums
+    (d / "Q8_0-auto.gguf").unlink(missing_ok=True)
+    (d / "Q8_0-auto.gguf").symlink_to(d / "Q8_0.gguf")
+    cfg, _, got = _import(d, "Q8_0-auto", dtype="f32")
+    assert "q8_0" in cfg.block_types.values()
+    int8_rounded_products(monkeypatch)
+    want = Model.open(str(d / "Q8_0-auto.colibri")).logits(PROMPT)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 5e-3, err
 
 
 def test_an_older_deepseek_gguf_with_one_kv_b_imports_the_same(ckpt):

@@ -270,8 +270,13 @@ def test_f16_and_q8_0_ggufs_match_the_direct_conversion_within_their_bounds(ckpt
     bound, agree = {"mixtral": (0.3, 0.8), "qwen2_moe": (0.1, 0.95)}[arch]
     assert np.linalg.norm(got8 - ref) <= bound * np.linalg.norm(ref)
     assert (got8.argmax(-1) == ref.argmax(-1)).mean() >= agree
-    # --quantize auto keeps an 8-bit GGUF at q8: the re-encoding error is reported per tensor
-    cfg, repq, gotq = _import(d, "Q8_0", dtype="f16", quantize="auto")
+    # --quantize auto keeps the Q8_0 blocks as they are (kernels/blocks), at the GGUF's size
+    cfg, _, gotb = _import(d, "Q8_0", dtype="f16", quantize="auto")
+    assert cfg.quant == "none" and set(cfg.block_types.values()) == {"q8_0"}
+    assert (d / "Q8_0.colibri").stat().st_size <= 1.03 * (d / "Q8_0.gguf").stat().st_size
+    assert np.linalg.norm(gotb - got8) <= bound * np.linalg.norm(got8)
+    # --quantize q8 re-encodes: the re-encoding error is reported per tensor
+    cfg, repq, gotq = _import(d, "Q8_0", dtype="f16", quantize="q8")
     assert cfg.quant == "q8"
     assert 0 < max(repq.errors.values()) < 2e-2
     # measured: 0.6% per tensor; logits against the Q8_0 import: Mixtral 0.21 of the norm (router
@@ -307,8 +312,9 @@ def test_q4_k_gguf_imports_exactly_to_f32_and_states_its_q4_error(tmp_path):
     _, rep, got = _import(tmp_path, "Q4_K", dtype="f32", quantize="none")
     assert np.array_equal(got, ref) and max(rep.errors.values()) == 0.0
     assert rep.source_types["Q4_K"] > 0
-    cfg, rep8, _ = _import(tmp_path, "Q4_K", dtype="f16", quantize="auto")
-    assert cfg.quant == "q8"                   # never q4 by default: 4-bit blocks would be rounded twice
+    cfg, _, _ = _import(tmp_path, "Q4_K", dtype="f16", quantize="auto")
+    assert cfg.quant == "none" and "q4_k" in cfg.block_types.values()     # by default kept as they are
+    cfg, rep8, _ = _import(tmp_path, "Q4_K", dtype="f16", quantize="q8")
     assert rep8.low_bit_share > 0.5
     cfg, rep4, got4 = _import(tmp_path, "Q4_K", dtype="f16", quantize="q4")
     assert cfg.quant == "q4"

@@ -406,17 +406,20 @@ def source_types(kv: GgufKV) -> dict:
 
 def auto_quantize(kv: GgufKV) -> str:
     """--quantize auto: none when most of the GGUF's matrix weights (by count; the embedding and
-    routers aside) are float, else q8. Never q4: re-quantizing 4-bit blocks (llama.cpp's grid, 32
-    along a row, an offset in Q4_1/K) onto q4's (symmetric, a scale per column per 64 rows) stacks
+    routers aside) are float, else blocks: every quantized tensor kept in its own llama.cpp type
+    (block_plan), the file within a few bytes of the GGUF's size, its products through the block
+    kernels (kernels/blocks, blocks_gemm: on bench-mixtral's Q4_K_M, Q4_0 and Q8_0 their prefill and
+    decode are at least q8's, docs/models.md). Never q4: re-quantizing 4-bit blocks (llama.cpp's grid,
+    32 along a row, an offset in Q4_1/K) onto q4's (symmetric, a scale per column per 64 rows) stacks
     a second rounding on the first: SmolLM2-135M's Q4_1 file went from perplexity 11.74 to 17.62
-    that way, and to 11.83 under q8 (bench/real_model.py)."""
+    that way (bench/real_model.py)."""
     by = {}
     for n, t in kv.tensors.items():
         if len(t.shape) >= 2 and n != "token_embd.weight" and "ffn_gate_inp" not in n:
             by[_type_name(t)] = by.get(_type_name(t), 0) + int(t.n_elements)
     if not by:
         return "none"
-    return "none" if max(by, key=by.get) in _FLOAT_TYPES else "q8"
+    return "none" if max(by, key=by.get) in _FLOAT_TYPES else "blocks"
 
 
 def low_bit_share(kv: GgufKV) -> float:

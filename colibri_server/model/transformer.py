@@ -30,6 +30,7 @@ from .config import ModelConfig
 from .decode_step import DecodeStep
 from .kernels import aligned_zeros, lazy_zeros
 from .kernels import blocks as KB
+from .kernels import blocks_gemm as KG
 from .kernels import decode as KD
 from .kernels import gemm as GE
 from .kernels import quant as KQ
@@ -193,9 +194,10 @@ class Workspace:
         if self._block_acts is None or self._block_acts[0].shape[0] < T:
             R, N = max(T, self.rows), self._n_max
             self._block_acts = (aligned_zeros((R, N), np.int8), aligned_zeros((R, N // KB.QB), np.float32),
-                                aligned_zeros((R, N // KB.SB), np.int32), aligned_zeros((2 * self.threads, N), np.float32))
+                                aligned_zeros((R, N // KB.SB), np.int32),
+                                aligned_zeros((2 * self.threads, KG.scratch_words(N)), np.float32))
         q, d, s, tmps = self._block_acts
-        return q[:T, :n], d[:T, :n // KB.QB], s[:T, :n // KB.SB], tmps[:, :n]
+        return q[:T, :n], d[:T, :n // KB.QB], s[:T, :n // KB.SB], tmps[:, :KG.scratch_words(n)]
 
     def mm_blocks(self, X, W, out, alpha: float = 1.0, accumulate: bool = False):
         """out (T,d) (=|+=) alpha * X (T,n) @ W.T for a block-kind W (kernels/blocks): the rows of X rounded
@@ -203,9 +205,9 @@ class Workspace:
         T, n = X.shape
         Xq, Xd, Xs, tmps = self.block_acts(T, n)
         if self.threads > 1 and out.shape[1] * n >= self.PAR_MIN_BLOCK_WEIGHTS:
-            KB.matmul_blocks_par(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[:self.threads], np.float32(alpha), accumulate)
+            KG.matmul_blocks_par(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[:self.threads], np.float32(alpha), accumulate)
         else:
-            KB.matmul_blocks(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[0], np.float32(alpha), accumulate)
+            KG.matmul_blocks(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[0], np.float32(alpha), accumulate)
         return out
 
     def experts_blocks(self, layer, idx, wts, x, out) -> None:

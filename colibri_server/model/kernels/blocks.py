@@ -5,18 +5,19 @@ the GGML type id. Three things here:
 
 * dequantizers, one per kind (deq_row: one row -> f32), bit for bit what the `gguf` package's
   dequantize gives (the same float32 operations in the same order, no fused multiply-add);
-* the activations rounded once per row the way llama.cpp rounds them for its integer dots
-  (quant_acts): int8 in blocks of 32 with one f32 scale each (Q8_0's rounding, for every kind:
-  the k-quants' sub-blocks are 32 or 16 weights, so a 32-block scale folds into the sub-block's
-  scale with no extra work, finer than Q8_K's one scale per 256), and the int32 sum of every 16
-  rounded values (the offsets and minimums of Q4_0, Q4_1, Q5_*, Q4_K, Q2_K, Q6_K are folded through
-  them);
-* dots of one weight row with a rounded activation row: integer products accumulated in int32
-  per sub-block, scaled by f32 once per sub-block (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), and for the other
-  kinds the row dequantized to f32 and dotted with the f32 activations (the generic path).
+* the activations rounded once per row the way llama.cpp rounds them for its integer dots: int8
+  in blocks of 32 with one f32 scale each (quant_acts: Q8_0's rounding, for the 32-block kinds) or
+  of 256 (quant_acts_k: Q8_K's, for the k-quants in KROUND, whose sub-block scales are integers
+  that multiply exact int32 sums), and the int32 sum of every 16 rounded values (the offsets and
+  minimums of Q4_0, Q4_1, Q4_K, Q6_K are folded through them);
+* dots of one weight row with a rounded activation row (blocks_ir): exact integer sums per block,
+  one float step per block (Q8_0, Q4_0, Q4_1: per 32, into 8 partial sums; Q4_K, Q5_K, Q6_K: per
+  256), and for the other kinds the row dequantized to f32 and dotted with the f32 activations
+  (the generic path).
 
-Every product (batch-1 matvec, a serving step's rows, prefill, experts) goes through row_dot,
-so the same row and activation row give the same bits whatever the caller.
+Every product (batch-1 matvec, a serving step's rows, prefill, experts) goes through these row dots
+or, for many rows of the integer kinds, through kernels/blocks_gemm's tiles, which compute the same integers
+and float operations: the same row and activation row give the same bits whatever the caller.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import numpy as np
 from numba import njit, prange
 
 from .base import _REDUCE_FM, to_f32
-from .blocks_ir import kblock_q4_k, kblock_q6_k, mac_q5, row_q4_0, row_q8_0
+from .blocks_ir import kblock_q4_k, kblock_q5_k, kblock_q6_k, row_q4_0, row_q4_1, row_q8_0
 from .moe import _silu_mul_1d
 from .quant_ir import _bits_f32, _round
 
@@ -34,7 +35,8 @@ SB = 16          # activations per int32 sum
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 IQ4_NL, IQ4_XS, MXFP4 = 20, 23, 39
-FAST = (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)    # the kinds with integer dots
+FAST = (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)    # the kinds with integer dots
+KROUND = (Q4_K, Q5_K, Q6_K)                   # activations rounded per 256 (quant_acts_k), integer sums per block
 
 _KV_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 _KV_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
@@ -236,11 +238,6 @@ def _dot_f32(y, x):
 
 
 @njit(cache=True, inline="always")
-def _hsum8(v):
-    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))
-
-
-@njit(cache=True, inline="always")
 def _dot_q8_0(r, x, xq, xd, xs, v):
     return row_q8_0(r, xq, xd, xs, x.shape[0] // 32)
 
@@ -251,35 +248,31 @@ def _dot_q4_0(r, x, xq, xd, xs, v):
 
 
 @njit(cache=True, inline="always")
+def _dot_q4_1(r, x, xq, xd, xs, v):
+    return row_q4_1(r, xq, xd, xs, x.shape[0] // 32)
+
+
+@njit(cache=True, inline="always")
 def _dot_q4_k(r, x, xq, xd, xs, v):
     acc = np.float32(0.0)
     for b in range(x.shape[0] // 256):
-        acc += kblock_q4_k(r, b * 144, xq, xd, xs, b)
+        acc = kblock_q4_k(r, b * 144, xq, xd, xs, b, acc)
     return acc
 
 
 @njit(cache=True, inline="always")
 def _dot_q5_k(r, x, xq, xd, xs, v):
-    v[:] = 0.0
-    mins = np.float32(0.0)
+    acc = np.float32(0.0)
     for b in range(x.shape[0] // 256):
-        o = b * 176
-        d = _f16(r, o)
-        dmin = _f16(r, o + 2)
-        sc = r[o + 4:o + 16]
-        for j in range(8):
-            s, m = _k_scale_min(sc, j)
-            a = b * 8 + j
-            mac_q5(v, r, o + 48 + (j // 2) * 32, 4 * (j % 2), o + 16, j, xq, a * 32, (d * np.float32(s)) * xd[a])
-            mins += (dmin * np.float32(m)) * (xd[a] * np.float32(xs[2 * a] + xs[2 * a + 1]))
-    return _hsum8(v) - mins
+        acc = kblock_q5_k(r, b * 176, xq, xd, xs, b, acc)
+    return acc
 
 
 @njit(cache=True, inline="always")
 def _dot_q6_k(r, x, xq, xd, xs, v):
     acc = np.float32(0.0)
     for b in range(x.shape[0] // 256):
-        acc += kblock_q6_k(r, b * 210, xq, xd, xs, b)
+        acc = kblock_q6_k(r, b * 210, xq, xd, xs, b, acc)
     return acc
 
 
@@ -291,14 +284,17 @@ def row_dot(kind, r, x, xq, xd, xs, tmp):
         return _dot_q8_0(r, x, xq, xd, xs, tmp[:16])
     if kind == Q4_0:
         return _dot_q4_0(r, x, xq, xd, xs, tmp[:16])
+    if kind == Q4_1:
+        return _dot_q4_1(r, x, xq, xd, xs, tmp[:16])
     if kind == Q4_K:
         return _dot_q4_k(r, x, xq, xd, xs, tmp[:16])
     if kind == Q6_K:
         return _dot_q6_k(r, x, xq, xd, xs, tmp[:16])
     if kind == Q5_K:
         return _dot_q5_k(r, x, xq, xd, xs, tmp[:16])
-    deq_row(kind, r, tmp)
-    return _dot_f32(tmp, x)
+    y = tmp[:x.shape[0]]
+    deq_row(kind, r, y)
+    return _dot_f32(y, x)
 
 
 @njit(cache=True, inline="always")
@@ -324,6 +320,14 @@ def _rows_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     for i in range(i0, i1):
         for t in range(X.shape[0]):
             _put2(out, t, i, _dot_q4_0(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
+
+
+@njit(cache=True)
+def _rows_q4_1(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    v = tmp[:16]
+    for i in range(i0, i1):
+        for t in range(X.shape[0]):
+            _put2(out, t, i, _dot_q4_1(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
 
 
 @njit(cache=True)
@@ -357,6 +361,8 @@ def _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         _rows_q8_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
     elif kind == Q4_0:
         _rows_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
+    elif kind == Q4_1:
+        _rows_q4_1(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
     elif kind == Q4_K:
         _rows_q4_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
     elif kind == Q5_K:
@@ -364,35 +370,47 @@ def _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     elif kind == Q6_K:
         _rows_q6_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
     else:
+        y = tmp[:X.shape[1]]
         for i in range(i0, i1):
-            deq_row(kind, raw[i], tmp)
+            deq_row(kind, raw[i], y)
             for t in range(X.shape[0]):
-                _put2(out, t, i, _dot_f32(tmp, X[t]), alpha, accumulate)
+                _put2(out, t, i, _dot_f32(y, X[t]), alpha, accumulate)
+
+
+@njit(cache=True, inline="always")
+def quant_acts_k(x, xq, xd, xs):
+    # x (n,) f32 -> xq (n,) i8 = round(x / d_b) per 256-block b (llama.cpp's Q8_K rounding, for the k-quants
+    # whose sums are integer over a whole block: KROUND), xd[b] = d_b = max|x_b| / 127, xs (n/16,) i32 as quant_acts
+    for b in range(x.shape[0] // 256):
+        m = np.float32(0.0)
+        for k in range(256):
+            m = max(m, abs(x[b * 256 + k]))
+        d = m / np.float32(127.0)
+        xd[b] = d
+        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+        for g in range(16):
+            s = np.int32(0)
+            for k in range(b * 256 + g * SB, b * 256 + g * SB + SB):
+                a = _round(x[k] * inv)
+                xq[k] = np.int8(a)
+                s += a
+            xs[b * 16 + g] = s
+
+
+@njit(cache=True, inline="always")
+def _kround(kind):
+    return kind == Q4_K or kind == Q5_K or kind == Q6_K
 
 
 @njit(cache=True)
-def round_rows(X, Xq, Xd, Xs):
-    # every row of X (T, n) rounded (quant_acts) into Xq (T, n) i8, Xd (T, n/32) f32, Xs (T, n/16) i32
+def round_rows(kind, X, Xq, Xd, Xs):
+    # every row of X (T, n) rounded for kind into Xq (T, n) i8, Xd (T, n/32) f32, Xs (T, n/16) i32 (quant_acts, or
+    # quant_acts_k for the KROUND kinds: their scales in Xd[:, :n/256])
     for t in range(X.shape[0]):
-        quant_acts(X[t], Xq[t], Xd[t], Xs[t])
-
-
-@njit(cache=True)
-def matmul_blocks(raw, kind, X, out, Xq, Xd, Xs, tmp, alpha, accumulate):
-    # X (T, n) f32 @ W.T -> out (T, d) (=|+= alpha *); W raw (d, row bytes) of GGML type kind; scratch: Xq (T,n) i8,
-    # Xd (T,n/32) f32, Xs (T,n/16) i32, tmp (n,) f32
-    round_rows(X, Xq, Xd, Xs)
-    _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, 0, raw.shape[0], alpha, accumulate)
-
-
-@njit(cache=True, parallel=True)
-def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
-    # matmul_blocks with the rows split over tmps.shape[0] chunks run by Numba threads
-    round_rows(X, Xq, Xd, Xs)
-    d = raw.shape[0]
-    nt = tmps.shape[0]
-    for c in prange(nt):
-        _rows(raw, kind, X, Xq, Xd, Xs, out, tmps[c], c * d // nt, (c + 1) * d // nt, alpha, accumulate)
+        if _kround(kind):
+            quant_acts_k(X[t], Xq[t], Xd[t], Xs[t])
+        else:
+            quant_acts(X[t], Xq[t], Xd[t], Xs[t])
 
 
 def matmul_blocks_ref(raw, kind, X):
@@ -418,16 +436,23 @@ def experts_decode_par(r1, k1, r3, k3, r2, k2, idx, wts, x, H1, H3, out, Xq, Xd,
     I = H1.shape[1]
     D = out.shape[1]
     nt = tmps.shape[0]
-    round_rows(x, Xq, Xd, Xs)
+    round_rows(k1, x, Xq, Xd, Xs)
+    same = _kround(k1) == _kround(k3)           # one rounding of x serves both up matrices
     one = np.float32(1.0)
     for p in prange(nt):
         for a in range(A):
             e = idx[a]
             _rows(r1[e], k1, x, Xq, Xd, Xs, H1[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, False)
-            _rows(r3[e], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, False)
+            if same:
+                _rows(r3[e], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, False)
+    if not same:
+        round_rows(k3, x, Xq, Xd, Xs)
+        for p in prange(nt):
+            for a in range(A):
+                _rows(r3[idx[a]], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, False)
     for a in range(A):
         _silu_mul_1d(H1[a], H3[a])
-    round_rows(H1, Hq, Hd, Hs)
+    round_rows(k2, H1, Hq, Hd, Hs)
     for p in prange(nt):
         for a in range(A):
             _rows(r2[idx[a]], k2, H1[a:a + 1], Hq[a:a + 1], Hd[a:a + 1], Hs[a:a + 1], out, tmps[p],

@@ -1,11 +1,12 @@
-"""The integer inner dots of the block kinds (kernels/blocks), written as LLVM vector IR.
+"""The integer row dots of the block kinds (kernels/blocks), written as LLVM vector IR.
 
 Numba types integer arithmetic at 64 bits, so a plain loop of int8 products widens to i64 lanes
-and LLVM cannot find the byte instructions. Here each dot is one vector expression over a whole
-sub-block, 8-bit values widened to i32, multiplied and summed with `llvm.vector.reduce.add`; the
-x86 back end turns it into `vpmaddwd` (signed x signed) or, for unsigned nibbles times signed
-activations on AVX-512 VNNI / AVX-VNNI, `vpdpbusd` (asm checked with inspect_asm; bench/blocks.py).
-On other CPUs LLVM lowers the same IR to what the target has.
+and LLVM cannot find the byte instructions. Here each dot is vector expressions over whole
+sub-blocks: Q8_0 and Q4_0 rows with `vpdpbusd` (AVX-512 VNNI / AVX-VNNI) or `vpmaddwd`, their f32
+scale per 32-block; the k-quants (Q4_K, Q5_K, Q6_K) with `vpmaddubsw` (values times activations,
+pairs in i16) and `vpmaddwd` by the sub-block scales, so a 256-block's sum is one exact int32 and
+its float step (k_update) is shared with the tiled GEMM (kernels/blocks_gemm). On CPUs without
+AVX2 LLVM lowers portable IR of the same integers to what the target has.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu import FEATURES, HAVE_VNNI512
+from .cpu import FEATURES, HAVE_AVX2, HAVE_VNNI512
 from .prefetch import prefetch_ahead
 
 # vpdpbusd on 256-bit registers: AVX-512 VNNI with VL (Zen 4, Ice Lake on), or AVX-VNNI (Alder Lake on)
@@ -27,78 +28,14 @@ _i8, _i32 = ir.IntType(8), ir.IntType(32)
 BLOCK_AHEAD = 4096
 
 
-def _ptr(context, builder, aty, arr, off):
-    a = context.make_array(aty)(context, builder, arr)
-    return builder.gep(builder.bitcast(a.data, _i8.as_pointer()), [off])
-
-
 def _load(builder, p, n):
     return builder.load(builder.bitcast(p, ir.VectorType(_i8, n).as_pointer()), align=1)
-
-
-def _splat(builder, v, n):
-    vt = ir.VectorType(_i8, n)
-    s = builder.insert_element(ir.Constant(vt, None), builder.trunc(v, _i8), ir.Constant(_i32, 0))
-    return builder.shuffle_vector(s, ir.Constant(vt, None), ir.Constant(ir.VectorType(_i32, n), [0] * n))
 
 
 def _reduce(builder, prod, n):
     vd = ir.VectorType(_i32, n)
     f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_i32, [vd]), f"llvm.vector.reduce.add.v{n}i32")
     return builder.call(f, [prod])
-
-
-def _dot(builder, w_u8, x_s8, n, unsigned):
-    vd = ir.VectorType(_i32, n)
-    w = builder.zext(w_u8, vd) if unsigned else builder.sext(w_u8, vd)
-    return _reduce(builder, builder.mul(w, builder.sext(x_s8, vd)), n)
-
-
-@intrinsic
-def dot_i8(typingctx, w, wo, x, xo):
-    """sum_k int8(w[wo+k]) * x[xo+k], k < 32: w u8 array (its bytes read as int8), x int8 array -> int32."""
-    sig = types.int32(w, wo, x, xo)
-
-    def codegen(context, builder, signature, args):
-        wv = _load(builder, _ptr(context, builder, signature.args[0], args[0], args[1]), 32)
-        xv = _load(builder, _ptr(context, builder, signature.args[2], args[2], args[3]), 32)
-        return _dot(builder, wv, xv, 32, False)
-    return sig, codegen
-
-
-@intrinsic
-def dot_nib(typingctx, w, wo, sh, x, xo, n):
-    """sum_k ((w[wo+k] >> sh) & 15) * x[xo+k], k < n (n a literal 16 or 32): 4-bit values times int8 -> int32."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-    cnt = n.literal_value
-    sig = types.int32(w, wo, sh, x, xo, n)
-
-    def codegen(context, builder, signature, args):
-        b = _load(builder, _ptr(context, builder, signature.args[0], args[0], args[1]), cnt)
-        v = builder.and_(builder.lshr(b, _splat(builder, args[2], cnt)), ir.Constant(ir.VectorType(_i8, cnt), [15] * cnt))
-        xv = _load(builder, _ptr(context, builder, signature.args[3], args[3], args[4]), cnt)
-        return _dot(builder, v, xv, cnt, True)
-    return sig, codegen
-
-
-@intrinsic
-def dot_q6(typingctx, w, lo, sh4, hi, sh2, x, xo):
-    """Q6_K's 16 values: sum_k (((w[lo+k] >> sh4) & 15) | (((w[hi+k] >> sh2) & 3) << 4)) * x[xo+k], k < 16 -> int32
-    (the 6-bit values 0..63, before Q6_K's offset of 32)."""
-    sig = types.int32(w, lo, sh4, hi, sh2, x, xo)
-
-    def codegen(context, builder, signature, args):
-        n = 16
-        vt = ir.VectorType(_i8, n)
-        bl = _load(builder, _ptr(context, builder, signature.args[0], args[0], args[1]), n)
-        bh = _load(builder, _ptr(context, builder, signature.args[0], args[0], args[3]), n)
-        low = builder.and_(builder.lshr(bl, _splat(builder, args[2], n)), ir.Constant(vt, [15] * n))
-        high = builder.and_(builder.lshr(bh, _splat(builder, args[4], n)), ir.Constant(vt, [3] * n))
-        v = builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * n)))
-        xv = _load(builder, _ptr(context, builder, signature.args[5], args[5], args[6]), n)
-        return _dot(builder, v, xv, n, True)
-    return sig, codegen
 
 
 # ---------------------------------------------------------------------------- multiply-accumulate forms
@@ -140,118 +77,14 @@ def _dot8(builder, w, x, signed):
     return builder.call(f, [ir.Constant(vd, None), builder.bitcast(w, vd), builder.bitcast(x, vd)])
 
 
-def _mac(context, builder, aty, acc_arr, p8, scale):
-    a = context.make_array(aty)(context, builder, acc_arr)
-    vf = ir.VectorType(_f32, 8)
-    ptr = builder.bitcast(a.data, vf.as_pointer())
-    sv = builder.insert_element(ir.Constant(vf, None), scale, ir.Constant(_i32, 0))
-    sv = builder.shuffle_vector(sv, ir.Constant(vf, None), ir.Constant(ir.VectorType(_i32, 8), [0] * 8))
-    builder.store(builder.fadd(builder.load(ptr, align=4), builder.fmul(builder.sitofp(p8, vf), sv)), ptr, align=4)
-
-
 def _i16(builder, v, n, signed):
     vw = ir.VectorType(ir.IntType(16), n)
     return builder.sext(v, vw) if signed else builder.zext(v, vw)
 
 
-@intrinsic
-def mac_i8(typingctx, acc, w, wo, x, xo, scale):
-    """acc (8,) f32 += pairs(int8(w[wo:wo+32]) * x[xo:xo+32]) * scale (Q8_0's block)."""
-    sig = types.void(acc, w, wo, x, xo, scale)
-
-    def codegen(context, builder, signature, args):
-        a = signature.args
-        wv = _load(builder, _ptr(context, builder, a[1], args[1], args[2]), 32)
-        xv = _load(builder, _ptr(context, builder, a[3], args[3], args[4]), 32)
-        _mac(context, builder, a[0], args[0], _pairs(builder, _i16(builder, wv, 32, True), _i16(builder, xv, 32, True), 32),
-             args[5])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def mac_q4_0(typingctx, acc, w, wo, x, xo, scale):
-    """acc (8,) f32 += pairs((nibbles of w[wo:wo+16], low then high) - 8) * x[xo:xo+32]) * scale (Q4_0's block)."""
-    sig = types.void(acc, w, wo, x, xo, scale)
-
-    def codegen(context, builder, signature, args):
-        a = signature.args
-        vt = ir.VectorType(_i8, 16)
-        b = _load(builder, _ptr(context, builder, a[1], args[1], args[2]), 16)
-        lo = builder.and_(b, ir.Constant(vt, [15] * 16))
-        hi = builder.lshr(b, ir.Constant(vt, [4] * 16))
-        q = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-        q = builder.sub(q, ir.Constant(ir.VectorType(_i8, 32), [8] * 32))
-        xv = _load(builder, _ptr(context, builder, a[3], args[3], args[4]), 32)
-        _mac(context, builder, a[0], args[0], _pairs(builder, _i16(builder, q, 32, True), _i16(builder, xv, 32, True), 32),
-             args[5])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def mac_nib(typingctx, acc, w, wo, sh, x, xo, scale):
-    """acc (8,) f32 += pairs(((w[wo:wo+32] >> sh) & 15) * x[xo:xo+32]) * scale (a Q4_K sub-block, before its min)."""
-    sig = types.void(acc, w, wo, sh, x, xo, scale)
-
-    def codegen(context, builder, signature, args):
-        a = signature.args
-        b = _load(builder, _ptr(context, builder, a[1], args[1], args[2]), 32)
-        q = builder.and_(builder.lshr(b, _splat(builder, args[3], 32)), ir.Constant(ir.VectorType(_i8, 32), [15] * 32))
-        xv = _load(builder, _ptr(context, builder, a[4], args[4], args[5]), 32)
-        _mac(context, builder, a[0], args[0], _pairs(builder, _i16(builder, q, 32, False), _i16(builder, xv, 32, True), 32),
-             args[6])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def mac_q6(typingctx, acc, w, lo, sh4, hi, sh2, x, xo, scale):
-    """acc (8,) f32 += pairs((6-bit values - 32) * x[xo:xo+16]) * scale: Q6_K's 16 values sharing one scale."""
-    sig = types.void(acc, w, lo, sh4, hi, sh2, x, xo, scale)
-
-    def codegen(context, builder, signature, args):
-        a = signature.args
-        n = 16
-        vt = ir.VectorType(_i8, n)
-        bl = _load(builder, _ptr(context, builder, a[1], args[1], args[2]), n)
-        bh = _load(builder, _ptr(context, builder, a[1], args[1], args[4]), n)
-        low = builder.and_(builder.lshr(bl, _splat(builder, args[3], n)), ir.Constant(vt, [15] * n))
-        high = builder.and_(builder.lshr(bh, _splat(builder, args[5], n)), ir.Constant(vt, [3] * n))
-        q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * n))), ir.Constant(vt, [32] * n))
-        xv = _load(builder, _ptr(context, builder, a[6], args[6], args[7]), n)
-        _mac(context, builder, a[0], args[0], _pairs(builder, _i16(builder, q, n, True), _i16(builder, xv, n, True), n),
-             args[8])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def mac_q5(typingctx, acc, w, wo, sh, h, hsh, x, xo, scale):
-    """acc (8,) f32 += pairs(((w[wo+k] >> sh) & 15 | ((w[h+k] >> hsh) & 1) << 4) * x[xo+k], k < 32) * scale
-    (a Q5_K sub-block, before its min)."""
-    sig = types.void(acc, w, wo, sh, h, hsh, x, xo, scale)
-
-    def codegen(context, builder, signature, args):
-        a = signature.args
-        n = 32
-        vt = ir.VectorType(_i8, n)
-        bl = _load(builder, _ptr(context, builder, a[1], args[1], args[2]), n)
-        bh = _load(builder, _ptr(context, builder, a[1], args[1], args[4]), n)
-        low = builder.and_(builder.lshr(bl, _splat(builder, args[3], n)), ir.Constant(vt, [15] * n))
-        high = builder.and_(builder.lshr(bh, _splat(builder, args[5], n)), ir.Constant(vt, [1] * n))
-        q = builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * n)))
-        xv = _load(builder, _ptr(context, builder, a[6], args[6], args[7]), n)
-        _mac(context, builder, a[0], args[0], _pairs(builder, _i16(builder, q, n, False), _i16(builder, xv, n, True), n),
-             args[8])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
 # ---------------------------------------------------------------------------- whole rows and blocks
-# The forms above keep the accumulator in memory, one load and store per sub-block: a dependency chain
-# of ~8 cycles per 32 weights (Q8_0 at 19 GB/s). These keep it in a register for a whole row (Q8_0,
-# Q4_0) or a whole 256-block (the k-quants, their sub-block scales computed beforehand).
+# The accumulator stays in a register for a whole row (Q8_0, Q4_0) or a whole 256-block (the k-quants,
+# whose sums are integer over the block: one float step per block, k_update).
 
 def _arr_ptr(context, builder, aty, arr, ty):
     return builder.bitcast(context.make_array(aty)(context, builder, arr).data, ty.as_pointer())
@@ -269,13 +102,45 @@ def _hsum(builder, acc):
                         builder.fadd(builder.fadd(lanes[4], lanes[5]), builder.fadd(lanes[6], lanes[7])))
 
 
-def _row32(nibbles):
-    """The row loop of a 32-block kind with an f16 scale first: Q8_0 (34 bytes) or Q4_0 (18)."""
-    size = 18 if nibbles else 34
+def _sum8(builder, ps):
+    """8 <8 x i32> vectors -> one <8 x i32>, lane i the sum of ps[i]'s lanes (exact: integers)."""
+    v8 = ir.VectorType(_i32, 8)
+    while len(ps) > 1:
+        nxt = []
+        for a, b in zip(ps[0::2], ps[1::2]):
+            ev = builder.shuffle_vector(a, b, ir.Constant(v8, list(range(0, 16, 2))))
+            od = builder.shuffle_vector(a, b, ir.Constant(v8, list(range(1, 16, 2))))
+            nxt.append(builder.add(ev, od))
+        ps = nxt
+    return ps[0]
+
+
+def b32_update(builder, acc, isum, d, xd, xsum=None, m=None):
+    """The 32-block kinds' float step, shared with the tiled GEMM (kernels/blocks_gemm): acc + float(isum) * (d * xd)
+    [+ float(xsum) * (m * xd): Q4_1's min], acc one of 8 partial sums (block b goes to lane b mod 8 here, to
+    accumulator b mod 8 there)."""
+    acc = builder.fadd(acc, builder.fmul(builder.sitofp(isum, acc.type), builder.fmul(d, xd)))
+    if m is not None:
+        acc = builder.fadd(acc, builder.fmul(builder.sitofp(xsum, acc.type), builder.fmul(m, xd)))
+    return acc
+
+
+def b32_total(builder, accs):
+    """The 8 partial sums of a 32-block row: ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))."""
+    return builder.fadd(builder.fadd(builder.fadd(accs[0], accs[1]), builder.fadd(accs[2], accs[3])),
+                        builder.fadd(builder.fadd(accs[4], accs[5]), builder.fadd(accs[6], accs[7])))
+
+
+def _row32(nibbles, mins=False):
+    """The row dot of a 32-block kind with an f16 scale first: Q8_0 (34 bytes), Q4_0 (18) or Q4_1 (mins: 20, an f16
+    min second). Block b's exact integer sum (Q4_0: its nibbles' 8 taken out through the activations' 16-sums)
+    times d_b * xd_b goes to partial sum b mod 8 (b32_update; Q4_1: plus the activations' sum times m_b * xd_b),
+    8 blocks at a time as one vector; the partials summed by b32_total."""
+    size = 20 if mins else 18 if nibbles else 34
+    qoff = 4 if mins else 2
 
     def impl(typingctx, r, xq, xd, xs, nb):
         sig = types.float32(r, xq, xd, xs, nb)
-        offset = nibbles and HAVE_VNNI256     # Q4_0 as unsigned nibbles, its 8 taken out through the 16-sums
 
         def codegen(context, builder, signature, args):
             a = signature.args
@@ -283,48 +148,66 @@ def _row32(nibbles):
             rp = _arr_ptr(context, builder, a[0], args[0], _i8)
             xp = _arr_ptr(context, builder, a[1], args[1], _i8)
             dp = _arr_ptr(context, builder, a[2], args[2], _f32)
-            vf = ir.VectorType(_f32, 8)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(2)]
             sp = _arr_ptr(context, builder, a[3], args[3], _i32)
-            corr = cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0))
+            vf, v8 = ir.VectorType(_f32, 8), ir.VectorType(_i32, 8)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
             nb = args[4]
 
-            def block(b, acc):
+            def block(b):
+                """(block b's lane products, its f16 scale as f32, Q4_1: its f16 min as f32)."""
                 o = builder.mul(b, ir.Constant(idx, size))
                 prefetch_ahead(builder, [rp], o, ahead=BLOCK_AHEAD)
-                hp = builder.bitcast(builder.gep(rp, [o]), ir.IntType(16).as_pointer())
-                d = builder.fpext(builder.bitcast(builder.load(hp, align=1), ir.HalfType()), _f32)
-                scale = builder.fmul(d, builder.load(builder.gep(dp, [b])))
                 xv = _load(builder, builder.gep(xp, [builder.mul(b, ir.Constant(idx, 32))]), 32)
-                wp = builder.gep(rp, [builder.add(o, ir.Constant(idx, 2))])
+                wp = builder.gep(rp, [builder.add(o, ir.Constant(idx, qoff))])
                 if nibbles:
                     vt = ir.VectorType(_i8, 16)
                     bb = _load(builder, wp, 16)
                     q = builder.shuffle_vector(builder.and_(bb, ir.Constant(vt, [15] * 16)),
                                                builder.lshr(bb, ir.Constant(vt, [4] * 16)),
                                                ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-                    if offset:
-                        s2 = builder.gep(sp, [builder.mul(b, ir.Constant(idx, 2))])
-                        xsum = builder.add(builder.load(s2), builder.load(builder.gep(s2, [ir.Constant(idx, 1)])))
-                        c = builder.fmul(scale, builder.sitofp(builder.mul(xsum, ir.Constant(_i32, 8)), _f32))
-                        builder.store(builder.fadd(builder.load(corr), c), corr)
-                    else:
-                        q = builder.sub(q, ir.Constant(ir.VectorType(_i8, 32), [8] * 32))
+                    p8 = _dot8(builder, q, xv, False)
                 else:
-                    q = _load(builder, wp, 32)
-                p8 = _dot8(builder, q, xv, not offset)
-                builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(p8, vf), _splat_f(builder, scale))),
-                              acc)
-            two = ir.Constant(idx, 2)
-            with cgutils.for_range(builder, builder.sdiv(nb, two)) as loop:      # two blocks, two accumulators
-                b0 = builder.mul(loop.index, two)
-                block(b0, accs[0])
-                block(builder.add(b0, ir.Constant(idx, 1)), accs[1])
-            with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(nb, two), two), nb,
-                                         ir.Constant(idx, 1)) as (b, _):
-                block(b, accs[0])
-            acc = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-            return builder.fsub(_hsum(builder, acc), builder.load(corr))
+                    p8 = _dot8(builder, _load(builder, wp, 32), xv, True)
+                m = _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2))) if mins else None
+                return p8, _f16_at(builder, rp, o), m
+
+            def sums8(b0):
+                """The activations' 32-sums of blocks b0..b0+8 (<8 x i32>)."""
+                xs16 = _vload(builder, sp, builder.mul(b0, ir.Constant(idx, 2)), ir.VectorType(_i32, 16))
+                ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
+                od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
+                return builder.add(ev, od)
+
+            eight = ir.Constant(idx, 8)
+            with cgutils.for_range(builder, builder.sdiv(nb, eight)) as loop:      # 8 blocks, one per lane
+                b0 = builder.mul(loop.index, eight)
+                ps, ds, ms = [], ir.Constant(vf, None), ir.Constant(vf, None)
+                for i in range(8):
+                    p8, d, m = block(builder.add(b0, ir.Constant(idx, i)))
+                    ps.append(p8)
+                    ds = builder.insert_element(ds, d, ir.Constant(_i32, i))
+                    if mins:
+                        ms = builder.insert_element(ms, m, ir.Constant(_i32, i))
+                isum = _sum8(builder, ps)
+                if nibbles and not mins:
+                    isum = builder.sub(isum, builder.mul(sums8(b0), ir.Constant(v8, [8] * 8)))
+                builder.store(b32_update(builder, builder.load(acc), isum, ds, _vload(builder, dp, b0, vf),
+                                         sums8(b0) if mins else None, ms if mins else None), acc)
+            with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(nb, eight), eight), nb,
+                                         ir.Constant(idx, 1)) as (b, _):           # the rest: lane b mod 8 alone
+                p8, d, m = block(b)
+                isum = _reduce(builder, p8, 8)
+                s2 = builder.gep(sp, [builder.mul(b, ir.Constant(idx, 2))])
+                xsum = builder.add(builder.load(s2), builder.load(builder.gep(s2, [ir.Constant(idx, 1)])))
+                if nibbles and not mins:
+                    isum = builder.sub(isum, builder.mul(xsum, ir.Constant(_i32, 8)))
+                lane = builder.trunc(builder.srem(b, eight), _i32)
+                v = builder.load(acc)
+                upd = b32_update(builder, builder.extract_element(v, lane), isum, d, builder.load(builder.gep(dp, [b])),
+                                 xsum if mins else None, m)
+                builder.store(builder.insert_element(v, upd, lane), acc)
+            v = builder.load(acc)
+            return b32_total(builder, [builder.extract_element(v, ir.Constant(_i32, i)) for i in range(8)])
         return sig, codegen
     return impl
 
@@ -333,87 +216,133 @@ row_q8_0 = intrinsic(_row32(False))
 row_q8_0.__doc__ = "r (row bytes,) u8 Q8_0 row . xq (n,) i8 with scales xd (n/32,) f32 (xs unused), nb blocks -> f32"
 row_q4_0 = intrinsic(_row32(True))
 row_q4_0.__doc__ = "r (row bytes,) u8 Q4_0 row . xq (n,) i8 with scales xd (n/32,) f32 and 16-sums xs, nb blocks -> f32"
-
-
-@intrinsic
-def block_q4_k(typingctx, r, o, xq, xo, sc):
-    """sum over Q4_K's 8 sub-blocks i of the block at r[o:] (qs at o+16) of sc[i] * (nibbles_i . xq[xo+32i:+32])
-    -> f32 (sc (8,) f32: each sub-block's scale times its activations' scale; the mins are the caller's)."""
-    sig = types.float32(r, o, xq, xo, sc)
-
-    def codegen(context, builder, signature, args):
-        a = signature.args
-        idx = ir.IntType(64)
-        rp = _arr_ptr(context, builder, a[0], args[0], _i8)
-        xp = _arr_ptr(context, builder, a[2], args[2], _i8)
-        sp = _arr_ptr(context, builder, a[4], args[4], _f32)
-        vf = ir.VectorType(_f32, 8)
-        vt = ir.VectorType(_i8, 32)
-        acc = ir.Constant(vf, None)
-        for c in range(4):
-            bb = _load(builder, builder.gep(rp, [builder.add(args[1], ir.Constant(idx, 16 + 32 * c))]), 32)
-            for half in range(2):
-                q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
-                i = 2 * c + half
-                xv = _load(builder, builder.gep(xp, [builder.add(args[3], ir.Constant(idx, 32 * i))]), 32)
-                p8 = _pairs(builder, _i16(builder, q, 32, False), _i16(builder, xv, 32, True), 32)
-                s = builder.load(builder.gep(sp, [ir.Constant(idx, i)]))
-                acc = builder.fadd(acc, builder.fmul(builder.sitofp(p8, vf), _splat_f(builder, s)))
-        return _hsum(builder, acc)
-    return sig, codegen
-
-
-@intrinsic
-def block_q6_k(typingctx, r, o, xq, xo, sc):
-    """sum over Q6_K's 16 groups g of the block at r[o:] of sc[g] * ((6-bit values - 32) . xq[xo+16g:+16]) -> f32
-    (sc (16,) f32: d * the group's scale * its activations' scale)."""
-    sig = types.float32(r, o, xq, xo, sc)
-
-    def codegen(context, builder, signature, args):
-        a = signature.args
-        idx = ir.IntType(64)
-        rp = _arr_ptr(context, builder, a[0], args[0], _i8)
-        xp = _arr_ptr(context, builder, a[2], args[2], _i8)
-        sp = _arr_ptr(context, builder, a[4], args[4], _f32)
-        vf = ir.VectorType(_f32, 8)
-        vt = ir.VectorType(_i8, 32)
-        acc = ir.Constant(vf, None)
-
-        def at(off):
-            return builder.add(args[1], ir.Constant(idx, off))
-        for h in range(2):
-            qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
-            for c in range(4):
-                ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
-                low = builder.and_(builder.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
-                high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
-                q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32))), ir.Constant(vt, [32] * 32))
-                xv = _load(builder, builder.gep(xp, [builder.add(args[3], ir.Constant(idx, 128 * h + 32 * c))]), 32)
-                q16, x16 = _i16(builder, q, 32, True), _i16(builder, xv, 32, True)
-                for part in range(2):            # the two groups of 16 in these 32 values, each its own scale
-                    sel = ir.Constant(ir.VectorType(_i32, 16), list(range(16 * part, 16 * part + 16)))
-                    p8 = _pairs(builder, builder.shuffle_vector(q16, q16, sel), builder.shuffle_vector(x16, x16, sel), 16)
-                    s = builder.load(builder.gep(sp, [ir.Constant(idx, 8 * h + 2 * c + part)]))
-                    acc = builder.fadd(acc, builder.fmul(builder.sitofp(p8, vf), _splat_f(builder, s)))
-        return _hsum(builder, acc)
-    return sig, codegen
+row_q4_1 = intrinsic(_row32(True, True))
+row_q4_1.__doc__ = "r (row bytes,) u8 Q4_1 row . xq (n,) i8 with scales xd (n/32,) f32 and 16-sums xs, nb blocks -> f32"
 
 
 def _vload(builder, base, off, vt):
     return builder.load(builder.bitcast(builder.gep(base, [off]), vt.as_pointer()), align=1)
 
 
-def _bcast(builder, vec, i):
-    """Lane i of an <8|16 x float> broadcast to <8 x float>."""
-    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_i32, 8), [i] * 8))
+def _f16_at(builder, rp, off):
+    """The f16 at byte off of the i8 pointer rp, as f32."""
+    hp = builder.bitcast(builder.gep(rp, [off]), ir.IntType(16).as_pointer())
+    return builder.fpext(builder.bitcast(builder.load(hp, align=1), ir.HalfType()), _f32)
+
+
+def _scaled_dot(builder, q, x, s16):
+    """<32 x i8> values 0..63 . <32 x i8> activations, each 16 bytes' products times their i16 scale: s16
+    <16 x i16> (lanes 0-7 the scale of bytes 0-15, lanes 8-15 of bytes 16-31) -> <8 x i32> partial sums,
+    exact (`vpmaddubsw`: pairs <= 2*63*127, no saturation; `vpmaddwd` by the scales)."""
+    vw, vd = ir.VectorType(ir.IntType(16), 16), ir.VectorType(_i32, 8)
+    if HAVE_AVX2:
+        mub = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vw, [ir.VectorType(_i8, 32)] * 2),
+                                             "llvm.x86.avx2.pmadd.ub.sw")
+        mwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vd, [vw, vw]), "llvm.x86.avx2.pmadd.wd")
+        return builder.call(mwd, [builder.call(mub, [q, x]), s16])
+    v32 = ir.VectorType(_i32, 32)
+    s32 = builder.sext(builder.shuffle_vector(s16, s16, ir.Constant(v32, [k // 16 * 8 for k in range(32)])), v32)
+    prod = builder.mul(builder.mul(builder.zext(q, v32), builder.sext(x, v32)), s32)
+    lo = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_i32, 16), list(range(16))))
+    hi = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_i32, 16), list(range(16, 32))))
+    s = builder.add(lo, hi)
+    return builder.add(builder.shuffle_vector(s, s, ir.Constant(vd, list(range(8)))),
+                       builder.shuffle_vector(s, s, ir.Constant(vd, list(range(8, 16)))))
+
+
+def _s16(builder, sa, sb):
+    """<16 x i16>: lanes 0-7 the i16 sa, 8-15 sb."""
+    vw = ir.VectorType(ir.IntType(16), 16)
+    v = builder.insert_element(builder.insert_element(ir.Constant(vw, None), sa, ir.Constant(_i32, 0)),
+                               sb, ir.Constant(_i32, 8))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, 16), [0] * 8 + [8] * 8))
+
+
+def k_update(builder, acc, isum, d, xd, msum=None, dmin=None):
+    """The k-quants' float step of a 256-block, the same operations in the row dots here and in the tiled
+    GEMM (kernels/blocks_gemm, 16 rows a vector): acc + float(I) * (d * xd) [- float(M) * (dmin * xd)]."""
+    acc = builder.fadd(acc, builder.fmul(builder.sitofp(isum, acc.type), builder.fmul(d, xd)))
+    if msum is not None:
+        acc = builder.fsub(acc, builder.fmul(builder.sitofp(msum, acc.type), builder.fmul(dmin, xd)))
+    return acc
+
+
+def _kblock_q45_k(five):
+    def impl(typingctx, r, o, xq, xd, xs, b, acc):
+        return types.float32(r, o, xq, xd, xs, b, acc), lambda context, builder, signature, args: _q45_codegen(
+            context, builder, signature, args, five)
+    return impl
+
+
+def _q45_codegen(context, builder, signature, args, five):
+    a = signature.args
+    idx = ir.IntType(64)
+    rp = _arr_ptr(context, builder, a[0], args[0], _i8)
+    xp = _arr_ptr(context, builder, a[2], args[2], _i8)
+    dp = _arr_ptr(context, builder, a[3], args[3], _f32)
+    sp = _arr_ptr(context, builder, a[4], args[4], _i32)
+    o, b = args[1], args[5]
+    vt = ir.VectorType(_i8, 32)
+    i16 = ir.IntType(16)
+
+    def c32(v):
+        return ir.Constant(_i32, v)
+    u = [builder.load(builder.bitcast(builder.gep(rp, [builder.add(o, ir.Constant(idx, 4 + 4 * k))]),
+                                      _i32.as_pointer()), align=1) for k in range(3)]
+    k1, k2, k3 = c32(0x3F3F3F3F), c32(0x0F0F0F0F), c32(0x03030303)
+    u3 = builder.or_(builder.and_(builder.lshr(u[2], c32(4)), k2),
+                     builder.shl(builder.and_(builder.lshr(u[1], c32(6)), k3), c32(4)))
+    m0 = builder.and_(u[1], k1)
+    s1 = builder.or_(builder.and_(u[2], k2), builder.shl(builder.and_(builder.lshr(u[0], c32(6)), k3), c32(4)))
+    s0 = builder.and_(u[0], k1)
+    v2 = ir.VectorType(_i32, 2)
+
+    def bytes8(lo, hi):
+        p = builder.insert_element(builder.insert_element(ir.Constant(v2, None), lo, c32(0)), hi, c32(1))
+        return builder.bitcast(p, ir.VectorType(_i8, 8))
+    sc8, mn8 = bytes8(s0, s1), bytes8(m0, u3)
+    for line in range(0, 176 if five else 144, 64):
+        prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
+    x0 = builder.mul(b, ir.Constant(idx, 256))
+    ivec = ir.Constant(ir.VectorType(_i32, 8), None)
+    qs = 48 if five else 16
+    if five:
+        qh = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, 16))]), 32)
+    for c in range(4):
+        bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 32 * c))]), 32)
+        for half in range(2):
+            q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
+            j = 2 * c + half
+            if five:            # Q5_K: bit j of qh[k] is the fifth bit of sub-block j's value k
+                hb = builder.and_(builder.lshr(qh, ir.Constant(vt, [j] * 32)), ir.Constant(vt, [1] * 32))
+                q = builder.or_(q, builder.shl(hb, ir.Constant(vt, [4] * 32)))
+            xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 32 * j))]), 32)
+            s = builder.zext(builder.extract_element(sc8, c32(j)), i16)
+            ivec = builder.add(ivec, _scaled_dot(builder, q, xv, _s16(builder, s, s)))
+    xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
+    ev = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(0, 16, 2))))
+    od = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(1, 16, 2))))
+    msum = _reduce(builder, builder.mul(builder.zext(mn8, ir.VectorType(_i32, 8)), builder.add(ev, od)), 8)
+    xdb = builder.load(builder.gep(dp, [b]))
+    return k_update(builder, args[6], _reduce(builder, ivec, 8), _f16_at(builder, rp, o), xdb, msum,
+                    _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2))))
+
+
+kblock_q4_k = intrinsic(_kblock_q45_k(False))
+kblock_q4_k.__doc__ = """acc + Q4_K's 256-block b at r[o:] . the activations' block b (xq int8 rounded per 256 with scale
+xd[b], xs (n/16,) i32 sums) -> f32. The integer sums are exact: I = sum_j sc_j * (q_j . x_j) and M = sum_j m_j *
+(x_j's sum) over the 8 sub-blocks j, then acc + I * (d * xd) - M * (dmin * xd) (k_update): any kernel that sums
+the same integers gives the same bits."""
+kblock_q5_k = intrinsic(_kblock_q45_k(True))
+kblock_q5_k.__doc__ = "kblock_q4_k for Q5_K's 176-byte block (qh at 16, its fifth bits; qs at 48)"
 
 
 @intrinsic
-def kblock_q4_k(typingctx, r, o, xq, xd, xs, b):
-    """Q4_K's 256-block b at r[o:] . the activations' block (xq int8, xd (n/32,) f32 scales, xs (n/16,) i32 sums)
-    -> f32: its 8 scales and mins decoded as vectors (llama.cpp's masks), the sub-block dots accumulated in
-    two 8-lane registers, the mins folded through the activations' 32-sums."""
-    sig = types.float32(r, o, xq, xd, xs, b)
+def kblock_q6_k(typingctx, r, o, xq, xd, xs, b, acc):
+    """acc + Q6_K's 256-block b at r[o:] . the activations' block b (as kblock_q4_k) -> f32: I = sum_g sc_g *
+    (q_g . x_g - 32 * x_g's sum) over the 16 groups g of 16 (q the 6-bit values 0..63), exact, then
+    acc + I * (d * xd) (k_update)."""
+    sig = types.float32(r, o, xq, xd, xs, b, acc)
 
     def codegen(context, builder, signature, args):
         a = signature.args
@@ -423,83 +352,16 @@ def kblock_q4_k(typingctx, r, o, xq, xd, xs, b):
         dp = _arr_ptr(context, builder, a[3], args[3], _f32)
         sp = _arr_ptr(context, builder, a[4], args[4], _i32)
         o, b = args[1], args[5]
-        vf, vt = ir.VectorType(_f32, 8), ir.VectorType(_i8, 32)
-
-        def c32(v):
-            return ir.Constant(_i32, v)
-        u = [builder.load(builder.bitcast(builder.gep(rp, [builder.add(o, ir.Constant(idx, 4 + 4 * k))]),
-                                          _i32.as_pointer()), align=1) for k in range(3)]
-        k1, k2, k3 = c32(0x3F3F3F3F), c32(0x0F0F0F0F), c32(0x03030303)
-        u3 = builder.or_(builder.and_(builder.lshr(u[2], c32(4)), k2),
-                         builder.shl(builder.and_(builder.lshr(u[1], c32(6)), k3), c32(4)))
-        m0 = builder.and_(u[1], k1)
-        s1 = builder.or_(builder.and_(u[2], k2), builder.shl(builder.and_(builder.lshr(u[0], c32(6)), k3), c32(4)))
-        s0 = builder.and_(u[0], k1)
-        v2 = ir.VectorType(_i32, 2)
-
-        def bytes8(lo, hi):
-            p = builder.insert_element(builder.insert_element(ir.Constant(v2, None), lo, c32(0)), hi, c32(1))
-            return builder.uitofp(builder.bitcast(p, ir.VectorType(_i8, 8)), vf)
-        hp = builder.bitcast(builder.gep(rp, [o]), ir.IntType(16).as_pointer())
-        d = builder.fpext(builder.bitcast(builder.load(hp, align=1), ir.HalfType()), _f32)
-        hp2 = builder.bitcast(builder.gep(rp, [builder.add(o, ir.Constant(idx, 2))]), ir.IntType(16).as_pointer())
-        dmin = builder.fpext(builder.bitcast(builder.load(hp2, align=1), ir.HalfType()), _f32)
-        a0 = builder.mul(b, ir.Constant(idx, 8))
-        xd8 = _vload(builder, dp, a0, vf)
-        scales = builder.fmul(builder.fmul(bytes8(s0, s1), _splat_f(builder, d)), xd8)
-        xs16 = _vload(builder, sp, builder.mul(a0, ir.Constant(idx, 2)), ir.VectorType(_i32, 16))
-        ev = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(0, 16, 2))))
-        od = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(1, 16, 2))))
-        xsum = builder.fmul(builder.sitofp(builder.add(ev, od), vf), xd8)
-        mins = builder.fmul(builder.fmul(bytes8(m0, u3), _splat_f(builder, dmin)), xsum)
-        accs = [ir.Constant(vf, None), ir.Constant(vf, None)]
-        for line in range(0, 144, 64):
-            prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
-        x0 = builder.mul(b, ir.Constant(idx, 256))
-        for c in range(4):
-            bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, 16 + 32 * c))]), 32)
-            for half in range(2):
-                q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
-                i = 2 * c + half
-                xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 32 * i))]), 32)
-                p8 = _dot8(builder, q, xv, False)
-                accs[half] = builder.fadd(accs[half], builder.fmul(builder.sitofp(p8, vf), _bcast(builder, scales, i)))
-        return builder.fsub(_hsum(builder, builder.fadd(accs[0], accs[1])), _hsum(builder, mins))
-    return sig, codegen
-
-
-@intrinsic
-def kblock_q6_k(typingctx, r, o, xq, xd, xs, b):
-    """Q6_K's 256-block b at r[o:] . the activations' block (xq int8, xd (n/32,) f32 scales, xs (n/16,) i32 sums)
-    -> f32: its 16 scales as one vector, the group dots accumulated in two 8-lane registers (with VNNI: the
-    values 0..63 times the activations in `vpdpbusd`, lanes 0-3 one group and 4-7 the next, Q6_K's offset
-    of 32 taken out once per block through the 16-sums)."""
-    sig = types.float32(r, o, xq, xd, xs, b)
-
-    def codegen(context, builder, signature, args):
-        a = signature.args
-        idx = ir.IntType(64)
-        rp = _arr_ptr(context, builder, a[0], args[0], _i8)
-        xp = _arr_ptr(context, builder, a[2], args[2], _i8)
-        dp = _arr_ptr(context, builder, a[3], args[3], _f32)
-        o, b = args[1], args[5]
-        vf, vt = ir.VectorType(_f32, 8), ir.VectorType(_i8, 32)
-        v16 = ir.VectorType(_f32, 16)
+        vt = ir.VectorType(_i8, 32)
+        i16 = ir.IntType(16)
 
         def at(off):
             return builder.add(o, ir.Constant(idx, off))
-        hp = builder.bitcast(builder.gep(rp, [at(208)]), ir.IntType(16).as_pointer())
-        d = builder.fpext(builder.bitcast(builder.load(hp, align=1), ir.HalfType()), _f32)
-        sc = builder.sitofp(_vload(builder, rp, at(192), ir.VectorType(_i8, 16)), v16)
-        xd8 = _vload(builder, dp, builder.mul(b, ir.Constant(idx, 8)), vf)
-        xd16 = builder.shuffle_vector(xd8, xd8, ir.Constant(ir.VectorType(_i32, 16), [g // 2 for g in range(16)]))
-        dv = builder.insert_element(ir.Constant(v16, None), d, ir.Constant(_i32, 0))
-        dv = builder.shuffle_vector(dv, ir.Constant(v16, None), ir.Constant(ir.VectorType(_i32, 16), [0] * 16))
-        scales = builder.fmul(builder.fmul(sc, dv), xd16)
-        accs = [ir.Constant(vf, None), ir.Constant(vf, None)]
+        sc = _vload(builder, rp, at(192), ir.VectorType(_i8, 16))
         for line in range(0, 210, 64):
             prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
         x0 = builder.mul(b, ir.Constant(idx, 256))
+        ivec = ir.Constant(ir.VectorType(_i32, 8), None)
         for h in range(2):
             qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
             for c in range(4):
@@ -508,27 +370,13 @@ def kblock_q6_k(typingctx, r, o, xq, xd, xs, b):
                 high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
                 q = builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32)))
                 xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 128 * h + 32 * c))]), 32)
-                if HAVE_VNNI256:
-                    g = 8 * h + 2 * c
-                    sv = builder.shuffle_vector(scales, scales, ir.Constant(ir.VectorType(_i32, 8), [g] * 4 + [g + 1] * 4))
-                    p8 = _dot8(builder, q, xv, False)
-                    accs[c % 2] = builder.fadd(accs[c % 2], builder.fmul(builder.sitofp(p8, vf), sv))
-                    continue
-                q = builder.sub(q, ir.Constant(vt, [32] * 32))
-                q16, x16 = _i16(builder, q, 32, True), _i16(builder, xv, 32, True)
-                for part in range(2):
-                    sel = ir.Constant(ir.VectorType(_i32, 16), list(range(16 * part, 16 * part + 16)))
-                    p8 = _pairs(builder, builder.shuffle_vector(q16, q16, sel), builder.shuffle_vector(x16, x16, sel), 16)
-                    s = _bcast(builder, scales, 8 * h + 2 * c + part)
-                    accs[part] = builder.fadd(accs[part], builder.fmul(builder.sitofp(p8, vf), s))
-        total = _hsum(builder, builder.fadd(accs[0], accs[1]))
-        if not HAVE_VNNI256:
-            return total
-        sp = _arr_ptr(context, builder, a[4], args[4], _i32)                # the offset: 32 * sum_g scale_g * xsum_g
-        xs16 = builder.sitofp(_vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16)), v16)
-        corr = builder.fmul(scales, xs16)
-        lanes = [builder.extract_element(corr, ir.Constant(_i32, i)) for i in range(16)]
-        while len(lanes) > 1:
-            lanes = [builder.fadd(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
-        return builder.fsub(total, builder.fmul(lanes[0], ir.Constant(_f32, 32.0)))
+                g = 8 * h + 2 * c
+                s16 = _s16(builder, builder.sext(builder.extract_element(sc, ir.Constant(_i32, g)), i16),
+                           builder.sext(builder.extract_element(sc, ir.Constant(_i32, g + 1)), i16))
+                ivec = builder.add(ivec, _scaled_dot(builder, q, xv, s16))
+        xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
+        off = _reduce(builder, builder.mul(builder.sext(sc, ir.VectorType(_i32, 16)), xs16), 16)
+        isum = builder.sub(_reduce(builder, ivec, 8), builder.mul(off, ir.Constant(_i32, 32)))
+        xdb = builder.load(builder.gep(dp, [b]))
+        return k_update(builder, args[6], isum, _f16_at(builder, rp, at(208)), xdb)
     return sig, codegen

@@ -1,0 +1,480 @@
+"""The tiled product of block-kind weights with many activation rows (prefill, a serving step's rows):
+X (T, n) @ W.T in tiles for Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q4_1 on AVX-512 VNNI, every other case through the
+row dots (kernels/blocks).
+
+The row dots read a weight row once for all T rows but decode its blocks again for each of them
+(nibbles, scales, one horizontal sum per block and row): a 128-token prefill ran 2-3.5x slower than the
+q8 integer GEMM (kernels/gemm). Here, as llama.cpp's CPU repacking does at load (8 rows), a tile of 16
+weight rows is laid out once per call in a scratch panel whose 32-bit lanes are the rows: dword g of a
+chunk holds 4 consecutive bytes of each of the 16 rows (the GGUF's bytes, interleaved; the file keeps its
+own order), beside the rows' sub-block scales as i32 vectors and d, dmin as f32 vectors. A micro-kernel then
+runs C = 4 activation rows at a time (1 for the remainder) through the panel: for 4 weight bytes of the
+16 rows, one `vpdpbusd` per activation row with its 4 bytes broadcast (4 products summed into each row's
+lane, no horizontal sum); a sub-block's sums times the rows' scales (`vpmulld`), Q4_K's mins through
+`vpdpwssd` on i16 pairs (Q6_K's offset of 32 the same way), and per 256-block the float step
+(blocks_ir.k_update) on 16 rows at once. The 32-block kinds (Q8_0 as its bytes + 128, Q4_0, Q4_1) the same way
+per 32-block, C32 = 2 activation rows at a time into 8 accumulators each (block b into b mod 8: b32_update,
+b32_total). These are the integers and float operations of the row dots (blocks_ir's kblock_* and row_*),
+so each output equals the matvec's bit for bit, whatever T or the threads.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _k_scale_min, _put2, _rows, round_rows
+from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
+from .cpu import HAVE_VNNI512
+
+R = 16                     # weight rows per tile (the 16 i32 lanes of a zmm register)
+C = 4                      # activation rows per pass of the micro-kernel
+GEMM_MIN_ROWS = 4          # fewer activation rows: the row dots (the panel costs more than it saves)
+HAVE_TILES = HAVE_VNNI512
+
+
+@njit(cache=True)
+def scratch_words(n: int) -> int:
+    """f32 words of the scratch for n columns: a tile's panel (the largest, Q8_0's: 8 * (8 + 2) * R words per 256
+    columns; Q6_K's 1168) and C * R results, or a row dequantized (kernels/blocks)."""
+    return max(n, n // 256 * 1280 + C * R) + 16
+
+
+_i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+_idx = ir.IntType(64)
+
+
+@intrinsic
+def ld32(typingctx, r, o):
+    """The 4 bytes r[o:o+4] of a u8 array as one int32 (unaligned load)."""
+    sig = types.int32(r, o)
+
+    def codegen(context, builder, signature, args):
+        p = builder.gep(_arr_ptr(context, builder, signature.args[0], args[0], _i8), [args[1]])
+        return builder.load(builder.bitcast(p, _i32.as_pointer()), align=1)
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------- panels (plain Numba)
+
+@njit(cache=True)
+def _prep_q45_k(raw, r0, nb, five, P, QH, SC, MN, DD, DM):
+    # rows r0..r0+R of a Q4_K (Q5_K: five) matrix -> P[(32b + q)*R + r] = dword q of block b's 128 nibble bytes
+    # (q = 8c + g), QH[(8b + g)*R + r] = dword g of Q5_K's 32 fifth-bit bytes, SC[(8b + j)*R + r] = sub-block j's
+    # 6-bit scale, MN[(4b + p)*R + r] = mins 2p | 2p+1 << 16, DD/DM[b*R + r] = d, dmin
+    size, qs = (176, 48) if five else (144, 16)
+    for r in range(R):
+        row = raw[r0 + r]
+        for b in range(nb):
+            o = b * size
+            DD[b * R + r] = _f16(row, o)
+            DM[b * R + r] = _f16(row, o + 2)
+            sc = row[o + 4:o + 16]
+            for j in range(0, 8, 2):
+                s0, m0 = _k_scale_min(sc, j)
+                s1, m1 = _k_scale_min(sc, j + 1)
+                SC[(8 * b + j) * R + r] = s0
+                SC[(8 * b + j + 1) * R + r] = s1
+                MN[(4 * b + j // 2) * R + r] = m0 | (m1 << 16)
+            for q in range(32):
+                P[(32 * b + q) * R + r] = ld32(row, o + qs + 4 * q)
+            if five:
+                for g in range(8):
+                    QH[(8 * b + g) * R + r] = ld32(row, o + 16 + 4 * g)
+
+
+@njit(cache=True)
+def _prep_q6_k(raw, r0, nb, PL, PH, SC, SP, DD):
+    # rows r0..r0+R of a Q6_K matrix -> PL[(32b + q)*R + r] = dword q of ql, PH[(16b + q)*R + r] = dword q of qh,
+    # SC[(16b + g)*R + r] = group g's int8 scale, SP[(8b + p)*R + r] = scales 2p | 2p+1 << 16 (i16), DD[b*R + r] = d
+    for r in range(R):
+        row = raw[r0 + r]
+        for b in range(nb):
+            o = b * 210
+            DD[b * R + r] = _f16(row, o + 208)
+            for p in range(8):
+                s0 = np.int32(np.int8(row[o + 192 + 2 * p]))
+                s1 = np.int32(np.int8(row[o + 193 + 2 * p]))
+                SC[(16 * b + 2 * p) * R + r] = s0
+                SC[(16 * b + 2 * p + 1) * R + r] = s1
+                SP[(8 * b + p) * R + r] = (s0 & 0xFFFF) | (s1 << 16)
+            for q in range(32):
+                PL[(32 * b + q) * R + r] = ld32(row, o + 4 * q)
+            for q in range(16):
+                PH[(16 * b + q) * R + r] = ld32(row, o + 128 + 4 * q)
+
+
+FLIP = np.int32(-0x7F7F7F80)       # 0x80808080: Q8_0's int8 values + 128 as u8 (vpdpbusd's unsigned side)
+
+
+@njit(cache=True)
+def _prep_b32(raw, r0, nb, kind, P, DD, MM):
+    # rows r0..r0+R of a Q8_0, Q4_0 or Q4_1 matrix -> P[(w*b + g)*R + r] = dword g of block b's w = 8 value dwords
+    # (Q8_0: each byte + 128; Q4_0, Q4_1: w = 4 dwords of nibbles, as they are), DD[b*R + r] = d, MM[b*R + r] = Q4_1's m
+    size, nw, qo = (34, 8, 2) if kind == Q8_0 else (18, 4, 2) if kind == Q4_0 else (20, 4, 4)
+    for r in range(R):
+        row = raw[r0 + r]
+        for b in range(nb):
+            o = b * size
+            DD[b * R + r] = _f16(row, o)
+            if kind == Q4_1:
+                MM[b * R + r] = _f16(row, o + 2)
+            for g in range(nw):
+                v = ld32(row, o + qo + 4 * g)
+                P[(nw * b + g) * R + r] = v ^ FLIP if kind == Q8_0 else v
+
+
+# ---------------------------------------------------------------------------- micro-kernels (LLVM IR)
+
+class _Kernel:
+    """IR helpers over the micro-kernels' arguments: the activations' rows t0.. (C of them) and 16-lane vectors."""
+
+    def __init__(self, context, builder, sig, args, nacts):
+        self.b = builder
+        self.v16 = ir.VectorType(_i32, R)
+        self.f16 = ir.VectorType(_f32, R)
+        xq, xd, xs = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (nacts, nacts + 1, nacts + 2))
+        self.t0 = args[nacts + 3]
+        self.nb = args[nacts + 4]
+        self.res = _arr_ptr(context, builder, sig.args[nacts + 5], args[nacts + 5], _f32)
+
+        def rows(arr, ty):
+            stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+            base = builder.bitcast(arr.data, _i8.as_pointer())
+            return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(self.t0, ir.Constant(_idx, t)), stride)]),
+                                    ty.as_pointer()) for t in range(C)]
+        self.xq, self.xd, self.xs = rows(xq, _i8), rows(xd, _f32), rows(xs, _i32)
+        self.dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(self.v16, [self.v16] * 3),
+                                                     "llvm.x86.avx512.vpdpbusd.512")
+        self.dpwssd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(self.v16, [self.v16] * 3),
+                                                     "llvm.x86.avx512.vpdpwssd.512")
+
+    def vec(self, p, at, ty=None):
+        """The 16 lanes at element `at` (i64) of pointer p."""
+        ty = ty or self.v16
+        return self.b.load(self.b.bitcast(self.b.gep(p, [at]), ty.as_pointer()), align=4)
+
+    def splat(self, v, ty=None):
+        ty = ty or self.v16
+        s = self.b.insert_element(ir.Constant(ty, None), v, ir.Constant(_i32, 0))
+        return self.b.shuffle_vector(s, ir.Constant(ty, None), ir.Constant(ir.VectorType(_i32, R), [0] * R))
+
+    def x4(self, t, at):
+        """Activation row t's 4 bytes at column `at` (i64), broadcast to the 16 lanes."""
+        p = self.b.bitcast(self.b.gep(self.xq[t], [at]), _i32.as_pointer())
+        return self.splat(self.b.load(p, align=1))
+
+    def xs_pair(self, t, at):
+        """Sums at[0] + at[1] | (at[2] + at[3]) << 16 (two i16 pairs of 16-sums) of activation row t, broadcast."""
+        b = self.b
+        s = [b.load(b.gep(self.xs[t], [b.add(at, ir.Constant(_idx, k))])) for k in range(4)]
+        lo = b.and_(b.add(s[0], s[1]), ir.Constant(_i32, 0xFFFF))
+        return self.splat(b.or_(lo, b.shl(b.add(s[2], s[3]), ir.Constant(_i32, 16))))
+
+    def xs_pair1(self, t, at):
+        """16-sums at | at+1 << 16 of activation row t (an i16 pair), broadcast."""
+        b = self.b
+        s0 = b.load(b.gep(self.xs[t], [at]))
+        s1 = b.load(b.gep(self.xs[t], [b.add(at, ir.Constant(_idx, 1))]))
+        return self.splat(b.or_(b.and_(s0, ir.Constant(_i32, 0xFFFF)), b.shl(s1, ir.Constant(_i32, 16))))
+
+    def c(self, v):
+        return ir.Constant(_idx, v)
+
+    def block_loop(self, nc, body):
+        """acc[t] (16 f32 lanes per activation row) = body over blocks 0..nb, then stored to res[t*R:]."""
+        b = self.b
+        accs = [cgutils.alloca_once_value(b, ir.Constant(self.f16, None)) for _ in range(nc)]
+        with cgutils.for_range(b, self.nb) as loop:
+            body(loop.index, accs)
+        for t in range(nc):
+            p = b.bitcast(b.gep(self.res, [self.c(t * R)]), self.f16.as_pointer())
+            b.store(b.load(accs[t]), p, align=4)
+
+
+def _mk_q45_k(nc, five):
+    def impl(typingctx, P, QH, SC, MN, DD, DM, xq, xd, xs, t0, nb, res):
+        sig = types.void(P, QH, SC, MN, DD, DM, xq, xd, xs, t0, nb, res)
+
+        def codegen(context, builder, signature, args):
+            k = _Kernel(context, builder, signature, args, 6)
+            b = builder
+            p, qhp, sc, mn, dd, dm = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i > 3 else _i32)
+                                      for i in range(6))
+            one_mask = k.splat(ir.Constant(_i32, 0x01010101))
+            lo_mask, zero = k.splat(ir.Constant(_i32, 0x0F0F0F0F)), ir.Constant(k.v16, None)
+
+            def body(blk, accs):
+                isum = [zero] * nc
+                x0 = b.mul(blk, k.c(256))
+                for c in range(4):
+                    sa, sb = [zero] * nc, [zero] * nc
+                    for g in range(8):
+                        w = k.vec(p, b.mul(b.add(b.mul(blk, k.c(32)), k.c(8 * c + g)), k.c(R)))
+                        lo, hi = b.and_(w, lo_mask), b.and_(b.lshr(w, k.splat(ir.Constant(_i32, 4))), lo_mask)
+                        if five:        # bit j of each qh byte: the fifth bit of sub-block j
+                            h = k.vec(qhp, b.mul(b.add(b.mul(blk, k.c(8)), k.c(g)), k.c(R)))
+                            for half in range(2):
+                                hb = b.shl(b.and_(b.lshr(h, k.splat(ir.Constant(_i32, 2 * c + half))), one_mask),
+                                           k.splat(ir.Constant(_i32, 4)))
+                                if half == 0:
+                                    lo = b.or_(lo, hb)
+                                else:
+                                    hi = b.or_(hi, hb)
+                        for t in range(nc):
+                            sa[t] = b.call(k.dpbusd, [sa[t], lo, k.x4(t, b.add(x0, k.c(64 * c + 4 * g)))])
+                            sb[t] = b.call(k.dpbusd, [sb[t], hi, k.x4(t, b.add(x0, k.c(64 * c + 32 + 4 * g)))])
+                    s0 = k.vec(sc, b.mul(b.add(b.mul(blk, k.c(8)), k.c(2 * c)), k.c(R)))
+                    s1 = k.vec(sc, b.mul(b.add(b.mul(blk, k.c(8)), k.c(2 * c + 1)), k.c(R)))
+                    for t in range(nc):
+                        isum[t] = b.add(isum[t], b.add(b.mul(sa[t], s0), b.mul(sb[t], s1)))
+                msum = [zero] * nc
+                for q in range(4):
+                    m = k.vec(mn, b.mul(b.add(b.mul(blk, k.c(4)), k.c(q)), k.c(R)))
+                    for t in range(nc):
+                        msum[t] = b.call(k.dpwssd, [msum[t], m, k.xs_pair(t, b.add(b.mul(blk, k.c(16)), k.c(4 * q)))])
+                d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
+                dmin = k.vec(dm, b.mul(blk, k.c(R)), k.f16)
+                for t in range(nc):
+                    xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
+                    b.store(k_update(b, b.load(accs[t]), isum[t], d, xdb, msum[t], dmin), accs[t])
+            k.block_loop(nc, body)
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+def _mk_q6_k(nc):
+    def impl(typingctx, PL, PH, SC, SP, DD, xq, xd, xs, t0, nb, res):
+        sig = types.void(PL, PH, SC, SP, DD, xq, xd, xs, t0, nb, res)
+
+        def codegen(context, builder, signature, args):
+            k = _Kernel(context, builder, signature, args, 5)
+            b = builder
+            pl, ph, sc, sp, dd = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i == 4 else _i32)
+                                  for i in range(5))
+            zero = ir.Constant(k.v16, None)
+
+            def cst(v):
+                return k.splat(ir.Constant(_i32, v))
+
+            def body(blk, accs):
+                isum = [zero] * nc
+                x0 = b.mul(blk, k.c(256))
+                for h in range(2):
+                    for c in range(4):
+                        g0, g1 = [zero] * nc, [zero] * nc
+                        for g in range(8):
+                            ql = k.vec(pl, b.mul(b.add(b.mul(blk, k.c(32)), k.c(16 * h + 8 * (c % 2) + g)), k.c(R)))
+                            qh = k.vec(ph, b.mul(b.add(b.mul(blk, k.c(16)), k.c(8 * h + g)), k.c(R)))
+                            low = b.and_(b.lshr(ql, cst(4 * (c // 2))), cst(0x0F0F0F0F))
+                            high = b.and_(b.lshr(qh, cst(2 * c)), cst(0x03030303))
+                            q = b.or_(low, b.shl(high, cst(4)))
+                            for t in range(nc):
+                                x = k.x4(t, b.add(x0, k.c(128 * h + 32 * c + 4 * g)))
+                                if g < 4:
+                                    g0[t] = b.call(k.dpbusd, [g0[t], q, x])
+                                else:
+                                    g1[t] = b.call(k.dpbusd, [g1[t], q, x])
+                        gi = 8 * h + 2 * c
+                        s0 = k.vec(sc, b.mul(b.add(b.mul(blk, k.c(16)), k.c(gi)), k.c(R)))
+                        s1 = k.vec(sc, b.mul(b.add(b.mul(blk, k.c(16)), k.c(gi + 1)), k.c(R)))
+                        for t in range(nc):
+                            isum[t] = b.add(isum[t], b.add(b.mul(g0[t], s0), b.mul(g1[t], s1)))
+                off = [zero] * nc
+                for q in range(8):
+                    s = k.vec(sp, b.mul(b.add(b.mul(blk, k.c(8)), k.c(q)), k.c(R)))
+                    for t in range(nc):
+                        off[t] = b.call(k.dpwssd, [off[t], s, k.xs_pair1(t, b.add(b.mul(blk, k.c(16)), k.c(2 * q)))])
+                d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
+                for t in range(nc):
+                    xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
+                    it = b.sub(isum[t], b.shl(off[t], cst(5)))
+                    b.store(k_update(b, b.load(accs[t]), it, d, xdb), accs[t])
+            k.block_loop(nc, body)
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+def _mk_b32(nc, kind):
+    nibbles, mins = kind != Q8_0, kind == Q4_1
+
+    def impl(typingctx, P, DD, MM, xq, xd, xs, t0, nb, res):
+        sig = types.void(P, DD, MM, xq, xd, xs, t0, nb, res)
+
+        def codegen(context, builder, signature, args):
+            k = _Kernel(context, builder, signature, args, 3)
+            b = builder
+            p = _arr_ptr(context, builder, signature.args[0], args[0], _i32)
+            dd = _arr_ptr(context, builder, signature.args[1], args[1], _f32)
+            mm = _arr_ptr(context, builder, signature.args[2], args[2], _f32)
+            zero = ir.Constant(k.v16, None)
+            nw = 4 if nibbles else 8
+            mask = k.splat(ir.Constant(_i32, 0x0F0F0F0F))
+            accs = [[cgutils.alloca_once_value(b, ir.Constant(k.f16, None)) for _ in range(8)] for _ in range(nc)]
+            with cgutils.for_range(b, b.sdiv(k.nb, k.c(8))) as loop:            # 8 blocks: accumulator b mod 8
+                for i in range(8):
+                    blk = b.add(b.mul(loop.index, k.c(8)), k.c(i))
+                    x0 = b.mul(blk, k.c(32))
+                    isum = [zero] * nc
+                    for g in range(nw):
+                        w = k.vec(p, b.mul(b.add(b.mul(blk, k.c(nw)), k.c(g)), k.c(R)))
+                        if nibbles:
+                            lo, hi = b.and_(w, mask), b.and_(b.lshr(w, k.splat(ir.Constant(_i32, 4))), mask)
+                        for t in range(nc):
+                            if nibbles:
+                                isum[t] = b.call(k.dpbusd, [isum[t], lo, k.x4(t, b.add(x0, k.c(4 * g)))])
+                                isum[t] = b.call(k.dpbusd, [isum[t], hi, k.x4(t, b.add(x0, k.c(16 + 4 * g)))])
+                            else:
+                                isum[t] = b.call(k.dpbusd, [isum[t], w, k.x4(t, b.add(x0, k.c(4 * g)))])
+                    d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
+                    m = k.vec(mm, b.mul(blk, k.c(R)), k.f16) if mins else None
+                    for t in range(nc):
+                        s2 = b.gep(k.xs[t], [b.mul(blk, k.c(2))])
+                        xsum = b.add(b.load(s2), b.load(b.gep(s2, [k.c(1)])))
+                        xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
+                        if mins:
+                            upd = b32_update(b, b.load(accs[t][i]), isum[t], d, xdb, k.splat(xsum), m)
+                        else:
+                            corr = b.mul(xsum, ir.Constant(_i32, 8 if nibbles else 128))
+                            upd = b32_update(b, b.load(accs[t][i]), b.sub(isum[t], k.splat(corr)), d, xdb)
+                        b.store(upd, accs[t][i])
+            for t in range(nc):
+                tot = b32_total(b, [b.load(a) for a in accs[t]])
+                b.store(tot, b.bitcast(b.gep(k.res, [k.c(t * R)]), k.f16.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+C32 = 2                    # activation rows per pass of the 32-block kinds' micro-kernel (8 accumulators each)
+_q8_2, _q8_1 = _mk_b32(C32, Q8_0), _mk_b32(1, Q8_0)
+_q40_2, _q40_1 = _mk_b32(C32, Q4_0), _mk_b32(1, Q4_0)
+_q41_2, _q41_1 = _mk_b32(C32, Q4_1), _mk_b32(1, Q4_1)
+_q4k_4, _q4k_1 = _mk_q45_k(C, False), _mk_q45_k(1, False)
+_q5k_4, _q5k_1 = _mk_q45_k(C, True), _mk_q45_k(1, True)
+_q6k_4, _q6k_1 = _mk_q6_k(C), _mk_q6_k(1)
+
+
+# ---------------------------------------------------------------------------- tiles
+
+@njit(cache=True, inline="always")
+def _store(res, out, t0, nc, r0, alpha, accumulate):
+    for t in range(nc):
+        for r in range(R):
+            _put2(out, t0 + t, r0 + r, res[t * R + r], alpha, accumulate)
+
+
+@njit(cache=True)
+def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # rows i0..i0 + R*k (whole tiles) of a Q4_K (Q5_K: five) matrix times every row of Xq (rounded per 256: quant_acts_k)
+    nb = Xq.shape[1] // 256
+    T = Xq.shape[0]
+    w = tmp.view(np.int32)
+    P, QH, SC, MN = w[:nb * 512], w[nb * 512:nb * 640], w[nb * 640:nb * 768], w[nb * 768:nb * 832]
+    DD, DM, res = tmp[nb * 832:nb * 848], tmp[nb * 848:nb * 864], tmp[nb * 864:nb * 864 + C * R]
+    for r0 in range(i0, i1 - R + 1, R):
+        _prep_q45_k(raw, r0, nb, five, P, QH, SC, MN, DD, DM)
+        for t0 in range(0, T - C + 1, C):
+            if five:
+                _q5k_4(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q4k_4(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, C, r0, alpha, accumulate)
+        for t0 in range(T // C * C, T):
+            if five:
+                _q5k_1(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q4k_1(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, 1, r0, alpha, accumulate)
+
+
+@njit(cache=True)
+def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # as _tiles_q4_k for a Q6_K matrix
+    nb = Xq.shape[1] // 256
+    T = Xq.shape[0]
+    w = tmp.view(np.int32)
+    PL, PH, SC, SP = w[:nb * 512], w[nb * 512:nb * 768], w[nb * 768:nb * 1024], w[nb * 1024:nb * 1152]
+    DD, res = tmp[nb * 1152:nb * 1168], tmp[nb * 1168:nb * 1168 + C * R]
+    for r0 in range(i0, i1 - R + 1, R):
+        _prep_q6_k(raw, r0, nb, PL, PH, SC, SP, DD)
+        for t0 in range(0, T - C + 1, C):
+            _q6k_4(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, C, r0, alpha, accumulate)
+        for t0 in range(T // C * C, T):
+            _q6k_1(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, 1, r0, alpha, accumulate)
+
+
+@njit(cache=True)
+def _tiles_b32(raw, kind, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # rows i0..i0 + R*k (whole tiles) of a Q8_0, Q4_0 or Q4_1 matrix times every row of Xq (rounded per 32: quant_acts)
+    nb = Xq.shape[1] // 32
+    T = Xq.shape[0]
+    nw = 8 if kind == Q8_0 else 4
+    P = tmp.view(np.int32)[:nb * nw * R]
+    a = nb * nw * R
+    DD, MM, res = tmp[a:a + nb * R], tmp[a + nb * R:a + 2 * nb * R], tmp[a + 2 * nb * R:a + 2 * nb * R + C * R]
+    for r0 in range(i0, i1 - R + 1, R):
+        _prep_b32(raw, r0, nb, kind, P, DD, MM)
+        for t0 in range(0, T - C32 + 1, C32):
+            if kind == Q8_0:
+                _q8_2(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
+            elif kind == Q4_0:
+                _q40_2(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q41_2(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, C32, r0, alpha, accumulate)
+        for t0 in range(T // C32 * C32, T):
+            if kind == Q8_0:
+                _q8_1(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
+            elif kind == Q4_0:
+                _q40_1(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q41_1(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, 1, r0, alpha, accumulate)
+
+
+@njit(cache=True)
+def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # out[t, i] (=|+=) alpha * raw[i] . X[t] for rows i0..i1 and every t, X rounded for kind (round_rows): whole
+    # tiles of R rows through the micro-kernels where they run (HAVE_TILES, the integer kinds, >= GEMM_MIN_ROWS rows of X),
+    # the rest through the row dots, the same bits either way. tmp: >= scratch_words(n) f32
+    end = i0
+    if tmp.shape[0] < scratch_words(X.shape[1]):          # too small a scratch for a panel: the row dots
+        pass
+    elif HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q4_K or kind == Q5_K or kind == Q6_K):
+        end = i0 + (i1 - i0) // R * R
+        if kind == Q4_K or kind == Q5_K:
+            _tiles_q45_k(raw, kind == Q5_K, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
+        else:
+            _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
+    elif HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q8_0 or kind == Q4_0 or kind == Q4_1) \
+            and X.shape[1] % 256 == 0:
+        end = i0 + (i1 - i0) // R * R
+        _tiles_b32(raw, kind, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
+    if end < i1:
+        _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, end, i1, alpha, accumulate)
+
+
+@njit(cache=True)
+def matmul_blocks(raw, kind, X, out, Xq, Xd, Xs, tmp, alpha, accumulate):
+    # X (T, n) f32 @ W.T -> out (T, d) (=|+= alpha *); W raw (d, row bytes) of GGML type kind; scratch: Xq (T,n) i8,
+    # Xd (T,n/32) f32, Xs (T,n/16) i32, tmp (>= scratch_words(n),) f32
+    round_rows(kind, X, Xq, Xd, Xs)
+    gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, 0, raw.shape[0], alpha, accumulate)
+
+
+@njit(cache=True, parallel=True)
+def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
+    # matmul_blocks with the rows split over tmps.shape[0] chunks (whole tiles) run by Numba threads
+    round_rows(kind, X, Xq, Xd, Xs)
+    tiles = (raw.shape[0] + R - 1) // R
+    nt = tmps.shape[0]
+    for c in prange(nt):
+        gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmps[c], min(raw.shape[0], c * tiles // nt * R),
+                  min(raw.shape[0], (c + 1) * tiles // nt * R), alpha, accumulate)
