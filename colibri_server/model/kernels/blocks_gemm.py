@@ -32,6 +32,7 @@ GEMM_MIN_ROWS = 4          # fewer activation rows: the row dots (the panel cost
 HAVE_TILES = HAVE_VNNI512
 
 
+@njit(cache=True)
 def scratch_words(n: int) -> int:
     """f32 words of the scratch for n columns: a tile's panel (the largest kind, Q6_K: 1168 words per 256
     columns) and C * R results, or a row dequantized (kernels/blocks)."""
@@ -426,7 +427,9 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # tiles of R rows through the micro-kernels where they run (HAVE_TILES, Q4_K / Q5_K / Q6_K, >= GEMM_MIN_ROWS rows of X),
     # the rest through the row dots, the same bits either way. tmp: >= scratch_words(n) f32
     end = i0
-    if HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q4_K or kind == Q5_K or kind == Q6_K):
+    if tmp.shape[0] < scratch_words(X.shape[1]):          # too small a scratch for a panel: the row dots
+        pass
+    elif HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q4_K or kind == Q5_K or kind == Q6_K):
         end = i0 + (i1 - i0) // R * R
         if kind == Q4_K or kind == Q5_K:
             _tiles_q45_k(raw, kind == Q5_K, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
