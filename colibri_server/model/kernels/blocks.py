@@ -5,18 +5,18 @@ the GGML type id. Three things here:
 
 * dequantizers, one per kind (deq_row: one row -> f32), bit for bit what the `gguf` package's
   dequantize gives (the same float32 operations in the same order, no fused multiply-add);
-* the activations rounded once per row the way llama.cpp rounds them for its integer dots: int8
-  in blocks of 32 with one f32 scale each (quant_acts: Q8_0's rounding, for the 32-block kinds) or
-  of 256 (quant_acts_k: Q8_K's, for the k-quants in KROUND, whose sub-block scales are integers
-  that multiply exact int32 sums), and the int32 sum of every 16 rounded values (the offsets and
-  minimums of Q4_0, Q4_1, Q4_K, Q6_K are folded through them);
-* dots of one weight row with a rounded activation row (blocks_ir): exact integer sums per block,
-  one float step per block (Q8_0, Q4_0, Q4_1: per 32, into 8 partial sums; Q4_K, Q5_K, Q6_K: per
-  256), and for the other kinds the row dequantized to f32 and dotted with the f32 activations
-  (the generic path).
+* the activations rounded once per row the way llama.cpp rounds them for its integer dots
+  (quant_acts): int8 in blocks of 32 with one f32 scale each (Q8_0's rounding, for every kind:
+  the k-quants' sub-blocks are 32 or 16 weights, so a 32-block scale folds into the sub-block's
+  scale with no extra work, finer than Q8_K's one scale per 256), and the int32 sum of every 16
+  rounded values (the offsets and minimums of Q4_0, Q4_1, Q5_*, Q4_K, Q2_K, Q6_K are folded through
+  them);
+* dots of one weight row with a rounded activation row: integer products accumulated in int32
+  per sub-block, scaled by f32 once per sub-block (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), and for the other
+  kinds the row dequantized to f32 and dotted with the f32 activations (the generic path).
 
 Every product (batch-1 matvec, a serving step's rows, prefill, experts) goes through these row dots
-or, for many rows of the integer kinds, through kernels/blocks_gemm's tiles, which compute the same integers
+or, for many rows of Q4_K / Q6_K, through kernels/blocks_gemm's tiles, which compute the same integers
 and float operations: the same row and activation row give the same bits whatever the caller.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, prange
 
 from .base import _REDUCE_FM, to_f32
-from .blocks_ir import kblock_q4_k, kblock_q5_k, kblock_q6_k, row_q4_0, row_q4_1, row_q8_0
+from .blocks_ir import kblock_q4_k, kblock_q5_k, kblock_q6_k, row_q4_0, row_q8_0
 from .moe import _silu_mul_1d
 from .quant_ir import _bits_f32, _round
 
@@ -35,7 +35,7 @@ SB = 16          # activations per int32 sum
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 IQ4_NL, IQ4_XS, MXFP4 = 20, 23, 39
-FAST = (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)    # the kinds with integer dots
+FAST = (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)    # the kinds with integer dots
 KROUND = (Q4_K, Q5_K, Q6_K)                   # activations rounded per 256 (quant_acts_k), integer sums per block
 
 _KV_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
@@ -248,11 +248,6 @@ def _dot_q4_0(r, x, xq, xd, xs, v):
 
 
 @njit(cache=True, inline="always")
-def _dot_q4_1(r, x, xq, xd, xs, v):
-    return row_q4_1(r, xq, xd, xs, x.shape[0] // 32)
-
-
-@njit(cache=True, inline="always")
 def _dot_q4_k(r, x, xq, xd, xs, v):
     acc = np.float32(0.0)
     for b in range(x.shape[0] // 256):
@@ -284,8 +279,6 @@ def row_dot(kind, r, x, xq, xd, xs, tmp):
         return _dot_q8_0(r, x, xq, xd, xs, tmp[:16])
     if kind == Q4_0:
         return _dot_q4_0(r, x, xq, xd, xs, tmp[:16])
-    if kind == Q4_1:
-        return _dot_q4_1(r, x, xq, xd, xs, tmp[:16])
     if kind == Q4_K:
         return _dot_q4_k(r, x, xq, xd, xs, tmp[:16])
     if kind == Q6_K:
@@ -323,14 +316,6 @@ def _rows_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 
 @njit(cache=True)
-def _rows_q4_1(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    v = tmp[:16]
-    for i in range(i0, i1):
-        for t in range(X.shape[0]):
-            _put2(out, t, i, _dot_q4_1(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
-
-
-@njit(cache=True)
 def _rows_q4_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     v = tmp[:16]
     for i in range(i0, i1):
@@ -361,8 +346,6 @@ def _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         _rows_q8_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
     elif kind == Q4_0:
         _rows_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
-    elif kind == Q4_1:
-        _rows_q4_1(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
     elif kind == Q4_K:
         _rows_q4_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
     elif kind == Q5_K:

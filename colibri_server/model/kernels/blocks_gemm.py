@@ -1,6 +1,5 @@
 """The tiled product of block-kind weights with many activation rows (prefill, a serving step's rows):
-X (T, n) @ W.T in tiles for Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and Q4_1 on AVX-512 VNNI, every other case through the
-row dots (kernels/blocks).
+X (T, n) @ W.T for Q4_K, Q5_K and Q6_K tiles on AVX-512 VNNI, every other case through the row dots (kernels/blocks).
 
 The row dots read a weight row once for all T rows but decode its blocks again for each of them
 (nibbles, scales, one horizontal sum per block and row): a 128-token prefill ran 2-3.5x slower than the
@@ -12,10 +11,8 @@ runs C = 4 activation rows at a time (1 for the remainder) through the panel: fo
 16 rows, one `vpdpbusd` per activation row with its 4 bytes broadcast (4 products summed into each row's
 lane, no horizontal sum); a sub-block's sums times the rows' scales (`vpmulld`), Q4_K's mins through
 `vpdpwssd` on i16 pairs (Q6_K's offset of 32 the same way), and per 256-block the float step
-(blocks_ir.k_update) on 16 rows at once. The 32-block kinds (Q8_0 as its bytes + 128, Q4_0, Q4_1) the same way
-per 32-block, C32 = 2 activation rows at a time into 8 accumulators each (block b into b mod 8: b32_update,
-b32_total). These are the integers and float operations of the row dots (blocks_ir's kblock_* and row_*),
-so each output equals the matvec's bit for bit, whatever T or the threads.
+(blocks_ir.k_update) on 16 rows at once. These are the integers and float operations of the row dots
+kblock_q4_k / kblock_q5_k / kblock_q6_k, so each output equals the matvec's bit for bit, whatever T or the threads.
 """
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _k_scale_min, _put2, _rows, round_rows
+from .blocks import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _k_scale_min, _put2, _rows, round_rows
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
 from .cpu import HAVE_VNNI512
 
@@ -37,9 +34,9 @@ HAVE_TILES = HAVE_VNNI512
 
 @njit(cache=True)
 def scratch_words(n: int) -> int:
-    """f32 words of the scratch for n columns: a tile's panel (the largest, Q8_0's: 8 * (8 + 2) * R words per 256
-    columns; Q6_K's 1168) and C * R results, or a row dequantized (kernels/blocks)."""
-    return max(n, n // 256 * 1280 + C * R) + 16
+    """f32 words of the scratch for n columns: a tile's panel (the largest kind, Q6_K: 1168 words per 256
+    columns) and C * R results, or a row dequantized (kernels/blocks)."""
+    return max(n, n // 256 * 1168 + C * R) + 16
 
 
 _i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -110,20 +107,18 @@ FLIP = np.int32(-0x7F7F7F80)       # 0x80808080: Q8_0's int8 values + 128 as u8 
 
 
 @njit(cache=True)
-def _prep_b32(raw, r0, nb, kind, P, DD, MM):
-    # rows r0..r0+R of a Q8_0, Q4_0 or Q4_1 matrix -> P[(w*b + g)*R + r] = dword g of block b's w = 8 value dwords
-    # (Q8_0: each byte + 128; Q4_0, Q4_1: w = 4 dwords of nibbles, as they are), DD[b*R + r] = d, MM[b*R + r] = Q4_1's m
-    size, nw, qo = (34, 8, 2) if kind == Q8_0 else (18, 4, 2) if kind == Q4_0 else (20, 4, 4)
+def _prep_b32(raw, r0, nb, nibbles, P, DD):
+    # rows r0..r0+R of a Q8_0 (Q4_0: nibbles) matrix -> P[(w*b + g)*R + r] = dword g of block b's w = 8 value
+    # dwords, each byte + 128 (Q4_0: w = 4 dwords of nibbles, as they are), DD[b*R + r] = d
+    size, nw = (18, 4) if nibbles else (34, 8)
     for r in range(R):
         row = raw[r0 + r]
         for b in range(nb):
             o = b * size
             DD[b * R + r] = _f16(row, o)
-            if kind == Q4_1:
-                MM[b * R + r] = _f16(row, o + 2)
             for g in range(nw):
-                v = ld32(row, o + qo + 4 * g)
-                P[(nw * b + g) * R + r] = v ^ FLIP if kind == Q8_0 else v
+                v = ld32(row, o + 2 + 4 * g)
+                P[(nw * b + g) * R + r] = v if nibbles else v ^ FLIP
 
 
 # ---------------------------------------------------------------------------- micro-kernels (LLVM IR)
@@ -299,18 +294,15 @@ def _mk_q6_k(nc):
     return intrinsic(impl)
 
 
-def _mk_b32(nc, kind):
-    nibbles, mins = kind != Q8_0, kind == Q4_1
-
-    def impl(typingctx, P, DD, MM, xq, xd, xs, t0, nb, res):
-        sig = types.void(P, DD, MM, xq, xd, xs, t0, nb, res)
+def _mk_b32(nc, nibbles):
+    def impl(typingctx, P, DD, xq, xd, xs, t0, nb, res):
+        sig = types.void(P, DD, xq, xd, xs, t0, nb, res)
 
         def codegen(context, builder, signature, args):
-            k = _Kernel(context, builder, signature, args, 3)
+            k = _Kernel(context, builder, signature, args, 2)
             b = builder
             p = _arr_ptr(context, builder, signature.args[0], args[0], _i32)
             dd = _arr_ptr(context, builder, signature.args[1], args[1], _f32)
-            mm = _arr_ptr(context, builder, signature.args[2], args[2], _f32)
             zero = ir.Constant(k.v16, None)
             nw = 4 if nibbles else 8
             mask = k.splat(ir.Constant(_i32, 0x0F0F0F0F))
@@ -331,17 +323,13 @@ def _mk_b32(nc, kind):
                             else:
                                 isum[t] = b.call(k.dpbusd, [isum[t], w, k.x4(t, b.add(x0, k.c(4 * g)))])
                     d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
-                    m = k.vec(mm, b.mul(blk, k.c(R)), k.f16) if mins else None
                     for t in range(nc):
                         s2 = b.gep(k.xs[t], [b.mul(blk, k.c(2))])
                         xsum = b.add(b.load(s2), b.load(b.gep(s2, [k.c(1)])))
+                        corr = b.mul(xsum, ir.Constant(_i32, 8 if nibbles else 128))
+                        it = b.sub(isum[t], k.splat(corr))
                         xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
-                        if mins:
-                            upd = b32_update(b, b.load(accs[t][i]), isum[t], d, xdb, k.splat(xsum), m)
-                        else:
-                            corr = b.mul(xsum, ir.Constant(_i32, 8 if nibbles else 128))
-                            upd = b32_update(b, b.load(accs[t][i]), b.sub(isum[t], k.splat(corr)), d, xdb)
-                        b.store(upd, accs[t][i])
+                        b.store(b32_update(b, b.load(accs[t][i]), it, d, xdb), accs[t][i])
             for t in range(nc):
                 tot = b32_total(b, [b.load(a) for a in accs[t]])
                 b.store(tot, b.bitcast(b.gep(k.res, [k.c(t * R)]), k.f16.as_pointer()), align=4)
@@ -351,9 +339,8 @@ def _mk_b32(nc, kind):
 
 
 C32 = 2                    # activation rows per pass of the 32-block kinds' micro-kernel (8 accumulators each)
-_q8_2, _q8_1 = _mk_b32(C32, Q8_0), _mk_b32(1, Q8_0)
-_q40_2, _q40_1 = _mk_b32(C32, Q4_0), _mk_b32(1, Q4_0)
-_q41_2, _q41_1 = _mk_b32(C32, Q4_1), _mk_b32(1, Q4_1)
+_q8_2, _q8_1 = _mk_b32(C32, False), _mk_b32(1, False)
+_q40_2, _q40_1 = _mk_b32(C32, True), _mk_b32(1, True)
 _q4k_4, _q4k_1 = _mk_q45_k(C, False), _mk_q45_k(1, False)
 _q5k_4, _q5k_1 = _mk_q45_k(C, True), _mk_q45_k(1, True)
 _q6k_4, _q6k_1 = _mk_q6_k(C), _mk_q6_k(1)
@@ -411,38 +398,33 @@ def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 
 @njit(cache=True)
-def _tiles_b32(raw, kind, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    # rows i0..i0 + R*k (whole tiles) of a Q8_0, Q4_0 or Q4_1 matrix times every row of Xq (rounded per 32: quant_acts)
+def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # rows i0..i0 + R*k (whole tiles) of a Q8_0 (Q4_0: nibbles) matrix times every row of Xq (rounded per 32: quant_acts)
     nb = Xq.shape[1] // 32
     T = Xq.shape[0]
-    nw = 8 if kind == Q8_0 else 4
+    nw = 4 if nibbles else 8
     P = tmp.view(np.int32)[:nb * nw * R]
-    a = nb * nw * R
-    DD, MM, res = tmp[a:a + nb * R], tmp[a + nb * R:a + 2 * nb * R], tmp[a + 2 * nb * R:a + 2 * nb * R + C * R]
+    DD, res = tmp[nb * nw * R:nb * (nw + 1) * R], tmp[nb * (nw + 1) * R:nb * (nw + 1) * R + C * R]
     for r0 in range(i0, i1 - R + 1, R):
-        _prep_b32(raw, r0, nb, kind, P, DD, MM)
+        _prep_b32(raw, r0, nb, nibbles, P, DD)
         for t0 in range(0, T - C32 + 1, C32):
-            if kind == Q8_0:
-                _q8_2(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
-            elif kind == Q4_0:
-                _q40_2(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
+            if nibbles:
+                _q40_2(P, DD, Xq, Xd, Xs, t0, nb, res)
             else:
-                _q41_2(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
+                _q8_2(P, DD, Xq, Xd, Xs, t0, nb, res)
             _store(res, out, t0, C32, r0, alpha, accumulate)
         for t0 in range(T // C32 * C32, T):
-            if kind == Q8_0:
-                _q8_1(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
-            elif kind == Q4_0:
-                _q40_1(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
+            if nibbles:
+                _q40_1(P, DD, Xq, Xd, Xs, t0, nb, res)
             else:
-                _q41_1(P, DD, MM, Xq, Xd, Xs, t0, nb, res)
+                _q8_1(P, DD, Xq, Xd, Xs, t0, nb, res)
             _store(res, out, t0, 1, r0, alpha, accumulate)
 
 
 @njit(cache=True)
 def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # out[t, i] (=|+=) alpha * raw[i] . X[t] for rows i0..i1 and every t, X rounded for kind (round_rows): whole
-    # tiles of R rows through the micro-kernels where they run (HAVE_TILES, the integer kinds, >= GEMM_MIN_ROWS rows of X),
+    # tiles of R rows through the micro-kernels where they run (HAVE_TILES, Q4_K / Q5_K / Q6_K, >= GEMM_MIN_ROWS rows of X),
     # the rest through the row dots, the same bits either way. tmp: >= scratch_words(n) f32
     end = i0
     if tmp.shape[0] < scratch_words(X.shape[1]):          # too small a scratch for a panel: the row dots
@@ -453,10 +435,9 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             _tiles_q45_k(raw, kind == Q5_K, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         else:
             _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
-    elif HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q8_0 or kind == Q4_0 or kind == Q4_1) \
-            and X.shape[1] % 256 == 0:
+    elif HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q8_0 or kind == Q4_0) and X.shape[1] % 256 == 0:
         end = i0 + (i1 - i0) // R * R
-        _tiles_b32(raw, kind, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
+        _tiles_b32(raw, kind == Q4_0, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
     if end < i1:
         _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, end, i1, alpha, accumulate)
 

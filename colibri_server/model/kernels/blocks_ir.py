@@ -115,14 +115,10 @@ def _sum8(builder, ps):
     return ps[0]
 
 
-def b32_update(builder, acc, isum, d, xd, xsum=None, m=None):
-    """The 32-block kinds' float step, shared with the tiled GEMM (kernels/blocks_gemm): acc + float(isum) * (d * xd)
-    [+ float(xsum) * (m * xd): Q4_1's min], acc one of 8 partial sums (block b goes to lane b mod 8 here, to
-    accumulator b mod 8 there)."""
-    acc = builder.fadd(acc, builder.fmul(builder.sitofp(isum, acc.type), builder.fmul(d, xd)))
-    if m is not None:
-        acc = builder.fadd(acc, builder.fmul(builder.sitofp(xsum, acc.type), builder.fmul(m, xd)))
-    return acc
+def b32_update(builder, acc, isum, d, xd):
+    """The 32-block kinds' float step, shared with the tiled GEMM (kernels/blocks_gemm): acc + float(isum) * (d * xd),
+    acc one of 8 partial sums (block b goes to lane b mod 8 here, to accumulator b mod 8 there)."""
+    return builder.fadd(acc, builder.fmul(builder.sitofp(isum, acc.type), builder.fmul(d, xd)))
 
 
 def b32_total(builder, accs):
@@ -131,13 +127,11 @@ def b32_total(builder, accs):
                         builder.fadd(builder.fadd(accs[4], accs[5]), builder.fadd(accs[6], accs[7])))
 
 
-def _row32(nibbles, mins=False):
-    """The row dot of a 32-block kind with an f16 scale first: Q8_0 (34 bytes), Q4_0 (18) or Q4_1 (mins: 20, an f16
-    min second). Block b's exact integer sum (Q4_0: its nibbles' 8 taken out through the activations' 16-sums)
-    times d_b * xd_b goes to partial sum b mod 8 (b32_update; Q4_1: plus the activations' sum times m_b * xd_b),
-    8 blocks at a time as one vector; the partials summed by b32_total."""
-    size = 20 if mins else 18 if nibbles else 34
-    qoff = 4 if mins else 2
+def _row32(nibbles):
+    """The row dot of a 32-block kind with an f16 scale first: Q8_0 (34 bytes) or Q4_0 (18). Block b's exact
+    integer sum (Q4_0: its nibbles' 8 taken out through the activations' 16-sums) times d_b * xd_b goes to
+    partial sum b mod 8 (b32_update), 8 blocks at a time as one vector; the partials summed by b32_total."""
+    size = 18 if nibbles else 34
 
     def impl(typingctx, r, xq, xd, xs, nb):
         sig = types.float32(r, xq, xd, xs, nb)
@@ -154,11 +148,11 @@ def _row32(nibbles, mins=False):
             nb = args[4]
 
             def block(b):
-                """(block b's lane products, its f16 scale as f32, Q4_1: its f16 min as f32)."""
+                """(block b's exact integer sum, its f16 scale as f32)."""
                 o = builder.mul(b, ir.Constant(idx, size))
                 prefetch_ahead(builder, [rp], o, ahead=BLOCK_AHEAD)
                 xv = _load(builder, builder.gep(xp, [builder.mul(b, ir.Constant(idx, 32))]), 32)
-                wp = builder.gep(rp, [builder.add(o, ir.Constant(idx, qoff))])
+                wp = builder.gep(rp, [builder.add(o, ir.Constant(idx, 2))])
                 if nibbles:
                     vt = ir.VectorType(_i8, 16)
                     bb = _load(builder, wp, 16)
@@ -168,43 +162,38 @@ def _row32(nibbles, mins=False):
                     p8 = _dot8(builder, q, xv, False)
                 else:
                     p8 = _dot8(builder, _load(builder, wp, 32), xv, True)
-                m = _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2))) if mins else None
-                return p8, _f16_at(builder, rp, o), m
+                return p8, _f16_at(builder, rp, o)
 
-            def sums8(b0):
-                """The activations' 32-sums of blocks b0..b0+8 (<8 x i32>)."""
+            def correction(b0, n):
+                """Q4_0: 8 * the activations' 32-sums of blocks b0..b0+n (<8 x i32>, n <= 8 lanes)."""
                 xs16 = _vload(builder, sp, builder.mul(b0, ir.Constant(idx, 2)), ir.VectorType(_i32, 16))
                 ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
                 od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
-                return builder.add(ev, od)
+                return builder.mul(builder.add(ev, od), ir.Constant(v8, [8] * 8))
 
             eight = ir.Constant(idx, 8)
             with cgutils.for_range(builder, builder.sdiv(nb, eight)) as loop:      # 8 blocks, one per lane
                 b0 = builder.mul(loop.index, eight)
-                ps, ds, ms = [], ir.Constant(vf, None), ir.Constant(vf, None)
+                ps, ds = [], ir.Constant(vf, None)
                 for i in range(8):
-                    p8, d, m = block(builder.add(b0, ir.Constant(idx, i)))
+                    p8, d = block(builder.add(b0, ir.Constant(idx, i)))
                     ps.append(p8)
                     ds = builder.insert_element(ds, d, ir.Constant(_i32, i))
-                    if mins:
-                        ms = builder.insert_element(ms, m, ir.Constant(_i32, i))
                 isum = _sum8(builder, ps)
-                if nibbles and not mins:
-                    isum = builder.sub(isum, builder.mul(sums8(b0), ir.Constant(v8, [8] * 8)))
-                builder.store(b32_update(builder, builder.load(acc), isum, ds, _vload(builder, dp, b0, vf),
-                                         sums8(b0) if mins else None, ms if mins else None), acc)
+                if nibbles:
+                    isum = builder.sub(isum, correction(b0, 8))
+                builder.store(b32_update(builder, builder.load(acc), isum, ds, _vload(builder, dp, b0, vf)), acc)
             with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(nb, eight), eight), nb,
                                          ir.Constant(idx, 1)) as (b, _):           # the rest: lane b mod 8 alone
-                p8, d, m = block(b)
+                p8, d = block(b)
                 isum = _reduce(builder, p8, 8)
-                s2 = builder.gep(sp, [builder.mul(b, ir.Constant(idx, 2))])
-                xsum = builder.add(builder.load(s2), builder.load(builder.gep(s2, [ir.Constant(idx, 1)])))
-                if nibbles and not mins:
+                if nibbles:
+                    s2 = builder.gep(sp, [builder.mul(b, ir.Constant(idx, 2))])
+                    xsum = builder.add(builder.load(s2), builder.load(builder.gep(s2, [ir.Constant(idx, 1)])))
                     isum = builder.sub(isum, builder.mul(xsum, ir.Constant(_i32, 8)))
                 lane = builder.trunc(builder.srem(b, eight), _i32)
                 v = builder.load(acc)
-                upd = b32_update(builder, builder.extract_element(v, lane), isum, d, builder.load(builder.gep(dp, [b])),
-                                 xsum if mins else None, m)
+                upd = b32_update(builder, builder.extract_element(v, lane), isum, d, builder.load(builder.gep(dp, [b])))
                 builder.store(builder.insert_element(v, upd, lane), acc)
             v = builder.load(acc)
             return b32_total(builder, [builder.extract_element(v, ir.Constant(_i32, i)) for i in range(8)])
@@ -216,8 +205,6 @@ row_q8_0 = intrinsic(_row32(False))
 row_q8_0.__doc__ = "r (row bytes,) u8 Q8_0 row . xq (n,) i8 with scales xd (n/32,) f32 (xs unused), nb blocks -> f32"
 row_q4_0 = intrinsic(_row32(True))
 row_q4_0.__doc__ = "r (row bytes,) u8 Q4_0 row . xq (n,) i8 with scales xd (n/32,) f32 and 16-sums xs, nb blocks -> f32"
-row_q4_1 = intrinsic(_row32(True, True))
-row_q4_1.__doc__ = "r (row bytes,) u8 Q4_1 row . xq (n,) i8 with scales xd (n/32,) f32 and 16-sums xs, nb blocks -> f32"
 
 
 def _vload(builder, base, off, vt):
