@@ -71,7 +71,8 @@ class Workspace:
     PAR_MIN_WEIGHTS = 1 << 20
     # the same for block-kind matrices (mm_blocks), which have no fused expert call on threads: one region a
     # matrix, so only the big ones (an output head) go to the threads. bench-mixtral Q4_K_M blocks, decode on
-    # 2 threads (shared, loaded machine): 1 << 20 74.2 tok/s, 1 << 23 78.7
+    # 2 threads (shared, loaded machine): 1 << 20 74.2 tok/s, 1 << 23 78.7. Counted in weights x rows, so a
+    # prefill's or a serving step's many rows thread every matrix (each thread its share of the weight rows)
     PAR_MIN_BLOCK_WEIGHTS = 1 << 23
     # up to this many rows, f16/bf16 matrices go through kernels.rowgemm (each weight converted once, in a
     # register, for every row) instead of converting 256-row tiles to f32 for BLAS: since rowgemm's IR
@@ -201,10 +202,10 @@ class Workspace:
 
     def mm_blocks(self, X, W, out, alpha: float = 1.0, accumulate: bool = False):
         """out (T,d) (=|+=) alpha * X (T,n) @ W.T for a block-kind W (kernels/blocks): the rows of X rounded
-        once, each weight row read once for all of them; rows over the threads when the matrix is big."""
+        once, each weight row read once for all of them; weight rows over the threads when the work is big."""
         T, n = X.shape
         Xq, Xd, Xs, tmps = self.block_acts(T, n)
-        if self.threads > 1 and out.shape[1] * n >= self.PAR_MIN_BLOCK_WEIGHTS:
+        if self.threads > 1 and out.shape[1] * n * T >= self.PAR_MIN_BLOCK_WEIGHTS:
             KG.matmul_blocks_par(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[:self.threads], np.float32(alpha), accumulate)
         else:
             KG.matmul_blocks(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[0], np.float32(alpha), accumulate)
