@@ -100,9 +100,10 @@ def _wait(driver, fn, timeout=30.0, what="the page"):
     return wait_until(lambda: fn(driver), timeout, what, lambda: driver.find_element(By.TAG_NAME, "body").text[-2000:])
 
 
-def _give_key_if_asked(driver):
-    if driver.find_element(By.ID, "keydlg").is_displayed():
-        driver.find_element(By.ID, "keyinput").send_keys(KEY, Keys.ENTER)
+def _give_key(driver):
+    """A page just loaded asks for the key (it keeps it in memory only: every load asks again)."""
+    _wait(driver, lambda d: d.find_element(By.ID, "keydlg").is_displayed(), what="the API key prompt")
+    driver.find_element(By.ID, "keyinput").send_keys(KEY, Keys.ENTER)
 
 
 def _assistant(driver):
@@ -179,7 +180,7 @@ def test_stop_cancels_the_request_at_the_router(web):
     d = web.driver
     if not d.current_url.startswith(web.url + "/") or "status" in d.current_url:
         d.get(web.url + "/")
-        _give_key_if_asked(d)
+        _give_key(d)
     d.find_element(By.ID, "clear").click()          # a new chat: the prompt is this message alone
     before = web.server.stats()["counters"]
     e = d.find_element(By.ID, "max_tokens")
@@ -206,7 +207,7 @@ def _cells(d):
 def test_the_status_page_shows_the_workers_and_a_heat_map_that_moves(web):
     d = web.driver
     d.get(web.url + "/status")
-    _give_key_if_asked(d)
+    _give_key(d)
     pid = web.server.worker_pids()[0]
     row = _wait(d, lambda d: d.find_elements(By.CSS_SELECTOR, f"#workers tr.worker[data-pid='{pid}']"),
                 what="the worker's row")[0]
@@ -226,3 +227,33 @@ def test_the_status_page_shows_the_workers_and_a_heat_map_that_moves(web):
     assert d.find_element(By.ID, "in-flight").text == "0"
     assert not d.find_element(By.ID, "problem").is_displayed()
     _screenshot(d, "status.png")
+
+
+def test_an_api_error_is_shown_as_the_api_words_it(web):
+    d = web.driver
+    d.get(web.url + "/")
+    _give_key(d)
+    _wait(d, lambda d: "context 256" in d.find_element(By.ID, "model").text, what="the model")
+    e = d.find_element(By.ID, "max_tokens")
+    e.clear()
+    e.send_keys("1000")                             # more than the bundled model's context of 256
+    _send(d, "hello")
+    _wait(d, lambda d: _assistant(d).get_attribute("data-state") == "error", what="the error")
+    shown = _assistant(d).find_element(By.CLASS_NAME, "error").text
+    api = requests.post(web.url + "/v1/chat/completions", headers=web.auth, timeout=60, json={
+        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1000, "stream": True}).json()["error"]
+    assert shown == f"{api['message']} ({api['code']})"
+
+
+def test_the_markdown_renderer_escapes_and_renders(web):
+    d = web.driver
+    if "/status" in d.current_url or not d.current_url.startswith(web.url):
+        d.get(web.url + "/")
+    render = lambda s: d.execute_script("return markdown.render(arguments[0])", s)   # noqa: E731
+    assert render('<img src=x onerror="alert(1)">') == "<p>&lt;img src=x onerror=&quot;alert(1)&quot;&gt;</p>"
+    assert render("a **b** `<i>` [l](javascript:x)") == "<p>a <strong>b</strong> <code>&lt;i&gt;</code> [l](javascript:x)</p>"
+    assert render("```py\nif a < b:\n    pass\n```\n- one\n- two") == \
+        '<pre><code class="lang-py">if a &lt; b:\n    pass</code></pre><ul><li>one</li><li>two</li></ul>'
+    assert render("```\nstill streaming") == "<pre><code>still streaming</code></pre>"
+    assert render("[colibri](https://example.org/a)") == \
+        '<p><a href="https://example.org/a" rel="noopener noreferrer" target="_blank">colibri</a></p>'

@@ -8,6 +8,7 @@ colibri server over ZeroMQ through `colibri_server.client`.
   config    the COLIBRI_HTTP_* environment          serve   gunicorn in-process, `colibri http`
   routers   several routers (--connect A --connect B): /health and /metrics per router
   headfirst HeadFirstWorker: gthread that reads request heads (and small bodies) before taking a thread
+  pages     the chat page (/), the status page (/status) and /status.json; their files are in static/
 
 It never runs a model: every token comes from the server (the model file is only read for its
 chat template and name, when the gateway runs beside the server).

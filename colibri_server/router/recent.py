@@ -15,7 +15,8 @@ from __future__ import annotations
 import collections
 
 WINDOW_S = 30.0         # the heat map's and the rates' window
-EVERY_S = 2.0           # between samples: the window spans WINDOW_S to WINDOW_S + EVERY_S once warm
+EVERY_S = 5.0           # between samples: the window spans WINDOW_S to WINDOW_S + EVERY_S once warm; a
+#                         sample holds each worker's last figures alive (L x E counts: ~0.5 MB for 61 x 256)
 
 
 class RecentWindow:
