@@ -53,8 +53,7 @@ def test_every_listed_family_and_kind_is_a_valid_config():
 
 def test_compile_builds_the_converters_default_kinds_unless_told(monkeypatch):
     """`colibri compile` alone: every family in the kinds `colibri convert` writes unless told otherwise (f16 in
-    panels, bf16 in rows, q8, q4); `--kind all` adds f16 rows and bf16 panels (the whole set took about three
-    quarters of an hour on 2 shared cores, bf16 panels the longest jobs)."""
+    panels, bf16 in rows, q8, q4); `--kind all` adds f16 rows and bf16 panels (the whole set took 40 minutes on 2 shared cores, bf16 panels the longest jobs)."""
     from colibri_server import cli
     from colibri_server.model.convert import default_layout
     assert default_layout("f16", None) == "panels" and default_layout("bf16", None) == "rows"
