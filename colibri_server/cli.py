@@ -325,7 +325,8 @@ def cmd_compile(a):
     try:
         layouts = tuple(a.layout or P.LAYOUTS)
         todo = ([P.Job("", "", layouts, a.kv_dtype, model=os.path.abspath(m)) for m in a.model] if a.model else
-                P.jobs(a.family, a.kind, layouts, a.kv_dtype))
+                P.jobs(a.family, None if "all" in (a.kind or ()) else a.kind or P.DEFAULT_KINDS, layouts,
+                       a.kv_dtype))
     except ValueError as e:
         _die(str(e), 2)
     for m in a.model or ():
@@ -571,7 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--model", action="append", metavar="FILE", help="compile what this .colibri file needs "
                    "(repeatable) instead of every family and kind")
     k.add_argument("--family", action="append", metavar="NAME", help="only these families (repeatable)")
-    k.add_argument("--kind", action="append", metavar="NAME", help="only these storage kinds (repeatable)")
+    k.add_argument("--kind", action="append", metavar="NAME", help="only these storage kinds (repeatable; default "
+                   "the kinds `colibri convert` writes by default: f16-panels, bf16, q8, q4; all: f16 rows and "
+                   "bf16-panels too)")
     k.add_argument("--layout", action="append", choices=("run", "serve-1", "serve-n", "prefill"), help="only "
                    "these ways of running (repeatable; default all: `colibri run`, one-thread workers, threaded "
                    "workers; prefill: run's prompt kernels alone)")

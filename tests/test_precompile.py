@@ -51,6 +51,22 @@ def test_every_listed_family_and_kind_is_a_valid_config():
     assert len(P.jobs()) == len(P.FAMILIES) * len(P.KINDS)
 
 
+def test_compile_builds_the_converters_default_kinds_unless_told(monkeypatch):
+    """`colibri compile` alone: every family in the kinds `colibri convert` writes unless told otherwise (f16 in
+    panels, bf16 in rows, q8, q4); `--kind all` adds f16 rows and bf16 panels (the whole set took 40 minutes on 2 shared cores, bf16 panels the longest jobs)."""
+    from colibri_server import cli
+    from colibri_server.model.convert import default_layout
+    assert default_layout("f16", None) == "panels" and default_layout("bf16", None) == "rows"
+    assert {"f16-panels", "bf16", "q8", "q4"} == set(P.DEFAULT_KINDS)
+    seen = {}
+    monkeypatch.setattr(P, "compile_jobs", lambda todo, procs, progress: seen.setdefault("todo", todo) and [])
+    for args, kinds in ((["compile"], set(P.DEFAULT_KINDS)), (["compile", "--kind", "all"], set(P.KINDS)),
+                        (["compile", "--kind", "f16"], {"f16"})):
+        seen.clear()
+        cli.main(args + ["--cache-dir", ""])          # the suite's cache, as this process has it
+        assert {j.kind for j in seen["todo"]} == kinds and {j.family for j in seen["todo"]} == set(P.FAMILIES)
+
+
 @pytest.mark.parametrize("family, kind", [("mixtral", "f16-panels"),
                                           pytest.param("gpt_oss", "bf16-panels", marks=pytest.mark.slow)])  # ~40 s cold
 def test_the_fused_token_on_panels_is_the_general_path_bit_for_bit(tmp_path, family, kind):

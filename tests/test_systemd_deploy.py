@@ -81,7 +81,7 @@ def test_deployment_steps_make_what_the_unit_needs():
     assert f"install -d -m 0755 {os.path.dirname(model)}" in joined and f" {model}" in joined
     # the kernels go where the unit's CacheDirectory= points the server ($CACHE_DIRECTORY)
     cache = "/var/cache/" + unit["CacheDirectory"][0]
-    assert f"sudo -u {user} CACHE_DIRECTORY={cache} {exe} compile" in cmds
+    assert f"sudo -u {user} CACHE_DIRECTORY={cache} {exe} compile --model {model}" in cmds, "no step compiles its model"
     assert f"install -d -o {user} -g {group} -m 0750 {cache}" in joined, "the cache exists before compile"
     state = "/var/lib/" + unit["StateDirectory"][0]
     assert f"install -d -o {user} -g {group} -m 0750 {state}" in joined

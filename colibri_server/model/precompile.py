@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FAMILIES", "KINDS", "LAYOUTS", "PREFILL", "Job", "jobs", "run_job", "compile_jobs", "start_other_layouts"]
+__all__ = ["FAMILIES", "KINDS", "DEFAULT_KINDS", "LAYOUTS", "PREFILL", "Job", "jobs", "run_job", "compile_jobs", "start_other_layouts"]
 
 _BASE = dict(vocab_size=512, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
              num_experts=4, top_k=2, moe_intermediate_size=512, rms_norm_eps=1e-5, max_position_embeddings=512,
@@ -71,6 +71,11 @@ KINDS = {
     "q8": dict(dtype="f16", quant="q8"),
     "q4": dict(dtype="f16", quant="q4", quant_overrides={"output": "q8"}),
 }
+
+# what `colibri compile` builds without --kind: the kinds `colibri convert` writes unless told otherwise (f16 in
+# panels, bf16 in rows: convert.default_layout; --quantize q8 or q4). f16 rows and bf16 panels, written only on
+# request (--layout), take their name or "all" (bf16-panels is the longest: 250 s a job on 2 shared cores)
+DEFAULT_KINDS = ("f16-panels", "bf16", "q8", "q4")
 
 LAYOUTS = ("run", "serve-1", "serve-n")
 PREFILL = "prefill"         # a part of "run" (see the module's doc); not a layout of its own in `colibri compile`
