@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 from .attn_ir import _fv, vexp
 from .cpu import FEATURES as _FEATURES
 
-__all__ = ["HAVE_ROW_IR", "row_exp", "row_max", "row_scores", "row_wsum"]
+__all__ = ["HAVE_ROW_IR", "row_exp", "row_max", "row_prefetch", "row_scores", "row_wsum"]
 
 HAVE_ROW_IR = {"avx512f", "f16c", "fma"} <= _FEATURES
 
@@ -252,5 +252,28 @@ def row_wsum(typingctx, S, n, pool, offs, A, corr, tsum):
                 block(h.index, b.mul(cb.index, _c(64)), 4)
             with cgutils.for_range(b, b.sdiv(b.sub(dv, b.mul(nfull, _c(64))), _c(16))) as cr:
                 block(h.index, b.add(b.mul(nfull, _c(64)), b.mul(cr.index, _c(16))), 1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def row_prefetch(typingctx, pool, offs, n, nbytes):
+    # prefetch into L1 the first nbytes of each of the n rows at offs (f16 elements into pool): the next tile's
+    # keys and values while this one is computed (a prefetch never faults)
+    sig = types.void(pool, offs, n, nbytes)
+
+    def codegen(context, b, signature, args):
+        i8 = ir.IntType(8)
+        hp = b.bitcast(context.make_array(signature.args[0])(context, b, args[0]).data, i8.as_pointer())
+        op = b.bitcast(context.make_array(signature.args[1])(context, b, args[1]).data, _I64.as_pointer())
+        nk = context.cast(b, args[2], signature.args[2], types.int64)
+        nl = b.sdiv(b.add(context.cast(b, args[3], signature.args[3], types.int64), _c(63)), _c(64))
+        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer()] + [_I32] * 3),
+                                            "llvm.prefetch.p0i8")
+        with cgutils.for_range(b, nk) as j:
+            base = b.mul(b.load(b.gep(op, [j.index])), _c(2))
+            with cgutils.for_range(b, nl) as line:
+                p = b.gep(hp, [b.add(base, b.mul(line.index, _c(64)))])
+                b.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         return context.get_dummy_value()
     return sig, codegen

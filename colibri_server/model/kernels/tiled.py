@@ -34,7 +34,7 @@ from numba.extending import overload
 
 from .attn_ir import HAVE_ATTN_IR, TILE_LANES, tile_exp, tile_max, tile_scores, tile_scores8, tile_wsum
 from .base import expf, to_f32
-from .row_ir import HAVE_ROW_IR, row_exp, row_max, row_scores, row_wsum
+from .row_ir import HAVE_ROW_IR, row_exp, row_max, row_prefetch, row_scores, row_wsum
 
 TILE = 64          # keys converted at once and scored against every query vector of an item
 SEGMENT = 512      # positions per split-K segment (a multiple of TILE): a row's merge points
@@ -247,7 +247,7 @@ def _scratch(hd, dvp, nqp):
     Kt = np.empty((TILE, hd), np.float32)
     Vt = np.zeros((TILE, dvp), np.float32)
     hg = (nqp + 3) // 4
-    rs = (np.empty(TILE, np.int64), np.empty((TILE // 4, hd, 4), np.float32), np.empty((hg, TILE, 4), np.float32),
+    rs = (np.empty((2, TILE), np.int64), np.empty((TILE // 4, hd, 4), np.float32), np.empty((hg, TILE, 4), np.float32),
           np.empty((hg, hd, 16), np.float32))
     return (np.empty(hd * nqp, np.float32), Kt, Vt, np.empty(TILE * nqp, np.float32), np.empty(8 * nqp, np.float32),
             np.empty(nqp * dvp, np.float32), np.empty(2 * nqp, np.int64), rs)
@@ -262,6 +262,19 @@ def _row_pools(kpool, vpool):
 def _row_pools_overload(kpool, vpool):
     ok = HAVE_ROW_IR and kpool.dtype == types.uint16 and vpool.dtype == types.uint16
     return lambda kpool, vpool: ok
+
+
+@njit(cache=True)
+def _row_offs(table, kh, Hkv, BS, hd, k0, k1, offs):
+    # offs[j] = the element offset in a pool layer of key k0 + j's row (kv head kh), j < k1 - k0, repeated to a
+    # multiple of 4; returns k1 - k0
+    n = k1 - k0
+    for j in range(n):
+        p = k0 + j
+        offs[j] = ((table[p // BS] * Hkv + kh) * BS + p % BS) * hd
+    for j in range(n, (n + 3) // 4 * 4):
+        offs[j] = offs[n - 1]
+    return n
 
 
 @njit(cache=True, error_model="numpy")
@@ -290,15 +303,18 @@ def _segment_row(kpool, vpool, table, kh, gh, s, sc):
     A = acc[:g4]
     A[:] = 0.0
     t = k0 // TILE * TILE
+    _row_offs(table, kh, Hkv, BS, hd, max(t, k0), min(t + TILE, k1), offs[0])
+    cur = 0
     while t < k1:
         ks, ke = max(t, k0), min(t + TILE, k1)
         n = ke - ks
-        for j in range(n):
-            p = ks + j
-            offs[j] = ((table[p // BS] * Hkv + kh) * BS + p % BS) * hd
-        for j in range(n, (n + 3) // 4 * 4):
-            offs[j] = offs[n - 1]
-        row_scores(kpool, offs, n, KT, Qh, Sh)
+        if t + TILE < k1:           # the next tile's rows on their way while this one is computed
+            nn = _row_offs(table, kh, Hkv, BS, hd, t + TILE, min(t + 2 * TILE, k1), offs[1 - cur])
+            row_prefetch(kpool, offs[1 - cur], nn, 2 * hd)
+            row_prefetch(vpool, offs[1 - cur], nn, 2 * acc.shape[1])
+        o = offs[cur]
+        cur = 1 - cur
+        row_scores(kpool, o, n, KT, Qh, Sh)
         row_max(Sh, n, tmax)
         for i in range(g4):
             mn = max(m[i], tmax[i])
@@ -306,7 +322,7 @@ def _segment_row(kpool, vpool, table, kh, gh, s, sc):
             corr[i] = expf(m[i] - ms[i])
             m[i] = mn
         row_exp(Sh, n, ms)
-        row_wsum(Sh, n, vpool, offs, A, corr, tsum)
+        row_wsum(Sh, n, vpool, o, A, corr, tsum)
         for i in range(g4):
             l[i] = l[i] * corr[i] + tsum[i]
         t += TILE
