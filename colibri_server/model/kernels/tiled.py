@@ -18,6 +18,10 @@ chain per score and per weighted sum; the softmax and merges without fastmath), 
 not see adds exact zeros, so a row's bits depend on its own position and keys only: not on the
 rows beside it, the chunking of its prompt, the blocks, the split or the threads.
 
+A row alone in its block (a decoding sequence) on f16 pools takes row_ir's kernels instead (_segment_row):
+the keys and values are widened in registers straight from the pool, every load shared by the kv head's
+query heads, 16 lanes at work; each element's chain of operations is the tile kernels', so the bits are too.
+
 Values may be narrower than keys (out's head dim below hd): latent attention passes the key pool
 as the value pool too, a row's values the first out.shape[-1] dims of its key row. sinks (H,) f32:
 per-head logits in every softmax's sum (GPT-OSS), or size 0. window > 0: position p sees
