@@ -117,3 +117,18 @@ def test_long_prompts_are_the_reference(P):
     rng = np.random.default_rng(6)
     rows = np.r_[np.arange(P - 67, P - 3), np.arange(P - 3, P)]
     _check(rng, P, 16, 4, 64, rows=rows, chunks=(64, 1), threads=(1, 2))
+
+
+def test_a_decoding_row_with_8_heads_per_kv_head_f16():
+    """GQA 8:1 on the f16 pool (a decoding row's two head groups of 4 on one kv head), head dims 64: decode
+    rows and prefill rows carry the same bits, a partial last tile and segment included."""
+    rng = np.random.default_rng(7)
+    rows = np.r_[np.arange(0, 40), np.arange(1000, 1109)]
+    _check(rng, 1109, 16, 2, 64, rows=rows, chunks=(len(rows), 1, 13), threads=(1, 2))
+
+
+def test_a_decoding_row_with_narrower_values_and_odd_head_groups():
+    """Latent attention's shape on the f16 pool with dims the row path takes (keys 80, values the first 48):
+    12 heads on one kv head (three head groups), a window; decode rows are the prefill rows' bits."""
+    rng = np.random.default_rng(8)
+    _check(rng, 700, 12, 1, 80, dv=48, window=300, BS=8, chunks=(700, 64, 1), threads=(1, 2))

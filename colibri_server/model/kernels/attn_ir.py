@@ -259,29 +259,31 @@ def tile_wsum(typingctx, P, n, Vt, A):
     return sig, codegen
 
 
-def _fv(x):
-    return ir.Constant(_V8, [ir.Constant(_F32, float(np.float32(x)))] * 8)
+def _fv(x, W=8):
+    return ir.Constant(ir.VectorType(_F32, W), [ir.Constant(_F32, float(np.float32(x)))] * W)
 
 
-def _vexp(builder, x):
-    """kernels.expf on 8 lanes, operation for operation (Cephes: range reduction by ln2, degree-6
-    polynomial, the exponent assembled from bits; x > 88.72 -> inf, x < -86 -> 0), no fused operations."""
-    lo, hi = _fv(-86.0), _fv(88.72283)
+def vexp(builder, x):
+    """kernels.expf on every lane of x (a float vector of any width), operation for operation (Cephes: range
+    reduction by ln2, degree-6 polynomial, the exponent assembled from bits; x > 88.72 -> inf, x < -86 -> 0),
+    no fused operations: a lane's bits do not depend on the width."""
+    W = x.type.count
+    lo, hi = _fv(-86.0, W), _fv(88.72283, W)
     xc = builder.select(builder.fcmp_ordered(">", x, lo), x, lo)
     xc = builder.select(builder.fcmp_ordered("<", xc, hi), xc, hi)
-    rnd = _fv(12582912.0)
-    n = builder.fsub(builder.fadd(builder.fmul(xc, _fv(1.4426950408889634)), rnd), rnd)
-    r = builder.fsub(builder.fsub(xc, builder.fmul(n, _fv(0.693359375))), builder.fmul(n, _fv(-2.12194440e-4)))
-    p = _fv(1.9875691500e-4)
+    rnd = _fv(12582912.0, W)
+    n = builder.fsub(builder.fadd(builder.fmul(xc, _fv(1.4426950408889634, W)), rnd), rnd)
+    r = builder.fsub(builder.fsub(xc, builder.fmul(n, _fv(0.693359375, W))), builder.fmul(n, _fv(-2.12194440e-4, W)))
+    p = _fv(1.9875691500e-4, W)
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        p = builder.fadd(builder.fmul(p, r), _fv(c))
-    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), _fv(1.0))
-    i32x8 = ir.VectorType(ir.IntType(32), 8)
-    e = builder.mul(builder.add(builder.fptosi(n, i32x8), ir.Constant(i32x8, [ir.Constant(ir.IntType(32), 126)] * 8)),
-                    ir.Constant(i32x8, [ir.Constant(ir.IntType(32), 8388608)] * 8))
-    e = builder.fmul(builder.fmul(p, _fv(2.0)), builder.bitcast(e, _V8))
-    e = builder.select(builder.fcmp_ordered(">", x, hi), _fv(np.inf), e)
-    return builder.select(builder.fcmp_ordered("<", x, lo), _fv(0.0), e)
+        p = builder.fadd(builder.fmul(p, r), _fv(c, W))
+    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), _fv(1.0, W))
+    iv = ir.VectorType(ir.IntType(32), W)
+    e = builder.mul(builder.add(builder.fptosi(n, iv), ir.Constant(iv, [ir.Constant(ir.IntType(32), 126)] * W)),
+                    ir.Constant(iv, [ir.Constant(ir.IntType(32), 8388608)] * W))
+    e = builder.fmul(builder.fmul(p, _fv(2.0, W)), builder.bitcast(e, x.type))
+    e = builder.select(builder.fcmp_ordered(">", x, hi), _fv(np.inf, W), e)
+    return builder.select(builder.fcmp_ordered("<", x, lo), _fv(0.0, W), e)
 
 
 @intrinsic
@@ -326,7 +328,7 @@ def tile_exp(typingctx, St, n, ms, tsum):
             builder.store(_fv(0.0), acc)
             with cgutils.for_range(builder, nk) as j:
                 ptr = builder.bitcast(builder.gep(_row(builder, sa, j.index), [i]), _V8.as_pointer())
-                e = _vexp(builder, builder.fsub(builder.load(ptr, align=4), mv))
+                e = vexp(builder, builder.fsub(builder.load(ptr, align=4), mv))
                 builder.store(e, ptr, align=4)
                 builder.store(builder.fadd(builder.load(acc), e), acc)
             builder.store(builder.load(acc), builder.bitcast(builder.gep(tp, [i]), _V8.as_pointer()), align=4)

@@ -18,6 +18,10 @@ chain per score and per weighted sum; the softmax and merges without fastmath), 
 not see adds exact zeros, so a row's bits depend on its own position and keys only: not on the
 rows beside it, the chunking of its prompt, the blocks, the split or the threads.
 
+A row alone in its block (a decoding sequence) on f16 pools takes row_ir's kernels instead (_segment_row):
+the keys and values are widened in registers straight from the pool, every load shared by the kv head's
+query heads, 16 lanes at work; each element's chain of operations is the tile kernels', so the bits are too.
+
 Values may be narrower than keys (out's head dim below hd): latent attention passes the key pool
 as the value pool too, a row's values the first out.shape[-1] dims of its key row. sinks (H,) f32:
 per-head logits in every softmax's sum (GPT-OSS), or size 0. window > 0: position p sees
@@ -29,10 +33,12 @@ per block; a query vector i of an item is (row i // gh, head h0 + i % gh).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .attn_ir import HAVE_ATTN_IR, TILE_LANES, tile_exp, tile_max, tile_scores, tile_scores8, tile_wsum
 from .base import expf, to_f32
+from .row_ir import HAVE_ROW_IR, row_exp, row_max, row_prefetch, row_scores, row_wsum
 
 TILE = 64          # keys converted at once and scored against every query vector of an item
 SEGMENT = 512      # positions per split-K segment (a multiple of TILE): a row's merge points
@@ -241,18 +247,101 @@ def _merge(M, L, A, m, l, acc):
 def _scratch(hd, dvp, nqp):
     # an item's buffers for up to nqp query vectors, flat: _fit cuts C-contiguous arrays for one item
     # (Qt, Kt, Vt, St, vec: m l tmax ms corr tsum of a segment and M L of the item, acc, bounds: lo hi)
+    # and rs, the row path's (_segment_row): key offsets, KT, S, Q4 of up to nqp heads
     Kt = np.empty((TILE, hd), np.float32)
     Vt = np.zeros((TILE, dvp), np.float32)
+    hg = (nqp + 3) // 4
+    rs = (np.empty((2, TILE), np.int64), np.empty((TILE // 4, hd, 4), np.float32), np.empty((hg, TILE, 4), np.float32),
+          np.empty((hg, hd, 16), np.float32))
     return (np.empty(hd * nqp, np.float32), Kt, Vt, np.empty(TILE * nqp, np.float32), np.empty(8 * nqp, np.float32),
-            np.empty(nqp * dvp, np.float32), np.empty(2 * nqp, np.int64))
+            np.empty(nqp * dvp, np.float32), np.empty(2 * nqp, np.int64), rs)
+
+
+def _row_pools(kpool, vpool):
+    """True when the row path runs on these pools: both f16 bits and the row kernels compiled (row_ir)."""
+    return False
+
+
+@overload(_row_pools, inline="always")
+def _row_pools_overload(kpool, vpool):
+    ok = HAVE_ROW_IR and kpool.dtype == types.uint16 and vpool.dtype == types.uint16
+    return lambda kpool, vpool: ok
 
 
 @njit(cache=True)
-def _segment(kpool, vpool, table, kh, nq, s, sc):
-    # segment s's partial of an item's nq query vectors (_prepare's, on kv head kh of the sequence whose
-    # blocks are `table`): leaves (m, l, acc) in the scratch sc; returns False when no vector of the item
-    # sees a key of the segment (nothing computed)
-    Qt, Kt, Vt, St, vec, acc, bounds = sc
+def _row_offs(table, kh, Hkv, BS, hd, k0, k1, offs):
+    # offs[j] = the element offset in a pool layer of key k0 + j's row (kv head kh), j < k1 - k0, repeated to a
+    # multiple of 4; returns k1 - k0
+    n = k1 - k0
+    for j in range(n):
+        p = k0 + j
+        offs[j] = ((table[p // BS] * Hkv + kh) * BS + p % BS) * hd
+    for j in range(n, (n + 3) // 4 * 4):
+        offs[j] = offs[n - 1]
+    return n
+
+
+@njit(cache=True, error_model="numpy")
+def _segment_row(kpool, vpool, table, kh, gh, s, sc):
+    # _segment for one row's gh query heads on f16 pools (head dims and value columns multiples of 16): row_ir's
+    # kernels read the pool's rows in place, 4 heads x 4 keys a vector; every element is the tile path's chain
+    Qt, Kt, Vt, St, vec, acc, bounds, rs = sc
+    offs, KT, S, Q4 = rs
+    m, l, tmax, ms, corr, tsum = vec[0], vec[1], vec[2], vec[3], vec[4], vec[5]
+    k0 = max(s * SEGMENT, bounds[0, 0])
+    k1 = min((s + 1) * SEGMENT, bounds[1, 0] + 1)
+    if k1 <= k0:
+        return False
+    Hkv, BS, hd = kpool.shape[1], kpool.shape[2], kpool.shape[3]
+    hg = (gh + 3) // 4
+    g4 = 4 * hg
+    Sh, Qh = S[:hg], Q4[:hg]
+    for h in range(hg):
+        for c in range(hd):
+            for r in range(4):
+                v = Qt[c, 4 * h + r] if 4 * h + r < gh else np.float32(0.0)
+                for t in range(4):
+                    Qh[h, c, 4 * r + t] = v
+    m[:] = _NEG_INF
+    l[:] = 0.0
+    A = acc[:g4]
+    A[:] = 0.0
+    t = k0 // TILE * TILE
+    _row_offs(table, kh, Hkv, BS, hd, max(t, k0), min(t + TILE, k1), offs[0])
+    cur = 0
+    while t < k1:
+        ks, ke = max(t, k0), min(t + TILE, k1)
+        n = ke - ks
+        if t + TILE < k1:           # the next tile's rows on their way while this one is computed
+            nn = _row_offs(table, kh, Hkv, BS, hd, t + TILE, min(t + 2 * TILE, k1), offs[1 - cur])
+            row_prefetch(kpool, offs[1 - cur], nn, 2 * hd)
+            row_prefetch(vpool, offs[1 - cur], nn, 2 * acc.shape[1])
+        o = offs[cur]
+        cur = 1 - cur
+        row_scores(kpool, o, n, KT, Qh, Sh)
+        row_max(Sh, n, tmax)
+        for i in range(g4):
+            mn = max(m[i], tmax[i])
+            ms[i] = mn if mn != _NEG_INF else np.float32(0.0)
+            corr[i] = expf(m[i] - ms[i])
+            m[i] = mn
+        row_exp(Sh, n, ms)
+        row_wsum(Sh, n, vpool, o, A, corr, tsum)
+        for i in range(g4):
+            l[i] = l[i] * corr[i] + tsum[i]
+        t += TILE
+    return True
+
+
+@njit(cache=True)
+def _segment(kpool, vpool, table, kh, rows, gh, s, sc):
+    # segment s's partial of an item's query vectors (_prepare's: rows x gh, on kv head kh of the sequence
+    # whose blocks are `table`): leaves (m, l, acc) in the scratch sc; returns False when no vector of the
+    # item sees a key of the segment (nothing computed). One row from f16 pools: _segment_row, the same bits
+    Qt, Kt, Vt, St, vec, acc, bounds, rs = sc
+    if rows == 1 and _row_pools(kpool, vpool) and kpool.shape[3] % 16 == 0 and acc.shape[1] % 16 == 0:
+        return _segment_row(kpool, vpool, table, kh, gh, s, sc)
+    nq = rows * gh
     lo, hi = bounds[0], bounds[1]
     m, l, tmax, ms, corr, tsum = vec[0], vec[1], vec[2], vec[3], vec[4], vec[5]
     nq4 = (nq + 3) // 4 * 4
@@ -290,7 +379,7 @@ def _segment(kpool, vpool, table, kh, nq, s, sc):
 def _prepare(q, row_pos, r0, r1, kh, gh, h0, window, scale, sc):
     # the item's query columns Qt (hd, nqp) = scale * q of each vector (padding lanes zero) and each
     # vector's key range [lo, hi] (padding lanes: the first vector's)
-    Qt, Kt, Vt, St, vec, acc, bounds = sc
+    Qt, Kt, Vt, St, vec, acc, bounds, rs = sc
     nq = (r1 - r0) * gh
     hd = q.shape[2]
     for i in range(Qt.shape[1]):
@@ -333,14 +422,14 @@ def _item(q, kpool, vpool, table, row_pos, r0, r1, kh, h0, gh, window, scale, si
     # one work item whole: every segment of its keys in order, merged, written to out
     nq = (r1 - r0) * gh
     _prepare(q, row_pos, r0, r1, kh, gh, h0, window, scale, sc)
-    Qt, Kt, Vt, St, vec, acc, bounds = sc
+    Qt, Kt, Vt, St, vec, acc, bounds, rs = sc
     M, L, A = vec[6], vec[7], total
     M[:] = _NEG_INF
     L[:] = 0.0
     s_first = _first(row_pos[r0], window) // SEGMENT
     s_last = row_pos[r1 - 1] // SEGMENT
     for s in range(s_first, s_last + 1):
-        if _segment(kpool, vpool, table, kh, (r1 - r0) * gh, s, sc):
+        if _segment(kpool, vpool, table, kh, r1 - r0, gh, s, sc):
             _merge(M, L, A, vec[0], vec[1], acc)
     _finish(M, L, A, sinks, r0, gh, h0, nq, out)
 
@@ -397,11 +486,11 @@ def tiled_attention(q, kpool, vpool, tables, row_seq, row_pos, window, scale, ou
 def _fit(sc, hd, nq):
     # the scratch as C-contiguous arrays for nq query vectors (padded to the lanes): the tile kernels run over
     # exactly these lanes
-    Qt, Kt, Vt, St, vec, acc, bounds = sc
+    Qt, Kt, Vt, St, vec, acc, bounds, rs = sc
     n = _padl(nq)
     dvp = Vt.shape[1]
     return (Qt[:hd * n].reshape((hd, n)), Kt, Vt, St[:TILE * n].reshape((TILE, n)), vec[:8 * n].reshape((8, n)),
-            acc[:n * dvp].reshape((n, dvp)), bounds[:2 * n].reshape((2, n)))
+            acc[:n * dvp].reshape((n, dvp)), bounds[:2 * n].reshape((2, n)), rs)
 
 
 @njit(cache=True)
@@ -481,7 +570,7 @@ def tiled_attention_par(q, kpool, vpool, tables, row_seq, row_pos, window, scale
             scf = _fit(sc, hd, (r1 - r0) * gh)
             if u == t * per or nseg[k] == u:
                 _prepare(q, row_pos, r0, r1, kh, gh, h0, window, scale, scf)
-            if _segment(kpool, vpool, tables[row_seq[r0]], kh, (r1 - r0) * gh, s, scf):
+            if _segment(kpool, vpool, tables[row_seq[r0]], kh, r1 - r0, gh, s, scf):
                 vec, acc = scf[4], scf[5]
                 pm[u, :nq] = vec[0]
                 pl[u, :nq] = vec[1]
