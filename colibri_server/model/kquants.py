@@ -64,9 +64,7 @@ def scheme_kinds(cfg, scheme: str) -> dict:
         layer = int(n.split(".")[1]) if n.startswith("blk.") else 0
         kind = base
         if n == "output" or (n == "token_embd" and tied):
-            kind = "q6_k" if scheme != "q8_0" else "q8_0"
-            if scheme == "q4_0":
-                kind = "q6_k"
+            kind = "q8_0" if scheme == "q8_0" else "q6_k"
         elif mixed and key == "attn_v":
             kind = "q8_0" if eight else ("q6_k" if _more_bits(layer, n_layers) else base)
         elif mixed and key == "attn_k" and eight:
