@@ -43,6 +43,11 @@ def keys(tmp_path):
     return {"head_pub": head_pub, "head_sec": head_sec, "allowed": allowed, **hosts}
 
 
+def _events(server, n=4000):
+    """A server's log without its per-request lines: what a failed wait needs to show."""
+    return "\n".join(x for x in server.logs().splitlines() if " done (" not in x)[-n:]
+
+
 def _head(model, tmp_path, keys, port, name="head"):
     return Server(model, tmp_path, cmd="router", name=name,
                   extra=("--backend-bind", f"tcp://127.0.0.1:{port}", "--curve-secret-key", keys["head_sec"],
@@ -218,7 +223,8 @@ def test_another_model_is_refused_and_a_usr1_rollout_fails_no_request(tmp_path, 
             wait_until(lambda: head.stats()["generation"] == 2, 180, "the head commits generation 2",
                        lambda: head.logs()[-3000:] + a.logs()[-2000:])
             wait_until(lambda: {w["identity"] for w in head.stats()["workers"]} == {want}, 120,
-                       "the old workers drained", lambda: head.logs()[-3000:])
+                       "the old workers drained",
+                       lambda: f"{head.stats()['workers']}\n{_events(head)}\n{_events(a)}\n{_events(b)}")
             n = len(load.done)
             wait_until(lambda: len(load.done) >= n + 16, 60, "answers after the rollout")
         assert not load.errors, [(e.code, str(e)) for e in load.errors]

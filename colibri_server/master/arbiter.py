@@ -52,7 +52,7 @@ import time
 import msgpack
 
 from ..router.loop import EXIT_ROUTER_BIND
-from ..worker import EXIT_BOOT_FAILED, HeartbeatTable, Worker, worker_main
+from ..worker import EXIT_BOOT_FAILED, EXIT_RETIRED, HeartbeatTable, Worker, worker_main
 from .faults import ModelFaults
 from .fleet import Fleet
 from .generations import Reloads
@@ -451,7 +451,9 @@ class Arbiter:
                         self.reloads.rollback(f"{gen.deaths} workers of generation {w.generation} died before it "
                                       f"was ready (last: {describe_exit(code)})")
                         continue
-            if code == 0 and w.generation not in (self.generation, self.reloading):
+            if code == EXIT_RETIRED:
+                self.reloads.retired_by_head(w.generation, pid)
+            elif code == 0 and w.generation not in (self.generation, self.reloading):
                 log.info("worker %d of retired generation %d exited", pid, w.generation)
             elif code == 0:
                 log.info("worker %d exited after serving its max_requests: replacing it", pid)
@@ -499,12 +501,10 @@ class Arbiter:
             self._kill(pid, sig)
 
     def manage_workers(self):
-        """Keep num_workers live workers of the serving generation and of the one being brought
-        up (not counting draining ones)."""
+        """Keep num_workers live workers of each generation Reloads.staffed() names (not counting
+        draining ones)."""
         self.fleet.poll_joined(self.workers, self.heartbeats)
-        for g in (self.generation, self.reloading):
-            if g is None:
-                continue
+        for g in self.reloads.staffed():
             live = [w for w in self.workers.values() if w.generation == g and not w.stopping]
             if len(live) < self.num_workers:
                 now = time.monotonic()

@@ -100,6 +100,7 @@ class Reloads:
         self.gens = {}                  # generation number -> Generation (owns its Model)
         self.generation = 0             # the serving (committed) generation
         self.reloading = None           # generation number being brought up (uncommitted)
+        self.head_retired = set()       # generations whose file a worker host's head retired (EXIT_RETIRED)
         self.pending_reload = None      # "hup" | "usr1" arriving while a reload is under way
         self.reload_prev = None         # num_workers to restore on rollback (settings change at commit)
         self.reload_deadline = None
@@ -151,6 +152,20 @@ class Reloads:
                                                             self.gens[g].info.get("identity")):
             self.retire(old)
 
+    def staffed(self) -> list:
+        """The generations kept at num_workers workers: the one being brought up, and the serving one
+        unless, while that one comes up, the head retired the serving one's file (a worker host whose
+        workers drained on RETIRE before its own reload committed: a replacement would run a file the
+        head no longer serves)."""
+        if self.reloading is None:
+            return [self.generation]
+        return ([] if self.generation in self.head_retired else [self.generation]) + [self.reloading]
+
+    def retired_by_head(self, g, pid):
+        """A worker of generation g drained and exited because the head retired its file."""
+        self.head_retired.add(g)
+        log.info("worker %d of generation %d exited: the head retired its model", pid, g)
+
     def retire(self, g):
         """The router has no queued request of generation g left: its workers may drain."""
         if g is None or g in (self.generation, self.reloading):
@@ -195,6 +210,7 @@ class Reloads:
         live = {w.generation for w in self.workers.values()} | {self.generation, self.reloading}
         for g in [g for g in self.gens if g not in live]:
             gen = self.gens.pop(g)
+            self.head_retired.discard(g)
             log.info("generation %d: no workers left, unmapping %s", g, gen.model.path)
             gen.close()
             if gen.info_path:

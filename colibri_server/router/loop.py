@@ -73,6 +73,7 @@ class Router:
         self.gen_infos = generations or {}  # generation -> info dict (parsed after fork)
         self.gens = {}                     # generation -> Gen
         self.retired = set()               # older generations the master was told to retire
+        self.forgotten = set()             # generations the master unmapped: dropped once no request is of them
         self.last_reload, self.last_alive = last_reload, 0.0
         self.curve = curve
         self.reqs = {}                     # rid -> Req
@@ -90,7 +91,7 @@ class Router:
         self.t_start = time.monotonic()
         self.experts = ExpertCounts()      # routing choices per layer and expert, per generation
         self.remote = RemoteHosts(settings=settings, curve=worker_curve, workers=self.workers, gens=self.gens,
-                                  counters=self.counters, send=self.send_worker, to_master=self.to_master,
+                                  counters=self.counters, retired=self.retired, send=self.send_worker, to_master=self.to_master,
                                   remove_worker=self.remove_worker)
         self.serves = self.remote.serves   # serves(w, g): worker w runs generation g's requests
         self.control_requests = ControlRequests(workers=self.workers, gens=self.gens, queue=self.queue,
@@ -446,6 +447,12 @@ class Router:
         """Older generations: retire each once none of its requests is queued; a queued request of
         one with no worker left ends with an error (it cannot run on another generation's)."""
         queued = collections.Counter(self.reqs[rid].generation for rid in self.queue)
+        if self.forgotten:
+            left = {r.generation for r in self.reqs.values()}
+            for g in [g for g in self.forgotten if g not in left]:
+                self.gens.pop(g, None)
+                self.retired.discard(g)
+                self.forgotten.discard(g)
         for g in sorted(self.gens):
             if g >= self.generation:
                 continue

@@ -96,11 +96,9 @@ class MasterPipe:
         elif op == "abort":            # it did not come up: forget it
             if msg["generation"] != r.generation:
                 r.gens.pop(msg["generation"], None)
-        elif op == "forget":
-            g = msg["generation"]
-            if g != r.generation and not any(q.generation == g for q in r.reqs.values()):
-                r.gens.pop(g, None)
-                r.retired.discard(g)
+        elif op == "forget":           # the master unmapped it: gone once none of its requests is left
+            if msg["generation"] != r.generation:
+                r.forgotten.add(msg["generation"])
         elif op == "reload_status":
             r.last_reload = msg.get("last_reload")
         elif op == "settings":

@@ -18,7 +18,10 @@ with three differences:
   file under their model path and, when it is that file, ask their master for a reload (SIGUSR2).
   The master here hears which hosts run which identity ("fleet") and commits once every host runs
   the new one (generations.py). When the old generation is retired here (its queue empty), its
-  remote workers get RETIRE and drain, as a local master drains a retired generation's.
+  remote workers get RETIRE and drain, as a local master drains a retired generation's; one that
+  announces itself later with a retired generation's file (it reconnected, or its master replaced
+  a worker before committing its own reload) gets RETIRE with its ACCEPT: the retirement is a
+  state, not a message sent once.
 
 The Router holds one RemoteHosts, built with the containers it keeps and the calls it makes back
 (send a backend message, write to the master, remove a worker). The tcp socket has its own ZeroMQ
@@ -41,14 +44,15 @@ REFUSE_LOG_EVERY_S = 60.0
 
 
 class RemoteHosts:
-    """The tcp backend for worker hosts (see the module's doc). `workers`, `gens` and `counters` are
-    the router's containers (never rebound there); `send(ident, kind, body, sock=None) -> bool` sends
+    """The tcp backend for worker hosts (see the module's doc). `workers`, `gens`, `retired` (the
+    generations retired here) and `counters` are the router's containers (never rebound there); `send(ident, kind, body, sock=None) -> bool` sends
     a backend message, `to_master(msg)` writes to the master, `remove_worker(ident, why)` ends a
     worker's requests by the ledger's rule and forgets it."""
 
-    def __init__(self, *, settings, curve, workers: dict, gens: dict, counters, send, to_master, remove_worker):
+    def __init__(self, *, settings, curve, workers: dict, gens: dict, retired: set, counters, send, to_master,
+                 remove_worker):
         self.settings, self.curve = settings, curve
-        self.workers, self.gens, self.counters = workers, gens, counters
+        self.workers, self.gens, self.retired, self.counters = workers, gens, retired, counters
         self.send, self.to_master, self.remove_worker = send, to_master, remove_worker
         self.sock = None                   # the tcp ROUTER socket, when backend_bind is set (after open())
         self.ctx = None
@@ -118,6 +122,10 @@ class RemoteHosts:
         w.generation, w.remote, w.sock = g, True, self.sock
         log.info("worker %s on host %s (model %s, generation %d here) ready with %d slots", w.pid, host,
                  identity, g, w.slots)
+        if g in self.retired and g != serving:
+            log.info("worker %s on host %s runs retired generation %d's model: it drains", w.pid, host, g)
+            self.send(ident, b"RETIRE", b"\x80", sock=self.sock)
+            w.state = "draining"
         self.fleet_changed()
         return w
 

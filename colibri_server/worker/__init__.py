@@ -2,6 +2,6 @@
 heartbeat table the master reads its liveness from."""
 
 from .heartbeat import HeartbeatTable
-from .process import EXIT_BOOT_FAILED, Worker, worker_main
+from .process import EXIT_BOOT_FAILED, EXIT_RETIRED, Worker, worker_main
 
-__all__ = ["Worker", "worker_main", "HeartbeatTable", "EXIT_BOOT_FAILED"]
+__all__ = ["Worker", "worker_main", "HeartbeatTable", "EXIT_BOOT_FAILED", "EXIT_RETIRED"]

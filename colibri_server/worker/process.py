@@ -42,6 +42,7 @@ from .heartbeat import HeartbeatTable
 log = logging.getLogger("colibri.worker")
 
 EXIT_BOOT_FAILED = 3     # the master halts instead of respawning (gunicorn's WORKER_BOOT_ERROR)
+EXIT_RETIRED = 6         # drained because the head retired this model: not replaced while a reload comes up
 
 
 class Worker:
@@ -61,6 +62,7 @@ class Worker:
         self.pid = None
         self.ppid = None
         self.draining = False
+        self.retired = False        # RETIRE from a head: drained, it exits EXIT_RETIRED
         self.quit_now = False
         self.served = 0
         self.max_requests = 0
@@ -224,7 +226,7 @@ class Worker:
                 self.step()
             if not self.seqs and (self.draining or (self.max_requests and self.served >= self.max_requests)):
                 self.send(b"BYE", {"served": self.served})
-                return 0
+                return EXIT_RETIRED if self.retired else 0
         self._cut_by_stop()
         return 0
 
@@ -270,7 +272,7 @@ class Worker:
             self.roll(body)
         elif kind == b"RETIRE":     # a head retired this model file's generation: finish what is in hand
             log.info("worker %d: the head retired this model; draining", self.pid)
-            self.draining = True
+            self.draining = self.retired = True
         elif kind == b"HELLO":
             if self.seqs:
                 log.warning("worker %d: a new router; dropping %d sequences of the old one's requests",
