@@ -33,7 +33,7 @@ import resource
 
 import numpy as np
 
-__all__ = ["Residency", "ReadAhead", "expert_ranges", "resolve_budget", "BudgetTooSmall", "STAT_NAMES"]
+__all__ = ["Residency", "ReadAhead", "expert_ranges", "resolve_budget", "in_flight_bytes", "available_memory", "BudgetTooSmall", "STAT_NAMES"]
 
 PAGE = mmap.PAGESIZE
 MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
@@ -87,17 +87,28 @@ def expert_ranges(cf, cfg) -> tuple[list, list]:
     return experts, always
 
 
-def resolve_budget(setting: int, file_size: int, available: int) -> int:
-    """weights_memory's bytes: the setting when > 0; else the whole file when it fits in `available`,
-    else 90% of `available`."""
+def resolve_budget(setting: int, file_size: int, available: int, in_flight: int = 0) -> int:
+    """weights_memory's bytes: the setting when > 0; else the whole file when it fits in `available`;
+    else 90% of `available` less `in_flight` (the bytes of the experts being read at once, which the
+    kernel cannot reclaim while their reads are under way: 2 * top_k + 1 of the largest) and 32 MiB for
+    the processes' own growth (a worker's KV pool comes out of the rest: with kv_cache_memory set, set
+    weights_memory too)."""
     if setting > 0:
         return int(setting)
-    return file_size if file_size <= available else int(available * 0.9)
+    return file_size if file_size <= available else max(0, int(available * 0.9) - in_flight - (32 << 20))
+
+
+def in_flight_bytes(cf, cfg) -> int:
+    """The bytes of 2 * top_k + 1 of the model's largest experts (resolve_budget's in_flight)."""
+    experts, _ = expert_ranges(cf, cfg)
+    biggest = max((sum(n for _, n in r) for row in experts for r in row), default=0)
+    return (2 * max(1, cfg.top_k) + 1) * biggest
 
 
 def available_memory() -> int:
     """Bytes this process may still use: the system's available memory, or less in a memory cgroup
-    (v2 memory.max, v1 memory.limit_in_bytes, less what the group uses already)."""
+    (v2 memory.max, v1 memory.limit_in_bytes, less what the group uses but cannot give back: its usage
+    less its inactive file pages)."""
     import psutil
     avail = psutil.virtual_memory().available
     try:
@@ -107,20 +118,24 @@ def available_memory() -> int:
         return avail
     for line in lines:
         _, ctrl, path = line.split(":", 2)
-        for limit, usage in ((f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
-                             if ctrl == "" else (None, None),
-                             (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes",
-                              f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")
-                             if "memory" in ctrl.split(",") else (None, None)):
-            try:
-                with open(limit) as f:
-                    lim = f.read().strip()
-                with open(usage) as f:
-                    used = int(f.read())
-            except (OSError, TypeError):
-                continue
-            if lim != "max" and int(lim) < (1 << 60):
-                avail = min(avail, max(0, int(lim) - used))
+        if ctrl == "":
+            d, files = f"/sys/fs/cgroup{path}", ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in ctrl.split(","):
+            d, files = f"/sys/fs/cgroup/memory{path}", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                        "total_inactive_file")
+        else:
+            continue
+        try:
+            with open(f"{d}/{files[0]}") as f:
+                lim = f.read().strip()
+            with open(f"{d}/{files[1]}") as f:
+                used = int(f.read())
+            with open(f"{d}/memory.stat") as f:
+                stat = dict(ln.split() for ln in f if ln.strip())
+        except (OSError, ValueError):
+            continue
+        if lim != "max" and int(lim) < (1 << 60):
+            avail = min(avail, max(0, int(lim) - used + int(stat.get(files[2], 0))))
     return avail
 
 
@@ -243,8 +258,8 @@ class Residency:
         return {"weights_memory": self.budget, "locked_bytes": self.locked_bytes, "always_bytes": self.always_bytes,
                 "experts_resident": int(self.shared.resident.sum()), "swaps": self.swaps, **st}
 
-    def reader(self, cfg) -> "ReadAhead":
-        return ReadAhead(self, cfg)
+    def reader(self, cfg, spread: int = 0) -> "ReadAhead":
+        return ReadAhead(self, cfg, spread)
 
 
 def _room_to_lock(budget: int) -> None:
@@ -269,7 +284,7 @@ class ReadAhead:
     """A worker's hook in the forward pass (batch.forward_batch): route(l, layer, h) before layer l's
     experts run, ahead(l, x) after layer l's output is in x. Counts into the shared stats row."""
 
-    def __init__(self, residency: Residency, cfg):
+    def __init__(self, residency: Residency, cfg, spread: int = 0):
         self.r = residency
         self.cfg = cfg
         self.mm = residency.cf._mm
@@ -279,7 +294,7 @@ class ReadAhead:
         self.resident = residency.shared.resident
         self.asked = np.zeros(self.resident.shape, np.bool_)    # (L,E) requested by a prediction, this step
         self._vec = np.zeros(max(1, int(residency.expert_bytes.max()) // PAGE + 8), np.uint8)
-        self.spread = 1                  # predict top_k + spread experts of the next layer
+        self.spread = spread             # ask for the next layer's top_k + spread (-1: no prediction)
 
     def _request(self, l: int, e: int) -> None:
         for a, n in self.r.experts[l][e]:
@@ -335,7 +350,7 @@ class ReadAhead:
 
     def ahead(self, l: int, x, layers) -> None:
         """x (N,D) layer l's output: layer l+1's router on it; ask for its probable experts not locked."""
-        if l + 1 >= len(layers) or layers[l + 1].gate is None:
+        if self.spread < 0 or l + 1 >= len(layers) or layers[l + 1].gate is None:
             return
         nxt = layers[l + 1]
         w = nxt.ffn_norm
