@@ -296,6 +296,13 @@ class ReadAhead:
         self._vec = np.zeros(max(1, int(residency.expert_bytes.max()) // PAGE + 8), np.uint8)
         self.spread = spread             # ask for the next layer's top_k + spread (-1: no prediction)
 
+    def figures(self) -> dict:
+        """The budget and what every worker counted (shared): what a heartbeat reports."""
+        r = self.r
+        st = dict(zip(STAT_NAMES, (int(v) for v in self.stats)))
+        return {"weights_memory": r.budget, "locked_bytes": r.always_bytes + int(r.expert_bytes[self.resident > 0].sum()),
+                "experts_resident": int(self.resident.sum()), "experts": int(self.resident.size), **st}
+
     def _request(self, l: int, e: int) -> None:
         for a, n in self.r.experts[l][e]:
             self.mm.madvise(MADV_WILLNEED, a, n)

@@ -284,6 +284,8 @@ class BatchEngine:
         s.update(steps=self.steps, prefill_tokens=self.prefill_rows, expert_counts=self.expert_counts.tolist(),
                  batch_rows_last=self.last_rows, rows_total=self.rows_total, tokens_out=self.tokens_out,
                  batch_rows_mean=round(self.rows_total / self.steps, 2) if self.steps else 0.0)
+        if self.fetch is not None:
+            s["weights"] = self.fetch.figures()
         return s
 
 
