@@ -235,3 +235,36 @@ def test_greedy_answers_equal_in_a_cgroup_below_the_model(tmp_path):
     assert peak <= limit
     if hit_limit is not None:
         assert hit_limit > 0                                      # the limit was met: pages were reclaimed
+
+
+# ------------------------------------------------------------------- the server: master, router, workers
+
+def test_server_under_a_weights_budget(small, tmp_path):
+    from server_harness import Server
+
+    from colibri_server.commands.status import format_status
+    m = Model.open(small, context=64, populate=False)
+    try:
+        ref, _ = _greedy(m, n=8)
+        size = m.file.header["file_size"]
+    finally:
+        m.close()
+    budget = int(size * 0.4)
+    s = Server(small, tmp_path, workers=2, extra=("--weights-memory", budget, "--context", 64))
+    try:
+        s.wait_ready(workers=2)
+        with s.client() as c:
+            for _ in range(3):
+                got = c.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
+                assert got.token_ids == ref
+        # the master re-ranks from the workers' shared counts: the routed experts get locked
+        def weights():
+            ws = [w["engine"].get("weights") for w in s.stats()["workers"] if w.get("engine")]
+            return ws[0] if ws and ws[0] and ws[0]["experts_resident"] > 0 else None
+        f = s.wait_for(weights, what="experts locked by the master")
+        assert f["weights_memory"] == budget and f["locked_bytes"] <= budget
+        assert f["routes"] > 0 and f["predictions"] > 0
+        assert "weights    budget" in format_status(s.stats())
+        assert "weights_memory" in s.logs()
+    finally:
+        assert s.stop() == 0
