@@ -65,12 +65,14 @@ def _open_with_budget(path, frac):
 def test_expert_ranges_cover_the_file_once(small):
     m = Model.open(small, context=32, populate=False)
     try:
-        experts, always = expert_ranges(m.file, m.config)
+        experts, always, demand = expert_ranges(m.file, m.config)
         size = m.file.header["file_size"]
         cover = np.zeros(-(-size // 4096), np.int32)
-        for a, n in always:
+        for a, n in always + demand:
             cover[a // 4096:(a + n) // 4096] += 1
-        assert cover.max() == 1                                   # the always part never counts twice
+        assert cover.max() == 1                                   # always and demand never count twice
+        emb = m.file.records["token_embd"]
+        assert demand and demand[0][0] <= emb.offset + 4096 and sum(demand[0]) >= emb.offset + emb.size - 4096
         seen = np.zeros_like(cover)
         for row in experts:
             assert all(len(r) == 3 for r in row)                 # w1, w3, w2 of every expert

@@ -3,8 +3,9 @@
 A .colibri file keeps every expert's matrices as contiguous slices of its layer's stacks (format.py),
 so an expert is a handful of byte ranges of the one MAP_SHARED mapping. Under a budget:
 
-- the always-resident part (everything that is not an expert: embeddings, attention, norms, routers,
-  shared experts, the head) is locked (mlock) at start;
+- the always-resident part (everything that is not an expert: attention, norms, routers, shared
+  experts, the head) is locked (mlock) at start; the token embeddings (unless the head shares them)
+  are read a row at a time on demand;
 - experts are ranked by a decayed count of how often they were routed (a table in shared memory that
   the workers add their routes to; a lost increment when two add at once costs nothing that matters);
   the top ones, as many as fit in the rest of the budget, are locked; the others are unlocked, zapped
@@ -58,15 +59,21 @@ def _pages(off: int, n: int) -> tuple[int, int]:
     return a, -(-(off + n) // PAGE) * PAGE - a
 
 
-def expert_ranges(cf, cfg) -> tuple[list, list]:
-    """(experts, always): experts[l][e] the page-rounded (offset, length) ranges of layer l's expert e
-    in every per-expert stack of the file (w1, w3, w2, their scales and biases: a tensor whose leading
-    dimension is E and whose name says `_exps`); always: the ranges of everything else, [0, file size)
-    less the experts' pages. A dense layer has [] for every expert."""
+def expert_ranges(cf, cfg) -> tuple[list, list, list]:
+    """(experts, always, demand): experts[l][e] the page-rounded (offset, length) ranges of layer l's
+    expert e in every per-expert stack of the file (w1, w3, w2, their scales and biases: a tensor whose
+    leading dimension is E and whose name says `_exps`); demand: the token embeddings when the head does
+    not share them (a token reads one row of them: read on demand, never locked); always: the rest,
+    [0, file size) less the others' pages. A dense layer has [] for every expert."""
     E = cfg.num_experts
     experts = [[[] for _ in range(E)] for _ in range(cfg.num_layers)]
-    covered = []
+    covered, demand = [], []
     for r in cf.record_list:
+        if r.name == "token_embd" and not cfg.tie_word_embeddings and r.size > 4 * PAGE:
+            a, n = _pages(r.offset, r.size)
+            demand.append((a + PAGE, n - 2 * PAGE))
+            covered.append(demand[-1])
+            continue
         if "_exps" not in r.name or not r.name.startswith("blk.") or not r.shape or int(r.shape[0]) != E \
                 or r.size % E:
             continue
@@ -84,7 +91,7 @@ def expert_ranges(cf, cfg) -> tuple[list, list]:
         pos = max(pos, a + n)
     if pos < size:
         always.append(_pages(pos, size - pos))
-    return experts, always
+    return experts, always, demand
 
 
 def resolve_budget(setting: int, file_size: int, available: int, in_flight: int = 0) -> int:
@@ -100,7 +107,7 @@ def resolve_budget(setting: int, file_size: int, available: int, in_flight: int 
 
 def in_flight_bytes(cf, cfg) -> int:
     """The bytes of 2 * top_k + 1 of the model's largest experts (resolve_budget's in_flight)."""
-    experts, _ = expert_ranges(cf, cfg)
+    experts, _, _ = expert_ranges(cf, cfg)
     biggest = max((sum(n for _, n in r) for row in experts for r in row), default=0)
     return (2 * max(1, cfg.top_k) + 1) * biggest
 
@@ -158,7 +165,7 @@ class Residency:
 
     def __init__(self, cf, cfg, budget: int, half_life: float = 30.0):
         self.cf, self.budget, self.half_life = cf, int(budget), half_life
-        self.experts, self.always = expert_ranges(cf, cfg)
+        self.experts, self.always, self.demand = expert_ranges(cf, cfg)
         L, E = cfg.num_layers, max(1, cfg.num_experts)
         self.expert_bytes = np.array([[sum(n for _, n in self.experts[l][e]) if E else 0 for e in range(E)]
                                       for l in range(L)], np.int64)                      # (L,E)
@@ -173,7 +180,7 @@ class Residency:
         if self.always_bytes > self.budget:
             raise BudgetTooSmall(f"weights_memory {self.budget / 2**20:.0f} MiB is below the part of "
                                  f"{os.path.basename(cf.path)} always kept resident "
-                                 f"({self.always_bytes / 2**20:.0f} MiB: embeddings, attention, norms, routers, head)")
+                                 f"({self.always_bytes / 2**20:.0f} MiB: attention, norms, routers, head)")
 
     @property
     def active(self) -> bool:
@@ -188,6 +195,8 @@ class Residency:
             for e, ranges in enumerate(row):
                 for a, n in ranges:
                     mm.madvise(MADV_RANDOM, a, n)
+        for a, n in self.demand:
+            mm.madvise(MADV_RANDOM, a, n)
         for a, n in self.always:
             self._lock(a, n)
         self.locked_bytes = self.always_bytes
