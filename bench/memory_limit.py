@@ -128,7 +128,7 @@ def child_colibri(a) -> None:
         budget = resolve_budget(a.weights_memory, size, available_memory(), in_flight_bytes(m.file, m.config))
     res = None
     if budget < size:
-        res = Residency(m.file, m.config, budget)
+        res = Residency(m.file, m.config, budget, partial=not a.weights_memory)
         res.start()
         m.residency = res
     eng = BatchEngine(m, max_seqs=1, max_batch_tokens=len(PROMPT) + 1, prefix_cache=False)

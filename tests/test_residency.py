@@ -144,6 +144,12 @@ def test_budget_below_the_always_part_is_one_line(small):
             Residency(m.file, m.config, 1000)
     finally:
         m.close()
+    m = Model.open(small, context=32, populate=False)
+    try:                                      # a budget the server chose: as much of the always part as fits
+        res = Residency(m.file, m.config, 100 * 4096, partial=True)
+        assert 0 < res.always_bytes <= 100 * 4096 and sum(n for _, n in res.locked_always) == res.always_bytes
+    finally:
+        m.close()
     assert resolve_budget(0, 100, 200) == 100                     # fits: all of it
     G = 1 << 30                                                   # too large: 90% of it less the reads' room
     assert resolve_budget(0, 3 * G, 2 * G, 100 << 20) == int(2 * G * 0.9) - (100 << 20) - (32 << 20)
@@ -163,7 +169,7 @@ size = m.file.header["file_size"]
 budget = resolve_budget(0, size, available_memory(), in_flight_bytes(m.file, m.config))
 res = None
 if budget < size:
-    res = Residency(m.file, m.config, budget); res.start(); m.residency = res
+    res = Residency(m.file, m.config, budget, partial=True); res.start(); m.residency = res
 eng = BatchEngine(m, max_seqs=1, max_batch_tokens=16, prefix_cache=False)
 eng.add(0, json.loads(sys.argv[3]), max_tokens=int(sys.argv[4]), ignore_eos=True, temperature=0.0)
 toks = []

@@ -43,7 +43,7 @@ def attach(m, s, budget: int) -> None:
     if s.mlock:
         raise ValueError(f"mlock locks the whole model ({os.path.getsize(m.path) / 2**20:.0f} MiB) but "
                          f"weights_memory is {budget / 2**20:.0f} MiB: turn one of them off")
-    res = Residency(m.file, m.config, budget)
+    res = Residency(m.file, m.config, budget, partial=not getattr(s, "weights_memory", 0))
     res.start()
     m.residency = res
     _load_popular(res, m.path)
