@@ -6,8 +6,10 @@ runs, in turns, inside it (so the page cache the run fills is charged to the lim
 
 - colibri: a process that opens the .colibri file without pre-faulting it, sets its weights budget to
   what the cgroup leaves it (residency.resolve_budget of residency.available_memory: 90% of the room
-  left after the process's own memory), decodes greedily with the server's batched step (one thread,
-  one sequence) and re-ranks the locked experts every step;
+  left after the process's own memory, less room for the experts being read), decodes greedily with
+  the server's batched step (one thread, one sequence) while a thread re-ranks the locked experts every
+  0.25 s, as the server's master does from its own process;
+- colibri without a budget (the kernel's LRU decides, as before issue 36);
 - llama-bench on the GGUF of the same weights (mmap, its defaults; `--repack 0`: this VM's AMX flags
   crash llama.cpp's repacking).
 
@@ -25,6 +27,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -136,13 +139,20 @@ def child_colibri(a) -> None:
         eng.fetch.spread = a.spread
     eng.add(0, PROMPT, max_tokens=a.new, ignore_eos=True, temperature=0.0)
     toks, times = [], []
+    done = threading.Event()
+
+    def master():          # the server's master re-ranks in its own process, beside the workers: here a thread
+        while not done.wait(0.25):
+            res.rerank(time.monotonic(), 8)
+    tender = threading.Thread(target=master, daemon=True)
+    if res is not None:
+        tender.start()
     t0 = time.perf_counter()
     while eng.has_work():
         for _, ev in eng.step():
             toks.append(int(ev.token_id))
             times.append(time.perf_counter())
-        if res is not None:
-            res.rerank(time.monotonic())
+    done.set()
     dec = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
     out = {"tokens": toks, "decode_tok_s": dec, "first_token_s": times[0] - t0, "budget": budget,
            "file_size": size, "residency": res.figures() if res is not None else None,
