@@ -285,3 +285,23 @@ def test_server_under_a_weights_budget(small, tmp_path):
         assert "weights_memory" in s.logs()
     finally:
         assert s.stop() == 0
+
+
+def test_metrics_and_status_show_the_budget():
+    from colibri_server.commands.status import format_status
+    from colibri_server.http.metrics import _weights_families
+    w = {"weights_memory": 300 << 20, "locked_bytes": 200 << 20, "experts_resident": 14, "experts": 64, "routes": 100,
+         "resident": 60, "predicted": 20, "missed": 15, "missing_bytes": 50 << 20, "requested_bytes": 80 << 20,
+         "predictions": 90, "prediction_hits": 63}
+    fams = {f.name: f.samples[0].value for f in _weights_families([{"engine": {}}, {"engine": {"weights": w}}])}
+    assert fams["colibri_weights_memory_bytes"] == 300 << 20 and fams["colibri_weights_locked_bytes"] == 200 << 20
+    assert fams["colibri_weights_stalls"] == 15 and fams["colibri_weights_stall_bytes"] == 50 << 20
+    assert fams["colibri_weights_prediction_hits"] == 63 and fams["colibri_weights_experts_resident"] == 14
+    assert list(_weights_families([{"engine": {"steps": 3}}])) == []          # no budget: no family
+    st = {"model": "m.colibri", "model_bytes": 1 << 30, "generation": 1, "queue": 0, "in_flight": 0, "draining": False,
+          "router": {"pid": 1, "rss": 1}, "workers": [{"pid": 2, "wid": 0, "generation": 1, "state": "ready",
+                                                       "cores": [0], "running": 0, "served": 1, "rss": 1, "uss": 1,
+                                                       "pss": 1, "anon_private": 1, "memory_sampled": False,
+                                                       "engine": {"weights": w}}]}
+    line = next(ln for ln in format_status(st).splitlines() if ln.startswith("weights "))
+    assert "14/64 experts" in line and "60% locked" in line and "15 stalls" in line and "70% right" in line
