@@ -34,6 +34,15 @@ def format_status(st) -> str:
                        f"{e.get('steps', 0)}); KV {e.get('kv_blocks_used', 0)}/{e.get('kv_blocks', 0)} blocks used "
                        f"({e.get('kv_blocks_cached', 0)} cached, {e.get('kv_dtype', '?')}), "
                        f"{e.get('preemptions', 0)} preemptions, {e.get('prefix_hits', 0)} prefix hits")
+    wf = next((w["engine"]["weights"] for w in st["workers"] if isinstance((w.get("engine") or {}).get("weights"), dict)),
+              None)
+    if wf:
+        uses = max(1, wf.get("routes", 0))
+        out.append(f"weights    budget {mib(wf['weights_memory'])}: {mib(wf['locked_bytes'])} locked, "
+                   f"{wf['experts_resident']}/{wf['experts']} experts; of {wf.get('routes', 0)} expert uses "
+                   f"{100 * wf.get('resident', 0) / uses:.0f}% locked, {100 * wf.get('predicted', 0) / uses:.0f}% read "
+                   f"ahead, {wf.get('missed', 0)} stalls ({mib(wf.get('missing_bytes', 0))} read while waiting); "
+                   f"prediction {100 * wf.get('prediction_hits', 0) / max(1, wf.get('predictions', 0)):.0f}% right")
     if len(sampled) < len(local):
         out.append(f"memory     not sampled yet for {len(local) - len(sampled)} of {len(local)} workers "
                    "(the router samples off its loop; ask again)")

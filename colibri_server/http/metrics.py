@@ -118,6 +118,34 @@ class _ServerCollector:
             if _is_num(restarts):
                 yield CounterMetricFamily("colibri_worker_restarts", "workers replaced after dying", value=restarts)
         yield from _expert_family(st.get("expert_counts"))
+        yield from _weights_families(workers)
+
+
+# a weights budget's figures (model/residency.py), shared by the workers of one mapping: the first's
+_WEIGHTS = (("weights_memory", "gauge", "weights_memory_bytes", "the weights budget (bytes kept resident)"),
+            ("locked_bytes", "gauge", "weights_locked_bytes", "model bytes locked in memory now"),
+            ("experts_resident", "gauge", "weights_experts_resident", "experts locked in memory now"),
+            ("routes", "counter", "weights_expert_uses", "experts a layer needed (once per step)"),
+            ("resident", "counter", "weights_expert_uses_resident", "of those, locked in memory"),
+            ("predicted", "counter", "weights_expert_uses_read_ahead", "of those, not locked but asked for "
+             "by the previous layer's prediction"),
+            ("missed", "counter", "weights_stalls", "uses that found some of the expert's bytes not in memory"),
+            ("missing_bytes", "counter", "weights_stall_bytes", "bytes a layer found not in memory when it "
+             "needed them (read from disk while it waited)"),
+            ("predictions", "counter", "weights_routes_predicted", "routes of layers whose experts were predicted"),
+            ("prediction_hits", "counter", "weights_prediction_hits", "of those, experts the prediction named"))
+
+
+def _weights_families(workers):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    w = next((e["weights"] for e in (w.get("engine") for w in workers) if isinstance(e, dict)
+              and isinstance(e.get("weights"), dict)), None)
+    if w is None:
+        return
+    for key, kind, name, doc in _WEIGHTS:
+        if _is_num(w.get(key)):
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield cls(f"colibri_{name}", doc, value=float(w[key]))
 
 
 def _expert_family(counts):

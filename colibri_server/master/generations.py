@@ -18,6 +18,8 @@ import time
 
 import msgpack
 
+from .residency import tend as tend_residency
+
 log = logging.getLogger("colibri.master")
 _LEFT_BEHIND = re.compile(r"(?:backend-(\d+)\.sock|generation-(\d+)-\d+\.msgpack)")
 
@@ -117,7 +119,9 @@ class Reloads:
 
     def check(self, stopping):
         """Commit the generation being brought up once all its workers are READY (and the router
-        has its tokenizer); roll it back when it does not come up in time."""
+        has its tokenizer); roll it back when it does not come up in time. Each turn also re-ranks the
+        locked experts of the models that have a weights budget (residency.py)."""
+        tend_residency(self.gens)
         if self.reloading is None:
             if self.pending_reload and not stopping:
                 kind, self.pending_reload = self.pending_reload, None

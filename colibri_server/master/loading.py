@@ -44,6 +44,10 @@ def open_model(path, s):
             populate = False
     except Exception:
         pass
+    from .residency import attach, budget_for
+    budget = budget_for(path, s)
+    if budget < size:
+        populate = False            # the budget decides what comes in (residency.py)
     t0 = time.perf_counter()
     m = Model.open(path, context=s.context, populate=populate, routing_noise=s.routing_noise,
                    seed=None if s.seed < 0 else s.seed, hugepages=s.hugepages)
@@ -56,7 +60,12 @@ def open_model(path, s):
             tc = time.perf_counter()
             finish = _start_checksums(m.file)
             t_crc = time.perf_counter() - tc
-        if s.mlock:
+        if budget < size:
+            try:
+                attach(m, s, budget)
+            except (ValueError, OSError) as e:
+                raise HaltServer(f"model {path}: {e}", EXIT_LOAD) from None
+        elif s.mlock:
             _mlock(m.file, path)
         t1 = time.perf_counter()
         try:

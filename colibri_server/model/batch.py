@@ -43,10 +43,12 @@ class Rows:
         return self.tokens.shape[0]
 
 
-def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, noise=None, expert_counts=None) -> np.ndarray:
+def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, noise=None, expert_counts=None,
+                  fetch=None) -> np.ndarray:
     """Run every row of the step; write their keys and values into the pool; return the logits of
     the sampled rows (M,V), a view of logits_out (>= M,V). expert_counts (L,E) int64: each layer's
-    routing choices of these rows are added to it."""
+    routing choices of these rows are added to it. fetch: a residency.ReadAhead when the weights have a
+    budget (asks for the experts that are not resident before they are needed)."""
     N = len(rows)
     if N > ws.rows:
         raise ValueError(f"{N} rows exceed the workspace's {ws.rows}")
@@ -87,7 +89,9 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
             if L.bo is not None:
                 sub += L.bo
         x += sub
-        _feed_forward(cfg, l, L, x, h, sub, ws, noise, expert_counts)
+        _feed_forward(cfg, l, L, x, h, sub, ws, noise, expert_counts, fetch)
+        if fetch is not None:
+            fetch.ahead(l, x, w.layers)                                        # layer l+1's probable experts
 
     # final norm and the output head, for the sampled rows only
     M = rows.sample.shape[0]
@@ -101,12 +105,16 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
     return logits
 
 
-def _feed_forward(cfg: ModelConfig, l: int, L, x, h, sub, ws, noise, expert_counts) -> None:
+def _feed_forward(cfg: ModelConfig, l: int, L, x, h, sub, ws, noise, expert_counts, fetch=None) -> None:
     """RMSNorm -> MoE over the whole batch (rows grouped by expert) or dense MLP -> residual, in x (N,D)."""
     N = x.shape[0]
     norm(x, L.ffn_norm, L.ffn_norm_b, cfg.rms_norm_eps, h)
     if L.gate is not None:
+        if fetch is not None:
+            fetch.route(l, L, h)                                               # its experts not resident: read now
         moe(L, h, ws, sub, noise=noise)
+        if fetch is not None:
+            fetch.predicted(l, ws.route_idx[:N, :L.top_k])
         if expert_counts is not None:                                          # the layer's choices, (N,A)
             expert_counts[l] += np.bincount(ws.route_idx[:N, :L.top_k].ravel(), minlength=cfg.num_experts)
     else:

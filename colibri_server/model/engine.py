@@ -86,6 +86,7 @@ class Model:
     def __init__(self, cf: fmt.ColibriFile, cfg: ModelConfig, weights: W.Weights, *, context: int,
                  prefill_chunk: int, routing_noise: float, seed, threads: int = 1, prefill_bf16: bool = False):
         self.file, self.config, self.weights = cf, cfg, weights
+        self.residency = None            # a residency.Residency when the weights have a budget below the file
         self.path = cf.path
         self.metadata = fmt.read_json_blob(cf.path, "metadata", cf.metadata_json, required=False)
         self.context = context

@@ -60,6 +60,12 @@ class BatchEngine:
         # a step of one decoding sequence runs the fused decode token on the pool (decode_step.py), at
         # least as fast as batch-1 decode was before batching; None for models it does not cover
         self.single = ws.decode_step(cfg, model.weights)
+        # weights under a budget (residency.py): every step through forward_batch, whose layers ask for the
+        # experts that are not resident before they run (the fused token has no place between layers)
+        residency = getattr(model, "residency", None)
+        self.fetch = residency.reader(cfg) if residency is not None else None
+        if self.fetch is not None:
+            self.single = None
         self.scores = aligned_zeros(cfg.num_heads // cfg.num_kv_heads * model.context, np.float32) \
             if self.single is not None else None
         self.logits = aligned_zeros((max_seqs, cfg.vocab_size), np.float32)   # (M,V), M <= max_seqs
@@ -142,7 +148,7 @@ class BatchEngine:
                 self.expert_counts[self._moe_rows, self.single.routes] += 1    # (n_moe,A): a layer's experts differ
             else:
                 logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, out, noise=m.noise,
-                                       expert_counts=self.expert_counts)
+                                       expert_counts=self.expert_counts, fetch=self.fetch)
         except ArithmeticError as e:        # a kernel met NaNs: fault whose rows hold them, recompute the rest
             self._arithmetic_fault(plan, e)
             return []
@@ -278,6 +284,8 @@ class BatchEngine:
         s.update(steps=self.steps, prefill_tokens=self.prefill_rows, expert_counts=self.expert_counts.tolist(),
                  batch_rows_last=self.last_rows, rows_total=self.rows_total, tokens_out=self.tokens_out,
                  batch_rows_mean=round(self.rows_total / self.steps, 2) if self.steps else 0.0)
+        if self.fetch is not None:
+            s["weights"] = self.fetch.figures()
         return s
 
 

@@ -492,6 +492,11 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("mlock", BOOL, False, "lock the model mapping in RAM (needs RLIMIT_MEMLOCK)",
             reload=RESTART),
     Setting("populate", BOOL, True, "fault every model page in at start", reload=USR1),
+    Setting("weights_memory", SIZE, 0,
+            "bytes of the model kept resident (0: all of it when the file fits in the memory available at "
+            "start, else nine tenths of that less room for the experts being read); below the file's size the "
+            "always-needed part and the most-routed experts are locked, the others read on demand and "
+            "ahead of the layer that needs them", Range(0), reload=USR1),
     Setting("verify_checksums", BOOL, True, "verify every tensor's CRC-32 when the model is opened (start, "
             "HUP, USR1): a corrupted file is refused naming the tensor", reload=USR1),
     Setting("hugepages", BOOL, True, "map the model on 2 MiB pages where the kernel can (re-reads "

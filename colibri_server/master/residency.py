@@ -1,0 +1,95 @@
+"""The master's side of a weights budget (model/residency.py is the mechanism): decide the budget when a
+model is opened, lock its always-resident part before the workers fork, re-rank the locked experts from
+the workers' shared route counts as the main loop turns, and keep the popular set beside the model so a
+restart locks the right experts first.
+
+The master starts no thread: a re-rank is a few syscalls (mlock faults a newly chosen expert in from
+disk: at most MAX_SWAPS experts per turn, so a turn stays short).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import numpy as np
+
+log = logging.getLogger("colibri.master")
+
+RERANK_EVERY = 1.0          # seconds between two re-ranks of one model
+MAX_SWAPS = 8               # experts newly locked per re-rank
+SAVE_EVERY = 60.0           # seconds between two saves of the popular set
+
+
+def budget_for(path: str, s) -> int:
+    """The weights budget of model file `path` under settings s: weights_memory, or, at 0, the whole
+    file when it fits in the memory available now (a cgroup's limit counted), else less (resolve_budget;
+    the in-flight room is estimated as 5% of the file until the model is open)."""
+    from ..model.residency import available_memory, resolve_budget
+    size = os.path.getsize(path)
+    return resolve_budget(getattr(s, "weights_memory", 0), size, available_memory(), size // 20)
+
+
+def popular_path(model_path: str) -> str:
+    return model_path + ".popular.json"
+
+
+def attach(m, s, budget: int) -> None:
+    """Give Model m a Residency under `budget` bytes (below its file's size): lock the always-resident
+    part and, from a saved popular set, the experts it names. Raises ValueError / OSError with a
+    one-line reason (the caller halts with it)."""
+    from ..model.residency import Residency
+    if s.mlock:
+        raise ValueError(f"mlock locks the whole model ({os.path.getsize(m.path) / 2**20:.0f} MiB) but "
+                         f"weights_memory is {budget / 2**20:.0f} MiB: turn one of them off")
+    res = Residency(m.file, m.config, budget, partial=not getattr(s, "weights_memory", 0))
+    res.start()
+    m.residency = res
+    _load_popular(res, m.path)
+    res.rerank(time.monotonic(), max_swaps=1 << 30)
+    res.next_rerank, res.next_save = 0.0, time.monotonic() + SAVE_EVERY
+    log.info("model %s: weights_memory %.0f MiB of %.0f MiB: %.0f MiB always resident, %d experts locked "
+             "by route counts, the rest read on demand", m.path, budget / 2**20, m.file.header["file_size"] / 2**20,
+             res.always_bytes / 2**20, int(res.shared.resident.sum()))
+
+
+def _load_popular(res, model_path: str) -> None:
+    try:
+        with open(popular_path(model_path)) as f:
+            saved = json.load(f)
+        score = np.asarray(saved["score"], np.float64)
+        if score.shape == res.score.shape and saved.get("identity") == res.cf.identity:
+            res.score[...] = score
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+
+
+def _save_popular(res, model_path: str) -> None:
+    tmp = f"{popular_path(model_path)}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"identity": res.cf.identity, "score": np.round(res.score, 2).tolist()}, f)
+        os.replace(tmp, popular_path(model_path))
+    except OSError:                 # a read-only model directory: no saved set, nothing else lost
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def tend(gens) -> None:
+    """One turn of the main loop: re-rank the residency of every live generation's model that has one."""
+    now = time.monotonic()
+    for g in list(gens.values()):
+        res = getattr(g.model, "residency", None)
+        if res is None or now < res.next_rerank:
+            continue
+        res.next_rerank = now + RERANK_EVERY
+        try:
+            res.rerank(now, MAX_SWAPS)
+        except OSError as e:
+            log.warning("weights residency of %s: %s", g.model.path, e)
+        if now >= res.next_save:
+            res.next_save = now + SAVE_EVERY
+            _save_popular(res, g.model.path)

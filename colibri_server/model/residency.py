@@ -1,0 +1,396 @@
+"""Which of a model's bytes stay in memory when the file is larger than its budget (`weights_memory`).
+
+A .colibri file keeps every expert's matrices as contiguous slices of its layer's stacks (format.py),
+so an expert is a handful of byte ranges of the one MAP_SHARED mapping. Under a budget:
+
+- the always-resident part (everything that is not an expert: attention, norms, routers, shared
+  experts, the head) is locked (mlock) at start; the token embeddings (unless the head shares them)
+  are read a row at a time on demand;
+- experts are ranked by a decayed count of how often they were routed (a table in shared memory that
+  the workers add their routes to; a lost increment when two add at once costs nothing that matters);
+  the top ones, as many as fit in the rest of the budget, are locked; the others are unlocked, zapped
+  from the master's page tables and dropped from the page cache (POSIX_FADV_DONTNEED: the pages that
+  nobody maps), and advised MADV_RANDOM so that a miss does not read its neighbours;
+- locked bytes never exceed the budget. Pages of an unlocked expert that a worker reads on a miss sit
+  in the page cache as the kernel's to reclaim: under memory pressure they are the only weights it can
+  take (a cgroup's limit included).
+
+Residency (the master's, one per mapped file; a one-process user such as a benchmark calls rerank()
+itself) chooses and locks; ReadAhead (each worker's, the forward pass's hook) asks for an expert's bytes
+(MADV_WILLNEED: the reads are submitted at once and overlap compute) when layer l routes to an expert
+that is not locked, and for layer l+1's probable experts (its router applied to layer l's output:
+bench/routing_stats.py measured 70% of its choices in the predicted top-k, 86% in top-k+1 on
+bench-mixtral) as soon as layer l is done; it counts what it found resident, what its prediction had
+asked for, and the bytes it found missing (mincore) when a layer needed them: the stalls.
+
+Legend: L layers, E experts per layer.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import resource
+
+import numpy as np
+
+__all__ = ["Residency", "ReadAhead", "expert_ranges", "resolve_budget", "in_flight_bytes", "available_memory", "BudgetTooSmall", "STAT_NAMES"]
+
+PAGE = mmap.PAGESIZE
+MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
+MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+# what ReadAhead counts, in the shared stats row (one int64 each)
+STAT_NAMES = ("routes", "resident", "predicted", "missed", "missing_bytes", "requested_bytes",
+              "predictions", "prediction_hits")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mlock.argtypes = _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+class BudgetTooSmall(ValueError):
+    """weights_memory below the part of the model that must always be resident."""
+
+
+def _pages(off: int, n: int) -> tuple[int, int]:
+    """(start, length) of the whole pages covering [off, off + n)."""
+    a = off // PAGE * PAGE
+    return a, -(-(off + n) // PAGE) * PAGE - a
+
+
+def expert_ranges(cf, cfg) -> tuple[list, list, list]:
+    """(experts, always, demand): experts[l][e] the page-rounded (offset, length) ranges of layer l's
+    expert e in every per-expert stack of the file (w1, w3, w2, their scales and biases: a tensor whose
+    leading dimension is E and whose name says `_exps`); demand: the token embeddings when the head does
+    not share them (a token reads one row of them: read on demand, never locked); always: the rest,
+    [0, file size) less the others' pages. A dense layer has [] for every expert."""
+    E = cfg.num_experts
+    experts = [[[] for _ in range(E)] for _ in range(cfg.num_layers)]
+    covered, demand = [], []
+    for r in cf.record_list:
+        if r.name == "token_embd" and not cfg.tie_word_embeddings and r.size > 4 * PAGE:
+            a, n = _pages(r.offset, r.size)
+            demand.append((a + PAGE, n - 2 * PAGE))
+            covered.append(demand[-1])
+            continue
+        if "_exps" not in r.name or not r.name.startswith("blk.") or not r.shape or int(r.shape[0]) != E \
+                or r.size % E:
+            continue
+        layer, each = int(r.name.split(".")[1]), r.size // E
+        for e in range(E):
+            a, n = _pages(r.offset + e * each, each)
+            experts[layer][e].append((a, n))
+        a, n = _pages(r.offset, r.size)
+        covered.append((a + PAGE, max(0, n - 2 * PAGE)))  # edge pages may hold a neighbour: always's
+    size = cf.header["file_size"]
+    always, pos = [], 0
+    for a, n in sorted(covered):
+        if a > pos:
+            always.append((pos, a - pos))
+        pos = max(pos, a + n)
+    if pos < size:
+        always.append(_pages(pos, size - pos))
+    return experts, always, demand
+
+
+def resolve_budget(setting: int, file_size: int, available: int, in_flight: int = 0) -> int:
+    """weights_memory's bytes: the setting when > 0; else the whole file when it fits in `available`;
+    else 90% of `available` less `in_flight` (the bytes of the experts being read at once, which the
+    kernel cannot reclaim while their reads are under way: 2 * top_k + 1 of the largest) and 32 MiB for
+    the processes' own growth (a worker's KV pool comes out of the rest: with kv_cache_memory set, set
+    weights_memory too)."""
+    if setting > 0:
+        return int(setting)
+    return file_size if file_size <= available else max(0, int(available * 0.9) - in_flight - (32 << 20))
+
+
+def in_flight_bytes(cf, cfg) -> int:
+    """The bytes of 2 * top_k + 1 of the model's largest experts (resolve_budget's in_flight)."""
+    experts, _, _ = expert_ranges(cf, cfg)
+    biggest = max((sum(n for _, n in r) for row in experts for r in row), default=0)
+    return (2 * max(1, cfg.top_k) + 1) * biggest
+
+
+def available_memory() -> int:
+    """Bytes this process may still use: the system's available memory, or less in a memory cgroup
+    (v2 memory.max, v1 memory.limit_in_bytes, less what the group uses but cannot give back: its usage
+    less its inactive file pages)."""
+    import psutil
+    avail = psutil.virtual_memory().available
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return avail
+    for line in lines:
+        _, ctrl, path = line.split(":", 2)
+        if ctrl == "":
+            d, files = f"/sys/fs/cgroup{path}", ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in ctrl.split(","):
+            d, files = f"/sys/fs/cgroup/memory{path}", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                        "total_inactive_file")
+        else:
+            continue
+        try:
+            with open(f"{d}/{files[0]}") as f:
+                lim = f.read().strip()
+            with open(f"{d}/{files[1]}") as f:
+                used = int(f.read())
+            with open(f"{d}/memory.stat") as f:
+                stat = dict(ln.split() for ln in f if ln.strip())
+        except (OSError, ValueError):
+            continue
+        if lim != "max" and int(lim) < (1 << 60):
+            avail = min(avail, max(0, int(lim) - used + int(stat.get(files[2], 0))))
+    return avail
+
+
+class _Shared:
+    """The tables the master makes before it forks and its workers write: counts (L,E) int64 routes,
+    resident (L,E) uint8 (1: locked), stats (len(STAT_NAMES),) int64. One anonymous MAP_SHARED mapping."""
+
+    def __init__(self, L: int, E: int):
+        n = L * E
+        self.mm = mmap.mmap(-1, n * 8 + n + len(STAT_NAMES) * 8 + 64, flags=mmap.MAP_SHARED)
+        buf = np.frombuffer(self.mm, np.uint8)
+        self.counts = buf[:n * 8].view(np.int64).reshape(L, E)
+        self.stats = buf[n * 8:n * 8 + len(STAT_NAMES) * 8].view(np.int64)
+        self.resident = buf[n * 8 + len(STAT_NAMES) * 8:][:n].reshape(L, E)
+
+
+class Residency:
+    """The master's: lock the always-resident part and the experts that fit in the budget, by decayed
+    route counts. cf: the open ColibriFile (its mapping), cfg its ModelConfig, budget in bytes. A budget
+    below the always-resident part raises BudgetTooSmall, unless partial (a budget the server chose
+    itself): then as much of that part as fits is locked, no expert, and the rest is read on demand.
+    always_bytes is what is locked of that part."""
+
+    def __init__(self, cf, cfg, budget: int, half_life: float = 30.0, partial: bool = False):
+        self.cf, self.budget, self.half_life = cf, int(budget), half_life
+        self.experts, self.always, self.demand = expert_ranges(cf, cfg)
+        L, E = cfg.num_layers, max(1, cfg.num_experts)
+        self.expert_bytes = np.array([[sum(n for _, n in self.experts[l][e]) if E else 0 for e in range(E)]
+                                      for l in range(L)], np.int64)                      # (L,E)
+        self.always_bytes = sum(n for _, n in self.always)
+        self.shared = _Shared(L, E)
+        self.score = np.zeros((L, E), np.float64)                                       # (L,E) decayed routes
+        self._seen = np.zeros((L, E), np.int64)
+        self._last = None
+        self.locked_bytes = 0
+        self.swaps = 0
+        self._base = cf._buf.ctypes.data
+        self.locked_always = list(self.always)           # partial: as much of it as fits, in file order
+        if self.always_bytes > self.budget and partial:
+            room, self.locked_always = self.budget, []
+            for a, n in self.always:
+                n = min(n, room // PAGE * PAGE)
+                if n > 0:
+                    self.locked_always.append((a, n))
+                    room -= n
+            self.always_bytes = sum(n for _, n in self.locked_always)
+        if self.always_bytes > self.budget:
+            raise BudgetTooSmall(f"weights_memory {self.budget / 2**20:.0f} MiB is below the part of "
+                                 f"{os.path.basename(cf.path)} always kept resident "
+                                 f"({self.always_bytes / 2**20:.0f} MiB: attention, norms, routers, head)")
+
+    @property
+    def active(self) -> bool:
+        return True
+
+    def start(self) -> None:
+        """Lock the always-resident part; release every expert (they are locked by rerank as they are
+        routed); advise MADV_RANDOM on them. Raises OSError with its reason where locking fails."""
+        _room_to_lock(self.budget)
+        mm = self.cf._mm
+        for l, row in enumerate(self.experts):
+            for e, ranges in enumerate(row):
+                for a, n in ranges:
+                    mm.madvise(MADV_RANDOM, a, n)
+        for a, n in self.demand:
+            mm.madvise(MADV_RANDOM, a, n)
+        for a, n in self.locked_always:
+            self._lock(a, n)
+        self.locked_bytes = self.always_bytes
+
+    def _lock(self, a, n):
+        if _libc.mlock(ctypes.c_void_p(self._base + a), n) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"mlock of {n / 2**20:.1f} MiB of {self.cf.path}: {os.strerror(e)}")
+
+    def _release(self, ranges):
+        mm = self.cf._mm
+        try:
+            fd = os.open(self.cf.path, os.O_RDONLY)
+        except OSError:
+            fd = -1
+        for a, n in ranges:
+            _libc.munlock(ctypes.c_void_p(self._base + a), n)
+            mm.madvise(MADV_DONTNEED, a, n)              # the master's page-table entries
+            if fd >= 0:
+                os.posix_fadvise(fd, a, n, os.POSIX_FADV_DONTNEED)   # the cached pages nobody maps
+        if fd >= 0:
+            os.close(fd)
+
+    def rerank(self, now: float, max_swaps: int = 16) -> int:
+        """Fold the routes counted since the last call into the decayed scores and lock the experts that
+        rank highest within the budget, unlocking those that fell out (at most max_swaps experts locked
+        per call, the best first, so the caller never waits long). Returns how many were locked."""
+        res = self.shared.resident
+        counts = self.shared.counts.copy()
+        new, self._seen = counts - self._seen, counts
+        decay = 1.0 if self._last is None else 0.5 ** ((now - self._last) / self.half_life)
+        self._last = now
+        self.score = self.score * decay + new
+        # the incumbents keep their place against a newcomer up to 25% ahead (no churn on noise)
+        eff = self.score * np.where(res > 0, 1.25, 1.0)
+        order = np.argsort(-eff, axis=None, kind="stable")
+        room = self.budget - self.always_bytes
+        want = np.zeros_like(res)
+        for flat in order:
+            l, e = divmod(int(flat), res.shape[1])
+            b = int(self.expert_bytes[l, e])
+            if eff[l, e] <= 0 or b == 0:
+                break
+            if b <= room:
+                want[l, e], room = 1, room - b
+        # unlock first (the budget holds at every moment), then lock the newcomers, best first
+        for l, e in zip(*np.nonzero((res > 0) & (want == 0))):
+            res[l, e] = 0
+            self._release(self.experts[l][e])
+            self.locked_bytes -= int(self.expert_bytes[l, e])
+        added = 0
+        for flat in order:
+            l, e = divmod(int(flat), res.shape[1])
+            if want[l, e] and not res[l, e]:
+                if added >= max_swaps:
+                    break
+                for a, n in self.experts[l][e]:
+                    self._lock(a, n)
+                res[l, e] = 1
+                self.locked_bytes += int(self.expert_bytes[l, e])
+                added += 1
+        self.swaps += added
+        return added
+
+    def figures(self) -> dict:
+        """What status and /metrics show: the budget, bytes locked, experts resident, the workers' counts."""
+        st = dict(zip(STAT_NAMES, (int(v) for v in self.shared.stats)))
+        return {"weights_memory": self.budget, "locked_bytes": self.locked_bytes, "always_bytes": self.always_bytes,
+                "experts_resident": int(self.shared.resident.sum()), "swaps": self.swaps, **st}
+
+    def reader(self, cfg, spread: int = 0) -> "ReadAhead":
+        return ReadAhead(self, cfg, spread)
+
+
+def _room_to_lock(budget: int) -> None:
+    """Raise RLIMIT_MEMLOCK to the budget where it is lower (its hard limit allows, or root); a one-line
+    OSError naming the limit otherwise."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or soft >= budget:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+                           if os.geteuid() == 0 else (min(budget, hard) if hard != resource.RLIM_INFINITY
+                                                      else budget, hard))
+    except (ValueError, OSError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != resource.RLIM_INFINITY and soft < budget and os.geteuid() != 0:
+        raise OSError(f"weights_memory {budget / 2**20:.0f} MiB is locked in memory but RLIMIT_MEMLOCK is "
+                      f"{soft / 2**20:.0f} MiB (raise LimitMEMLOCK= in the unit, or ulimit -l)")
+
+
+class ReadAhead:
+    """A worker's hook in the forward pass (batch.forward_batch): route(l, layer, h) before layer l's
+    experts run, ahead(l, x) after layer l's output is in x. Counts into the shared stats row."""
+
+    def __init__(self, residency: Residency, cfg, spread: int = 0):
+        self.r = residency
+        self.cfg = cfg
+        self.mm = residency.cf._mm
+        self.base = residency._base
+        self.stats = residency.shared.stats
+        self.counts = residency.shared.counts
+        self.resident = residency.shared.resident
+        self.asked = np.zeros(self.resident.shape, np.bool_)    # (L,E) requested by a prediction, this step
+        self._vec = np.zeros(max(1, int(residency.expert_bytes.max()) // PAGE + 8), np.uint8)
+        self.spread = spread             # ask for the next layer's top_k + spread (-1: no prediction)
+
+    def figures(self) -> dict:
+        """The budget and what every worker counted (shared): what a heartbeat reports."""
+        r = self.r
+        st = dict(zip(STAT_NAMES, (int(v) for v in self.stats)))
+        return {"weights_memory": r.budget, "locked_bytes": r.always_bytes + int(r.expert_bytes[self.resident > 0].sum()),
+                "experts_resident": int(self.resident.sum()), "experts": int(self.resident.size), **st}
+
+    def _fetch(self, l: int, e: int) -> int:
+        """Ask for the bytes of expert (l, e) that are not in the page cache (mincore: a few us for an
+        expert whose pages are mapped; madvise(WILLNEED) on cached pages costs ~400 us per 12 MiB, so only
+        the missing runs are asked for, gaps under 256 KiB merged); returns how many bytes were missing."""
+        miss = 0
+        for a, n in self.r.experts[l][e]:
+            v = self._vec[:n // PAGE]
+            if _libc.mincore(ctypes.c_void_p(self.base + a), n, v.ctypes.data) != 0:
+                continue
+            gone = np.flatnonzero((v & 1) == 0)                                      # (pages missing,)
+            if gone.size == 0:
+                continue
+            miss += gone.size * PAGE
+            cut = np.flatnonzero(np.diff(gone) > 64) + 1
+            for run in np.split(gone, cut):
+                self.mm.madvise(MADV_WILLNEED, a + int(run[0]) * PAGE, (int(run[-1]) - int(run[0]) + 1) * PAGE)
+        self.stats[5] += miss
+        return miss
+
+    def route(self, l: int, layer, h) -> None:
+        """h (N,D): layer l's normed rows, before its experts: ask at once for what is missing of the
+        chosen experts that are not locked (the router's top-k, as moe() will choose them), and count:
+        an expert found with bytes missing is a stall (the layer waits for them)."""
+        A = layer.top_k
+        logits = h @ layer.gate.T                                                   # (N,E)
+        if layer.gate_b is not None:
+            logits += layer.gate_b
+        if layer.corr_bias is not None and layer.corr_bias.size:
+            logits = logits + layer.corr_bias
+        chosen = np.unique(np.argpartition(-logits, A - 1, axis=1)[:, :A])          # (<= N*A,)
+        self.stats[0] += chosen.size
+        for e in chosen:
+            e = int(e)
+            if self.resident[l, e]:
+                self.stats[1] += 1
+                continue
+            if self.asked[l, e]:
+                self.stats[2] += 1
+            m = self._fetch(l, e)
+            if m:
+                self.stats[3] += 1
+                self.stats[4] += m
+        if l > 0:
+            self.asked[l - 1] = False
+
+    def predicted(self, l: int, idx) -> None:
+        """idx (N,A): layer l's actual choices: count them (shared table) and score layer l's prediction."""
+        self.counts[l] += np.bincount(idx.ravel(), minlength=self.counts.shape[1])
+        if self.asked[l].any() or l > 0:
+            got = self.asked[l][idx]
+            self.stats[6] += idx.size
+            self.stats[7] += int(got.sum())
+
+    def ahead(self, l: int, x, layers) -> None:
+        """x (N,D) layer l's output: layer l+1's router on it; ask for its probable experts not locked."""
+        if self.spread < 0 or l + 1 >= len(layers) or layers[l + 1].gate is None:
+            return
+        nxt = layers[l + 1]
+        w = nxt.ffn_norm
+        hn = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + self.cfg.rms_norm_eps) * w      # (N,D)
+        if nxt.ffn_norm_b is not None:
+            hn = hn + nxt.ffn_norm_b
+        logits = hn @ nxt.gate.T                                                    # (N,E)
+        k = min(logits.shape[1], nxt.top_k + self.spread)
+        self.asked[l + 1] = False
+        for e in np.unique(np.argpartition(-logits, k - 1, axis=1)[:, :k]):
+            e = int(e)
+            self.asked[l + 1, e] = True
+            if not self.resident[l + 1, e]:
+                self._fetch(l + 1, e)

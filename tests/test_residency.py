@@ -1,0 +1,278 @@
+"""Weights under a budget (model/residency.py, master/residency.py): what is locked, what is read
+ahead, and that the answers do not change, in-process and in a memory cgroup below the model's size."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from colibri_server.model import Model
+from colibri_server.model.residency import BudgetTooSmall, Residency, expert_ranges, resolve_budget
+from colibri_server.model.serving import BatchEngine
+
+from synth_model import write_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SMALL = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+             num_experts=8, top_k=2, moe_intermediate_size=1024)
+PROMPT = [1, 5, 9, 200, 31, 77, 1000, 4]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    p = tmp_path_factory.mktemp("res") / "small.colibri"
+    write_model(p, **SMALL)
+    return str(p)
+
+
+def _locked_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _greedy(m, res=None, n=12):
+    eng = BatchEngine(m, max_seqs=1, max_batch_tokens=len(PROMPT) + 1, prefix_cache=False)
+    eng.add(0, PROMPT, max_tokens=n, ignore_eos=True, temperature=0.0)
+    toks = []
+    while eng.has_work():
+        toks += [ev.token_id for _, ev in eng.step()]
+        if res is not None:
+            res.rerank(time.monotonic())
+    return toks, eng
+
+
+def _open_with_budget(path, frac):
+    m = Model.open(path, context=64, populate=False)
+    res = Residency(m.file, m.config, int(m.file.header["file_size"] * frac))
+    try:
+        res.start()
+    except OSError as e:
+        m.close()
+        pytest.skip(f"cannot lock memory here: {e}")
+    m.residency = res
+    return m, res
+
+
+def test_expert_ranges_cover_the_file_once(small):
+    m = Model.open(small, context=32, populate=False)
+    try:
+        experts, always, demand = expert_ranges(m.file, m.config)
+        size = m.file.header["file_size"]
+        cover = np.zeros(-(-size // 4096), np.int32)
+        for a, n in always + demand:
+            cover[a // 4096:(a + n) // 4096] += 1
+        assert cover.max() == 1                                   # always and demand never count twice
+        emb = m.file.records["token_embd"]
+        assert demand and demand[0][0] <= emb.offset + 4096 and sum(demand[0]) >= emb.offset + emb.size - 4096
+        seen = np.zeros_like(cover)
+        for row in experts:
+            assert all(len(r) == 3 for r in row)                 # w1, w3, w2 of every expert
+            for r in row:
+                for a, n in r:
+                    seen[a // 4096:(a + n) // 4096] += 1
+        assert ((cover + (seen > 0)) >= 1).all()                  # every page is always's or an expert's
+        # an expert's range is that expert's slice of its stack
+        r = m.file.records["blk.1.ffn_down_exps"]
+        each = r.size // m.config.num_experts
+        a, n = experts[1][3][2]
+        assert a <= r.offset + 3 * each and a + n >= r.offset + 4 * each and n < each + 2 * 4096
+    finally:
+        m.close()
+
+
+def test_rerank_locks_the_most_routed_within_the_budget(small):
+    m, res = _open_with_budget(small, 0.4)
+    try:
+        assert _locked_kib() * 1024 >= res.always_bytes - 4096
+        L, E = res.shared.counts.shape
+        counts = np.arange(1, L * E + 1, dtype=np.int64).reshape(L, E)    # every expert routed, all differ
+        counts[:, 2] += 1000                                      # expert 2 of every layer, then 5 of layer 0
+        counts[0, 5] += 500
+        res.shared.counts[...] = counts
+        res.rerank(time.monotonic(), max_swaps=1000)
+        resident = res.shared.resident.astype(bool)
+        assert resident[:, 2].all() and resident[0, 5]
+        assert res.locked_bytes <= res.budget
+        assert 0 < resident.sum() < L * E                         # the budget cut the ranking
+        assert counts[resident].min() > counts[~resident].max()   # experts of one size: the top ones
+        assert res.budget - res.locked_bytes < res.expert_bytes.max()   # and as many as fit
+        assert res.always_bytes + res.expert_bytes[resident].sum() == res.locked_bytes
+        assert _locked_kib() * 1024 <= res.budget + 4096 * 8 * L * E
+        # the routes move: the decayed scores give way, within the budget at every step
+        res.shared.counts[:, 6] += 10_000
+        res.rerank(time.monotonic() + 300, max_swaps=1000)
+        resident = res.shared.resident.astype(bool)
+        assert resident[:, 6].all()
+        assert res.locked_bytes <= res.budget
+    finally:
+        m.close()
+
+
+def test_greedy_answers_equal_under_a_budget(small):
+    m = Model.open(small, context=64, populate=False)
+    try:
+        ref, eng = _greedy(m)
+        assert eng.single is not None                             # no budget: the fused token, as before
+    finally:
+        m.close()
+    m, res = _open_with_budget(small, 0.35)
+    try:
+        got, eng = _greedy(m, res)
+        assert got == ref
+        f = eng.stats()["weights"]
+        assert f["routes"] > 0 and 0 < f["experts_resident"] < f["experts"]
+        assert f["resident"] > 0                                  # the locked experts served routes
+        assert f["predictions"] > 0 and f["prediction_hits"] > 0
+        assert f["locked_bytes"] <= res.budget
+    finally:
+        m.close()
+
+
+def test_budget_below_the_always_part_is_one_line(small):
+    m = Model.open(small, context=32, populate=False)
+    try:
+        with pytest.raises(BudgetTooSmall, match=r"weights_memory 0 MiB is below the part of small.colibri"):
+            Residency(m.file, m.config, 1000)
+    finally:
+        m.close()
+    m = Model.open(small, context=32, populate=False)
+    try:                                      # a budget the server chose: as much of the always part as fits
+        res = Residency(m.file, m.config, 100 * 4096, partial=True)
+        assert 0 < res.always_bytes <= 100 * 4096 and sum(n for _, n in res.locked_always) == res.always_bytes
+    finally:
+        m.close()
+    assert resolve_budget(0, 100, 200) == 100                     # fits: all of it
+    G = 1 << 30                                                   # too large: 90% of it less the reads' room
+    assert resolve_budget(0, 3 * G, 2 * G, 100 << 20) == int(2 * G * 0.9) - (100 << 20) - (32 << 20)
+    assert resolve_budget(123, 300, 200) == 123
+
+
+# ------------------------------------------------------------------- in a memory cgroup below the model
+
+_CHILD = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from colibri_server.model import Model
+from colibri_server.model.residency import Residency, available_memory, in_flight_bytes, resolve_budget
+from colibri_server.model.serving import BatchEngine
+m = Model.open(sys.argv[2], context=64, populate=False)
+size = m.file.header["file_size"]
+budget = resolve_budget(0, size, available_memory(), in_flight_bytes(m.file, m.config))
+res = None
+if budget < size:
+    res = Residency(m.file, m.config, budget, partial=True); res.start(); m.residency = res
+eng = BatchEngine(m, max_seqs=1, max_batch_tokens=16, prefix_cache=False)
+eng.add(0, json.loads(sys.argv[3]), max_tokens=int(sys.argv[4]), ignore_eos=True, temperature=0.0)
+toks = []
+while eng.has_work():
+    toks += [ev.token_id for _, ev in eng.step()]
+    if res is not None:
+        res.rerank(time.monotonic())
+print(json.dumps({"tokens": toks, "budget": budget, "size": size, "weights": eng.stats().get("weights")}))
+"""
+
+
+def _cgroup(limit):
+    """A fresh v1 (or v2) memory cgroup with `limit`, or pytest.skip with the reason."""
+    if os.geteuid() != 0:
+        pytest.skip("making a memory cgroup needs root")
+    v1 = pathlib.Path("/sys/fs/cgroup/memory")
+    base, v2 = (v1, False) if v1.is_dir() else (pathlib.Path("/sys/fs/cgroup"), True)
+    if v2 and "memory" not in (base / "cgroup.controllers").read_text():
+        pytest.skip("cgroup v2 without the memory controller")
+    d = base / f"colibri-test-{os.getpid()}"
+    try:
+        d.mkdir()
+        (d / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup: {e}")
+    return d, v2
+
+
+def _run(path, n, cg=None):
+    def enter():
+        if cg is not None:
+            with open(cg / "cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT), path, json.dumps(PROMPT), str(n)],
+                       capture_output=True, text=True, preexec_fn=enter, timeout=600,
+                       env=dict(os.environ, NUMBA_NUM_THREADS="1"))
+    return r
+
+
+def test_greedy_answers_equal_in_a_cgroup_below_the_model(tmp_path):
+    path = str(tmp_path / "big.colibri")
+    size = write_model(path, **{**SMALL, "hidden_size": 512, "moe_intermediate_size": 4096})   # ~395 MiB
+    limit = 300 << 20
+    assert limit < size
+    ref = _run(path, 10)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    ref = json.loads(ref.stdout.strip().splitlines()[-1])
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)            # the run must read what it uses
+    os.close(fd)
+    cg, v2 = _cgroup(limit)
+    try:
+        got = _run(path, 10, cg)
+        ooms = [ln for ln in (cg / ("memory.events" if v2 else "memory.oom_control")).read_text().splitlines()
+                if ln.startswith("oom_kill ")]
+        peak = int((cg / ("memory.peak" if v2 else "memory.max_usage_in_bytes")).read_text()) \
+            if (cg / ("memory.peak" if v2 else "memory.max_usage_in_bytes")).exists() else 0
+        hit_limit = int((cg / "memory.failcnt").read_text()) if not v2 else None
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+    assert got.returncode == 0, f"exit {got.returncode}: {got.stderr[-2000:]}"
+    assert all(ln.split()[1] == "0" for ln in ooms)
+    got = json.loads(got.stdout.strip().splitlines()[-1])
+    assert got["budget"] < size and got["weights"] is not None
+    assert got["tokens"] == ref["tokens"]
+    assert peak <= limit
+    if hit_limit is not None:
+        assert hit_limit > 0                                      # the limit was met: pages were reclaimed
+
+
+# ------------------------------------------------------------------- the server: master, router, workers
+
+def test_server_under_a_weights_budget(small, tmp_path):
+    from server_harness import Server
+
+    from colibri_server.commands.status import format_status
+    m = Model.open(small, context=64, populate=False)
+    try:
+        ref, _ = _greedy(m, n=8)
+        size = m.file.header["file_size"]
+    finally:
+        m.close()
+    budget = int(size * 0.4)
+    s = Server(small, tmp_path, workers=2, extra=("--weights-memory", budget, "--context", 64))
+    try:
+        s.wait_ready(workers=2)
+        with s.client() as c:
+            for _ in range(3):
+                got = c.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
+                assert got.token_ids == ref
+        # the master re-ranks from the workers' shared counts: the routed experts get locked
+        def weights():
+            ws = [w["engine"].get("weights") for w in s.stats()["workers"] if w.get("engine")]
+            return ws[0] if ws and ws[0] and ws[0]["experts_resident"] > 0 else None
+        f = s.wait_for(weights, what="experts locked by the master")
+        assert f["weights_memory"] == budget and f["locked_bytes"] <= budget
+        assert f["routes"] > 0 and f["predictions"] > 0
+        assert "weights    budget" in format_status(s.stats())
+        assert "weights_memory" in s.logs()
+    finally:
+        assert s.stop() == 0
