@@ -147,8 +147,9 @@ def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path, monkeypatch):
     cf.close()
     m = Model.open(str(tmp_path / "b.colibri"))
     assert isinstance(m.weights.layers[0].w1, BlockTensor)
-    assert isinstance(m.weights.output, BlockTensor) and m.weights.output.f32_acts     # the head: f32 activations
-    assert not m.weights.token_embd.f32_acts
+    assert isinstance(m.weights.output, BlockTensor) and not m.weights.output.f32_acts  # llama.cpp's rounding
+    assert m.set_exact_head(True) and m.weights.output.f32_acts and not m.weights.token_embd.f32_acts
+    assert not m.set_exact_head(False) and not m.weights.output.f32_acts
     got = Model.open(str(tmp_path / "b.colibri")).logits(PROMPT)
     exact = Model.open(str(tmp_path / "ref.colibri")).logits(PROMPT)
     int8_rounded_products(monkeypatch)

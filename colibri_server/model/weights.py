@@ -205,11 +205,9 @@ def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
                     and len({(a.dtype, a.ndim, a.flags.c_contiguous) for a in qkv}) == 1):
                 layers[-1] = dataclasses.replace(L, qkv_stack=tuple(qkv))
     emb = v("token_embd")
-    head = emb if cfg.tie_word_embeddings else v("output")
-    if isinstance(head, BlockTensor):   # llama.cpp rounds the head's input to int8; a real model's first token
-        head = head.exact()             # can then differ from its reference's (docs/models.md, "The output head")
     return Weights(token_embd=emb, layers=tuple(layers), output_norm=cf.view("output_norm"),
-                   output=head, output_norm_b=v("output_norm_b"), output_b=v("output_b"))
+                   output=emb if cfg.tie_word_embeddings else v("output"), output_norm_b=v("output_norm_b"),
+                   output_b=v("output_b"))
 
 
 def first_rows(cf: fmt.ColibriFile, name: str, rows: int) -> tuple[np.ndarray, int]:
