@@ -211,8 +211,7 @@ def svg(out: dict, path: str) -> None:
         return T + (hi - math.log10(v)) / (hi - lo) * (H - T - B)
     g = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
          f'<rect width="{W}" height="{H}" fill="white"/>',
-         f'<text x="{L}" y="16" font-size="12">batch-1 decode, {out["model"]}, 1 thread, memory cgroup limit '
-         f'(page cache counted)</text>',
+         f'<text x="{L}" y="16" font-size="12">decode tok/s in a memory cgroup, {out["model"]}, 1 thread</text>',
          f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>',
          f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>',
          f'<text x="{(L + W - R) / 2 - 70}" y="{H - 8}">limit, % of the model file</text>']

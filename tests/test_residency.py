@@ -98,7 +98,16 @@ def test_rerank_locks_the_most_routed_within_the_budget(small):
         counts[:, 2] += 1000                                      # expert 2 of every layer, then 5 of layer 0
         counts[0, 5] += 500
         res.shared.counts[...] = counts
+        fd = os.open(small, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)      # no expert in the page cache
+        os.close(fd)
+        missing = np.array([[res._missing(l, e) for e in range(E)] for l in range(L)])
+        assert (missing > 0).sum() > L * E // 2
+        res.rerank(time.monotonic(), max_swaps=1000)              # locks only what a worker just read
+        assert (missing[res.shared.resident > 0] == 0).all()
         res.rerank(time.monotonic(), max_swaps=1000)
+        assert (missing[res.shared.resident > 0] == 0).all()
+        res.rerank(time.monotonic(), max_swaps=1000, cached_only=False)
         resident = res.shared.resident.astype(bool)
         assert resident[:, 2].all() and resident[0, 5]
         assert res.locked_bytes <= res.budget
@@ -109,7 +118,7 @@ def test_rerank_locks_the_most_routed_within_the_budget(small):
         assert _locked_kib() * 1024 <= res.budget + 4096 * 8 * L * E
         # the routes move: the decayed scores give way, within the budget at every step
         res.shared.counts[:, 6] += 10_000
-        res.rerank(time.monotonic() + 300, max_swaps=1000)
+        res.rerank(time.monotonic() + 300, max_swaps=1000, cached_only=False)
         resident = res.shared.resident.astype(bool)
         assert resident[:, 6].all()
         assert res.locked_bytes <= res.budget

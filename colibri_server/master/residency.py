@@ -47,7 +47,7 @@ def attach(m, s, budget: int) -> None:
     res.start()
     m.residency = res
     _load_popular(res, m.path)
-    res.rerank(time.monotonic(), max_swaps=1 << 30)
+    res.rerank(time.monotonic(), max_swaps=1 << 30, cached_only=False)
     res.next_rerank, res.next_save = 0.0, time.monotonic() + SAVE_EVERY
     log.info("model %s: weights_memory %.0f MiB of %.0f MiB: %.0f MiB always resident, %d experts locked "
              "by route counts, the rest read on demand", m.path, budget / 2**20, m.file.header["file_size"] / 2**20,
