@@ -18,6 +18,8 @@ For each prompt length P, one request alone on each server, one server after ano
                  flash attention on and off (-fa on / off): the faster of the two for each figure
 The request streams --new greedy tokens (EOS ignored): TTFT is the time from sending it to its first
 token (the prefill of P tokens), decode the mean gap between the following tokens (decode at depth P).
+--llama-limit S gives llama-server S seconds for a first token (default 3600); a prefill cut off there is
+recorded as longer than S, and its ratio to colibri as a lower bound.
 --llama-bench adds llama-bench's own decode at depth (-d P -p 0 -n 32, flash attention on and off).
 Each server answers a short request first (warm-up, compiles) and is stopped after its lengths.
 Prints TTFT and decode per system and length, the ratios (llama-server time / colibri time: > 1, colibri
@@ -171,6 +173,7 @@ class Colibri:
 class LlamaServer:
     def __init__(self, a, gguf, fa):
         self.port = free_port()
+        self.limit = a.llama_limit
         self.log = open(os.path.join(a.tmp, f"llama-server-fa-{fa}.log"), "w")
         self.p = subprocess.Popen([str(a.llama_bin / "llama-server"), "-m", str(gguf), "-c", str(a.context), "-np", "1",
                                    "-t", str(a.threads), "-tb", str(a.threads), "-fa", fa, "--port", str(self.port),
@@ -184,12 +187,15 @@ class LlamaServer:
         wait_until(health, "llama-server", self.p)
 
     def run(self, ids, new):
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600)
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.limit)
         body = json.dumps({"prompt": ids, "n_predict": new, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
                            "stream": True})
         t0 = time.perf_counter()
         c.request("POST", "/completion", body, {"Content-Type": "application/json"})
-        r = c.getresponse()
+        try:
+            r = c.getresponse()
+        except TimeoutError:
+            raise Overtime(self.limit) from None
         stamps = []
         for line in r:
             if not line.startswith(b"data: "):
@@ -222,6 +228,14 @@ def llama_bench_depth(a, gguf, depth) -> dict:
     return out
 
 
+class Overtime(Exception):
+    """No first token within --llama-limit seconds: the prefill took longer (a lower bound)."""
+
+    def __init__(self, limit):
+        super().__init__(f"no first token in {limit:g} s")
+        self.limit = limit
+
+
 def run_system(name, start, lengths, new, rows):
     print(f"{name}: starting", flush=True)
     srv = start()
@@ -231,7 +245,8 @@ def run_system(name, start, lengths, new, rows):
             try:
                 f = srv.run(prompt(P, 100 + i), new)
             except Exception as e:  # noqa: BLE001  (recorded; the other lengths go on)
-                rows.append({"system": name, "tokens": P, "error": repr(e)[:300]})
+                rows.append({"system": name, "tokens": P, "error": repr(e)[:300],
+                             **({"ttft_over_s": e.limit} if isinstance(e, Overtime) else {})})
                 print(f"  {name} {P:6d} tokens: {e!r}", flush=True)
                 continue
             rows.append({"system": name, "tokens": P, **f})
@@ -256,7 +271,12 @@ def report(rows, lengths, systems, rev):
 
         def ratio(x, y):
             return round(x / y, 2) if x and y else None
+        over = [x["ttft_over_s"] for x in rows if x["system"] == "llama-server" and x["tokens"] == P and "ttft_over_s" in x]
+        if over and (t["llama-server"] is None or t["llama-server"] > min(over)):
+            t["llama-server"] = min(over)       # --llama-limit cut the slower one off: a lower bound (">" below)
+            print(f"({P} tokens: llama-server's TTFT is a lower bound, {min(over):g} s: --llama-limit)")
         row = {"tokens": P, "ttft_s": t, "decode_ms": d, "ttft_llama_over_colibri": ratio(t["llama-server"], t["colibri"]),
+               "ttft_llama_lower_bound": bool(over and t["llama-server"] == min(over)),
                "decode_llama_over_colibri": ratio(d["llama-server"], d["colibri"])}
         if rev:
             row["ttft_rev_over_colibri"] = ratio(t[rev], t["colibri"])
@@ -281,6 +301,9 @@ def main():
     ap.add_argument("--rev", help="also run this older colibri revision (a git worktree of it), side by side")
     ap.add_argument("--systems", nargs="+", default=["colibri", "rev", "llama-server"],
                     choices=["colibri", "rev", "llama-server"])
+    ap.add_argument("--llama-limit", type=float, default=3600.0,
+                    help="seconds llama-server gets for a first token; past them the prefill is recorded as longer than "
+                         "that (a lower bound: its ratio to colibri is then at least limit / colibri's TTFT)")
     ap.add_argument("--llama-bench", action="store_true", help="also llama-bench's decode at each depth (-d)")
     ap.add_argument("--llama-bin", type=pathlib.Path, default=os.environ.get("LLAMA_BIN", str(ANCHORS / "bin")))
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t/-tb")

@@ -121,6 +121,7 @@ def child_colibri(a) -> None:
     """Inside the cgroup: open, budget, decode a.new tokens greedily; print one JSON line."""
     sys.path.insert(0, str(HERE.parent))
     import numpy as np
+
     from colibri_server.model import Model
     from colibri_server.model.residency import Residency, available_memory, in_flight_bytes, resolve_budget
     from colibri_server.model.serving import BatchEngine

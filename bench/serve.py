@@ -14,6 +14,13 @@ completion tokens / wall seconds, time to first token (p50, p99) and inter-token
 between a request's streamed tokens; p50, p99), and colibri / llama-server. Prints a table, writes JSON.
 The machine must be quiet (nothing else running): the two systems share its cores in turns.
 
+    python bench/serve.py --no-llama --against-bin REV/.venv/bin/colibri [...] --precisions f16 q4
+
+An A/B of this tree against earlier revisions (each checked out in its own directory REV with its own
+venv, `pip install -e .`): they take turns with this tree's colibri on the same files, and the table
+gives colibri / REV per precision and number of clients (a revision must read the file: one from
+before the block kinds cannot read q4_k_m's).
+
     python bench/serve.py --fleet [--precisions f16] [--conc 16] [--cores 0 1]
 
 Several machines, on this one (issue 21; root, network namespaces): a head (`colibri router`) in one
@@ -202,10 +209,10 @@ def colibri_clients(a, conc, P, socks):
     return run_clients(conc, a.reqs, one, P)
 
 
-def colibri_round(a, path, conc, P):
+def colibri_round(a, path, conc, P, binary=None):
     from colibri_server.client import Client
     sock = os.path.join(a.tmp, f"c{conc}.sock")
-    cmd = [a.colibri_bin, "serve", "--model", str(path), "--bind", f"ipc://{sock}",
+    cmd = [binary or a.colibri_bin, "serve", "--model", str(path), "--bind", f"ipc://{sock}",
            "--runtime-dir", os.path.join(a.tmp, f"run{conc}")] + a.colibri_args
     log = open(os.path.join(a.tmp, f"colibri-{conc}.log"), "w")
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -374,6 +381,11 @@ def main():
     ap.add_argument("--llama-no-repack", action="store_true",
                     help="llama-server --no-repack (on an AVX-512 Xeon VM listing AMX it hangs or dies at load repacking Q4_0)")
     ap.add_argument("--colibri-bin", default=shutil.which("colibri") or str(pathlib.Path(sys.executable).parent / "colibri"))
+    ap.add_argument("--against-bin", nargs="+", default=[],
+                    help="other colibri installs' `colibri` (earlier revisions, each pip-installed in a venv in a "
+                         "checkout: DIR/.venv/bin/colibri, named DIR): they take turns too, on the same file, and "
+                         "the table gives colibri / each")
+    ap.add_argument("--no-llama", action="store_true", help="leave llama-server out (with --against-bin: an A/B)")
     ap.add_argument("--colibri-args", nargs=argparse.REMAINDER, default=[],
                     help="extra `colibri serve` options (default none: the user's defaults)")
     ap.add_argument("--json", help="write the rows here")
@@ -389,29 +401,35 @@ def main():
         a.data.mkdir(parents=True, exist_ok=True)
         a.tmp = tempfile.mkdtemp(prefix="bench-fleet-")
         return fleet_main(a)
-    if a.llama_bin is None or not (a.llama_bin / "llama-server").exists():
+    if not a.no_llama and (a.llama_bin is None or not (a.llama_bin / "llama-server").exists()):
         ap.error("--llama-bin DIR with llama-server (bench/build_anchors.sh builds it into bench/.anchors/bin)")
     a.data.mkdir(parents=True, exist_ok=True)
     a.tmp = tempfile.mkdtemp(prefix="bench-serve-")
     col, ggufs = build(a.data, a.precisions, a.llama_bin)
     P = prompts(512, a.prompt)
-    rows = measure(a, [("llama-server", lambda prec, conc: llama_round(a, ggufs[prec], conc, P)),
-                       ("colibri", lambda prec, conc: colibri_round(a, col[prec], conc, P))])
+    systems = [] if a.no_llama else [("llama-server", lambda prec, conc: llama_round(a, ggufs[prec], conc, P))]
+    systems.append(("colibri", lambda prec, conc: colibri_round(a, col[prec], conc, P)))
+    for b in a.against_bin:
+        systems.append((pathlib.Path(b).resolve().parents[2].name,
+                        lambda prec, conc, b=b: colibri_round(a, col[prec], conc, P, b)))
+    rows = measure(a, systems)
     print(f"\nbench-mixtral, {a.prompt}-token prompts, {a.tokens} new tokens, {a.reqs} requests per client; "
-          f"colibri defaults{' + ' + ' '.join(a.colibri_args) if a.colibri_args else ''}\n")
-    print("| precision | clients | llama-server tok/s | colibri tok/s | ratio | TTFT p50/p99 ms (llama) | "
-          "ITL p50/p99 ms (llama) |")
-    print("|---|---|---|---|---|---|---|")
+          f"colibri defaults{' + ' + ' '.join(a.colibri_args) if a.colibri_args else ''}"
+          f"{'; against: ' + ' '.join(a.against_bin) if a.against_bin else ''}\n")
+    names = [name for name, _ in systems]
+    refs = [n for n in names if n != "colibri"]
+    print("| precision | clients | " + " | ".join(f"{n} tok/s" for n in names) + " | " +
+          " | ".join(f"colibri / {n}" for n in refs) + " | colibri TTFT p50/p99 ms | colibri ITL p50/p99 ms |")
+    print("|---|---|" + "---|" * (len(names) + len(refs) + 2))
     for prec in a.precisions:
         for conc in a.conc:
-            sel = {s: [r for r in rows if r["precision"] == prec and r["conc"] == conc and r["system"] == s]
-                   for s in ("llama-server", "colibri")}
-            ll = statistics.median(r["tok_s"] for r in sel["llama-server"])
-            co = statistics.median(r["tok_s"] for r in sel["colibri"])
-            c0, l0 = sel["colibri"][-1], sel["llama-server"][-1]
-            print(f"| {prec} | {conc} | {ll:.1f} | {co:.1f} | {co / ll:.2f}x | {c0['ttft_p50_ms']}/{c0['ttft_p99_ms']} "
-                  f"({l0['ttft_p50_ms']}/{l0['ttft_p99_ms']}) | {c0['itl_p50_ms']}/{c0['itl_p99_ms']} "
-                  f"({l0['itl_p50_ms']}/{l0['itl_p99_ms']}) |")
+            sel = {n: [r for r in rows if r["precision"] == prec and r["conc"] == conc and r["system"] == n]
+                   for n in names}
+            med = {n: statistics.median(r["tok_s"] for r in sel[n]) for n in names}
+            c0 = sel["colibri"][-1]
+            print(f"| {prec} | {conc} | " + " | ".join(f"{med[n]:.1f}" for n in names) + " | " +
+                  " | ".join(f"{med['colibri'] / med[n]:.3f}x" for n in refs) +
+                  f" | {c0['ttft_p50_ms']}/{c0['ttft_p99_ms']} | {c0['itl_p50_ms']}/{c0['itl_p99_ms']} |")
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(rows, indent=1))
 

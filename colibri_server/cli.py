@@ -52,6 +52,7 @@ def _open_model(path, **kw):
 def cmd_run(a):
     m = _open_model(a.model, context=a.context, routing_noise=a.routing_noise, seed=a.seed,
                     prefill_bf16=a.prefill_bf16)
+    m.set_exact_head(a.exact_head)
     params = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                   min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed,
                   stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
@@ -112,6 +113,7 @@ def _generate(m, a, prompt, params, others):
 def cmd_chat(a):
     from .commands.chat import ChatError, converse, model_info
     m = _open_model(a.model, context=a.context, seed=a.seed, prefill_bf16=a.prefill_bf16)
+    m.set_exact_head(a.exact_head)
     try:
         info = model_info(m.path)
         m.warm_up(announce=lambda msg: print(f"colibri: {msg}", file=sys.stderr, flush=True))
@@ -551,6 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     r.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens (default: the model's)")
     r.add_argument("--routing-noise", type=float, default=0.0, help="Gumbel top-k routing noise scale (0: off)")
+    r.add_argument("--exact-head", action="store_true",
+                   help="a block-kind output head on the f32 hidden state, not its int8 rounding (exact_head)")
     r.add_argument("--prefill-bf16", action="store_true",
                    help="prefill bf16 weights with bf16-rounded activations (avx512bf16 CPUs: ~2x faster prefill)")
     r.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids; print ids")
@@ -565,6 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_arguments(ch, 512, "most tokens in one answer")
     ch.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens (default: the model's)")
     ch.add_argument("--prefill-bf16", action="store_true", help="prefill bf16 weights with bf16-rounded activations")
+    ch.add_argument("--exact-head", action="store_true",
+                    help="a block-kind output head on the f32 hidden state, not its int8 rounding (exact_head)")
     ch.set_defaults(fn=cmd_chat)
 
     k = sub.add_parser("compile", help="compile the CPU kernels ahead of time, once per machine (every "

@@ -42,7 +42,7 @@ def int8_rounded_products(monkeypatch):
         xb = X.reshape(T, -1, 256 if W.ggml in KROUND else 32)
         d = (np.abs(xb).max(-1, keepdims=True).astype(np.float32) / np.float32(127)).astype(np.float64)
         xr = (np.round(np.divide(xb, d, out=np.zeros_like(xb), where=d > 0)) * d).reshape(T, n) if W.ggml in FAST else X
-        Wf = gguf.quants.dequantize(np.ascontiguousarray(W.raw), Q(W.ggml)).reshape(-1, n).astype(np.float64)
+        Wf = gguf.quants.dequantize(np.ascontiguousarray(W.raw), Q(W.ggml % 256)).reshape(-1, n).astype(np.float64)
         r = (xr @ Wf.T * alpha).astype(np.float32)
         if accumulate:
             out += r

@@ -8,6 +8,7 @@ generation), the replacement would announce the old file to the head after the o
 be accepted and never drain: the head would show a worker of the old file for ever."""
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from types import SimpleNamespace
@@ -24,29 +25,43 @@ def _remote_hosts(gens, retired):
     sent, to_master = [], []
     workers = {}
     hosts = RemoteHosts(settings=SimpleNamespace(timeout=3.0), curve=None, workers=workers, gens=gens,
-                        retired=retired, counters={}, send=lambda ident, kind, body, sock=None: sent.append(kind),
+                        retired=retired, counters=collections.Counter(),
+                        send=lambda ident, kind, body, sock=None: sent.append((ident, kind)),
                         to_master=to_master.append, remove_worker=lambda ident, why: workers.pop(ident, None))
     return hosts, workers, sent, to_master
 
 
-def _ready(hosts, workers, identity, serving):
-    w = hosts.ready(b"host-a-7", {"pid": 7, "slots": 1, "identity": identity, "host": "a:1"}, 0.0, serving)
-    workers[w.ident] = w
-    return w
+def _ready(hosts, identity, host, pid, serving=2):
+    return hosts.ready(f"{host}-{pid}".encode(), {"pid": pid, "slots": 1, "identity": identity, "host": host},
+                       0.0, serving)
 
 
-def test_a_worker_of_a_retired_generations_file_is_told_to_drain_when_it_announces_itself():
-    gens = {1: SimpleNamespace(identity="old"), 2: SimpleNamespace(identity="new")}
-    hosts, workers, sent, to_master = _remote_hosts(gens, retired={1})
-    w = _ready(hosts, workers, "old", serving=2)
-    assert w.generation == 1 and sent == [b"RETIRE"] and w.state == "draining"
-    # the fleet the master waits on does not count it: the host runs the new file or nothing
-    assert to_master[-1] == {"op": "fleet", "hosts": {}}
-    # the serving generation's file, and an old one not yet retired, are taken as they come
-    for retired, identity in (({1}, "new"), (set(), "old")):
-        hosts, workers, sent, _ = _remote_hosts(gens, retired)
-        w = _ready(hosts, workers, identity, serving=2)
-        assert sent == [] and w.state == "ready", (retired, identity)
+def test_a_retired_files_workers_drain_on_hosts_that_run_the_serving_file_whenever_they_appear():
+    gens = {1: SimpleNamespace(identity="old", model_path="m"), 2: SimpleNamespace(identity="new", model_path="m")}
+    retired = set()
+    hosts, workers, sent, to_master = _remote_hosts(gens, retired)
+    a_old, a_new = _ready(hosts, "old", "a", 1), _ready(hosts, "new", "a", 2)
+    b_old = _ready(hosts, "old", "b", 3)
+    # the master's fleet view counts the worker that just announced itself: host a runs both files
+    assert to_master[-1] == {"op": "fleet", "hosts": {"a": ["new", "old"], "b": ["old"]}}
+    assert sent == [] and {w.state for w in workers.values()} == {"ready"}      # generation 1 not retired yet
+    retired.add(1)
+    hosts.retire(1, 2)
+    assert sent == [(b"a-1", b"RETIRE")] and a_old.state == "draining"
+    assert b_old.state == "ready"           # host b runs only the old file: its master would replace what drains
+    # a replacement of the old file appearing on host a after the RETIRE: told at once, not counted
+    a_again = _ready(hosts, "old", "a", 4)
+    assert sent[-1] == (b"a-4", b"RETIRE") and a_again.state == "draining"
+    assert to_master[-1]["hosts"]["a"] == ["new"]
+    # once generation 1 is forgotten: on host a it drains without joining, on a host without the new file it is refused
+    del gens[1]
+    retired.discard(1)
+    assert _ready(hosts, "old", "a", 5) is None and sent[-1] == (b"a-5", b"RETIRE")
+    assert _ready(hosts, "old", "c", 6) is None and sent[-1] == (b"c-6", b"REFUSE")
+    assert a_new.state == "ready" and sum(k == b"RETIRE" for _, k in sent) == 3
+    # host b rolls late: its worker of the forgotten file drains once the new one is there
+    _ready(hosts, "new", "b", 7)
+    assert sent[-1] == (b"b-3", b"RETIRE") and b_old.state == "draining"
 
 
 def _reloads(generation, reloading):

@@ -11,12 +11,11 @@ import time
 
 import numpy as np
 import pytest
+from synth_model import write_model
 
 from colibri_server.model import Model
 from colibri_server.model.residency import BudgetTooSmall, Residency, expert_ranges, resolve_budget
 from colibri_server.model.serving import BatchEngine
-
-from synth_model import write_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 CODE_BASE = 64          # dtype code of a kind = CODE_BASE + GGML type id
+F32_ACTS = 256          # kernels/blocks.F32_ACTS: added to the id a product is given, the activations stay f32
 QK_K = 256              # weights per block of the k-quants and IQ4_XS
 
 
@@ -70,10 +71,11 @@ class BlockTensor:
     """A block-kind matrix (or stack of matrices): a view of the mapping's bytes with its kind and
     logical shape (..., d, n). No copy."""
 
-    __slots__ = ("kind", "raw", "shape")
+    __slots__ = ("kind", "raw", "shape", "f32_acts")
 
-    def __init__(self, kind: str, raw: np.ndarray, shape=None):
+    def __init__(self, kind: str, raw: np.ndarray, shape=None, f32_acts: bool = False):
         self.kind = kind
+        self.f32_acts = f32_acts                # products on the f32 activations, not on their int8 rounding
         self.raw = raw                          # uint8 (..., d, n/B*size)
         k = KINDS[kind]
         self.shape = tuple(shape) if shape is not None else \
@@ -81,7 +83,12 @@ class BlockTensor:
 
     @property
     def ggml(self) -> int:
-        return KINDS[self.kind].ggml
+        """The id the kernels are given: the kind's GGML id, + F32_ACTS when the activations stay f32."""
+        return KINDS[self.kind].ggml + (F32_ACTS if self.f32_acts else 0)
+
+    def exact(self) -> BlockTensor:
+        """The same bytes, its products on f32 activations (the output head: see kernels/blocks.F32_ACTS)."""
+        return BlockTensor(self.kind, self.raw, self.shape, f32_acts=True)
 
     @property
     def ndim(self) -> int:

@@ -164,6 +164,21 @@ class Model:
         self.workspace.prefill_bf16 = self.prefill_bf16 and GE.HAVE_BF16_GEMM
         return self.workspace.prefill_bf16 and self.has_bf16_weights()
 
+    def set_exact_head(self, on: bool) -> bool:
+        """A block-kind output head multiplied by the f32 hidden state as it is (on) or by its int8
+        rounding, as llama.cpp does (off, the default). On, a real model's first token follows its f32
+        reference where the rounding would swap two near candidates (docs/models.md, "The output
+        head"); the head then runs the dequantizing f32 path, several times slower. Returns whether it
+        is in effect (the head is a block kind)."""
+        from .blocks import BlockTensor
+        head = self.weights.output
+        if not isinstance(head, BlockTensor):
+            return False
+        if head.f32_acts != bool(on):
+            head = head.exact() if on else BlockTensor(head.kind, head.raw, head.shape)
+            self.weights = dataclasses.replace(self.weights, output=head)
+        return bool(on)
+
     def has_bf16_weights(self) -> bool:
         """Whether a matrix multiplication reads bf16 weights, rows or panels (the token embedding
         counts only as a tied output head)."""

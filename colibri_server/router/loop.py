@@ -447,12 +447,6 @@ class Router:
         """Older generations: retire each once none of its requests is queued; a queued request of
         one with no worker left ends with an error (it cannot run on another generation's)."""
         queued = collections.Counter(self.reqs[rid].generation for rid in self.queue)
-        if self.forgotten:
-            left = {r.generation for r in self.reqs.values()}
-            for g in [g for g in self.forgotten if g not in left]:
-                self.gens.pop(g, None)
-                self.retired.discard(g)
-                self.forgotten.discard(g)
         for g in sorted(self.gens):
             if g >= self.generation:
                 continue
@@ -468,6 +462,12 @@ class Router:
                 self.retired.add(g)
                 self.to_master({"op": "retire", "generation": g})
                 self.remote.retire(g, self.generation)
+        if self.forgotten:          # unmapped by the master: dropped once retired and none of its requests is left
+            left = {r.generation for r in self.reqs.values()}
+            for g in [g for g in self.forgotten if g not in left and g in self.retired]:
+                self.gens.pop(g, None)
+                self.retired.discard(g)
+                self.forgotten.discard(g)
 
     # -- backend -------------------------------------------------------------------------
     def send_worker(self, ident, kind, body, sock=None) -> bool:
@@ -509,7 +509,6 @@ class Router:
                     w = self.remote.ready(ident, body, now, self.generation)
                     if w is None:
                         return
-                    self.workers[ident] = w
                 else:
                     w = self.workers[ident] = W(ident, body, now)
                     self.by_pid[w.pid] = ident

@@ -18,10 +18,12 @@ with three differences:
   file under their model path and, when it is that file, ask their master for a reload (SIGUSR2).
   The master here hears which hosts run which identity ("fleet") and commits once every host runs
   the new one (generations.py). When the old generation is retired here (its queue empty), its
-  remote workers get RETIRE and drain, as a local master drains a retired generation's; one that
-  announces itself later with a retired generation's file (it reconnected, or its master replaced
-  a worker before committing its own reload) gets RETIRE with its ACCEPT: the retirement is a
-  state, not a message sent once.
+  remote workers get RETIRE and drain, as a local master drains a retired generation's. That is a
+  state, checked again whenever a worker announces itself and every ROLL_EVERY_S, not a message sent
+  once: a worker of a retired (or forgotten) generation's file on a host that runs the serving file
+  is told to drain, whenever it appears (it reconnected, or its master replaced a worker before
+  committing its own reload). A host that runs only the old file is refused, not drained: its
+  master would replace what drains.
 
 The Router holds one RemoteHosts, built with the containers it keeps and the calls it makes back
 (send a backend message, write to the master, remove a worker). The tcp socket has its own ZeroMQ
@@ -103,10 +105,15 @@ class RemoteHosts:
 
     # -- messages -----------------------------------------------------------------------
     def ready(self, ident, body, now, serving: int):
-        """A READY on the tcp backend: the new W, or None when refused (REFUSE sent, logged).
-        serving: the router's serving generation."""
+        """A READY on the tcp backend: the new W, added to `workers`, or None when refused (REFUSE sent,
+        logged) or told to drain at once (RETIRE). serving: the router's serving generation."""
         identity, host = body.get("identity"), str(body.get("host") or ident.decode("utf-8", "replace"))
         g = self.generation_of(identity)
+        if g is None and self.rolled(host, serving):
+            log.info("worker %s on host %s runs model %s, retired here; that host runs the serving one: "
+                     "it drains", body.get("pid"), host, identity)
+            self.send(ident, b"RETIRE", b"\x80", sock=self.sock)
+            return None
         if g is None:
             gen = self.gens[serving]
             reason = (f"worker host {host} runs model identity {identity} ({body.get('model')}); this router serves "
@@ -122,12 +129,27 @@ class RemoteHosts:
         w.generation, w.remote, w.sock = g, True, self.sock
         log.info("worker %s on host %s (model %s, generation %d here) ready with %d slots", w.pid, host,
                  identity, g, w.slots)
-        if g in self.retired and g != serving:
-            log.info("worker %s on host %s runs retired generation %d's model: it drains", w.pid, host, g)
-            self.send(ident, b"RETIRE", b"\x80", sock=self.sock)
-            w.state = "draining"
+        self.workers[ident] = w        # before the fleet is told: the master's rollout waits on this host
+        self.drain_stale(serving)
         self.fleet_changed()
         return w
+
+    def rolled(self, host, serving: int) -> bool:
+        """Host `host` runs the serving generation's file (a worker of it is here and not draining)."""
+        want = self.gens[serving].identity
+        return any(w.remote and w.host == host and w.identity == want and w.state != "draining"
+                   for w in self.workers.values())
+
+    def drain_stale(self, serving: int) -> None:
+        """RETIRE every remote worker of a retired or forgotten generation's file whose host runs the
+        serving file (see the module's doc), once: it is marked draining here."""
+        for w in [w for w in self.workers.values() if w.remote and w.state != "draining"]:
+            g = self.generation_of(w.identity)
+            if (g is None or (g < serving and g in self.retired)) and self.rolled(w.host, serving):
+                log.info("worker %s on host %s runs generation %s's model, retired here: it drains", w.pid,
+                         w.host, g)
+                self.send(w.ident, b"RETIRE", b"\x80")
+                w.state = "draining"
 
     # -- in the tick --------------------------------------------------------------------
     def check(self, now, serving: int):
@@ -139,6 +161,7 @@ class RemoteHosts:
                 self.lose(w.ident, f"silent for {silent:.1f}s (timeout {self.settings.timeout:g}s)")
         if self.sock is None or now - self.last_roll < ROLL_EVERY_S:
             return
+        self.drain_stale(serving)
         coming = [g for g in self.gens if g > serving]
         if not coming:
             return
@@ -148,13 +171,9 @@ class RemoteHosts:
             self.send(w.ident, b"ROLL", {"identity": target, "model": self.gens[max(coming)].model_path})
 
     def retire(self, g, serving: int):
-        """Generation g is retired: the remote workers of its model file drain (RETIRE), unless the
-        serving generation runs the same file."""
-        gone = self.gens[g].identity if g in self.gens else None
-        if gone is None or gone == self.gens[serving].identity:
-            return
-        for w in [w for w in self.workers.values() if w.remote and w.identity == gone]:
-            self.send(w.ident, b"RETIRE", b"\x80")
+        """Generation g is retired (in `retired`): the remote workers of its model file drain, unless
+        the serving generation runs the same file (drain_stale)."""
+        self.drain_stale(serving)
 
     def lose(self, ident, why):
         w = self.workers.get(ident)
