@@ -16,7 +16,7 @@ runs, in turns, inside it (so the page cache the run fills is charged to the lim
 It prints tok/s, the ratio colibri / llama-bench, whether colibri's greedy tokens equal the
 unconstrained run's, the cgroup's peak usage against its limit and its OOM kills, and writes JSON.
 
-    flock /tmp/bench.lock python bench/memory_limit.py --limits 100 75 50 25 \\
+    python bench/memory_limit.py --limits 100 75 50 25 \\
         --json bench/recorded/memory-limit-<date>-<machine>.json
 """
 from __future__ import annotations
