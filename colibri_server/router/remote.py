@@ -47,9 +47,9 @@ REFUSE_LOG_EVERY_S = 60.0
 
 class RemoteHosts:
     """The tcp backend for worker hosts (see the module's doc). `workers`, `gens`, `retired` (the
-    generations retired here) and `counters` are the router's containers (never rebound there); `send(ident, kind, body, sock=None) -> bool` sends
-    a backend message, `to_master(msg)` writes to the master, `remove_worker(ident, why)` ends a
-    worker's requests by the ledger's rule and forgets it."""
+    generations retired here) and `counters` are the router's containers (never rebound there);
+    `send(ident, kind, body, sock=None) -> bool` sends a backend message, `to_master(msg)` writes to
+    the master, `remove_worker(ident, why)` ends a worker's requests by the ledger's rule and forgets it."""
 
     def __init__(self, *, settings, curve, workers: dict, gens: dict, retired: set, counters, send, to_master,
                  remove_worker):
