@@ -67,3 +67,57 @@ def test_the_recent_window_is_each_workers_figures_now_minus_at_its_start():
     a.beat([[9, 2], [3, 8]], 16, 30, 9)
     a.engine = None                                # a worker gone quiet or exited: it drops out
     assert rw.figures(39.0, 1, [a])["expert_counts"] == []
+
+
+def test_a_retired_generations_request_sent_back_runs_on_the_serving_one_tokenized_again(built, model_b):
+    """After a reload the router retires the old generation once none of its requests is queued; a
+    request its draining worker then rejects (sent before the drain, arrived after) comes back to a
+    queue with no worker of its generation. Given as text with nothing streamed, it is tokenized by the
+    serving generation's tokenizer and runs there; given as token ids (the old model's) it ends with
+    worker_lost."""
+    import time
+
+    import msgpack
+
+    from colibri_server.model import Model
+    from colibri_server.router.loop import Router
+    from colibri_server.router.records import Gen, W
+    from colibri_server.settings.load import defaults
+
+    def info(g, path):
+        m = Model.open(path)
+        return {"generation": g, "model": path, "vocab_size": m.config.vocab_size, "context": 256,
+                "tokenizer_json": m.file.tokenizer_json}
+    old_path, new_path = built("mixtral").colibri("f32"), str(model_b)
+    r = Router(frontend="inproc://x", backend="inproc://y", pipe_fd=-1, settings=defaults(), generation=1,
+               model_path=old_path)
+    for g, path in ((1, old_path), (2, new_path)):
+        r.gens[g] = Gen(info(g, path), r.settings)
+    r.select(1)
+    sent, errors, told = [], [], []
+    r.send_worker = lambda ident, kind, body, sock=None: sent.append((ident, kind, body)) or True
+    r.error = lambda client, cid, code, message: errors.append((cid, code, message))
+    r.to_master = told.append
+    now = time.monotonic()
+    r.workers[b"old"] = W(b"old", {"pid": 1, "wid": 1, "generation": 1, "slots": 4}, now)
+    text = "Hello there, a prompt in words"
+    r.on_generate(b"c", "text", {"type": "generate", "id": "text", "prompt": text, "max_tokens": 4})
+    r.on_generate(b"c", "ids", {"type": "generate", "id": "ids", "prompt": [5, 6, 7], "max_tokens": 4})
+    r.dispatch()
+    assert [(i, k) for i, k, _ in sent] == [(b"old", b"WORK")] * 2
+    r.workers[b"new"] = W(b"new", {"pid": 2, "wid": 2, "generation": 2, "slots": 4}, now)
+    r.select(2)                                   # the commit
+    r.check_generations()
+    assert {"op": "retire", "generation": 1} in told      # none of its requests queued: its workers drain
+    for _, _, body in sent:                       # the drained worker rejects what reached it after
+        r.on_backend([b"old", b"REJECT", msgpack.packb({"rid": body["rid"]})])
+    r.check_generations()
+    assert [(cid, code) for cid, code, _ in errors] == [("ids", "worker_lost")]
+    assert "generation 1" in errors[0][2] and "no worker left" in errors[0][2]
+    sent.clear()
+    r.dispatch()
+    (ident, kind, body), = sent
+    new_ids = Model.open(new_path).tokenizer.encode(text)
+    assert ident == b"new" and body["request"]["prompt"] == new_ids
+    assert new_ids != Model.open(old_path).tokenizer.encode(text)       # tokenized again, by the new model
+    assert r.counters["readmitted"] == 1 and r.counters["worker_lost"] == 1

@@ -258,11 +258,31 @@ class Router:
         if self.draining:
             raise P.ProtocolError("shutting_down", "the server is stopping")
         req = P.validate_generate(body, self.limits)
-        if isinstance(req["prompt"], str):
-            check_text(req["prompt"], "prompt text", self.limits)
+        text = req["prompt"] if isinstance(req["prompt"], str) else None
+        self._check_for_serving(req, text)
+        if (client, cid) in self.by_client:
+            raise P.ProtocolError("duplicate_id", f"request id {cid!r} is already in flight")
+        if len(self.queue) >= self.settings.max_queue and not any(w.free for w in self.workers.values()):
+            self.counters["overloaded"] += 1
+            raise P.ProtocolError("overloaded", f"{len(self.queue)} requests queued (max_queue "
+                                                f"{self.settings.max_queue})")
+        now = time.monotonic()
+        r = Req(self.next_rid, client, cid, req, now, self.generation)
+        r.key, r.text = getattr(self, "_key", None), text
+        self.next_rid += 1
+        self.reqs[r.rid] = r
+        self.by_client[(client, cid)] = r.rid
+        self.queue.append(r.rid)
+        self.counters["requests"] += 1
+
+    def _check_for_serving(self, req, text):
+        """Tokenize a text prompt (`text`, else None: token ids) for the serving generation and check
+        that the request fits it; ProtocolError when not."""
+        if text is not None:
+            check_text(text, "prompt text", self.limits)
             if self.tokenizer is None:
                 raise P.ProtocolError("bad_request", "this model has no tokenizer: send token ids")
-            ids = self.tokenizer.encode(req["prompt"])
+            ids = self.tokenizer.encode(text)
             if not ids:
                 raise P.ProtocolError("bad_request", "the prompt encodes to no tokens")
             if len(ids) > self.limits.max_prompt_tokens:
@@ -275,20 +295,6 @@ class Router:
         if plen >= self.context:
             raise P.ProtocolError("too_large", f"prompt of {plen} tokens leaves no room in the "
                                                f"context of {self.context}")
-        if (client, cid) in self.by_client:
-            raise P.ProtocolError("duplicate_id", f"request id {cid!r} is already in flight")
-        if len(self.queue) >= self.settings.max_queue and not any(w.free for w in self.workers.values()):
-            self.counters["overloaded"] += 1
-            raise P.ProtocolError("overloaded", f"{len(self.queue)} requests queued (max_queue "
-                                                f"{self.settings.max_queue})")
-        now = time.monotonic()
-        r = Req(self.next_rid, client, cid, req, now, self.generation)
-        r.key = getattr(self, "_key", None)
-        self.next_rid += 1
-        self.reqs[r.rid] = r
-        self.by_client[(client, cid)] = r.rid
-        self.queue.append(r.rid)
-        self.counters["requests"] += 1
 
     def on_cancel(self, client, cid, body):
         rid = self.by_client.get((client, cid))
@@ -452,11 +458,8 @@ class Router:
                 continue
             if queued[g] and not any(self.serves(w, g) and w.state == "ready" for w in self.workers.values()):
                 for rid in list(self.queue):
-                    r = self.reqs[rid]
-                    if r.generation == g:
-                        self.counters["worker_lost"] += 1
-                        self.cancel(r, "worker_lost", f"generation {g}, which this request was tokenized and "
-                                                      "checked for, has no worker left")
+                    if self.reqs[rid].generation == g:
+                        self._readmit(self.reqs[rid], g)
                 queued[g] = 0
             if not queued[g] and g not in self.retired:
                 self.retired.add(g)
@@ -468,6 +471,26 @@ class Router:
                 self.gens.pop(g, None)
                 self.retired.discard(g)
                 self.forgotten.discard(g)
+
+    def _readmit(self, r, g):
+        """Generation g has no worker left to take r, queued for it (a retired generation's worker
+        rejected or lost it after the queue emptied). A text prompt that streamed nothing is tokenized
+        and checked again for the serving generation, as if it came now; token ids (the old model's)
+        or a request that no longer fits end with worker_lost."""
+        why = f"generation {g}, which this request was tokenized and checked for, has no worker left"
+        if r.text is not None and not r.streamed:
+            try:
+                self._check_for_serving(r.request, r.text)
+            except P.ProtocolError as e:
+                why += f", and the serving generation refuses it: {e.message}"
+            else:
+                log.info("request %s: %s; now generation %d's", r.request_id, why, self.generation,
+                         extra=request_extra(r.request_id))
+                r.generation = self.generation
+                self.counters["readmitted"] += 1
+                return
+        self.counters["worker_lost"] += 1
+        self.cancel(r, "worker_lost", why)
 
     # -- backend -------------------------------------------------------------------------
     def send_worker(self, ident, kind, body, sock=None) -> bool:
