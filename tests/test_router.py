@@ -69,12 +69,12 @@ def test_the_recent_window_is_each_workers_figures_now_minus_at_its_start():
     assert rw.figures(39.0, 1, [a])["expert_counts"] == []
 
 
-def test_a_retired_generations_request_sent_back_runs_on_the_serving_one_tokenized_again(built, model_b):
+def test_a_retired_generations_request_sent_back_runs_on_the_serving_one_checked_again(built, model_b):
     """After a reload the router retires the old generation once none of its requests is queued; a
     request its draining worker then rejects (sent before the drain, arrived after) comes back to a
-    queue with no worker of its generation. Given as text with nothing streamed, it is tokenized by the
-    serving generation's tokenizer and runs there; given as token ids (the old model's) it ends with
-    worker_lost."""
+    queue with no worker of its generation. Having streamed nothing, it is checked and tokenized
+    again by the serving generation, as if it came now, and runs there; one the serving generation
+    refuses (a token id outside its vocabulary) ends with worker_lost."""
     import time
 
     import msgpack
@@ -93,6 +93,7 @@ def test_a_retired_generations_request_sent_back_runs_on_the_serving_one_tokeniz
                model_path=old_path)
     for g, path in ((1, old_path), (2, new_path)):
         r.gens[g] = Gen(info(g, path), r.settings)
+    assert r.gens[1].vocab_size > 450 > r.gens[2].vocab_size
     r.select(1)
     sent, errors, told = [], [], []
     r.send_worker = lambda ident, kind, body, sock=None: sent.append((ident, kind, body)) or True
@@ -101,10 +102,11 @@ def test_a_retired_generations_request_sent_back_runs_on_the_serving_one_tokeniz
     now = time.monotonic()
     r.workers[b"old"] = W(b"old", {"pid": 1, "wid": 1, "generation": 1, "slots": 4}, now)
     text = "Hello there, a prompt in words"
-    r.on_generate(b"c", "text", {"type": "generate", "id": "text", "prompt": text, "max_tokens": 4})
-    r.on_generate(b"c", "ids", {"type": "generate", "id": "ids", "prompt": [5, 6, 7], "max_tokens": 4})
+    for cid, prompt in (("text", text), ("ids", [5, 6, 7]), ("old ids", [5, 450])):
+        r.on_generate(b"c", cid, {"type": "generate", "id": cid, "prompt": prompt, "max_tokens": 4,
+                                  "request_id": f"rq-{len(cid)}"})
     r.dispatch()
-    assert [(i, k) for i, k, _ in sent] == [(b"old", b"WORK")] * 2
+    assert [(i, k) for i, k, _ in sent] == [(b"old", b"WORK")] * 3
     r.workers[b"new"] = W(b"new", {"pid": 2, "wid": 2, "generation": 2, "slots": 4}, now)
     r.select(2)                                   # the commit
     r.check_generations()
@@ -112,12 +114,14 @@ def test_a_retired_generations_request_sent_back_runs_on_the_serving_one_tokeniz
     for _, _, body in sent:                       # the drained worker rejects what reached it after
         r.on_backend([b"old", b"REJECT", msgpack.packb({"rid": body["rid"]})])
     r.check_generations()
-    assert [(cid, code) for cid, code, _ in errors] == [("ids", "worker_lost")]
-    assert "generation 1" in errors[0][2] and "no worker left" in errors[0][2]
+    assert [(cid, code) for cid, code, _ in errors] == [("old ids", "worker_lost")]
+    assert "generation 1" in errors[0][2] and "no worker left" in errors[0][2] and "vocabulary" in errors[0][2]
     sent.clear()
     r.dispatch()
-    (ident, kind, body), = sent
+    assert [(i, k) for i, k, _ in sent] == [(b"new", b"WORK")] * 2
+    reqs = {body["request"]["request_id"]: body["request"] for _, _, body in sent}     # still named as they came
+    text_req, ids_req = reqs["rq-4"], reqs["rq-3"]
     new_ids = Model.open(new_path).tokenizer.encode(text)
-    assert ident == b"new" and body["request"]["prompt"] == new_ids
-    assert new_ids != Model.open(old_path).tokenizer.encode(text)       # tokenized again, by the new model
-    assert r.counters["readmitted"] == 1 and r.counters["worker_lost"] == 1
+    assert text_req["prompt"] == new_ids != Model.open(old_path).tokenizer.encode(text)    # the new tokenizer's
+    assert ids_req["prompt"] == [5, 6, 7]
+    assert r.counters["readmitted"] == 2 and r.counters["worker_lost"] == 1

@@ -257,9 +257,7 @@ class Router:
     def on_generate(self, client, cid, body):
         if self.draining:
             raise P.ProtocolError("shutting_down", "the server is stopping")
-        req = P.validate_generate(body, self.limits)
-        text = req["prompt"] if isinstance(req["prompt"], str) else None
-        self._check_for_serving(req, text)
+        req = self._checked_for_serving(body)
         if (client, cid) in self.by_client:
             raise P.ProtocolError("duplicate_id", f"request id {cid!r} is already in flight")
         if len(self.queue) >= self.settings.max_queue and not any(w.free for w in self.workers.values()):
@@ -268,16 +266,18 @@ class Router:
                                                 f"{self.settings.max_queue})")
         now = time.monotonic()
         r = Req(self.next_rid, client, cid, req, now, self.generation)
-        r.key, r.text = getattr(self, "_key", None), text
+        r.key, r.body = getattr(self, "_key", None), body
         self.next_rid += 1
         self.reqs[r.rid] = r
         self.by_client[(client, cid)] = r.rid
         self.queue.append(r.rid)
         self.counters["requests"] += 1
 
-    def _check_for_serving(self, req, text):
-        """Tokenize a text prompt (`text`, else None: token ids) for the serving generation and check
-        that the request fits it; ProtocolError when not."""
+    def _checked_for_serving(self, body) -> dict:
+        """A generate request checked, its text prompt tokenized, for the serving generation (its
+        tokenizer, vocabulary, context); ProtocolError when it does not fit it."""
+        req = P.validate_generate(body, self.limits)
+        text = req["prompt"] if isinstance(req["prompt"], str) else None
         if text is not None:
             check_text(text, "prompt text", self.limits)
             if self.tokenizer is None:
@@ -295,6 +295,7 @@ class Router:
         if plen >= self.context:
             raise P.ProtocolError("too_large", f"prompt of {plen} tokens leaves no room in the "
                                                f"context of {self.context}")
+        return req
 
     def on_cancel(self, client, cid, body):
         rid = self.by_client.get((client, cid))
@@ -474,19 +475,20 @@ class Router:
 
     def _readmit(self, r, g):
         """Generation g has no worker left to take r, queued for it (a retired generation's worker
-        rejected or lost it after the queue emptied). A text prompt that streamed nothing is tokenized
-        and checked again for the serving generation, as if it came now; token ids (the old model's)
-        or a request that no longer fits end with worker_lost."""
+        rejected or lost it after the queue emptied). Having streamed nothing, it is checked and
+        tokenized again for the serving generation from the client's message, as if it came now (as
+        it would have a moment later); one that does not fit it ends with worker_lost."""
         why = f"generation {g}, which this request was tokenized and checked for, has no worker left"
-        if r.text is not None and not r.streamed:
+        if not r.streamed:
             try:
-                self._check_for_serving(r.request, r.text)
+                req = self._checked_for_serving(r.body)
             except P.ProtocolError as e:
                 why += f", and the serving generation refuses it: {e.message}"
             else:
                 log.info("request %s: %s; now generation %d's", r.request_id, why, self.generation,
                          extra=request_extra(r.request_id))
-                r.generation = self.generation
+                req["request_id"] = r.request_id
+                r.request, r.generation = req, self.generation
                 self.counters["readmitted"] += 1
                 return
         self.counters["worker_lost"] += 1

@@ -51,7 +51,7 @@ class Gen:
 
 class Req:
     __slots__ = ("rid", "client", "cid", "request", "stream", "state", "worker", "attempts", "streamed",
-                 "t_arrive", "t_dispatch", "deadline", "generation", "key", "request_id", "text")
+                 "t_arrive", "t_dispatch", "deadline", "generation", "key", "request_id", "body")
 
     def __init__(self, rid, client, cid, request, now, generation):
         self.rid, self.client, self.cid, self.request = rid, client, cid, request
@@ -66,7 +66,7 @@ class Req:
         self.streamed = False
         self.t_arrive, self.t_dispatch = now, None
         self.key = None                 # the client's CURVE key (ZAP User-Id), when CURVE is on
-        self.text = None                # the prompt as text, when it came so (tokenized again on another generation)
+        self.body = None                # the client's message (checked again when its generation is gone)
         dl = request.get("deadline_ms")
         self.deadline = now + dl / 1000.0 if dl else None
 
