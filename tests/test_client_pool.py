@@ -496,7 +496,13 @@ def test_a_router_that_dropped_is_skipped_for_its_backoff_then_used_again(fakes)
         back.start()
         try:
             t = time.monotonic()
-            assert wait_until(lambda: c.generate("c") and c.routers.state(f0.addr)["failures"] == 1, 3, "the drop")
+
+            def sent():
+                try:
+                    return c.generate("c")
+                except ConnectionLost:      # sent to f0 before the client saw it drop (a loaded core):
+                    return True             # the documented outcome, and f0 is marked down all the same
+            assert wait_until(lambda: sent() and c.routers.state(f0.addr)["failures"] == 1, 3, "the drop")
             while time.monotonic() - t < 1.2:       # ...but it is skipped while its backoff runs
                 assert c.generate("d").text == "D"
             assert _generates(back) == []
