@@ -7,9 +7,17 @@ the one-stream path; `--rev` defaults to the commit before it (96c098b). The rev
 into a temporary git worktree and both trees' `Model.decode` run on the SAME file (a file the older
 reader opens: convert it with the older tree, `PYTHONPATH=WORKTREE python -m colibri_server.cli
 convert ...`), each in its own subprocess, old then new, `--rounds` times, so machine drift falls on
-both. Per run: a 128-token prefill, 8 warm-up tokens, then the median of 120 decode tokens (ms).
+both. Per run: a 128-token prefill, 8 warm-up tokens, then the median of 120 decode tokens (ms) (a model
+of a shorter context: half of it as the prompt, passes until 120 tokens are timed).
 Prints each round and the median ratio old/new time (>= 1: this tree is as fast or faster).
 Each tree compiles its kernels once, in a warm-up run not counted. The machine must be quiet.
+
+    python bench/decode_ab.py --families DIR [--rev REV] [--threads 1]
+
+adds every family the test suite builds (tests/hf_models.py: the MoE ARCHS, the dense and the further
+families, at the suite's small sizes, f16), built once into DIR and converted by the older tree, so both
+read them. At those sizes a token is mostly the per-layer work around the kernels (dispatch, routing,
+the attention variant), which is what a change to how kernels are called moves.
 """
 from __future__ import annotations
 
@@ -34,16 +42,20 @@ def inner(path: str, threads: int) -> None:
     if threads > 1:
         m.set_threads(threads)
     rng = np.random.default_rng(0)
-    cache = m.new_cache(512)
-    m.prefill(cache, rng.integers(3, m.config.vocab_size, 128))
-    for _ in range(8):
-        m.decode(cache, 5)
+    cap = min(512, m.config.max_position_embeddings)
+    plen = min(128, cap // 2)
+    n = min(120, cap - plen - 8)
     ts = []
-    for _ in range(120):
-        t = time.perf_counter()
-        m.decode(cache, 5)
-        ts.append(time.perf_counter() - t)
-    print(f"{statistics.median(ts) * 1e3:.3f}")
+    while len(ts) < 120:                # a small model's context holds fewer tokens: several passes
+        cache = m.new_cache(cap)
+        m.prefill(cache, rng.integers(3, m.config.vocab_size, plen))
+        for _ in range(8):
+            m.decode(cache, 5)
+        for _ in range(n):
+            t = time.perf_counter()
+            m.decode(cache, 5)
+            ts.append(time.perf_counter() - t)
+    print(f"{statistics.median(ts) * 1e3:.4f}")
 
 
 def run(tree: pathlib.Path, path: str, threads: int) -> float:
@@ -53,11 +65,28 @@ def run(tree: pathlib.Path, path: str, threads: int) -> float:
     return float(out.strip().splitlines()[-1])
 
 
+def family_files(data: pathlib.Path, old: pathlib.Path) -> list:
+    """Each test-suite family as an f16 .colibri in data (built once; converted by the tree at old)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import hf_models as H
+    out = []
+    for arch in (*H.ARCHS, *H.DENSE_CONFIGS, *H.FAMILY_CONFIGS):
+        hf, col = data / f"hf-{arch}", data / f"{arch}-f16.colibri"
+        if not (hf / "config.json").exists():
+            H.build_hf_model(arch, hf)
+        if not col.exists():
+            subprocess.run([sys.executable, "-m", "colibri_server.cli", "convert", str(hf), str(col), "--dtype", "f16",
+                            "--quiet"], env=dict(os.environ, PYTHONPATH=str(old)), check=True, cwd=tempfile.gettempdir())
+        out.append(str(col))
+    return out
+
+
 def main():
     if len(sys.argv) == 4 and sys.argv[1] == "--inner":
         return inner(sys.argv[2], int(sys.argv[3]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("models", nargs="+")
+    ap.add_argument("models", nargs="*")
+    ap.add_argument("--families", metavar="DIR", help="also every family of the test suite, built into DIR")
     ap.add_argument("--rev", default="96c098b", help="the older revision (default: before continuous batching)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)
@@ -66,7 +95,8 @@ def main():
         old = pathlib.Path(tmp) / "old"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), a.rev], check=True)
         try:
-            for model in a.models:
+            models = a.models + (family_files(pathlib.Path(a.families), old) if a.families else [])
+            for model in models:
                 for t in a.threads:                              # compile each tree's kernels once
                     run(old, model, t)
                     run(ROOT, model, t)
@@ -75,8 +105,8 @@ def main():
                     for r in range(a.rounds):
                         o, n = run(old, model, t), run(ROOT, model, t)
                         ratios.append(o / n)
-                        print(f"{pathlib.Path(model).name} {t}T round {r + 1}: {a.rev} {o:.2f} ms, "
-                              f"this tree {n:.2f} ms, ratio {o / n:.3f}", flush=True)
+                        print(f"{pathlib.Path(model).name} {t}T round {r + 1}: {a.rev} {o:.4f} ms, "
+                              f"this tree {n:.4f} ms, ratio {o / n:.3f}", flush=True)
                     print(f"{pathlib.Path(model).name} {t}T: median ratio {statistics.median(ratios):.3f}")
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
