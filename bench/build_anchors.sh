@@ -4,6 +4,9 @@
 # sdist vendors, with -DGGML_NATIVE=ON (CPU repacking is on by default where it applies).
 #
 #   bench/build_anchors.sh [DEST]        DEST defaults to bench/.anchors (ignored by git)
+#   AVX2=1 bench/build_anchors.sh [DEST] the same source for an AVX2-only CPU (-DGGML_NATIVE=OFF, AVX/AVX2/
+#                                        FMA/F16C on, AVX-512 off) into DEST/bin-avx2: the AVX2 runs of
+#                                        the benchmarks on an AVX-512 machine (bench/blocks.py --avx2)
 #
 # Leaves DEST/llama.cpp (the source: tools/hf_to_gguf.py and the GGUF tests read its converter)
 # and DEST/bin (the binaries; LLAMA_BIN). About 6 minutes on 2 cores; a second run rebuilds nothing.
@@ -19,8 +22,16 @@ if [ ! -d llama.cpp ]; then
     mv "sdist/llama_cpp_python-$VERSION/vendor/llama.cpp" llama.cpp
     rm -rf sdist
 fi
-cmake -S llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+if [ "${AVX2:-0}" = 1 ]; then
+    BUILD=build-avx2 BIN=bin-avx2
+    CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+               -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
+               -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+else
+    BUILD=build BIN=bin CPU_FLAGS=(-DGGML_NATIVE=ON)
+fi
+cmake -S llama.cpp -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${CPU_FLAGS[@]}" -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
-cmake --build build -j"${JOBS:-2}" --target llama-bench llama-server llama-quantize llama-perplexity
-ln -sfn build/bin bin
-echo "llama.cpp anchors in $DEST/bin"
+cmake --build "$BUILD" -j"${JOBS:-2}" --target llama-bench llama-server llama-quantize llama-perplexity
+ln -sfn "$BUILD/bin" "$BIN"
+echo "llama.cpp anchors in $DEST/$BIN"

@@ -1,0 +1,73 @@
+"""The kernels follow the CPU Numba compiles for, not only the host: with NUMBA_CPU_NAME/NUMBA_CPU_FEATURES
+naming an AVX2-only CPU (kernels/cpu.without_avx512: the AVX2 runs of bench/blocks.py --avx2 on an AVX-512
+machine, or a cache built for another machine), the integer kernels take their AVX2 paths and give the
+products the host's path gives."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from blocks_data import Q, quantized
+
+from colibri_server.model.kernels import blocks as KB
+from colibri_server.model.kernels import cpu
+
+KINDS = (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0)
+D, N, T = 24, 512, 3
+
+CHILD = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from blocks_data import quantized
+from colibri_server.model.kernels import blocks_gemm as KG, blocks_ir as KI, cpu
+out = {"vnni512": cpu.HAVE_VNNI512, "vnni256": KI.HAVE_VNNI256, "tiles": KG.HAVE_TILES, "avx2": cpu.HAVE_AVX2}
+for kind in json.loads(sys.argv[2]):
+    rng = np.random.default_rng(kind)
+    raw = quantized(rng.standard_normal((%d, %d)).astype(np.float32) * 0.05, kind, seed=kind)
+    X = rng.standard_normal((%d, %d)).astype(np.float32)
+    y = np.zeros((X.shape[0], raw.shape[0]), np.float32)
+    n = X.shape[1]
+    KG.matmul_blocks(raw, kind, X, y, np.zeros(X.shape, np.int8), np.zeros((X.shape[0], n // 32), np.float32),
+                     np.zeros((X.shape[0], n // 16), np.int32), np.zeros(KG.scratch_words(n), np.float32),
+                     np.float32(1.0), False)
+    out[str(kind)] = y.tolist()
+asm = "".join(KG.matmul_blocks.inspect_asm().values())
+out["zmm"] = "zmm" in asm
+out["ymm_dots"] = "vpmaddubsw" in asm and "ymm" in asm
+print(json.dumps(out))
+""" % (D, N, T, N)
+
+
+def products(env) -> dict:
+    tests = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, "-c", CHILD, tests, json.dumps([int(k) for k in KINDS])], env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow          # two cold compiles of the block products (about a minute each on a loaded core)
+@pytest.mark.skipif(not cpu.HAVE_VNNI512, reason="needs an AVX-512 VNNI host to force the AVX2 paths on")
+def test_an_avx2_target_forced_on_an_avx512_host_takes_the_avx2_paths_with_the_same_products():
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=cpu.without_avx512())
+    avx2, host = products(env), products(dict(os.environ))
+    assert avx2["avx2"] and not avx2["vnni512"] and not avx2["vnni256"] and not avx2["tiles"]
+    assert host["vnni512"]
+    assert not avx2["zmm"] and avx2["ymm_dots"]           # 256-bit vectors only: it runs on an AVX2 CPU
+    assert host["zmm"]
+    for kind in KINDS:
+        rng = np.random.default_rng(int(kind))
+        raw = quantized(rng.standard_normal((D, N)).astype(np.float32) * 0.05, kind, seed=int(kind))
+        X = rng.standard_normal((T, N)).astype(np.float32)
+        ref = KB.matmul_blocks_ref(raw, int(kind), X)
+        a, h = np.asarray(avx2[str(int(kind))], np.float32), np.asarray(host[str(int(kind))], np.float32)
+        # the same int8 rounding and exact integer sums per block on both paths; only the f32 sum of the
+        # blocks' products may be ordered otherwise
+        scale = np.abs(X).astype(np.float64) @ np.abs(KB.dequantize_ref(raw, int(kind), N)).T.astype(np.float64)
+        assert (np.abs(a - h) <= scale * 1e-6 + 1e-7).all(), kind.name
+        assert (np.abs(a - ref) <= scale * 2e-2 + 1e-5).all(), kind.name
