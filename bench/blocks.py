@@ -9,6 +9,11 @@ tok/s of the blocks file, of the q8 file (`--quantize q8`) and of llama-bench on
 repacking on; where its repacking crashes, as in prefill on a Zen 4 VM, or dies of an invalid opcode in
 libggml-cpu on the 2-vCPU Xeon VM that lists AMX, without it: "repack" in the JSON), at each thread count, one subprocess after the other (bench/decode.py's workers). Run it under
 `flock /tmp/bench.lock`; on a shared machine compare the ratios of one run, not absolute figures.
+
+`--avx2` forces the AVX2 paths on an AVX-512 machine: colibri's workers compile for an AVX2-only CPU
+(NUMBA_CPU_NAME=haswell, NUMBA_CPU_FEATURES = this host's without AVX-512/AMX/AVX-VNNI; kernels/cpu.py
+follows them) and llama-bench is the AVX2 build (`AVX2=1 bench/build_anchors.sh`: LLAMA_BIN's sibling
+bin-avx2, -DGGML_NATIVE=OFF with AVX2/FMA/F16C).
 """
 from __future__ import annotations
 
@@ -44,11 +49,17 @@ def main():
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--avx2", action="store_true", help="both sides on their AVX2 paths (see above)")
     a = ap.parse_args()
+    if a.avx2:
+        from colibri_server.model.kernels.cpu import without_avx512
+        os.environ.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=without_avx512())    # the workers inherit it
+        llama_bench.LLAMA_BIN = llama_bench.LLAMA_BIN.parent / "bin-avx2"
     data = pathlib.Path(a.data)
     data.mkdir(parents=True, exist_ok=True)
     D.build_gguf(data, D.build_hf(data), a.ggufs)
-    res = {"date": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpu": D._cpu(), "rows": []}
+    res = {"date": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpu": D._cpu(), "avx2_forced": a.avx2,
+           "rows": []}
     for name in a.ggufs:
         src, blocks = converted(data, name, "blocks")
         _, q8 = converted(data, name, "q8")
