@@ -22,8 +22,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _k_scale_min, _put2, _rows, round_rows
+from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _k_scale_min, _put2, _rows, round_rows
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
+from .blocks_wide import round_rows16, rows16
 from .cpu import HAVE_VNNI512
 
 R = 16                     # weight rows per tile (the 16 i32 lanes of a zmm register)
@@ -425,8 +426,11 @@ def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # out[t, i] (=|+=) alpha * raw[i] . X[t] for rows i0..i1 and every t, X rounded for kind (round_rows): whole
     # tiles of R rows through the micro-kernels where they run (HAVE_TILES, Q4_K / Q5_K / Q6_K, >= GEMM_MIN_ROWS rows of X),
-    # the rest through the row dots, the same bits either way. tmp: >= scratch_words(n) f32
+    # the rest through the row dots, the same bits either way; kind + ACTS16: blocks_wide's row dots. tmp: >= scratch_words(n) f32
     end = i0
+    if kind & ACTS16:
+        rows16(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
+        return
     if tmp.shape[0] < scratch_words(X.shape[1]):          # too small a scratch for a panel: the row dots
         pass
     elif HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q4_K or kind == Q5_K or kind == Q6_K):
@@ -443,17 +447,27 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 
 @njit(cache=True)
+def round_acts(kind, X, Xq, Xd, Xs):
+    # every row of X rounded for kind's products: int8 (kernels/blocks.round_rows), or int16 for kind + ACTS16
+    if kind & ACTS16:
+        round_rows16(kind, X, Xq, Xd, Xs)
+    else:
+        round_rows(kind, X, Xq, Xd, Xs)
+
+
+@njit(cache=True)
 def matmul_blocks(raw, kind, X, out, Xq, Xd, Xs, tmp, alpha, accumulate):
-    # X (T, n) f32 @ W.T -> out (T, d) (=|+= alpha *); W raw (d, row bytes) of GGML type kind; scratch: Xq (T,n) i8,
-    # Xd (T,n/32) f32, Xs (T,n/16) i32, tmp (>= scratch_words(n),) f32
-    round_rows(kind, X, Xq, Xd, Xs)
+    # X (T, n) f32 @ W.T -> out (T, d) (=|+= alpha *); W raw (d, row bytes) of GGML type kind (+ ACTS16: the activations
+    # rounded to int16, blocks_wide); scratch: Xq (T,n) i8 (T,2n for + ACTS16), Xd (T,n/32) f32, Xs (T,n/16) i32,
+    # tmp (>= scratch_words(n),) f32
+    round_acts(kind, X, Xq, Xd, Xs)
     gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, 0, raw.shape[0], alpha, accumulate)
 
 
 @njit(cache=True, parallel=True)
 def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
     # matmul_blocks with the rows split over tmps.shape[0] chunks (whole tiles) run by Numba threads
-    round_rows(kind, X, Xq, Xd, Xs)
+    round_acts(kind, X, Xq, Xd, Xs)
     tiles = (raw.shape[0] + R - 1) // R
     nt = tmps.shape[0]
     for c in prange(nt):
