@@ -14,7 +14,9 @@ an instruction; `vpmaddwd` elsewhere), exact sums per block:
   sums per row as the int8 row dots have;
 * Q4_K, Q5_K, Q6_K: the sub-block scales multiplied into the widened values (`vpmullw`: at most 63 * 31 or
   32 * 128, i16), the block's 16 lanes (each at most 16 products of 4096 * 32767 < 2^31) summed in i64 and
-  one float step per block (blocks_ir.k_update), Q4_K / Q5_K's mins through the activations' 16-sums.
+  one float step per block (blocks_ir.k_update), Q4_K / Q5_K's mins through the activations' 16-sums; a
+  block's weights decoded once for 4 activation rows (a serving step's, a prefill's), each row's integers
+  and float steps those of its dot alone.
 
 The kinds without integer dots take the f32 activations as they are (kernels/blocks' generic path) with or
 without the flag. Every caller (batch-1 matvec, a serving step's rows, prefill, threads) goes through these
@@ -201,32 +203,23 @@ row16_q4_0 = intrinsic(_row32w(True))
 row16_q4_0.__doc__ = "row16_q8_0 for a Q4_0 row (18-byte blocks)"
 
 
-# ---------------------------------------------------------------------------- k-quants: one 256-block
+# ---------------------------------------------------------------------------- k-quants: a row times C activation rows
+# A 256-block's weights are decoded once (values widened to i16, times their sub-block scale) and dotted with the
+# block of each of C activation rows: per row the same integers and float steps as alone (C = 1), so a batch's
+# rows get the bits of each row's own product.
 
-def _kblock16_q45_k(five):
-    def impl(typingctx, r, o, xq, xd, xs, b, acc):
-        return types.float32(r, o, xq, xd, xs, b, acc), lambda context, builder, signature, args: _q45w_codegen(
-            context, builder, signature, args, five)
-    return impl
-
-
-def _q45w_codegen(context, builder, signature, args, five):
-    a = signature.args
+def _q45_weights(builder, rp, o, five):
+    """Q4_K / Q5_K's block at byte o: 8 (<32 x i16> values times their scale, activation offset), mins <8 x i8>,
+    d, dmin."""
     idx = ir.IntType(64)
-    rp = _arr_ptr(context, builder, a[0], args[0], _i8)
-    xp = _arr_ptr(context, builder, a[2], args[2], _i16)
-    dp = _arr_ptr(context, builder, a[3], args[3], _f32)
-    sp = _arr_ptr(context, builder, a[4], args[4], _i32)
-    o, b = args[1], args[5]
     vt = ir.VectorType(_i8, 32)
     sc8, mn8 = _k_scales_mins(builder, rp, o)
     for line in range(0, 176 if five else 144, 64):
         prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
-    x0 = builder.mul(b, ir.Constant(idx, 256))
-    ivec = ir.Constant(_V16, None)
     qs = 48 if five else 16
     if five:
         qh = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, 16))]), 32)
+    ws = []
     for c in range(4):
         bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 32 * c))]), 32)
         for half in range(2):
@@ -238,62 +231,96 @@ def _q45w_codegen(context, builder, signature, args, five):
             s = builder.zext(builder.extract_element(sc8, ir.Constant(_i32, j)), _i16)
             sv = builder.shuffle_vector(builder.insert_element(ir.Constant(_W32, None), s, ir.Constant(_i32, 0)),
                                         ir.Constant(_W32, None), ir.Constant(ir.VectorType(_i32, 32), [0] * 32))
-            w = builder.mul(builder.zext(q, _W32), sv)                       # at most 63 * 31
-            ivec = _dot16(builder, ivec, w, _x16(builder, xp, builder.add(x0, ir.Constant(idx, 32 * j))))
-    xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
-    v8 = ir.VectorType(_i32, 8)
-    ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
-    od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
-    msum = _reduce(builder, builder.mul(builder.zext(mn8, v8), builder.add(ev, od)), 8)   # <= 8 * 63 * 32 * 32767
-    xdb = builder.load(builder.gep(dp, [b]))
-    return k_update(builder, args[6], _sum64(builder, ivec), _f16_at(builder, rp, o), xdb, msum,
-                    _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2))))
+            ws.append((builder.mul(builder.zext(q, _W32), sv), 32 * j))           # at most 63 * 31
+    return ws, mn8, _f16_at(builder, rp, o), _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2)))
 
 
-kblock16_q4_k = intrinsic(_kblock16_q45_k(False))
-kblock16_q4_k.__doc__ = """acc + Q4_K's 256-block b at r[o:] . the int16 activations' block b (xq (2n,) i8 holding them, scale
-xd[b], xs (n/16,) i32 their 16-sums) -> f32: I = sum_j sc_j * (q_j . x_j) and M = sum_j m_j * (x_j's sum), exact
-(I in i64), then acc + I * (d * xd) - M * (dmin * xd) (blocks_ir.k_update)."""
-kblock16_q5_k = intrinsic(_kblock16_q45_k(True))
-kblock16_q5_k.__doc__ = "kblock16_q4_k for Q5_K's 176-byte block (qh at 16, its fifth bits; qs at 48)"
+def _q6_weights(builder, rp, o):
+    """Q6_K's block at byte o: 8 (<32 x i16> (values - 32) times their group's scale, activation offset), d."""
+    idx = ir.IntType(64)
+    vt = ir.VectorType(_i8, 32)
+
+    def at(off):
+        return builder.add(o, ir.Constant(idx, off))
+    sc = builder.sext(_vload(builder, rp, at(192), ir.VectorType(_i8, 16)), ir.VectorType(_i16, 16))
+    for line in range(0, 210, 64):
+        prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
+    ws = []
+    for h in range(2):
+        qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
+        for c in range(4):
+            ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
+            low = builder.and_(builder.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
+            high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
+            q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32))), ir.Constant(vt, [32] * 32))
+            g = 8 * h + 2 * c
+            sv = builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_i32, 32), [g] * 16 + [g + 1] * 16))
+            ws.append((builder.mul(builder.sext(q, _W32), sv), 128 * h + 32 * c))   # |w| <= 32 * 128
+    return ws, _f16_at(builder, rp, at(208))
 
 
-@intrinsic
-def kblock16_q6_k(typingctx, r, o, xq, xd, b, acc):
-    """acc + Q6_K's 256-block b at r[o:] . the int16 activations' block b (as kblock16_q4_k) -> f32: I = sum over the
-    16 groups g of 16 of sc_g * ((q - 32) . x_g), exact (i64), then acc + I * (d * xd) (blocks_ir.k_update)."""
-    sig = types.float32(r, o, xq, xd, b, acc)
+def _rows_of(context, builder, aty, arr, t0, nc, ty):
+    """Pointers (as ty*) to rows t0..t0+nc of a 2-D array (rows contiguous, any row stride)."""
+    a = context.make_array(aty)(context, builder, arr)
+    stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+    base = builder.bitcast(a.data, _i8.as_pointer())
+    return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(t0, ir.Constant(_i64, t)), stride)]),
+                            ty.as_pointer()) for t in range(nc)]
 
-    def codegen(context, builder, signature, args):
-        a = signature.args
-        idx = ir.IntType(64)
-        rp = _arr_ptr(context, builder, a[0], args[0], _i8)
-        xp = _arr_ptr(context, builder, a[2], args[2], _i16)
-        dp = _arr_ptr(context, builder, a[3], args[3], _f32)
-        o, b = args[1], args[4]
-        vt = ir.VectorType(_i8, 32)
 
-        def at(off):
-            return builder.add(o, ir.Constant(idx, off))
-        sc = builder.sext(_vload(builder, rp, at(192), ir.VectorType(_i8, 16)), ir.VectorType(_i16, 16))
-        for line in range(0, 210, 64):
-            prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
-        x0 = builder.mul(b, ir.Constant(idx, 256))
-        ivec = ir.Constant(_V16, None)
-        for h in range(2):
-            qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
-            for c in range(4):
-                ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
-                low = builder.and_(builder.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
-                high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
-                q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32))), ir.Constant(vt, [32] * 32))
-                g = 8 * h + 2 * c
-                sv = builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_i32, 32), [g] * 16 + [g + 1] * 16))
-                w = builder.mul(builder.sext(q, _W32), sv)                   # |w| <= 32 * 128
-                ivec = _dot16(builder, ivec, w, _x16(builder, xp, builder.add(x0, ir.Constant(idx, 128 * h + 32 * c))))
-        xdb = builder.load(builder.gep(dp, [b]))
-        return k_update(builder, args[5], _sum64(builder, ivec), _f16_at(builder, rp, at(208)), xdb)
-    return sig, codegen
+def _krow(kind, nc):
+    """intrinsic (r, Xq, Xd, Xs, t0, nb, res): res[t] = weight row r (nb 256-blocks of kind Q4_K, Q5_K or Q6_K) . the
+    int16 activations of row t0 + t of Xq (T, >= 2n) i8, scales Xd (T, ...) f32, 16-sums Xs (T, n/16) i32, for t < nc:
+    per block I = sum over the sub-blocks of scale * (values . x) exact (i64), then acc + I * (d * xd)
+    [- M * (dmin * xd), M = sum_j min_j * x_j's sum] (blocks_ir.k_update), acc from 0 over the blocks."""
+    size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[kind]
+
+    def impl(typingctx, r, Xq, Xd, Xs, t0, nb, res):
+        sig = types.void(r, Xq, Xd, Xs, t0, nb, res)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            idx = ir.IntType(64)
+            rp = _arr_ptr(context, builder, a[0], args[0], _i8)
+            xps = _rows_of(context, builder, a[1], args[1], args[4], nc, _i16)
+            dps = _rows_of(context, builder, a[2], args[2], args[4], nc, _f32)
+            sps = _rows_of(context, builder, a[3], args[3], args[4], nc, _i32)
+            out = _arr_ptr(context, builder, a[6], args[6], _f32)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nc)]
+            with cgutils.for_range(builder, args[5]) as loop:
+                b = loop.index
+                o = builder.mul(b, ir.Constant(idx, size))
+                if kind == Q6_K:
+                    ws, d = _q6_weights(builder, rp, o)
+                else:
+                    ws, mn8, d, dmin = _q45_weights(builder, rp, o, kind == Q5_K)
+                x0 = builder.mul(b, ir.Constant(idx, 256))
+                for t in range(nc):
+                    ivec = ir.Constant(_V16, None)
+                    for w, off in ws:
+                        ivec = _dot16(builder, ivec, w, _x16(builder, xps[t], builder.add(x0, ir.Constant(idx, off))))
+                    xdb = builder.load(builder.gep(dps[t], [b]))
+                    if kind == Q6_K:
+                        upd = k_update(builder, builder.load(accs[t]), _sum64(builder, ivec), d, xdb)
+                    else:
+                        v8 = ir.VectorType(_i32, 8)
+                        xs16 = _vload(builder, sps[t], builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
+                        ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
+                        od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
+                        msum = _reduce(builder, builder.mul(builder.zext(mn8, v8), builder.add(ev, od)), 8)
+                        upd = k_update(builder, builder.load(accs[t]), _sum64(builder, ivec), d, xdb, msum, dmin)
+                    builder.store(upd, accs[t])
+            for t in range(nc):
+                builder.store(builder.load(accs[t]), builder.gep(out, [ir.Constant(idx, t)]))
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+C16 = 4                     # activation rows a k-quant weight row is dotted with at once
+_q4k_c, _q4k_1 = _krow(Q4_K, C16), _krow(Q4_K, 1)
+_q5k_c, _q5k_1 = _krow(Q5_K, C16), _krow(Q5_K, 1)
+_q6k_c, _q6k_1 = _krow(Q6_K, C16), _krow(Q6_K, 1)
 
 
 # ---------------------------------------------------------------------------- row loops
@@ -306,30 +333,6 @@ def _dot16_q8_0(r, X, xq, xd, xs):
 @njit(cache=True, inline="always")
 def _dot16_q4_0(r, X, xq, xd, xs):
     return row16_q4_0(r, xq, xd, X.shape[0] // 32)
-
-
-@njit(cache=True, inline="always")
-def _dot16_q4_k(r, X, xq, xd, xs):
-    acc = np.float32(0.0)
-    for b in range(X.shape[0] // 256):
-        acc = kblock16_q4_k(r, b * 144, xq, xd, xs, b, acc)
-    return acc
-
-
-@njit(cache=True, inline="always")
-def _dot16_q5_k(r, X, xq, xd, xs):
-    acc = np.float32(0.0)
-    for b in range(X.shape[0] // 256):
-        acc = kblock16_q5_k(r, b * 176, xq, xd, xs, b, acc)
-    return acc
-
-
-@njit(cache=True, inline="always")
-def _dot16_q6_k(r, X, xq, xd, xs):
-    acc = np.float32(0.0)
-    for b in range(X.shape[0] // 256):
-        acc = kblock16_q6_k(r, b * 210, xq, xd, b, acc)
-    return acc
 
 
 # one loop per kind, so that its dot is inlined (as kernels/blocks' int8 loops)
@@ -348,24 +351,27 @@ def _rows16_q4_0(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate):
 
 
 @njit(cache=True)
-def _rows16_q4_k(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate):
+def _rows16_k(raw, kind, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate):
+    # the k-quants: each weight row dotted with C16 activation rows at once, then the rest one by one (the same bits)
+    T, nb = X.shape[0], X.shape[1] // 256
     for i in range(i0, i1):
-        for t in range(X.shape[0]):
-            _put2(out, t, i, _dot16_q4_k(raw[i], X[t], Xq[t], Xd[t], Xs[t]), alpha, accumulate)
-
-
-@njit(cache=True)
-def _rows16_q5_k(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate):
-    for i in range(i0, i1):
-        for t in range(X.shape[0]):
-            _put2(out, t, i, _dot16_q5_k(raw[i], X[t], Xq[t], Xd[t], Xs[t]), alpha, accumulate)
-
-
-@njit(cache=True)
-def _rows16_q6_k(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate):
-    for i in range(i0, i1):
-        for t in range(X.shape[0]):
-            _put2(out, t, i, _dot16_q6_k(raw[i], X[t], Xq[t], Xd[t], Xs[t]), alpha, accumulate)
+        for t0 in range(0, T - C16 + 1, C16):
+            if kind == Q4_K:
+                _q4k_c(raw[i], Xq, Xd, Xs, t0, nb, res)
+            elif kind == Q5_K:
+                _q5k_c(raw[i], Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q6k_c(raw[i], Xq, Xd, Xs, t0, nb, res)
+            for t in range(C16):
+                _put2(out, t0 + t, i, res[t], alpha, accumulate)
+        for t in range(T // C16 * C16, T):
+            if kind == Q4_K:
+                _q4k_1(raw[i], Xq, Xd, Xs, t, nb, res)
+            elif kind == Q5_K:
+                _q5k_1(raw[i], Xq, Xd, Xs, t, nb, res)
+            else:
+                _q6k_1(raw[i], Xq, Xd, Xs, t, nb, res)
+            _put2(out, t, i, res[0], alpha, accumulate)
 
 
 @njit(cache=True)
@@ -377,11 +383,7 @@ def rows16(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         _rows16_q8_0(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate)
     elif k == Q4_0:
         _rows16_q4_0(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate)
-    elif k == Q4_K:
-        _rows16_q4_k(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate)
-    elif k == Q5_K:
-        _rows16_q5_k(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate)
-    elif k == Q6_K:
-        _rows16_q6_k(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate)
+    elif k == Q4_K or k == Q5_K or k == Q6_K:
+        _rows16_k(raw, k, X, Xq, Xd, Xs, out, tmp[:C16], i0, i1, alpha, accumulate)
     else:
         _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
