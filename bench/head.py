@@ -1,7 +1,7 @@
 """The output head's product alone: a block-kind head on its input rounded to int8 (llama.cpp's, exact_head false)
 against the int16 rounding (the default, kernels/blocks_wide), at 1, 4 and 16 activation rows, one thread.
 
-    python bench/head.py [--kinds Q8_0 Q6_K] [--rows 1 4 16]
+    python bench/head.py [--kinds Q8_0 Q6_K] [--rows 1 4 16] [--shape 32000 1024]
 
 Random weights of a real head's shape: Q8_0 49152 x 576 (SmolLM2-135M's tied head), the others 32000 x 1024
 (bench-mixtral's Q6_K head). Prints the median time of each (ms), their ratio (>= 1: the int16 head as fast)
@@ -40,11 +40,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", nargs="+", default=["Q8_0", "Q6_K"])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--shape", type=int, nargs=2, metavar=("D", "N"), help="every kind's head shape (d rows of n)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     for name in a.kinds:
         kind = gguf.GGMLQuantizationType[name]
-        d, n = SHAPES.get(name, (32000, 1024))
+        d, n = a.shape or SHAPES.get(name, (32000, 1024))
         raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=1)
         for T in a.rows:
             X = rng.standard_normal((T, n)).astype(np.float32)
