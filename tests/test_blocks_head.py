@@ -88,15 +88,15 @@ def test_the_head_keeps_the_f32_order_of_two_near_candidates_that_int8_swaps(kin
 
 @pytest.mark.parametrize("kind", FAST, ids=lambda k: k.name)
 def test_every_caller_gets_the_same_bits(kind):
-    """Rows of a batch (T >= 4: the tiled product's count for int8), each row alone, and the rows split over
-    threads: the same bits."""
+    """Rows of a batch (13: the int16 Q8_0 / Q4_0 tiles' count, 3 tiles of 16 weight rows and 5 row dots; 4 rows
+    a k-quant row), each row alone, and the rows split over threads: the same bits."""
     rng = np.random.default_rng(4)
-    d, n, T = 53, 768, 6
+    d, n, T = 53, 768, 13
     raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=5)
     X = rng.standard_normal((T, n)).astype(np.float32)
     k = int(kind) + KB.ACTS16
     batch = _product(raw, k, X)
-    assert T >= KG.GEMM_MIN_ROWS
+    assert T >= KG.WIDE_TILE_MIN_ROWS
     for t in range(T):
         assert np.array_equal(_product(raw, k, X[t:t + 1])[0].view(np.uint32), batch[t].view(np.uint32)), t
     assert np.array_equal(_product(raw, k, X, par=True), batch)

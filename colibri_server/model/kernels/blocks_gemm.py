@@ -30,6 +30,9 @@ from .cpu import HAVE_VNNI512
 R = 16                     # weight rows per tile (the 16 i32 lanes of a zmm register)
 C = 4                      # activation rows per pass of the micro-kernel
 GEMM_MIN_ROWS = 4          # fewer activation rows: the row dots (the panel costs more than it saves)
+# the int16 head's Q8_0 / Q4_0 panels (two values a lane: twice the int8 panel's work to lay out) pay from 12 rows:
+# bench/head.py, 32000 x 1024 Q8_0, one thread, row dots / tiles: 4 rows 5.6 / 11.4 ms, 16 rows 22.4 / 17.3
+WIDE_TILE_MIN_ROWS = 12
 HAVE_TILES = HAVE_VNNI512
 
 
@@ -480,7 +483,7 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     end = i0
     if kind & ACTS16:
         k = kind & (ACTS16 - 1)
-        if HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (k == Q8_0 or k == Q4_0) and X.shape[1] % 256 == 0 \
+        if HAVE_TILES and X.shape[0] >= WIDE_TILE_MIN_ROWS and (k == Q8_0 or k == Q4_0) and X.shape[1] % 256 == 0 \
                 and tmp.shape[0] >= scratch_words(X.shape[1]):
             end = i0 + (i1 - i0) // R * R
             _tiles_b32w(raw, k == Q4_0, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
