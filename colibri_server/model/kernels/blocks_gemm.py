@@ -13,6 +13,8 @@ lane, no horizontal sum); a sub-block's sums times the rows' scales (`vpmulld`),
 `vpdpwssd` on i16 pairs (Q6_K's offset of 32 the same way), and per 256-block the float step
 (blocks_ir.k_update) on 16 rows at once. These are the integers and float operations of the row dots
 kblock_q4_k / kblock_q5_k / kblock_q6_k, so each output equals the matvec's bit for bit, whatever T or the threads.
+The output head's int16 activations (a kind id + ACTS16, kernels/blocks_wide) take blocks_wide's row dots, and
+from WIDE_TILE_MIN_ROWS rows Q8_0 / Q4_0 tiles whose lanes hold two i16 values of a row (`vpdpwssd`).
 """
 from __future__ import annotations
 
