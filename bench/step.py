@@ -1,6 +1,6 @@
 """The serving step in process: BatchEngine.step time at B decoding sequences, beside the fused one-token decode.
 
-    python bench/step.py MODEL.colibri [--threads 2] [--batch 1 4 8 16 32]
+    python bench/step.py MODEL.colibri [--threads 2] [--batch 1 4 8 16 32] [--no-exact-head]
 
 For each B: B requests of 32 random prompt tokens join one engine (kv f16, the server's defaults for
 max_batch_tokens), their prompts are prefilled, then 8 decode steps of B rows each are timed. Prints ms
@@ -25,8 +25,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--no-exact-head", action="store_true", help="a block-kind head on llama.cpp's int8 rounding")
     a = ap.parse_args()
     m = Model.open(a.model, populate=True, context=1024)
+    m.set_exact_head(not a.no_exact_head)
     if a.threads > 1:
         m.set_threads(a.threads)
     rng = np.random.default_rng(0)

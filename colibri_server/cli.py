@@ -553,8 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     r.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens (default: the model's)")
     r.add_argument("--routing-noise", type=float, default=0.0, help="Gumbel top-k routing noise scale (0: off)")
-    r.add_argument("--exact-head", action="store_true",
-                   help="a block-kind output head on the f32 hidden state, not its int8 rounding (exact_head)")
+    r.add_argument("--exact-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="a block-kind output head on the hidden state rounded to int16 (the default); "
+                        "--no-exact-head: llama.cpp's int8 rounding of it (exact_head)")
     r.add_argument("--prefill-bf16", action="store_true",
                    help="prefill bf16 weights with bf16-rounded activations (avx512bf16 CPUs: ~2x faster prefill)")
     r.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids; print ids")
@@ -569,8 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_arguments(ch, 512, "most tokens in one answer")
     ch.add_argument("--context", type=int, default=None, help="KV cache capacity in tokens (default: the model's)")
     ch.add_argument("--prefill-bf16", action="store_true", help="prefill bf16 weights with bf16-rounded activations")
-    ch.add_argument("--exact-head", action="store_true",
-                    help="a block-kind output head on the f32 hidden state, not its int8 rounding (exact_head)")
+    ch.add_argument("--exact-head", action=argparse.BooleanOptionalAction, default=True,
+                    help="a block-kind output head on the hidden state rounded to int16 (the default); "
+                         "--no-exact-head: llama.cpp's int8 rounding of it (exact_head)")
     ch.set_defaults(fn=cmd_chat)
 
     k = sub.add_parser("compile", help="compile the CPU kernels ahead of time, once per machine (every "

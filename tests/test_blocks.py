@@ -64,26 +64,6 @@ def test_products_equal_the_dequantized_product_within_the_rounding(kind):
     assert np.array_equal(one[0], out[1])
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-def test_the_output_heads_product_takes_the_activations_unrounded(kind):
-    """A kind + F32_ACTS (the output head's): the dequantized rows dotted with the f32 activations, for
-    every kind. A real model's two best first tokens can be nearer than llama.cpp's int8 rounding of the
-    head's input moves them (SmolLM2's Q4_1 file, tied Q8_0 head: "L'Étoile" for "Paris")."""
-    rng = np.random.default_rng(11)
-    d, n, T = 40, 512, 5        # T >= 4: the tiled product's row count, which must not take it either
-    raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=5)
-    X = rng.standard_normal((T, n)).astype(np.float32)
-    ref = KB.matmul_blocks_ref(raw, int(kind), X)
-    out = np.zeros((T, d), np.float32)
-    Xq, Xd, Xs = np.zeros((T, n), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32)
-    KG.matmul_blocks(raw, int(kind) + KB.F32_ACTS, X, out, Xq, Xd, Xs, np.zeros(KG.scratch_words(n), np.float32),
-                     np.float32(1.0), False)
-    W = KB.dequantize_ref(raw, int(kind), n).astype(np.float64)
-    bound = np.abs(X).astype(np.float64) @ np.abs(W).T * 1e-6 + 1e-6                    # f32 sums only
-    assert (np.abs(out - ref) <= bound).all()
-    assert BlockTensor(kind.name.lower(), raw).exact().ggml == int(kind) + KB.F32_ACTS
-
-
 @pytest.mark.skipif(not KG.HAVE_TILES, reason="the tiled product runs on AVX-512 VNNI only")
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda k: k.name)
 def test_the_tiled_product_gives_each_rows_matvec_bits(kind):
@@ -147,9 +127,9 @@ def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path, monkeypatch):
     cf.close()
     m = Model.open(str(tmp_path / "b.colibri"))
     assert isinstance(m.weights.layers[0].w1, BlockTensor)
-    assert isinstance(m.weights.output, BlockTensor) and not m.weights.output.f32_acts  # llama.cpp's rounding
-    assert m.set_exact_head(True) and m.weights.output.f32_acts and not m.weights.token_embd.f32_acts
-    assert not m.set_exact_head(False) and not m.weights.output.f32_acts
+    assert isinstance(m.weights.output, BlockTensor) and m.weights.output.acts16  # int16 (tests/test_blocks_head)
+    assert not m.set_exact_head(False) and not m.weights.output.acts16             # llama.cpp's rounding
+    assert m.set_exact_head(True) and m.weights.output.acts16 and not m.weights.token_embd.acts16
     got = Model.open(str(tmp_path / "b.colibri")).logits(PROMPT)
     exact = Model.open(str(tmp_path / "ref.colibri")).logits(PROMPT)
     int8_rounded_products(monkeypatch)

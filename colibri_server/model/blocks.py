@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 CODE_BASE = 64          # dtype code of a kind = CODE_BASE + GGML type id
-F32_ACTS = 256          # kernels/blocks.F32_ACTS: added to the id a product is given, the activations stay f32
+ACTS16 = 256            # kernels/blocks.ACTS16: added to the id a product is given, the activations rounded to int16
 QK_K = 256              # weights per block of the k-quants and IQ4_XS
 
 
@@ -71,11 +71,11 @@ class BlockTensor:
     """A block-kind matrix (or stack of matrices): a view of the mapping's bytes with its kind and
     logical shape (..., d, n). No copy."""
 
-    __slots__ = ("kind", "raw", "shape", "f32_acts")
+    __slots__ = ("kind", "raw", "shape", "acts16")
 
-    def __init__(self, kind: str, raw: np.ndarray, shape=None, f32_acts: bool = False):
+    def __init__(self, kind: str, raw: np.ndarray, shape=None, acts16: bool = False):
         self.kind = kind
-        self.f32_acts = f32_acts                # products on the f32 activations, not on their int8 rounding
+        self.acts16 = acts16                    # products on the activations rounded to int16, not int8 (the head)
         self.raw = raw                          # uint8 (..., d, n/B*size)
         k = KINDS[kind]
         self.shape = tuple(shape) if shape is not None else \
@@ -83,12 +83,13 @@ class BlockTensor:
 
     @property
     def ggml(self) -> int:
-        """The id the kernels are given: the kind's GGML id, + F32_ACTS when the activations stay f32."""
-        return KINDS[self.kind].ggml + (F32_ACTS if self.f32_acts else 0)
+        """The id the kernels are given: the kind's GGML id, + ACTS16 when the activations are rounded to int16."""
+        return KINDS[self.kind].ggml + (ACTS16 if self.acts16 else 0)
 
-    def exact(self) -> BlockTensor:
-        """The same bytes, its products on f32 activations (the output head: see kernels/blocks.F32_ACTS)."""
-        return BlockTensor(self.kind, self.raw, self.shape, f32_acts=True)
+    def with_acts16(self, on: bool = True) -> BlockTensor:
+        """The same bytes, its products on the activations rounded to int16 (on: the output head's default, see
+        kernels/blocks_wide) or to int8 as llama.cpp rounds them (off)."""
+        return BlockTensor(self.kind, self.raw, self.shape, acts16=bool(on))
 
     @property
     def ndim(self) -> int:

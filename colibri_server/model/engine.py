@@ -94,6 +94,7 @@ class Model:
         self.threads = 1
         self.prefill_bf16 = bool(prefill_bf16)
         self.workspace = Workspace(cfg, prefill_chunk, prefill_bf16=self.prefill_bf16)
+        self.set_exact_head(True)         # a block-kind head on the int16 rounding of its input (exact_head)
         if threads > 1:
             self.set_threads(threads)
         if routing_noise and any(L.rule is not None for L in self.weights.layers):
@@ -165,18 +166,17 @@ class Model:
         return self.workspace.prefill_bf16 and self.has_bf16_weights()
 
     def set_exact_head(self, on: bool) -> bool:
-        """A block-kind output head multiplied by the f32 hidden state as it is (on) or by its int8
-        rounding, as llama.cpp does (off, the default). On, a real model's first token follows its f32
-        reference where the rounding would swap two near candidates (docs/models.md, "The output
-        head"); the head then runs the dequantizing f32 path, several times slower. Returns whether it
-        is in effect (the head is a block kind)."""
+        """A block-kind output head multiplied by the hidden state rounded to int16 (on, the default: a step 258
+        times finer than int8, kernels/blocks_wide, at the int8 dots' speed on Q8_0 and Q6_K heads) or to int8
+        as llama.cpp rounds it (off). On, a real model's first token follows its f32 reference where the int8
+        rounding would swap two near candidates (docs/models.md, "The output head"). Returns whether it is
+        in effect (the head is a block kind; the kinds without integer dots take the f32 hidden state anyway)."""
         from .blocks import BlockTensor
         head = self.weights.output
         if not isinstance(head, BlockTensor):
             return False
-        if head.f32_acts != bool(on):
-            head = head.exact() if on else BlockTensor(head.kind, head.raw, head.shape)
-            self.weights = dataclasses.replace(self.weights, output=head)
+        if head.acts16 != bool(on):
+            self.weights = dataclasses.replace(self.weights, output=head.with_acts16(on))
         return bool(on)
 
     def has_bf16_weights(self) -> bool:

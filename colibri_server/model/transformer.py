@@ -125,9 +125,10 @@ class Workspace:
         # opt-in: prefill of bf16 weights with bf16 activations (kernels/gemm.matmul_bf16)
         self.prefill_bf16 = bool(prefill_bf16) and GE.HAVE_BF16_GEMM
         self.xs, self.xi = KQ.scratch(n_max, 2 * self.threads)  # quantized matvec scratch, one row per chunk
-        # block kinds (kernels/blocks): the rows' activations rounded to int8 per 32, their scales and
-        # 16-sums, and one row of f32 scratch per thread chunk; allocated on first use
+        # block kinds (kernels/blocks): the rows' activations rounded to int8 per 32 (the head's: int16, two bytes
+        # a column), their scales and 16-sums, and one row of f32 scratch per thread chunk; allocated on first use
         self._n_max = -(-n_max // KB.QB) * KB.QB
+        self._q_bytes = max(self._n_max, 2 * D)
         self._block_acts = None
         self._block_h = None
         self.logits = aligned_zeros((1, cfg.vocab_size), f32)
@@ -190,21 +191,22 @@ class Workspace:
                                 self.pool())
         return K.matmul(X, W, out, self.tile_for(n), self.mm_tmps[0])
 
-    def block_acts(self, T: int, n: int):
-        """The block kinds' activation scratch for T rows of n columns: (Xq, Xd, Xs, tmps)."""
+    def block_acts(self, T: int, n: int, acts16: bool = False):
+        """The block kinds' activation scratch for T rows of n columns: (Xq, Xd, Xs, tmps); Xq of 2n bytes a row
+        for the int16 rounding (acts16: the output head's, kernels/blocks_wide)."""
         if self._block_acts is None or self._block_acts[0].shape[0] < T:
             R, N = max(T, self.rows), self._n_max
-            self._block_acts = (aligned_zeros((R, N), np.int8), aligned_zeros((R, N // KB.QB), np.float32),
+            self._block_acts = (aligned_zeros((R, self._q_bytes), np.int8), aligned_zeros((R, N // KB.QB), np.float32),
                                 aligned_zeros((R, N // KB.SB), np.int32),
                                 aligned_zeros((2 * self.threads, KG.scratch_words(N)), np.float32))
         q, d, s, tmps = self._block_acts
-        return q[:T, :n], d[:T, :n // KB.QB], s[:T, :n // KB.SB], tmps[:, :KG.scratch_words(n)]
+        return q[:T, :2 * n if acts16 else n], d[:T, :n // KB.QB], s[:T, :n // KB.SB], tmps[:, :KG.scratch_words(n)]
 
     def mm_blocks(self, X, W, out, alpha: float = 1.0, accumulate: bool = False):
         """out (T,d) (=|+=) alpha * X (T,n) @ W.T for a block-kind W (kernels/blocks): the rows of X rounded
         once, each weight row read once for all of them; weight rows over the threads when the work is big."""
         T, n = X.shape
-        Xq, Xd, Xs, tmps = self.block_acts(T, n)
+        Xq, Xd, Xs, tmps = self.block_acts(T, n, W.acts16)
         if self.threads > 1 and out.shape[1] * n * T >= self.PAR_MIN_BLOCK_WEIGHTS:
             KG.matmul_blocks_par(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[:self.threads], np.float32(alpha), accumulate)
         else:

@@ -448,9 +448,9 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("prefill_bf16", BOOL, False,
             "prefill bf16 weights with bf16-rounded activations (avx512bf16 CPUs; ~2x faster prefill, "
             "logits move by the rounding)"),
-    Setting("exact_head", BOOL, False,
-            "a block-kind output head takes the f32 hidden state, not llama.cpp's int8 rounding of it (a real "
-            "model's first token then follows its f32 reference; the head runs several times slower)"),
+    Setting("exact_head", BOOL, True,
+            "a block-kind output head takes the hidden state rounded to int16 (a real model's first token "
+            "follows its f32 reference); false: llama.cpp's int8 rounding of it, which can swap two near tokens"),
     Setting("pin", ENUM("none", "cores", "numa"), "cores",
             "CPU pinning: none, cores (distinct physical cores per worker) or numa (workers round-robin over "
             "the NUMA nodes, each pinned to its node's CPUs; memory placed as numa_memory says)"),

@@ -92,8 +92,10 @@ class Worker:
             import numba
             log.info("worker %d: decode on %d threads (numba %s layer)", self.wid, self.model.threads,
                      numba.threading_layer())
-        if self.model.set_exact_head(self.settings.exact_head):
-            log.info("worker %d: the output head on the f32 hidden state (exact_head)", self.wid)
+        self.model.set_exact_head(self.settings.exact_head)
+        if not self.settings.exact_head:
+            log.info("worker %d: a block-kind output head on llama.cpp's int8 rounding of its input (exact_head "
+                     "false)", self.wid)
         if self.model.set_prefill_bf16(self.settings.prefill_bf16):
             log.info("worker %d: prefill of bf16 weights with bf16 activations (prefill_bf16)", self.wid)
         elif self.settings.prefill_bf16:

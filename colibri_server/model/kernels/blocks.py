@@ -17,7 +17,8 @@ the GGML type id. Three things here:
 
 Every product (batch-1 matvec, a serving step's rows, prefill, experts) goes through these row dots
 or, for many rows of Q4_K / Q6_K, through kernels/blocks_gemm's tiles, which compute the same integers
-and float operations: the same row and activation row give the same bits whatever the caller.
+and float operations: the same row and activation row give the same bits whatever the caller. The
+output head's products (a kind id + ACTS16) round the activations to int16 instead: kernels/blocks_wide.
 """
 from __future__ import annotations
 
@@ -30,9 +31,8 @@ from .moe import _silu_mul_1d
 from .quant_ir import _bits_f32, _round
 
 QB = 32          # activations per rounding block
-F32_ACTS = 256   # added to a kind's id: its products take the f32 activations as they are (the dequantized row
-                 # dotted with them, never rounded; the output head: its two best logits can be near enough
-                 # for the rounding to swap them)
+ACTS16 = 256     # added to a kind's id: its activations rounded to int16, not int8 (the output head, whose two best
+                 # logits can be near enough for the int8 rounding to swap them: kernels/blocks_wide)
 SB = 16          # activations per int32 sum
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
@@ -66,8 +66,8 @@ def _k_scale_min(sc, j):
 
 @njit(cache=True)
 def deq_row(kind, r, y):
-    # r (row bytes,) u8 one row of blocks of GGML type `kind` (+ F32_ACTS or not) -> y (n,) f32
-    kind = kind & (F32_ACTS - 1)
+    # r (row bytes,) u8 one row of blocks of GGML type `kind` (+ ACTS16 or not) -> y (n,) f32
+    kind = kind & (ACTS16 - 1)
     n = y.shape[0]
     if kind == Q8_0:
         for b in range(n // 32):
@@ -392,8 +392,8 @@ def _kround(kind):
 @njit(cache=True)
 def round_rows(kind, X, Xq, Xd, Xs):
     # every row of X (T, n) rounded for kind into Xq (T, n) i8, Xd (T, n/32) f32, Xs (T, n/16) i32 (quant_acts, or
-    # quant_acts_k for the KROUND kinds: their scales in Xd[:, :n/256]); nothing for kind + F32_ACTS
-    if kind & F32_ACTS:
+    # quant_acts_k for the KROUND kinds: their scales in Xd[:, :n/256]); nothing for kind + ACTS16 (blocks_wide's)
+    if kind & ACTS16:
         return
     for t in range(X.shape[0]):
         if _kround(kind):

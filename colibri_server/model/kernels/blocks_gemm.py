@@ -13,6 +13,8 @@ lane, no horizontal sum); a sub-block's sums times the rows' scales (`vpmulld`),
 `vpdpwssd` on i16 pairs (Q6_K's offset of 32 the same way), and per 256-block the float step
 (blocks_ir.k_update) on 16 rows at once. These are the integers and float operations of the row dots
 kblock_q4_k / kblock_q5_k / kblock_q6_k, so each output equals the matvec's bit for bit, whatever T or the threads.
+The output head's int16 activations (a kind id + ACTS16, kernels/blocks_wide) take blocks_wide's row dots, and
+from WIDE_TILE_MIN_ROWS rows Q8_0 / Q4_0 tiles whose lanes hold two i16 values of a row (`vpdpwssd`).
 """
 from __future__ import annotations
 
@@ -22,21 +24,25 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _k_scale_min, _put2, _rows, round_rows
+from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _k_scale_min, _put2, _rows, round_rows
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
+from .blocks_wide import round_rows16, rows16
 from .cpu import HAVE_VNNI512
 
 R = 16                     # weight rows per tile (the 16 i32 lanes of a zmm register)
 C = 4                      # activation rows per pass of the micro-kernel
 GEMM_MIN_ROWS = 4          # fewer activation rows: the row dots (the panel costs more than it saves)
+# the int16 head's Q8_0 / Q4_0 panels (two values a lane: twice the int8 panel's work to lay out) pay from 12 rows:
+# bench/head.py, 32000 x 1024 Q8_0, one thread, row dots / tiles: 4 rows 5.6 / 11.4 ms, 16 rows 22.4 / 17.3
+WIDE_TILE_MIN_ROWS = 12
 HAVE_TILES = HAVE_VNNI512
 
 
 @njit(cache=True)
 def scratch_words(n: int) -> int:
-    """f32 words of the scratch for n columns: a tile's panel (the largest kind, Q6_K: 1168 words per 256
-    columns) and C * R results, or a row dequantized (kernels/blocks)."""
-    return max(n, n // 256 * 1168 + C * R) + 16
+    """f32 words of the scratch for n columns: a tile's panel (the largest kind, the int16 head's Q8_0: 17 * 16
+    words per 32 columns; Q6_K: 1168 per 256) and C * R results, or a row dequantized (kernels/blocks)."""
+    return max(n, n // 32 * 272 + C * R) + 16
 
 
 _i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -119,6 +125,27 @@ def _prep_b32(raw, r0, nb, nibbles, P, DD):
             for g in range(nw):
                 v = ld32(row, o + 2 + 4 * g)
                 P[(nw * b + g) * R + r] = v if nibbles else v ^ FLIP
+
+
+@njit(cache=True)
+def _prep_b32w(raw, r0, nb, nibbles, P, DD):
+    # rows r0..r0+R of a Q8_0 (Q4_0: nibbles) matrix for the int16 activations (kernels/blocks_wide) -> P[(16b + g)*R
+    # + r] = block b's values 2g and 2g+1 as two i16 (Q4_0's minus 8), DD[b*R + r] = d
+    size = 18 if nibbles else 34
+    for r in range(R):
+        row = raw[r0 + r]
+        for b in range(nb):
+            o = b * size
+            DD[b * R + r] = _f16(row, o)
+            for g in range(16):
+                if nibbles:
+                    k = 2 * g
+                    v0 = (np.int32(row[o + 2 + k % 16]) >> (4 * (k // 16))) & 15
+                    v1 = (np.int32(row[o + 2 + (k + 1) % 16]) >> (4 * ((k + 1) // 16))) & 15
+                    v0, v1 = v0 - 8, v1 - 8
+                else:
+                    v0, v1 = np.int32(np.int8(row[o + 2 + 2 * g])), np.int32(np.int8(row[o + 3 + 2 * g]))
+                P[(16 * b + g) * R + r] = (v0 & 0xFFFF) | (v1 << 16)
 
 
 # ---------------------------------------------------------------------------- micro-kernels (LLVM IR)
@@ -294,7 +321,11 @@ def _mk_q6_k(nc):
     return intrinsic(impl)
 
 
-def _mk_b32(nc, nibbles):
+def _mk_b32(nc, nibbles, wide=False):
+    """The 32-block kinds' micro-kernel: int8 activations (`vpdpbusd` on 4 bytes of 16 rows), or (wide) the output
+    head's int16 ones (kernels/blocks_wide: `vpdpwssd` on 2 values of 16 rows, the panel from _prep_b32w): per block
+    the exact integer sum of each row, then blocks_ir.b32_update into accumulator b mod 8 and b32_total, as the
+    row dots do."""
     def impl(typingctx, P, DD, xq, xd, xs, t0, nb, res):
         sig = types.void(P, DD, xq, xd, xs, t0, nb, res)
 
@@ -304,7 +335,7 @@ def _mk_b32(nc, nibbles):
             p = _arr_ptr(context, builder, signature.args[0], args[0], _i32)
             dd = _arr_ptr(context, builder, signature.args[1], args[1], _f32)
             zero = ir.Constant(k.v16, None)
-            nw = 4 if nibbles else 8
+            nw = 16 if wide else 4 if nibbles else 8
             mask = k.splat(ir.Constant(_i32, 0x0F0F0F0F))
             accs = [[cgutils.alloca_once_value(b, ir.Constant(k.f16, None)) for _ in range(8)] for _ in range(nc)]
             with cgutils.for_range(b, b.sdiv(k.nb, k.c(8))) as loop:            # 8 blocks: accumulator b mod 8
@@ -314,6 +345,10 @@ def _mk_b32(nc, nibbles):
                     isum = [zero] * nc
                     for g in range(nw):
                         w = k.vec(p, b.mul(b.add(b.mul(blk, k.c(nw)), k.c(g)), k.c(R)))
+                        if wide:        # the int16 values 2g, 2g+1 of the block: bytes 4g.. of its 64
+                            for t in range(nc):
+                                isum[t] = b.call(k.dpwssd, [isum[t], w, k.x4(t, b.add(b.mul(blk, k.c(64)), k.c(4 * g)))])
+                            continue
                         if nibbles:
                             lo, hi = b.and_(w, mask), b.and_(b.lshr(w, k.splat(ir.Constant(_i32, 4))), mask)
                         for t in range(nc):
@@ -324,10 +359,13 @@ def _mk_b32(nc, nibbles):
                                 isum[t] = b.call(k.dpbusd, [isum[t], w, k.x4(t, b.add(x0, k.c(4 * g)))])
                     d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
                     for t in range(nc):
-                        s2 = b.gep(k.xs[t], [b.mul(blk, k.c(2))])
-                        xsum = b.add(b.load(s2), b.load(b.gep(s2, [k.c(1)])))
-                        corr = b.mul(xsum, ir.Constant(_i32, 8 if nibbles else 128))
-                        it = b.sub(isum[t], k.splat(corr))
+                        if wide:
+                            it = isum[t]
+                        else:
+                            s2 = b.gep(k.xs[t], [b.mul(blk, k.c(2))])
+                            xsum = b.add(b.load(s2), b.load(b.gep(s2, [k.c(1)])))
+                            corr = b.mul(xsum, ir.Constant(_i32, 8 if nibbles else 128))
+                            it = b.sub(isum[t], k.splat(corr))
                         xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
                         b.store(b32_update(b, b.load(accs[t][i]), it, d, xdb), accs[t][i])
             for t in range(nc):
@@ -341,6 +379,7 @@ def _mk_b32(nc, nibbles):
 C32 = 2                    # activation rows per pass of the 32-block kinds' micro-kernel (8 accumulators each)
 _q8_2, _q8_1 = _mk_b32(C32, False), _mk_b32(1, False)
 _q40_2, _q40_1 = _mk_b32(C32, True), _mk_b32(1, True)
+_w32_2, _w32_1 = _mk_b32(C32, False, True), _mk_b32(1, False, True)     # the int16 head's Q8_0 and Q4_0 panels
 _q4k_4, _q4k_1 = _mk_q45_k(C, False), _mk_q45_k(1, False)
 _q5k_4, _q5k_1 = _mk_q45_k(C, True), _mk_q45_k(1, True)
 _q6k_4, _q6k_1 = _mk_q6_k(C), _mk_q6_k(1)
@@ -422,11 +461,36 @@ def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 
 @njit(cache=True)
+def _tiles_b32w(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # _tiles_b32 for the int16 activations of the output head (kernels/blocks_wide; Xq (T, 2n) i8 holding them)
+    nb = Xq.shape[1] // 64
+    T = Xq.shape[0]
+    P = tmp.view(np.int32)[:nb * 16 * R]
+    DD, res = tmp[nb * 16 * R:nb * 17 * R], tmp[nb * 17 * R:nb * 17 * R + C * R]
+    for r0 in range(i0, i1 - R + 1, R):
+        _prep_b32w(raw, r0, nb, nibbles, P, DD)
+        for t0 in range(0, T - C32 + 1, C32):
+            _w32_2(P, DD, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, C32, r0, alpha, accumulate)
+        for t0 in range(T // C32 * C32, T):
+            _w32_1(P, DD, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, 1, r0, alpha, accumulate)
+
+
+@njit(cache=True)
 def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # out[t, i] (=|+=) alpha * raw[i] . X[t] for rows i0..i1 and every t, X rounded for kind (round_rows): whole
     # tiles of R rows through the micro-kernels where they run (HAVE_TILES, Q4_K / Q5_K / Q6_K, >= GEMM_MIN_ROWS rows of X),
-    # the rest through the row dots, the same bits either way. tmp: >= scratch_words(n) f32
+    # the rest through the row dots, the same bits either way; kind + ACTS16: blocks_wide's row dots. tmp: >= scratch_words(n) f32
     end = i0
+    if kind & ACTS16:
+        k = kind & (ACTS16 - 1)
+        if HAVE_TILES and X.shape[0] >= WIDE_TILE_MIN_ROWS and (k == Q8_0 or k == Q4_0) and X.shape[1] % 256 == 0 \
+                and tmp.shape[0] >= scratch_words(X.shape[1]):
+            end = i0 + (i1 - i0) // R * R
+            _tiles_b32w(raw, k == Q4_0, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
+        rows16(raw, kind, X, Xq, Xd, Xs, out, tmp, end, i1, alpha, accumulate)
+        return
     if tmp.shape[0] < scratch_words(X.shape[1]):          # too small a scratch for a panel: the row dots
         pass
     elif HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q4_K or kind == Q5_K or kind == Q6_K):
@@ -443,17 +507,27 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 
 @njit(cache=True)
+def round_acts(kind, X, Xq, Xd, Xs):
+    # every row of X rounded for kind's products: int8 (kernels/blocks.round_rows), or int16 for kind + ACTS16
+    if kind & ACTS16:
+        round_rows16(kind, X, Xq, Xd, Xs)
+    else:
+        round_rows(kind, X, Xq, Xd, Xs)
+
+
+@njit(cache=True)
 def matmul_blocks(raw, kind, X, out, Xq, Xd, Xs, tmp, alpha, accumulate):
-    # X (T, n) f32 @ W.T -> out (T, d) (=|+= alpha *); W raw (d, row bytes) of GGML type kind; scratch: Xq (T,n) i8,
-    # Xd (T,n/32) f32, Xs (T,n/16) i32, tmp (>= scratch_words(n),) f32
-    round_rows(kind, X, Xq, Xd, Xs)
+    # X (T, n) f32 @ W.T -> out (T, d) (=|+= alpha *); W raw (d, row bytes) of GGML type kind (+ ACTS16: the activations
+    # rounded to int16, blocks_wide); scratch: Xq (T,n) i8 (T,2n for + ACTS16), Xd (T,n/32) f32, Xs (T,n/16) i32,
+    # tmp (>= scratch_words(n),) f32
+    round_acts(kind, X, Xq, Xd, Xs)
     gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, 0, raw.shape[0], alpha, accumulate)
 
 
 @njit(cache=True, parallel=True)
 def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
     # matmul_blocks with the rows split over tmps.shape[0] chunks (whole tiles) run by Numba threads
-    round_rows(kind, X, Xq, Xd, Xs)
+    round_acts(kind, X, Xq, Xd, Xs)
     tiles = (raw.shape[0] + R - 1) // R
     nt = tmps.shape[0]
     for c in prange(nt):

@@ -254,6 +254,29 @@ def k_update(builder, acc, isum, d, xd, msum=None, dmin=None):
     return acc
 
 
+def _k_scales_mins(builder, rp, o):
+    """Q4_K / Q5_K: the 8 6-bit sub-block scales and the 8 mins of the block at byte o of rp (its 12 packed
+    bytes at o + 4), as two <8 x i8>."""
+    idx = ir.IntType(64)
+
+    def c32(v):
+        return ir.Constant(_i32, v)
+    u = [builder.load(builder.bitcast(builder.gep(rp, [builder.add(o, ir.Constant(idx, 4 + 4 * k))]),
+                                      _i32.as_pointer()), align=1) for k in range(3)]
+    k1, k2, k3 = c32(0x3F3F3F3F), c32(0x0F0F0F0F), c32(0x03030303)
+    u3 = builder.or_(builder.and_(builder.lshr(u[2], c32(4)), k2),
+                     builder.shl(builder.and_(builder.lshr(u[1], c32(6)), k3), c32(4)))
+    m0 = builder.and_(u[1], k1)
+    s1 = builder.or_(builder.and_(u[2], k2), builder.shl(builder.and_(builder.lshr(u[0], c32(6)), k3), c32(4)))
+    s0 = builder.and_(u[0], k1)
+    v2 = ir.VectorType(_i32, 2)
+
+    def bytes8(lo, hi):
+        p = builder.insert_element(builder.insert_element(ir.Constant(v2, None), lo, c32(0)), hi, c32(1))
+        return builder.bitcast(p, ir.VectorType(_i8, 8))
+    return bytes8(s0, s1), bytes8(m0, u3)
+
+
 def _kblock_q45_k(five):
     def impl(typingctx, r, o, xq, xd, xs, b, acc):
         return types.float32(r, o, xq, xd, xs, b, acc), lambda context, builder, signature, args: _q45_codegen(
@@ -274,20 +297,7 @@ def _q45_codegen(context, builder, signature, args, five):
 
     def c32(v):
         return ir.Constant(_i32, v)
-    u = [builder.load(builder.bitcast(builder.gep(rp, [builder.add(o, ir.Constant(idx, 4 + 4 * k))]),
-                                      _i32.as_pointer()), align=1) for k in range(3)]
-    k1, k2, k3 = c32(0x3F3F3F3F), c32(0x0F0F0F0F), c32(0x03030303)
-    u3 = builder.or_(builder.and_(builder.lshr(u[2], c32(4)), k2),
-                     builder.shl(builder.and_(builder.lshr(u[1], c32(6)), k3), c32(4)))
-    m0 = builder.and_(u[1], k1)
-    s1 = builder.or_(builder.and_(u[2], k2), builder.shl(builder.and_(builder.lshr(u[0], c32(6)), k3), c32(4)))
-    s0 = builder.and_(u[0], k1)
-    v2 = ir.VectorType(_i32, 2)
-
-    def bytes8(lo, hi):
-        p = builder.insert_element(builder.insert_element(ir.Constant(v2, None), lo, c32(0)), hi, c32(1))
-        return builder.bitcast(p, ir.VectorType(_i8, 8))
-    sc8, mn8 = bytes8(s0, s1), bytes8(m0, u3)
+    sc8, mn8 = _k_scales_mins(builder, rp, o)
     for line in range(0, 176 if five else 144, 64):
         prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
     x0 = builder.mul(b, ir.Constant(idx, 256))

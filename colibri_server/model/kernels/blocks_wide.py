@@ -1,0 +1,389 @@
+"""The output head's products: block-kind rows times activations rounded to 16 bits (a kind id + ACTS16).
+
+llama.cpp rounds the activations to int8 for its integer dots (kernels/blocks.quant_acts): a step of
+max|x_b| / 127 per block, which can swap a real model's two best first tokens when they are near
+(SmolLM2's Q4_1 file answers "L'Étoile..." for "Paris": docs/models.md, "The output head"). For the head
+the activations are rounded to int16 instead: x ~ d_b * X_b with d_b = max|x_b| / 32767 per block (32
+weights for Q8_0 / Q4_0, 256 for the k-quants, as the int8 rounding's blocks): a step 258 times finer, what
+two int8 roundings (the value, then its remainder) would give, in one pass. The dots stay integer: the
+weight values widened to i16 in registers and multiplied in pairs (`vpdpwssd` on AVX-512 VNNI, 32 weights
+an instruction; `vpmaddwd` elsewhere), exact sums per block:
+
+* Q8_0, Q4_0 (its values - 8): one <16 x i32> per block, 8 blocks summed lane-wise into one vector (lane b
+  the block b's sum, at most 32 * 128 * 32767), then kernels/blocks_ir's float step b32_update, 8 partial
+  sums per row as the int8 row dots have;
+* Q4_K, Q5_K, Q6_K: the sub-block scales multiplied into the widened values (`vpmullw`: at most 63 * 31 or
+  32 * 128, i16), the block's 16 lanes (each at most 16 products of 4096 * 32767 < 2^31) summed in i64 and
+  one float step per block (blocks_ir.k_update), Q4_K / Q5_K's mins through the activations' 16-sums; a
+  block's weights decoded once for 4 activation rows (a serving step's, a prefill's), each row's integers
+  and float steps those of its dot alone.
+
+The kinds without integer dots take the f32 activations as they are (kernels/blocks' generic path) with or
+without the flag. Every caller (batch-1 matvec, a serving step's rows, prefill, threads) goes through these
+row dots, each weight row read once for all the activation rows: the same bits whatever the caller.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, SB, _put2, _rows
+from .blocks_ir import (
+    BLOCK_AHEAD,
+    _arr_ptr,
+    _f16_at,
+    _k_scales_mins,
+    _load,
+    _reduce,
+    _vload,
+    b32_total,
+    b32_update,
+    k_update,
+)
+from .cpu import HAVE_VNNI512
+from .prefetch import prefetch_ahead
+from .quant_ir import _round
+
+__all__ = ["ACTS16", "quant_acts16", "round_rows16", "rows16"]
+
+_i8, _i16, _i32, _i64, _f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_V16 = ir.VectorType(_i32, 16)
+_W32 = ir.VectorType(_i16, 32)
+Q16 = np.float32(32767.0)
+
+
+# ---------------------------------------------------------------------------- activations
+
+@njit(cache=True, inline="always")
+def quant_acts16(x, xq, xd, xs, B):
+    # x (n,) f32 -> int16 values X = round(x / d_b) per B-block b (B = 32 or 256) in xq (2n,) i8 (read as i16),
+    # xd[b] = d_b = max|x_b| / 32767, xs (n/16,) i32 the sums of 16 consecutive values
+    n = x.shape[0]
+    v = xq[:2 * n].view(np.int16)
+    for b in range(n // B):
+        m = np.float32(0.0)
+        for k in range(b * B, b * B + B):
+            m = max(m, abs(x[k]))
+        d = m / Q16
+        xd[b] = d
+        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+        for g in range(b * B // SB, (b + 1) * B // SB):
+            s = np.int32(0)
+            for k in range(g * SB, g * SB + SB):
+                a = _round(x[k] * inv)
+                v[k] = np.int16(a)
+                s += a
+            xs[g] = s
+
+
+@njit(cache=True)
+def round_rows16(kind, X, Xq, Xd, Xs):
+    # every row of X (T, n) rounded to int16 for kind + ACTS16: Xq (T, >= 2n) i8 holding the i16 values, Xd (T, n/32)
+    # f32 (the k-quants': n/256 of them), Xs (T, n/16) i32; nothing for the kinds that take f32 activations
+    k = kind & (ACTS16 - 1)
+    if k != Q8_0 and k != Q4_0 and k != Q4_K and k != Q5_K and k != Q6_K:
+        return
+    B = 256 if k == Q4_K or k == Q5_K or k == Q6_K else 32
+    for t in range(X.shape[0]):
+        quant_acts16(X[t], Xq[t], Xd[t], Xs[t], B)
+
+
+# ---------------------------------------------------------------------------- IR helpers
+
+def _dot16(builder, acc, w, x):
+    """acc <16 x i32> + the products of <32 x i16> w and x summed in adjacent pairs (lane l: 2l and 2l+1):
+    one `vpdpwssd` on AVX-512 VNNI, else `vpmaddwd` and an add (exact: no saturation)."""
+    if HAVE_VNNI512:
+        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16] * 3),
+                                           "llvm.x86.avx512.vpdpwssd.512")
+        return builder.call(f, [acc, builder.bitcast(w, _V16), builder.bitcast(x, _V16)])
+    v32 = ir.VectorType(_i32, 32)
+    prod = builder.mul(builder.sext(w, v32), builder.sext(x, v32))
+    ev = builder.shuffle_vector(prod, prod, ir.Constant(_V16, list(range(0, 32, 2))))
+    od = builder.shuffle_vector(prod, prod, ir.Constant(_V16, list(range(1, 32, 2))))
+    return builder.add(acc, builder.add(ev, od))
+
+
+def _x16(builder, xp, at):
+    """<32 x i16>: the activations' int16 values at element `at` (i64) of the i16 pointer xp."""
+    return builder.load(builder.bitcast(builder.gep(xp, [at]), _W32.as_pointer()), align=2)
+
+
+def _sum8w(builder, ps):
+    """8 <16 x i32> vectors -> one <8 x i32>, lane i the sum of ps[i]'s lanes (exact: integers): pairs of vectors
+    folded into one (lanes 0-7 the first's adjacent pairs, 8-15 the second's) three times, then once more."""
+    while len(ps) > 1:
+        nxt = []
+        for a, b in zip(ps[0::2], ps[1::2]):
+            ev = builder.shuffle_vector(a, b, ir.Constant(_V16, list(range(0, 32, 2))))
+            od = builder.shuffle_vector(a, b, ir.Constant(_V16, list(range(1, 32, 2))))
+            nxt.append(builder.add(ev, od))
+        ps = nxt
+    v8 = ir.VectorType(_i32, 8)
+    s = ps[0]
+    return builder.add(builder.shuffle_vector(s, s, ir.Constant(v8, list(range(0, 16, 2)))),
+                       builder.shuffle_vector(s, s, ir.Constant(v8, list(range(1, 16, 2)))))
+
+
+def _sum64(builder, v):
+    """The 16 lanes of a <16 x i32> summed in i64 (exact)."""
+    v64 = ir.VectorType(_i64, 16)
+    f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_i64, [v64]), "llvm.vector.reduce.add.v16i64")
+    return builder.call(f, [builder.sext(v, v64)])
+
+
+# ---------------------------------------------------------------------------- 32-block kinds: whole rows
+
+def _row32w(nibbles):
+    """The row dot of Q8_0 (34-byte blocks) or Q4_0 (18) with int16 activations: block b's exact sum (Q4_0's
+    values - 8 in bytes) times d_b * xd_b goes to partial sum b mod 8 (b32_update), 8 blocks at a time."""
+    size = 18 if nibbles else 34
+
+    def impl(typingctx, r, xq, xd, nb):
+        sig = types.float32(r, xq, xd, nb)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            idx = ir.IntType(64)
+            rp = _arr_ptr(context, builder, a[0], args[0], _i8)
+            xp = _arr_ptr(context, builder, a[1], args[1], _i16)
+            dp = _arr_ptr(context, builder, a[2], args[2], _f32)
+            vf = ir.VectorType(_f32, 8)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+            nb = args[3]
+            zero = ir.Constant(_V16, None)
+
+            def block(b):
+                """(block b's 16 lanes of pair sums, its f16 scale as f32)."""
+                o = builder.mul(b, ir.Constant(idx, size))
+                prefetch_ahead(builder, [rp], o, ahead=BLOCK_AHEAD)
+                xv = _x16(builder, xp, builder.mul(b, ir.Constant(idx, 32)))
+                wp = builder.gep(rp, [builder.add(o, ir.Constant(idx, 2))])
+                if nibbles:
+                    vt = ir.VectorType(_i8, 16)
+                    bb = _load(builder, wp, 16)
+                    q = builder.shuffle_vector(builder.and_(bb, ir.Constant(vt, [15] * 16)),
+                                               builder.lshr(bb, ir.Constant(vt, [4] * 16)),
+                                               ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
+                    w = builder.sub(q, ir.Constant(ir.VectorType(_i8, 32), [8] * 32))
+                else:
+                    w = _load(builder, wp, 32)
+                return _dot16(builder, zero, builder.sext(w, _W32), xv), _f16_at(builder, rp, o)
+
+            eight = ir.Constant(idx, 8)
+            with cgutils.for_range(builder, builder.sdiv(nb, eight)) as loop:      # 8 blocks, one per lane
+                b0 = builder.mul(loop.index, eight)
+                ps, ds = [], ir.Constant(vf, None)
+                for i in range(8):
+                    p, d = block(builder.add(b0, ir.Constant(idx, i)))
+                    ps.append(p)
+                    ds = builder.insert_element(ds, d, ir.Constant(_i32, i))
+                isum = _sum8w(builder, ps)
+                builder.store(b32_update(builder, builder.load(acc), isum, ds, _vload(builder, dp, b0, vf)), acc)
+            with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(nb, eight), eight), nb,
+                                         ir.Constant(idx, 1)) as (b, _):           # the rest: lane b mod 8 alone
+                p, d = block(b)
+                isum = _reduce(builder, p, 16)
+                lane = builder.trunc(builder.srem(b, eight), _i32)
+                v = builder.load(acc)
+                upd = b32_update(builder, builder.extract_element(v, lane), isum, d, builder.load(builder.gep(dp, [b])))
+                builder.store(builder.insert_element(v, upd, lane), acc)
+            v = builder.load(acc)
+            return b32_total(builder, [builder.extract_element(v, ir.Constant(_i32, i)) for i in range(8)])
+        return sig, codegen
+    return impl
+
+
+row16_q8_0 = intrinsic(_row32w(False))
+row16_q8_0.__doc__ = "r (row bytes,) u8 Q8_0 row . int16 activations in xq (2n,) i8 with scales xd (n/32,) f32, nb blocks -> f32"
+row16_q4_0 = intrinsic(_row32w(True))
+row16_q4_0.__doc__ = "row16_q8_0 for a Q4_0 row (18-byte blocks)"
+
+
+# ---------------------------------------------------------------------------- k-quants: a row times C activation rows
+# A 256-block's weights are decoded once (values widened to i16, times their sub-block scale) and dotted with the
+# block of each of C activation rows: per row the same integers and float steps as alone (C = 1), so a batch's
+# rows get the bits of each row's own product.
+
+def _q45_weights(builder, rp, o, five):
+    """Q4_K / Q5_K's block at byte o: 8 (<32 x i16> values times their scale, activation offset), mins <8 x i8>,
+    d, dmin."""
+    idx = ir.IntType(64)
+    vt = ir.VectorType(_i8, 32)
+    sc8, mn8 = _k_scales_mins(builder, rp, o)
+    for line in range(0, 176 if five else 144, 64):
+        prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
+    qs = 48 if five else 16
+    if five:
+        qh = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, 16))]), 32)
+    ws = []
+    for c in range(4):
+        bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 32 * c))]), 32)
+        for half in range(2):
+            q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
+            j = 2 * c + half
+            if five:            # Q5_K: bit j of qh[k] is the fifth bit of sub-block j's value k
+                hb = builder.and_(builder.lshr(qh, ir.Constant(vt, [j] * 32)), ir.Constant(vt, [1] * 32))
+                q = builder.or_(q, builder.shl(hb, ir.Constant(vt, [4] * 32)))
+            s = builder.zext(builder.extract_element(sc8, ir.Constant(_i32, j)), _i16)
+            sv = builder.shuffle_vector(builder.insert_element(ir.Constant(_W32, None), s, ir.Constant(_i32, 0)),
+                                        ir.Constant(_W32, None), ir.Constant(ir.VectorType(_i32, 32), [0] * 32))
+            ws.append((builder.mul(builder.zext(q, _W32), sv), 32 * j))           # at most 63 * 31
+    return ws, mn8, _f16_at(builder, rp, o), _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2)))
+
+
+def _q6_weights(builder, rp, o):
+    """Q6_K's block at byte o: 8 (<32 x i16> (values - 32) times their group's scale, activation offset), d."""
+    idx = ir.IntType(64)
+    vt = ir.VectorType(_i8, 32)
+
+    def at(off):
+        return builder.add(o, ir.Constant(idx, off))
+    sc = builder.sext(_vload(builder, rp, at(192), ir.VectorType(_i8, 16)), ir.VectorType(_i16, 16))
+    for line in range(0, 210, 64):
+        prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
+    ws = []
+    for h in range(2):
+        qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
+        for c in range(4):
+            ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
+            low = builder.and_(builder.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
+            high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
+            q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32))), ir.Constant(vt, [32] * 32))
+            g = 8 * h + 2 * c
+            sv = builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_i32, 32), [g] * 16 + [g + 1] * 16))
+            ws.append((builder.mul(builder.sext(q, _W32), sv), 128 * h + 32 * c))   # |w| <= 32 * 128
+    return ws, _f16_at(builder, rp, at(208))
+
+
+def _rows_of(context, builder, aty, arr, t0, nc, ty):
+    """Pointers (as ty*) to rows t0..t0+nc of a 2-D array (rows contiguous, any row stride)."""
+    a = context.make_array(aty)(context, builder, arr)
+    stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+    base = builder.bitcast(a.data, _i8.as_pointer())
+    return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(t0, ir.Constant(_i64, t)), stride)]),
+                            ty.as_pointer()) for t in range(nc)]
+
+
+def _krow(kind, nc):
+    """intrinsic (r, Xq, Xd, Xs, t0, nb, res): res[t] = weight row r (nb 256-blocks of kind Q4_K, Q5_K or Q6_K) . the
+    int16 activations of row t0 + t of Xq (T, >= 2n) i8, scales Xd (T, ...) f32, 16-sums Xs (T, n/16) i32, for t < nc:
+    per block I = sum over the sub-blocks of scale * (values . x) exact (i64), then acc + I * (d * xd)
+    [- M * (dmin * xd), M = sum_j min_j * x_j's sum] (blocks_ir.k_update), acc from 0 over the blocks."""
+    size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[kind]
+
+    def impl(typingctx, r, Xq, Xd, Xs, t0, nb, res):
+        sig = types.void(r, Xq, Xd, Xs, t0, nb, res)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            idx = ir.IntType(64)
+            rp = _arr_ptr(context, builder, a[0], args[0], _i8)
+            xps = _rows_of(context, builder, a[1], args[1], args[4], nc, _i16)
+            dps = _rows_of(context, builder, a[2], args[2], args[4], nc, _f32)
+            sps = _rows_of(context, builder, a[3], args[3], args[4], nc, _i32)
+            out = _arr_ptr(context, builder, a[6], args[6], _f32)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nc)]
+            with cgutils.for_range(builder, args[5]) as loop:
+                b = loop.index
+                o = builder.mul(b, ir.Constant(idx, size))
+                if kind == Q6_K:
+                    ws, d = _q6_weights(builder, rp, o)
+                else:
+                    ws, mn8, d, dmin = _q45_weights(builder, rp, o, kind == Q5_K)
+                x0 = builder.mul(b, ir.Constant(idx, 256))
+                for t in range(nc):
+                    ivec = ir.Constant(_V16, None)
+                    for w, off in ws:
+                        ivec = _dot16(builder, ivec, w, _x16(builder, xps[t], builder.add(x0, ir.Constant(idx, off))))
+                    xdb = builder.load(builder.gep(dps[t], [b]))
+                    if kind == Q6_K:
+                        upd = k_update(builder, builder.load(accs[t]), _sum64(builder, ivec), d, xdb)
+                    else:
+                        v8 = ir.VectorType(_i32, 8)
+                        xs16 = _vload(builder, sps[t], builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
+                        ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
+                        od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
+                        msum = _reduce(builder, builder.mul(builder.zext(mn8, v8), builder.add(ev, od)), 8)
+                        upd = k_update(builder, builder.load(accs[t]), _sum64(builder, ivec), d, xdb, msum, dmin)
+                    builder.store(upd, accs[t])
+            for t in range(nc):
+                builder.store(builder.load(accs[t]), builder.gep(out, [ir.Constant(idx, t)]))
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+C16 = 4                     # activation rows a k-quant weight row is dotted with at once
+_q4k_c, _q4k_1 = _krow(Q4_K, C16), _krow(Q4_K, 1)
+_q5k_c, _q5k_1 = _krow(Q5_K, C16), _krow(Q5_K, 1)
+_q6k_c, _q6k_1 = _krow(Q6_K, C16), _krow(Q6_K, 1)
+
+
+# ---------------------------------------------------------------------------- row loops
+
+@njit(cache=True, inline="always")
+def _dot16_q8_0(r, X, xq, xd, xs):
+    return row16_q8_0(r, xq, xd, X.shape[0] // 32)
+
+
+@njit(cache=True, inline="always")
+def _dot16_q4_0(r, X, xq, xd, xs):
+    return row16_q4_0(r, xq, xd, X.shape[0] // 32)
+
+
+# one loop per kind, so that its dot is inlined (as kernels/blocks' int8 loops)
+@njit(cache=True)
+def _rows16_q8_0(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate):
+    for i in range(i0, i1):
+        for t in range(X.shape[0]):
+            _put2(out, t, i, _dot16_q8_0(raw[i], X[t], Xq[t], Xd[t], Xs[t]), alpha, accumulate)
+
+
+@njit(cache=True)
+def _rows16_q4_0(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate):
+    for i in range(i0, i1):
+        for t in range(X.shape[0]):
+            _put2(out, t, i, _dot16_q4_0(raw[i], X[t], Xq[t], Xd[t], Xs[t]), alpha, accumulate)
+
+
+@njit(cache=True)
+def _rows16_k(raw, kind, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate):
+    # the k-quants: each weight row dotted with C16 activation rows at once, then the rest one by one (the same bits)
+    T, nb = X.shape[0], X.shape[1] // 256
+    for i in range(i0, i1):
+        for t0 in range(0, T - C16 + 1, C16):
+            if kind == Q4_K:
+                _q4k_c(raw[i], Xq, Xd, Xs, t0, nb, res)
+            elif kind == Q5_K:
+                _q5k_c(raw[i], Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q6k_c(raw[i], Xq, Xd, Xs, t0, nb, res)
+            for t in range(C16):
+                _put2(out, t0 + t, i, res[t], alpha, accumulate)
+        for t in range(T // C16 * C16, T):
+            if kind == Q4_K:
+                _q4k_1(raw[i], Xq, Xd, Xs, t, nb, res)
+            elif kind == Q5_K:
+                _q5k_1(raw[i], Xq, Xd, Xs, t, nb, res)
+            else:
+                _q6k_1(raw[i], Xq, Xd, Xs, t, nb, res)
+            _put2(out, t, i, res[0], alpha, accumulate)
+
+
+@njit(cache=True)
+def rows16(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # out[t, i] (=|+=) alpha * raw[i] . X[t] for rows i0..i1 and every t, kind + ACTS16 (X rounded by round_rows16):
+    # each weight row read once for all t; the kinds without integer dots on the f32 activations (kernels/blocks)
+    k = kind & (ACTS16 - 1)
+    if k == Q8_0:
+        _rows16_q8_0(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate)
+    elif k == Q4_0:
+        _rows16_q4_0(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate)
+    elif k == Q4_K or k == Q5_K or k == Q6_K:
+        _rows16_k(raw, k, X, Xq, Xd, Xs, out, tmp[:C16], i0, i1, alpha, accumulate)
+    else:
+        _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
