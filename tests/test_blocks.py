@@ -20,6 +20,7 @@ from colibri_server.model.blocks import KINDS as BLOCK_KINDS
 from colibri_server.model.gguf_import import convert_gguf
 from colibri_server.model.kernels import blocks as KB
 from colibri_server.model.kernels import blocks_gemm as KG
+from colibri_server.model.kernels import blocks_small as KS
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
@@ -68,6 +69,7 @@ def test_products_equal_the_dequantized_product_within_the_rounding(kind):
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda k: k.name)
 def test_the_tiled_product_gives_each_rows_matvec_bits(kind):
     # 53 weight rows: 3 tiles of 16 and 5 rows through the row dots; 11 rows of X: 2 passes of 4 and 3 single rows
+    # (more than kernels/blocks_small takes)
     rng = np.random.default_rng(11)
     d, n, T = 53, 768, 11
     raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=5)
@@ -76,7 +78,7 @@ def test_the_tiled_product_gives_each_rows_matvec_bits(kind):
     def scratch(t):
         return (np.zeros((t, n), np.int8), np.zeros((t, n // 32), np.float32), np.zeros((t, n // 16), np.int32),
                 np.zeros(KG.scratch_words(n), np.float32))
-    assert T >= KG.GEMM_MIN_ROWS
+    assert T >= KG.GEMM_MIN_ROWS and T > KS.SMALL_MAX_ROWS
     out = np.full((T, d), 0.5, np.float32)
     KG.matmul_blocks(raw, int(kind), X, out, *scratch(T), np.float32(0.75), True)
     for t in range(T):
@@ -89,6 +91,33 @@ def test_the_tiled_product_gives_each_rows_matvec_bits(kind):
     step = np.abs(X.reshape(T, -1, B)).max(axis=2) / 127 / 2
     bound = (np.repeat(step, B, axis=1) @ W.T) * 1.001 + 1e-5
     assert (np.abs((out - 0.5) / 0.75 - ref) <= bound * 1.01 + 1e-5).all()
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda k: k.name)
+def test_the_small_row_product_gives_each_rows_matvec_bits(kind):
+    # kernels/blocks_small: one weight row against passes of 8, 7..2 activation rows (a last single one: the row
+    # dot), each block unpacked once for all of them; Q8_0 / Q4_0 over 25 blocks: 3 vectors of 8 and one alone
+    rng = np.random.default_rng(13)
+    d, n = 37, 768 if int(kind) in KB.KROUND else 800
+    raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=7)
+
+    def scratch(t):
+        return (np.zeros((t, n), np.int8), np.zeros((t, n // 32), np.float32), np.zeros((t, n // 16), np.int32),
+                np.zeros(KG.scratch_words(n), np.float32))
+    for T in list(range(2, 10)) + [15, 19]:
+        X = rng.standard_normal((T, n)).astype(np.float32) * rng.uniform(0.1, 3.0, (T, 1)).astype(np.float32)
+        Xq, Xd, Xs, tmp = scratch(T)
+        KB.round_rows(int(kind), X, Xq, Xd, Xs)
+        out = np.full((T, d), 0.5, np.float32)
+        KS.small_rows(raw, int(kind), X, Xq, Xd, Xs, out, tmp, 0, d, np.float32(0.75), True)
+        for t in range(T):
+            one = np.full((1, d), 0.5, np.float32)
+            KG.matmul_blocks(raw, int(kind), X[t:t + 1], one, *scratch(1), np.float32(0.75), True)   # the row dots
+            assert np.array_equal(one[0].view(np.uint32), out[t].view(np.uint32)), (T, t)
+        if T <= KS.SMALL_MAX_ROWS:              # matmul_blocks takes it for so few rows: the same bits
+            got = np.full((T, d), 0.5, np.float32)
+            KG.matmul_blocks(raw, int(kind), X, got, *scratch(T), np.float32(0.75), True)
+            assert np.array_equal(got.view(np.uint32), out.view(np.uint32)), T
 
 
 def _mixed(name, a):

@@ -193,3 +193,62 @@ def test_colibri_dequantize_writes_the_block_kinds_values_as_floats(tmp_path):
         assert a.records[r.name].dtype == "f32" and np.array_equal(a.view(r.name), b.view(r.name)), r.name
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_steps_block_experts_in_one_call_are_the_per_expert_path_bit_for_bit(tmp_path, monkeypatch, threads):
+    """moe() over a step's rows with block-kind experts runs them in one Numba call (kernels/experts_blocks: the
+    small-T product for an expert's few rows, the tiles for many, thread parts over the weight rows); its output
+    is the per-expert path's (gather, three matrix calls, scatter) bit for bit, and each (row, expert)'s output the
+    row dots' (one row at a time), in each layer's kinds: w1 and w3 rounded differently (Q4_K per 256, Q8_0 per 32), the 32-block kinds' down
+    matrices."""
+    from colibri_server.model import kernels as K
+    from colibri_server.model.kernels import experts_blocks as KEB
+    from colibri_server.model.moe import moe
+    from colibri_server.model.transformer import Workspace
+    hf = _hf(tmp_path)
+    per_layer = [(Q.Q4_K, Q.Q8_0, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q4_0)]
+
+    def matrix(name, a):
+        if a.ndim < 2 or "ffn_gate_inp" in name:
+            return a, Q.F32
+        if "_exps" in name:
+            i = int(name.split(".")[1])
+            k = per_layer[i % 2][["gate", "up", "down"].index(name.split("ffn_")[1].split("_")[0])]
+        else:
+            k = Q.Q8_0
+        return quantized(a * 0.5, k, seed=len(name)), k
+    write_gguf(hf, tmp_path / "m.gguf", "mixtral", matrix_type=matrix, config=_cfg())
+    convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks", progress=False,
+                 require_tokenizer=False)
+    m = Model.open(str(tmp_path / "b.colibri"), threads=threads)
+    ws = m.workspace
+    rng = np.random.default_rng(4)
+    for li in (0, 1):
+        L = m.weights.layers[li]
+        assert ws.block_experts_in_one_call(L)
+        for T in (3, 16, 40):           # ~1, ~4 and ~10 rows an expert (top-2 of 8): row dots, small-T, tiles
+            x = (rng.standard_normal((T, m.config.hidden_size)) * rng.uniform(0.2, 2.0, (T, 1))).astype(np.float32)
+            one = moe(L, x, ws, np.zeros_like(x)).copy()
+            with monkeypatch.context() as mp:
+                mp.setattr(Workspace, "block_experts_in_one_call", lambda self, layer: False)
+                each = moe(L, x, ws, np.zeros_like(x))
+            assert np.array_equal(one.view(np.uint32), each.view(np.uint32)), (li, T)
+            # and each (row, expert) alone: its three products through the row dots, as the decode token runs them
+            E, A = L.w1.shape[0], L.top_k
+            idx = ws.route_idx[:T, :A].copy()
+            counts, offsets, order = np.zeros(E, np.int64), np.zeros(E + 1, np.int64), np.zeros(A * T, np.int64)
+            K.group_by_expert(idx, E, counts, offsets, order)
+            Y = np.zeros((A * T, x.shape[1]), np.float32)
+            KEB.experts_rows_blocks(L.w1.raw, L.w1.ggml, L.w3.raw, L.w3.ggml, L.w2.raw, L.w2.ggml, x, order, offsets,
+                                    A, Y, np.flatnonzero(counts), ws.block_tmps(256))
+            for t in range(T):
+                for a in range(A):
+                    e = idx[t, a]
+                    h1, h3, y = np.zeros((1, 256), np.float32), np.zeros((1, 256), np.float32), np.zeros((1, 256),
+                                                                                                      np.float32)
+                    ws.mm_blocks(x[t:t + 1], L.w1[e], h1)
+                    ws.mm_blocks(x[t:t + 1], L.w3[e], h3)
+                    K.silu_mul(h1, h3, h1)
+                    ws.mm_blocks(h1, L.w2[e], y)
+                    assert np.array_equal(Y[t * A + a].view(np.uint32), y[0].view(np.uint32)), (li, T, t, a)

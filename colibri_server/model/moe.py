@@ -16,6 +16,7 @@ import numpy as np
 from . import kernels as K
 from .blocks import is_block
 from .kernels import decode as KD
+from .kernels import experts_blocks as KEB
 from .kernels import experts_q as KX
 from .kernels import rowgemm as RG
 from .panels import kernel_array
@@ -112,6 +113,14 @@ def moe(layer, x, ws, out, noise=None, trace=None):
                 RG.experts_rows_par(w1, w3, w2, x, order, offsets, A, Y, active)
             else:
                 RG.experts_rows(w1, w3, w2, x, order, offsets, A, Y)
+            RG.weighted_rows(Y, wts, out)
+            return _shared_expert(layer, x, ws, out)
+        if not general and ws.block_experts_in_one_call(layer):
+            # the same for block-kind experts (kernels/experts_blocks): a few rows each through the small-T product
+            Y = ws.expert_rows(T * A)
+            w1, w3, w2 = layer.w1, layer.w3, layer.w2
+            KEB.experts_rows_blocks(w1.raw, w1.ggml, w3.raw, w3.ggml, w2.raw, w2.ggml, x, order, offsets, A, Y, active,
+                                    ws.block_tmps(max(w1.shape[1], w1.shape[2])))
             RG.weighted_rows(Y, wts, out)
             return _shared_expert(layer, x, ws, out)
         if not general and ws.quant_experts_in_one_call(layer):

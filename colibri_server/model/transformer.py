@@ -265,6 +265,15 @@ class Workspace:
                 return False
         return True
 
+    def block_experts_in_one_call(self, layer) -> bool:
+        """Whether moe() runs a step's block-kind experts in one call (kernels/experts_blocks): the three stacks
+        in block kinds."""
+        return all(W is not None and is_block(W) for W in (layer.w1, layer.w3, layer.w2))
+
+    def block_tmps(self, n: int):
+        """One f32 scratch per thread for the block kinds' products of n columns (blocks_gemm.scratch_words)."""
+        return self.block_acts(1, self._n_max)[3][:self.threads, :KG.scratch_words(n)]
+
     def quant_experts_in_one_call(self, layer) -> bool:
         """Whether moe() runs a step's q8/q4 experts in one call (kernels/experts_q): the three stacks
         quantized, on a CPU with the integer GEMM (what mm would give each expert)."""

@@ -26,6 +26,7 @@ from numba.extending import intrinsic
 
 from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _k_scale_min, _put2, _rows, round_rows
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
+from .blocks_small import SMALL_MAX_ROWS, small_rows
 from .blocks_wide import round_rows16, rows16
 from .cpu import HAVE_VNNI512
 
@@ -479,17 +480,23 @@ def _tiles_b32w(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 
 @njit(cache=True)
 def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    # out[t, i] (=|+=) alpha * raw[i] . X[t] for rows i0..i1 and every t, X rounded for kind (round_rows): whole
-    # tiles of R rows through the micro-kernels where they run (HAVE_TILES, Q4_K / Q5_K / Q6_K, >= GEMM_MIN_ROWS rows of X),
-    # the rest through the row dots, the same bits either way; kind + ACTS16: blocks_wide's row dots. tmp: >= scratch_words(n) f32
+    # out[t, i] (=|+=) alpha * raw[i] . X[t] for rows i0..i1 and every t, X rounded for kind (round_rows): 2 to
+    # SMALL_MAX_ROWS rows of X of an integer kind through kernels/blocks_small (each block unpacked once for all rows),
+    # more through whole tiles of R rows where they run (HAVE_TILES, >= GEMM_MIN_ROWS rows), the rest through the row
+    # dots, the same bits every way; kind + ACTS16 (the output head): blocks_wide's row dots, its Q8_0/Q4_0 tiles
+    # from WIDE_TILE_MIN_ROWS rows. tmp: >= scratch_words(n) f32
     end = i0
+    T = X.shape[0]
     if kind & ACTS16:
         k = kind & (ACTS16 - 1)
-        if HAVE_TILES and X.shape[0] >= WIDE_TILE_MIN_ROWS and (k == Q8_0 or k == Q4_0) and X.shape[1] % 256 == 0 \
+        if HAVE_TILES and T >= WIDE_TILE_MIN_ROWS and (k == Q8_0 or k == Q4_0) and X.shape[1] % 256 == 0 \
                 and tmp.shape[0] >= scratch_words(X.shape[1]):
             end = i0 + (i1 - i0) // R * R
             _tiles_b32w(raw, k == Q4_0, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         rows16(raw, kind, X, Xq, Xd, Xs, out, tmp, end, i1, alpha, accumulate)
+        return
+    if 2 <= T <= SMALL_MAX_ROWS and (kind == Q4_K or kind == Q5_K or kind == Q6_K or kind == Q8_0 or kind == Q4_0):
+        small_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)     # a few rows: no panel
         return
     if tmp.shape[0] < scratch_words(X.shape[1]):          # too small a scratch for a panel: the row dots
         pass

@@ -1,0 +1,87 @@
+"""A serving step's block-kind experts in one call: the counterpart of experts_q (q8/q4) for llama.cpp's block kinds.
+
+moe() ran a step's block-kind experts one after another from Python, three matrix calls each (gather,
+w1, w3, w2, scatter), each matrix on the threads only when big enough, and at a few rows per expert
+(16 rows, top-2 of 8: ~4) each call through the tiled GEMM, whose panel layout costs more than those
+rows' products. Here one call per layer runs every expert that got rows: their rows gathered and
+rounded once, then each thread part takes its share of the weight rows of every active expert's w1
+and w3 (one parallel region) and of w2 (a second), each through blocks_gemm.gemm_rows (the small-T
+product of kernels/blocks_small for a few rows, the tiles for many), so the work is even however the
+rows fell on the experts. Every product is the row dot's bits for its rows (rounded the same way), so
+the output is the per-expert path's.
+
+Legend as in moe.py: T rows, k chosen experts per row, D hidden, I expert intermediate, n = T*k.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .blocks import QB, SB, _kround, round_rows
+from .blocks_gemm import R, gemm_rows
+from .moe import silu_mul
+
+__all__ = ["experts_rows_blocks"]
+
+
+@njit(cache=True, inline="always")
+def _share(d, p, nparts):
+    # part p's weight rows of d: whole tiles of R rows (the tiles' boundaries), the parts even
+    tiles = (d + R - 1) // R
+    return min(d, p * tiles // nparts * R), min(d, (p + 1) * tiles // nparts * R)
+
+
+@njit(cache=True, parallel=True)
+def _up(r1, k1, r3, k3, xe, q1, d1, s1, q3, d3, s3, offsets, active, G, U, tmps):
+    nparts = tmps.shape[0]
+    one = np.float32(1.0)
+    for p in prange(nparts):
+        i0, i1 = _share(G.shape[1], p, nparts)
+        for j in range(active.shape[0]):
+            e = active[j]
+            lo, hi = offsets[e], offsets[e + 1]
+            gemm_rows(r1[e], k1, xe[lo:hi], q1[lo:hi], d1[lo:hi], s1[lo:hi], G[lo:hi], tmps[p], i0, i1, one, False)
+            gemm_rows(r3[e], k3, xe[lo:hi], q3[lo:hi], d3[lo:hi], s3[lo:hi], U[lo:hi], tmps[p], i0, i1, one, False)
+
+
+@njit(cache=True, parallel=True)
+def _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, tmps):
+    nparts = tmps.shape[0]
+    one = np.float32(1.0)
+    for p in prange(nparts):
+        i0, i1 = _share(Yg.shape[1], p, nparts)
+        for j in range(active.shape[0]):
+            e = active[j]
+            lo, hi = offsets[e], offsets[e + 1]
+            gemm_rows(r2[e], k2, G[lo:hi], gq[lo:hi], gd[lo:hi], gs[lo:hi], Yg[lo:hi], tmps[p], i0, i1, one, False)
+
+
+@njit(cache=True)
+def experts_rows_blocks(r1, k1, r3, k3, r2, k2, X, order, offsets, k, Y, active, tmps):
+    # r1, r3 (E,I,row bytes) / r2 (E,D,row bytes) block-kind expert stacks of GGML types k1, k3, k2; order/offsets
+    # the rows grouped by expert (moe.group_by_expert), active the experts with rows; X (T,D) -> Y (T*k,D): row t*k+a
+    # = the a-th chosen expert of row t on x_t. tmps (parts, >= blocks_gemm.scratch_words(max(D, I))) f32: one
+    # scratch per thread part
+    n = order.shape[0]
+    D = X.shape[1]
+    I = r1.shape[1]
+    xe = np.empty((n, D), np.float32)            # X's rows in expert order
+    for r in range(n):
+        xe[r] = X[order[r] // k]
+    q1, d1, s1 = np.empty((n, D), np.int8), np.empty((n, D // QB), np.float32), np.empty((n, D // SB), np.int32)
+    round_rows(k1, xe, q1, d1, s1)
+    if _kround(k1) == _kround(k3):               # one rounding of the rows serves both up matrices
+        q3, d3, s3 = q1, d1, s1
+    else:
+        q3, d3, s3 = np.empty((n, D), np.int8), np.empty((n, D // QB), np.float32), np.empty((n, D // SB), np.int32)
+        round_rows(k3, xe, q3, d3, s3)
+    G = np.empty((n, I), np.float32)
+    U = np.empty((n, I), np.float32)
+    _up(r1, k1, r3, k3, xe, q1, d1, s1, q3, d3, s3, offsets, active, G, U, tmps)
+    silu_mul(G, U, G)
+    gq, gd, gs = np.empty((n, I), np.int8), np.empty((n, I // QB), np.float32), np.empty((n, I // SB), np.int32)
+    round_rows(k2, G, gq, gd, gs)
+    Yg = np.empty((n, D), np.float32)
+    _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, tmps)
+    for r in range(n):
+        Y[order[r]] = Yg[r]
