@@ -23,7 +23,8 @@ def _product(raw, kind, X, par=False):
     """X (T, n) @ the block matrix raw through matmul_blocks (kind as the kernels take it: + ACTS16 or not)."""
     T, n = X.shape
     out = np.zeros((T, raw.shape[0]), np.float32)
-    Xq, Xd, Xs = np.zeros((T, 2 * n), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32)
+    wq = 2 * n if kind & KB.ACTS16 else n                       # the rounded input's bytes a row (matmul_blocks)
+    Xq, Xd, Xs = np.zeros((T, wq), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32)
     if par:
         KG.matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, np.zeros((2, KG.scratch_words(n)), np.float32),
                              np.float32(1.0), False)
