@@ -152,3 +152,24 @@ def test_the_int16_head_is_the_default_and_every_path_gets_its_bits(tmp_path, he
     m.prefill(c, PROMPT[:8])
     int8 = m.decode(c, PROMPT[8])[0]
     assert not np.array_equal(int8, runs[1][0]) and np.abs(int8 - runs[1][0]).max() < 0.05 * np.abs(int8).max()
+
+
+@pytest.mark.slow          # the threaded block kernels' cold compile: minutes on a loaded core
+def test_a_block_models_threaded_kernels_are_compiled_before_fork(tmp_path):
+    """compile_threaded (a pre-fork master's) compiles the block kinds' threaded kernels for the types a 2-thread
+    worker's workspace gives them (mm_blocks on one and a few rows, a decode token's experts), so a worker compiles
+    none at its first requests: compiled there, they stalled a first 16-client burst on Q4_K_M for 26 s."""
+    import numba
+
+    from colibri_server.model.transformer import Workspace
+    m = Model.open(_head_model(tmp_path, Q.Q8_0))
+    m.compile_threaded()
+    ws = Workspace(m.config, 4, threads=2)
+    L = m.weights.layers[0]
+    mm = {tuple(s) for s in KG.matmul_blocks_par.signatures}
+    for W in (L.wq, L.w2[0], m.weights.output):
+        for T in (1, 2):
+            args = ws.mm_blocks_args(np.zeros((T, W.shape[1]), np.float32), W, np.zeros((T, W.shape[0]), np.float32))
+            assert tuple(numba.typeof(a) for a in args) in mm, (W.shape, T)
+    args = ws.experts_blocks_args(L, np.zeros(2, np.int64), np.zeros(2, np.float32), ws.x[0], ws.h[0])
+    assert tuple(numba.typeof(a) for a in args) in {tuple(s) for s in KB.experts_decode_par.signatures}

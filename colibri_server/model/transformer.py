@@ -206,16 +206,20 @@ class Workspace:
         """out (T,d) (=|+=) alpha * X (T,n) @ W.T for a block-kind W (kernels/blocks): the rows of X rounded
         once, each weight row read once for all of them; weight rows over the threads when the work is big."""
         T, n = X.shape
-        Xq, Xd, Xs, tmps = self.block_acts(T, n, W.acts16)
         if self.threads > 1 and out.shape[1] * n * T >= self.PAR_MIN_BLOCK_WEIGHTS:
-            KG.matmul_blocks_par(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[:self.threads], np.float32(alpha), accumulate)
+            KG.matmul_blocks_par(*self.mm_blocks_args(X, W, out, alpha, accumulate))
         else:
+            Xq, Xd, Xs, tmps = self.block_acts(T, n, W.acts16)
             KG.matmul_blocks(W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[0], np.float32(alpha), accumulate)
         return out
 
     def experts_blocks(self, layer, idx, wts, x, out) -> None:
         """out (D,) += the chosen experts (idx (A,), wts (A,)) of block-kind stacks on x (D,), on the threads in two
         parallel regions (kernels/blocks.experts_decode_par: the same bits as one expert after another)."""
+        KB.experts_decode_par(*self.experts_blocks_args(layer, idx, wts, x, out))
+
+    def experts_blocks_args(self, layer, idx, wts, x, out) -> tuple:
+        """experts_decode_par's arguments, its scratch from this workspace (compile_parallel compiles for them)."""
         A, I, D = idx.shape[0], layer.w1.shape[1], x.shape[0]
         if self._block_h is None or self._block_h[0].shape != (A, I):
             self._block_h = (aligned_zeros((A, I), np.float32), aligned_zeros((A, I), np.float32),
@@ -223,9 +227,14 @@ class Workspace:
                              aligned_zeros((A, I // KB.SB), np.int32))
         Xq, Xd, Xs, tmps = self.block_acts(1, D)
         H1, H3, Hq, Hd, Hs = self._block_h
-        KB.experts_decode_par(layer.w1.raw, layer.w1.ggml, layer.w3.raw, layer.w3.ggml, layer.w2.raw, layer.w2.ggml,
-                              np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(wts, np.float32), x[None],
-                              H1, H3, out[None], Xq, Xd, Xs, Hq, Hd, Hs, tmps[:self.threads])
+        return (layer.w1.raw, layer.w1.ggml, layer.w3.raw, layer.w3.ggml, layer.w2.raw, layer.w2.ggml,
+                np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(wts, np.float32), x[None],
+                H1, H3, out[None], Xq, Xd, Xs, Hq, Hd, Hs, tmps[:self.threads])
+
+    def mm_blocks_args(self, X, W, out, alpha: float = 1.0, accumulate: bool = False) -> tuple:
+        """matmul_blocks_par's arguments for mm_blocks on threads, its scratch from this workspace."""
+        Xq, Xd, Xs, tmps = self.block_acts(X.shape[0], X.shape[1], W.acts16)
+        return W.raw, W.ggml, X, out, Xq, Xd, Xs, tmps[:self.threads], np.float32(alpha), accumulate
 
     def expert(self, w1, w3, w2, e, x, weight, out):
         """out (D,) += weight * expert e's SwiGLU of x (D,): one fused kernel call."""
@@ -324,7 +333,7 @@ def compile_parallel(weights, ws: Workspace) -> None:
                                                   L.mlp_w1, L.mlp_w3, L.mlp_w2, L.q_a, L.kv_a)] + [weights.output]
     # one expert of each stack: a serving step's expert with one routed row is a matvec (Workspace.mm)
     mats += [E[0] for L in weights.layers for E in (L.w1, L.w3, L.w2) if E is not None and not hasattr(E, "q")]
-    mats = [W for W in mats if not is_block(W)]          # block kinds: kernels/blocks, compiled on first use
+    mats = [W for W in mats if not is_block(W)]          # block kinds: below
     for W in mats:
         if W is None:
             continue
@@ -359,6 +368,29 @@ def compile_parallel(weights, ws: Workspace) -> None:
                 if key not in seen:
                     seen.add(key)
                     compile_for(GE._bf16_rows_par, *args)
+    # block kinds: a matrix's weight rows over the threads (mm_blocks: one or a few rows of X, outputs whole or a
+    # column slice) and a decode token's experts (experts_blocks), for the types this workspace's scratch gives them
+    blocks = [W for L in weights.layers for W in (L.wq, L.wk, L.wv, L.wo, L.shared_w1, L.shared_w3, L.shared_w2,
+                                                  L.mlp_w1, L.mlp_w3, L.mlp_w2, L.q_a, L.kv_a)] + [weights.output]
+    blocks += [E[0] for L in weights.layers for E in (L.w1, L.w3, L.w2) if E is not None]
+    for W in (W for W in blocks if W is not None and is_block(W)):
+        d, n = W.shape
+        for T in (1, 2):
+            X, wide = np.zeros((T, n), np.float32), np.zeros((T, d + 1), np.float32)
+            for out in (wide[:, :d].copy(), wide[:, :d]):
+                args = ws.mm_blocks_args(X, W, out)
+                key = ("blocks",) + tuple(numba.typeof(a) for a in args)
+                if key not in seen:
+                    seen.add(key)
+                    compile_for(KG.matmul_blocks_par, *args)
+    for L in weights.layers:
+        if L.w1 is not None and is_block(L.w1) and is_block(L.w3) and is_block(L.w2):
+            A = max(1, getattr(L, "top_k", 0) or 2)
+            args = ws.experts_blocks_args(L, np.zeros(A, np.int64), np.zeros(A, np.float32), x, x)
+            key = ("experts_blocks",) + tuple(numba.typeof(a) for a in args)
+            if key not in seen:
+                seen.add(key)
+                compile_for(KB.experts_decode_par, *args)
     for L in weights.layers:
         if L.qkv_stack is not None and len(L.qkv_stack) == 3:      # forward's q|k|v stack on threads
             key = ("qkv",) + tuple(numba.typeof(a) for a in L.qkv_stack)
