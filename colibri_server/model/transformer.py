@@ -385,8 +385,8 @@ def compile_parallel(weights, ws: Workspace) -> None:
                     compile_for(KG.matmul_blocks_par, *args)
     for L in weights.layers:
         if L.w1 is not None and is_block(L.w1) and is_block(L.w3) and is_block(L.w2):
-            A = max(1, getattr(L, "top_k", 0) or 2)
-            args = ws.experts_blocks_args(L, np.zeros(A, np.int64), np.zeros(A, np.float32), x, x)
+            idx, wts = np.zeros(2, np.int64), np.zeros(2, np.float32)   # two chosen experts: the types hold for any
+            args = ws.experts_blocks_args(L, idx, wts, x, x)
             key = ("experts_blocks",) + tuple(numba.typeof(a) for a in args)
             if key not in seen:
                 seen.add(key)
