@@ -581,8 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(repeatable) instead of every family and kind")
     k.add_argument("--family", action="append", metavar="NAME", help="only these families (repeatable)")
     k.add_argument("--kind", action="append", metavar="NAME", help="only these storage kinds (repeatable; default "
-                   "the kinds `colibri convert` writes by default: f16-panels, bf16, q8, q4; all: f16 rows and "
-                   "bf16-panels too)")
+                   "the kinds `colibri convert` writes by default: f16-panels, bf16, q8, q4, blocks (a quantized GGUF's "
+                   "llama.cpp block kinds, any mix); all: f16 rows and bf16-panels too)")
     k.add_argument("--layout", action="append", choices=("run", "serve-1", "serve-n", "prefill"), help="only "
                    "these ways of running (repeatable; default all: `colibri run`, one-thread workers, threaded "
                    "workers; prefill: run's prompt kernels alone)")

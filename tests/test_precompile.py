@@ -45,9 +45,10 @@ def test_the_fused_token_has_one_type_for_any_layer_count_and_size(tmp_path, fam
 
 def test_every_listed_family_and_kind_is_a_valid_config():
     for job in P.jobs():
-        cfg = P._config(job)
-        assert isinstance(cfg, ModelConfig)
-        cfg.check()
+        for wide in (False, True):
+            cfg = P._config(job, wide)
+            assert isinstance(cfg, ModelConfig)
+            cfg.check()
     assert len(P.jobs()) == len(P.FAMILIES) * len(P.KINDS)
 
 
@@ -57,7 +58,7 @@ def test_compile_builds_the_converters_default_kinds_unless_told(monkeypatch):
     from colibri_server import cli
     from colibri_server.model.convert import default_layout
     assert default_layout("f16", None) == "panels" and default_layout("bf16", None) == "rows"
-    assert {"f16-panels", "bf16", "q8", "q4"} == set(P.DEFAULT_KINDS)
+    assert {"f16-panels", "bf16", "q8", "q4", "blocks"} == set(P.DEFAULT_KINDS)
     seen = {}
     monkeypatch.setattr(P, "compile_jobs", lambda todo, procs, progress: seen.setdefault("todo", todo) and [])
     for args, kinds in ((["compile"], set(P.DEFAULT_KINDS)), (["compile", "--kind", "all"], set(P.KINDS)),
@@ -93,3 +94,38 @@ def test_the_fused_token_on_panels_is_the_general_path_bit_for_bit(tmp_path, fam
     general = run(trace)
     assert trace and np.isfinite(fused).all()
     np.testing.assert_array_equal(fused, general)
+
+
+def _warm_counting(path, layouts):
+    from colibri_server.model.numba_cache import Compiles
+    m = Model.open(path, context=512)
+    try:
+        with Compiles() as compiled:
+            for layout in layouts:
+                P._warm(m, layout, "f16")
+        return compiled.count
+    finally:
+        m.close()
+
+
+def _blocks_model(tmp_path, name, scheme, **change):
+    """A model of llama.cpp's block kinds in `scheme`'s mix, as `colibri convert --quantize SCHEME` writes it."""
+    from colibri_server.model.kquants import scheme_kinds
+    cfg = dataclasses.replace(P._config(P.Job("mixtral", "f16-panels")), **change)
+    path = tmp_path / name
+    write_synthetic(path, dataclasses.replace(cfg, block_types=scheme_kinds(cfg, scheme)))
+    return path
+
+
+@pytest.mark.slow          # a block model's kernels compile in 2-6 minutes cold (45 s more after test_blocks*)
+@pytest.mark.parametrize("layouts", [("run",), P.LAYOUTS])
+def test_a_block_model_of_any_mix_and_shape_needs_no_kernel_the_blocks_job_did_not_compile(tmp_path, layouts):
+    """`colibri compile`'s one "blocks" job stands for every GGUF: a matrix's block kind is data to the kernels, so
+    after the job (Q4_K_M's mix: q4_k, q6_k) a Q8_0, Q4_0 or Q4_K_M file of another shape compiles nothing more."""
+    assert {"q4_k", "q6_k"} <= set(P._config(P.Job("mixtral", "blocks")).block_types.values())
+    job, _, _, error = P.run_job(P.Job("mixtral", "blocks", layouts))
+    assert not error
+    for scheme in ("q8_0", "q4_0", "q4_k_m"):
+        other = _blocks_model(tmp_path, f"{scheme}.colibri", scheme, num_layers=4, hidden_size=768, num_heads=12,
+                              num_kv_heads=4, moe_intermediate_size=1024, vocab_size=1000)
+        assert _warm_counting(other, layouts) == 0, scheme

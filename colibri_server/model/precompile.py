@@ -19,9 +19,10 @@ compiles exactly what that model needs (`--model`).
 
 What stays specific to a model: nothing of its shape in the fused token (its stacks), and elsewhere only
 where a view's layout follows from a coincidence of sizes (a slice that is the whole row is C-ordered, a
-narrower one not): compile_threaded compiles both forms of each, and a model whose sizes meet another
-coincidence compiles one small kernel at its first start (measured: one conversion kernel, 0.3-0.5 s, for
-a 30-layer and an 8-layer model after the families' jobs).
+narrower one not): each job warms two models of other sizes (_WIDE), so that both forms compile; a model
+whose sizes meet a third coincidence compiles what it meets at its first start (measured, before the second
+model: one conversion kernel, 0.3-0.5 s, for a 30-layer and an 8-layer f16 model; a block model of other
+sizes, 48 kernels).
 
 Names in FAMILIES are the model families of config.ARCHITECTURES that differ in their kernels' types:
 the others (qwen3_moe, olmoe, granitemoe, qwen2, qwen3) reach the same signatures as one listed here
@@ -41,6 +42,11 @@ __all__ = ["FAMILIES", "KINDS", "DEFAULT_KINDS", "LAYOUTS", "PREFILL", "Job", "j
 _BASE = dict(vocab_size=512, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
              num_experts=4, top_k=2, moe_intermediate_size=512, rms_norm_eps=1e-5, max_position_embeddings=512,
              rope_theta=1e4, bos_token_id=1, eos_token_ids=(2,))
+
+# the second model of a job: other sizes, so that a view that is a whole row in one (C-ordered) is a narrower slice
+# in the other, and the reverse (q heads as wide as the model here, not in _BASE)
+_WIDE = dict(hidden_size=512, num_layers=3, vocab_size=640)
+_FFN, _WIDE_FFN = ("moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size"), 768
 
 # each family's pieces that change a kernel's types (sizes: columns whole panels, rows whole quant groups)
 FAMILIES = {
@@ -70,12 +76,16 @@ KINDS = {
     "bf16-panels": dict(dtype="bf16", layout="panels"),
     "q8": dict(dtype="f16", quant="q8"),
     "q4": dict(dtype="f16", quant="q4", quant_overrides={"output": "q8"}),
+    # llama.cpp's block kinds, as a GGUF converts by default (--quantize auto) or `convert --quantize q4_k_m`
+    # writes: a matrix's kind (q4_k, q6_k, q8_0, mxfp4, ...) is an integer argument of the block kernels,
+    # never a type, so this one mix compiles what a file of any mix of them needs
+    "blocks": dict(dtype="f16", layout="panels", scheme="q4_k_m"),
 }
 
 # what `colibri compile` builds without --kind: the kinds `colibri convert` writes unless told otherwise (f16 in
-# panels, bf16 in rows: convert.default_layout; --quantize q8 or q4). f16 rows and bf16 panels, written only on
+# panels, bf16 in rows: convert.default_layout; --quantize q8 or q4; a quantized GGUF's blocks). f16 rows and bf16 panels, written only on
 # request (--layout), take their name or "all" (bf16-panels is the longest: 250 s a job on 2 shared cores)
-DEFAULT_KINDS = ("f16-panels", "bf16", "q8", "q4")
+DEFAULT_KINDS = ("f16-panels", "bf16", "q8", "q4", "blocks")
 
 LAYOUTS = ("run", "serve-1", "serve-n")
 PREFILL = "prefill"         # a part of "run" (see the module's doc); not a layout of its own in `colibri compile`
@@ -106,9 +116,19 @@ def jobs(families=None, kinds=None, layouts=LAYOUTS, kv_dtype="f16") -> list:
     return [Job(f, k, tuple(layouts), kv_dtype) for k in ks for f in fs]
 
 
-def _config(job: Job):
+def _config(job: Job, wide: bool = False):
+    """The job's small model; `wide`: the same of other sizes (module doc: a view's layout by coincidence)."""
+    from dataclasses import replace
+
     from .config import ModelConfig
-    return ModelConfig(**{**_BASE, **FAMILIES[job.family], **KINDS[job.kind]})
+    from .kquants import scheme_kinds
+    kind = dict(KINDS[job.kind])
+    scheme = kind.pop("scheme", "")
+    cfg = ModelConfig(**{**_BASE, **FAMILIES[job.family], **kind})
+    if wide:
+        cfg = replace(cfg, **_WIDE, **{k: _WIDE_FFN for k in _FFN if getattr(cfg, k)},
+                      dense_layers=tuple(range(_WIDE["num_layers"])) if not cfg.num_experts else cfg.dense_layers)
+    return replace(cfg, block_types=scheme_kinds(cfg, scheme)) if scheme else cfg
 
 
 def _warm(m, layout: str, kv_dtype: str) -> None:
@@ -151,16 +171,17 @@ def _run(job: Job) -> tuple:
     t0 = time.perf_counter()
     with Compiles() as compiled:
         with tempfile.TemporaryDirectory(prefix="colibri-compile-") as d:
-            path = job.model
-            if not path:
-                path = os.path.join(d, "m.colibri")
-                write_synthetic(path, _config(job))
-            m = Model.open(path, context=None if job.model else 512)   # > the few-row kernels' limit (serving.warm_up)
-            try:
-                for layout in job.layouts:
-                    _warm(m, layout, job.kv_dtype)
-            finally:
-                m.close()
+            paths = [job.model] if job.model else []
+            for wide in (() if job.model else (False, True)):
+                paths.append(os.path.join(d, f"m{int(wide)}.colibri"))
+                write_synthetic(paths[-1], _config(job, wide))
+            for path in paths:
+                m = Model.open(path, context=None if job.model else 512)   # > the few-row kernels' limit (serving.warm_up)
+                try:
+                    for layout in job.layouts:
+                        _warm(m, layout, job.kv_dtype)
+                finally:
+                    m.close()
     return time.perf_counter() - t0, compiled.count
 
 

@@ -1,5 +1,6 @@
 """A .colibri file of random weights for any config: every tensor `expected_tensors` names, in its
-stored dtype (f32, f16, bf16, their panels, q8/q4 values with their f16 scales), finite and small.
+stored dtype (f32, f16, bf16, their panels, q8/q4 values with their f16 scales, llama.cpp's block kinds
+as its quantizers write them: kquants.py), finite and small.
 
 What it is for: compiling the kernels a model of that kind needs without the model (precompile.py),
 and tests and benches that need a file of a given shape but not meaningful outputs. Never a model
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import format as fmt
+from .blocks import KINDS as BLOCK_KINDS
 from .config import ModelConfig, expected_tensors
 from .convert import routing_records
 
@@ -33,6 +35,13 @@ def _encode(dtype: str, x: np.ndarray) -> np.ndarray:
     raise ValueError(dtype)
 
 
+def _block_rows(kind: str, rng, pool, shape, offset: int) -> np.ndarray:
+    from .kquants import quantize
+    n = int(shape[-1])
+    rows = int(np.prod(shape[:-1]))
+    return quantize(kind, _floats(rng, pool, rows * n, offset * 7919).reshape(rows, n))
+
+
 def write_synthetic(path, cfg: ModelConfig, seed: int = 0, chunk: int = 1 << 20) -> int:
     """Write a file of random weights for `cfg` at `path`; returns the file's size in bytes."""
     cfg.check()
@@ -50,6 +59,9 @@ def write_synthetic(path, cfg: ModelConfig, seed: int = 0, chunk: int = 1 << 20)
             if dt in ("i8", "u4"):                       # quantized values: any bytes are valid
                 w.write(name, rng.integers(-127 if dt == "i8" else 0, 128 if dt == "i8" else 256, nb,
                                            dtype=np.int16).astype(np.int8 if dt == "i8" else np.uint8))
+                continue
+            if dt in BLOCK_KINDS:                        # random rows, quantized as `colibri convert` would
+                w.write(name, _block_rows(dt, rng, pool, shape, k))
                 continue
             if name.endswith(".s"):                      # quantization scales: small and positive
                 w.write(name, np.full(nb // 2, 1e-3, np.float16).view(np.uint16))
