@@ -1,7 +1,7 @@
 """Time to start: `colibri run` and `colibri serve` from an empty kernel cache, on a warm one, and after
 `colibri compile`, each a fresh process timed from its start to its answer (run) or to ready (serve).
 
-    python bench/startup.py [--model SMOL.colibri] [--out bench/recorded/startup-DATE-MACHINE.json]
+    python bench/startup.py [--model SMOL.colibri] [--gguf CONVERTED.colibri] [--out bench/recorded/startup-DATE-MACHINE.json]
     python bench/startup.py --rev REV [--rounds 2] [--cold-only]    # the cold run against an older revision
 
 The 30-layer model is SmolLM2-135M's shape (llama, 576 wide, 9 heads, 3 kv heads) with random f16
@@ -17,8 +17,12 @@ its own log; a run also its exit, which a first start delays to compile serve's 
   other family   that cache: `colibri run` on the bundled model (Mixtral-style MoE: its own kernels)
   warm run       that cache: `colibri run` on the 30-layer model again
   serve after    that cache: `colibri serve --workers 1 --threads-per-worker 2` on the 30-layer model, to ready
-  compiled ...   a fresh cache after `colibri compile --family llama --family mixtral --kind f16`: the three
-                 runs and the serve again
+  compiled ...   a fresh cache after `colibri compile --family llama --family mixtral --kind f16 --kind blocks`:
+                 the three runs and the serve again, then the 30-layer model in llama.cpp's Q4_K_M mix of block
+                 kinds (what `colibri convert` keeps of a Q4_K_M GGUF) run and served, and --gguf's file (a
+                 GGUF converted with the defaults, llama or Mixtral) run and served
+
+--compiled-only times only the starts after `colibri compile` (its own fresh cache).
 
 --rev REV checks REV out beside this tree (a detached git worktree) and times its cold run in turns with this
 tree's (`--rounds` each, every one in an empty cache of its own), so that both meet the same load; the
@@ -35,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMOL = dict(arch="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
@@ -106,14 +111,18 @@ def serve(cache, model, tmp):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a 30-layer .colibri file (default: SmolLM2-135M's shape, random f16 weights)")
+    ap.add_argument("--gguf", help="a GGUF converted with the defaults (llama or Mixtral family): its first run and "
+                    "serve after `colibri compile` too")
     ap.add_argument("--out", help="write the figures as JSON here")
     ap.add_argument("--rev", help="time this older revision's cold run too, in turns with this tree's")
     ap.add_argument("--rounds", type=int, default=2, help="cold runs of each tree with --rev (default 2)")
     ap.add_argument("--cold-only", action="store_true", help="only the cold run (and --rev's)")
+    ap.add_argument("--compiled-only", action="store_true", help="only the starts after `colibri compile`")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     with tempfile.TemporaryDirectory(prefix="colibri-startup-") as tmp:
         from colibri_server.model.config import ModelConfig
+        from colibri_server.model.kquants import scheme_kinds
         from colibri_server.model.synthetic import write_synthetic
         model = a.model
         if not model:
@@ -127,29 +136,39 @@ def main():
             if len(r) > 2:
                 res[name]["exit_seconds"] = round(r[2], 2)
                 extra = f", exits after {r[2]:.2f} s"
-            print(f"{name:14s} {r[0]:7.2f} s   {r[1]} kernels compiled{extra}", flush=True)
+            print(f"{name:21s} {r[0]:7.2f} s   {r[1]} kernels compiled{extra}", flush=True)
         other = os.path.join(tmp, "llama-16x768-f16.colibri")        # same kind, another shape
         write_synthetic(other, ModelConfig(**{**SMOL, "num_layers": 16, "hidden_size": 768, "num_heads": 12,
                                               "num_kv_heads": 4, "intermediate_size": 2048, "vocab_size": 32000,
                                               "dense_layers": tuple(range(16))}))
+        blocks = os.path.join(tmp, "smol-shape-q4_k_m.colibri")     # llama.cpp's Q4_K_M mix of block kinds
+        smol = ModelConfig(**SMOL)
+        write_synthetic(blocks, replace(smol, block_types=scheme_kinds(smol, "q4_k_m")))
         if a.rev:
             compare(a.rev, a.rounds, model, tmp, res)
         c1 = pathlib.Path(tmp) / "cache-cold"
-        show("cold run", run(c1, model))
-        if a.cold_only:
-            return _write(a.out, res)
-        show("other shape", run(c1, other))
-        show("other family", run(c1, None))
-        show("warm run", run(c1, model))
-        show("serve after", serve(c1, model, tmp))
+        if not a.compiled_only:
+            show("cold run", run(c1, model))
+            if a.cold_only:
+                return _write(a.out, res)
+            show("other shape", run(c1, other))
+            show("other family", run(c1, None))
+            show("warm run", run(c1, model))
+            show("serve after", serve(c1, model, tmp))
         c2 = pathlib.Path(tmp) / "cache-compiled"
-        dt, _ = cli(c2, "compile", "--family", "llama", "--family", "mixtral", "--kind", "f16")
+        dt, _ = cli(c2, "compile", "--family", "llama", "--family", "mixtral", "--kind", "f16", "--kind", "blocks")
         res["compile"] = {"seconds": round(dt, 2)}
-        print(f"{'compile':14s} {dt:7.2f} s   (colibri compile --family llama --family mixtral --kind f16)")
+        print(f"{'compile':21s} {dt:7.2f} s   (colibri compile --family llama --family mixtral --kind f16 "
+              "--kind blocks)")
         show("compiled run", run(c2, model))
         show("compiled other", run(c2, other))
         show("compiled family", run(c2, None))
         show("compiled serve", serve(c2, model, tmp))
+        show("compiled q4_k_m run", run(c2, blocks))
+        show("compiled q4_k_m serve", serve(c2, blocks, tmp))
+        if a.gguf:
+            show("compiled gguf run", run(c2, a.gguf))
+            show("compiled gguf serve", serve(c2, a.gguf, tmp))
     _write(a.out, res)
 
 
