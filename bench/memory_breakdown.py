@@ -1,0 +1,125 @@
+"""Where a colibri process's own memory goes (what a memory limit charges besides the weights).
+
+Under a memory limit, every byte the process holds for itself is a byte the weights budget cannot use
+(bench/memory_limit.py: the budget is 90% of what the cgroup leaves after the process). This script
+runs the batch-1 decode of bench/memory_limit.py's child in phases, in a fresh process, and after each
+phase reads /proc/self/smaps: resident bytes (Rss), unique to the process (Private = USS) and anonymous,
+grouped by what is mapped:
+
+- the model file (the weights: what residency manages, not the process's own);
+- anonymous memory: the Python heap, malloc arenas, numpy buffers (the KV pool, the workspace), and
+  the machine code and data structures of the kernels Numba loads or compiles (LLVM's JIT: in
+  anonymous memory, there are no .so files for the kernel cache, whose .nbi/.nbc files are read, not mapped);
+- llvmlite's libLLVM (file-backed: its touched pages), numpy's/OpenBLAS's .so files, Python's own, others.
+
+Phases: python (the interpreter and numpy), import (colibri_server.model: Numba, llvmlite, the kernel
+modules), open (the model mapped, not pre-faulted), first token (the kernels loaded from the cache and
+linked), decode (--new tokens). Also the phase's Python-allocator blocks (sys.getallocatedblocks) and the
+count of Numba kernels (dispatchers) with a compiled signature.
+
+    python bench/memory_breakdown.py [--model FILE] [--new 32] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+DATA = pathlib.Path(os.environ.get("COLIBRI_BENCH_DATA", os.path.expanduser("~/.cache/colibri-speed")))
+PROMPT = [1, 5, 9, 200, 31, 77, 1000, 4, 2300, 17, 99, 512, 8, 4096, 250, 13]
+
+
+def _group(path: str, model: str) -> str:
+    if path == model:
+        return "model file"
+    if not path or path.startswith("[heap]") or path.startswith("[anon"):
+        return "anonymous (heap, arenas, numpy, LLVM JIT)"
+    if path.startswith("["):
+        return "stack, vdso"
+    base = os.path.basename(path)
+    if "llvmlite" in path or "LLVM" in base:
+        return "libLLVM (llvmlite)"
+    if "numpy" in path or "openblas" in base.lower() or "scipy" in path:
+        return "numpy/OpenBLAS .so"
+    if "libpython" in base or "/lib/python" in path and "site-packages" not in path or base.startswith("python"):
+        return "Python and its stdlib .so"
+    if path.endswith((".nbi", ".nbc")):
+        return "kernel cache files"
+    return "other files (.so, locale)"
+
+
+def smaps(model: str) -> dict:
+    """Per group: rss, private (USS), anonymous bytes."""
+    out = collections.defaultdict(lambda: collections.Counter())
+    group = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            k = line.split(None, 1)[0]
+            if "-" in k and not k.endswith(":"):
+                parts = line.split(None, 5)
+                group = _group(parts[5].strip() if len(parts) > 5 else "", model)
+            elif k in ("Rss:", "Private_Clean:", "Private_Dirty:", "Anonymous:"):
+                v = int(line.split()[1]) * 1024
+                key = {"Rss:": "rss", "Anonymous:": "anon"}.get(k, "private")
+                out[group][key] += v
+    return {g: dict(c) for g, c in sorted(out.items())}
+
+
+def phase(name: str, model: str, rows: list) -> None:
+    groups = smaps(model)
+    own = {g: v for g, v in groups.items() if g != "model file"}
+    row = {"phase": name, "own_rss": sum(v.get("rss", 0) for v in own.values()),
+           "own_private": sum(v.get("private", 0) for v in own.values()),
+           "model_file_rss": groups.get("model file", {}).get("rss", 0),
+           "python_blocks": sys.getallocatedblocks(), "kernels": _kernels(), "groups": groups}
+    rows.append(row)
+    print(f"{name:12s} own RSS {row['own_rss'] / 2**20:6.1f} MiB, USS {row['own_private'] / 2**20:6.1f} MiB | "
+          + ", ".join(f"{g} {v.get('rss', 0) / 2**20:.1f}" for g, v in groups.items()), flush=True)
+
+
+def _kernels() -> int:
+    mods = [m for n, m in list(sys.modules.items()) if n.startswith("colibri_server.model")]
+    seen = 0
+    for m in mods:
+        for v in list(vars(m).values()):
+            if getattr(v, "signatures", None):
+                seen += 1
+    return seen
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=pathlib.Path, default=DATA / "bench-mixtral-f16.colibri")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args(argv)
+    model = str(a.model.resolve())
+    rows = []
+    import numpy  # noqa: F401
+    phase("python", model, rows)
+    sys.path.insert(0, str(HERE.parent))
+    from colibri_server.model import Model
+    from colibri_server.model.serving import BatchEngine
+    phase("import", model, rows)
+    m = Model.open(str(a.model), context=len(PROMPT) + a.new + 8, populate=False)
+    eng = BatchEngine(m, max_seqs=1, max_batch_tokens=len(PROMPT) + 1, prefix_cache=False)
+    phase("open", model, rows)
+    eng.add(0, PROMPT, max_tokens=a.new, ignore_eos=True, temperature=0.0)
+    n = 0
+    while eng.has_work():
+        for _ in eng.step():
+            n += 1
+            if n == 1:
+                phase("first token", model, rows)
+    phase("decode", model, rows)
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps({"model": a.model.name, "new_tokens": a.new, "phases": rows},
+                                                   indent=1))
+
+
+if __name__ == "__main__":
+    main()
