@@ -8,8 +8,11 @@ runs bench-mixtral (transformers, f32) on --prompts prompts, takes the mean m of
 (with the routers of the layers before l already changed, so the inputs are the new model's), and
 replaces layer l's router W by W - (W m) m^T / |m|^2 (no expert favoured by the common direction), each
 row then scaled so its logit has the same spread over those inputs as the others (none favoured by a
-larger variance). Every other weight is bench-mixtral's. It prints each layer's share of routes
-on its top 1/2/3 experts before and after (uniform: 0.125/0.25/0.375 for 8 experts, top-2), and writes:
+larger variance). Routes concentrate within one greedy sequence for another reason too: a random
+model's greedy decode loops over a few tokens, whose repeated hidden states route alike whatever the
+router; so the head is replaced by the embedding's rows permuted (it predicts a fixed permutation of the
+current token: a decode walks a long cycle of distinct tokens). Every other weight is bench-mixtral's.
+It prints each layer's share of routes on its top 1/2/3 experts before and after (uniform: 0.125/0.25/0.375 for 8 experts, top-2), and writes:
 
 - DATA/bench-mixtral-balanced-f32/ (safetensors + config: the HF checkpoint),
 - DATA/bench-mixtral-balanced-f16.colibri (colibri's converter, f16, as bench/decode.py converts bench-mixtral),
@@ -92,6 +95,14 @@ def balance(src: pathlib.Path, dst: pathlib.Path, n_prompts: int, length: int) -
         report.append({"layer": layer, "before": shares(x, w, top_k), "after": shares(x, nw, top_k)})
         print(f"layer {layer}: share of routes on the top 1/2/3 experts {report[-1]['before']} -> "
               f"{report[-1]['after']}", flush=True)
+    # greedy decoding of a random model falls into a loop of a few tokens, whose repeated hidden states route
+    # the same way whatever the router: the head is made to predict a permutation of the current token
+    # (its row for pi(t) is t's embedding, which dominates the last hidden state), so a greedy decode walks
+    # a long cycle of distinct tokens and its routes are those of varied tokens
+    pi = np.random.default_rng(1).permutation(D.VOCAB)
+    head = np.empty_like(st["lm_head.weight"])
+    head[pi] = st["model.embed_tokens.weight"]
+    st["lm_head.weight"] = head
     dst.mkdir(parents=True, exist_ok=True)
     save_file(st, str(dst / "model.safetensors"), metadata={"format": "pt"})
     for f in ("config.json", "generation_config.json"):
