@@ -136,7 +136,7 @@ def llama_server(a, cg, P, tag):
                         break
             finally:
                 c.close()
-        return _measure(a, one, P, ready, p)
+        return _measure(a, one, P, ready, p, cg)
     finally:
         _stop(p)
         log.close()
@@ -166,7 +166,7 @@ def colibri_server(a, cg, P, tag):
             with local.c.stream(prompt, max_tokens=a.tokens, temperature=0.0, ignore_eos=True) as s:
                 for chunk in s:
                     yield from chunk.token_ids
-        got = _measure(a, one, P, ready_t, p)
+        got = _measure(a, one, P, ready_t, p, cg)
         got["weights"] = _colibri_weights(log.name)
         return got
     finally:
@@ -182,10 +182,42 @@ def _colibri_weights(log_path: str) -> str:
     return "the whole file (no budget)"
 
 
-def _measure(a, one, P, ready_t, p) -> dict:
+def processes(cg) -> dict:
+    """The cgroup's processes' own memory (smaps_rollup: Rss, Pss, private, anonymous) and its memory.stat's
+    split of the charge (anonymous against page cache)."""
+    if cg is None:
+        return {}
+    out = {"procs": []}
+    with open(cg.procs_file()) as f:
+        pids = [int(x) for x in f.read().split()]
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").split()
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                roll = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.split()[-1] == "kB"}
+        except OSError:
+            continue
+        name = " ".join(os.path.basename(c) for c in cmd[:3])
+        out["procs"].append({"cmd": name, "rss": roll.get("Rss", 0), "pss": roll.get("Pss", 0),
+                             "private": roll.get("Private_Clean", 0) + roll.get("Private_Dirty", 0),
+                             "anon": roll.get("Anonymous", 0)})
+    try:
+        with open(cg.dir / "memory.stat") as f:
+            st = dict(ln.split() for ln in f if ln.strip())
+        keys = ("total_rss", "total_cache", "total_mapped_file", "total_unevictable") if not cg.v2 else \
+            ("anon", "file", "file_mapped", "unevictable")
+        out["stat"] = {k: int(st[k]) for k in keys if k in st}
+    except OSError:
+        pass
+    return out
+
+
+def _measure(a, one, P, ready_t, p, cg=None) -> dict:
     run = Run(a.deadline)
     wall = run.clients(a.clients, a.reqs, one, P)
-    return {"tokens": run.tokens, "wall_s": round(wall, 2), "tok_s": round(run.tokens / wall, 2),
+    mem = processes(cg)
+    return {"memory": mem, "tokens": run.tokens, "wall_s": round(wall, 2), "tok_s": round(run.tokens / wall, 2),
             "requests_done": len(run.answers), "requests": a.clients * a.reqs, "errors": run.errors[:3],
             "start_s": round(ready_t - a.t_launch, 1), "alive": p.poll() is None,
             "answers": {f"{i}.{j}": v for (i, j), v in sorted(run.answers.items())}}
