@@ -18,6 +18,10 @@ linked), decode (--new tokens). Also the phase's Python-allocator blocks (sys.ge
 count of Numba kernels (dispatchers) with a compiled signature.
 
     python bench/memory_breakdown.py [--model FILE] [--new 32] [--json OUT]
+    python bench/memory_breakdown.py --serve [--model FILE] [--json OUT]
+
+--serve: the same breakdown for each process of `colibri serve --model FILE` (its defaults: the master,
+its router and workers), after one request of --new tokens: what a server's own processes hold.
 """
 from __future__ import annotations
 
@@ -52,11 +56,11 @@ def _group(path: str, model: str) -> str:
     return "other files (.so, locale)"
 
 
-def smaps(model: str) -> dict:
+def smaps(model: str, pid="self") -> dict:
     """Per group: rss, private (USS), anonymous bytes."""
     out = collections.defaultdict(lambda: collections.Counter())
     group = None
-    with open("/proc/self/smaps") as f:
+    with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             k = line.split(None, 1)[0]
             if "-" in k and not k.endswith(":"):
@@ -91,12 +95,65 @@ def _kernels() -> int:
     return seen
 
 
+def serve(a) -> None:
+    import subprocess
+    import tempfile
+    import time
+    sys.path.insert(0, str(HERE.parent))
+    from colibri_server.client import Client
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="memory-breakdown-"))
+    link = tmp / a.model.name            # the popular set the server saves lands in the scratch directory
+    link.symlink_to(a.model.resolve())
+    sock = tmp / "s.sock"
+    exe = pathlib.Path(sys.executable).parent / "colibri"
+    p = subprocess.Popen([str(exe), "serve", "--model", str(link), "--bind", f"ipc://{sock}", "--runtime-dir",
+                          str(tmp / "run")], stdout=open(tmp / "log", "w"), stderr=subprocess.STDOUT)
+    try:
+        with Client(f"ipc://{sock}", timeout=600) as c:
+            t_end = time.time() + 600
+            while time.time() < t_end:
+                try:
+                    h = c.health()
+                    if h["status"] == "ok" and h["workers_ready"] >= 1:
+                        break
+                except Exception:  # noqa: BLE001  (not up yet)
+                    pass
+                time.sleep(0.5)
+            c.generate(PROMPT, max_tokens=a.new, temperature=0.0, ignore_eos=True)
+        pids = [p.pid] + [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
+                                                          text=True).stdout.split()]
+        rows = []
+        model = str(a.model.resolve())
+        for pid in pids:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:80]
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
+            groups = smaps(model, pid)
+            own = {g: v for g, v in groups.items() if g != "model file"}
+            rows.append({"pid_role": comm, "cmd": cmd.split(" --")[0].rsplit("/", 1)[-1],
+                         "own_rss": sum(v.get("rss", 0) for v in own.values()),
+                         "own_private": sum(v.get("private", 0) for v in own.values()), "groups": groups})
+            print(f"{comm:16s} own RSS {rows[-1]['own_rss'] / 2**20:6.1f} MiB, USS "
+                  f"{rows[-1]['own_private'] / 2**20:6.1f} MiB | "
+                  + ", ".join(f"{g} {v.get('rss', 0) / 2**20:.1f}/{v.get('private', 0) / 2**20:.1f}"
+                              for g, v in groups.items()), flush=True)
+        if a.json:
+            pathlib.Path(a.json).write_text(json.dumps({"model": a.model.name, "serve": rows}, indent=1))
+    finally:
+        p.terminate()
+        p.wait(60)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=pathlib.Path, default=DATA / "bench-mixtral-f16.colibri")
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--json", default="")
+    ap.add_argument("--serve", action="store_true", help="each process of `colibri serve` instead")
     a = ap.parse_args(argv)
+    if a.serve:
+        return serve(a)
     model = str(a.model.resolve())
     rows = []
     import numpy  # noqa: F401
