@@ -14,7 +14,8 @@ grouped by what is mapped:
 
 Phases: python (the interpreter and numpy), import (colibri_server.model: Numba, llvmlite, the kernel
 modules), open (the model mapped, not pre-faulted), first token (the kernels loaded from the cache and
-linked), decode (--new tokens). Also the phase's Python-allocator blocks (sys.getallocatedblocks) and the
+linked), decode (--new tokens), paged out (libLLVM's pages advised MADV_PAGEOUT: what the compiler's
+library holds once the kernels are linked), decode again (whether decoding faults it back). Also the phase's Python-allocator blocks (sys.getallocatedblocks) and the
 count of Numba kernels (dispatchers) with a compiled signature.
 
     python bench/memory_breakdown.py [--model FILE] [--new 32] [--json OUT]
@@ -83,6 +84,22 @@ def phase(name: str, model: str, rows: list) -> None:
     rows.append(row)
     print(f"{name:12s} own RSS {row['own_rss'] / 2**20:6.1f} MiB, USS {row['own_private'] / 2**20:6.1f} MiB | "
           + ", ".join(f"{g} {v.get('rss', 0) / 2**20:.1f}" for g, v in groups.items()), flush=True)
+
+
+def page_out(pattern: str) -> int:
+    """madvise(MADV_PAGEOUT) every mapping of a file whose path holds `pattern`: bytes of the mappings."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    n = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 5 and pattern in parts[5]:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if libc.madvise(lo, hi - lo, 21) == 0:         # MADV_PAGEOUT (Linux 5.4)
+                    n += hi - lo
+    return n
 
 
 def _kernels() -> int:
@@ -173,6 +190,13 @@ def main(argv=None):
             if n == 1:
                 phase("first token", model, rows)
     phase("decode", model, rows)
+    # what the compiler's library costs once the kernels are linked: its pages paged out, then decoding on
+    print(f"libLLVM mappings advised MADV_PAGEOUT: {page_out('llvmlite') / 2**20:.0f} MiB mapped", flush=True)
+    phase("paged out", model, rows)
+    eng.add(1, PROMPT, max_tokens=a.new, ignore_eos=True, temperature=0.0)
+    while eng.has_work():
+        eng.step()
+    phase("decode again", model, rows)
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps({"model": a.model.name, "new_tokens": a.new, "phases": rows},
                                                    indent=1))
