@@ -178,7 +178,7 @@ def _colibri_weights(log_path: str) -> str:
     with open(log_path) as f:
         for line in f:
             if "weights_memory" in line:
-                return line.strip().split("model ", 1)[-1][:240]
+                return line.strip()[line.index("weights_memory"):][:200]
     return "the whole file (no budget)"
 
 
