@@ -178,7 +178,7 @@ def _colibri_weights(log_path: str) -> str:
     with open(log_path) as f:
         for line in f:
             if "weights_memory" in line:
-                return line.strip()[line.index("weights_memory"):][:200]
+                return line[line.index("weights_memory"):].strip()[:200]
     return "the whole file (no budget)"
 
 
