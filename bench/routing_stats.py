@@ -61,9 +61,9 @@ def main(argv=None):
     step = {}                                  # per forward call: layer -> (pre x, post x, actual idx)
     real_ff = batch._feed_forward
 
-    def spy(cfg_, l, L, x, h, sub, ws, noise, counts):
+    def spy(cfg_, l, L, x, h, sub, ws, noise, counts, *rest):     # rest: the read-ahead (fetch), when given
         pre = x.copy()
-        real_ff(cfg_, l, L, x, h, sub, ws, noise, counts)
+        real_ff(cfg_, l, L, x, h, sub, ws, noise, counts, *rest)
         if L.gate is not None:
             step[l] = (pre, x.copy(), ws.route_idx[:x.shape[0], :L.top_k].copy())
     batch._feed_forward = spy
