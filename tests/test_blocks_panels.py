@@ -36,6 +36,12 @@ def _k_ref(rows, five):
     return (_dwords(rows, qs, qs + 128), _dwords(rows, 16, 48) if five else None, SC, MN, _f16(rows, 0), _f16(rows, 2))
 
 
+def _b32_ref(rows, nibbles):
+    nd = 4 if nibbles else 8
+    P = _dwords(rows, 2, 2 + 4 * nd)
+    return (P if nibbles else P ^ np.int32(-0x7F7F7F80)), _f16(rows, 0)
+
+
 def _q6_ref(rows):
     s = rows[:, :, 192:208].view(np.int8).astype(np.int32)
     SC = s.transpose(1, 2, 0).ravel()
@@ -43,16 +49,21 @@ def _q6_ref(rows):
     return _dwords(rows, 0, 128), _dwords(rows, 128, 192), SC, SP, _f16(rows, 208)
 
 
-@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda k: k.name)
 def test_the_transposed_panel_is_the_tiles_layout(kind):
     rng = np.random.default_rng(3)
     d, n = 40, 768
-    nb = n // 256
+    nb = n // (32 if int(kind) in (int(Q.Q8_0), int(Q.Q4_0)) else 256)
     raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=9)
     raw = np.ascontiguousarray(raw)
     for r0 in (16, d - R):                  # a middle tile; the last rows of the matrix (its end: no read beyond)
         rows = raw[r0:r0 + R].reshape(R, nb, -1)
-        if int(kind) == int(Q.Q6_K):
+        if int(kind) in (int(Q.Q8_0), int(Q.Q4_0)):
+            nibbles = int(kind) == int(Q.Q4_0)
+            got = (np.zeros(nb * (4 if nibbles else 8) * R, np.int32), np.zeros(nb * R, np.float32))
+            KP.prep_b32(raw, r0, nb, nibbles, *got)
+            want = _b32_ref(rows, nibbles)
+        elif int(kind) == int(Q.Q6_K):
             got = (np.zeros(nb * 32 * R, np.int32), np.zeros(nb * 16 * R, np.int32), np.zeros(nb * 16 * R, np.int32),
                    np.zeros(nb * 8 * R, np.int32), np.zeros(nb * R, np.float32))
             KP.prep_q6_k(raw, r0, nb, *got)

@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _put2, _rows, round_rows
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
-from .blocks_panels import R, prep_q6_k, prep_q45_k
+from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k
 from .blocks_small import SMALL_MAX_ROWS, small_rows
 from .blocks_wide import round_rows16, rows16
 from .cpu import HAVE_VNNI512
@@ -68,24 +68,6 @@ def ld32(typingctx, r, o):
 
 
 # ---------------------------------------------------------------------------- panels (plain Numba)
-
-FLIP = np.int32(-0x7F7F7F80)       # 0x80808080: Q8_0's int8 values + 128 as u8 (vpdpbusd's unsigned side)
-
-
-@njit(cache=True)
-def _prep_b32(raw, r0, nb, nibbles, P, DD):
-    # rows r0..r0+R of a Q8_0 (Q4_0: nibbles) matrix -> P[(w*b + g)*R + r] = dword g of block b's w = 8 value
-    # dwords, each byte + 128 (Q4_0: w = 4 dwords of nibbles, as they are), DD[b*R + r] = d
-    size, nw = (18, 4) if nibbles else (34, 8)
-    for r in range(R):
-        row = raw[r0 + r]
-        for b in range(nb):
-            o = b * size
-            DD[b * R + r] = _f16(row, o)
-            for g in range(nw):
-                v = ld32(row, o + 2 + 4 * g)
-                P[(nw * b + g) * R + r] = v if nibbles else v ^ FLIP
-
 
 @njit(cache=True)
 def _prep_b32w(raw, r0, nb, nibbles, P, DD):
@@ -405,7 +387,7 @@ def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     P = tmp.view(np.int32)[:nb * nw * R]
     DD, res = tmp[nb * nw * R:nb * (nw + 1) * R], tmp[nb * (nw + 1) * R:nb * (nw + 1) * R + C * R]
     for r0 in range(i0, i1 - R + 1, R):
-        _prep_b32(raw, r0, nb, nibbles, P, DD)
+        prep_b32(raw, r0, nb, nibbles, P, DD)
         for t0 in range(0, T - C32 + 1, C32):
             if nibbles:
                 _q40_2(P, DD, Xq, Xd, Xs, t0, nb, res)

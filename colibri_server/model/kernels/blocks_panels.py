@@ -18,6 +18,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .prefetch import prefetch_ahead
+
 R = 16                     # weight rows per tile (the 16 i32 lanes of a zmm register)
 
 _i8, _i32 = ir.IntType(8), ir.IntType(32)
@@ -26,12 +28,14 @@ _v16 = ir.VectorType(_i32, R)
 
 
 def _transpose(builder, rows):
-    """16 <16 x i32> vectors (row r, lane q) -> 16 vectors (row q, lane r): round k swaps bit k of the row with bit k
-    of the lane, for rows i and j = i | 2^k one shuffle each."""
-    for k in range(4):
+    """len(rows) (16, 8 or 4) <16 x i32> vectors (row r, lane q) -> as many vectors, bits 0..log2(len)-1 of the row
+    and of the lane swapped (16: row q, lane r): round k swaps bit k of the row with bit k of the lane, for rows i and
+    j = i | 2^k one shuffle each."""
+    n = len(rows)
+    for k in range(n.bit_length() - 1):
         s = 1 << k
         new = list(rows)
-        for i in range(R):
+        for i in range(n):
             if i & s:
                 continue
             j = i | s
@@ -61,9 +65,41 @@ class _Tile:
         """dword q of rows r0..r0+R's bytes off..off+64 (off: i64) as 16 vectors, lane r the row."""
         b = self.b
         start = b.add(b.mul(self.r0, self.stride), off)
-        rows = [b.load(b.bitcast(b.gep(self.base, [b.add(start, b.mul(self.stride, ir.Constant(_idx, r)))]),
-                                 _v16.as_pointer()), align=1) for r in range(R)]
+        ptrs = [b.gep(self.base, [b.add(start, b.mul(self.stride, ir.Constant(_idx, r)))]) for r in range(R)]
+        rows = [b.load(b.bitcast(p, _v16.as_pointer()), align=1) for p in ptrs]
+        # the next tile's same bytes into L2, a tile's products ahead of their layout (past the matrix: no fault)
+        prefetch_ahead(b, ptrs, b.mul(self.stride, ir.Constant(_idx, R)), ahead=0)
         return _transpose(b, rows)
+
+    def cols32(self, off, nd):
+        """The nd (8 or 4) dwords of rows r0..r0+R's bytes off..off+4nd (no byte beyond: a matrix's last block) as nd
+        vectors, lane r the row: row r + nd*h loaded into lanes nd*h.. of vector r, then log2(nd) transpose rounds."""
+        b = self.b
+        vt = ir.VectorType(_i32, nd)
+        start = b.add(b.mul(self.r0, self.stride), off)
+        ptrs = [b.gep(self.base, [b.add(start, b.mul(self.stride, ir.Constant(_idx, r)))]) for r in range(R)]
+        part = [b.load(b.bitcast(p, vt.as_pointer()), align=1) for p in ptrs]
+        prefetch_ahead(b, ptrs, b.mul(self.stride, ir.Constant(_idx, R)), ahead=0)
+        rows = []
+        for r in range(nd):
+            group = [part[r + nd * h] for h in range(R // nd)]
+            while len(group) > 1:           # concatenate pairwise: <nd> x 16/nd -> <16>
+                w = group[0].type.count
+                group = [b.shuffle_vector(group[i], group[i + 1], ir.Constant(ir.VectorType(_i32, 2 * w), list(range(2 * w))))
+                         for i in range(0, len(group), 2)]
+            rows.append(group[0])
+        return _transpose(b, rows)
+
+    def f16_at(self, off):
+        """The f16 at byte off of each of rows r0..r0+R -> <16 x float> (exact)."""
+        b = self.b
+        start = b.add(b.mul(self.r0, self.stride), off)
+        v = ir.Constant(_v16, None)
+        for r in range(R):
+            p = b.bitcast(b.gep(self.base, [b.add(start, b.mul(self.stride, ir.Constant(_idx, r)))]),
+                          ir.IntType(16).as_pointer())
+            v = b.insert_element(v, b.zext(b.load(p, align=1), _i32), ir.Constant(_i32, r))
+        return self.f16(v)
 
     def store(self, k, at, v):
         """v (16 lanes) to array argument k at element at (i64)."""
@@ -186,3 +222,42 @@ def prep_q6_k(raw, r0, nb, PL, PH, SC, SP, DD):
         transpose16(raw, r0, o + 64, PL, (32 * b + 16) * R)
         transpose16(raw, r0, o + 128, PH, 16 * b * R)
         q6_header(raw, r0, o, b, SC, SP, DD)
+
+
+FLIP = -0x7F7F7F80         # 0x80808080: Q8_0's int8 values + 128 as u8 (vpdpbusd's unsigned side)
+
+
+def _mk_b32_block(nibbles):
+    def impl(typingctx, raw, r0, off, b, P, DD):
+        """A Q8_0 (Q4_0: nibbles) block at byte off of rows r0..r0+R -> P[(nd*b + g)*R + r] = dword g of its nd = 8
+        value dwords, each byte + 128 (Q4_0: nd = 4 dwords of nibbles, as they are), DD[b*R + r] = d."""
+        sig = types.void(raw, r0, off, b, P, DD)
+
+        def codegen(context, builder, signature, args):
+            t = _Tile(context, builder, signature, args)
+            bb = builder
+            nd = 4 if nibbles else 8
+            o, blk = t.idx(2), t.idx(3)
+            cols = t.cols32(bb.add(o, t.c(2)), nd)
+            for g in range(nd):
+                v = cols[g] if nibbles else bb.xor(cols[g], t.k(FLIP))
+                t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(nd)), t.c(g)), t.c(R)), v)
+            t.store(5, bb.mul(blk, t.c(R)), t.f16_at(o))
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+q8_0_block, q4_0_block = _mk_b32_block(False), _mk_b32_block(True)
+
+
+@njit(cache=True)
+def prep_b32(raw, r0, nb, nibbles, P, DD):
+    # rows r0..r0+R of a Q8_0 (Q4_0: nibbles) matrix -> P[(w*b + g)*R + r] = dword g of block b's w = 8 value
+    # dwords, each byte + 128 (Q4_0: w = 4 dwords of nibbles, as they are), DD[b*R + r] = d
+    size = 18 if nibbles else 34
+    for b in range(nb):
+        if nibbles:
+            q4_0_block(raw, r0, b * size, b, P, DD)
+        else:
+            q8_0_block(raw, r0, b * size, b, P, DD)
