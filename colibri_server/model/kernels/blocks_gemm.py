@@ -4,7 +4,7 @@ X (T, n) @ W.T for Q4_K, Q5_K and Q6_K tiles on AVX-512 VNNI, every other case t
 The row dots read a weight row once for all T rows but decode its blocks again for each of them
 (nibbles, scales, one horizontal sum per block and row): a 128-token prefill ran 2-3.5x slower than the
 q8 integer GEMM (kernels/gemm). Here, as llama.cpp's CPU repacking does at load (8 rows), a tile of 16
-weight rows is laid out once per call in a scratch panel whose 32-bit lanes are the rows: dword g of a
+weight rows is laid out once per call in a scratch panel (kernels/blocks_panels, by register transposes) whose 32-bit lanes are the rows: dword g of a
 chunk holds 4 consecutive bytes of each of the 16 rows (the GGUF's bytes, interleaved; the file keeps its
 own order), beside the rows' sub-block scales as i32 vectors and d, dmin as f32 vectors. A micro-kernel then
 runs C = 4 activation rows at a time (1 for the remainder) through the panel: for 4 weight bytes of the
