@@ -198,7 +198,7 @@ def test_colibri_dequantize_writes_the_block_kinds_values_as_floats(tmp_path):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_steps_block_experts_in_one_call_are_the_per_expert_path_bit_for_bit(tmp_path, monkeypatch, threads):
     """moe() over a step's rows with block-kind experts runs them in one Numba call (kernels/experts_blocks: the
-    small-T product for an expert's few rows, the tiles for many, thread parts over the weight rows); its output
+    tiles, from 2 rows where they run, else the small-T product for a few rows; thread parts over the weight rows); its output
     is the per-expert path's (gather, three matrix calls, scatter) bit for bit, and each (row, expert)'s output the
     row dots' (one row at a time), in each layer's kinds: w1 and w3 rounded differently (Q4_K per 256, Q8_0 per 32), the 32-block kinds' down
     matrices."""
@@ -227,7 +227,7 @@ def test_a_steps_block_experts_in_one_call_are_the_per_expert_path_bit_for_bit(t
     for li in (0, 1):
         L = m.weights.layers[li]
         assert ws.block_experts_in_one_call(L)
-        for T in (3, 16, 40):           # ~1, ~4 and ~10 rows an expert (top-2 of 8): row dots, small-T, tiles
+        for T in (3, 16, 40):           # ~1, ~4 and ~10 rows an expert (top-2 of 8): row dots, tiles (small-T without them), tiles
             x = (rng.standard_normal((T, m.config.hidden_size)) * rng.uniform(0.2, 2.0, (T, 1))).astype(np.float32)
             one = moe(L, x, ws, np.zeros_like(x)).copy()
             with monkeypatch.context() as mp:

@@ -4,7 +4,7 @@ X (T, n) @ W.T for Q4_K, Q5_K and Q6_K tiles on AVX-512 VNNI, every other case t
 The row dots read a weight row once for all T rows but decode its blocks again for each of them
 (nibbles, scales, one horizontal sum per block and row): a 128-token prefill ran 2-3.5x slower than the
 q8 integer GEMM (kernels/gemm). Here, as llama.cpp's CPU repacking does at load (8 rows), a tile of 16
-weight rows is laid out once per call in a scratch panel whose 32-bit lanes are the rows: dword g of a
+weight rows is laid out once per call in a scratch panel (kernels/blocks_panels, by register transposes) whose 32-bit lanes are the rows: dword g of a
 chunk holds 4 consecutive bytes of each of the 16 rows (the GGUF's bytes, interleaved; the file keeps its
 own order), beside the rows' sub-block scales as i32 vectors and d, dmin as f32 vectors. A micro-kernel then
 runs C = 4 activation rows at a time (1 for the remainder) through the panel: for 4 weight bytes of the
@@ -24,15 +24,21 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _k_scale_min, _put2, _rows, round_rows
+from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _put2, _rows, round_rows
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
+from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k
 from .blocks_small import SMALL_MAX_ROWS, small_rows
 from .blocks_wide import round_rows16, rows16
 from .cpu import HAVE_VNNI512
 
-R = 16                     # weight rows per tile (the 16 i32 lanes of a zmm register)
 C = 4                      # activation rows per pass of the micro-kernel
 GEMM_MIN_ROWS = 4          # fewer activation rows: the row dots (the panel costs more than it saves)
+# the k-quants' panels laid out by register transposes (kernels/blocks_panels) pay from 2 rows, before the small-row
+# kernels: one thread, the weights in cache, ms for 1 / 2 / 4 / 8 rows, row dots / small rows / tiles: Q4_K
+# 2048x1024 0.063 / - / 0.047, 0.121 / 0.108 / 0.065, 0.238 / 0.172 / 0.074, 0.474 / 0.264 / 0.113; Q6_K 1024x2048
+# 0.146 / - / 0.110, 0.282 / 0.176 / 0.147, 0.572 / 0.229 / 0.151, 1.179 / 0.386 / 0.256 (one row stays on the row
+# dot: the batch-1 matvec reads the weights from memory, where a panel's extra traffic would not pay)
+K_TILE_MIN_ROWS = 2
 # the int16 head's Q8_0 / Q4_0 panels (two values a lane: twice the int8 panel's work to lay out) pay from 12 rows:
 # bench/head.py, 32000 x 1024 Q8_0, one thread, row dots / tiles: 4 rows 5.6 / 11.4 ms, 16 rows 22.4 / 17.3
 WIDE_TILE_MIN_ROWS = 12
@@ -62,71 +68,6 @@ def ld32(typingctx, r, o):
 
 
 # ---------------------------------------------------------------------------- panels (plain Numba)
-
-@njit(cache=True)
-def _prep_q45_k(raw, r0, nb, five, P, QH, SC, MN, DD, DM):
-    # rows r0..r0+R of a Q4_K (Q5_K: five) matrix -> P[(32b + q)*R + r] = dword q of block b's 128 nibble bytes
-    # (q = 8c + g), QH[(8b + g)*R + r] = dword g of Q5_K's 32 fifth-bit bytes, SC[(8b + j)*R + r] = sub-block j's
-    # 6-bit scale, MN[(4b + p)*R + r] = mins 2p | 2p+1 << 16, DD/DM[b*R + r] = d, dmin
-    size, qs = (176, 48) if five else (144, 16)
-    for r in range(R):
-        row = raw[r0 + r]
-        for b in range(nb):
-            o = b * size
-            DD[b * R + r] = _f16(row, o)
-            DM[b * R + r] = _f16(row, o + 2)
-            sc = row[o + 4:o + 16]
-            for j in range(0, 8, 2):
-                s0, m0 = _k_scale_min(sc, j)
-                s1, m1 = _k_scale_min(sc, j + 1)
-                SC[(8 * b + j) * R + r] = s0
-                SC[(8 * b + j + 1) * R + r] = s1
-                MN[(4 * b + j // 2) * R + r] = m0 | (m1 << 16)
-            for q in range(32):
-                P[(32 * b + q) * R + r] = ld32(row, o + qs + 4 * q)
-            if five:
-                for g in range(8):
-                    QH[(8 * b + g) * R + r] = ld32(row, o + 16 + 4 * g)
-
-
-@njit(cache=True)
-def _prep_q6_k(raw, r0, nb, PL, PH, SC, SP, DD):
-    # rows r0..r0+R of a Q6_K matrix -> PL[(32b + q)*R + r] = dword q of ql, PH[(16b + q)*R + r] = dword q of qh,
-    # SC[(16b + g)*R + r] = group g's int8 scale, SP[(8b + p)*R + r] = scales 2p | 2p+1 << 16 (i16), DD[b*R + r] = d
-    for r in range(R):
-        row = raw[r0 + r]
-        for b in range(nb):
-            o = b * 210
-            DD[b * R + r] = _f16(row, o + 208)
-            for p in range(8):
-                s0 = np.int32(np.int8(row[o + 192 + 2 * p]))
-                s1 = np.int32(np.int8(row[o + 193 + 2 * p]))
-                SC[(16 * b + 2 * p) * R + r] = s0
-                SC[(16 * b + 2 * p + 1) * R + r] = s1
-                SP[(8 * b + p) * R + r] = (s0 & 0xFFFF) | (s1 << 16)
-            for q in range(32):
-                PL[(32 * b + q) * R + r] = ld32(row, o + 4 * q)
-            for q in range(16):
-                PH[(16 * b + q) * R + r] = ld32(row, o + 128 + 4 * q)
-
-
-FLIP = np.int32(-0x7F7F7F80)       # 0x80808080: Q8_0's int8 values + 128 as u8 (vpdpbusd's unsigned side)
-
-
-@njit(cache=True)
-def _prep_b32(raw, r0, nb, nibbles, P, DD):
-    # rows r0..r0+R of a Q8_0 (Q4_0: nibbles) matrix -> P[(w*b + g)*R + r] = dword g of block b's w = 8 value
-    # dwords, each byte + 128 (Q4_0: w = 4 dwords of nibbles, as they are), DD[b*R + r] = d
-    size, nw = (18, 4) if nibbles else (34, 8)
-    for r in range(R):
-        row = raw[r0 + r]
-        for b in range(nb):
-            o = b * size
-            DD[b * R + r] = _f16(row, o)
-            for g in range(nw):
-                v = ld32(row, o + 2 + 4 * g)
-                P[(nw * b + g) * R + r] = v if nibbles else v ^ FLIP
-
 
 @njit(cache=True)
 def _prep_b32w(raw, r0, nb, nibbles, P, DD):
@@ -381,9 +322,11 @@ C32 = 2                    # activation rows per pass of the 32-block kinds' mic
 _q8_2, _q8_1 = _mk_b32(C32, False), _mk_b32(1, False)
 _q40_2, _q40_1 = _mk_b32(C32, True), _mk_b32(1, True)
 _w32_2, _w32_1 = _mk_b32(C32, False, True), _mk_b32(1, False, True)     # the int16 head's Q8_0 and Q4_0 panels
-_q4k_4, _q4k_1 = _mk_q45_k(C, False), _mk_q45_k(1, False)
-_q5k_4, _q5k_1 = _mk_q45_k(C, True), _mk_q45_k(1, True)
-_q6k_4, _q6k_1 = _mk_q6_k(C), _mk_q6_k(1)
+# the k-quants' last T mod C rows in one pass of as many (the panel read once for them, not once a row): one thread,
+# in cache, Q6_K 1024x2048 at 2 / 3 / 6 rows the single-row passes took 0.147 / 0.178 / 0.251 ms against 0.151 at 4
+_q4k_4, _q4k_3, _q4k_2, _q4k_1 = (_mk_q45_k(n, False) for n in (C, 3, 2, 1))
+_q5k_4, _q5k_3, _q5k_2, _q5k_1 = (_mk_q45_k(n, True) for n in (C, 3, 2, 1))
+_q6k_4, _q6k_3, _q6k_2, _q6k_1 = (_mk_q6_k(n) for n in (C, 3, 2, 1))
 
 
 # ---------------------------------------------------------------------------- tiles
@@ -404,19 +347,31 @@ def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     P, QH, SC, MN = w[:nb * 512], w[nb * 512:nb * 640], w[nb * 640:nb * 768], w[nb * 768:nb * 832]
     DD, DM, res = tmp[nb * 832:nb * 848], tmp[nb * 848:nb * 864], tmp[nb * 864:nb * 864 + C * R]
     for r0 in range(i0, i1 - R + 1, R):
-        _prep_q45_k(raw, r0, nb, five, P, QH, SC, MN, DD, DM)
+        prep_q45_k(raw, r0, nb, five, P, QH, SC, MN, DD, DM)
         for t0 in range(0, T - C + 1, C):
             if five:
                 _q5k_4(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
             else:
                 _q4k_4(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
             _store(res, out, t0, C, r0, alpha, accumulate)
-        for t0 in range(T // C * C, T):
+        t0, rem = T // C * C, T % C
+        if rem == 3:
+            if five:
+                _q5k_3(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q4k_3(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        elif rem == 2:
+            if five:
+                _q5k_2(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q4k_2(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        elif rem == 1:
             if five:
                 _q5k_1(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
             else:
                 _q4k_1(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            _store(res, out, t0, 1, r0, alpha, accumulate)
+        if rem:
+            _store(res, out, t0, rem, r0, alpha, accumulate)
 
 
 @njit(cache=True)
@@ -428,13 +383,19 @@ def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     PL, PH, SC, SP = w[:nb * 512], w[nb * 512:nb * 768], w[nb * 768:nb * 1024], w[nb * 1024:nb * 1152]
     DD, res = tmp[nb * 1152:nb * 1168], tmp[nb * 1168:nb * 1168 + C * R]
     for r0 in range(i0, i1 - R + 1, R):
-        _prep_q6_k(raw, r0, nb, PL, PH, SC, SP, DD)
+        prep_q6_k(raw, r0, nb, PL, PH, SC, SP, DD)
         for t0 in range(0, T - C + 1, C):
             _q6k_4(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
             _store(res, out, t0, C, r0, alpha, accumulate)
-        for t0 in range(T // C * C, T):
+        t0, rem = T // C * C, T % C
+        if rem == 3:
+            _q6k_3(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+        elif rem == 2:
+            _q6k_2(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+        elif rem == 1:
             _q6k_1(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
-            _store(res, out, t0, 1, r0, alpha, accumulate)
+        if rem:
+            _store(res, out, t0, rem, r0, alpha, accumulate)
 
 
 @njit(cache=True)
@@ -446,7 +407,7 @@ def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     P = tmp.view(np.int32)[:nb * nw * R]
     DD, res = tmp[nb * nw * R:nb * (nw + 1) * R], tmp[nb * (nw + 1) * R:nb * (nw + 1) * R + C * R]
     for r0 in range(i0, i1 - R + 1, R):
-        _prep_b32(raw, r0, nb, nibbles, P, DD)
+        prep_b32(raw, r0, nb, nibbles, P, DD)
         for t0 in range(0, T - C32 + 1, C32):
             if nibbles:
                 _q40_2(P, DD, Xq, Xd, Xs, t0, nb, res)
@@ -482,7 +443,7 @@ def _tiles_b32w(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # out[t, i] (=|+=) alpha * raw[i] . X[t] for rows i0..i1 and every t, X rounded for kind (round_rows): 2 to
     # SMALL_MAX_ROWS rows of X of an integer kind through kernels/blocks_small (each block unpacked once for all rows),
-    # more through whole tiles of R rows where they run (HAVE_TILES, >= GEMM_MIN_ROWS rows), the rest through the row
+    # more (the k-quants: from K_TILE_MIN_ROWS) through whole tiles of R rows where they run (HAVE_TILES), the rest through the row
     # dots, the same bits every way; kind + ACTS16 (the output head): blocks_wide's row dots, its Q8_0/Q4_0 tiles
     # from WIDE_TILE_MIN_ROWS rows. tmp: >= scratch_words(n) f32
     end = i0
@@ -495,12 +456,15 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             _tiles_b32w(raw, k == Q4_0, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         rows16(raw, kind, X, Xq, Xd, Xs, out, tmp, end, i1, alpha, accumulate)
         return
-    if 2 <= T <= SMALL_MAX_ROWS and (kind == Q4_K or kind == Q5_K or kind == Q6_K or kind == Q8_0 or kind == Q4_0):
+    kq = kind == Q4_K or kind == Q5_K or kind == Q6_K
+    big = tmp.shape[0] >= scratch_words(X.shape[1])      # room for a panel
+    if 2 <= T <= SMALL_MAX_ROWS and (kq or kind == Q8_0 or kind == Q4_0) \
+            and not (kq and HAVE_TILES and big and T >= K_TILE_MIN_ROWS):
         small_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)     # a few rows: no panel
         return
-    if tmp.shape[0] < scratch_words(X.shape[1]):          # too small a scratch for a panel: the row dots
+    if not big:                                           # too small a scratch for a panel: the row dots
         pass
-    elif HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q4_K or kind == Q5_K or kind == Q6_K):
+    elif HAVE_TILES and X.shape[0] >= min(GEMM_MIN_ROWS, K_TILE_MIN_ROWS) and kq:
         end = i0 + (i1 - i0) // R * R
         if kind == Q4_K or kind == Q5_K:
             _tiles_q45_k(raw, kind == Q5_K, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)

@@ -11,6 +11,8 @@ scales are unpacked once, each activation row's integer products are summed as t
 rows' exact int32 sums are gathered into one vector whose lane t is row t, so the row dot's float step
 (blocks_ir.k_update / b32_update, one row's scalar accumulator) runs on NC rows as vector lanes: the same
 operations on the same values, so every output equals the row dot's bits.
+Where the tiles run (AVX-512 VNNI) the k-quants take them from 2 rows since their panels are laid out by register
+transposes (kernels/blocks_panels, blocks_gemm.K_TILE_MIN_ROWS); these kernels serve Q8_0 / Q4_0 and the other CPUs.
 """
 from __future__ import annotations
 

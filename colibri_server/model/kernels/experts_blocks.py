@@ -5,8 +5,8 @@ w1, w3, w2, scatter), each matrix on the threads only when big enough, and at a 
 (16 rows, top-2 of 8: ~4) each call through the tiled GEMM, whose panel layout costs more than those
 rows' products. Here one call per layer runs every expert that got rows: their rows gathered and
 rounded once, then each thread part takes its share of the weight rows of every active expert's w1
-and w3 (one parallel region) and of w2 (a second), each through blocks_gemm.gemm_rows (the small-T
-product of kernels/blocks_small for a few rows, the tiles for many), so the work is even however the
+and w3 (one parallel region) and of w2 (a second), each through blocks_gemm.gemm_rows (the tiles,
+or kernels/blocks_small's small-T product where they do not run), so the work is even however the
 rows fell on the experts. Every product is the row dot's bits for its rows (rounded the same way), so
 the output is the per-expert path's.
 

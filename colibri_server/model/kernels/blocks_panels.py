@@ -1,0 +1,263 @@
+"""The tiles' weight panels (kernels/blocks_gemm): 16 weight rows of a block-kind matrix laid out so that the
+32-bit lanes of a zmm register are the rows.
+
+A panel's values are a transpose: dword q of each of the 16 rows' blocks goes to the 16 lanes of vector q. Done a
+dword at a time (16 x 32 scalar loads and stores a Q4_K block) the layout cost ~0.15 ms a 2048 x 1024 matrix, more
+than a few activation rows' products through the panel, so the small-row kernels (kernels/blocks_small) ran up to 4
+rows. Here the values move 64 bytes at a time: 16 rows' 64 bytes loaded as 16 vectors and transposed in registers
+(_transpose: 4 rounds of 2-source shuffles, each swapping one bit of the row index with one of the lane index), a
+Q4_K block's values in two such transposes, and the block headers (d, dmin, the packed scales and mins) transposed
+the same way and unpacked on the 16 rows as lanes.
+The bytes are the GGUF's, moved, never changed (Q8_0's + 128 aside): the micro-kernels read the same values either
+way, so the products keep their bits.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .prefetch import prefetch_ahead
+
+R = 16                     # weight rows per tile (the 16 i32 lanes of a zmm register)
+
+_i8, _i32 = ir.IntType(8), ir.IntType(32)
+_idx = ir.IntType(64)
+_v16 = ir.VectorType(_i32, R)
+
+
+def _transpose(builder, rows):
+    """len(rows) (16, 8 or 4) <16 x i32> vectors (row r, lane q) -> as many vectors, bits 0..log2(len)-1 of the row
+    and of the lane swapped (16: row q, lane r): round k swaps bit k of the row with bit k of the lane, for rows i and
+    j = i | 2^k one shuffle each."""
+    n = len(rows)
+    for k in range(n.bit_length() - 1):
+        s = 1 << k
+        new = list(rows)
+        for i in range(n):
+            if i & s:
+                continue
+            j = i | s
+            mi = [q if not q & s else R + (q ^ s) for q in range(R)]
+            mj = [q ^ s if not q & s else R + q for q in range(R)]
+            new[i] = builder.shuffle_vector(rows[i], rows[j], ir.Constant(ir.VectorType(_i32, R), mi))
+            new[j] = builder.shuffle_vector(rows[i], rows[j], ir.Constant(ir.VectorType(_i32, R), mj))
+        rows = new
+    return rows
+
+
+class _Tile:
+    """IR over a tile's arguments (raw, r0, ...): the 16 rows' 64 bytes at a byte offset, transposed, and 16-lane
+    stores into the panel arrays."""
+
+    def __init__(self, context, builder, sig, args):
+        self.context, self.b, self.sig, self.args = context, builder, sig, args
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        self.stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+        self.base = builder.bitcast(a.data, _i8.as_pointer())
+        self.r0 = self.idx(1)
+
+    def idx(self, k):
+        return self.context.cast(self.b, self.args[k], self.sig.args[k], types.intp)
+
+    def cols(self, off):
+        """dword q of rows r0..r0+R's bytes off..off+64 (off: i64) as 16 vectors, lane r the row."""
+        b = self.b
+        start = b.add(b.mul(self.r0, self.stride), off)
+        ptrs = [b.gep(self.base, [b.add(start, b.mul(self.stride, ir.Constant(_idx, r)))]) for r in range(R)]
+        rows = [b.load(b.bitcast(p, _v16.as_pointer()), align=1) for p in ptrs]
+        # the next tile's same bytes into L2, a tile's products ahead of their layout (past the matrix: no fault)
+        prefetch_ahead(b, ptrs, b.mul(self.stride, ir.Constant(_idx, R)), ahead=0)
+        return _transpose(b, rows)
+
+    def cols32(self, off, nd):
+        """The nd (8 or 4) dwords of rows r0..r0+R's bytes off..off+4nd (no byte beyond: a matrix's last block) as nd
+        vectors, lane r the row: row r + nd*h loaded into lanes nd*h.. of vector r, then log2(nd) transpose rounds."""
+        b = self.b
+        vt = ir.VectorType(_i32, nd)
+        start = b.add(b.mul(self.r0, self.stride), off)
+        ptrs = [b.gep(self.base, [b.add(start, b.mul(self.stride, ir.Constant(_idx, r)))]) for r in range(R)]
+        part = [b.load(b.bitcast(p, vt.as_pointer()), align=1) for p in ptrs]
+        prefetch_ahead(b, ptrs, b.mul(self.stride, ir.Constant(_idx, R)), ahead=0)
+        rows = []
+        for r in range(nd):
+            group = [part[r + nd * h] for h in range(R // nd)]
+            while len(group) > 1:           # concatenate pairwise: <nd> x 16/nd -> <16>
+                w = group[0].type.count
+                group = [b.shuffle_vector(group[i], group[i + 1], ir.Constant(ir.VectorType(_i32, 2 * w), list(range(2 * w))))
+                         for i in range(0, len(group), 2)]
+            rows.append(group[0])
+        return _transpose(b, rows)
+
+    def f16_at(self, off):
+        """The f16 at byte off of each of rows r0..r0+R -> <16 x float> (exact)."""
+        b = self.b
+        start = b.add(b.mul(self.r0, self.stride), off)
+        v = ir.Constant(_v16, None)
+        for r in range(R):
+            p = b.bitcast(b.gep(self.base, [b.add(start, b.mul(self.stride, ir.Constant(_idx, r)))]),
+                          ir.IntType(16).as_pointer())
+            v = b.insert_element(v, b.zext(b.load(p, align=1), _i32), ir.Constant(_i32, r))
+        return self.f16(v)
+
+    def store(self, k, at, v):
+        """v (16 lanes) to array argument k at element at (i64)."""
+        b = self.b
+        p = b.bitcast(self.context.make_array(self.sig.args[k])(self.context, b, self.args[k]).data,
+                      v.type.element.as_pointer())
+        b.store(v, b.bitcast(b.gep(p, [at]), v.type.as_pointer()), align=4)
+
+    def c(self, v):
+        return ir.Constant(_idx, v)
+
+    def k(self, v):
+        return ir.Constant(_v16, [v] * R)
+
+    def f16(self, v):
+        """The low 16 bits of each lane as IEEE half -> <16 x float>, exact (fpext, as kernels/base's f16 to f32)."""
+        b = self.b
+        h = b.bitcast(b.trunc(v, ir.VectorType(ir.IntType(16), R)), ir.VectorType(ir.HalfType(), R))
+        return b.fpext(h, ir.VectorType(ir.FloatType(), R))
+
+
+def _mk_transpose(nq):
+    def impl(typingctx, raw, r0, off, P, at):
+        """P[at + R*q + r] = dword q of raw[r0 + r, off:off + 64] for r < R and q < nq (raw: (rows, bytes) u8 with
+        contiguous rows, P: i32)."""
+        sig = types.void(raw, r0, off, P, at)
+
+        def codegen(context, builder, signature, args):
+            t = _Tile(context, builder, signature, args)
+            cols, at = t.cols(t.idx(2)), t.idx(4)
+            for q in range(nq):
+                t.store(3, builder.add(at, t.c(R * q)), cols[q])
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+transpose16 = _mk_transpose(16)
+transpose8 = _mk_transpose(8)
+
+
+@intrinsic
+def k_header(typingctx, raw, r0, off, b, SC, MN, DD, DM):
+    """A Q4_K / Q5_K block's 16 header bytes at off (d, dmin, the 12 packed 6-bit scales and mins) of rows r0..r0+R
+    -> SC[(8b + j)*R + r] = sub-block j's scale, MN[(4b + p)*R + r] = mins 2p | 2p+1 << 16, DD/DM[b*R + r] = d, dmin:
+    blocks._k_scale_min on 16 rows as lanes."""
+    sig = types.void(raw, r0, off, b, SC, MN, DD, DM)
+
+    def codegen(context, builder, signature, args):
+        t = _Tile(context, builder, signature, args)
+        bb = builder
+        h = t.cols(t.idx(2))[:4]
+        blk = t.idx(3)
+        t.store(6, bb.mul(blk, t.c(R)), t.f16(h[0]))
+        t.store(7, bb.mul(blk, t.c(R)), t.f16(bb.lshr(h[0], t.k(16))))
+
+        def sc(k):              # byte k of the 12
+            return bb.and_(bb.lshr(h[1 + k // 4], t.k(8 * (k % 4))), t.k(255))
+        mins = []
+        for j in range(8):
+            if j < 4:
+                s, m = bb.and_(sc(j), t.k(63)), bb.and_(sc(j + 4), t.k(63))
+            else:
+                s = bb.or_(bb.and_(sc(j + 4), t.k(15)), bb.and_(bb.lshr(sc(j - 4), t.k(2)), t.k(48)))
+                m = bb.or_(bb.lshr(sc(j + 4), t.k(4)), bb.and_(bb.lshr(sc(j), t.k(2)), t.k(48)))
+            t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(8)), t.c(j)), t.c(R)), s)
+            mins.append(m)
+        for p in range(4):
+            t.store(5, bb.mul(bb.add(bb.mul(blk, t.c(4)), t.c(p)), t.c(R)), bb.or_(mins[2 * p], bb.shl(mins[2 * p + 1], t.k(16))))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def q6_header(typingctx, raw, r0, off, b, SC, SP, DD):
+    """A Q6_K block's scales (16 int8 at off + 192) and d (f16 at off + 208) of rows r0..r0+R -> SC[(16b + g)*R + r]
+    = group g's scale, SP[(8b + p)*R + r] = scales 2p | 2p+1 << 16 (i16), DD[b*R + r] = d."""
+    sig = types.void(raw, r0, off, b, SC, SP, DD)
+
+    def codegen(context, builder, signature, args):
+        t = _Tile(context, builder, signature, args)
+        bb = builder
+        o = t.idx(2)
+        h = t.cols(bb.add(o, t.c(144)))[12:]             # bytes 192..207: the scales
+        dw = t.cols(bb.add(o, t.c(146)))[15]             # bytes 206..209: d in the high half
+        blk = t.idx(3)
+        t.store(6, bb.mul(blk, t.c(R)), t.f16(bb.lshr(dw, t.k(16))))
+        s = [bb.ashr(bb.shl(h[g // 4], t.k(24 - 8 * (g % 4))), t.k(24)) for g in range(16)]
+        for g in range(16):
+            t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(16)), t.c(g)), t.c(R)), s[g])
+        for p in range(8):
+            t.store(5, bb.mul(bb.add(bb.mul(blk, t.c(8)), t.c(p)), t.c(R)),
+                    bb.or_(bb.and_(s[2 * p], t.k(0xFFFF)), bb.shl(s[2 * p + 1], t.k(16))))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True)
+def prep_q45_k(raw, r0, nb, five, P, QH, SC, MN, DD, DM):
+    # rows r0..r0+R of a Q4_K (Q5_K: five) matrix -> P[(32b + q)*R + r] = dword q of block b's 128 nibble bytes
+    # (q = 8c + g), QH[(8b + g)*R + r] = dword g of Q5_K's 32 fifth-bit bytes, SC[(8b + j)*R + r] = sub-block j's
+    # 6-bit scale, MN[(4b + p)*R + r] = mins 2p | 2p+1 << 16, DD/DM[b*R + r] = d, dmin
+    size, qs = (176, 48) if five else (144, 16)
+    for b in range(nb):
+        o = b * size
+        transpose16(raw, r0, o + qs, P, 32 * b * R)
+        transpose16(raw, r0, o + qs + 64, P, (32 * b + 16) * R)
+        if five:            # 64 bytes from the fifth bits: their 8 dwords, then the first values' (not stored)
+            transpose8(raw, r0, o + 16, QH, 8 * b * R)
+        k_header(raw, r0, o, b, SC, MN, DD, DM)
+
+
+@njit(cache=True)
+def prep_q6_k(raw, r0, nb, PL, PH, SC, SP, DD):
+    # rows r0..r0+R of a Q6_K matrix -> PL[(32b + q)*R + r] = dword q of ql, PH[(16b + q)*R + r] = dword q of qh,
+    # SC[(16b + g)*R + r] = group g's int8 scale, SP[(8b + p)*R + r] = scales 2p | 2p+1 << 16 (i16), DD[b*R + r] = d
+    for b in range(nb):
+        o = b * 210
+        transpose16(raw, r0, o, PL, 32 * b * R)
+        transpose16(raw, r0, o + 64, PL, (32 * b + 16) * R)
+        transpose16(raw, r0, o + 128, PH, 16 * b * R)
+        q6_header(raw, r0, o, b, SC, SP, DD)
+
+
+FLIP = -0x7F7F7F80         # 0x80808080: Q8_0's int8 values + 128 as u8 (vpdpbusd's unsigned side)
+
+
+def _mk_b32_block(nibbles):
+    def impl(typingctx, raw, r0, off, b, P, DD):
+        """A Q8_0 (Q4_0: nibbles) block at byte off of rows r0..r0+R -> P[(nd*b + g)*R + r] = dword g of its nd = 8
+        value dwords, each byte + 128 (Q4_0: nd = 4 dwords of nibbles, as they are), DD[b*R + r] = d."""
+        sig = types.void(raw, r0, off, b, P, DD)
+
+        def codegen(context, builder, signature, args):
+            t = _Tile(context, builder, signature, args)
+            bb = builder
+            nd = 4 if nibbles else 8
+            o, blk = t.idx(2), t.idx(3)
+            cols = t.cols32(bb.add(o, t.c(2)), nd)
+            for g in range(nd):
+                v = cols[g] if nibbles else bb.xor(cols[g], t.k(FLIP))
+                t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(nd)), t.c(g)), t.c(R)), v)
+            t.store(5, bb.mul(blk, t.c(R)), t.f16_at(o))
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+q8_0_block, q4_0_block = _mk_b32_block(False), _mk_b32_block(True)
+
+
+@njit(cache=True)
+def prep_b32(raw, r0, nb, nibbles, P, DD):
+    # rows r0..r0+R of a Q8_0 (Q4_0: nibbles) matrix -> P[(w*b + g)*R + r] = dword g of block b's w = 8 value
+    # dwords, each byte + 128 (Q4_0: w = 4 dwords of nibbles, as they are), DD[b*R + r] = d
+    size = 18 if nibbles else 34
+    for b in range(nb):
+        if nibbles:
+            q4_0_block(raw, r0, b * size, b, P, DD)
+        else:
+            q8_0_block(raw, r0, b * size, b, P, DD)
