@@ -53,9 +53,11 @@ def products(env) -> dict:
 
 @pytest.mark.slow          # two cold compiles of the block products (about a minute each on a loaded core)
 @pytest.mark.skipif(not cpu.HAVE_VNNI512, reason="needs an AVX-512 VNNI host to force the AVX2 paths on")
-def test_an_avx2_target_forced_on_an_avx512_host_takes_the_avx2_paths_with_the_same_products():
-    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=cpu.without_avx512())
-    avx2, host = products(env), products(dict(os.environ))
+def test_an_avx2_target_forced_on_an_avx512_host_takes_the_avx2_paths_with_the_same_products(tmp_path):
+    # each child compiles into its own empty cache: a function loaded from Numba's cache has no assembly to inspect
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=cpu.without_avx512(),
+               NUMBA_CACHE_DIR=str(tmp_path / "avx2"))
+    avx2, host = products(env), products(dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "host")))
     assert avx2["avx2"] and not avx2["vnni512"] and not avx2["vnni256"] and not avx2["tiles"]
     assert host["vnni512"]
     assert not avx2["zmm"] and avx2["ymm_dots"]           # 256-bit vectors only: it runs on an AVX2 CPU
@@ -107,7 +109,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow          # a cold compile of the tiled products for each target (minutes on a loaded core)
 @pytest.mark.skipif(not cpu.HAVE_VNNI512, reason="needs an AVX-512 VNNI host to force the AVX2 paths on")
-def test_the_avx2_tiles_give_the_row_dots_bits_and_the_vnni_tiles_bits():
+def test_the_avx2_tiles_give_the_row_dots_bits_and_the_vnni_tiles_bits(tmp_path):
     # kernels/blocks_gemm on an AVX2-only target: Q4_K, Q5_K, Q6_K and Q4_0 tiles from `vpmaddubsw` + `vpmaddwd` on
     # 256-bit halves, each output row the row dots' bits (one activation row at a time) and the AVX-512 tiles' bits
     kinds = json.dumps([int(k) for k in TILE_KINDS])
@@ -118,8 +120,9 @@ def test_the_avx2_tiles_give_the_row_dots_bits_and_the_vnni_tiles_bits():
                            timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
-    avx2 = run(dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=cpu.without_avx512()))
-    host = run(dict(os.environ))
+    avx2 = run(dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=cpu.without_avx512(),
+                    NUMBA_CACHE_DIR=str(tmp_path / "avx2")))     # empty caches: cached functions show no assembly
+    host = run(dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "host")))
     assert avx2["small_tiles"] and not avx2["vnni512"] and avx2["maddubsw"] and not avx2["zmm"]
     assert host["vnni512"] and host["zmm"]
     for kind in TILE_KINDS:
