@@ -53,9 +53,11 @@ def products(env) -> dict:
 
 @pytest.mark.slow          # two cold compiles of the block products (about a minute each on a loaded core)
 @pytest.mark.skipif(not cpu.HAVE_VNNI512, reason="needs an AVX-512 VNNI host to force the AVX2 paths on")
-def test_an_avx2_target_forced_on_an_avx512_host_takes_the_avx2_paths_with_the_same_products():
-    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=cpu.without_avx512())
-    avx2, host = products(env), products(dict(os.environ))
+def test_an_avx2_target_forced_on_an_avx512_host_takes_the_avx2_paths_with_the_same_products(tmp_path):
+    # each child compiles into its own empty cache: a function loaded from Numba's cache has no assembly to inspect
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=cpu.without_avx512(),
+               NUMBA_CACHE_DIR=str(tmp_path / "avx2"))
+    avx2, host = products(env), products(dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "host")))
     assert avx2["avx2"] and not avx2["vnni512"] and not avx2["vnni256"] and not avx2["tiles"]
     assert host["vnni512"]
     assert not avx2["zmm"] and avx2["ymm_dots"]           # 256-bit vectors only: it runs on an AVX2 CPU
@@ -71,3 +73,59 @@ def test_an_avx2_target_forced_on_an_avx512_host_takes_the_avx2_paths_with_the_s
         scale = np.abs(X).astype(np.float64) @ np.abs(KB.dequantize_ref(raw, int(kind), N)).T.astype(np.float64)
         assert (np.abs(a - h) <= scale * 1e-6 + 1e-7).all(), kind.name
         assert (np.abs(a - ref) <= scale * 2e-2 + 1e-5).all(), kind.name
+
+
+TILE_KINDS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0)
+
+TILES_CHILD = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from blocks_data import quantized
+from colibri_server.model.kernels import blocks_gemm as KG, cpu
+out = {"vnni512": cpu.HAVE_VNNI512, "small_tiles": KG.TILES_SMALL_VALUES, "diff": {}}
+d, n, T = 37, 512, 11              # 2 tiles of 16 and 5 rows through the row dots; 2 passes of 4 rows and 3 alone
+for kind in json.loads(sys.argv[2]):
+    rng = np.random.default_rng(kind)
+    raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=kind)
+    X = rng.standard_normal((T, n)).astype(np.float32) * rng.uniform(0.1, 3.0, (T, 1)).astype(np.float32)
+
+    def product(X):
+        y = np.zeros((X.shape[0], d), np.float32)
+        KG.matmul_blocks(raw, kind, X, y, np.zeros(X.shape, np.int8), np.zeros((X.shape[0], n // 32), np.float32),
+                         np.zeros((X.shape[0], n // 16), np.int32), np.zeros(KG.scratch_words(n), np.float32),
+                         np.float32(1.0), False)
+        return y
+    tiles = product(X)
+    rows = np.concatenate([product(X[t:t + 1]) for t in range(T)])          # one row at a time: the row dots
+    out["diff"][str(kind)] = int((tiles.view(np.uint32) != rows.view(np.uint32)).sum())
+    out[str(kind)] = tiles.tolist()
+asm = "".join(KG._tiles_q45_k.inspect_asm().values()) + "".join(KG._tiles_b32.inspect_asm().values())
+out["zmm"] = "zmm" in asm
+out["maddubsw"] = "vpmaddubsw" in asm
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow          # a cold compile of the tiled products for each target (minutes on a loaded core)
+@pytest.mark.skipif(not cpu.HAVE_VNNI512, reason="needs an AVX-512 VNNI host to force the AVX2 paths on")
+def test_the_avx2_tiles_give_the_row_dots_bits_and_the_vnni_tiles_bits(tmp_path):
+    # kernels/blocks_gemm on an AVX2-only target: Q4_K, Q5_K, Q6_K and Q4_0 tiles from `vpmaddubsw` + `vpmaddwd` on
+    # 256-bit halves, each output row the row dots' bits (one activation row at a time) and the AVX-512 tiles' bits
+    kinds = json.dumps([int(k) for k in TILE_KINDS])
+    tests = os.path.dirname(__file__)
+
+    def run(env):
+        r = subprocess.run([sys.executable, "-c", TILES_CHILD, tests, kinds], env=env, capture_output=True, text=True,
+                           timeout=1800)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    avx2 = run(dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=cpu.without_avx512(),
+                    NUMBA_CACHE_DIR=str(tmp_path / "avx2")))     # empty caches: cached functions show no assembly
+    host = run(dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "host")))
+    assert avx2["small_tiles"] and not avx2["vnni512"] and avx2["maddubsw"] and not avx2["zmm"]
+    assert host["vnni512"] and host["zmm"]
+    for kind in TILE_KINDS:
+        assert avx2["diff"][str(int(kind))] == 0 and host["diff"][str(int(kind))] == 0, kind.name
+        a, h = np.asarray(avx2[str(int(kind))], np.float32), np.asarray(host[str(int(kind))], np.float32)
+        assert np.array_equal(a.view(np.uint32), h.view(np.uint32)), kind.name

@@ -1,5 +1,6 @@
 """The tiled product of block-kind weights with many activation rows (prefill, a serving step's rows):
-X (T, n) @ W.T for Q4_K, Q5_K and Q6_K tiles on AVX-512 VNNI, every other case through the row dots (kernels/blocks).
+X (T, n) @ W.T for Q4_K, Q5_K, Q6_K, Q4_0 and Q8_0 tiles on AVX-512 VNNI (all but Q8_0's on AVX2), every other
+case through the row dots (kernels/blocks).
 
 The row dots read a weight row once for all T rows but decode its blocks again for each of them
 (nibbles, scales, one horizontal sum per block and row): a 128-token prefill ran 2-3.5x slower than the
@@ -15,6 +16,8 @@ lane, no horizontal sum); a sub-block's sums times the rows' scales (`vpmulld`),
 kblock_q4_k / kblock_q5_k / kblock_q6_k, so each output equals the matvec's bit for bit, whatever T or the threads.
 The output head's int16 activations (a kind id + ACTS16, kernels/blocks_wide) take blocks_wide's row dots, and
 from WIDE_TILE_MIN_ROWS rows Q8_0 / Q4_0 tiles whose lanes hold two i16 values of a row (`vpdpwssd`).
+On AVX2 (no VNNI) the same IR runs with each 16-lane vector split in two 256-bit halves by LLVM and the two dot
+instructions built from `vpmaddubsw` and `vpmaddwd` (_Kernel.dpbusd / dpwssd): the same integers, so the same bits.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
 from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k
 from .blocks_small import SMALL_MAX_ROWS, small_rows
 from .blocks_wide import round_rows16, rows16
-from .cpu import HAVE_VNNI512
+from .cpu import HAVE_AVX2, HAVE_VNNI512
 
 C = 4                      # activation rows per pass of the micro-kernel
 GEMM_MIN_ROWS = 4          # fewer activation rows: the row dots (the panel costs more than it saves)
@@ -42,7 +45,10 @@ K_TILE_MIN_ROWS = 2
 # the int16 head's Q8_0 / Q4_0 panels (two values a lane: twice the int8 panel's work to lay out) pay from 12 rows:
 # bench/head.py, 32000 x 1024 Q8_0, one thread, row dots / tiles: 4 rows 5.6 / 11.4 ms, 16 rows 22.4 / 17.3
 WIDE_TILE_MIN_ROWS = 12
-HAVE_TILES = HAVE_VNNI512
+HAVE_TILES = HAVE_VNNI512        # every tile kind (Q8_0's and the int16 head's too)
+# the kinds whose weight bytes stay within 0..63 (Q4_K, Q5_K, Q6_K, Q4_0) also on AVX2, where _Kernel.dpbusd is
+# `vpmaddubsw` + `vpmaddwd` (exact below i16 saturation; Q8_0's flipped bytes reach 255 and would saturate)
+TILES_SMALL_VALUES = HAVE_VNNI512 or HAVE_AVX2
 
 
 @njit(cache=True)
@@ -110,10 +116,44 @@ class _Kernel:
             return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(self.t0, ir.Constant(_idx, t)), stride)]),
                                     ty.as_pointer()) for t in range(C)]
         self.xq, self.xd, self.xs = rows(xq, _i8), rows(xd, _f32), rows(xs, _i32)
-        self.dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(self.v16, [self.v16] * 3),
-                                                     "llvm.x86.avx512.vpdpbusd.512")
-        self.dpwssd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(self.v16, [self.v16] * 3),
-                                                     "llvm.x86.avx512.vpdpwssd.512")
+        self.module = builder.module
+
+    def _fn(self, name, ret, *args):
+        return cgutils.get_or_insert_function(self.module, ir.FunctionType(ret, list(args)), name)
+
+    def _halves(self, v, ty):
+        """The two 8-lane halves of a 16-lane i32 vector as ty (256 bits each)."""
+        v8 = ir.VectorType(_i32, 8)
+        return [self.b.bitcast(self.b.shuffle_vector(v, v, ir.Constant(v8, list(range(8 * h, 8 * h + 8)))), ty)
+                for h in range(2)]
+
+    def _joined(self, lo, hi):
+        return self.b.shuffle_vector(lo, hi, ir.Constant(self.v16, list(range(R))))
+
+    def dpbusd(self, acc, w, x):
+        """acc + the sums of 4 products u8 w times s8 x in each i32 lane: `vpdpbusd` with AVX-512 VNNI; on AVX2
+        `vpmaddubsw` (pairs in i16) then `vpmaddwd` by ones on each 256-bit half, the same integers while a pair's
+        sum stays within i16 (|w| <= 63 against |x| <= 127: the nibble and 6-bit kinds, not Q8_0's flipped bytes)."""
+        if HAVE_VNNI512:
+            return self.b.call(self._fn("llvm.x86.avx512.vpdpbusd.512", self.v16, self.v16, self.v16, self.v16),
+                               [acc, w, x])
+        v32, v16h, v8 = ir.VectorType(_i8, 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_i32, 8)
+        ubs = self._fn("llvm.x86.avx2.pmadd.ub.sw", v16h, v32, v32)
+        wd = self._fn("llvm.x86.avx2.pmadd.wd", v8, v16h, v16h)
+        ones = ir.Constant(v16h, [1] * 16)
+        parts = [self.b.call(wd, [self.b.call(ubs, [wh, xh]), ones])
+                 for wh, xh in zip(self._halves(w, v32), self._halves(x, v32))]
+        return self.b.add(acc, self._joined(*parts))
+
+    def dpwssd(self, acc, a, c):
+        """acc + the sums of 2 products s16 a times s16 c in each i32 lane: `vpdpwssd`, or `vpmaddwd` on AVX2."""
+        if HAVE_VNNI512:
+            return self.b.call(self._fn("llvm.x86.avx512.vpdpwssd.512", self.v16, self.v16, self.v16, self.v16),
+                               [acc, a, c])
+        v16h, v8 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(_i32, 8)
+        wd = self._fn("llvm.x86.avx2.pmadd.wd", v8, v16h, v16h)
+        parts = [self.b.call(wd, [ah, ch]) for ah, ch in zip(self._halves(a, v16h), self._halves(c, v16h))]
+        return self.b.add(acc, self._joined(*parts))
 
     def vec(self, p, at, ty=None):
         """The 16 lanes at element `at` (i64) of pointer p."""
@@ -188,8 +228,8 @@ def _mk_q45_k(nc, five):
                                 else:
                                     hi = b.or_(hi, hb)
                         for t in range(nc):
-                            sa[t] = b.call(k.dpbusd, [sa[t], lo, k.x4(t, b.add(x0, k.c(64 * c + 4 * g)))])
-                            sb[t] = b.call(k.dpbusd, [sb[t], hi, k.x4(t, b.add(x0, k.c(64 * c + 32 + 4 * g)))])
+                            sa[t] = k.dpbusd(sa[t], lo, k.x4(t, b.add(x0, k.c(64 * c + 4 * g))))
+                            sb[t] = k.dpbusd(sb[t], hi, k.x4(t, b.add(x0, k.c(64 * c + 32 + 4 * g))))
                     s0 = k.vec(sc, b.mul(b.add(b.mul(blk, k.c(8)), k.c(2 * c)), k.c(R)))
                     s1 = k.vec(sc, b.mul(b.add(b.mul(blk, k.c(8)), k.c(2 * c + 1)), k.c(R)))
                     for t in range(nc):
@@ -198,7 +238,7 @@ def _mk_q45_k(nc, five):
                 for q in range(4):
                     m = k.vec(mn, b.mul(b.add(b.mul(blk, k.c(4)), k.c(q)), k.c(R)))
                     for t in range(nc):
-                        msum[t] = b.call(k.dpwssd, [msum[t], m, k.xs_pair(t, b.add(b.mul(blk, k.c(16)), k.c(4 * q)))])
+                        msum[t] = k.dpwssd(msum[t], m, k.xs_pair(t, b.add(b.mul(blk, k.c(16)), k.c(4 * q))))
                 d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
                 dmin = k.vec(dm, b.mul(blk, k.c(R)), k.f16)
                 for t in range(nc):
@@ -239,9 +279,9 @@ def _mk_q6_k(nc):
                             for t in range(nc):
                                 x = k.x4(t, b.add(x0, k.c(128 * h + 32 * c + 4 * g)))
                                 if g < 4:
-                                    g0[t] = b.call(k.dpbusd, [g0[t], q, x])
+                                    g0[t] = k.dpbusd(g0[t], q, x)
                                 else:
-                                    g1[t] = b.call(k.dpbusd, [g1[t], q, x])
+                                    g1[t] = k.dpbusd(g1[t], q, x)
                         gi = 8 * h + 2 * c
                         s0 = k.vec(sc, b.mul(b.add(b.mul(blk, k.c(16)), k.c(gi)), k.c(R)))
                         s1 = k.vec(sc, b.mul(b.add(b.mul(blk, k.c(16)), k.c(gi + 1)), k.c(R)))
@@ -251,7 +291,7 @@ def _mk_q6_k(nc):
                 for q in range(8):
                     s = k.vec(sp, b.mul(b.add(b.mul(blk, k.c(8)), k.c(q)), k.c(R)))
                     for t in range(nc):
-                        off[t] = b.call(k.dpwssd, [off[t], s, k.xs_pair1(t, b.add(b.mul(blk, k.c(16)), k.c(2 * q)))])
+                        off[t] = k.dpwssd(off[t], s, k.xs_pair1(t, b.add(b.mul(blk, k.c(16)), k.c(2 * q))))
                 d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
                 for t in range(nc):
                     xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
@@ -289,16 +329,16 @@ def _mk_b32(nc, nibbles, wide=False):
                         w = k.vec(p, b.mul(b.add(b.mul(blk, k.c(nw)), k.c(g)), k.c(R)))
                         if wide:        # the int16 values 2g, 2g+1 of the block: bytes 4g.. of its 64
                             for t in range(nc):
-                                isum[t] = b.call(k.dpwssd, [isum[t], w, k.x4(t, b.add(b.mul(blk, k.c(64)), k.c(4 * g)))])
+                                isum[t] = k.dpwssd(isum[t], w, k.x4(t, b.add(b.mul(blk, k.c(64)), k.c(4 * g))))
                             continue
                         if nibbles:
                             lo, hi = b.and_(w, mask), b.and_(b.lshr(w, k.splat(ir.Constant(_i32, 4))), mask)
                         for t in range(nc):
                             if nibbles:
-                                isum[t] = b.call(k.dpbusd, [isum[t], lo, k.x4(t, b.add(x0, k.c(4 * g)))])
-                                isum[t] = b.call(k.dpbusd, [isum[t], hi, k.x4(t, b.add(x0, k.c(16 + 4 * g)))])
+                                isum[t] = k.dpbusd(isum[t], lo, k.x4(t, b.add(x0, k.c(4 * g))))
+                                isum[t] = k.dpbusd(isum[t], hi, k.x4(t, b.add(x0, k.c(16 + 4 * g))))
                             else:
-                                isum[t] = b.call(k.dpbusd, [isum[t], w, k.x4(t, b.add(x0, k.c(4 * g)))])
+                                isum[t] = k.dpbusd(isum[t], w, k.x4(t, b.add(x0, k.c(4 * g))))
                     d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
                     for t in range(nc):
                         if wide:
@@ -464,13 +504,14 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         return
     if not big:                                           # too small a scratch for a panel: the row dots
         pass
-    elif HAVE_TILES and X.shape[0] >= min(GEMM_MIN_ROWS, K_TILE_MIN_ROWS) and kq:
+    elif kq and TILES_SMALL_VALUES and T >= (min(GEMM_MIN_ROWS, K_TILE_MIN_ROWS) if HAVE_TILES else GEMM_MIN_ROWS):
         end = i0 + (i1 - i0) // R * R
         if kind == Q4_K or kind == Q5_K:
             _tiles_q45_k(raw, kind == Q5_K, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         else:
             _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
-    elif HAVE_TILES and X.shape[0] >= GEMM_MIN_ROWS and (kind == Q8_0 or kind == Q4_0) and X.shape[1] % 256 == 0:
+    elif X.shape[0] >= GEMM_MIN_ROWS and (HAVE_TILES and kind == Q8_0 or TILES_SMALL_VALUES and kind == Q4_0) \
+            and X.shape[1] % 256 == 0:
         end = i0 + (i1 - i0) // R * R
         _tiles_b32(raw, kind == Q4_0, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
     if end < i1:

@@ -7,7 +7,9 @@ rows' products. Here one call per layer runs every expert that got rows: their r
 rounded once, then each thread part takes its share of the weight rows of every active expert's w1
 and w3 (one parallel region) and of w2 (a second), each through blocks_gemm.gemm_rows (the tiles,
 or kernels/blocks_small's small-T product where they do not run), so the work is even however the
-rows fell on the experts. Every product is the row dot's bits for its rows (rounded the same way), so
+rows fell on the experts. The rows' gathering and rounding, the SwiGLU between and the scatter back are split
+over the same parts (rows for the first two, the part's own output columns for the scatter), so on two threads
+no step runs on one alone. Every product is the row dot's bits for its rows (rounded the same way), so
 the output is the per-expert path's.
 
 Legend as in moe.py: T rows, k chosen experts per row, D hidden, I expert intermediate, n = T*k.
@@ -45,7 +47,9 @@ def _up(r1, k1, r3, k3, xe, q1, d1, s1, q3, d3, s3, offsets, active, G, U, tmps)
 
 
 @njit(cache=True, parallel=True)
-def _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, tmps):
+def _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, order, Y, tmps):
+    # each part's columns of Yg (its share of w2's rows), then those columns scattered to Y (row order[r] = Yg[r]): a
+    # part owns its columns, so no other part waits for it
     nparts = tmps.shape[0]
     one = np.float32(1.0)
     for p in prange(nparts):
@@ -54,6 +58,33 @@ def _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, tmps):
             e = active[j]
             lo, hi = offsets[e], offsets[e + 1]
             gemm_rows(r2[e], k2, G[lo:hi], gq[lo:hi], gd[lo:hi], gs[lo:hi], Yg[lo:hi], tmps[p], i0, i1, one, False)
+        for r in range(order.shape[0]):
+            Y[order[r], i0:i1] = Yg[r, i0:i1]
+
+
+@njit(cache=True, parallel=True)
+def _gather_round(X, order, k, k1, k3, xe, q1, d1, s1, q3, d3, s3, nparts):
+    # X's rows in expert order (xe[r] = X[order[r] // k]) rounded for k1 (and k3 when its rounding differs), the
+    # rows split over nparts
+    n = order.shape[0]
+    same = _kround(k1) == _kround(k3)
+    for p in prange(nparts):
+        r0, r1 = p * n // nparts, (p + 1) * n // nparts
+        for r in range(r0, r1):
+            xe[r] = X[order[r] // k]
+        round_rows(k1, xe[r0:r1], q1[r0:r1], d1[r0:r1], s1[r0:r1])
+        if not same:
+            round_rows(k3, xe[r0:r1], q3[r0:r1], d3[r0:r1], s3[r0:r1])
+
+
+@njit(cache=True, parallel=True)
+def _silu_round(G, U, k2, gq, gd, gs, nparts):
+    # G = silu(G) * U, then G rounded for k2, the rows split over nparts
+    n = G.shape[0]
+    for p in prange(nparts):
+        r0, r1 = p * n // nparts, (p + 1) * n // nparts
+        silu_mul(G[r0:r1], U[r0:r1], G[r0:r1])
+        round_rows(k2, G[r0:r1], gq[r0:r1], gd[r0:r1], gs[r0:r1])
 
 
 @njit(cache=True)
@@ -65,23 +96,18 @@ def experts_rows_blocks(r1, k1, r3, k3, r2, k2, X, order, offsets, k, Y, active,
     n = order.shape[0]
     D = X.shape[1]
     I = r1.shape[1]
+    nparts = tmps.shape[0]
     xe = np.empty((n, D), np.float32)            # X's rows in expert order
-    for r in range(n):
-        xe[r] = X[order[r] // k]
     q1, d1, s1 = np.empty((n, D), np.int8), np.empty((n, D // QB), np.float32), np.empty((n, D // SB), np.int32)
-    round_rows(k1, xe, q1, d1, s1)
     if _kround(k1) == _kround(k3):               # one rounding of the rows serves both up matrices
         q3, d3, s3 = q1, d1, s1
     else:
         q3, d3, s3 = np.empty((n, D), np.int8), np.empty((n, D // QB), np.float32), np.empty((n, D // SB), np.int32)
-        round_rows(k3, xe, q3, d3, s3)
+    _gather_round(X, order, k, k1, k3, xe, q1, d1, s1, q3, d3, s3, nparts)
     G = np.empty((n, I), np.float32)
     U = np.empty((n, I), np.float32)
     _up(r1, k1, r3, k3, xe, q1, d1, s1, q3, d3, s3, offsets, active, G, U, tmps)
-    silu_mul(G, U, G)
     gq, gd, gs = np.empty((n, I), np.int8), np.empty((n, I // QB), np.float32), np.empty((n, I // SB), np.int32)
-    round_rows(k2, G, gq, gd, gs)
+    _silu_round(G, U, k2, gq, gd, gs, nparts)
     Yg = np.empty((n, D), np.float32)
-    _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, tmps)
-    for r in range(n):
-        Y[order[r]] = Yg[r]
+    _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, order, Y, tmps)
