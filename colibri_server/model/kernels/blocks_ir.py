@@ -127,6 +127,35 @@ def b32_total(builder, accs):
                         builder.fadd(builder.fadd(accs[4], accs[5]), builder.fadd(accs[6], accs[7])))
 
 
+def b32_row(builder, nb, dp, block, group_sum, one_sum):
+    """The 32-block kinds' row loop, as f32: block(b) -> (block b's products, its weight scale as f32); block b's
+    integer sum times d_b * xd_b (dp: the activations' f32 scales) to partial sum b mod 8 (b32_update), 8 blocks at a
+    time as one vector (group_sum(products of blocks b0..b0+7, b0) -> <8 x i32>), the last nb mod 8 one at a time in
+    their lanes (one_sum(products, b) -> i32); the partials summed by b32_total."""
+    idx = ir.IntType(64)
+    vf = ir.VectorType(_f32, 8)
+    acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+    eight = ir.Constant(idx, 8)
+    with cgutils.for_range(builder, builder.sdiv(nb, eight)) as loop:      # 8 blocks, one per lane
+        b0 = builder.mul(loop.index, eight)
+        ps, ds = [], ir.Constant(vf, None)
+        for i in range(8):
+            p, d = block(builder.add(b0, ir.Constant(idx, i)))
+            ps.append(p)
+            ds = builder.insert_element(ds, d, ir.Constant(_i32, i))
+        builder.store(b32_update(builder, builder.load(acc), group_sum(ps, b0), ds, _vload(builder, dp, b0, vf)), acc)
+    with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(nb, eight), eight), nb,
+                                 ir.Constant(idx, 1)) as (b, _):           # the rest: lane b mod 8 alone
+        p, d = block(b)
+        isum = one_sum(p, b)
+        lane = builder.trunc(builder.srem(b, eight), _i32)
+        v = builder.load(acc)
+        upd = b32_update(builder, builder.extract_element(v, lane), isum, d, builder.load(builder.gep(dp, [b])))
+        builder.store(builder.insert_element(v, upd, lane), acc)
+    v = builder.load(acc)
+    return b32_total(builder, [builder.extract_element(v, ir.Constant(_i32, i)) for i in range(8)])
+
+
 def _row32(nibbles):
     """The row dot of a 32-block kind with an f16 scale first: Q8_0 (34 bytes) or Q4_0 (18). Block b's exact
     integer sum (Q4_0: its nibbles' 8 taken out through the activations' 16-sums) times d_b * xd_b goes to
@@ -143,9 +172,7 @@ def _row32(nibbles):
             xp = _arr_ptr(context, builder, a[1], args[1], _i8)
             dp = _arr_ptr(context, builder, a[2], args[2], _f32)
             sp = _arr_ptr(context, builder, a[3], args[3], _i32)
-            vf, v8 = ir.VectorType(_f32, 8), ir.VectorType(_i32, 8)
-            acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
-            nb = args[4]
+            v8 = ir.VectorType(_i32, 8)
 
             def block(b):
                 """(block b's exact integer sum, its f16 scale as f32)."""
@@ -171,32 +198,18 @@ def _row32(nibbles):
                 od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
                 return builder.mul(builder.add(ev, od), ir.Constant(v8, [8] * 8))
 
-            eight = ir.Constant(idx, 8)
-            with cgutils.for_range(builder, builder.sdiv(nb, eight)) as loop:      # 8 blocks, one per lane
-                b0 = builder.mul(loop.index, eight)
-                ps, ds = [], ir.Constant(vf, None)
-                for i in range(8):
-                    p8, d = block(builder.add(b0, ir.Constant(idx, i)))
-                    ps.append(p8)
-                    ds = builder.insert_element(ds, d, ir.Constant(_i32, i))
+            def group_sum(ps, b0):
                 isum = _sum8(builder, ps)
-                if nibbles:
-                    isum = builder.sub(isum, correction(b0, 8))
-                builder.store(b32_update(builder, builder.load(acc), isum, ds, _vload(builder, dp, b0, vf)), acc)
-            with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(nb, eight), eight), nb,
-                                         ir.Constant(idx, 1)) as (b, _):           # the rest: lane b mod 8 alone
-                p8, d = block(b)
+                return builder.sub(isum, correction(b0, 8)) if nibbles else isum
+
+            def one_sum(p8, b):
                 isum = _reduce(builder, p8, 8)
                 if nibbles:
                     s2 = builder.gep(sp, [builder.mul(b, ir.Constant(idx, 2))])
                     xsum = builder.add(builder.load(s2), builder.load(builder.gep(s2, [ir.Constant(idx, 1)])))
                     isum = builder.sub(isum, builder.mul(xsum, ir.Constant(_i32, 8)))
-                lane = builder.trunc(builder.srem(b, eight), _i32)
-                v = builder.load(acc)
-                upd = b32_update(builder, builder.extract_element(v, lane), isum, d, builder.load(builder.gep(dp, [b])))
-                builder.store(builder.insert_element(v, upd, lane), acc)
-            v = builder.load(acc)
-            return b32_total(builder, [builder.extract_element(v, ir.Constant(_i32, i)) for i in range(8)])
+                return isum
+            return b32_row(builder, args[4], dp, block, group_sum, one_sum)
         return sig, codegen
     return impl
 

@@ -39,8 +39,7 @@ from .blocks_ir import (
     _load,
     _reduce,
     _vload,
-    b32_total,
-    b32_update,
+    b32_row,
     k_update,
 )
 from .cpu import HAVE_VNNI512
@@ -151,9 +150,6 @@ def _row32w(nibbles):
             rp = _arr_ptr(context, builder, a[0], args[0], _i8)
             xp = _arr_ptr(context, builder, a[1], args[1], _i16)
             dp = _arr_ptr(context, builder, a[2], args[2], _f32)
-            vf = ir.VectorType(_f32, 8)
-            acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
-            nb = args[3]
             zero = ir.Constant(_V16, None)
 
             def block(b):
@@ -173,26 +169,8 @@ def _row32w(nibbles):
                     w = _load(builder, wp, 32)
                 return _dot16(builder, zero, builder.sext(w, _W32), xv), _f16_at(builder, rp, o)
 
-            eight = ir.Constant(idx, 8)
-            with cgutils.for_range(builder, builder.sdiv(nb, eight)) as loop:      # 8 blocks, one per lane
-                b0 = builder.mul(loop.index, eight)
-                ps, ds = [], ir.Constant(vf, None)
-                for i in range(8):
-                    p, d = block(builder.add(b0, ir.Constant(idx, i)))
-                    ps.append(p)
-                    ds = builder.insert_element(ds, d, ir.Constant(_i32, i))
-                isum = _sum8w(builder, ps)
-                builder.store(b32_update(builder, builder.load(acc), isum, ds, _vload(builder, dp, b0, vf)), acc)
-            with cgutils.for_range_slice(builder, builder.mul(builder.sdiv(nb, eight), eight), nb,
-                                         ir.Constant(idx, 1)) as (b, _):           # the rest: lane b mod 8 alone
-                p, d = block(b)
-                isum = _reduce(builder, p, 16)
-                lane = builder.trunc(builder.srem(b, eight), _i32)
-                v = builder.load(acc)
-                upd = b32_update(builder, builder.extract_element(v, lane), isum, d, builder.load(builder.gep(dp, [b])))
-                builder.store(builder.insert_element(v, upd, lane), acc)
-            v = builder.load(acc)
-            return b32_total(builder, [builder.extract_element(v, ir.Constant(_i32, i)) for i in range(8)])
+            return b32_row(builder, args[3], dp, block, lambda ps, b0: _sum8w(builder, ps),
+                           lambda p, b: _reduce(builder, p, 16))
         return sig, codegen
     return impl
 
