@@ -28,6 +28,7 @@ from .blocks_ir import (
     _arr_ptr,
     _dot8,
     _f16_at,
+    _k_scales_mins,
     _load,
     _s16,
     _scaled_dot,
@@ -136,18 +137,7 @@ def _q45_block(builder, rp, xq, xd, xs, blk, nc, five):
 
     def c32(v):
         return ir.Constant(_i32, v)
-    u = [b.load(b.bitcast(b.gep(rp, [b.add(o, _c(4 + 4 * k))]), _i32.as_pointer()), align=1) for k in range(3)]
-    k1, k2, k3 = c32(0x3F3F3F3F), c32(0x0F0F0F0F), c32(0x03030303)
-    u3 = b.or_(b.and_(b.lshr(u[2], c32(4)), k2), b.shl(b.and_(b.lshr(u[1], c32(6)), k3), c32(4)))
-    m0 = b.and_(u[1], k1)
-    s1 = b.or_(b.and_(u[2], k2), b.shl(b.and_(b.lshr(u[0], c32(6)), k3), c32(4)))
-    s0 = b.and_(u[0], k1)
-    v2 = ir.VectorType(_i32, 2)
-
-    def bytes8(lo, hi):
-        p = b.insert_element(b.insert_element(ir.Constant(v2, None), lo, c32(0)), hi, c32(1))
-        return b.bitcast(p, ir.VectorType(_i8, 8))
-    sc8, mn8 = bytes8(s0, s1), bytes8(m0, u3)
+    sc8, mn8 = _k_scales_mins(b, rp, o)
     for line in range(0, size, 64):
         prefetch_ahead(b, [rp], b.add(o, _c(line)), ahead=BLOCK_AHEAD)
     vt = ir.VectorType(_i8, 32)
