@@ -54,6 +54,7 @@ def test_demo_shows_clean_output_and_real_memory_figures():
     with no server log line inside it (the server's log goes to a file), and the memory report has
     a figure for every worker, sampled after the request (a report taken before the router's
     sampler covers the workers would have none: no `USS 0.0 MiB`)."""
+    import os
     import re
     import subprocess
     import sys
@@ -70,7 +71,9 @@ def test_demo_shows_clean_output_and_real_memory_figures():
     resident = re.search(r"add up to ([\d.]+) MiB resident", out)
     assert resident and float(resident.group(1)) > 0, out
     assert "not sampled yet" not in out
-    assert re.search(r"server log: (\S+); ", out) and "server stopped (exit 0)" in out
+    log = re.search(r"server log: (\S+); ", out)
+    assert log and "server stopped (exit 0)" in out
+    assert not os.path.exists(os.path.dirname(log.group(1))), "a clean demo left its directory behind"
 
 
 def test_status_shows_an_unsampled_worker_as_unknown_not_zero():

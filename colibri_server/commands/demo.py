@@ -1,13 +1,14 @@
 """`colibri demo`: serve the bundled model with 2 workers, ask it one thing, show memory, stop.
 
-The server runs as a child process whose log goes to a file in the demo's directory: on the
-terminal it would interleave with the streamed answer (`>>> def fibonacci(n):2026-... colibri.worker
+The server runs as a child process whose log goes to a file in the demo's directory (removed after
+a clean run, kept and named when something fails): on the terminal it would interleave with the streamed answer (`>>> def fibonacci(n):2026-... colibri.worker
 INFO: ...`). Memory figures are shown once the router has sampled every worker after the
 request; the router samples off its loop, so a `stats` right after the request can predate it.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,3 +89,7 @@ def run(a, model, die):
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         _say(f"\nserver stopped (exit {proc.returncode})")
+    # Reached only after a clean run (a failure leaves through die()): nothing in the directory is
+    # worth keeping, and a demo run a day should not leave a directory a day in /tmp.
+    if proc.returncode == 0:
+        shutil.rmtree(d, ignore_errors=True)
