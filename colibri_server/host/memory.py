@@ -160,29 +160,3 @@ class MemorySampler:
             with self._lock:
                 self._figures = out
                 self._at = time.monotonic()
-
-
-MADV_PAGEOUT = 21           # Linux 5.4
-
-
-def page_out(pattern: str) -> int:
-    """madvise(MADV_PAGEOUT) every file mapping of this process whose path holds `pattern`: the pages only
-    it maps are written back / dropped now rather than when memory runs short (libLLVM's, once the kernels
-    are linked: ~65 MiB the decode never faults back, bench/memory_breakdown.py). Returns the bytes of the
-    mappings advised (0 where the kernel has no MADV_PAGEOUT)."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    n = 0
-    try:
-        with open("/proc/self/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return 0
-    for line in lines:
-        parts = line.split()
-        if len(parts) > 5 and pattern in parts[5]:
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if libc.madvise(lo, hi - lo, MADV_PAGEOUT) == 0:
-                n += hi - lo
-    return n

@@ -195,13 +195,6 @@ class Arbiter:
         self.reloads.serve_first(model, nodes)
         self.heartbeats = HeartbeatTable(MAX_WORKER_SLOTS)
         self.reloads.num_workers = self.fleet.workers_for_role(s)
-        if getattr(model, "residency", None) is not None:
-            # under a weights budget every byte counts: the compiler's pages out before the workers
-            # fork (a page two processes map is not paged out), the budget from what is left now
-            from ..host.memory import page_out
-            from .residency import settle
-            log.info("libLLVM's pages advised out: %.0f MiB mapped", page_out("libllvmlite") / 2**20)
-            settle(model, s, self.num_workers)
         gc.collect()
         gc.freeze()       # objects made so far stay out of the children's collector (copy-on-write)
         if self.router_pid is not None:

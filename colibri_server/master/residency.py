@@ -20,7 +20,6 @@ log = logging.getLogger("colibri.master")
 RERANK_EVERY = 1.0          # seconds between two re-ranks of one model
 MAX_SWAPS = 8               # experts newly locked per re-rank
 SAVE_EVERY = 60.0           # seconds between two saves of the popular set
-SETTLED_RESERVE = 24 << 20  # bytes a worker adds after its fork (its KV pool, buffers, copied pages)
 
 
 def budget_for(path: str, s) -> int:
@@ -30,27 +29,6 @@ def budget_for(path: str, s) -> int:
     from ..model.residency import available_memory, resolve_budget
     size = os.path.getsize(path)
     return resolve_budget(getattr(s, "weights_memory", 0), size, available_memory(), size // 20)
-
-
-def settle(m, s, workers: int) -> None:
-    """Once the kernels are loaded (the processes' own memory is what it will be but for the workers'
-    private growth), set the budget the server chose itself (weights_memory 0) from the memory the cgroup
-    or the system leaves now rather than the estimate made before: what is locked, plus the room left
-    less SETTLED_RESERVE per worker and the reads in flight (top_k + 1 of the largest experts), then lock
-    up to it. A weights_memory set by hand stays as set."""
-    from ..model.residency import available_memory, in_flight_bytes
-    res = getattr(m, "residency", None)
-    if res is None or getattr(s, "weights_memory", 0):
-        return
-    reserve = in_flight_bytes(m.file, m.config, m.config.top_k + 1) + SETTLED_RESERVE * max(1, workers)
-    budget = min(m.file.header["file_size"], res.locked_bytes + available_memory() - reserve)
-    if budget <= res.always_bytes:
-        return
-    old, res.budget = res.budget, budget
-    res.rerank(time.monotonic(), max_swaps=1 << 30, cached_only=False)
-    log.info("model %s: weights_memory %.0f MiB once the kernels are loaded (was %.0f MiB): %.0f MiB locked, "
-             "%d experts", m.path, budget / 2**20, old / 2**20, res.locked_bytes / 2**20,
-             int(res.shared.resident.sum()))
 
 
 def popular_path(model_path: str) -> str:
@@ -77,13 +55,12 @@ def attach(m, s, budget: int) -> None:
 
 
 def _load_popular(res, model_path: str) -> None:
-    from ..model.residency import PRIOR
     try:
         with open(popular_path(model_path)) as f:
             saved = json.load(f)
         score = np.asarray(saved["score"], np.float64)
         if score.shape == res.score.shape and saved.get("identity") == res.cf.identity:
-            res.score[...] = np.maximum(score, PRIOR)
+            res.score[...] = score
     except (OSError, ValueError, KeyError, TypeError):
         pass
 

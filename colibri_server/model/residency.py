@@ -37,8 +37,6 @@ import numpy as np
 __all__ = ["Residency", "ReadAhead", "expert_ranges", "resolve_budget", "in_flight_bytes", "available_memory", "BudgetTooSmall", "STAT_NAMES"]
 
 PAGE = mmap.PAGESIZE
-PRIOR = 1e-3                # an unrouted expert's score (Residency.score)
-PARTLY_CACHED = 0.25        # rerank locks a newcomer with at most this fraction of its pages not cached
 MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
 MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
@@ -107,11 +105,11 @@ def resolve_budget(setting: int, file_size: int, available: int, in_flight: int 
     return file_size if file_size <= available else max(0, int(available * 0.9) - in_flight - (32 << 20))
 
 
-def in_flight_bytes(cf, cfg, n: int = 0) -> int:
-    """The bytes of n (default 2 * top_k + 1) of the model's largest experts (resolve_budget's in_flight)."""
+def in_flight_bytes(cf, cfg) -> int:
+    """The bytes of 2 * top_k + 1 of the model's largest experts (resolve_budget's in_flight)."""
     experts, _, _ = expert_ranges(cf, cfg)
     biggest = max((sum(n for _, n in r) for row in experts for r in row), default=0)
-    return (n or 2 * max(1, cfg.top_k) + 1) * biggest
+    return (2 * max(1, cfg.top_k) + 1) * biggest
 
 
 def available_memory() -> int:
@@ -176,10 +174,7 @@ class Residency:
                                       for l in range(L)], np.int64)                      # (L,E)
         self.always_bytes = sum(n for _, n in self.always)
         self.shared = _Shared(L, E)
-        # (L,E) decayed routes; a prior below one route ranks every expert so the first rerank fills the
-        # budget at once (8 clients route a step to nearly every expert: any locked expert is one a step
-        # does not read) and the routed ones displace it as their counts come in
-        self.score = np.full((L, E), PRIOR, np.float64)
+        self.score = np.zeros((L, E), np.float64)                                       # (L,E) decayed routes
         self._seen = np.zeros((L, E), np.int64)
         self._last = None
         self.locked_bytes = 0
@@ -236,9 +231,8 @@ class Residency:
         """Fold the routes counted since the last call into the decayed scores and lock the experts that
         rank highest within the budget, unlocking those that fell out (at most max_swaps experts locked
         per call, the best first, so the caller never waits long). cached_only: lock only a newcomer whose
-        pages are (nearly: PARTLY_CACHED) all in the page cache (a worker that used it just read them;
-        locking one that is not would read it from disk beside the workers' own reads: a start does, once;
-        under 8 clients' reads an expert a step just used has often lost some pages already).
+        pages are all in the page cache (a worker that used it just read them; locking one that is not
+        would read it from disk beside the workers' own reads: a start from a saved ranking does, once).
         Returns how many were locked."""
         res = self.shared.resident
         counts = self.shared.counts.copy()
@@ -269,7 +263,7 @@ class Residency:
             if want[l, e] and not res[l, e]:
                 if added >= max_swaps:
                     break
-                if cached_only and self._missing(l, e) > PARTLY_CACHED * self.expert_bytes[l, e] / PAGE:
+                if cached_only and self._missing(l, e):
                     continue
                 for a, n in self.experts[l][e]:
                     self._lock(a, n)
