@@ -24,6 +24,7 @@ DECODE = (("colibri", "decode_tok_s", "colibri, weights_memory", BLUE),
           ("llama", "decode_tok_s", "llama-bench (mmap)", RED))
 SERVE = (("colibri", "tok_s", "colibri serve", BLUE), ("llama-server", "tok_s", "llama-server (mmap)", RED))
 PW, PH, L, B, T, R = 300, 300, 46, 40, 44, 22     # one panel: width, height, margins
+LEG = 50                                           # the legend's rows, under the panel
 
 
 def _val(row, key, field):
@@ -64,8 +65,8 @@ def panel(out: dict, series, title: str, sub: str, x0: float) -> list:
             g.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
                      + " ".join(f"{x:.1f},{y:.1f}" for x, y in pts) + '"/>')
             g += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in pts]
-        g.append(f'<line x1="{right - 130}" y1="{PH - B - 50 + 14 * i}" x2="{right - 114}" y2="{PH - B - 50 + 14 * i}" '
-                 f'stroke="{color}" stroke-width="2"/><text x="{right - 110}" y="{PH - B - 46 + 14 * i}" '
+        g.append(f'<line x1="{left}" y1="{PH + 6 + 14 * i}" x2="{left + 16}" y2="{PH + 6 + 14 * i}" '
+                 f'stroke="{color}" stroke-width="2"/><text x="{left + 20}" y="{PH + 10 + 14 * i}" '
                  f'font-size="10">{name}</text>')
     if ref:
         g.append(f'<line x1="{left}" y1="{Y(ref):.1f}" x2="{right}" y2="{Y(ref):.1f}" stroke="{BLUE}" '
@@ -76,8 +77,8 @@ def panel(out: dict, series, title: str, sub: str, x0: float) -> list:
 
 def draw(panels, path: str) -> None:
     W = PW * len(panels)
-    g = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{PH}" font-family="sans-serif" font-size="11">',
-         f'<rect width="{W}" height="{PH}" fill="white"/>',
+    g = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{PH + LEG}" font-family="sans-serif" '
+         f'font-size="11">', f'<rect width="{W}" height="{PH + LEG}" fill="white"/>',
          f'<text x="6" y="{T + 90}" transform="rotate(-90 14 {T + 90})">tok/s</text>']
     for i, (out, series, title, sub) in enumerate(panels):
         g += panel(out, series, title, sub, i * PW)
