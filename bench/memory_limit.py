@@ -194,51 +194,9 @@ def llama(a, cg) -> dict:
 
 
 def svg(out: dict, path: str) -> None:
-    """The curve as a small SVG line chart: decode tok/s (log scale) against the limit, one line each."""
-    import math
-    rows = sorted(out["rows"], key=lambda r: r["limit_pct"])
-    series = (("colibri", "colibri, weights_memory", "#1f77b4"), ("colibri_lru", "colibri, kernel LRU (no budget)",
-              "#7f7f7f"), ("llama", "llama-bench (mmap)", "#d62728"))
-    W, H, L, B, T, R = 560, 320, 60, 40, 30, 180
-    vals = [r[k]["decode_tok_s"] for r in rows for k, _, _ in series if r.get(k, {}).get("decode_tok_s")]
-    ref = out["reference"]["colibri"].get("decode_tok_s")
-    lo, hi = math.log10(max(0.1, min(vals) / 1.5)), math.log10(max(vals + [ref or 0]) * 1.5)
-    xs = [r["limit_pct"] for r in rows]
-
-    def X(p):
-        return L + (p - min(xs)) / max(1e-9, max(xs) - min(xs)) * (W - L - R)
-
-    def Y(v):
-        return T + (hi - math.log10(v)) / (hi - lo) * (H - T - B)
-    g = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
-         f'<rect width="{W}" height="{H}" fill="white"/>',
-         f'<text x="{L}" y="16" font-size="12">decode tok/s in a memory cgroup, {out["model"]}, 1 thread</text>',
-         f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>',
-         f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>',
-         f'<text x="{(L + W - R) / 2 - 70}" y="{H - 8}">limit, % of the model file</text>']
-    for p in xs:
-        g.append(f'<text x="{X(p) - 8:.0f}" y="{H - B + 14}">{p:.0f}%</text>')
-    for d in range(math.floor(lo), math.ceil(hi) + 1):
-        for m in (1, 2, 5):
-            v = m * 10 ** d
-            if lo <= math.log10(v) <= hi:
-                g.append(f'<line x1="{L - 3}" y1="{Y(v):.1f}" x2="{W - R}" y2="{Y(v):.1f}" stroke="#eee"/>'
-                         f'<text x="{L - 30}" y="{Y(v) + 4:.1f}">{v:g}</text>')
-    g.append(f'<text x="8" y="{T + 10}" transform="rotate(-90 14 {T + 60})">tok/s</text>')
-    for i, (k, name, color) in enumerate(series):
-        pts = [(X(r["limit_pct"]), Y(r[k]["decode_tok_s"])) for r in rows if r.get(k, {}).get("decode_tok_s")]
-        if pts:
-            g.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
-                     + " ".join(f"{x:.1f},{y:.1f}" for x, y in pts) + '"/>')
-            g += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in pts]
-        g.append(f'<line x1="{W - R + 10}" y1="{T + 14 + 18 * i}" x2="{W - R + 30}" y2="{T + 14 + 18 * i}" '
-                 f'stroke="{color}" stroke-width="2"/><text x="{W - R + 34}" y="{T + 18 + 18 * i}">{name}</text>')
-    if ref:
-        g.append(f'<line x1="{L}" y1="{Y(ref):.1f}" x2="{W - R}" y2="{Y(ref):.1f}" stroke="#1f77b4" '
-                 f'stroke-dasharray="4 3"/><text x="{W - R + 10}" y="{Y(ref) + 4:.1f}">colibri, no limit</text>')
-    g.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(g) + "\n")
+    """The curve as a small SVG line chart (bench/memory_limit_plot.py's decode panel)."""
+    import memory_limit_plot as MP
+    MP.draw([(out, MP.DECODE, "batch-1 decode", f"{out['model']}, 1 thread")], path)
 
 
 def main(argv=None):

@@ -168,6 +168,14 @@ def colibri_server(a, cg, P, tag):
                     yield from chunk.token_ids
         got = _measure(a, one, P, ready_t, p, cg)
         got["weights"] = _colibri_weights(log.name)
+        try:
+            with Client(f"ipc://{sock}", timeout=5.0) as c:
+                w = next((w["engine"]["weights"] for w in c.stats().get("workers", [])
+                          if isinstance((w.get("engine") or {}).get("weights"), dict)), None)
+            if w:
+                got["weights_figures"] = w
+        except Exception as e:  # noqa: BLE001  (a figure lost, the run's result kept)
+            got["weights_figures"] = {"error": repr(e)[:200]}
         return got
     finally:
         _stop(p)
@@ -303,6 +311,8 @@ def main(argv=None):
                   f"{got.get('requests_done')}/{got.get('requests')} requests, peak "
                   f"{got.get('peak_bytes', 0) / 2**20:.0f} MiB, oom {got.get('oom_kills')}, same "
                   f"{got['same_as_unconstrained']}, {got.get('weights', '')} {got.get('error', '')}", flush=True)
+        if row["colibri"].get("weights_figures"):
+            print(f"{pct:g}%: colibri weights {row['colibri']['weights_figures']}", flush=True)
         c, lb = row["colibri"].get("tok_s") or 0, row.get("llama-server", {}).get("tok_s") or 0
         row["colibri_vs_llama_server"] = round(c / lb, 2) if lb else None
         print(f"{pct:g}%: colibri / llama-server = {row['colibri_vs_llama_server']}", flush=True)
