@@ -162,6 +162,14 @@ def test_budget_below_the_always_part_is_one_line(small):
     G = 1 << 30                                                   # too large: 90% of it less the reads' room
     assert resolve_budget(0, 3 * G, 2 * G, 100 << 20) == int(2 * G * 0.9) - (100 << 20) - (32 << 20)
     assert resolve_budget(123, 300, 200) == 123
+    # a server's budget leaves room for what starts after it is chosen: the kernels, router, workers
+    from types import SimpleNamespace
+
+    from colibri_server.master.residency import processes_room
+    one, four = processes_room(SimpleNamespace(workers=1)), processes_room(SimpleNamespace(workers=4))
+    assert (64 << 20) < one < four and four - one == 3 * (32 << 20)
+    assert resolve_budget(0, 3 * G, 2 * G, 100 << 20, four) == int(2 * G * 0.9) - (100 << 20) - four - (32 << 20)
+    assert resolve_budget(0, 3 * G, 200 << 20, 50 << 20, four) == 0       # nothing left: nothing locked
 
 
 # ------------------------------------------------------------------- in a memory cgroup below the model

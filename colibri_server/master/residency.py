@@ -22,13 +22,28 @@ MAX_SWAPS = 8               # experts newly locked per re-rank
 SAVE_EVERY = 60.0           # seconds between two saves of the popular set
 
 
+# What the server's processes still take once the budget is chosen (the model is opened before its
+# kernels load and before the workers fork): locked pages cannot be reclaimed, so a budget that takes
+# this room ends in an OOM kill as they grow. Measured (bench/memory_breakdown.py --serve): the
+# master's kernels ~50 MiB, the router ~25 MiB of its own, a worker ~16 MiB of its own after the fork
+# plus the KV blocks it fills.
+KERNELS_ROOM = 64 << 20
+PROCESS_ROOM = 32 << 20
+
+
+def processes_room(s) -> int:
+    """The bytes resolve_budget leaves for the kernels, the router and s.workers workers."""
+    return KERNELS_ROOM + (1 + max(1, getattr(s, "workers", 1) or 1)) * PROCESS_ROOM
+
+
 def budget_for(path: str, s) -> int:
     """The weights budget of model file `path` under settings s: weights_memory, or, at 0, the whole
     file when it fits in the memory available now (a cgroup's limit counted), else less (resolve_budget;
-    the in-flight room is estimated as 5% of the file until the model is open)."""
+    the in-flight room is estimated as 5% of the file until the model is open, the processes' own as
+    processes_room)."""
     from ..model.residency import available_memory, resolve_budget
     size = os.path.getsize(path)
-    return resolve_budget(getattr(s, "weights_memory", 0), size, available_memory(), size // 20)
+    return resolve_budget(getattr(s, "weights_memory", 0), size, available_memory(), size // 20, processes_room(s))
 
 
 def popular_path(model_path: str) -> str:
@@ -49,6 +64,11 @@ def attach(m, s, budget: int) -> None:
     _load_popular(res, m.path)
     res.rerank(time.monotonic(), max_swaps=1 << 30, cached_only=False)
     res.next_rerank, res.next_save = 0.0, time.monotonic() + SAVE_EVERY
+    whole = sum(n for _, n in res.always)
+    if res.always_bytes < whole:
+        log.warning("model %s: the memory left beside the server's processes (weights_memory %.0f MiB) holds "
+                    "%.0f of the %.0f MiB always needed: the rest and every expert are read on demand, slowly; "
+                    "give it more memory", m.path, budget / 2**20, res.always_bytes / 2**20, whole / 2**20)
     log.info("model %s: weights_memory %.0f MiB of %.0f MiB: %.0f MiB always resident, %d experts locked "
              "by route counts, the rest read on demand", m.path, budget / 2**20, m.file.header["file_size"] / 2**20,
              res.always_bytes / 2**20, int(res.shared.resident.sum()))

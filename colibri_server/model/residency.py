@@ -94,15 +94,17 @@ def expert_ranges(cf, cfg) -> tuple[list, list, list]:
     return experts, always, demand
 
 
-def resolve_budget(setting: int, file_size: int, available: int, in_flight: int = 0) -> int:
+def resolve_budget(setting: int, file_size: int, available: int, in_flight: int = 0, processes: int = 0) -> int:
     """weights_memory's bytes: the setting when > 0; else the whole file when it fits in `available`;
     else 90% of `available` less `in_flight` (the bytes of the experts being read at once, which the
-    kernel cannot reclaim while their reads are under way: 2 * top_k + 1 of the largest) and 32 MiB for
-    the processes' own growth (a worker's KV pool comes out of the rest: with kv_cache_memory set, set
-    weights_memory too)."""
+    kernel cannot reclaim while their reads are under way: 2 * top_k + 1 of the largest), `processes`
+    (what processes that start after the budget is chosen take: a server's kernels, router and
+    workers) and 32 MiB for the processes' own growth (a worker's KV pool comes out of the rest: with
+    kv_cache_memory set, set weights_memory too). 0 when nothing is left: nothing is locked then."""
     if setting > 0:
         return int(setting)
-    return file_size if file_size <= available else max(0, int(available * 0.9) - in_flight - (32 << 20))
+    return file_size if file_size <= available else \
+        max(0, int(available * 0.9) - in_flight - processes - (32 << 20))
 
 
 def in_flight_bytes(cf, cfg) -> int:

@@ -126,13 +126,13 @@ class Worker:
 
     def _engine(self):
         """The batch engine: `slots` sequences at once, a KV pool of `kv_cache_memory` (0: every slot at
-        full context, at most a quarter of the memory available now shared by the workers)."""
+        full context, at most a quarter of the memory available now, a cgroup's limit counted, shared by the workers)."""
         from ..model.serving import BatchEngine
         st = self.settings
         mem = st.kv_cache_memory
         if not mem:                     # the engine caps it at every slot at full context
-            import psutil
-            mem = psutil.virtual_memory().available // (4 * max(1, st.workers or 1))
+            from ..model.residency import available_memory  # a cgroup's limit counted
+            mem = available_memory() // (4 * max(1, st.workers or 1))
         eng = BatchEngine(self.model, max_seqs=st.slots, max_batch_tokens=st.max_batch_tokens, kv_cache_memory=mem,
                           kv_dtype=st.kv_dtype, prefix_cache=st.prefix_cache)
         self._check_memory_budget(eng)
