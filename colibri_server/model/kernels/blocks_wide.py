@@ -15,7 +15,7 @@ an instruction; `vpmaddwd` elsewhere), exact sums per block:
 * Q4_K, Q5_K, Q6_K: the sub-block scales multiplied into the widened values (`vpmullw`: at most 63 * 31 or
   32 * 128, i16), the block's 16 lanes (each at most 16 products of 4096 * 32767 < 2^31) summed in i64 and
   one float step per block (blocks_ir.k_update), Q4_K / Q5_K's mins through the activations' 16-sums; a
-  block's weights decoded once for 4 activation rows (a serving step's, a prefill's), each row's integers
+  block's weights decoded once for 8 activation rows, their exact sums folded together (a serving step's, a prefill's), each row's integers
   and float steps those of its dot alone.
 
 The kinds without integer dots take the f32 activations as they are (kernels/blocks' generic path) with or
@@ -132,6 +132,28 @@ def _sum64(builder, v):
     v64 = ir.VectorType(_i64, 16)
     f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_i64, [v64]), "llvm.vector.reduce.add.v16i64")
     return builder.call(f, [builder.sext(v, v64)])
+
+
+def _sums64(builder, vs):
+    """Each <16 x i32> of vs summed in i64 (exact), as a list of i64: for 8 vectors their halves added in <8 x i64>
+    and pairs of vectors folded into one (lanes 0-3 the first's adjacent pairs, 4-7 the second's) three times, one
+    lane a vector at the end (the same integers as _sum64's, a fraction of its shuffles); otherwise _sum64 each."""
+    if len(vs) % 8:
+        return [_sum64(builder, v) for v in vs]
+    if len(vs) > 8:
+        return [s for i in range(0, len(vs), 8) for s in _sums64(builder, vs[i:i + 8])]
+    v8, v64 = ir.VectorType(_i32, 8), ir.VectorType(_i64, 8)
+    lo, hi = ir.Constant(v8, list(range(8))), ir.Constant(v8, list(range(8, 16)))
+    ps = [builder.add(builder.sext(builder.shuffle_vector(v, v, lo), v64),
+                      builder.sext(builder.shuffle_vector(v, v, hi), v64)) for v in vs]
+    while len(ps) > 1:
+        nxt = []
+        for a, b in zip(ps[0::2], ps[1::2]):
+            ev = builder.shuffle_vector(a, b, ir.Constant(v8, list(range(0, 16, 2))))
+            od = builder.shuffle_vector(a, b, ir.Constant(v8, list(range(1, 16, 2))))
+            nxt.append(builder.add(ev, od))
+        ps = nxt
+    return [builder.extract_element(ps[0], ir.Constant(_i32, t)) for t in range(8)]
 
 
 # ---------------------------------------------------------------------------- 32-block kinds: whole rows
@@ -273,20 +295,24 @@ def _krow(kind, nc):
                 else:
                     ws, mn8, d, dmin = _q45_weights(builder, rp, o, kind == Q5_K)
                 x0 = builder.mul(b, ir.Constant(idx, 256))
+                ivecs = []
                 for t in range(nc):
                     ivec = ir.Constant(_V16, None)
                     for w, off in ws:
                         ivec = _dot16(builder, ivec, w, _x16(builder, xps[t], builder.add(x0, ir.Constant(idx, off))))
+                    ivecs.append(ivec)
+                isums = _sums64(builder, ivecs)
+                for t in range(nc):
                     xdb = builder.load(builder.gep(dps[t], [b]))
                     if kind == Q6_K:
-                        upd = k_update(builder, builder.load(accs[t]), _sum64(builder, ivec), d, xdb)
+                        upd = k_update(builder, builder.load(accs[t]), isums[t], d, xdb)
                     else:
                         v8 = ir.VectorType(_i32, 8)
                         xs16 = _vload(builder, sps[t], builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
                         ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
                         od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
                         msum = _reduce(builder, builder.mul(builder.zext(mn8, v8), builder.add(ev, od)), 8)
-                        upd = k_update(builder, builder.load(accs[t]), _sum64(builder, ivec), d, xdb, msum, dmin)
+                        upd = k_update(builder, builder.load(accs[t]), isums[t], d, xdb, msum, dmin)
                     builder.store(upd, accs[t])
             for t in range(nc):
                 builder.store(builder.load(accs[t]), builder.gep(out, [ir.Constant(idx, t)]))
@@ -295,7 +321,7 @@ def _krow(kind, nc):
     return intrinsic(impl)
 
 
-C16 = 4                     # activation rows a k-quant weight row is dotted with at once
+C16 = 8                     # activation rows a k-quant weight row is dotted with at once
 _q4k_c, _q4k_1 = _krow(Q4_K, C16), _krow(Q4_K, 1)
 _q5k_c, _q5k_1 = _krow(Q5_K, C16), _krow(Q5_K, 1)
 _q6k_c, _q6k_1 = _krow(Q6_K, C16), _krow(Q6_K, 1)
