@@ -54,7 +54,7 @@ TILES_SMALL_VALUES = HAVE_VNNI512 or HAVE_AVX2
 @njit(cache=True)
 def scratch_words(n: int) -> int:
     """f32 words of the scratch for n columns: a tile's panel (the largest kind, the int16 head's Q8_0: 17 * 16
-    words per 32 columns; Q6_K: 1168 per 256) and C * R results, or a row dequantized (kernels/blocks)."""
+    words per 32 columns; Q6_K: 1424 per 256) and C * R results, or a row dequantized (kernels/blocks)."""
     return max(n, n // 32 * 272 + C * R) + 16
 
 
@@ -199,16 +199,15 @@ class _Kernel:
 
 
 def _mk_q45_k(nc, five):
-    def impl(typingctx, P, QH, SC, MN, DD, DM, xq, xd, xs, t0, nb, res):
-        sig = types.void(P, QH, SC, MN, DD, DM, xq, xd, xs, t0, nb, res)
+    def impl(typingctx, P, SC, MN, DD, DM, xq, xd, xs, t0, nb, res):
+        sig = types.void(P, SC, MN, DD, DM, xq, xd, xs, t0, nb, res)
 
         def codegen(context, builder, signature, args):
-            k = _Kernel(context, builder, signature, args, 6)
+            k = _Kernel(context, builder, signature, args, 5)
             b = builder
-            p, qhp, sc, mn, dd, dm = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i > 3 else _i32)
-                                      for i in range(6))
-            one_mask = k.splat(ir.Constant(_i32, 0x01010101))
-            lo_mask, zero = k.splat(ir.Constant(_i32, 0x0F0F0F0F)), ir.Constant(k.v16, None)
+            p, sc, mn, dd, dm = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i > 2 else _i32)
+                                 for i in range(5))
+            zero = ir.Constant(k.v16, None)
 
             def body(blk, accs):
                 isum = [zero] * nc
@@ -216,17 +215,9 @@ def _mk_q45_k(nc, five):
                 for c in range(4):
                     sa, sb = [zero] * nc, [zero] * nc
                     for g in range(8):
-                        w = k.vec(p, b.mul(b.add(b.mul(blk, k.c(32)), k.c(8 * c + g)), k.c(R)))
-                        lo, hi = b.and_(w, lo_mask), b.and_(b.lshr(w, k.splat(ir.Constant(_i32, 4))), lo_mask)
-                        if five:        # bit j of each qh byte: the fifth bit of sub-block j
-                            h = k.vec(qhp, b.mul(b.add(b.mul(blk, k.c(8)), k.c(g)), k.c(R)))
-                            for half in range(2):
-                                hb = b.shl(b.and_(b.lshr(h, k.splat(ir.Constant(_i32, 2 * c + half))), one_mask),
-                                           k.splat(ir.Constant(_i32, 4)))
-                                if half == 0:
-                                    lo = b.or_(lo, hb)
-                                else:
-                                    hi = b.or_(hi, hb)
+                        # sub-blocks 2c and 2c+1, unpacked in the panel (blocks_panels.prep_q45_k)
+                        lo = k.vec(p, b.mul(b.add(b.mul(blk, k.c(64)), k.c(16 * c + g)), k.c(R)))
+                        hi = k.vec(p, b.mul(b.add(b.mul(blk, k.c(64)), k.c(16 * c + 8 + g)), k.c(R)))
                         for t in range(nc):
                             sa[t] = k.dpbusd(sa[t], lo, k.x4(t, b.add(x0, k.c(64 * c + 4 * g))))
                             sb[t] = k.dpbusd(sb[t], hi, k.x4(t, b.add(x0, k.c(64 * c + 32 + 4 * g))))
@@ -251,14 +242,14 @@ def _mk_q45_k(nc, five):
 
 
 def _mk_q6_k(nc):
-    def impl(typingctx, PL, PH, SC, SP, DD, xq, xd, xs, t0, nb, res):
-        sig = types.void(PL, PH, SC, SP, DD, xq, xd, xs, t0, nb, res)
+    def impl(typingctx, P, SC, SP, DD, xq, xd, xs, t0, nb, res):
+        sig = types.void(P, SC, SP, DD, xq, xd, xs, t0, nb, res)
 
         def codegen(context, builder, signature, args):
-            k = _Kernel(context, builder, signature, args, 5)
+            k = _Kernel(context, builder, signature, args, 4)
             b = builder
-            pl, ph, sc, sp, dd = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i == 4 else _i32)
-                                  for i in range(5))
+            p, sc, sp, dd = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i == 3 else _i32)
+                             for i in range(4))
             zero = ir.Constant(k.v16, None)
 
             def cst(v):
@@ -271,11 +262,8 @@ def _mk_q6_k(nc):
                     for c in range(4):
                         g0, g1 = [zero] * nc, [zero] * nc
                         for g in range(8):
-                            ql = k.vec(pl, b.mul(b.add(b.mul(blk, k.c(32)), k.c(16 * h + 8 * (c % 2) + g)), k.c(R)))
-                            qh = k.vec(ph, b.mul(b.add(b.mul(blk, k.c(16)), k.c(8 * h + g)), k.c(R)))
-                            low = b.and_(b.lshr(ql, cst(4 * (c // 2))), cst(0x0F0F0F0F))
-                            high = b.and_(b.lshr(qh, cst(2 * c)), cst(0x03030303))
-                            q = b.or_(low, b.shl(high, cst(4)))
+                            # the 6-bit values, unpacked in the panel (blocks_panels.prep_q6_k)
+                            q = k.vec(p, b.mul(b.add(b.mul(blk, k.c(64)), k.c(32 * h + 8 * c + g)), k.c(R)))
                             for t in range(nc):
                                 x = k.x4(t, b.add(x0, k.c(128 * h + 32 * c + 4 * g)))
                                 if g < 4:
@@ -384,32 +372,32 @@ def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     nb = Xq.shape[1] // 256
     T = Xq.shape[0]
     w = tmp.view(np.int32)
-    P, QH, SC, MN = w[:nb * 512], w[nb * 512:nb * 640], w[nb * 640:nb * 768], w[nb * 768:nb * 832]
-    DD, DM, res = tmp[nb * 832:nb * 848], tmp[nb * 848:nb * 864], tmp[nb * 864:nb * 864 + C * R]
+    P, SC, MN = w[:nb * 1024], w[nb * 1024:nb * 1152], w[nb * 1152:nb * 1216]
+    DD, DM, res = tmp[nb * 1216:nb * 1232], tmp[nb * 1232:nb * 1248], tmp[nb * 1248:nb * 1248 + C * R]
     for r0 in range(i0, i1 - R + 1, R):
-        prep_q45_k(raw, r0, nb, five, P, QH, SC, MN, DD, DM)
+        prep_q45_k(raw, r0, nb, five, P, SC, MN, DD, DM)
         for t0 in range(0, T - C + 1, C):
             if five:
-                _q5k_4(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+                _q5k_4(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
             else:
-                _q4k_4(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+                _q4k_4(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
             _store(res, out, t0, C, r0, alpha, accumulate)
         t0, rem = T // C * C, T % C
         if rem == 3:
             if five:
-                _q5k_3(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+                _q5k_3(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
             else:
-                _q4k_3(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+                _q4k_3(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
         elif rem == 2:
             if five:
-                _q5k_2(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+                _q5k_2(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
             else:
-                _q4k_2(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+                _q4k_2(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
         elif rem == 1:
             if five:
-                _q5k_1(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+                _q5k_1(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
             else:
-                _q4k_1(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+                _q4k_1(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
         if rem:
             _store(res, out, t0, rem, r0, alpha, accumulate)
 
@@ -420,20 +408,20 @@ def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     nb = Xq.shape[1] // 256
     T = Xq.shape[0]
     w = tmp.view(np.int32)
-    PL, PH, SC, SP = w[:nb * 512], w[nb * 512:nb * 768], w[nb * 768:nb * 1024], w[nb * 1024:nb * 1152]
-    DD, res = tmp[nb * 1152:nb * 1168], tmp[nb * 1168:nb * 1168 + C * R]
+    P, SC, SP = w[:nb * 1024], w[nb * 1024:nb * 1280], w[nb * 1280:nb * 1408]
+    DD, res = tmp[nb * 1408:nb * 1424], tmp[nb * 1424:nb * 1424 + C * R]
     for r0 in range(i0, i1 - R + 1, R):
-        prep_q6_k(raw, r0, nb, PL, PH, SC, SP, DD)
+        prep_q6_k(raw, r0, nb, P, SC, SP, DD)
         for t0 in range(0, T - C + 1, C):
-            _q6k_4(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+            _q6k_4(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
             _store(res, out, t0, C, r0, alpha, accumulate)
         t0, rem = T // C * C, T % C
         if rem == 3:
-            _q6k_3(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+            _q6k_3(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
         elif rem == 2:
-            _q6k_2(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+            _q6k_2(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
         elif rem == 1:
-            _q6k_1(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+            _q6k_1(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
         if rem:
             _store(res, out, t0, rem, r0, alpha, accumulate)
 
