@@ -35,6 +35,7 @@ from .blocks_wide import round_rows16, rows16
 from .cpu import HAVE_AVX2, HAVE_VNNI512
 
 C = 4                      # activation rows per pass of the micro-kernel
+KC = 8                     # the k-quants' activation rows per pass
 GEMM_MIN_ROWS = 4          # fewer activation rows: the row dots (the panel costs more than it saves)
 # the k-quants' panels laid out by register transposes (kernels/blocks_panels) pay from 2 rows, before the small-row
 # kernels: one thread, the weights in cache, ms for 1 / 2 / 4 / 8 rows, row dots / small rows / tiles: Q4_K
@@ -55,7 +56,7 @@ TILES_SMALL_VALUES = HAVE_VNNI512 or HAVE_AVX2
 def scratch_words(n: int) -> int:
     """f32 words of the scratch for n columns: a tile's panel (the largest kind, the int16 head's Q8_0: 17 * 16
     words per 32 columns; Q6_K: 1424 per 256) and C * R results, or a row dequantized (kernels/blocks)."""
-    return max(n, n // 32 * 272 + C * R) + 16
+    return max(n, n // 32 * 272 + KC * R) + 16
 
 
 _i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -114,7 +115,7 @@ class _Kernel:
             stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
             base = builder.bitcast(arr.data, _i8.as_pointer())
             return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(self.t0, ir.Constant(_idx, t)), stride)]),
-                                    ty.as_pointer()) for t in range(C)]
+                                    ty.as_pointer()) for t in range(KC)]
         self.xq, self.xd, self.xs = rows(xq, _i8), rows(xd, _f32), rows(xs, _i32)
         self.module = builder.module
 
@@ -352,9 +353,9 @@ _q40_2, _q40_1 = _mk_b32(C32, True), _mk_b32(1, True)
 _w32_2, _w32_1 = _mk_b32(C32, False, True), _mk_b32(1, False, True)     # the int16 head's Q8_0 and Q4_0 panels
 # the k-quants' last T mod C rows in one pass of as many (the panel read once for them, not once a row): one thread,
 # in cache, Q6_K 1024x2048 at 2 / 3 / 6 rows the single-row passes took 0.147 / 0.178 / 0.251 ms against 0.151 at 4
-_q4k_4, _q4k_3, _q4k_2, _q4k_1 = (_mk_q45_k(n, False) for n in (C, 3, 2, 1))
-_q5k_4, _q5k_3, _q5k_2, _q5k_1 = (_mk_q45_k(n, True) for n in (C, 3, 2, 1))
-_q6k_4, _q6k_3, _q6k_2, _q6k_1 = (_mk_q6_k(n) for n in (C, 3, 2, 1))
+_q4k_8, _q4k_4, _q4k_3, _q4k_2, _q4k_1 = (_mk_q45_k(n, False) for n in (KC, 4, 3, 2, 1))
+_q5k_8, _q5k_4, _q5k_3, _q5k_2, _q5k_1 = (_mk_q45_k(n, True) for n in (KC, 4, 3, 2, 1))
+_q6k_8, _q6k_4, _q6k_3, _q6k_2, _q6k_1 = (_mk_q6_k(n) for n in (KC, 4, 3, 2, 1))
 
 
 # ---------------------------------------------------------------------------- tiles
@@ -366,6 +367,58 @@ def _store(res, out, t0, nc, r0, alpha, accumulate):
             _put2(out, t0 + t, r0 + r, res[t * R + r], alpha, accumulate)
 
 
+@njit(cache=True, inline="always")
+def _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res):
+    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q4_K (Q5_K: five) panel
+    if nc == KC:
+        if five:
+            _q5k_8(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q4k_8(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 4:
+        if five:
+            _q5k_4(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q4k_4(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 3:
+        if five:
+            _q5k_3(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q4k_3(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 2:
+        if five:
+            _q5k_2(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q4k_2(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+    else:
+        if five:
+            _q5k_1(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q4k_1(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+
+
+@njit(cache=True, inline="always")
+def _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res):
+    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q6_K panel
+    if nc == KC:
+        _q6k_8(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 4:
+        _q6k_4(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 3:
+        _q6k_3(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 2:
+        _q6k_2(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+    else:
+        _q6k_1(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+
+
+@njit(cache=True, inline="always")
+def _pass_width(T, t0):
+    # the rows of the next pass from t0: KC while KC remain, then 4, then the last 1-3 in one pass
+    left = T - t0
+    return KC if left >= KC else 4 if left >= 4 else left
+
+
 @njit(cache=True)
 def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # rows i0..i0 + R*k (whole tiles) of a Q4_K (Q5_K: five) matrix times every row of Xq (rounded per 256: quant_acts_k)
@@ -373,33 +426,15 @@ def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     T = Xq.shape[0]
     w = tmp.view(np.int32)
     P, SC, MN = w[:nb * 1024], w[nb * 1024:nb * 1152], w[nb * 1152:nb * 1216]
-    DD, DM, res = tmp[nb * 1216:nb * 1232], tmp[nb * 1232:nb * 1248], tmp[nb * 1248:nb * 1248 + C * R]
+    DD, DM, res = tmp[nb * 1216:nb * 1232], tmp[nb * 1232:nb * 1248], tmp[nb * 1248:nb * 1248 + KC * R]
     for r0 in range(i0, i1 - R + 1, R):
         prep_q45_k(raw, r0, nb, five, P, SC, MN, DD, DM)
-        for t0 in range(0, T - C + 1, C):
-            if five:
-                _q5k_4(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            else:
-                _q4k_4(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            _store(res, out, t0, C, r0, alpha, accumulate)
-        t0, rem = T // C * C, T % C
-        if rem == 3:
-            if five:
-                _q5k_3(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            else:
-                _q4k_3(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-        elif rem == 2:
-            if five:
-                _q5k_2(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            else:
-                _q4k_2(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-        elif rem == 1:
-            if five:
-                _q5k_1(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            else:
-                _q4k_1(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-        if rem:
-            _store(res, out, t0, rem, r0, alpha, accumulate)
+        t0 = 0
+        while t0 < T:
+            nc = _pass_width(T, t0)
+            _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, nc, r0, alpha, accumulate)
+            t0 += nc
 
 
 @njit(cache=True)
@@ -409,21 +444,15 @@ def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     T = Xq.shape[0]
     w = tmp.view(np.int32)
     P, SC, SP = w[:nb * 1024], w[nb * 1024:nb * 1280], w[nb * 1280:nb * 1408]
-    DD, res = tmp[nb * 1408:nb * 1424], tmp[nb * 1424:nb * 1424 + C * R]
+    DD, res = tmp[nb * 1408:nb * 1424], tmp[nb * 1424:nb * 1424 + KC * R]
     for r0 in range(i0, i1 - R + 1, R):
         prep_q6_k(raw, r0, nb, P, SC, SP, DD)
-        for t0 in range(0, T - C + 1, C):
-            _q6k_4(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
-            _store(res, out, t0, C, r0, alpha, accumulate)
-        t0, rem = T // C * C, T % C
-        if rem == 3:
-            _q6k_3(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
-        elif rem == 2:
-            _q6k_2(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
-        elif rem == 1:
-            _q6k_1(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
-        if rem:
-            _store(res, out, t0, rem, r0, alpha, accumulate)
+        t0 = 0
+        while t0 < T:
+            nc = _pass_width(T, t0)
+            _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, nc, r0, alpha, accumulate)
+            t0 += nc
 
 
 @njit(cache=True)
