@@ -6,9 +6,10 @@ The row dots read a weight row once for all T rows but decode its blocks again f
 (nibbles, scales, one horizontal sum per block and row): a 128-token prefill ran 2-3.5x slower than the
 q8 integer GEMM (kernels/gemm). Here, as llama.cpp's CPU repacking does at load (8 rows), a tile of 16
 weight rows is laid out once per call in a scratch panel (kernels/blocks_panels, by register transposes) whose 32-bit lanes are the rows: dword g of a
-chunk holds 4 consecutive bytes of each of the 16 rows (the GGUF's bytes, interleaved; the file keeps its
-own order), beside the rows' sub-block scales as i32 vectors and d, dmin as f32 vectors. A micro-kernel then
-runs C = 4 activation rows at a time (1 for the remainder) through the panel: for 4 weight bytes of the
+chunk holds 4 consecutive bytes of each of the 16 rows (the GGUF's bytes, interleaved, the k-quants' values
+unpacked to one byte each; the file keeps its own order), beside the rows' sub-block scales as i32 vectors and d,
+dmin as f32 vectors. A micro-kernel then runs KC = 8 (the k-quants) or C32 = 2 activation rows at a time (the last
+ones in one narrower pass) through the panel: for 4 weight bytes of the
 16 rows, one `vpdpbusd` per activation row with its 4 bytes broadcast (4 products summed into each row's
 lane, no horizontal sum); a sub-block's sums times the rows' scales (`vpmulld`), Q4_K's mins through
 `vpdpwssd` on i16 pairs (Q6_K's offset of 32 the same way), and per 256-block the float step

@@ -8,8 +8,10 @@ rows. Here the values move 64 bytes at a time: 16 rows' 64 bytes loaded as 16 ve
 (_transpose: 4 rounds of 2-source shuffles, each swapping one bit of the row index with one of the lane index), a
 Q4_K block's values in two such transposes, and the block headers (d, dmin, the packed scales and mins) transposed
 the same way and unpacked on the 16 rows as lanes.
-The bytes are the GGUF's, moved, never changed (Q8_0's + 128 aside): the micro-kernels read the same values either
-way, so the products keep their bits.
+The values are the GGUF's: Q4_0's and Q8_0's bytes moved (Q8_0's + 128), the k-quants' unpacked to one byte a value
+(Q4_K / Q5_K nibbles split, Q5_K's fifth bit and Q6_K's high two bits merged in) once per panel rather than in every
+pass of the micro-kernel over it: one thread, 1024 x 2048 Q6_K at 32 rows 0.78 -> 0.60 ms. The micro-kernels
+read the same integers either way, so the products keep their bits.
 """
 from __future__ import annotations
 
