@@ -1,5 +1,5 @@
 """kernels/blocks_panels: the tiles' panels laid out by register transposes equal the layout written out in numpy
-(every byte of the 16 rows, the unpacked scales and mins, the f16 factors), for a middle tile and the matrix's last."""
+(every byte of the 16 rows, the k-quants' values unpacked to bytes, the unpacked scales and mins, the f16 factors), for a middle tile and the matrix's last."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,7 +33,12 @@ def _k_ref(rows, five):
     SC = np.stack(s, axis=2).transpose(1, 2, 0).ravel()
     MN = np.stack([m[2 * p] | (m[2 * p + 1] << 16) for p in range(4)], axis=2).transpose(1, 2, 0).ravel()
     qs = 48 if five else 16
-    return (_dwords(rows, qs, qs + 128), _dwords(rows, 16, 48) if five else None, SC, MN, _f16(rows, 0), _f16(rows, 2))
+    q, qh = rows[:, :, qs:qs + 128].astype(np.uint8), rows[:, :, 16:48].astype(np.uint8)
+    vals = []                               # sub-block j's 32 values: a nibble (+ 16 for Q5_K's fifth bit j)
+    for j in range(8):
+        v = (q[:, :, 32 * (j // 2):32 * (j // 2) + 32] >> (4 * (j % 2))) & 15
+        vals.append(v | (((qh >> j) & 1) << 4) if five else v)
+    return _dwords(np.concatenate(vals, axis=2), 0, 256), SC, MN, _f16(rows, 0), _f16(rows, 2)
 
 
 def _b32_ref(rows, nibbles):
@@ -46,7 +51,13 @@ def _q6_ref(rows):
     s = rows[:, :, 192:208].view(np.int8).astype(np.int32)
     SC = s.transpose(1, 2, 0).ravel()
     SP = np.stack([(s[..., 2 * p] & 0xFFFF) | (s[..., 2 * p + 1] << 16) for p in range(8)], axis=2).transpose(1, 2, 0).ravel()
-    return _dwords(rows, 0, 128), _dwords(rows, 128, 192), SC, SP, _f16(rows, 208)
+    ql, qh = rows[:, :, 0:128].astype(np.uint8), rows[:, :, 128:192].astype(np.uint8)
+    vals = []                               # values 128h + 32c + i: 4 bits of ql, 2 of qh (dequantize_row_q6_K)
+    for h in range(2):
+        for c in range(4):
+            lo = (ql[:, :, 64 * h + 32 * (c % 2):64 * h + 32 * (c % 2) + 32] >> (4 * (c // 2))) & 15
+            vals.append(lo | (((qh[:, :, 32 * h:32 * h + 32] >> (2 * c)) & 3) << 4))
+    return _dwords(np.concatenate(vals, axis=2), 0, 256), SC, SP, _f16(rows, 208)
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda k: k.name)
@@ -64,14 +75,14 @@ def test_the_transposed_panel_is_the_tiles_layout(kind):
             KP.prep_b32(raw, r0, nb, nibbles, *got)
             want = _b32_ref(rows, nibbles)
         elif int(kind) == int(Q.Q6_K):
-            got = (np.zeros(nb * 32 * R, np.int32), np.zeros(nb * 16 * R, np.int32), np.zeros(nb * 16 * R, np.int32),
-                   np.zeros(nb * 8 * R, np.int32), np.zeros(nb * R, np.float32))
+            got = (np.zeros(nb * 64 * R, np.int32), np.zeros(nb * 16 * R, np.int32), np.zeros(nb * 8 * R, np.int32),
+                   np.zeros(nb * R, np.float32))
             KP.prep_q6_k(raw, r0, nb, *got)
             want = _q6_ref(rows)
         else:
             five = int(kind) == int(Q.Q5_K)
-            got = (np.zeros(nb * 32 * R, np.int32), np.zeros(nb * 8 * R, np.int32), np.zeros(nb * 8 * R, np.int32),
-                   np.zeros(nb * 4 * R, np.int32), np.zeros(nb * R, np.float32), np.zeros(nb * R, np.float32))
+            got = (np.zeros(nb * 64 * R, np.int32), np.zeros(nb * 8 * R, np.int32), np.zeros(nb * 4 * R, np.int32),
+                   np.zeros(nb * R, np.float32), np.zeros(nb * R, np.float32))
             KP.prep_q45_k(raw, r0, nb, five, *got)
             want = _k_ref(rows, five)
         for i, (g, w) in enumerate(zip(got, want)):

@@ -6,9 +6,10 @@ The row dots read a weight row once for all T rows but decode its blocks again f
 (nibbles, scales, one horizontal sum per block and row): a 128-token prefill ran 2-3.5x slower than the
 q8 integer GEMM (kernels/gemm). Here, as llama.cpp's CPU repacking does at load (8 rows), a tile of 16
 weight rows is laid out once per call in a scratch panel (kernels/blocks_panels, by register transposes) whose 32-bit lanes are the rows: dword g of a
-chunk holds 4 consecutive bytes of each of the 16 rows (the GGUF's bytes, interleaved; the file keeps its
-own order), beside the rows' sub-block scales as i32 vectors and d, dmin as f32 vectors. A micro-kernel then
-runs C = 4 activation rows at a time (1 for the remainder) through the panel: for 4 weight bytes of the
+chunk holds 4 consecutive bytes of each of the 16 rows (the GGUF's bytes, interleaved, the k-quants' values
+unpacked to one byte each; the file keeps its own order), beside the rows' sub-block scales as i32 vectors and d,
+dmin as f32 vectors. A micro-kernel then runs KC = 8 (the k-quants) or C32 = 2 activation rows at a time (the last
+ones in one narrower pass) through the panel: for 4 weight bytes of the
 16 rows, one `vpdpbusd` per activation row with its 4 bytes broadcast (4 products summed into each row's
 lane, no horizontal sum); a sub-block's sums times the rows' scales (`vpmulld`), Q4_K's mins through
 `vpdpwssd` on i16 pairs (Q6_K's offset of 32 the same way), and per 256-block the float step
@@ -35,6 +36,7 @@ from .blocks_wide import round_rows16, rows16
 from .cpu import HAVE_AVX2, HAVE_VNNI512
 
 C = 4                      # activation rows per pass of the micro-kernel
+KC = 8                     # the k-quants' activation rows per pass
 GEMM_MIN_ROWS = 4          # fewer activation rows: the row dots (the panel costs more than it saves)
 # the k-quants' panels laid out by register transposes (kernels/blocks_panels) pay from 2 rows, before the small-row
 # kernels: one thread, the weights in cache, ms for 1 / 2 / 4 / 8 rows, row dots / small rows / tiles: Q4_K
@@ -54,8 +56,8 @@ TILES_SMALL_VALUES = HAVE_VNNI512 or HAVE_AVX2
 @njit(cache=True)
 def scratch_words(n: int) -> int:
     """f32 words of the scratch for n columns: a tile's panel (the largest kind, the int16 head's Q8_0: 17 * 16
-    words per 32 columns; Q6_K: 1168 per 256) and C * R results, or a row dequantized (kernels/blocks)."""
-    return max(n, n // 32 * 272 + C * R) + 16
+    words per 32 columns; Q6_K: 1424 per 256) and C * R results, or a row dequantized (kernels/blocks)."""
+    return max(n, n // 32 * 272 + KC * R) + 16
 
 
 _i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -114,7 +116,7 @@ class _Kernel:
             stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
             base = builder.bitcast(arr.data, _i8.as_pointer())
             return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(self.t0, ir.Constant(_idx, t)), stride)]),
-                                    ty.as_pointer()) for t in range(C)]
+                                    ty.as_pointer()) for t in range(KC)]
         self.xq, self.xd, self.xs = rows(xq, _i8), rows(xd, _f32), rows(xs, _i32)
         self.module = builder.module
 
@@ -199,16 +201,15 @@ class _Kernel:
 
 
 def _mk_q45_k(nc, five):
-    def impl(typingctx, P, QH, SC, MN, DD, DM, xq, xd, xs, t0, nb, res):
-        sig = types.void(P, QH, SC, MN, DD, DM, xq, xd, xs, t0, nb, res)
+    def impl(typingctx, P, SC, MN, DD, DM, xq, xd, xs, t0, nb, res):
+        sig = types.void(P, SC, MN, DD, DM, xq, xd, xs, t0, nb, res)
 
         def codegen(context, builder, signature, args):
-            k = _Kernel(context, builder, signature, args, 6)
+            k = _Kernel(context, builder, signature, args, 5)
             b = builder
-            p, qhp, sc, mn, dd, dm = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i > 3 else _i32)
-                                      for i in range(6))
-            one_mask = k.splat(ir.Constant(_i32, 0x01010101))
-            lo_mask, zero = k.splat(ir.Constant(_i32, 0x0F0F0F0F)), ir.Constant(k.v16, None)
+            p, sc, mn, dd, dm = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i > 2 else _i32)
+                                 for i in range(5))
+            zero = ir.Constant(k.v16, None)
 
             def body(blk, accs):
                 isum = [zero] * nc
@@ -216,17 +217,9 @@ def _mk_q45_k(nc, five):
                 for c in range(4):
                     sa, sb = [zero] * nc, [zero] * nc
                     for g in range(8):
-                        w = k.vec(p, b.mul(b.add(b.mul(blk, k.c(32)), k.c(8 * c + g)), k.c(R)))
-                        lo, hi = b.and_(w, lo_mask), b.and_(b.lshr(w, k.splat(ir.Constant(_i32, 4))), lo_mask)
-                        if five:        # bit j of each qh byte: the fifth bit of sub-block j
-                            h = k.vec(qhp, b.mul(b.add(b.mul(blk, k.c(8)), k.c(g)), k.c(R)))
-                            for half in range(2):
-                                hb = b.shl(b.and_(b.lshr(h, k.splat(ir.Constant(_i32, 2 * c + half))), one_mask),
-                                           k.splat(ir.Constant(_i32, 4)))
-                                if half == 0:
-                                    lo = b.or_(lo, hb)
-                                else:
-                                    hi = b.or_(hi, hb)
+                        # sub-blocks 2c and 2c+1, unpacked in the panel (blocks_panels.prep_q45_k)
+                        lo = k.vec(p, b.mul(b.add(b.mul(blk, k.c(64)), k.c(16 * c + g)), k.c(R)))
+                        hi = k.vec(p, b.mul(b.add(b.mul(blk, k.c(64)), k.c(16 * c + 8 + g)), k.c(R)))
                         for t in range(nc):
                             sa[t] = k.dpbusd(sa[t], lo, k.x4(t, b.add(x0, k.c(64 * c + 4 * g))))
                             sb[t] = k.dpbusd(sb[t], hi, k.x4(t, b.add(x0, k.c(64 * c + 32 + 4 * g))))
@@ -251,14 +244,14 @@ def _mk_q45_k(nc, five):
 
 
 def _mk_q6_k(nc):
-    def impl(typingctx, PL, PH, SC, SP, DD, xq, xd, xs, t0, nb, res):
-        sig = types.void(PL, PH, SC, SP, DD, xq, xd, xs, t0, nb, res)
+    def impl(typingctx, P, SC, SP, DD, xq, xd, xs, t0, nb, res):
+        sig = types.void(P, SC, SP, DD, xq, xd, xs, t0, nb, res)
 
         def codegen(context, builder, signature, args):
-            k = _Kernel(context, builder, signature, args, 5)
+            k = _Kernel(context, builder, signature, args, 4)
             b = builder
-            pl, ph, sc, sp, dd = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i == 4 else _i32)
-                                  for i in range(5))
+            p, sc, sp, dd = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i == 3 else _i32)
+                             for i in range(4))
             zero = ir.Constant(k.v16, None)
 
             def cst(v):
@@ -271,11 +264,8 @@ def _mk_q6_k(nc):
                     for c in range(4):
                         g0, g1 = [zero] * nc, [zero] * nc
                         for g in range(8):
-                            ql = k.vec(pl, b.mul(b.add(b.mul(blk, k.c(32)), k.c(16 * h + 8 * (c % 2) + g)), k.c(R)))
-                            qh = k.vec(ph, b.mul(b.add(b.mul(blk, k.c(16)), k.c(8 * h + g)), k.c(R)))
-                            low = b.and_(b.lshr(ql, cst(4 * (c // 2))), cst(0x0F0F0F0F))
-                            high = b.and_(b.lshr(qh, cst(2 * c)), cst(0x03030303))
-                            q = b.or_(low, b.shl(high, cst(4)))
+                            # the 6-bit values, unpacked in the panel (blocks_panels.prep_q6_k)
+                            q = k.vec(p, b.mul(b.add(b.mul(blk, k.c(64)), k.c(32 * h + 8 * c + g)), k.c(R)))
                             for t in range(nc):
                                 x = k.x4(t, b.add(x0, k.c(128 * h + 32 * c + 4 * g)))
                                 if g < 4:
@@ -364,9 +354,9 @@ _q40_2, _q40_1 = _mk_b32(C32, True), _mk_b32(1, True)
 _w32_2, _w32_1 = _mk_b32(C32, False, True), _mk_b32(1, False, True)     # the int16 head's Q8_0 and Q4_0 panels
 # the k-quants' last T mod C rows in one pass of as many (the panel read once for them, not once a row): one thread,
 # in cache, Q6_K 1024x2048 at 2 / 3 / 6 rows the single-row passes took 0.147 / 0.178 / 0.251 ms against 0.151 at 4
-_q4k_4, _q4k_3, _q4k_2, _q4k_1 = (_mk_q45_k(n, False) for n in (C, 3, 2, 1))
-_q5k_4, _q5k_3, _q5k_2, _q5k_1 = (_mk_q45_k(n, True) for n in (C, 3, 2, 1))
-_q6k_4, _q6k_3, _q6k_2, _q6k_1 = (_mk_q6_k(n) for n in (C, 3, 2, 1))
+_q4k_8, _q4k_4, _q4k_3, _q4k_2, _q4k_1 = (_mk_q45_k(n, False) for n in (KC, 4, 3, 2, 1))
+_q5k_8, _q5k_4, _q5k_3, _q5k_2, _q5k_1 = (_mk_q45_k(n, True) for n in (KC, 4, 3, 2, 1))
+_q6k_8, _q6k_4, _q6k_3, _q6k_2, _q6k_1 = (_mk_q6_k(n) for n in (KC, 4, 3, 2, 1))
 
 
 # ---------------------------------------------------------------------------- tiles
@@ -378,40 +368,74 @@ def _store(res, out, t0, nc, r0, alpha, accumulate):
             _put2(out, t0 + t, r0 + r, res[t * R + r], alpha, accumulate)
 
 
+@njit(cache=True, inline="always")
+def _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res):
+    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q4_K (Q5_K: five) panel
+    if nc == KC:
+        if five:
+            _q5k_8(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q4k_8(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 4:
+        if five:
+            _q5k_4(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q4k_4(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 3:
+        if five:
+            _q5k_3(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q4k_3(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 2:
+        if five:
+            _q5k_2(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q4k_2(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+    else:
+        if five:
+            _q5k_1(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q4k_1(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+
+
+@njit(cache=True, inline="always")
+def _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res):
+    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q6_K panel
+    if nc == KC:
+        _q6k_8(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 4:
+        _q6k_4(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 3:
+        _q6k_3(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+    elif nc == 2:
+        _q6k_2(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+    else:
+        _q6k_1(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+
+
+@njit(cache=True, inline="always")
+def _pass_width(T, t0):
+    # the rows of the next pass from t0: KC while KC remain, then 4, then the last 1-3 in one pass
+    left = T - t0
+    return KC if left >= KC else 4 if left >= 4 else left
+
+
 @njit(cache=True)
 def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # rows i0..i0 + R*k (whole tiles) of a Q4_K (Q5_K: five) matrix times every row of Xq (rounded per 256: quant_acts_k)
     nb = Xq.shape[1] // 256
     T = Xq.shape[0]
     w = tmp.view(np.int32)
-    P, QH, SC, MN = w[:nb * 512], w[nb * 512:nb * 640], w[nb * 640:nb * 768], w[nb * 768:nb * 832]
-    DD, DM, res = tmp[nb * 832:nb * 848], tmp[nb * 848:nb * 864], tmp[nb * 864:nb * 864 + C * R]
+    P, SC, MN = w[:nb * 1024], w[nb * 1024:nb * 1152], w[nb * 1152:nb * 1216]
+    DD, DM, res = tmp[nb * 1216:nb * 1232], tmp[nb * 1232:nb * 1248], tmp[nb * 1248:nb * 1248 + KC * R]
     for r0 in range(i0, i1 - R + 1, R):
-        prep_q45_k(raw, r0, nb, five, P, QH, SC, MN, DD, DM)
-        for t0 in range(0, T - C + 1, C):
-            if five:
-                _q5k_4(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            else:
-                _q4k_4(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            _store(res, out, t0, C, r0, alpha, accumulate)
-        t0, rem = T // C * C, T % C
-        if rem == 3:
-            if five:
-                _q5k_3(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            else:
-                _q4k_3(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-        elif rem == 2:
-            if five:
-                _q5k_2(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            else:
-                _q4k_2(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-        elif rem == 1:
-            if five:
-                _q5k_1(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-            else:
-                _q4k_1(P, QH, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
-        if rem:
-            _store(res, out, t0, rem, r0, alpha, accumulate)
+        prep_q45_k(raw, r0, nb, five, P, SC, MN, DD, DM)
+        t0 = 0
+        while t0 < T:
+            nc = _pass_width(T, t0)
+            _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, nc, r0, alpha, accumulate)
+            t0 += nc
 
 
 @njit(cache=True)
@@ -420,22 +444,16 @@ def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     nb = Xq.shape[1] // 256
     T = Xq.shape[0]
     w = tmp.view(np.int32)
-    PL, PH, SC, SP = w[:nb * 512], w[nb * 512:nb * 768], w[nb * 768:nb * 1024], w[nb * 1024:nb * 1152]
-    DD, res = tmp[nb * 1152:nb * 1168], tmp[nb * 1168:nb * 1168 + C * R]
+    P, SC, SP = w[:nb * 1024], w[nb * 1024:nb * 1280], w[nb * 1280:nb * 1408]
+    DD, res = tmp[nb * 1408:nb * 1424], tmp[nb * 1424:nb * 1424 + KC * R]
     for r0 in range(i0, i1 - R + 1, R):
-        prep_q6_k(raw, r0, nb, PL, PH, SC, SP, DD)
-        for t0 in range(0, T - C + 1, C):
-            _q6k_4(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
-            _store(res, out, t0, C, r0, alpha, accumulate)
-        t0, rem = T // C * C, T % C
-        if rem == 3:
-            _q6k_3(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
-        elif rem == 2:
-            _q6k_2(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
-        elif rem == 1:
-            _q6k_1(PL, PH, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
-        if rem:
-            _store(res, out, t0, rem, r0, alpha, accumulate)
+        prep_q6_k(raw, r0, nb, P, SC, SP, DD)
+        t0 = 0
+        while t0 < T:
+            nc = _pass_width(T, t0)
+            _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+            _store(res, out, t0, nc, r0, alpha, accumulate)
+            t0 += nc
 
 
 @njit(cache=True)
