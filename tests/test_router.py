@@ -125,3 +125,23 @@ def test_a_retired_generations_request_sent_back_runs_on_the_serving_one_checked
     assert text_req["prompt"] == new_ids != Model.open(old_path).tokenizer.encode(text)    # the new tokenizer's
     assert ids_req["prompt"] == [5, 6, 7]
     assert r.counters["readmitted"] == 2 and r.counters["worker_lost"] == 1
+
+
+def test_a_killed_master_stops_the_router_with_one_line_not_a_crash(caplog):
+    """The master killed outright (SIGKILL, an OOM kill) while a message of the router's sat unread in
+    its end: the router's read gets ECONNRESET, not EOF. It stops as it does on EOF, saying why in one
+    line, instead of dying in a traceback."""
+    import socket
+    import types
+
+    from colibri_server.router.master_pipe import MasterPipe
+    master_end, router_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    router = types.SimpleNamespace(stopping=False)
+    pipe = MasterPipe(router, router_end.detach())
+    pipe.send({"op": "alive"})              # unread by the master
+    master_end.close()
+    with caplog.at_level("ERROR", logger="colibri.router"):
+        pipe.read()
+    assert router.stopping
+    assert [r.getMessage() for r in caplog.records] == \
+        ["router: the master is gone (its end of the pipe was reset): stopping"]

@@ -56,6 +56,9 @@ class MasterPipe:
                 data = self.sock.recv(65536)
             except BlockingIOError:
                 return
+            except ConnectionResetError:        # the master was killed (SIGKILL, an OOM kill) with
+                data = b""                      # messages unread: its end is gone all the same
+                log.error("router: the master is gone (its end of the pipe was reset): stopping")
             if not data:
                 self.router.stopping = True      # the master closed its end
                 return
