@@ -102,17 +102,21 @@ def _hsum(builder, acc):
                         builder.fadd(builder.fadd(lanes[4], lanes[5]), builder.fadd(lanes[6], lanes[7])))
 
 
+def fold_pairs(builder, ps, n: int):
+    """A power-of-two count of <n x iK> vectors folded into one: each round, two vectors become one whose
+    lanes 0..n/2-1 are the first's adjacent pairs added and the rest the second's (exact: integers). After
+    log2(n) rounds of n vectors, lane i is the sum of ps[i]'s lanes."""
+    mask = ir.VectorType(_i32, n)
+    ev, od = ir.Constant(mask, list(range(0, 2 * n, 2))), ir.Constant(mask, list(range(1, 2 * n, 2)))
+    while len(ps) > 1:
+        ps = [builder.add(builder.shuffle_vector(a, b, ev), builder.shuffle_vector(a, b, od))
+              for a, b in zip(ps[0::2], ps[1::2])]
+    return ps[0]
+
+
 def _sum8(builder, ps):
     """8 <8 x i32> vectors -> one <8 x i32>, lane i the sum of ps[i]'s lanes (exact: integers)."""
-    v8 = ir.VectorType(_i32, 8)
-    while len(ps) > 1:
-        nxt = []
-        for a, b in zip(ps[0::2], ps[1::2]):
-            ev = builder.shuffle_vector(a, b, ir.Constant(v8, list(range(0, 16, 2))))
-            od = builder.shuffle_vector(a, b, ir.Constant(v8, list(range(1, 16, 2))))
-            nxt.append(builder.add(ev, od))
-        ps = nxt
-    return ps[0]
+    return fold_pairs(builder, ps, 8)
 
 
 def b32_update(builder, acc, isum, d, xd):

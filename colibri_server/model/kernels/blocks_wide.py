@@ -40,6 +40,7 @@ from .blocks_ir import (
     _reduce,
     _vload,
     b32_row,
+    fold_pairs,
     k_update,
 )
 from .cpu import HAVE_VNNI512
@@ -114,15 +115,8 @@ def _x16(builder, xp, at):
 def _sum8w(builder, ps):
     """8 <16 x i32> vectors -> one <8 x i32>, lane i the sum of ps[i]'s lanes (exact: integers): pairs of vectors
     folded into one (lanes 0-7 the first's adjacent pairs, 8-15 the second's) three times, then once more."""
-    while len(ps) > 1:
-        nxt = []
-        for a, b in zip(ps[0::2], ps[1::2]):
-            ev = builder.shuffle_vector(a, b, ir.Constant(_V16, list(range(0, 32, 2))))
-            od = builder.shuffle_vector(a, b, ir.Constant(_V16, list(range(1, 32, 2))))
-            nxt.append(builder.add(ev, od))
-        ps = nxt
     v8 = ir.VectorType(_i32, 8)
-    s = ps[0]
+    s = fold_pairs(builder, ps, 16)
     return builder.add(builder.shuffle_vector(s, s, ir.Constant(v8, list(range(0, 16, 2)))),
                        builder.shuffle_vector(s, s, ir.Constant(v8, list(range(1, 16, 2)))))
 
@@ -146,14 +140,8 @@ def _sums64(builder, vs):
     lo, hi = ir.Constant(v8, list(range(8))), ir.Constant(v8, list(range(8, 16)))
     ps = [builder.add(builder.sext(builder.shuffle_vector(v, v, lo), v64),
                       builder.sext(builder.shuffle_vector(v, v, hi), v64)) for v in vs]
-    while len(ps) > 1:
-        nxt = []
-        for a, b in zip(ps[0::2], ps[1::2]):
-            ev = builder.shuffle_vector(a, b, ir.Constant(v8, list(range(0, 16, 2))))
-            od = builder.shuffle_vector(a, b, ir.Constant(v8, list(range(1, 16, 2))))
-            nxt.append(builder.add(ev, od))
-        ps = nxt
-    return [builder.extract_element(ps[0], ir.Constant(_i32, t)) for t in range(8)]
+    s = fold_pairs(builder, ps, 8)
+    return [builder.extract_element(s, ir.Constant(_i32, t)) for t in range(8)]
 
 
 # ---------------------------------------------------------------------------- 32-block kinds: whole rows
