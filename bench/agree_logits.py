@@ -1,7 +1,7 @@
 """Logit error against llama.cpp on a shared prefix (issue 32): SmolLM2-135M-Instruct's Q4_1 GGUF, teacher-forced.
 
     python bench/agree_logits.py collect --out REF.json [--data ~/.cache/colibri-real] [--llama-bin bench/.anchors/bin]
-    python bench/agree_logits.py compare REF.json [--kv f16] [--no-exact-head] [--json OUT]
+    python bench/agree_logits.py compare REF.json [--colibri FILE] [--no-exact-head] [--json OUT]
 
 collect: for each of bench/real_model.py's ~87 prompts, llama-server's default run (flash attention auto, f16 KV)
 gives its 32 greedy tokens and, at each of those positions, its top-K log-probabilities (`n_probs`); llama-server
@@ -71,9 +71,9 @@ def collect(a) -> None:
     a.out.write_text(json.dumps({"n": N, "k": K, "rows": rows}))
 
 
-def errors(ref_top, lp_of) -> tuple:
-    """(centred RMS log-prob error over the reference's top-K tokens, whether the argmax differs) at one position;
-    lp_of(ids) gives the other side's log-probs of those ids (NaN where it does not know them)."""
+def errors(ref_top, lp_of) -> float:
+    """The centred RMS log-prob error over the reference's top-K tokens at one position; lp_of(ids) gives the
+    other side's log-probs of those ids (NaN where it does not know them)."""
     ids = [t for t, _ in ref_top]
     ref = np.array([v for _, v in ref_top])
     oth = np.asarray(lp_of(ids), np.float64)
