@@ -15,8 +15,8 @@ an instruction; `vpmaddwd` elsewhere), exact sums per block:
 * Q4_K, Q5_K, Q6_K: the sub-block scales multiplied into the widened values (`vpmullw`: at most 63 * 31 or
   32 * 128, i16), the block's 16 lanes (each at most 16 products of 4096 * 32767 < 2^31) summed in i64 and
   one float step per block (blocks_ir.k_update), Q4_K / Q5_K's mins through the activations' 16-sums; a
-  block's weights decoded once for 8 activation rows, their exact sums folded together (a serving step's, a prefill's), each row's integers
-  and float steps those of its dot alone.
+  block's weights decoded once for 8 activation rows, their exact sums folded together (a serving step's, a
+  prefill's), each row's integers and float steps those of its dot alone.
 
 The kinds without integer dots take the f32 activations as they are (kernels/blocks' generic path) with or
 without the flag. Every caller (batch-1 matvec, a serving step's rows, prefill, threads) goes through these
