@@ -149,6 +149,52 @@ def test_concurrent_saves_never_cross_entries(tmp_path):
     assert (crossed, kept) == (0, 4 * 60)       # every signature kept, each with its own code
 
 
+_KERNEL = "import numba\n\n@numba.njit(cache=True)\ndef slow_kernel(x):\n    s = 0.0\n" + "".join(
+    f"    for i in range({k + 2}):\n        s += (x * i + {k}) % {k + 3}\n" for k in range(16)) + "    return s\n"
+
+_COMPILE_AT_ONCE = """
+import os, sys, time
+from numba.core import event
+import colibri_server.model.kernels      # the cache's setup, as in every process of the server
+folder, me, other, unlocked = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+if unlocked:                            # Numba's own compile
+    from numba.core import dispatcher
+    dispatcher.Dispatcher.compile = dispatcher.Dispatcher.compile.__wrapped__
+sys.path.insert(0, folder)
+compiled = []
+class Count(event.Listener):
+    def on_start(self, ev):
+        pass
+    def on_end(self, ev):
+        compiled.append(ev.data["dispatcher"].py_func.__name__)
+event.register("numba:compile", Count())
+import kernel_module
+open(os.path.join(folder, me), "w").close()
+while not os.path.exists(os.path.join(folder, other)):
+    time.sleep(0.001)
+print(kernel_module.slow_kernel(3.0), len(compiled))
+"""
+
+
+def _compile_at_once(tmp_path, unlocked=False):
+    """Two processes call one new kernel at the same moment, with one empty cache -> (results, compiles)."""
+    (tmp_path / "kernel_module.py").write_text(_KERNEL)
+    env = _clean_env(tmp_path, COLIBRI_CACHE_DIR=str(tmp_path / "cache"))
+    ps = [subprocess.Popen([sys.executable, "-c", _COMPILE_AT_ONCE, str(tmp_path), me, other, str(int(unlocked))],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+          for me, other in (("a", "b"), ("b", "a"))]
+    outs = [p.communicate(timeout=600) for p in ps]
+    assert all(p.returncode == 0 for p in ps), outs
+    got = [o.split() for o, _ in outs]
+    return {r for r, _ in got}, sum(int(n) for _, n in got)
+
+
+def test_a_kernel_compiles_once_when_two_processes_need_it_at_once(tmp_path):
+    """The second process waits for the first one's compile and loads its code from the cache."""
+    results, compiles = _compile_at_once(tmp_path)
+    assert len(results) == 1 and compiles == 1, (results, compiles)
+
+
 def test_a_first_run_compiles_what_serve_needs_beside_it(monkeypatch, capsys):
     """`colibri run` that compiles (a first start of its kind) starts `colibri compile --model` for the other
     layouts and waits for it; one that compiles nothing starts nothing."""

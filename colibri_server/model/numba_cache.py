@@ -26,6 +26,13 @@ and the next load of that signature runs another signature's machine code (a seg
 `lock_saves()` holds an flock on the index's lock file around each save, so the second save reads
 the first one's index and picks another number.
 
+Nor does Numba keep a second process from compiling what a first one is compiling: both find the
+cache empty, both compile (seconds to minutes of a core each), both save. `lock_compiles()` makes a
+cache miss take a lock per kernel and signature (lockf on a `.compiling` file beside the kernel's index)
+before it compiles: the process that gets it first compiles and saves; one that waited then finds the
+signature in the cache and loads it. The suite's two xdist workers and the servers its tests start,
+`colibri compile`'s pool and a first `colibri run` beside its helper process each compile a kernel once.
+
 `configure()` runs once, at import of colibri_server.model.kernels, before any kernel module is imported
 (a kernel's cache location is fixed when it is decorated). Owns only the directories it names.
 """
@@ -136,22 +143,81 @@ def lock_saves() -> bool:
 
     @functools.wraps(save)
     def locked_save(self, key, data):
-        with _flock(str(self._index_path) + ".lock"):
+        with _file_lock(str(self._index_path) + ".lock"):
             return save(self, key, data)
     locked_save._colibri_locked = True
     cls.save = locked_save
     return True
 
 
+COMPILE_WAIT = 1800.0       # seconds a compile waits for another process's compile of the same, then compiles itself
+_held = set()               # the compile locks this process holds (a kernel compiling itself again, recursively)
+
+
+def lock_compiles() -> bool:
+    """Make a compile of a cached kernel's signature exclusive between processes (see the module's doc):
+    a process that waited loads what the other compiled. Returns False when this Numba has no
+    Dispatcher.compile of the expected form to wrap (its compiles then run as they do)."""
+    try:
+        from numba.core import caching, dispatcher, sigutils
+        from numba.core.compiler_lock import global_compiler_lock
+        cls = dispatcher.Dispatcher
+        compile_ = cls.compile
+    except (ImportError, AttributeError):
+        return False
+    if getattr(compile_, "_colibri_locked", False):
+        return True
+
+    @functools.wraps(compile_)
+    def locked_compile(self, sig):
+        cache_file = getattr(getattr(self, "_cache", None), "_cache_file", None)
+        if not isinstance(cache_file, caching.IndexDataCacheFile) or not self._can_compile:
+            return compile_(self, sig)
+        # under Numba's own (reentrant) compiler lock, as the compile itself: a thread never holds the file
+        # lock while it waits for a thread of its own process that waits for the file lock
+        with global_compiler_lock:
+            args, _ = sigutils.normalize_signature(sig)
+            if tuple(args) in self.overloads:
+                return compile_(self, sig)
+            path = "%s.%s.compiling" % (cache_file._index_path, hashlib.sha256(repr(args).encode()).hexdigest()[:16])
+            if path in _held:
+                return compile_(self, sig)
+            _held.add(path)
+            try:
+                with _file_lock(path, COMPILE_WAIT, fcntl.lockf):
+                    return compile_(self, sig)      # Numba's own: loads the signature if it is cached by now
+            finally:
+                _held.discard(path)
+    locked_compile._colibri_locked = True
+    cls.compile = locked_compile
+    return True
+
+
 @contextlib.contextmanager
-def _flock(path):
+def _file_lock(path, wait=None, lock=fcntl.flock):
+    """An exclusive lock on `path` while in the block: waited for as long as it takes, or `wait` seconds at
+    most (then the block runs without it, said in the log). `lock`: flock, or lockf (a POSIX lock: not
+    inherited by a process forked inside the block, as a server's workers are, which would hold it on)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:                 # an unwritable cache: Numba does not save there either
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if wait is None:
+            lock(fd, fcntl.LOCK_EX)
+        else:
+            deadline, pause = time.monotonic() + wait, 0.005
+            while True:
+                try:
+                    lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except (BlockingIOError, PermissionError):     # flock's EWOULDBLOCK; lockf's EAGAIN or EACCES
+                    if time.monotonic() > deadline:
+                        log.warning("%s: held by another process for %.0fs: going on without it", path, wait)
+                        break
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.1)
         yield
     finally:
         os.close(fd)

@@ -28,6 +28,7 @@ from .. import numba_cache as _numba_cache
 
 _numba_cache.configure()    # before any kernel module is imported: the machine's and build's own cache directory
 _numba_cache.lock_saves()   # and two processes compiling at once never cross their cache entries
+_numba_cache.lock_compiles()    # and a kernel another process is compiling is waited for and loaded
 
 from . import attn, attn_ir, cpu, decode, dense, float_ir, gemm, heads, packing, quant, quant_ir  # noqa: F401,E402
 from .attn import attend, attention, attention_par, attention_ref  # noqa: F401
