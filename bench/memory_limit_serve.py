@@ -17,7 +17,8 @@ fixed random ids, a different one per request, --tokens new tokens, EOS ignored)
 itself: no client starts a request after --deadline seconds, and a request still streaming at
 1.5 x --deadline is cut there. Figures: aggregate tokens / wall seconds, the cgroup's peak usage
 against its limit, its OOM kills, and whether every finished request's greedy tokens equal the same
-server's unconstrained run (no cgroup, the file cached), which runs first.
+server's unconstrained run (no cgroup, the file cached), which runs first. --cold-kernels starts colibri
+under a limit with an empty kernel cache, so that its cold compile runs inside the limit too.
 
     python bench/memory_limit_serve.py --limits 50 \\
         --json bench/recorded/memory-limit-serve-<date>-<machine>.json
@@ -148,7 +149,10 @@ def colibri_server(a, cg, P, tag):
     argv = [a.colibri_bin, "serve", "--model", str(a.model_link), "--bind", f"ipc://{sock}",
             "--runtime-dir", os.path.join(a.tmp, f"run-{tag}")]
     log = open(os.path.join(a.tmp, f"colibri-{tag}.log"), "w")
-    p = _start(cg, argv, log)
+    env = None
+    if a.cold_kernels and cg is not None:   # an empty kernel cache: the cold compile runs inside the limit
+        env = dict(os.environ, COLIBRI_CACHE_DIR=tempfile.mkdtemp(dir=a.tmp, prefix="kernels-"))
+    p = _start(cg, argv, log, env)
     try:
         with Client(f"ipc://{sock}", timeout=2.0) as c:
             def ready():
@@ -278,6 +282,8 @@ def main(argv=None):
     ap.add_argument("--llama-bin", type=pathlib.Path, default=ML.LLAMA_BIN)
     ap.add_argument("--colibri-bin", default=shutil.which("colibri") or str(pathlib.Path(sys.executable).parent / "colibri"))
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--cold-kernels", action="store_true",
+                    help="colibri under a limit starts with an empty kernel cache (compiles inside the limit)")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
@@ -322,7 +328,9 @@ def main(argv=None):
            "prompt_tokens": a.prompt, "new_tokens": a.tokens, "deadline_s": a.deadline,
            "llama_server_flags": f"-np {a.clients} -c {a.clients * (a.prompt + a.tokens + 16)} -t {a.threads} "
                                  f"-tb {a.threads} --no-warmup --no-repack",
-           "colibri_flags": "serve --model FILE (defaults)",
+           "colibri_flags": "serve --model FILE (defaults)" + (
+               "; under a limit with an empty kernel cache (COLIBRI_CACHE_DIR: compiled inside the limit)"
+               if a.cold_kernels else ""),
            "reference": {k: strip(v) for k, v in refs.items()},
            "rows": [{k: strip(v) if isinstance(v, dict) else v for k, v in r.items()} for r in rows],
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "uname": os.uname().release}

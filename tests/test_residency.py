@@ -172,6 +172,37 @@ def test_budget_below_the_always_part_is_one_line(small):
     assert resolve_budget(0, 3 * G, 200 << 20, 50 << 20, four) == 0       # nothing left: nothing locked
 
 
+def test_the_master_locks_after_the_compile(small, monkeypatch):
+    """open_model compiles before it locks (a cold compile's hundreds of MiB beside pages locked first
+    were an OOM kill in a memory limit), and a budget the server chose gives up what the compile kept
+    beyond the room it had left for the kernels."""
+    from colibri_server.master import loading
+    from colibri_server.master import residency as MR
+    from colibri_server.master.loading import HaltServer
+    from colibri_server.settings.load import defaults
+    s = defaults()
+    size = os.path.getsize(small)
+    monkeypatch.setattr(MR, "budget_for", lambda path, s: int(size * 0.9))       # as in a limit below the file
+    at_compile, kept, before = [], [], _locked_kib()
+
+    def compile_(m, s):
+        at_compile.append(_locked_kib())
+        kept.append(np.ones(MR.KERNELS_ROOM + (8 << 20), np.uint8))      # what a cold compile keeps
+    monkeypatch.setattr(loading, "_compile", compile_)
+    try:
+        m = loading.open_model(small, s)
+    except HaltServer as e:
+        pytest.skip(f"cannot lock memory here: {e}")
+    try:
+        res = m.residency
+        assert at_compile == [before] and _locked_kib() > before         # nothing locked while it compiled
+        assert res.locked_bytes >= res.always_bytes > 0
+        assert int(size * 0.9) - res.budget >= 8 << 20                    # the compile's excess came off it
+        assert res.locked_bytes <= res.budget
+    finally:
+        m.close()
+
+
 # ------------------------------------------------------------------- in a memory cgroup below the model
 
 _CHILD = r"""

@@ -26,6 +26,11 @@ def _rollup(pid) -> dict:
     return out
 
 
+def anonymous(pid) -> int:
+    """Bytes of anonymous memory the process maps (smaps_rollup's Anonymous: heaps, stacks, buffers)."""
+    return _rollup(pid).get("Anonymous", 0)
+
+
 def anon_private(pid) -> int:
     """Bytes of anonymous mappings (heap, stacks, numpy buffers) that only this process maps:
     Private_Clean + Private_Dirty summed over mappings with no backing file. Unlike

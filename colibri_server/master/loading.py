@@ -44,10 +44,12 @@ def open_model(path, s):
             populate = False
     except Exception:
         pass
-    from .residency import attach, budget_for
+    from ..host.memory import anonymous
+    from .residency import attach, budget_for, lock
     budget = budget_for(path, s)
     if budget < size:
         populate = False            # the budget decides what comes in (residency.py)
+    anon0 = anonymous(os.getpid())
     t0 = time.perf_counter()
     m = Model.open(path, context=s.context, populate=populate, routing_noise=s.routing_noise,
                    seed=None if s.seed < 0 else s.seed, hugepages=s.hugepages)
@@ -63,13 +65,18 @@ def open_model(path, s):
         if budget < size:
             try:
                 attach(m, s, budget)
-            except (ValueError, OSError) as e:
+            except ValueError as e:
                 raise HaltServer(f"model {path}: {e}", EXIT_LOAD) from None
         elif s.mlock:
             _mlock(m.file, path)
         t1 = time.perf_counter()
         try:
             _compile(m, s)
+            if budget < size:       # locked once the compile is done: it takes what the page cache gives up
+                try:
+                    lock(m, s, anonymous(os.getpid()) - anon0)
+                except (ValueError, OSError) as e:
+                    raise HaltServer(f"model {path}: {e}", EXIT_LOAD) from None
         finally:
             if finish is not None:          # a mismatch explains a failing warm-up best
                 tc = time.perf_counter()

@@ -51,19 +51,35 @@ def popular_path(model_path: str) -> str:
 
 
 def attach(m, s, budget: int) -> None:
-    """Give Model m a Residency under `budget` bytes (below its file's size): lock the always-resident
-    part and, from a saved popular set, the experts it names. Raises ValueError / OSError with a
-    one-line reason (the caller halts with it)."""
+    """Give Model m a Residency under `budget` bytes (below its file's size), locking nothing yet: the
+    kernels compile on it (the path a budget runs) before lock() locks its pages. Raises ValueError with
+    a one-line reason (the caller halts with it)."""
     from ..model.residency import Residency
     if s.mlock:
         raise ValueError(f"mlock locks the whole model ({os.path.getsize(m.path) / 2**20:.0f} MiB) but "
                          f"weights_memory is {budget / 2**20:.0f} MiB: turn one of them off")
-    res = Residency(m.file, m.config, budget, partial=not getattr(s, "weights_memory", 0))
+    m.residency = Residency(m.file, m.config, budget, partial=not getattr(s, "weights_memory", 0))
+
+
+def lock(m, s, grown: int) -> None:
+    """Once the kernels are compiled: lock m's always-resident part and, from a saved popular set, the
+    experts it names. `grown`: the master's anonymous memory grown since the budget was chosen. A budget
+    the server chose left KERNELS_ROOM for it; a cold compile keeps more (hundreds of MiB at its peak, part
+    of it kept), and pages locked before it would leave it none: an OOM kill in a memory limit. So the
+    locks come after it, and a budget the server chose gives up what the compile kept beyond that room.
+    Raises ValueError / OSError with a one-line reason."""
+    res = m.residency
+    over = grown - KERNELS_ROOM
+    if over > 0 and not getattr(s, "weights_memory", 0):
+        log.info("model %s: the kernels took %.0f MiB beyond the %.0f MiB left for them: weights_memory "
+                 "%.0f -> %.0f MiB", m.path, over / 2**20, KERNELS_ROOM / 2**20, res.budget / 2**20,
+                 max(0, res.budget - over) / 2**20)
+        res.shrink(res.budget - over)
     res.start()
-    m.residency = res
     _load_popular(res, m.path)
     res.rerank(time.monotonic(), max_swaps=1 << 30, cached_only=False)
     res.next_rerank, res.next_save = 0.0, time.monotonic() + SAVE_EVERY
+    budget = res.budget
     whole = sum(n for _, n in res.always)
     if res.always_bytes < whole:
         log.warning("model %s: the memory left beside the server's processes (weights_memory %.0f MiB) holds "

@@ -174,7 +174,6 @@ class Residency:
         L, E = cfg.num_layers, max(1, cfg.num_experts)
         self.expert_bytes = np.array([[sum(n for _, n in self.experts[l][e]) if E else 0 for e in range(E)]
                                       for l in range(L)], np.int64)                      # (L,E)
-        self.always_bytes = sum(n for _, n in self.always)
         self.shared = _Shared(L, E)
         self.score = np.zeros((L, E), np.float64)                                       # (L,E) decayed routes
         self._seen = np.zeros((L, E), np.int64)
@@ -182,8 +181,18 @@ class Residency:
         self.locked_bytes = 0
         self.swaps = 0
         self._base = cf._buf.ctypes.data
-        self.locked_always = list(self.always)           # partial: as much of it as fits, in file order
-        if self.always_bytes > self.budget and partial:
+        self.partial = partial
+        self.shrink(self.budget)
+
+    def shrink(self, budget: int) -> None:
+        """Set the budget to `budget` bytes (at most the one given; before start(): nothing is locked yet)
+        and choose what of the always-resident part is locked: all of it, or, partial, as much as fits in
+        file order. Raises BudgetTooSmall as the constructor says."""
+        assert self.locked_bytes == 0, "shrink() before start()"
+        self.budget = min(self.budget, max(0, int(budget)))
+        self.locked_always = list(self.always)
+        self.always_bytes = sum(n for _, n in self.always)
+        if self.always_bytes > self.budget and self.partial:
             room, self.locked_always = self.budget, []
             for a, n in self.always:
                 n = min(n, room // PAGE * PAGE)
@@ -193,7 +202,7 @@ class Residency:
             self.always_bytes = sum(n for _, n in self.locked_always)
         if self.always_bytes > self.budget:
             raise BudgetTooSmall(f"weights_memory {self.budget / 2**20:.0f} MiB is below the part of "
-                                 f"{os.path.basename(cf.path)} always kept resident "
+                                 f"{os.path.basename(self.cf.path)} always kept resident "
                                  f"({self.always_bytes / 2**20:.0f} MiB: attention, norms, routers, head)")
 
     @property
