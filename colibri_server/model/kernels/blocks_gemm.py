@@ -28,6 +28,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import blocks_avx2 as A2
 from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _put2, _rows, round_rows
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
 from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k
@@ -370,8 +371,10 @@ def _store(res, out, t0, nc, r0, alpha, accumulate):
 
 @njit(cache=True, inline="always")
 def _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res):
-    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q4_K (Q5_K: five) panel
-    if nc == KC:
+    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q4_K (Q5_K: five) panel; on AVX2 blocks_avx2's kernels
+    if not HAVE_VNNI512:
+        A2.pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+    elif nc == KC:
         if five:
             _q5k_8(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
         else:
@@ -400,8 +403,10 @@ def _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res):
 
 @njit(cache=True, inline="always")
 def _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res):
-    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q6_K panel
-    if nc == KC:
+    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q6_K panel; on AVX2 blocks_avx2's kernels
+    if not HAVE_VNNI512:
+        A2.pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+    elif nc == KC:
         _q6k_8(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
     elif nc == 4:
         _q6k_4(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
@@ -415,7 +420,9 @@ def _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res):
 
 @njit(cache=True, inline="always")
 def _pass_width(T, t0):
-    # the rows of the next pass from t0: KC while KC remain, then 4, then the last 1-3 in one pass
+    # the rows of the next pass from t0: KC while KC remain, then 4, then the last 1-3 in one pass (AVX2: blocks_avx2's)
+    if not HAVE_VNNI512:
+        return A2.pass_width(T, t0)
     left = T - t0
     return KC if left >= KC else 4 if left >= 4 else left
 
