@@ -1,4 +1,4 @@
-"""The k-quant tiles' micro-kernels for AVX2 (no VNNI): the panels of kernels/blocks_panels (16 weight rows as the
+"""The k-quant and Q4_0 tiles' micro-kernels for AVX2 (no VNNI): the panels of kernels/blocks_panels (16 weight rows as the
 i32 lanes of a vector) read a 256-bit half at a time, 8 rows, with up to KC2 activation rows a pass.
 
 AVX2 has no `vpdpbusd`; the 16-lane kernels of kernels/blocks_gemm build it from `vpmaddubsw` (u8 x s8 pairs summed
@@ -20,10 +20,13 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks_ir import _arr_ptr, k_update
+from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
 from .blocks_panels import R
 
-KC2 = 4                    # activation rows per pass (per row: an i16 sum, an i32 sum and the f32 accumulator)
+KC2 = 4                    # the k-quants' activation rows per pass (per row: an i16 sum, an i32 sum and the f32 accumulator)
+# Q4_0's (per row 8 f32 accumulators, one a block mod 8, as the row dots sum them): one thread, 2048 x 1024 at 128 rows,
+# 2 rows a pass 3.6 ms, 4 rows 7.9 ms (spilled)
+KC40 = 2
 H = 8                      # weight rows (i32 lanes) of a ymm register: a panel's 16 in two halves
 
 _i8, _i16, _i32, _f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -195,9 +198,51 @@ def _mk_q6_k(nc):
     return intrinsic(impl)
 
 
+def _mk_q40(nc):
+    """Q4_0 (kernels/blocks_panels.prep_b32's nibble panel): a block's 8 `vpmaddubsw` (its 4 dwords' low and high
+    nibbles, 0..15) added in i16, one `vpmaddwd` by ones, minus 8 times the activations' sum; then blocks_ir.b32_update
+    into accumulator b mod 8 and b32_total, as the row dots and the 16-lane tiles do."""
+    def impl(typingctx, P, DD, xq, xd, xs, t0, nb, res):
+        sig = types.void(P, DD, xq, xd, xs, t0, nb, res)
+
+        def codegen(context, builder, signature, args):
+            k = _Half(context, builder, signature, args, 2, nc)
+            b = builder
+            p = _arr_ptr(context, builder, signature.args[0], args[0], _i32)
+            dd = _arr_ptr(context, builder, signature.args[1], args[1], _f32)
+            mask = k.splat(ir.Constant(_i32, 0x0F0F0F0F))
+            four = k.splat(ir.Constant(_i32, 4))
+            ones = ir.Constant(_w16, [1] * 16)
+            for h in range(2):
+                accs = [[cgutils.alloca_once_value(b, ir.Constant(_f8, None)) for _ in range(8)] for _ in range(nc)]
+                with cgutils.for_range(b, b.sdiv(k.nb, k.c(8))) as loop:        # 8 blocks: accumulator b mod 8
+                    for i in range(8):
+                        blk = b.add(b.mul(loop.index, k.c(8)), k.c(i))
+                        x0 = b.mul(blk, k.c(32))
+                        ws, ats = [], []
+                        for g in range(4):
+                            w = k.vec(p, b.add(b.mul(blk, k.c(4)), k.c(g)), h)
+                            ws += [b.bitcast(b.and_(w, mask), _b32), b.bitcast(b.and_(b.lshr(w, four), mask), _b32)]
+                            ats += [b.add(x0, k.c(4 * g)), b.add(x0, k.c(16 + 4 * g))]
+                        d = k.vec(dd, blk, h, _f8)
+                        for t in range(nc):
+                            s2 = b.gep(k.xs[t], [b.mul(blk, k.c(2))])
+                            corr = b.mul(b.add(b.load(s2), b.load(b.gep(s2, [k.c(1)]))), ir.Constant(_i32, 8))
+                            it = b.sub(k.madd(ir.Constant(_v8, None), k.sums16(ws, t, ats), ones), k.splat(corr))
+                            xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), _f8)
+                            b.store(b32_update(b, b.load(accs[t][i]), it, d, xdb), accs[t][i])
+                for t in range(nc):
+                    tot = b32_total(b, [b.load(a) for a in accs[t]])
+                    b.store(tot, b.bitcast(b.gep(k.res, [k.c(t * R + H * h)]), _f8.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
 _q4k_4, _q4k_3, _q4k_2, _q4k_1 = (_mk_q45_k(n, False) for n in (4, 3, 2, 1))
 _q5k_4, _q5k_3, _q5k_2, _q5k_1 = (_mk_q45_k(n, True) for n in (4, 3, 2, 1))
 _q6k_4, _q6k_3, _q6k_2, _q6k_1 = (_mk_q6_k(n) for n in (4, 3, 2, 1))
+_q40_2, _q40_1 = _mk_q40(2), _mk_q40(1)
 
 
 @njit(cache=True, inline="always")
@@ -243,3 +288,12 @@ def pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res):
         _q6k_2(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
     else:
         _q6k_1(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+
+
+@njit(cache=True, inline="always")
+def pass_q40(nc, P, DD, Xq, Xd, Xs, t0, nb, res):
+    # activation rows t0..t0+nc (nc in 1..KC40) through a Q4_0 panel
+    if nc == 2:
+        _q40_2(P, DD, Xq, Xd, Xs, t0, nb, res)
+    else:
+        _q40_1(P, DD, Xq, Xd, Xs, t0, nb, res)

@@ -473,6 +473,14 @@ def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     DD, res = tmp[nb * nw * R:nb * (nw + 1) * R], tmp[nb * (nw + 1) * R:nb * (nw + 1) * R + C * R]
     for r0 in range(i0, i1 - R + 1, R):
         prep_b32(raw, r0, nb, nibbles, P, DD)
+        if nibbles and not HAVE_VNNI512:          # AVX2: blocks_avx2's Q4_0 kernels
+            t0 = 0
+            while t0 < T:
+                nc = min(A2.KC40, T - t0)
+                A2.pass_q40(nc, P, DD, Xq, Xd, Xs, t0, nb, res)
+                _store(res, out, t0, nc, r0, alpha, accumulate)
+                t0 += nc
+            continue
         for t0 in range(0, T - C32 + 1, C32):
             if nibbles:
                 _q40_2(P, DD, Xq, Xd, Xs, t0, nb, res)
