@@ -17,8 +17,10 @@ lane, no horizontal sum); a sub-block's sums times the rows' scales (`vpmulld`),
 kblock_q4_k / kblock_q5_k / kblock_q6_k, so each output equals the matvec's bit for bit, whatever T or the threads.
 The output head's int16 activations (a kind id + ACTS16, kernels/blocks_wide) take blocks_wide's row dots, and
 from WIDE_TILE_MIN_ROWS rows Q8_0 / Q4_0 tiles whose lanes hold two i16 values of a row (`vpdpwssd`).
-On AVX2 (no VNNI) the same IR runs with each 16-lane vector split in two 256-bit halves by LLVM and the two dot
-instructions built from `vpmaddubsw` and `vpmaddwd` (_Kernel.dpbusd / dpwssd): the same integers, so the same bits.
+On AVX2 (no VNNI) the k-quants' and Q4_0's passes are kernels/blocks_avx2's (a panel's 8-row halves, products
+added in i16 by `vpmaddubsw` + `vpaddw`, one `vpmaddwd` per sub-block); the other kernels here run with each 16-lane
+vector split in two 256-bit halves by LLVM and the dot instructions built from `vpmaddubsw` and `vpmaddwd`
+(_Kernel.dpbusd / dpwssd): the same integers everywhere, so the same bits.
 """
 from __future__ import annotations
 
