@@ -17,8 +17,10 @@ lane, no horizontal sum); a sub-block's sums times the rows' scales (`vpmulld`),
 kblock_q4_k / kblock_q5_k / kblock_q6_k, so each output equals the matvec's bit for bit, whatever T or the threads.
 The output head's int16 activations (a kind id + ACTS16, kernels/blocks_wide) take blocks_wide's row dots, and
 from WIDE_TILE_MIN_ROWS rows Q8_0 / Q4_0 tiles whose lanes hold two i16 values of a row (`vpdpwssd`).
-On AVX2 (no VNNI) the same IR runs with each 16-lane vector split in two 256-bit halves by LLVM and the two dot
-instructions built from `vpmaddubsw` and `vpmaddwd` (_Kernel.dpbusd / dpwssd): the same integers, so the same bits.
+On AVX2 (no VNNI) the k-quants' and Q4_0's passes are kernels/blocks_avx2's (a panel's 8-row halves, products
+added in i16 by `vpmaddubsw` + `vpaddw`, one `vpmaddwd` per sub-block); the other kernels here run with each 16-lane
+vector split in two 256-bit halves by LLVM and the dot instructions built from `vpmaddubsw` and `vpmaddwd`
+(_Kernel.dpbusd / dpwssd): the same integers everywhere, so the same bits.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import blocks_avx2 as A2
 from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _put2, _rows, round_rows
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
 from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k
@@ -370,8 +373,10 @@ def _store(res, out, t0, nc, r0, alpha, accumulate):
 
 @njit(cache=True, inline="always")
 def _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res):
-    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q4_K (Q5_K: five) panel
-    if nc == KC:
+    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q4_K (Q5_K: five) panel; on AVX2 blocks_avx2's kernels
+    if not HAVE_VNNI512:
+        A2.pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+    elif nc == KC:
         if five:
             _q5k_8(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
         else:
@@ -400,8 +405,10 @@ def _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res):
 
 @njit(cache=True, inline="always")
 def _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res):
-    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q6_K panel
-    if nc == KC:
+    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q6_K panel; on AVX2 blocks_avx2's kernels
+    if not HAVE_VNNI512:
+        A2.pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+    elif nc == KC:
         _q6k_8(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
     elif nc == 4:
         _q6k_4(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
@@ -415,7 +422,9 @@ def _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res):
 
 @njit(cache=True, inline="always")
 def _pass_width(T, t0):
-    # the rows of the next pass from t0: KC while KC remain, then 4, then the last 1-3 in one pass
+    # the rows of the next pass from t0: KC while KC remain, then 4, then the last 1-3 in one pass (AVX2: blocks_avx2's)
+    if not HAVE_VNNI512:
+        return A2.pass_width(T, t0)
     left = T - t0
     return KC if left >= KC else 4 if left >= 4 else left
 
@@ -466,6 +475,14 @@ def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     DD, res = tmp[nb * nw * R:nb * (nw + 1) * R], tmp[nb * (nw + 1) * R:nb * (nw + 1) * R + C * R]
     for r0 in range(i0, i1 - R + 1, R):
         prep_b32(raw, r0, nb, nibbles, P, DD)
+        if nibbles and not HAVE_VNNI512:          # AVX2: blocks_avx2's Q4_0 kernels
+            t0 = 0
+            while t0 < T:
+                nc = min(A2.KC40, T - t0)
+                A2.pass_q40(nc, P, DD, Xq, Xd, Xs, t0, nb, res)
+                _store(res, out, t0, nc, r0, alpha, accumulate)
+                t0 += nc
+            continue
         for t0 in range(0, T - C32 + 1, C32):
             if nibbles:
                 _q40_2(P, DD, Xq, Xd, Xs, t0, nb, res)
