@@ -566,12 +566,38 @@ def matmul_blocks(raw, kind, X, out, Xq, Xd, Xs, tmp, alpha, accumulate):
     gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, 0, raw.shape[0], alpha, accumulate)
 
 
+# from this many rows of X, matmul_blocks_par rounds them on the threads too (fewer, as a decode token's one row: on the
+# calling thread, no second parallel region); a 128-token prefill's q, k, v and o rows (128 x 1024, k-quants) took
+# 0.18 ms each to round on one thread beside the threads' products
+PAR_ROUND_MIN_ROWS = 16
+
+
 @njit(cache=True, parallel=True)
-def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
-    # matmul_blocks with the rows split over tmps.shape[0] chunks (whole tiles) run by Numba threads
-    round_acts(kind, X, Xq, Xd, Xs)
+def round_acts_par(kind, X, Xq, Xd, Xs, nparts):
+    # round_acts with the rows of X split over nparts Numba threads (each row's rounding is its own: the same bits)
+    T = X.shape[0]
+    for p in prange(nparts):
+        r0, r1 = p * T // nparts, (p + 1) * T // nparts
+        round_acts(kind, X[r0:r1], Xq[r0:r1], Xd[r0:r1], Xs[r0:r1])
+
+
+@njit(cache=True, parallel=True)
+def gemm_rows_par(raw, kind, X, Xq, Xd, Xs, out, tmps, alpha, accumulate):
+    # gemm_rows of X's rows (rounded) with the weight rows split over tmps.shape[0] chunks (whole tiles) run by Numba
+    # threads
     tiles = (raw.shape[0] + R - 1) // R
     nt = tmps.shape[0]
     for c in prange(nt):
         gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmps[c], min(raw.shape[0], c * tiles // nt * R),
                   min(raw.shape[0], (c + 1) * tiles // nt * R), alpha, accumulate)
+
+
+@njit(cache=True)
+def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
+    # matmul_blocks on tmps.shape[0] Numba threads: the rows of X rounded (on the threads from PAR_ROUND_MIN_ROWS),
+    # then the weight rows split over the threads (gemm_rows_par)
+    if X.shape[0] >= PAR_ROUND_MIN_ROWS:
+        round_acts_par(kind, X, Xq, Xd, Xs, tmps.shape[0])
+    else:
+        round_acts(kind, X, Xq, Xd, Xs)
+    gemm_rows_par(raw, kind, X, Xq, Xd, Xs, out, tmps, alpha, accumulate)
