@@ -84,18 +84,22 @@ def test_version_3_only_with_block_kinds_and_refused_under_version_2(tmp_path):
 
 @pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS], ids=lambda k: k.name)
 def test_threads_give_the_one_thread_bits(kind):
+    # 5 rows rounded on the calling thread, 21 on the threads too (KG.PAR_ROUND_MIN_ROWS)
     rng = np.random.default_rng(3)
-    d, n, T = 96, 512, 5
+    d, n = 96, 512
     raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=9)
-    X = rng.standard_normal((T, n)).astype(np.float32)
+    for T in (5, 21):
+        X = rng.standard_normal((T, n)).astype(np.float32) * rng.uniform(0.1, 3.0, (T, 1)).astype(np.float32)
 
-    def scratch():
-        return (np.zeros((T, n), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32))
-    one = np.zeros((T, d), np.float32)
-    KG.matmul_blocks(raw, int(kind), X, one, *scratch(), np.zeros(KG.scratch_words(n), np.float32), np.float32(1.0), False)
-    par = np.zeros((T, d), np.float32)
-    KG.matmul_blocks_par(raw, int(kind), X, par, *scratch(), np.zeros((2, KG.scratch_words(n)), np.float32), np.float32(1.0), False)
-    assert np.array_equal(one, par)
+        def scratch():
+            return (np.zeros((T, n), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32))
+        one = np.zeros((T, d), np.float32)
+        KG.matmul_blocks(raw, int(kind), X, one, *scratch(), np.zeros(KG.scratch_words(n), np.float32), np.float32(1.0),
+                         False)
+        par = np.zeros((T, d), np.float32)
+        KG.matmul_blocks_par(raw, int(kind), X, par, *scratch(), np.zeros((2, KG.scratch_words(n)), np.float32),
+                             np.float32(1.0), False)
+        assert np.array_equal(one.view(np.uint32), par.view(np.uint32)), T
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda k: k.name)

@@ -175,19 +175,10 @@ class _Kernel:
         p = self.b.bitcast(self.b.gep(self.xq[t], [at]), _i32.as_pointer())
         return self.splat(self.b.load(p, align=1))
 
-    def xs_pair(self, t, at):
-        """Sums at[0] + at[1] | (at[2] + at[3]) << 16 (two i16 pairs of 16-sums) of activation row t, broadcast."""
-        b = self.b
-        s = [b.load(b.gep(self.xs[t], [b.add(at, ir.Constant(_idx, k))])) for k in range(4)]
-        lo = b.and_(b.add(s[0], s[1]), ir.Constant(_i32, 0xFFFF))
-        return self.splat(b.or_(lo, b.shl(b.add(s[2], s[3]), ir.Constant(_i32, 16))))
-
-    def xs_pair1(self, t, at):
-        """16-sums at | at+1 << 16 of activation row t (an i16 pair), broadcast."""
-        b = self.b
-        s0 = b.load(b.gep(self.xs[t], [at]))
-        s1 = b.load(b.gep(self.xs[t], [b.add(at, ir.Constant(_idx, 1))]))
-        return self.splat(b.or_(b.and_(s0, ir.Constant(_i32, 0xFFFF)), b.shl(s1, ir.Constant(_i32, 16))))
+    def xs1(self, t, at):
+        """Word `at` (i64) of activation row t's xs argument, broadcast: the tiles pass the k-quants' i16 pairs of
+        activation sums there (xs_pairs)."""
+        return self.splat(self.b.load(self.b.gep(self.xs[t], [at])))
 
     def c(self, v):
         return ir.Constant(_idx, v)
@@ -234,7 +225,7 @@ def _mk_q45_k(nc, five):
                 for q in range(4):
                     m = k.vec(mn, b.mul(b.add(b.mul(blk, k.c(4)), k.c(q)), k.c(R)))
                     for t in range(nc):
-                        msum[t] = k.dpwssd(msum[t], m, k.xs_pair(t, b.add(b.mul(blk, k.c(16)), k.c(4 * q))))
+                        msum[t] = k.dpwssd(msum[t], m, k.xs1(t, b.add(b.mul(blk, k.c(4)), k.c(q))))
                 d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
                 dmin = k.vec(dm, b.mul(blk, k.c(R)), k.f16)
                 for t in range(nc):
@@ -284,7 +275,7 @@ def _mk_q6_k(nc):
                 for q in range(8):
                     s = k.vec(sp, b.mul(b.add(b.mul(blk, k.c(8)), k.c(q)), k.c(R)))
                     for t in range(nc):
-                        off[t] = k.dpwssd(off[t], s, k.xs_pair1(t, b.add(b.mul(blk, k.c(16)), k.c(2 * q))))
+                        off[t] = k.dpwssd(off[t], s, k.xs1(t, b.add(b.mul(blk, k.c(8)), k.c(q))))
                 d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
                 for t in range(nc):
                     xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
@@ -420,6 +411,25 @@ def _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res):
         _q6k_1(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
 
 
+@njit(cache=True)
+def xs_pairs(Xs, group):
+    # the k-quant micro-kernels' i16 pairs of activation sums, packed once per call rather than in every pass of every
+    # tile (4 loads, adds, shifts and a broadcast from a general register per pair, beside the passes' vector work: one
+    # thread, 2048x1024 Q4_K at 128 rows 155 -> 165 G MAC/s, at 32 rows 138 -> 150): group 2, Q4_K / Q5_K's 32-sums of sub-blocks 2p, 2p+1 (Xs[t, 4p] + Xs[t, 4p+1] | Xs[t, 4p+2] + Xs[t, 4p+3]
+    # << 16, against the mins' pairs), or 1, Q6_K's 16-sums (Xs[t, 2p] | Xs[t, 2p+1] << 16, against its scales' pairs)
+    T, m = Xs.shape
+    w = m // (2 * group)
+    XP = np.empty((T, w), np.int32)
+    for t in range(T):
+        for p in range(w):
+            if group == 2:
+                lo, hi = Xs[t, 4 * p] + Xs[t, 4 * p + 1], Xs[t, 4 * p + 2] + Xs[t, 4 * p + 3]
+            else:
+                lo, hi = Xs[t, 2 * p], Xs[t, 2 * p + 1]
+            XP[t, p] = np.int32((lo & 0xFFFF) | (hi << 16))
+    return XP
+
+
 @njit(cache=True, inline="always")
 def _pass_width(T, t0):
     # the rows of the next pass from t0: KC while KC remain, then 4, then the last 1-3 in one pass (AVX2: blocks_avx2's)
@@ -437,12 +447,13 @@ def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     w = tmp.view(np.int32)
     P, SC, MN = w[:nb * 1024], w[nb * 1024:nb * 1152], w[nb * 1152:nb * 1216]
     DD, DM, res = tmp[nb * 1216:nb * 1232], tmp[nb * 1232:nb * 1248], tmp[nb * 1248:nb * 1248 + KC * R]
+    XP = xs_pairs(Xs, 2)
     for r0 in range(i0, i1 - R + 1, R):
         prep_q45_k(raw, r0, nb, five, P, SC, MN, DD, DM)
         t0 = 0
         while t0 < T:
             nc = _pass_width(T, t0)
-            _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
             _store(res, out, t0, nc, r0, alpha, accumulate)
             t0 += nc
 
@@ -455,12 +466,13 @@ def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     w = tmp.view(np.int32)
     P, SC, SP = w[:nb * 1024], w[nb * 1024:nb * 1280], w[nb * 1280:nb * 1408]
     DD, res = tmp[nb * 1408:nb * 1424], tmp[nb * 1424:nb * 1424 + KC * R]
+    XP = xs_pairs(Xs, 1)
     for r0 in range(i0, i1 - R + 1, R):
         prep_q6_k(raw, r0, nb, P, SC, SP, DD)
         t0 = 0
         while t0 < T:
             nc = _pass_width(T, t0)
-            _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+            _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, XP, t0, nb, res)
             _store(res, out, t0, nc, r0, alpha, accumulate)
             t0 += nc
 
@@ -571,12 +583,38 @@ def matmul_blocks(raw, kind, X, out, Xq, Xd, Xs, tmp, alpha, accumulate):
     gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, 0, raw.shape[0], alpha, accumulate)
 
 
+# from this many rows of X, matmul_blocks_par rounds them on the threads too (fewer, as a decode token's one row: on the
+# calling thread, no second parallel region); a 128-token prefill's q, k, v and o rows (128 x 1024, k-quants) took
+# 0.18 ms each to round on one thread beside the threads' products
+PAR_ROUND_MIN_ROWS = 16
+
+
 @njit(cache=True, parallel=True)
-def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
-    # matmul_blocks with the rows split over tmps.shape[0] chunks (whole tiles) run by Numba threads
-    round_acts(kind, X, Xq, Xd, Xs)
+def round_acts_par(kind, X, Xq, Xd, Xs, nparts):
+    # round_acts with the rows of X split over nparts Numba threads (each row's rounding is its own: the same bits)
+    T = X.shape[0]
+    for p in prange(nparts):
+        r0, r1 = p * T // nparts, (p + 1) * T // nparts
+        round_acts(kind, X[r0:r1], Xq[r0:r1], Xd[r0:r1], Xs[r0:r1])
+
+
+@njit(cache=True, parallel=True)
+def gemm_rows_par(raw, kind, X, Xq, Xd, Xs, out, tmps, alpha, accumulate):
+    # gemm_rows of X's rows (rounded) with the weight rows split over tmps.shape[0] chunks (whole tiles) run by Numba
+    # threads
     tiles = (raw.shape[0] + R - 1) // R
     nt = tmps.shape[0]
     for c in prange(nt):
         gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmps[c], min(raw.shape[0], c * tiles // nt * R),
                   min(raw.shape[0], (c + 1) * tiles // nt * R), alpha, accumulate)
+
+
+@njit(cache=True)
+def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
+    # matmul_blocks on tmps.shape[0] Numba threads: the rows of X rounded (on the threads from PAR_ROUND_MIN_ROWS),
+    # then the weight rows split over the threads (gemm_rows_par)
+    if X.shape[0] >= PAR_ROUND_MIN_ROWS:
+        round_acts_par(kind, X, Xq, Xd, Xs, tmps.shape[0])
+    else:
+        round_acts(kind, X, Xq, Xd, Xs)
+    gemm_rows_par(raw, kind, X, Xq, Xd, Xs, out, tmps, alpha, accumulate)
