@@ -363,52 +363,53 @@ def _store(res, out, t0, nc, r0, alpha, accumulate):
 
 
 @njit(cache=True, inline="always")
-def _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res):
-    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q4_K (Q5_K: five) panel; on AVX2 blocks_avx2's kernels
+def _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, XP, t0, nb, res):
+    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q4_K (Q5_K: five) panel: the 16-lane kernels take the
+    # activation sums' packed pairs XP (xs_pairs), AVX2's (blocks_avx2) the sums Xs themselves
     if not HAVE_VNNI512:
         A2.pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
     elif nc == KC:
         if five:
-            _q5k_8(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _q5k_8(P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
         else:
-            _q4k_8(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _q4k_8(P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
     elif nc == 4:
         if five:
-            _q5k_4(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _q5k_4(P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
         else:
-            _q4k_4(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _q4k_4(P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
     elif nc == 3:
         if five:
-            _q5k_3(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _q5k_3(P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
         else:
-            _q4k_3(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _q4k_3(P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
     elif nc == 2:
         if five:
-            _q5k_2(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _q5k_2(P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
         else:
-            _q4k_2(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _q4k_2(P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
     else:
         if five:
-            _q5k_1(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _q5k_1(P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
         else:
-            _q4k_1(P, SC, MN, DD, DM, Xq, Xd, Xs, t0, nb, res)
+            _q4k_1(P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
 
 
 @njit(cache=True, inline="always")
-def _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res):
-    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q6_K panel; on AVX2 blocks_avx2's kernels
+def _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, XP, t0, nb, res):
+    # activation rows t0..t0+nc (nc in 1..4, KC) through a Q6_K panel (XP and Xs as in _pass_q45_k)
     if not HAVE_VNNI512:
         A2.pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
     elif nc == KC:
-        _q6k_8(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+        _q6k_8(P, SC, SP, DD, Xq, Xd, XP, t0, nb, res)
     elif nc == 4:
-        _q6k_4(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+        _q6k_4(P, SC, SP, DD, Xq, Xd, XP, t0, nb, res)
     elif nc == 3:
-        _q6k_3(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+        _q6k_3(P, SC, SP, DD, Xq, Xd, XP, t0, nb, res)
     elif nc == 2:
-        _q6k_2(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+        _q6k_2(P, SC, SP, DD, Xq, Xd, XP, t0, nb, res)
     else:
-        _q6k_1(P, SC, SP, DD, Xq, Xd, Xs, t0, nb, res)
+        _q6k_1(P, SC, SP, DD, Xq, Xd, XP, t0, nb, res)
 
 
 @njit(cache=True)
@@ -453,7 +454,7 @@ def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         t0 = 0
         while t0 < T:
             nc = _pass_width(T, t0)
-            _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, XP, t0, nb, res)
+            _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, XP, t0, nb, res)
             _store(res, out, t0, nc, r0, alpha, accumulate)
             t0 += nc
 
@@ -472,7 +473,7 @@ def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         t0 = 0
         while t0 < T:
             nc = _pass_width(T, t0)
-            _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, XP, t0, nb, res)
+            _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, XP, t0, nb, res)
             _store(res, out, t0, nc, r0, alpha, accumulate)
             t0 += nc
 
