@@ -134,7 +134,6 @@ def _mixed(name, a):
     return quantized(a, kind, seed=zlib.crc32(name.encode())), kind
 
 
-@pytest.mark.slow      # a model of eight block kinds converted and run: over 2 minutes of cold compile on 2 cores
 def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path, monkeypatch):
     c = {**H.SMALL_CONFIGS["mixtral"], "hidden_size": 256}
     H.build_hf_model("mixtral", tmp_path / "hf", hidden_size=256)
