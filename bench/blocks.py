@@ -10,6 +10,12 @@ repacking on; where its repacking crashes, as in prefill on a Zen 4 VM, or dies 
 libggml-cpu on the 2-vCPU Xeon VM that lists AMX, without it: "repack" in the JSON), at each thread count, one subprocess after the other (bench/decode.py's workers). Run it under
 `flock /tmp/bench.lock`; on a shared machine compare the ratios of one run, not absolute figures.
 
+The physical bound: the read bandwidth at each thread count is measured before and after each GGUF's runs
+(bench/decode.py's Numba reads over a 1 GiB array and over the GGUF's own populated mapping; the limit is the
+fastest read, the mean of before and after), and each decode figure is printed as a fraction of it:
+"% bw" = decode tok/s x weight bytes read a token (the experts routed to, 2 of 8, plus every dense tensor
+and one embedding row) / limit.
+
 `--avx2` forces the AVX2 paths on an AVX-512 machine: colibri's workers compile for an AVX2-only CPU
 (NUMBA_CPU_NAME=haswell, NUMBA_CPU_FEATURES = this host's without AVX-512/AMX/AVX-VNNI; kernels/cpu.py
 follows them) and llama-bench is the AVX2 build (`AVX2=1 bench/build_anchors.sh`: LLAMA_BIN's sibling
@@ -42,6 +48,12 @@ def converted(data, name, how):
     return src, out
 
 
+def read_limit(path, threads):
+    """The fastest of bench/decode.py's Numba reads (array and the file's mapping, 1 and 4 streams), GB/s."""
+    r = D.run_worker("membw", path, threads, 5)
+    return max(r.get(k, 0.0) for k in D.READS)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=os.environ.get("COLIBRI_BENCH_DATA", os.path.expanduser("~/.cache/colibri-speed")))
@@ -67,7 +79,10 @@ def main():
                "q8_bytes": q8.stat().st_size}
         row["blocks_size_ratio"] = row["blocks_bytes"] / row["gguf_bytes"]
         row["q8_size_ratio"] = row["q8_bytes"] / row["gguf_bytes"]
+        row["bytes_per_token"] = {"blocks": D.colibri_bytes_per_token(blocks), "q8": D.colibri_bytes_per_token(q8),
+                                  "llama": D.gguf_bytes_per_token(src)}
         for th in a.threads:
+            bw0 = read_limit(src, th)
             r = {"blocks": D.run_worker("colibri", blocks, th, a.reps), "q8": D.run_worker("colibri", q8, th, a.reps)}
             try:
                 r["llama"] = {**llama_bench.run(src, th, a.reps, D.PROMPT_LEN, D.NEW_TOKENS), "repack": True}
@@ -79,7 +94,14 @@ def main():
                     r["llama"] = {"error": str(e)[-500:]}
             row[f"t{th}"] = {k: {m: v.get(m) for m in ("decode_tok_s", "prefill_tok_s", "repack", "error")}
                              for k, v in r.items()}
+            bw = (bw0 + read_limit(src, th)) / 2
+            row[f"t{th}"]["read_GBps"] = bw
             dec = {k: v.get("decode_tok_s") for k, v in r.items()}
+            for k, v in dec.items():
+                if v:
+                    row[f"t{th}"][k]["bw_fraction"] = v * row["bytes_per_token"][k] / (bw * 1e9)
+            print(f"{name} {th} thread(s): read {bw:.1f} GB/s; decode at " + ", ".join(
+                f"{k} {row[f't{th}'][k]['bw_fraction']:.0%}" for k in dec if dec[k]) + " of it", flush=True)
             pf = {k: v.get("prefill_tok_s") for k, v in r.items()}
             print(f"{name} {th} thread(s): decode tok/s blocks {dec['blocks']} / q8 {dec['q8']} / llama-bench "
                   f"{dec['llama']}; prefill blocks {pf['blocks']} / q8 {pf['q8']} / llama-bench {pf['llama']}", flush=True)
