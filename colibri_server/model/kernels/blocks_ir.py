@@ -254,6 +254,21 @@ def _scaled_dot(builder, q, x, s16):
                        builder.shuffle_vector(s, s, ir.Constant(vd, list(range(8, 16)))))
 
 
+def _join(builder, lo, hi):
+    """Two <32 x i8> as one <64 x i8>: lo's bytes, then hi's."""
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 64), list(range(64))))
+
+
+def _scaled_dot64(builder, q, x, s32):
+    """_scaled_dot on 512-bit registers (AVX-512 BW): <64 x i8> values 0..63 . <64 x i8> activations, the
+    products of bytes 2k, 2k+1 summed in i16 lane k and times s32's lane k (<32 x i16>) -> <16 x i32>, exact."""
+    vw, vd = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_i32, 16)
+    mub = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vw, [ir.VectorType(_i8, 64)] * 2),
+                                         "llvm.x86.avx512.pmaddubs.w.512")
+    mwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vd, [vw, vw]), "llvm.x86.avx512.pmaddw.d.512")
+    return builder.call(mwd, [builder.call(mub, [q, x]), s32])
+
+
 def _s16(builder, sa, sb):
     """<16 x i16>: lanes 0-7 the i16 sa, 8-15 sb."""
     vw = ir.VectorType(ir.IntType(16), 16)
@@ -273,25 +288,26 @@ def k_update(builder, acc, isum, d, xd, msum=None, dmin=None):
 
 def _k_scales_mins(builder, rp, o):
     """Q4_K / Q5_K: the 8 6-bit sub-block scales and the 8 mins of the block at byte o of rp (its 12 packed
-    bytes at o + 4), as two <8 x i8>."""
-    idx = ir.IntType(64)
+    bytes L at o + 4), as two <8 x i8>, unpacked in one vector: scale j < 4 is L[j] & 63, j >= 4 is
+    (L[j + 4] & 15) | (L[j - 4] >> 6) << 4; min j < 4 is L[j + 4] & 63, j >= 4 is L[j + 4] >> 4 | (L[j] >> 6) << 4."""
+    v16 = ir.VectorType(_i8, 16)
+    m16 = ir.VectorType(_i32, 16)
 
-    def c32(v):
-        return ir.Constant(_i32, v)
-    u = [builder.load(builder.bitcast(builder.gep(rp, [builder.add(o, ir.Constant(idx, 4 + 4 * k))]),
-                                      _i32.as_pointer()), align=1) for k in range(3)]
-    k1, k2, k3 = c32(0x3F3F3F3F), c32(0x0F0F0F0F), c32(0x03030303)
-    u3 = builder.or_(builder.and_(builder.lshr(u[2], c32(4)), k2),
-                     builder.shl(builder.and_(builder.lshr(u[1], c32(6)), k3), c32(4)))
-    m0 = builder.and_(u[1], k1)
-    s1 = builder.or_(builder.and_(u[2], k2), builder.shl(builder.and_(builder.lshr(u[0], c32(6)), k3), c32(4)))
-    s0 = builder.and_(u[0], k1)
-    v2 = ir.VectorType(_i32, 2)
+    def sh(v, mask):
+        return builder.shuffle_vector(v, v, ir.Constant(m16, mask))
 
-    def bytes8(lo, hi):
-        p = builder.insert_element(builder.insert_element(ir.Constant(v2, None), lo, c32(0)), hi, c32(1))
-        return builder.bitcast(p, ir.VectorType(_i8, 8))
-    return bytes8(s0, s1), bytes8(m0, u3)
+    def c(vals):
+        return ir.Constant(v16, vals)
+    L = _vload(builder, rp, builder.add(o, ir.Constant(ir.IntType(64), 4)), v16)     # bytes 12..15: qs's, unused
+    low = sh(L, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])       # lanes 0-7 the scales', 8-15 the mins'
+    lo = builder.or_(builder.and_(low, c([63] * 4 + [15] * 4 + [63] * 4 + [0] * 4)),
+                     builder.and_(builder.lshr(low, c([4] * 16)), c([0] * 12 + [15] * 4)))
+    top = sh(L, [0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7])           # their two high bits, lanes 4-7, 12-15
+    hi = builder.and_(builder.shl(builder.lshr(top, c([6] * 16)), c([4] * 16)), c(([0] * 4 + [48] * 4) * 2))
+    r = builder.or_(lo, hi)
+    v8 = ir.VectorType(_i32, 8)
+    return (builder.shuffle_vector(r, r, ir.Constant(v8, list(range(8)))),
+            builder.shuffle_vector(r, r, ir.Constant(v8, list(range(8, 16)))))
 
 
 def _kblock_q45_k(five):
@@ -303,43 +319,67 @@ def _kblock_q45_k(five):
 
 def _q45_codegen(context, builder, signature, args, five):
     a = signature.args
-    idx = ir.IntType(64)
     rp = _arr_ptr(context, builder, a[0], args[0], _i8)
     xp = _arr_ptr(context, builder, a[2], args[2], _i8)
     dp = _arr_ptr(context, builder, a[3], args[3], _f32)
     sp = _arr_ptr(context, builder, a[4], args[4], _i32)
     o, b = args[1], args[5]
+    ivec, mprod = q45_ints(builder, rp, o, xp, sp, b, five)
+    return k_update(builder, args[6], _reduce(builder, ivec, ivec.type.count), _f16_at(builder, rp, o),
+                    builder.load(builder.gep(dp, [b])), _reduce(builder, mprod, 8),
+                    _f16_at(builder, rp, builder.add(o, ir.Constant(ir.IntType(64), 2))))
+
+
+def q45_ints(builder, rp, o, xp, sp, b, five, ahead=True):
+    """Q4_K / Q5_K's block at byte o of rp . the activations' block b: (ivec, mprod), two vectors whose lanes sum
+    to the block's exact integers I = sum_j sc_j * (q_j . x_j) and M = sum_j m_j * (x_j's 32-sum) (<16 x i32>
+    with AVX-512, two sub-blocks an instruction, else <8 x i32>; mprod <8 x i32>). The sums are left to the
+    caller: one row's dot reduces them, kernels/blocks_rows8 folds 8 rows' into one vector. ahead: prefetch the
+    bytes BLOCK_AHEAD beyond the block (False: the caller prefetches)."""
+    idx = ir.IntType(64)
     vt = ir.VectorType(_i8, 32)
     i16 = ir.IntType(16)
 
     def c32(v):
         return ir.Constant(_i32, v)
     sc8, mn8 = _k_scales_mins(builder, rp, o)
-    for line in range(0, 176 if five else 144, 64):
+    for line in range(0, (176 if five else 144) if ahead else 0, 64):
         prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
     x0 = builder.mul(b, ir.Constant(idx, 256))
-    ivec = ir.Constant(ir.VectorType(_i32, 8), None)
     qs = 48 if five else 16
     if five:
         qh = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, 16))]), 32)
-    for c in range(4):
-        bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 32 * c))]), 32)
-        for half in range(2):
-            q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
-            j = 2 * c + half
-            if five:            # Q5_K: bit j of qh[k] is the fifth bit of sub-block j's value k
-                hb = builder.and_(builder.lshr(qh, ir.Constant(vt, [j] * 32)), ir.Constant(vt, [1] * 32))
-                q = builder.or_(q, builder.shl(hb, ir.Constant(vt, [4] * 32)))
-            xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 32 * j))]), 32)
-            s = builder.zext(builder.extract_element(sc8, c32(j)), i16)
-            ivec = builder.add(ivec, _scaled_dot(builder, q, xv, _s16(builder, s, s)))
+    if HAVE_VNNI512:            # two sub-blocks an instruction: 32 bytes of qs hold sub-blocks 2c (low) and 2c+1 (high)
+        sc16 = builder.zext(sc8, ir.VectorType(i16, 8))
+        ivec = ir.Constant(ir.VectorType(_i32, 16), None)
+        for c in range(4):
+            bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 32 * c))]), 32)
+            lo, hi = builder.and_(bb, ir.Constant(vt, [15] * 32)), builder.lshr(bb, ir.Constant(vt, [4] * 32))
+            if five:
+                one, four = ir.Constant(vt, [1] * 32), ir.Constant(vt, [4] * 32)
+                lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), one), four))
+                hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c + 1] * 32)), one),
+                                                 four))
+            xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 64 * c))]), 64)
+            s = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(_i32, 32), [2 * c] * 16 + [2 * c + 1] * 16))
+            ivec = builder.add(ivec, _scaled_dot64(builder, _join(builder, lo, hi), xv, s))
+    else:
+        ivec = ir.Constant(ir.VectorType(_i32, 8), None)
+        for c in range(4):
+            bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 32 * c))]), 32)
+            for half in range(2):
+                q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
+                j = 2 * c + half
+                if five:            # Q5_K: bit j of qh[k] is the fifth bit of sub-block j's value k
+                    hb = builder.and_(builder.lshr(qh, ir.Constant(vt, [j] * 32)), ir.Constant(vt, [1] * 32))
+                    q = builder.or_(q, builder.shl(hb, ir.Constant(vt, [4] * 32)))
+                xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 32 * j))]), 32)
+                s = builder.zext(builder.extract_element(sc8, c32(j)), i16)
+                ivec = builder.add(ivec, _scaled_dot(builder, q, xv, _s16(builder, s, s)))
     xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
     ev = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(0, 16, 2))))
     od = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(1, 16, 2))))
-    msum = _reduce(builder, builder.mul(builder.zext(mn8, ir.VectorType(_i32, 8)), builder.add(ev, od)), 8)
-    xdb = builder.load(builder.gep(dp, [b]))
-    return k_update(builder, args[6], _reduce(builder, ivec, 8), _f16_at(builder, rp, o), xdb, msum,
-                    _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2))))
+    return ivec, builder.mul(builder.zext(mn8, ir.VectorType(_i32, 8)), builder.add(ev, od))
 
 
 kblock_q4_k = intrinsic(_kblock_q45_k(False))
@@ -360,21 +400,48 @@ def kblock_q6_k(typingctx, r, o, xq, xd, xs, b, acc):
 
     def codegen(context, builder, signature, args):
         a = signature.args
-        idx = ir.IntType(64)
         rp = _arr_ptr(context, builder, a[0], args[0], _i8)
         xp = _arr_ptr(context, builder, a[2], args[2], _i8)
         dp = _arr_ptr(context, builder, a[3], args[3], _f32)
         sp = _arr_ptr(context, builder, a[4], args[4], _i32)
         o, b = args[1], args[5]
-        vt = ir.VectorType(_i8, 32)
-        i16 = ir.IntType(16)
+        isum = _reduce(builder, q6_ints(builder, rp, o, xp, sp, b), 16)
+        return k_update(builder, args[6], isum, _f16_at(builder, rp, builder.add(o, ir.Constant(ir.IntType(64), 208))),
+                        builder.load(builder.gep(dp, [b])))
+    return sig, codegen
 
-        def at(off):
-            return builder.add(o, ir.Constant(idx, off))
-        sc = _vload(builder, rp, at(192), ir.VectorType(_i8, 16))
-        for line in range(0, 210, 64):
-            prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
-        x0 = builder.mul(b, ir.Constant(idx, 256))
+
+def q6_ints(builder, rp, o, xp, sp, b, ahead=True):
+    """Q6_K's block at byte o of rp . the activations' block b: a <16 x i32> whose lanes sum to the block's exact
+    integer I (kblock_q6_k); the sum left to the caller, as q45_ints."""
+    idx = ir.IntType(64)
+    vt = ir.VectorType(_i8, 32)
+    i16 = ir.IntType(16)
+
+    def at(off):
+        return builder.add(o, ir.Constant(idx, off))
+    sc = _vload(builder, rp, at(192), ir.VectorType(_i8, 16))
+    for line in range(0, 210 if ahead else 0, 64):
+        prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
+    x0 = builder.mul(b, ir.Constant(idx, 256))
+    v16 = ir.VectorType(_i32, 16)
+    if HAVE_VNNI512:            # two sub-blocks an instruction: c = 2p, 2p+1
+        v64 = ir.VectorType(_i8, 64)
+        ivec = ir.Constant(v16, None)
+        s16 = builder.sext(sc, ir.VectorType(i16, 16))
+        for h in range(2):
+            ql = _load(builder, builder.gep(rp, [at(64 * h)]), 64)       # sub-block c's low bits: ql[32(c%2):] >> 4(c//2)
+            qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
+            qh2 = _join(builder, qh, builder.lshr(qh, ir.Constant(vt, [2] * 32)))     # c's high bits: qh >> 2c
+            for p in range(2):
+                low = builder.and_(builder.lshr(ql, ir.Constant(v64, [4 * p] * 64)), ir.Constant(v64, [15] * 64))
+                high = builder.and_(builder.lshr(qh2, ir.Constant(v64, [4 * p] * 64)), ir.Constant(v64, [3] * 64))
+                q = builder.or_(low, builder.shl(high, ir.Constant(v64, [4] * 64)))
+                xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 128 * h + 64 * p))]), 64)
+                g = 8 * h + 4 * p
+                s = builder.shuffle_vector(s16, s16, ir.Constant(ir.VectorType(_i32, 32), [k // 8 + g for k in range(32)]))
+                ivec = builder.add(ivec, _scaled_dot64(builder, q, xv, s))
+    else:
         ivec = ir.Constant(ir.VectorType(_i32, 8), None)
         for h in range(2):
             qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
@@ -388,9 +455,7 @@ def kblock_q6_k(typingctx, r, o, xq, xd, xs, b, acc):
                 s16 = _s16(builder, builder.sext(builder.extract_element(sc, ir.Constant(_i32, g)), i16),
                            builder.sext(builder.extract_element(sc, ir.Constant(_i32, g + 1)), i16))
                 ivec = builder.add(ivec, _scaled_dot(builder, q, xv, s16))
-        xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
-        off = _reduce(builder, builder.mul(builder.sext(sc, ir.VectorType(_i32, 16)), xs16), 16)
-        isum = builder.sub(_reduce(builder, ivec, 8), builder.mul(off, ir.Constant(_i32, 32)))
-        xdb = builder.load(builder.gep(dp, [b]))
-        return k_update(builder, args[6], isum, _f16_at(builder, rp, at(208)), xdb)
-    return sig, codegen
+        ivec = builder.shuffle_vector(ivec, ir.Constant(ivec.type, None), ir.Constant(v16, list(range(16))))
+    xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), v16)
+    off = builder.mul(builder.mul(builder.sext(sc, v16), xs16), ir.Constant(v16, [32] * 16))
+    return builder.sub(ivec, off)
