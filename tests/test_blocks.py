@@ -125,6 +125,25 @@ def test_the_small_row_product_gives_each_rows_matvec_bits(kind):
             assert np.array_equal(got.view(np.uint32), out.view(np.uint32)), T
 
 
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda k: k.name)
+def test_a_decode_tokens_eight_row_product_gives_each_rows_dot_bits(kind):
+    # kernels/blocks_rows8: one activation row against 8 weight rows at a time (19 rows from row 2: 2 groups of 8, then
+    # 1 row alone), their integers folded into one vector: each output is the row dot's, bit for bit
+    rng = np.random.default_rng(17)
+    d, n = 21, 1280
+    raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=9)
+    x = rng.standard_normal((1, n)).astype(np.float32) * 2.5
+    xq, xd, xs = np.zeros((1, n), np.int8), np.zeros((1, n // 32), np.float32), np.zeros((1, n // 16), np.int32)
+    KB.round_rows(int(kind), x, xq, xd, xs)
+    tmp = np.zeros(KG.scratch_words(n), np.float32)
+    out = np.full((1, d), 0.5, np.float32)
+    KB._rows(raw, int(kind), x, xq, xd, xs, out, tmp, 2, d, np.float32(0.75), True)
+    want = np.array([np.float32(0.5) + np.float32(0.75) * KB.row_dot(int(kind), raw[i], x[0], xq[0], xd[0], xs[0], tmp)
+                     for i in range(2, d)], np.float32)
+    assert np.array_equal(out[0, 2:].view(np.uint32), want.view(np.uint32))
+    assert (out[0, :2] == 0.5).all()
+
+
 def _mixed(name, a):
     """Every matrix in a block kind (the kinds in turn, by name), where its columns are whole blocks."""
     kinds = [k for k in KINDS if a.shape[-1] % gguf.GGML_QUANT_SIZES[k][0] == 0]

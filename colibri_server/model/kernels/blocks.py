@@ -27,6 +27,7 @@ from numba import njit, prange
 
 from .base import _REDUCE_FM, to_f32
 from .blocks_ir import kblock_q4_k, kblock_q5_k, kblock_q6_k, row_q4_0, row_q8_0
+from .blocks_rows8 import ROWS, rows8_q4_k, rows8_q5_k, rows8_q6_k
 from .moe import _silu_mul_1d
 from .quant_ir import _bits_f32, _round
 
@@ -322,6 +323,12 @@ def _rows_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 @njit(cache=True)
 def _rows_q4_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     v = tmp[:16]
+    if X.shape[0] == 1:         # a decode token: 8 rows at a time (kernels/blocks_rows8), the rest one by one
+        while i0 + ROWS <= i1:
+            rows8_q4_k(raw, i0, Xq[0], Xd[0], Xs[0], X.shape[1] // 256, v)
+            for r in range(ROWS):
+                _put2(out, 0, i0 + r, v[r], alpha, accumulate)
+            i0 += ROWS
     for i in range(i0, i1):
         for t in range(X.shape[0]):
             _put2(out, t, i, _dot_q4_k(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
@@ -330,6 +337,12 @@ def _rows_q4_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 @njit(cache=True)
 def _rows_q5_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     v = tmp[:16]
+    if X.shape[0] == 1:         # a decode token: 8 rows at a time (kernels/blocks_rows8), the rest one by one
+        while i0 + ROWS <= i1:
+            rows8_q5_k(raw, i0, Xq[0], Xd[0], Xs[0], X.shape[1] // 256, v)
+            for r in range(ROWS):
+                _put2(out, 0, i0 + r, v[r], alpha, accumulate)
+            i0 += ROWS
     for i in range(i0, i1):
         for t in range(X.shape[0]):
             _put2(out, t, i, _dot_q5_k(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
@@ -338,6 +351,12 @@ def _rows_q5_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 @njit(cache=True)
 def _rows_q6_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     v = tmp[:16]
+    if X.shape[0] == 1:         # a decode token: 8 rows at a time (kernels/blocks_rows8), the rest one by one
+        while i0 + ROWS <= i1:
+            rows8_q6_k(raw, i0, Xq[0], Xd[0], Xs[0], X.shape[1] // 256, v)
+            for r in range(ROWS):
+                _put2(out, 0, i0 + r, v[r], alpha, accumulate)
+            i0 += ROWS
     for i in range(i0, i1):
         for t in range(X.shape[0]):
             _put2(out, t, i, _dot_q6_k(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
