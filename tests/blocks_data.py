@@ -22,8 +22,9 @@ def quantized(a: np.ndarray, kind, seed: int = 0) -> np.ndarray:
         return gguf.quants.quantize(np.ascontiguousarray(a, np.float32), kind)
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(a.size // B, S), dtype=np.uint8)
-    for off, v in _F16_FIELDS[kind]:
-        blocks[:, off:off + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
+    for off, v in _F16_FIELDS[kind]:            # a scale of its own per block (0.5-1.5 times v), as real rows have
+        d = (v * rng.uniform(0.5, 1.5, len(blocks))).astype(np.float16)
+        blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(*a.shape[:-1], a.shape[-1] // B * S)
 
 

@@ -90,7 +90,8 @@ def test_the_head_keeps_the_f32_order_of_two_near_candidates_that_int8_swaps(kin
 @pytest.mark.parametrize("kind", FAST, ids=lambda k: k.name)
 def test_every_caller_gets_the_same_bits(kind):
     """Rows of a batch (13: the int16 Q8_0 / Q4_0 tiles' count, 3 tiles of 16 weight rows and 5 row dots; 8 rows
-    a k-quant row at once, then 5 one by one), each row alone, and the rows split over threads: the same bits."""
+    a k-quant row at once, then 5 one by one), each row alone (a k-quant's weight rows 8 at a time, blocks_wide's
+    _krows8, then 5 one by one), and the rows split over threads: the same bits."""
     rng = np.random.default_rng(4)
     d, n, T = 53, 768, 13
     raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=5)

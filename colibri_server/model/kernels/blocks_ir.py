@@ -114,6 +114,17 @@ def fold_pairs(builder, ps, n: int):
     return ps[0]
 
 
+def fold_blocks(builder, ps):
+    """Vectors of 8 or 16 i32 lanes, 8 blocks' (or rows') integers in order, one a vector -> <8 x i32>, lane i the
+    sum of ps[i]'s lanes (exact: integers)."""
+    v = fold_pairs(builder, ps, ps[0].type.count)
+    if v.type.count == 8:
+        return v
+    m = ir.VectorType(_i32, 8)       # 16 lanes: ps[i]'s sum is in lanes 2i, 2i + 1
+    return builder.add(builder.shuffle_vector(v, v, ir.Constant(m, list(range(0, 16, 2)))),
+                       builder.shuffle_vector(v, v, ir.Constant(m, list(range(1, 16, 2)))))
+
+
 def _sum8(builder, ps):
     """8 <8 x i32> vectors -> one <8 x i32>, lane i the sum of ps[i]'s lanes (exact: integers)."""
     return fold_pairs(builder, ps, 8)

@@ -16,24 +16,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks_ir import _arr_ptr, _f16_at, _f32, _i8, _i32, fold_pairs, k_update, q6_ints, q45_ints
+from .blocks_ir import _arr_ptr, _f16_at, _f32, _i8, _i32, fold_blocks, k_update, q6_ints, q45_ints
 from .prefetch import prefetch_ahead
 
 ROWS = 8
 AHEAD_ROWS = 8      # prefetched into L2: the block being read, this many rows further on (the next group's)
 _idx = ir.IntType(64)
-
-
-def _fold_rows(builder, ps):
-    """8 rows' integer vectors (<8 x i32> or <16 x i32>) -> <8 x i32>, lane r the sum of ps[r]'s lanes."""
-    n = ps[0].type.count
-    v = fold_pairs(builder, ps, n)
-    if n == ROWS:
-        return v
-    # 16 lanes from 8 vectors: row r's sum is split over lanes 2r, 2r+1
-    m = ir.VectorType(_i32, ROWS)
-    return builder.add(builder.shuffle_vector(v, v, ir.Constant(m, list(range(0, 2 * ROWS, 2)))),
-                       builder.shuffle_vector(v, v, ir.Constant(m, list(range(1, 2 * ROWS, 2)))))
 
 
 def _lanes(builder, vals):
@@ -72,13 +60,13 @@ def _mk(kind):
                     prefetch_ahead(builder, rows, builder.add(o, dist), ahead=line)
                 if dmin:
                     parts = [q45_ints(builder, rp, o, xp, sp, b, kind == 13, ahead=False) for rp in rows]
-                    isum = _fold_rows(builder, [p[0] for p in parts])
-                    msum = _fold_rows(builder, [p[1] for p in parts])
+                    isum = fold_blocks(builder, [p[0] for p in parts])
+                    msum = fold_blocks(builder, [p[1] for p in parts])
                     d = _lanes(builder, [_f16_at(builder, rp, o) for rp in rows])
                     dm = _lanes(builder, [_f16_at(builder, rp, builder.add(o, ir.Constant(_idx, 2))) for rp in rows])
                     builder.store(k_update(builder, builder.load(acc), isum, d, xdv, msum, dm), acc)
                 else:
-                    isum = _fold_rows(builder, [q6_ints(builder, rp, o, xp, sp, b, ahead=False) for rp in rows])
+                    isum = fold_blocks(builder, [q6_ints(builder, rp, o, xp, sp, b, ahead=False) for rp in rows])
                     d = _lanes(builder, [_f16_at(builder, rp, builder.add(o, ir.Constant(_idx, 208))) for rp in rows])
                     builder.store(k_update(builder, builder.load(acc), isum, d, xdv), acc)
             out = _arr_ptr(context, builder, a[6], args[6], _f32)

@@ -40,9 +40,11 @@ from .blocks_ir import (
     _reduce,
     _vload,
     b32_row,
+    fold_blocks,
     fold_pairs,
     k_update,
 )
+from .blocks_rows8 import AHEAD_ROWS
 from .cpu import HAVE_VNNI512
 from .prefetch import prefetch_ahead
 from .quant_ir import _round
@@ -112,15 +114,6 @@ def _x16(builder, xp, at):
     return builder.load(builder.bitcast(builder.gep(xp, [at]), _W32.as_pointer()), align=2)
 
 
-def _sum8w(builder, ps):
-    """8 <16 x i32> vectors -> one <8 x i32>, lane i the sum of ps[i]'s lanes (exact: integers): pairs of vectors
-    folded into one (lanes 0-7 the first's adjacent pairs, 8-15 the second's) three times, then once more."""
-    v8 = ir.VectorType(_i32, 8)
-    s = fold_pairs(builder, ps, 16)
-    return builder.add(builder.shuffle_vector(s, s, ir.Constant(v8, list(range(0, 16, 2)))),
-                       builder.shuffle_vector(s, s, ir.Constant(v8, list(range(1, 16, 2)))))
-
-
 def _sum64(builder, v):
     """The 16 lanes of a <16 x i32> summed in i64 (exact)."""
     v64 = ir.VectorType(_i64, 16)
@@ -179,7 +172,7 @@ def _row32w(nibbles):
                     w = _load(builder, wp, 32)
                 return _dot16(builder, zero, builder.sext(w, _W32), xv), _f16_at(builder, rp, o)
 
-            return b32_row(builder, args[3], dp, block, lambda ps, b0: _sum8w(builder, ps),
+            return b32_row(builder, args[3], dp, block, lambda ps, b0: fold_blocks(builder, ps),
                            lambda p, b: _reduce(builder, p, 16))
         return sig, codegen
     return impl
@@ -196,13 +189,13 @@ row16_q4_0.__doc__ = "row16_q8_0 for a Q4_0 row (18-byte blocks)"
 # block of each of C activation rows: per row the same integers and float steps as alone (C = 1), so a batch's
 # rows get the bits of each row's own product.
 
-def _q45_weights(builder, rp, o, five):
+def _q45_weights(builder, rp, o, five, ahead=True):
     """Q4_K / Q5_K's block at byte o: 8 (<32 x i16> values times their scale, activation offset), mins <8 x i8>,
     d, dmin."""
     idx = ir.IntType(64)
     vt = ir.VectorType(_i8, 32)
     sc8, mn8 = _k_scales_mins(builder, rp, o)
-    for line in range(0, 176 if five else 144, 64):
+    for line in range(0, (176 if five else 144) if ahead else 0, 64):
         prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
     qs = 48 if five else 16
     if five:
@@ -223,7 +216,7 @@ def _q45_weights(builder, rp, o, five):
     return ws, mn8, _f16_at(builder, rp, o), _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2)))
 
 
-def _q6_weights(builder, rp, o):
+def _q6_weights(builder, rp, o, ahead=True):
     """Q6_K's block at byte o: 8 (<32 x i16> (values - 32) times their group's scale, activation offset), d."""
     idx = ir.IntType(64)
     vt = ir.VectorType(_i8, 32)
@@ -231,7 +224,7 @@ def _q6_weights(builder, rp, o):
     def at(off):
         return builder.add(o, ir.Constant(idx, off))
     sc = builder.sext(_vload(builder, rp, at(192), ir.VectorType(_i8, 16)), ir.VectorType(_i16, 16))
-    for line in range(0, 210, 64):
+    for line in range(0, 210 if ahead else 0, 64):
         prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
     ws = []
     for h in range(2):
@@ -309,6 +302,78 @@ def _krow(kind, nc):
     return intrinsic(impl)
 
 
+def _krows8(kind):
+    """intrinsic (raw, i0, Xq, Xd, Xs, t, nb, res): res[r] = weight row i0 + r of raw (d, row bytes) . activation row t
+    (as _krow's), r < 8: a decode token's head, 8 weight rows at a time. Each row's block integers are _krow's (the
+    activations' int16 values loaded once for the 8 rows), the 8 rows' i64 sums and mins' sums folded into vectors
+    and the float step (blocks_ir.k_update) run on the 8 rows as lanes: each lane row r's operations, the same bits."""
+    size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[kind]
+
+    def impl(typingctx, raw, i0, Xq, Xd, Xs, t, nb, res):
+        sig = types.void(raw, i0, Xq, Xd, Xs, t, nb, res)
+
+        def codegen(context, builder, signature, args):
+            a = signature.args
+            idx = ir.IntType(64)
+            rps = _rows_of(context, builder, a[0], args[0], args[1], ROWS8, _i8)
+            xp = _rows_of(context, builder, a[2], args[2], args[5], 1, _i16)[0]
+            dp = _rows_of(context, builder, a[3], args[3], args[5], 1, _f32)[0]
+            sp = _rows_of(context, builder, a[4], args[4], args[5], 1, _i32)[0]
+            vf, v8 = ir.VectorType(_f32, ROWS8), ir.VectorType(_i32, 8)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+            stride = cgutils.unpack_tuple(builder, context.make_array(a[0])(context, builder, args[0]).strides, 2)[0]
+            dist = builder.mul(stride, ir.Constant(idx, AHEAD_ROWS))
+
+            def lanes(vals):
+                v = ir.Constant(ir.VectorType(vals[0].type, len(vals)), None)
+                for r, x in enumerate(vals):
+                    v = builder.insert_element(v, x, ir.Constant(_i32, r))
+                return v
+            with cgutils.for_range(builder, args[6]) as loop:
+                b = loop.index
+                o = builder.mul(b, ir.Constant(idx, size))
+                x0 = builder.mul(b, ir.Constant(idx, 256))
+                xs = {}
+                ivecs, ds, dms, mps = [], [], [], []
+                for line in range(0, size, 64):          # the same block of the next 8 rows (blocks_rows8)
+                    prefetch_ahead(builder, rps, builder.add(o, dist), ahead=line)
+                for rp in rps:
+                    if kind == Q6_K:
+                        ws, d = _q6_weights(builder, rp, o, ahead=False)
+                    else:
+                        ws, mn8, d, dmin = _q45_weights(builder, rp, o, kind == Q5_K, ahead=False)
+                        dms.append(dmin)
+                        if not xs:
+                            xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
+                            xs["sums"] = builder.add(
+                                builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2)))),
+                                builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2)))))
+                        mps.append(builder.mul(builder.zext(mn8, v8), xs["sums"]))
+                    ds.append(d)
+                    ivec = ir.Constant(_V16, None)
+                    for w, off in ws:
+                        if off not in xs:
+                            xs[off] = _x16(builder, xp, builder.add(x0, ir.Constant(idx, off)))
+                        ivec = _dot16(builder, ivec, w, xs[off])
+                    ivecs.append(ivec)
+                xd = builder.load(builder.gep(dp, [b]))
+                xdv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, None), xd, ir.Constant(_i32, 0)),
+                                             ir.Constant(vf, None), ir.Constant(v8, [0] * ROWS8))
+                isum = lanes(_sums64(builder, ivecs))
+                if kind == Q6_K:
+                    upd = k_update(builder, builder.load(acc), isum, lanes(ds), xdv)
+                else:
+                    upd = k_update(builder, builder.load(acc), isum, lanes(ds), xdv, fold_blocks(builder, mps), lanes(dms))
+                builder.store(upd, acc)
+            out = _arr_ptr(context, builder, a[7], args[7], _f32)
+            builder.store(builder.load(acc), builder.bitcast(out, vf.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+ROWS8 = 8                   # weight rows a decode token's head dots at once (_krows8)
+_q4k_8, _q5k_8, _q6k_8 = _krows8(Q4_K), _krows8(Q5_K), _krows8(Q6_K)
 C16 = 8                     # activation rows a k-quant weight row is dotted with at once
 _q4k_c, _q4k_1 = _krow(Q4_K, C16), _krow(Q4_K, 1)
 _q5k_c, _q5k_1 = _krow(Q5_K, C16), _krow(Q5_K, 1)
@@ -346,6 +411,17 @@ def _rows16_q4_0(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate):
 def _rows16_k(raw, kind, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate):
     # the k-quants: each weight row dotted with C16 activation rows at once, then the rest one by one (the same bits)
     T, nb = X.shape[0], X.shape[1] // 256
+    if T == 1:                  # a decode token: 8 weight rows at a time, the rest one by one
+        while i0 + ROWS8 <= i1:
+            if kind == Q4_K:
+                _q4k_8(raw, i0, Xq, Xd, Xs, 0, nb, res)
+            elif kind == Q5_K:
+                _q5k_8(raw, i0, Xq, Xd, Xs, 0, nb, res)
+            else:
+                _q6k_8(raw, i0, Xq, Xd, Xs, 0, nb, res)
+            for r in range(ROWS8):
+                _put2(out, 0, i0 + r, res[r], alpha, accumulate)
+            i0 += ROWS8
     for i in range(i0, i1):
         for t0 in range(0, T - C16 + 1, C16):
             if kind == Q4_K:
