@@ -40,6 +40,11 @@ from .rope import attention_scale
 __all__ = ["DecodeStep"]
 
 _NONE = np.zeros(0, np.float32)
+# an absent q/k norm: read-only like the present ones (views of the mapped file), so that a stack's type, which
+# keeps its arrays' read-only flag (kernels/stacks), is the same with or without them and the families that
+# differ only there (Mixtral, Qwen3-MoE, OLMoE) share one compiled fused token
+_NO_NORM = np.zeros(0, np.float32)
+_NO_NORM.setflags(write=False)
 _NO_TABLE = np.zeros(0, np.int32)     # the block table argument of a sequence's own cache (unused)
 
 
@@ -53,8 +58,8 @@ def _weight(W):
     return None if a.dtype == np.float32 else a
 
 
-def _opt(a):
-    return _NONE if a is None else a
+def _opt(a, none=_NONE):
+    return none if a is None else a
 
 
 class Stacks:
@@ -140,7 +145,7 @@ class DecodeStep:
         wqkv = [qkv(L) for L in Ls]
         if qk_mode is None or any(W is None for W in wqkv):
             return None
-        wqkv, qnorm, knorm = st(wqkv), st(_opt(L.q_norm) for L in Ls), st(_opt(L.k_norm) for L in Ls)
+        wqkv, qnorm, knorm = st(wqkv), st(_opt(L.q_norm, _NO_NORM) for L in Ls), st(_opt(L.k_norm, _NO_NORM) for L in Ls)
         # Qwen2-MoE's and GPT-OSS's q|k|v biases as one vector
         bqkv = st(_NONE if L.bq is None else np.concatenate([L.bq, L.bk, L.bv]) for L in Ls)
         if any(t is None for t in (wqkv, qnorm, knorm, bqkv)):
