@@ -4,7 +4,7 @@ The row dot (kernels/blocks, blocks_ir.kblock_*) sums a block's integers across 
 scalar accumulator per block: two horizontal sums and a scalar float step for every 256 weights, about half
 of a Q4_K block's instructions, which keeps one thread at a third of the read bandwidth (bench/blocks.py).
 Here the same integers of 8 consecutive weight rows (blocks_ir.q45_ints / q6_ints: the same vector code per
-row) are folded into one <8 x i32> whose lane r is row r's sum (blocks_ir.fold_pairs), and the float step
+row) are folded into one <8 x i32> whose lane r is row r's sum (blocks_ir.fold_blocks), and the float step
 (blocks_ir.k_update) runs once for the 8 rows as vector lanes: lane r does row r's scalar operations on row
 r's values in the same order, so every output has the row dot's bits. The activation's loads and its
 32-sums are shared by the 8 rows.
@@ -24,7 +24,8 @@ AHEAD_ROWS = 8      # prefetched into L2: the block being read, this many rows f
 _idx = ir.IntType(64)
 
 
-def _lanes(builder, vals):
+def lanes(builder, vals):
+    """Scalars of one type as the lanes of a vector, in order."""
     v = ir.Constant(ir.VectorType(vals[0].type, len(vals)), None)
     for r, x in enumerate(vals):
         v = builder.insert_element(v, x, ir.Constant(_i32, r))
@@ -62,12 +63,12 @@ def _mk(kind):
                     parts = [q45_ints(builder, rp, o, xp, sp, b, kind == 13, ahead=False) for rp in rows]
                     isum = fold_blocks(builder, [p[0] for p in parts])
                     msum = fold_blocks(builder, [p[1] for p in parts])
-                    d = _lanes(builder, [_f16_at(builder, rp, o) for rp in rows])
-                    dm = _lanes(builder, [_f16_at(builder, rp, builder.add(o, ir.Constant(_idx, 2))) for rp in rows])
+                    d = lanes(builder, [_f16_at(builder, rp, o) for rp in rows])
+                    dm = lanes(builder, [_f16_at(builder, rp, builder.add(o, ir.Constant(_idx, 2))) for rp in rows])
                     builder.store(k_update(builder, builder.load(acc), isum, d, xdv, msum, dm), acc)
                 else:
                     isum = fold_blocks(builder, [q6_ints(builder, rp, o, xp, sp, b, ahead=False) for rp in rows])
-                    d = _lanes(builder, [_f16_at(builder, rp, builder.add(o, ir.Constant(_idx, 208))) for rp in rows])
+                    d = lanes(builder, [_f16_at(builder, rp, builder.add(o, ir.Constant(_idx, 208))) for rp in rows])
                     builder.store(k_update(builder, builder.load(acc), isum, d, xdv), acc)
             out = _arr_ptr(context, builder, a[6], args[6], _f32)
             builder.store(builder.load(acc), builder.bitcast(out, vf.as_pointer()), align=4)

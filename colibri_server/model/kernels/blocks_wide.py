@@ -44,7 +44,8 @@ from .blocks_ir import (
     fold_pairs,
     k_update,
 )
-from .blocks_rows8 import AHEAD_ROWS
+from .blocks_rows8 import AHEAD_ROWS, lanes
+from .blocks_rows8 import ROWS as ROWS8
 from .cpu import HAVE_VNNI512
 from .prefetch import prefetch_ahead
 from .quant_ir import _round
@@ -323,12 +324,6 @@ def _krows8(kind):
             acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
             stride = cgutils.unpack_tuple(builder, context.make_array(a[0])(context, builder, args[0]).strides, 2)[0]
             dist = builder.mul(stride, ir.Constant(idx, AHEAD_ROWS))
-
-            def lanes(vals):
-                v = ir.Constant(ir.VectorType(vals[0].type, len(vals)), None)
-                for r, x in enumerate(vals):
-                    v = builder.insert_element(v, x, ir.Constant(_i32, r))
-                return v
             with cgutils.for_range(builder, args[6]) as loop:
                 b = loop.index
                 o = builder.mul(b, ir.Constant(idx, size))
@@ -359,11 +354,11 @@ def _krows8(kind):
                 xd = builder.load(builder.gep(dp, [b]))
                 xdv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, None), xd, ir.Constant(_i32, 0)),
                                              ir.Constant(vf, None), ir.Constant(v8, [0] * ROWS8))
-                isum = lanes(_sums64(builder, ivecs))
+                isum = lanes(builder, _sums64(builder, ivecs))
                 if kind == Q6_K:
-                    upd = k_update(builder, builder.load(acc), isum, lanes(ds), xdv)
+                    upd = k_update(builder, builder.load(acc), isum, lanes(builder, ds), xdv)
                 else:
-                    upd = k_update(builder, builder.load(acc), isum, lanes(ds), xdv, fold_blocks(builder, mps), lanes(dms))
+                    upd = k_update(builder, builder.load(acc), isum, lanes(builder, ds), xdv, fold_blocks(builder, mps), lanes(builder, dms))
                 builder.store(upd, acc)
             out = _arr_ptr(context, builder, a[7], args[7], _f32)
             builder.store(builder.load(acc), builder.bitcast(out, vf.as_pointer()), align=4)
@@ -372,7 +367,6 @@ def _krows8(kind):
     return intrinsic(impl)
 
 
-ROWS8 = 8                   # weight rows a decode token's head dots at once (_krows8)
 _q4k_8, _q5k_8, _q6k_8 = _krows8(Q4_K), _krows8(Q5_K), _krows8(Q6_K)
 C16 = 8                     # activation rows a k-quant weight row is dotted with at once
 _q4k_c, _q4k_1 = _krow(Q4_K, C16), _krow(Q4_K, 1)
