@@ -349,6 +349,27 @@ def test_decode_step_on_two_threads_is_the_one_thread_token_bit_for_bit(built, t
     assert trace                                                   # the general path ran
 
 
+def test_families_that_lack_a_weight_share_one_compiled_fused_token(built):
+    """An absent weight (q/k norm, q|k|v bias, LayerNorm or head bias, shared expert's gate, routing rule and
+    correction bias, sinks) is a read-only empty array, as a present one is a read-only view of the mapped file: the
+    fused token's argument types then do not say which family it is, and one compiled decode_token per weight type
+    and thread count serves Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5 and Phi-MoE (a writable placeholder made
+    each its own signature: 10-45 s of compile apiece). The kernel tells them apart by the arrays' sizes and flags
+    at run time; test_decode_step_is_the_general_path_bit_for_bit runs each one."""
+    from colibri_server.model.decode_step import DecodeStep
+    from colibri_server.model.transformer import Workspace
+    for threads in (1, 2):
+        sigs = {}
+        for arch in ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe", "phimoe"):
+            m = Model.open(built(arch).colibri("f16"))
+            ws = Workspace(m.config, 1, threads=threads)
+            cache = m.new_cache(1)
+            step = DecodeStep.build(m.config, m.weights, ws)
+            sigs[arch] = step.signature(m.rope, cache, ws.attention_scores(m.config, cache.capacity))
+        assert len(set(sigs.values())) == 1, {a: [i for i, t in enumerate(s) if t != sigs["mixtral"][i]]
+                                             for a, s in sigs.items()}
+
+
 def test_decode_step_declines_what_it_does_not_compute(built):
     """f32 weights (forward multiplies them with BLAS, the fused kernels do not) keep the general path, whatever the
     family: build() gives None, forward still decodes."""

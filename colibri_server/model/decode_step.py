@@ -39,12 +39,13 @@ from .rope import attention_scale
 
 __all__ = ["DecodeStep"]
 
+# an absent weight (q/k norm, bias, shared gate, routing rule...): read-only like the present ones (views of the
+# mapped file), so that a stack's type, which keeps its arrays' read-only flag (kernels/stacks), is the same with
+# or without it and families that differ only there (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5, Phi-MoE)
+# share one compiled fused token per weight type (tests/test_parity pins it)
 _NONE = np.zeros(0, np.float32)
-# an absent q/k norm: read-only like the present ones (views of the mapped file), so that a stack's type, which
-# keeps its arrays' read-only flag (kernels/stacks), is the same with or without them and the families that
-# differ only there (Mixtral, Qwen3-MoE, OLMoE) share one compiled fused token
-_NO_NORM = np.zeros(0, np.float32)
-_NO_NORM.setflags(write=False)
+_NONE.setflags(write=False)
+_NO_SCORES = np.zeros(0, np.float32)  # the paged token's scores argument, to compile it (written: not read-only)
 _NO_TABLE = np.zeros(0, np.int32)     # the block table argument of a sequence's own cache (unused)
 
 
@@ -56,6 +57,11 @@ def _weight(W):
         return None
     a = kernel_array(W)
     return None if a.dtype == np.float32 else a
+
+
+def _read_only(a):
+    a.setflags(write=False)
+    return a
 
 
 def _opt(a, none=_NONE):
@@ -145,9 +151,9 @@ class DecodeStep:
         wqkv = [qkv(L) for L in Ls]
         if qk_mode is None or any(W is None for W in wqkv):
             return None
-        wqkv, qnorm, knorm = st(wqkv), st(_opt(L.q_norm, _NO_NORM) for L in Ls), st(_opt(L.k_norm, _NO_NORM) for L in Ls)
+        wqkv, qnorm, knorm = st(wqkv), st(_opt(L.q_norm) for L in Ls), st(_opt(L.k_norm) for L in Ls)
         # Qwen2-MoE's and GPT-OSS's q|k|v biases as one vector
-        bqkv = st(_NONE if L.bq is None else np.concatenate([L.bq, L.bk, L.bv]) for L in Ls)
+        bqkv = st(_NONE if L.bq is None else _read_only(np.concatenate([L.bq, L.bk, L.bv])) for L in Ls)
         if any(t is None for t in (wqkv, qnorm, knorm, bqkv)):
             return None
         H, Hkv, hd, qd, kvd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_dim, cfg.kv_dim
@@ -259,13 +265,16 @@ class DecodeStep:
         KD.decode_token(*self._call_args(rope, pool.k, pool.v, table, pos, scores))
         return self.ws.logits
 
+    def signature(self, rope, cache, scores) -> tuple:
+        """The argument types decode_token compiles for on this cache: one compiled token per distinct signature."""
+        return tuple(numba.typeof(a) for a in self._call_args(rope, cache.k, cache.v, _NO_TABLE, cache.length, scores))
+
     def compile(self, rope, cache, scores) -> None:
         """Compile decode_token for these arguments' types without running it (a pre-fork master
         compiles the threaded token this way: nothing is launched)."""
-        KD.decode_token.compile(tuple(numba.typeof(a) for a in self._call_args(
-            rope, cache.k, cache.v, _NO_TABLE, cache.length, scores)))
+        KD.decode_token.compile(self.signature(rope, cache, scores))
 
     def compile_paged(self, rope, pool) -> None:
         """compile() for the paged form (`paged`)."""
         KD.decode_token.compile(tuple(numba.typeof(a) for a in self._call_args(
-            rope, pool.k, pool.v, _NO_TABLE, 0, _NONE)))
+            rope, pool.k, pool.v, _NO_TABLE, 0, _NO_SCORES)))

@@ -21,7 +21,16 @@ from .panels import Panels
 from .quant import QTensor
 
 QUANT_KIND = {"i8": "q8", "u4": "q4"}
-_NO_SINKS = np.zeros(0, np.float32)
+# a tensor a layer lacks: read-only, like the present ones (views of the mapped file), so that a kernel's type
+# for it does not depend on whether the family has it (a writable placeholder compiles another signature)
+_ABSENT = np.zeros(0, np.float32)
+_ABSENT.setflags(write=False)
+_NO_SINKS = _ABSENT
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
 
 
 @dataclass(frozen=True)
@@ -157,8 +166,8 @@ def _rule(rt: fmt.RoutingRecord, bias) -> dict:
     from .kernels.moe import RULE_GROUPS, RULE_RENORM, RULE_SIGMOID
     flags = ((RULE_RENORM if rt.flags & fmt.ROUTE_RENORM else 0) | (RULE_SIGMOID if rt.flags & fmt.ROUTE_SIGMOID else 0)
              | (RULE_GROUPS if rt.flags & fmt.ROUTE_GROUP_LIMITED else 0))
-    return {"rule": np.array([flags, rt.n_group, rt.topk_group, rt.routed_scale], np.float32),
-            "corr_bias": np.zeros(0, np.float32) if bias is None else bias}
+    return {"rule": _read_only(np.array([flags, rt.n_group, rt.topk_group, rt.routed_scale], np.float32)),
+            "corr_bias": _ABSENT if bias is None else bias}
 
 
 def load(cf: fmt.ColibriFile, cfg: ModelConfig) -> Weights:
