@@ -194,13 +194,17 @@ class Workspace:
     def block_acts(self, T: int, n: int, acts16: bool = False):
         """The block kinds' activation scratch for T rows of n columns: (Xq, Xd, Xs, tmps); Xq of 2n bytes a row
         for the int16 rounding (acts16: the output head's, kernels/blocks_wide)."""
-        if self._block_acts is None or self._block_acts[0].shape[0] < T:
+        if self._block_acts is None or self._block_acts[0] < T:
             R, N = max(T, self.rows), self._n_max
-            self._block_acts = (aligned_zeros((R, self._q_bytes), np.int8), aligned_zeros((R, N // KB.QB), np.float32),
-                                aligned_zeros((R, N // KB.SB), np.int32),
-                                aligned_zeros((2 * self.threads, KG.scratch_words(N)), np.float32))
-        q, d, s, tmps = self._block_acts
-        return q[:T, :2 * n if acts16 else n], d[:T, :n // KB.QB], s[:T, :n // KB.SB], tmps[:, :KG.scratch_words(n)]
+            self._block_acts = (R, aligned_zeros(R * self._q_bytes, np.int8), aligned_zeros(R * (N // KB.QB), np.float32),
+                                aligned_zeros(R * (N // KB.SB), np.int32),
+                                aligned_zeros(2 * self.threads * KG.scratch_words(N), np.float32))
+        _, q, d, s, tmps = self._block_acts
+
+        def rows(a, r, c):        # (r, c) C-contiguous at the start of a: whatever n, one array type for the kernels
+            return a[:r * c].reshape(r, c)
+        return (rows(q, T, 2 * n if acts16 else n), rows(d, T, n // KB.QB), rows(s, T, n // KB.SB),
+                rows(tmps, 2 * self.threads, KG.scratch_words(n)))
 
     def mm_blocks(self, X, W, out, alpha: float = 1.0, accumulate: bool = False):
         """out (T,d) (=|+=) alpha * X (T,n) @ W.T for a block-kind W (kernels/blocks): the rows of X rounded
@@ -281,7 +285,7 @@ class Workspace:
 
     def block_tmps(self, n: int):
         """One f32 scratch per thread for the block kinds' products of n columns (blocks_gemm.scratch_words)."""
-        return self.block_acts(1, self._n_max)[3][:self.threads, :KG.scratch_words(n)]
+        return self.block_acts(1, n)[3][:self.threads]
 
     def quant_experts_in_one_call(self, layer) -> bool:
         """Whether moe() runs a step's q8/q4 experts in one call (kernels/experts_q): the three stacks

@@ -581,7 +581,9 @@ def matmul_blocks(raw, kind, X, out, Xq, Xd, Xs, tmp, alpha, accumulate):
     # rounded to int16, blocks_wide); scratch: Xq (T,n) i8 (T,2n for + ACTS16), Xd (T,n/32) f32, Xs (T,n/16) i32,
     # tmp (>= scratch_words(n),) f32
     round_acts(kind, X, Xq, Xd, Xs)
-    gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, 0, raw.shape[0], alpha, accumulate)
+    # np.int64(0): a literal 0 would be a type of its own (Literal[int](0)), a second compile of gemm_rows (~50 s)
+    # beside the int64 one gemm_rows_par and experts_blocks call
+    gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, np.int64(0), raw.shape[0], alpha, accumulate)
 
 
 # from this many rows of X, matmul_blocks_par rounds them on the threads too (fewer, as a decode token's one row: on the

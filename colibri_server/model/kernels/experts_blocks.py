@@ -36,14 +36,14 @@ def _share(d, p, nparts):
 @njit(cache=True, parallel=True)
 def _up(r1, k1, r3, k3, xe, q1, d1, s1, q3, d3, s3, offsets, active, G, U, tmps):
     nparts = tmps.shape[0]
-    one = np.float32(1.0)
+    one, no = np.float32(1.0), np.bool_(False)     # not literals: gemm_rows' one compile with matmul_blocks' types
     for p in prange(nparts):
         i0, i1 = _share(G.shape[1], p, nparts)
         for j in range(active.shape[0]):
             e = active[j]
             lo, hi = offsets[e], offsets[e + 1]
-            gemm_rows(r1[e], k1, xe[lo:hi], q1[lo:hi], d1[lo:hi], s1[lo:hi], G[lo:hi], tmps[p], i0, i1, one, False)
-            gemm_rows(r3[e], k3, xe[lo:hi], q3[lo:hi], d3[lo:hi], s3[lo:hi], U[lo:hi], tmps[p], i0, i1, one, False)
+            gemm_rows(r1[e], k1, xe[lo:hi], q1[lo:hi], d1[lo:hi], s1[lo:hi], G[lo:hi], tmps[p], i0, i1, one, no)
+            gemm_rows(r3[e], k3, xe[lo:hi], q3[lo:hi], d3[lo:hi], s3[lo:hi], U[lo:hi], tmps[p], i0, i1, one, no)
 
 
 @njit(cache=True, parallel=True)
@@ -51,13 +51,13 @@ def _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, order, Y, tmps):
     # each part's columns of Yg (its share of w2's rows), then those columns scattered to Y (row order[r] = Yg[r]): a
     # part owns its columns, so no other part waits for it
     nparts = tmps.shape[0]
-    one = np.float32(1.0)
+    one, no = np.float32(1.0), np.bool_(False)     # not literals: gemm_rows' one compile with matmul_blocks' types
     for p in prange(nparts):
         i0, i1 = _share(Yg.shape[1], p, nparts)
         for j in range(active.shape[0]):
             e = active[j]
             lo, hi = offsets[e], offsets[e + 1]
-            gemm_rows(r2[e], k2, G[lo:hi], gq[lo:hi], gd[lo:hi], gs[lo:hi], Yg[lo:hi], tmps[p], i0, i1, one, False)
+            gemm_rows(r2[e], k2, G[lo:hi], gq[lo:hi], gd[lo:hi], gs[lo:hi], Yg[lo:hi], tmps[p], i0, i1, one, no)
         for r in range(order.shape[0]):
             Y[order[r], i0:i1] = Yg[r, i0:i1]
 
