@@ -154,6 +154,8 @@ def test_quant_experts_rows_are_each_experts_matrix_calls(kind):
     mats = [[quantize(kind, (rng.standard_normal((a, b)) * 0.1).astype(np.float32), 32) for _ in range(E)]
             for a, b in ((I, D), (I, D), (D, I))]
     (q1, s1), (q3, s3), (q2, s2) = ((np.stack([q for q, _ in w]), np.stack([s for _, s in w])) for w in mats)
+    for a in (q1, s1, q3, s3, q2, s2):    # read-only as a model's stacks (its mapped file): the kernel's one signature
+        a.setflags(write=False)
     X = rng.standard_normal((T, D)).astype(np.float32)
     idx = np.array([[0, 1]] * 5 + [[2, 1], [3, 0], [1, 2], [2, 0]], np.int32)      # expert 3: one row, 4: none
     counts, offsets, order = np.zeros(E, np.int64), np.zeros(E + 1, np.int64), np.zeros(T * k, np.int64)
