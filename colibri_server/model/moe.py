@@ -53,8 +53,7 @@ class RoutingNoise:
 def swiglu(x, w1, w3, w2, ws, out):
     # x (T,D) -> out (T,D) = w2 @ (silu(w1 @ x) * (w3 @ x)); w1,w3 (F,D), w2 (D,F)
     T, F = x.shape[0], w1.shape[0]
-    g = ws.ffn_g[:T, :F]                                                       # (T,F)
-    u = ws.ffn_u[:T, :F]                                                       # (T,F)
+    g, u = ws.ffn_rows(T, F)                                                   # (T,F) (T,F)
     ws.mm(x, w1, g)
     ws.mm(x, w3, u)
     K.silu_mul(g, u, g)
@@ -146,7 +145,7 @@ def moe(layer, x, ws, out, noise=None, trace=None):
             c = tok.shape[0]
             xe = ws.gather[:c]                                                 # (c,D)
             np.take(x, tok, axis=0, out=xe)
-            g, u, y = ws.ffn_g[:c, :I], ws.ffn_u[:c, :I], ws.expert_out[:c]   # (c,I) (c,I) (c,D)
+            (g, u), y = ws.ffn_rows(c, I), ws.expert_out[:c]                  # (c,I) (c,I) (c,D)
             ws.mm(xe, layer.w1[e], g)
             ws.mm(xe, layer.w3[e], u)
             if general:

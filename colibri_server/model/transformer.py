@@ -191,6 +191,12 @@ class Workspace:
                                 self.pool())
         return K.matmul(X, W, out, self.tile_for(n), self.mm_tmps[0])
 
+    def ffn_rows(self, T: int, F: int):
+        """(T,F) views of the gate and up scratch (ffn_g, ffn_u), C-contiguous whatever F: a column slice of the
+        widest would be layout A for a narrower MLP, shared or routed expert and C for the widest, two compiled
+        signatures of every kernel they reach."""
+        return (self.ffn_g.reshape(-1)[:T * F].reshape(T, F), self.ffn_u.reshape(-1)[:T * F].reshape(T, F))
+
     def block_acts(self, T: int, n: int, acts16: bool = False):
         """The block kinds' activation scratch for T rows of n columns: (Xq, Xd, Xs, tmps); Xq of 2n bytes a row
         for the int16 rounding (acts16: the output head's, kernels/blocks_wide)."""
