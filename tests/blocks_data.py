@@ -19,16 +19,16 @@ def quantized(a: np.ndarray, kind, seed: int = 0) -> np.ndarray:
     blocks of the same shape where gguf has no quantizer for the kind."""
     B, S = gguf.GGML_QUANT_SIZES[kind]
     if kind not in _F16_FIELDS:
-        return _read_only(gguf.quants.quantize(np.ascontiguousarray(a, np.float32), kind))
+        return read_only(gguf.quants.quantize(np.ascontiguousarray(a, np.float32), kind))
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(a.size // B, S), dtype=np.uint8)
     for off, v in _F16_FIELDS[kind]:            # a scale of its own per block (0.5-1.5 times v), as real rows have
         d = (v * rng.uniform(0.5, 1.5, len(blocks))).astype(np.float16)
         blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
-    return _read_only(blocks.reshape(*a.shape[:-1], a.shape[-1] // B * S))
+    return read_only(blocks.reshape(*a.shape[:-1], a.shape[-1] // B * S))
 
 
-def _read_only(raw: np.ndarray) -> np.ndarray:
+def read_only(raw: np.ndarray) -> np.ndarray:
     """Read-only, as a model's rows are (views of its mapped file): a kernel a test calls on them is then the
     signature the model's calls compile too, one compile for both (a writable array is a type of its own)."""
     raw = np.ascontiguousarray(raw)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hf_models as H
 import numpy as np
 import pytest
-from blocks_data import Q, quantized
+from blocks_data import Q, quantized, read_only
 from test_gguf_import import PROMPT, write_gguf
 
 from colibri_server.model import Model
@@ -81,7 +81,7 @@ def test_the_head_keeps_the_f32_order_of_two_near_candidates_that_int8_swaps(kin
              and int8[order[k + 1]] < int8[order[k]]]
     assert pairs, "no pair of near candidates swapped by the int8 rounding"
     hi, lo = pairs[0]
-    head = np.ascontiguousarray(raw[[lo, hi]])                           # the f32 argmax is row 1
+    head = read_only(raw[[lo, hi]])                                      # the f32 argmax is row 1
     assert _product(head, int(kind), x)[0].argmax() == 0                 # llama.cpp's rounding: the other one
     got = _product(head, int(kind) + KB.ACTS16, x)[0]
     assert got.argmax() == 1 and got[1] - got[0] > 0.5 * (ref[hi] - ref[lo])
