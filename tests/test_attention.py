@@ -15,6 +15,7 @@ from colibri_server.model import kernels as K
 from colibri_server.model.kernels import attn_ir as KA_IR
 
 NO_SINKS = np.zeros(0, np.float32)      # attention without GPT-OSS sinks
+NO_SINKS.setflags(write=False)   # read-only as a model's absent sinks (model/weights): the kernels' one signature
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from colibri_server.model.kernels import tiled as KT
 from colibri_server.model.kernels.packing import to_panels
 
 NO_SINKS = np.zeros(0, np.float32)      # attention without GPT-OSS sinks
+NO_SINKS.setflags(write=False)   # read-only as a model's absent sinks (model/weights): the kernels' one signature
 
 
 def _weights(kind, d, n, rng):

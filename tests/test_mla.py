@@ -17,6 +17,8 @@ from colibri_server.model.kv import block_bytes
 from colibri_server.model.serving import BatchEngine
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 512, size=40)]
+NO_SINKS = np.zeros(0, np.float32)
+NO_SINKS.setflags(write=False)   # read-only as a model's absent sinks (model/weights): the kernels' one signature
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +132,11 @@ def test_paged_attention_with_values_narrower_than_keys():
     ref = KP.paged_attention_ref(q, pool, pool, tables, seq, pos, 0, 0.3, dv=dv)
     for kernel in (KT.tiled_attention, lambda *a: KT.tiled_attention_par(*a, 2)):
         out = np.zeros((3, H, dv), np.float32)
-        kernel(q, pool, pool, tables, seq, pos, 0, 0.3, out, np.zeros(0, np.float32))
+        kernel(q, pool, pool, tables, seq, pos, 0, 0.3, out, NO_SINKS)
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
         KT.tiled_attention(q, pool, pool, tables, seq, pos, 0, 0.3, np.zeros((3, H, hd + 8), np.float32),
-                           np.zeros(0, np.float32))
+                           NO_SINKS)
 
 
 def test_latent_fields_get_named_config_errors(v3):

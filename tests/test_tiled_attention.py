@@ -11,6 +11,7 @@ from colibri_server.model.kernels import paged as KP
 from colibri_server.model.kernels import tiled as KT
 
 NO_SINKS = np.zeros(0, np.float32)
+NO_SINKS.setflags(write=False)   # read-only as a model's absent sinks (model/weights): the kernels' one signature
 
 
 def _sequence(rng, P, Hkv, hd, BS=16, f16=True, latent=False):
