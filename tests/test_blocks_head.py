@@ -106,14 +106,15 @@ def test_every_caller_gets_the_same_bits(kind):
 
 
 def _head_model(tmp_path, head):
-    """A small Mixtral GGUF: every matrix Q4_K, the output head in `head`, converted with the defaults."""
+    """A small Mixtral GGUF: its matrices Q4_K, but attn_v and the second layer's ffn_down in Q6_K as llama-quantize's
+    Q4_K_M has them (a kind that differs between layers), the output head in `head`, converted with the defaults."""
     c = {**H.SMALL_CONFIGS["mixtral"], "hidden_size": 256, "intermediate_size": 256}
     H.build_hf_model("mixtral", tmp_path / "hf", hidden_size=256, intermediate_size=256)
 
     def matrix(name, a):
         if a.ndim < 2 or "ffn_gate_inp" in name:
             return a, Q.F32
-        k = head if name == "output.weight" else Q.Q4_K
+        k = head if name == "output.weight" else Q.Q6_K if "attn_v" in name or "blk.1.ffn_down" in name else Q.Q4_K
         return quantized(a, k, seed=len(name)), k
     write_gguf(tmp_path / "hf", tmp_path / "m.gguf", "mixtral", matrix_type=matrix, config=c)
     convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "m.colibri"), "f32", progress=False, require_tokenizer=False)
@@ -124,7 +125,10 @@ def _head_model(tmp_path, head):
 def test_the_int16_head_is_the_default_and_every_path_gets_its_bits(tmp_path, head):
     """The model's own head: on by default; a batch of hidden rows (a serving step's, a prefill's) and each row
     alone (decode) through the workspace every path calls, on one and two threads: the same bits; decode's
-    logits on one and two threads the same bits, and near the prefill's; exact_head false: llama.cpp's."""
+    logits on one and two threads the same bits, the fused token's (decode_step) those of forward's general
+    path, and near the prefill's; exact_head false: llama.cpp's."""
+    from colibri_server.model.decode_step import DecodeStep
+    from colibri_server.model.transformer import forward
     path = _head_model(tmp_path, head)
     m = Model.open(path)
     assert isinstance(m.weights.output, BlockTensor) and m.weights.output.acts16       # the default
@@ -143,10 +147,15 @@ def test_the_int16_head_is_the_default_and_every_path_gets_its_bits(tmp_path, he
     runs = []
     for threads in (1, 2):
         m = Model.open(path, threads=threads)
-        c = m.new_cache(64)
-        m.prefill(c, PROMPT[:8])
-        runs.append(np.stack([m.decode(c, t)[0].copy() for t in PROMPT[8:14]]))
-    assert np.array_equal(runs[0], runs[1])
+        assert isinstance(m.workspace.decode_step(m.config, m.weights), DecodeStep)     # block kinds: fused
+        for trace in (None, []):                    # a routing trace keeps forward on its general path
+            c = m.new_cache(64)
+            m.prefill(c, PROMPT[:8])
+            runs.append(np.stack([forward(m.config, m.weights, m.rope, m.workspace, c, tokens=np.array([t]),
+                                          trace=trace)[0].copy() for t in PROMPT[8:14]]))
+        assert trace
+    for r in runs[1:]:
+        assert np.array_equal(r.view(np.uint32), runs[0].view(np.uint32))
     assert np.abs(runs[0][:-1] - full[8:13]).max() < 1e-4 * np.abs(full).max()
     assert not m.set_exact_head(False) and not m.weights.output.acts16                # llama.cpp's rounding
     c = m.new_cache(64)

@@ -50,11 +50,12 @@ _NO_TABLE = np.zeros(0, np.int32)     # the block table argument of a sequence's
 
 
 def _weight(W):
-    """The kernel's form of a matrix: a float array, or the pair (q, s); None for f32 (BLAS)."""
+    """The kernel's form of a matrix: a float array, the pair (q, s), or for a block kind the pair (raw bytes,
+    GGML kind); None for f32 (BLAS)."""
     if hasattr(W, "q"):
         return (W.q, W.s)
-    if is_block(W):                 # block kinds: not in the fused token (the general path runs them)
-        return None
+    if is_block(W):
+        return (W.raw, W.ggml)
     a = kernel_array(W)
     return None if a.dtype == np.float32 else a
 
@@ -81,6 +82,8 @@ class Stacks:
         items = list(items)
         if not items:
             return None
+        if all(isinstance(a, int) for a in items):          # a number per layer (a block kind's GGML id)
+            return np.array(items, np.int64)
         if all(isinstance(a, tuple) for a in items):
             n = len(items[0])
             if n not in (2, 3) or any(len(a) != n for a in items):
@@ -99,7 +102,7 @@ class Stacks:
 class DecodeStep:
     """One decode token of a model, fused; build() says whether this model is covered."""
 
-    def __init__(self, cfg, ws, args, moe_layers, keep=()):
+    def __init__(self, cfg, ws, args, moe_layers, keep=(), blocks=False):
         self.cfg, self.ws, self.args = cfg, ws, args
         self._keep = keep                        # the arrays the stacks in args point at
         E, A, S = cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size
@@ -110,7 +113,8 @@ class DecodeStep:
         self.views = (ws.x[:1], ws.h[:1], ws.sub[:1], ws.router[:1, :E], self.routes, ws.route_w[:1, :A],
                       ws.h1, ws.h3, ws.expert_out[0], ws.ffn_g[0, :S], ws.ffn_u[0, :S], ws.shared_out[0],
                       ws.ffn_g[0, :cfg.intermediate_size], ws.ffn_u[0, :cfg.intermediate_size],
-                      *((ws.xs[0], ws.xi[0]) if ws.threads == 1 else (ws.xs, ws.xi)))
+                      *((ws.xs[0], ws.xi[0]) if ws.threads == 1 else (ws.xs, ws.xi)),
+                      ws.block_scratch(blocks, A if moe_layers else 0, cfg.moe_intermediate_size))
         self.scale = attention_scale(cfg)
 
     @staticmethod
@@ -238,11 +242,14 @@ class DecodeStep:
         top_k, renorm = (moe[0].top_k, moe[0].renorm) if moe else (Ls[0].top_k, Ls[0].renorm)
         sparse = np.float32(moe[0].sparsemixer if moe else 0.0)          # Phi-MoE's sparsemixer eps
         windows = np.array([cfg.window(i) for i in range(len(Ls))], np.int64)
-        args = (w.token_embd, anorm, anorm_b, attn, wo, bo, sinks, windows, fnorm, fnorm_b, ffn_of, gate, rule,
+        emb = (w.token_embd.raw, w.token_embd.ggml) if is_block(w.token_embd) else w.token_embd
+        args = (emb, anorm, anorm_b, attn, wo, bo, sinks, windows, fnorm, fnorm_b, ffn_of, gate, rule,
                 cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, *shared, sgate, has_shared, top_k, renorm,
                 cfg.rms_norm_eps)
         head = (w.output_norm, _opt(w.output_norm_b), wout, _opt(w.output_b))
-        return cls(cfg, ws, (args, head), routed, st.keep)
+        blocks = any(is_block(W) for W in (w.token_embd, w.output)) or any(
+            is_block(W) for L in Ls for W in vars(L).values())
+        return cls(cfg, ws, (args, head), routed, st.keep, blocks)
 
     def _call_args(self, rope, k, v, table, start, scores) -> tuple:
         layers, head = self.args

@@ -73,10 +73,11 @@ def moe(layer, x, ws, out, noise=None, trace=None):
         # decode: router, top-k and the experts in one Numba call (kernels/decode), same kernels
         if hasattr(layer.w1, "q"):
             KD.moe_quant(layer.gate, layer.w1.q, layer.w1.s, layer.w3.q, layer.w3.s, layer.w2.q, layer.w2.s, x[0],
-                         A, layer.renorm, logits, idx, wts, ws.h1, ws.h3, out[0], ws.xs[0], ws.xi[0])
+                         A, layer.renorm, logits, idx, wts, ws.h1, ws.h3, out[0], ws.xs[0], ws.xi[0],
+                         ws.no_block_scratch)
         else:
             KD.moe_float(layer.gate, kernel_array(layer.w1), kernel_array(layer.w3), kernel_array(layer.w2), x[0], A,
-                         layer.renorm, logits, idx, wts, ws.h1, ws.h3, out[0])
+                         layer.renorm, logits, idx, wts, ws.h1, ws.h3, out[0], ws.no_block_scratch)
         return _shared_expert(layer, x, ws, out)
     if T == 1:
         K.matvec(layer.gate, x[0], logits[0])                                  # (E,D) f32: BLAS costs more to call
@@ -98,7 +99,7 @@ def moe(layer, x, ws, out, noise=None, trace=None):
         # GPT-OSS decode on one thread: its biased experts in one Numba call, as the loop below adds them
         KD.experts_biased(kernel_array(layer.w1), kernel_array(layer.w3), kernel_array(layer.w2), layer.b1, layer.b3,
                           layer.b2, idx[0], wts[0], x[0], layer.swiglu[0], layer.swiglu[1], ws.h1, ws.h3,
-                          ws.expert_out[0], out[0], ws.xs[0], ws.xi[0])
+                          ws.expert_out[0], out[0], ws.xs[0], ws.xi[0], ws.no_block_scratch)
         return _shared_expert(layer, x, ws, out)
     if T > 1 or general:
         counts, offsets, order = ws.counts[:E], ws.offsets[:E + 1], ws.order[:T * A]

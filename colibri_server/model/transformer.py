@@ -131,6 +131,7 @@ class Workspace:
         self._q_bytes = max(self._n_max, 2 * D)
         self._block_acts = None
         self._block_h = None
+        self.no_block_scratch = self.block_scratch(False)    # the kernels' bk where no block kind is used
         self.logits = aligned_zeros((1, cfg.vocab_size), f32)
         self.positions = aligned_zeros(rows, np.int64)
         self.scores = None                                 # the attention scratch, sized on use (attention_scores)
@@ -231,15 +232,32 @@ class Workspace:
     def experts_blocks_args(self, layer, idx, wts, x, out) -> tuple:
         """experts_decode_par's arguments, its scratch from this workspace (compile_parallel compiles for them)."""
         A, I, D = idx.shape[0], layer.w1.shape[1], x.shape[0]
+        Xq, Xd, Xs, tmps = self.block_acts(1, D)
+        H1, H3, Hq, Hd, Hs = self._experts_rows(A, I)
+        return (layer.w1.raw, layer.w1.ggml, layer.w3.raw, layer.w3.ggml, layer.w2.raw, layer.w2.ggml,
+                np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(wts, np.float32), x[None],
+                H1, H3, out[None], Xq, Xd, Xs, Hq, Hd, Hs, tmps[:self.threads])
+
+    def _experts_rows(self, A: int, I: int) -> tuple:
+        """experts_decode_par's scratch for A experts of I rows: H1, H3 (A, I) f32 and H1's rounding (Hq, Hd, Hs)."""
         if self._block_h is None or self._block_h[0].shape != (A, I):
             self._block_h = (aligned_zeros((A, I), np.float32), aligned_zeros((A, I), np.float32),
                              aligned_zeros((A, I), np.int8), aligned_zeros((A, I // KB.QB), np.float32),
                              aligned_zeros((A, I // KB.SB), np.int32))
-        Xq, Xd, Xs, tmps = self.block_acts(1, D)
-        H1, H3, Hq, Hd, Hs = self._block_h
-        return (layer.w1.raw, layer.w1.ggml, layer.w3.raw, layer.w3.ggml, layer.w2.raw, layer.w2.ggml,
-                np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(wts, np.float32), x[None],
-                H1, H3, out[None], Xq, Xd, Xs, Hq, Hd, Hs, tmps[:self.threads])
+        return self._block_h
+
+    def block_scratch(self, blocks: bool, A: int = 0, I: int = 0) -> tuple:
+        """The fused decode token's block-kind scratch (kernels/decode's bk): block_acts' arrays whole (Xq, Xd, Xs,
+        tmps), experts_decode_par's for A routed experts of I rows (_experts_rows), and PAR_MIN_BLOCK_WEIGHTS.
+        Where the model has no block kinds (blocks False), or no routed ones (A == 0), 1 x 1 arrays of the same
+        types stand in (never read), so that every model's token has one type of scratch."""
+        z = tuple(np.zeros((1, 1), dt) for dt in (np.int8, np.float32, np.int32, np.float32,
+                                                  np.float32, np.float32, np.int8, np.float32, np.int32))
+        if blocks:
+            self.block_acts(1, self._n_max)
+        acts = self._block_acts if blocks else z[:4]
+        rows = self._experts_rows(A, I) if blocks and A else z[4:]
+        return (*acts, *rows, np.int64(self.PAR_MIN_BLOCK_WEIGHTS))
 
     def mm_blocks_args(self, X, W, out, alpha: float = 1.0, accumulate: bool = False) -> tuple:
         """matmul_blocks_par's arguments for mm_blocks on threads, its scratch from this workspace."""

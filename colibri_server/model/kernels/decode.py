@@ -18,6 +18,8 @@ from numba import literal_unroll, njit, types
 from numba.extending import overload
 
 from .attn import attend
+from .blocks import ACTS16, embed_blocks, experts_decode_par
+from .blocks_gemm import matmul_blocks, matmul_blocks_par
 from .dense import _matvec_core, embed, layernorm, matvec_stack, rmsnorm, rope
 from .heads import heads_matmul, heads_matmul_par
 from .moe import (
@@ -41,16 +43,17 @@ __all__ = ["decode_token", "experts_biased", "moe_float", "moe_quant", "rope_cac
 
 
 @njit(cache=True)
-def moe_float(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out):
+def moe_float(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, bk):
     # x (D,) normed hidden; gate (E,D) f32; w1,w3 (E,I,D), w2 (E,D,I) float -> out (D,) = sum_a w_a * expert_a(x)
-    # logits (1,E), idx (1,k) i32, wts (1,k) f32: the routing, as moe() leaves it
-    _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, x[:0], x[:0])   # no scratch
+    # logits (1,E), idx (1,k) i32, wts (1,k) f32: the routing, as moe() leaves it; bk the block kinds' scratch
+    # (Workspace.block_scratch: unused here, its type the fused token's)
+    _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, x[:0], x[:0], bk)   # no scratch
 
 
 @njit(cache=True)
-def moe_quant(gate, q1, s1, q3, s3, q2, s2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
-    # moe_float for quantized experts (values q*, scales s*; xs/xi the matvec scratch)
-    _experts(gate, (q1, s1), (q3, s3), (q2, s2), x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi)
+def moe_quant(gate, q1, s1, q3, s3, q2, s2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi, bk):
+    # moe_float for quantized experts (values q*, scales s*; xs/xi the matvec scratch, bk as moe_float's)
+    _experts(gate, (q1, s1), (q3, s3), (q2, s2), x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi, bk)
 
 
 @njit(cache=True)
@@ -108,65 +111,107 @@ def _store_attend_overload(kc, vc, table, l, q3, k3, v3, start, window, scale, o
 
 # -- the whole token --------------------------------------------------------------------------
 # A weight reaches these kernels as: a float array (f16/bf16 rows or panels, or a q|k|v view),
-# a quantized pair (q, s), or for q|k|v a tuple of three float arrays (a stack) or of three pairs.
+# a quantized pair (q, s), a block-kind pair (raw bytes, GGML kind: kernels/blocks), or for q|k|v
+# a tuple of three float arrays (a stack), of three pairs or of three block pairs.
 # The scratch xs/xi picks the threads: one row (1-D) runs every matrix on the calling thread; a
 # workspace's (2*chunks, ...) rows split each matrix's rows over Numba threads (prange, `chunks`
 # chunks; the experts' w1 and w3 take 2*chunks in one region). Rows give the same bits either way.
+# bk: the block kinds' scratch (Workspace.block_scratch): Xq, Xd, Xs, tmps (block_acts' arrays), and
+# H1, H3, Hq, Hd, Hs (the threaded experts' rows, experts_decode_par), 1 x 1 arrays for other kinds; and
+# the weights from which a block-kind matrix goes to the threads (Workspace.PAR_MIN_BLOCK_WEIGHTS).
 
 def _is_pair(W):
     return (isinstance(W, types.BaseTuple) and len(W) == 2 and isinstance(W[0], types.Array)
-            and W[0].dtype in (types.int8, types.uint8))
+            and W[0].dtype in (types.int8, types.uint8) and isinstance(W[1], types.Array))
+
+
+def _is_blocks(W):
+    return (isinstance(W, types.BaseTuple) and len(W) == 2 and isinstance(W[0], types.Array)
+            and W[0].dtype == types.uint8 and isinstance(W[1], types.Integer))
+
+
+@njit(cache=True, inline="always")
+def _acts(bk, n, kind):
+    # the rounding scratch of one row of n activations for kind, sliced as Workspace.block_acts slices it
+    # (so that every block kernel gets the types forward's general path compiled), and the per-thread scratch
+    Xq, Xd, Xs, tmps = bk[0], bk[1], bk[2], bk[3]
+    q = Xq[:1, :2 * n] if kind & ACTS16 else Xq[:1, :n]
+    return q, Xd[:1, :n // 32], Xs[:1, :n // 16], tmps[:, :tmps.shape[1]]
+
+
+@njit(cache=True, inline="always")
+def _blocks_mv(raw, kind, x, out, alpha, accumulate, bk, nt):
+    # out (d,) (=|+=) alpha * raw (d, row bytes) @ x (n,): Workspace.mm_blocks at T == 1 (on nt threads from
+    # bk[9] weights: Workspace.PAR_MIN_BLOCK_WEIGHTS)
+    n, d = x.shape[0], out.shape[0]
+    q, xd, xs, tm = _acts(bk, n, kind)
+    if nt > 1 and d * n >= bk[9]:
+        matmul_blocks_par(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xs, tm[:nt], alpha, accumulate)
+    else:
+        matmul_blocks(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xs, tm[0], alpha, accumulate)
 
 
 def _threaded(xs):
     return isinstance(xs, types.Array) and xs.ndim == 2
 
 
-def _proj(W, x, out, xs, xi):
+def _proj(W, x, out, xs, xi, bk):
     pass
 
 
 @overload(_proj)
-def _proj_overload(W, x, out, xs, xi):
+def _proj_overload(W, x, out, xs, xi, bk):
     # out (d,) = W @ x for a float array or a quantized pair
     par = _threaded(xs)
+    if _is_blocks(W):
+        def impl(W, x, out, xs, xi, bk):
+            _blocks_mv(W[0], W[1], x, out, np.float32(1.0), False, bk, xs.shape[0] // 2 if par else 1)
+        return impl
     if isinstance(W, types.Array) and par:
-        def impl(W, x, out, xs, xi):
+        def impl(W, x, out, xs, xi, bk):
             _matvec_par(W, x, out, xs.shape[0] // 2, np.float32(1.0), False)
         return impl
     if isinstance(W, types.Array):
-        def impl(W, x, out, xs, xi):
+        def impl(W, x, out, xs, xi, bk):
             _matvec_core(W, x, out, np.float32(1.0), False)
         return impl
     if _is_pair(W) and par:
-        def impl(W, x, out, xs, xi):
+        def impl(W, x, out, xs, xi, bk):
             n = xs.shape[0] // 2
             _qmv_par(W[0], W[1], x, out, xs[:n], xi[:n], np.float32(1.0), False)
         return impl
     if _is_pair(W):
-        def impl(W, x, out, xs, xi):
+        def impl(W, x, out, xs, xi, bk):
             matvec_q(W[0], W[1], x, out, xs, xi)
         return impl
 
 
-def _qkv(W, x, out, xs, xi):
+def _qkv(W, x, out, xs, xi, bk):
     pass
 
 
 @overload(_qkv)
-def _qkv_overload(W, x, out, xs, xi):
+def _qkv_overload(W, x, out, xs, xi, bk):
     # out (qd+2kvd,) = q|k|v @ x: one view, a float stack (rows streamed together), or three pairs
     par = _threaded(xs)
     if isinstance(W, types.Array):
-        return lambda W, x, out, xs, xi: _proj(W, x, out, xs, xi)
+        return lambda W, x, out, xs, xi, bk: _proj(W, x, out, xs, xi, bk)
+    if isinstance(W, types.BaseTuple) and len(W) == 3 and all(_is_blocks(p) for p in W):
+        def impl(W, x, out, xs, xi, bk):        # forward's qkv_rows: q, k, v each its own product
+            o = 0
+            for p in literal_unroll(W):
+                d = p[0].shape[0]
+                _proj(p, x, out[o:o + d], xs, xi, bk)
+                o += d
+        return impl
     if isinstance(W, types.BaseTuple) and len(W) == 3 and all(_is_pair(p) for p in W):
         if par:
-            def impl(W, x, out, xs, xi):
+            def impl(W, x, out, xs, xi, bk):
                 n = xs.shape[0] // 2
                 matvec_q_qkv_par(W[0][0], W[0][1], W[1][0], W[1][1], W[2][0], W[2][1], x, out, xs[:n], xi[:n])
             return impl
 
-        def impl(W, x, out, xs, xi):
+        def impl(W, x, out, xs, xi, bk):
             o = 0
             for p in literal_unroll(W):
                 d = p[0].shape[0]
@@ -175,33 +220,42 @@ def _qkv_overload(W, x, out, xs, xi):
         return impl
     if isinstance(W, types.BaseTuple) and all(isinstance(a, types.Array) for a in W):
         if par and len(W) == 3:
-            return lambda W, x, out, xs, xi: matvec_qkv_par(W[0], W[1], W[2], x, out, xs.shape[0] // 2)
+            return lambda W, x, out, xs, xi, bk: matvec_qkv_par(W[0], W[1], W[2], x, out, xs.shape[0] // 2)
         if par:
             return None
-        return lambda W, x, out, xs, xi: matvec_stack(W, x, out)
+        return lambda W, x, out, xs, xi, bk: matvec_stack(W, x, out)
 
 
-def _expert(w1, w3, w2, e, x, weight, h1, h3, out, xs, xi):
+def _expert(w1, w3, w2, e, x, weight, h1, h3, out, xs, xi, bk):
     pass
 
 
 @overload(_expert)
-def _expert_overload(w1, w3, w2, e, x, weight, h1, h3, out, xs, xi):
-    # out (D,) += weight * expert e's SwiGLU of x: float (E,I,D)/(E,D,I) arrays or quantized pairs
+def _expert_overload(w1, w3, w2, e, x, weight, h1, h3, out, xs, xi, bk):
+    # out (D,) += weight * expert e's SwiGLU of x: float (E,I,D)/(E,D,I) arrays, quantized or block pairs
     par = _threaded(xs)
+    if _is_blocks(w1):          # Workspace.expert's three products
+        def blocks(w1, w3, w2, e, x, weight, h1, h3, out, xs, xi, bk):
+            nt = xs.shape[0] // 2 if par else 1
+            one = np.float32(1.0)
+            _blocks_mv(w1[0][e], w1[1], x, h1, one, False, bk, nt)
+            _blocks_mv(w3[0][e], w3[1], x, h3, one, False, bk, nt)
+            _silu_mul_1d(h1, h3)
+            _blocks_mv(w2[0][e], w2[1], h1, out, weight, True, bk, nt)
+        return blocks
     if isinstance(w1, types.Array) and par:
-        return lambda w1, w3, w2, e, x, weight, h1, h3, out, xs, xi: expert_ffn_par(
+        return lambda w1, w3, w2, e, x, weight, h1, h3, out, xs, xi, bk: expert_ffn_par(
             w1, w3, w2, e, x, weight, h1, h3, out, xs.shape[0] // 2)
     if isinstance(w1, types.Array):
-        return lambda w1, w3, w2, e, x, weight, h1, h3, out, xs, xi: expert_ffn(w1, w3, w2, e, x, weight, h1, h3, out)
+        return lambda w1, w3, w2, e, x, weight, h1, h3, out, xs, xi, bk: expert_ffn(w1, w3, w2, e, x, weight, h1, h3, out)
     if _is_pair(w1):
         ffn = expert_ffn_q_par if par else expert_ffn_q
-        return lambda w1, w3, w2, e, x, weight, h1, h3, out, xs, xi: ffn(
+        return lambda w1, w3, w2, e, x, weight, h1, h3, out, xs, xi, bk: ffn(
             w1[0], w1[1], w3[0], w3[1], w2[0], w2[1], e, x, weight, h1, h3, out, xs, xi)
 
 
 @njit(cache=True)
-def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi, bk):
     # out (D,) = sum over the top_k routed experts of their weight * SwiGLU of x; the router's
     # (E,D) f32 gate on the calling thread
     _routed(gate, x[:0], x[:0], np.float32(0.0), w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs,
@@ -209,7 +263,7 @@ def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, 
 
 
 @njit(cache=True)
-def _routed(gate, rule, cbias, sparse, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi):
+def _routed(gate, rule, cbias, sparse, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi, bk):
     # _experts under Phi-MoE's sparsemixer when sparse (its eps) > 0, a version-2 routing rule when rule (4,) is
     # given (kernels/moe.route_rule, cbias (E,) or size 0), else version 1's softmax top-k: moe()'s kernels and
     # order at T == 1
@@ -221,8 +275,30 @@ def _routed(gate, rule, cbias, sparse, w1, w3, w2, x, top_k, renorm, logits, idx
     else:
         route(logits, top_k, renorm, idx, wts)
     out[:] = 0.0
-    for a in range(top_k):
-        _expert(w1, w3, w2, idx[0, a], x, wts[0, a], h1, h3, out, xs, xi)
+    _chosen(w1, w3, w2, x, top_k, idx, wts, h1, h3, out, xs, xi, bk)
+
+
+def _chosen(w1, w3, w2, x, top_k, idx, wts, h1, h3, out, xs, xi, bk):
+    pass
+
+
+@overload(_chosen)
+def _chosen_overload(w1, w3, w2, x, top_k, idx, wts, h1, h3, out, xs, xi, bk):
+    # out (D,) += the top_k chosen experts (idx, wts (1,k)) of x, one after another; block kinds on threads: in two
+    # parallel regions (kernels/blocks.experts_decode_par, as Workspace.experts_blocks runs them: the same bits)
+    if _is_blocks(w1) and _threaded(xs):
+        def par(w1, w3, w2, x, top_k, idx, wts, h1, h3, out, xs, xi, bk):
+            D = x.shape[0]
+            q, xd, xq16, tm = _acts(bk, D, w1[1])
+            experts_decode_par(w1[0], w1[1], w3[0], w3[1], w2[0], w2[1], idx[0].astype(np.int64), wts[0],
+                               x.reshape((1, D)), bk[4], bk[5], out.reshape((1, D)), q, xd, xq16, bk[6], bk[7], bk[8],
+                               tm[:xs.shape[0] // 2])
+        return par
+
+    def each(w1, w3, w2, x, top_k, idx, wts, h1, h3, out, xs, xi, bk):
+        for a in range(top_k):
+            _expert(w1, w3, w2, idx[0, a], x, wts[0, a], h1, h3, out, xs, xi, bk)
+    return each
 
 
 def _at(W, e):
@@ -231,14 +307,16 @@ def _at(W, e):
 
 @overload(_at, inline="always")
 def _at_overload(W, e):
-    # expert e of a float (E,...) stack or of a quantized pair (q, s): what _proj takes
+    # expert e of a float (E,...) stack, of a quantized pair (q, s) or a block pair: what _proj takes
+    if _is_blocks(W):
+        return lambda W, e: (W[0][e], W[1])
     if _is_pair(W):
         return lambda W, e: (W[0][e], W[1][e])
     return lambda W, e: W[e]
 
 
 @njit(cache=True)
-def experts_biased(w1, w3, w2, b1, b3, b2, idx, wts, x, alpha, limit, h1, h3, y, out, xs, xi):
+def experts_biased(w1, w3, w2, b1, b3, b2, idx, wts, x, alpha, limit, h1, h3, y, out, xs, xi, bk):
     # GPT-OSS, one token: out (D,) = sum over its chosen experts (idx (A,) i32, in increasing order as moe()'s
     # general path adds them) of wts[a] * (w2[e] @ act + b2[e]), act = swiglu_clamped(w1[e] @ x, w3[e] @ x, b1[e],
     # b3[e]); w1,w3 (E,I,D), w2 (E,D,I) float rows or panels or quantized pairs; h1,h3 (I,), y (D,) f32 scratch;
@@ -249,10 +327,10 @@ def experts_biased(w1, w3, w2, b1, b3, b2, idx, wts, x, alpha, limit, h1, h3, y,
     for k in range(idx.shape[0]):
         a = order[k]
         e = idx[a]
-        _proj(_at(w1, e), x, h1, xs, xi)
-        _proj(_at(w3, e), x, h3, xs, xi)
+        _proj(_at(w1, e), x, h1, xs, xi, bk)
+        _proj(_at(w3, e), x, h3, xs, xi, bk)
         swiglu_clamped(h1.reshape((1, n)), h3.reshape((1, n)), b1[e], b3[e], alpha, limit, h1.reshape((1, n)))
-        _proj(_at(w2, e), h1, y, xs, xi)
+        _proj(_at(w2, e), h1, y, xs, xi, bk)
         wa = wts[a]
         be = b2[e]
         for j in range(out.shape[0]):
@@ -261,32 +339,32 @@ def experts_biased(w1, w3, w2, b1, b3, b2, idx, wts, x, alpha, limit, h1, h3, y,
 
 @njit(cache=True)
 def _routed_biased(gate, gate_b, w1, w3, w2, b1, b3, b2, alpha, limit, x, top_k, renorm, logits, idx, wts, h1, h3, y,
-                   out, xs, xi):
+                   out, xs, xi, bk):
     # GPT-OSS's routed layer at T == 1, moe()'s general path call for call: the router's logits W x + gate_b, softmax
     # top-k, then its biased experts (experts_biased)
     _matvec_core(gate, x, logits[0], np.float32(1.0), False)
     _add(logits[0], gate_b)
     route(logits, top_k, renorm, idx, wts)
-    experts_biased(w1, w3, w2, b1, b3, b2, idx[0], wts[0], x, alpha, limit, h1, h3, y, out, xs, xi)
+    experts_biased(w1, w3, w2, b1, b3, b2, idx[0], wts[0], x, alpha, limit, h1, h3, y, out, xs, xi, bk)
 
 
 @njit(cache=True)
-def _mlp(w1, w3, w2, x, m1, m3, out, xs, xi):
+def _mlp(w1, w3, w2, x, m1, m3, out, xs, xi, bk):
     # a dense layer's SwiGLU MLP of x (D,) -> out (D,) = w2 @ (silu(w1 @ x) * (w3 @ x)), through m1, m3 (F,)
-    _proj(w1, x, m1, xs, xi)
-    _proj(w3, x, m3, xs, xi)
+    _proj(w1, x, m1, xs, xi, bk)
+    _proj(w3, x, m3, xs, xi, bk)
     _silu_mul_1d(m1, m3)
-    _proj(w2, m1, out, xs, xi)
+    _proj(w2, m1, out, xs, xi, bk)
 
 
 def _ffn(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1, h3, m1,
-         m3, y, out, xs, xi):
+         m3, y, out, xs, xi, bk):
     pass
 
 
 @overload(_ffn)
 def _ffn_overload(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1,
-                  h3, m1, m3, y, out, xs, xi):
+                  h3, m1, m3, y, out, xs, xi, bk):
     # a layer's feed-forward of x (D,) -> out (D,). j >= 0: the j-th MoE layer's routed experts (gate, rule, cbias,
     # w1, w3, w2: tuples over the MoE layers); j < 0: the (-1-j)-th dense layer's SwiGLU MLP w2 @ (silu(w1 @ x) *
     # (w3 @ x)) (mw1, mw3, mw2: tuples over the dense layers) through m1, m3 (F,), moe.swiglu's kernels and order.
@@ -294,35 +372,35 @@ def _ffn_overload(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2,
     # (gate_b, b1, b3, b2: tuples over the MoE layers, alpha, limit): its biased experts (_routed_biased, y scratch)
     if isinstance(gate, types.NoneType):
         def dense(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts,
-                  h1, h3, m1, m3, y, out, xs, xi):
+                  h1, h3, m1, m3, y, out, xs, xi, bk):
             i = -1 - j
-            _mlp(layer(mw1, i), layer(mw3, i), layer(mw2, i), x, m1, m3, out, xs, xi)
+            _mlp(layer(mw1, i), layer(mw3, i), layer(mw2, i), x, m1, m3, out, xs, xi, bk)
         return dense
     if not isinstance(bias, types.NoneType):
         def biased(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts,
-                   h1, h3, m1, m3, y, out, xs, xi):
+                   h1, h3, m1, m3, y, out, xs, xi, bk):
             if j < 0:
                 i = -1 - j
-                _mlp(layer(mw1, i), layer(mw3, i), layer(mw2, i), x, m1, m3, out, xs, xi)
+                _mlp(layer(mw1, i), layer(mw3, i), layer(mw2, i), x, m1, m3, out, xs, xi, bk)
             else:
                 gate_b, b1, b3, b2, alpha, limit = bias
                 _routed_biased(layer(gate, j), layer(gate_b, j), layer(w1, j), layer(w3, j), layer(w2, j),
                                layer(b1, j), layer(b3, j), layer(b2, j), alpha, limit, x, top_k,
-                               renorm, logits, idx[j:j + 1], wts, h1, h3, y, out, xs, xi)
+                               renorm, logits, idx[j:j + 1], wts, h1, h3, y, out, xs, xi, bk)
         return biased
 
     def either(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, x, top_k, renorm, logits, idx, wts, h1,
-               h3, m1, m3, y, out, xs, xi):
+               h3, m1, m3, y, out, xs, xi, bk):
         if j < 0:
             i = -1 - j
-            _mlp(layer(mw1, i), layer(mw3, i), layer(mw2, i), x, m1, m3, out, xs, xi)
+            _mlp(layer(mw1, i), layer(mw3, i), layer(mw2, i), x, m1, m3, out, xs, xi, bk)
         else:
             _routed(layer(gate, j), layer(rule, j), layer(cbias, j), sparse, layer(w1, j), layer(w3, j),
-                    layer(w2, j), x, top_k, renorm, logits, idx[j:j + 1], wts, h1, h3, out, xs, xi)
+                    layer(w2, j), x, top_k, renorm, logits, idx[j:j + 1], wts, h1, h3, out, xs, xi, bk)
     return either
 
 
-def _attention(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi):
+def _attention(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi, bk):
     pass
 
 
@@ -330,12 +408,12 @@ _MLA_LEN = 15       # the length of a latent-attention `attn` tuple (decode_step
 
 
 @overload(_attention)
-def _attention_overload(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi):
+def _attention_overload(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi, bk):
     # layer l's attention of the normed hidden h (D,) at position `start` -> the flat attention output (the input
     # of wo), keys/values into the cache. attn's kind picks the code: q|k|v heads (transformer._attention), or
     # latent attention (mla.project/output: transformer.forward's cfg.mla branch), their kernels and order.
     if len(attn) == _MLA_LEN:
-        def latent(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi):
+        def latent(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi, bk):
             # q_a, q_a_norm, wq, kv_a, kv_a_norm: tuples over the layers (q_a_norm size 0: no query rank, q_a
             # then never read); k_up (H,r,nope), v_up (H,v,r) per layer; leps the latent norms' eps; q
             # (1,H*(nope+dr)), ql (1,q_lora_rank), rows (1,r+dr), qa (1,H*(r+dr)), lat (1,H*r), ah (1,H*v) scratch
@@ -345,13 +423,13 @@ def _attention_overload(attn, l, h, pos, cos, sin, kc, vc, table, start, window,
             dr = rows.shape[1] - r
             qan = layer(q_a_norm, l)
             if qan.shape[0] > 0:
-                _proj(layer(q_a, l), h, ql[0], xs, xi)
+                _proj(layer(q_a, l), h, ql[0], xs, xi, bk)
                 rmsnorm(ql, qan, leps, ql)
-                _proj(layer(wq, l), ql[0], q[0], xs, xi)
+                _proj(layer(wq, l), ql[0], q[0], xs, xi, bk)
             else:
-                _proj(layer(wq, l), h, q[0], xs, xi)
+                _proj(layer(wq, l), h, q[0], xs, xi, bk)
             q3 = q.reshape((1, H, nope + dr))
-            _proj(layer(kv_a, l), h, rows[0], xs, xi)
+            _proj(layer(kv_a, l), h, rows[0], xs, xi, bk)
             c = rows[0, :r].reshape((1, r))        # contiguous, as forward's view of it is: the same norm's code
             rmsnorm(c, layer(kv_a_norm, l), leps, c)
             rows3 = rows.reshape((1, 1, r + dr))
@@ -367,14 +445,14 @@ def _attention_overload(attn, l, h, pos, cos, sin, kc, vc, table, start, window,
             return ah[0]
         return latent
 
-    def heads(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi):
+    def heads(attn, l, h, pos, cos, sin, kc, vc, table, start, window, scale, sinks, scores, eps, xs, xi, bk):
         # wqkv, bqkv (size 0: none), qnorm, knorm (size 0: none): tuples over the layers; qk_mode 0 none, 1 over the
         # whole projection, 2 per head; clip 0 off; qkv (1,qd+2kvd) with q3 (1,H,hd), k3, v3 (1,Hkv,hd) its views;
         # attn3 (1,H,hd)
         wqkv, bqkv, qnorm, knorm, qk_mode, clip, qkv, q3, k3, v3, attn3 = attn
         _, H, hd = q3.shape
         Hkv = k3.shape[1]
-        _qkv(layer(wqkv, l), h, qkv[0], xs, xi)
+        _qkv(layer(wqkv, l), h, qkv[0], xs, xi, bk)
         b = layer(bqkv, l)
         if b.shape[0] > 0:
             _add(qkv[0], b)
@@ -405,6 +483,18 @@ def _heads_overload(X, W, out, xs):
     if _threaded(xs):
         return lambda X, W, out, xs: heads_matmul_par(X, W, out)
     return lambda X, W, out, xs: heads_matmul(X, W, out)
+
+
+def _embed(emb, ids, x):
+    pass
+
+
+@overload(_embed, inline="always")
+def _embed_overload(emb, ids, x):
+    # x (1,D) = the token's row of the embedding: a float table, or a block pair (transformer.embed's kernels)
+    if _is_blocks(emb):
+        return lambda emb, ids, x: embed_blocks(emb[0], emb[1], ids, x)
+    return lambda emb, ids, x: embed(emb, ids, x)
 
 
 @njit(cache=True, inline="always")
@@ -438,7 +528,7 @@ def _clip(a, c):
 def decode_token(ids, emb, anorm, anorm_b, attn, wo, bo, sinks, windows, fnorm, fnorm_b, ffn_of, gate, rule, cbias,
                  sparse, bias, w1, w3, w2, mw1, mw3, mw2, sw1, sw3, sw2, sgate, has_shared, top_k, renorm, eps,
                  kcache, vcache, table, start, cos, sin, scale, onorm, onorm_b, wout, wout_b,
-                 x, h, sub, logits_e, idx, wts, h1, h3, y, sh1, sh3, sout, m1, m3, xs, xi, scores, pos, logits):
+                 x, h, sub, logits_e, idx, wts, h1, h3, y, sh1, sh3, sout, m1, m3, xs, xi, bk, scores, pos, logits):
     # One token ids (1,) at position `start` through every layer and the head -> logits (1,V), the
     # kernels and order of transformer.forward's T == 1 path. Per-layer weights are tuples over the
     # layers (one type each). attn: the attention's weights and scratch, q|k|v heads or latent attention
@@ -455,13 +545,13 @@ def decode_token(ids, emb, anorm, anorm_b, attn, wo, bo, sinks, windows, fnorm, 
     # Qwen3): gate None. Phi-MoE: anorm_b, fnorm_b (tuples over the layers), onorm_b the LayerNorms' biases
     # (size 0: RMSNorm), wout_b the head's bias (size 0: none), sparse sparsemixer's eps (0: another routing).
     # kcache/vcache: (L,Hkv,S,hd) (table unused) or a paged pool (L,NB,Hkv,BS,hd) with the table.
-    embed(emb, ids, x)
+    _embed(emb, ids, x)
     pos[0] = start
     for l in range(ffn_of.shape[0]):
         _norm(x, layer(anorm, l), layer(anorm_b, l), eps, h)
         a = _attention(attn, l, h[0], pos, cos, sin, kcache, vcache, table, start, windows[l], scale,
-                       layer(sinks, l), scores, eps, xs, xi)
-        _proj(layer(wo, l), a, sub[0], xs, xi)
+                       layer(sinks, l), scores, eps, xs, xi, bk)
+        _proj(layer(wo, l), a, sub[0], xs, xi, bk)
         b = layer(bo, l)
         if b.shape[0] > 0:
             _add(sub[0], b)
@@ -469,12 +559,12 @@ def decode_token(ids, emb, anorm, anorm_b, attn, wo, bo, sinks, windows, fnorm, 
         _norm(x, layer(fnorm, l), layer(fnorm_b, l), eps, h)
         j = ffn_of[l]
         _ffn(gate, j, rule, cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, h[0], top_k, renorm, logits_e, idx, wts,
-             h1, h3, m1, m3, y, sub[0], xs, xi)
+             h1, h3, m1, m3, y, sub[0], xs, xi, bk)
         if has_shared and j >= 0:          # moe._shared_expert: swiglu, then the gate's sigmoid, then added
-            _proj(layer(sw1, j), h[0], sh1, xs, xi)
-            _proj(layer(sw3, j), h[0], sh3, xs, xi)
+            _proj(layer(sw1, j), h[0], sh1, xs, xi, bk)
+            _proj(layer(sw3, j), h[0], sh3, xs, xi, bk)
             _silu_mul_1d(sh1, sh3)
-            _proj(layer(sw2, j), sh1, sout, xs, xi)
+            _proj(layer(sw2, j), sh1, sout, xs, xi, bk)
             sg = layer(sgate, j)
             if sg.shape[0] > 0:
                 gs = shared_gate_scale(h[0], sg)
@@ -483,6 +573,6 @@ def decode_token(ids, emb, anorm, anorm_b, attn, wo, bo, sinks, windows, fnorm, 
             _add(sub[0], sout)
         _add(x[0], sub[0])
     _norm(x, onorm, onorm_b, eps, h)
-    _proj(wout, h[0], logits[0], xs, xi)
+    _proj(wout, h[0], logits[0], xs, xi, bk)
     if wout_b.shape[0] > 0:                # Phi-MoE's head bias
         _add(logits[0], wout_b)

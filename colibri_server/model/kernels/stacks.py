@@ -11,6 +11,8 @@ a 30-layer one's 38 s, each model shape its own. A stack is three arrays instead
 rank, C order); the compiled type depends on the kind of array, never on L. A stack of pairs
 (quantized values and scales) or of three (q|k|v as three matrices) is a tuple of stacks, and
 `layer` gives the tuple of layer l's arrays, what the kernels took from a tuple over the layers.
+A 1-D integer array in such a tuple holds a number per layer (a block-kind matrix's kind: the
+pair (stack of raw bytes, kinds)), and `layer` gives layer l's number.
 
 The arrays behind the addresses must outlive the stack (the Python side that builds one keeps
 them: decode_step.Stacks); every array is C-contiguous (the builder checks). A rebuilt array has
@@ -74,6 +76,8 @@ def _layer_overload(S, l):
         if nd == 4:         # experts in panels (E, nb, d, P)
             return lambda S, l: _view(S[0][l], (S[1][l, 0], S[1][l, 1], S[1][l, 2], S[1][l, 3]), S[2])
         return None
+    if isinstance(S, types.Array) and S.ndim == 1 and isinstance(S.dtype, types.Integer):
+        return lambda S, l: S[l]            # a per-layer number (a block-kind matrix's GGML kind)
     if isinstance(S, types.BaseTuple) and len(S) == 2:
         return lambda S, l: (layer(S[0], l), layer(S[1], l))
     if isinstance(S, types.BaseTuple) and len(S) == 3:
