@@ -15,8 +15,12 @@ Phi-MoE's sparsemixer (with its LayerNorms' and head's biases), dense MLP layers
 mlp_only_layers, GLM's first_k_dense_replace) or in every layer (Llama, Qwen2, Qwen3), GPT-OSS's router
 bias and biased experts with the clamped SwiGLU (each expert as moe()'s general path runs it), with
 either kind of attention: q|k|v heads (q/k norms, biases, clip, sinks, a window per layer) or DeepSeek's
-latent attention (mla.py's projections, the latent row cached); weights in f16/bf16 (rows or panels) or
-quantized. f32 weights (forward sends them through BLAS), or layers that differ in kind where the kernel
+latent attention (mla.py's projections, the latent row cached); weights in f16/bf16 (rows or panels),
+quantized, or in llama.cpp's block kinds (a GGUF's: each matrix the pair (raw bytes, GGML kind), the kind a
+number per layer since llama-quantize's Q4_K_M mixes Q4_K and Q6_K; the products Workspace.mm_blocks' kernels,
+the experts Workspace.expert's, or on threads experts_decode_par, as forward's general path runs them). Measured
+on bench-mixtral Q4_K_M, one thread: the general path spent ~15% of a token in Python (gdb samples); fused,
+decode went from ~140 to ~160 tok/s on a shared machine. f32 weights (forward sends them through BLAS), or layers that differ in kind where the kernel
 wants one type, get None from `build`, and forward keeps its general path.
 
 With threads > 1 (a workspace of several scratch rows) every matrix's rows, q|k|v, wo, the
