@@ -259,7 +259,7 @@ def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, 
     # out (D,) = sum over the top_k routed experts of their weight * SwiGLU of x; the router's
     # (E,D) f32 gate on the calling thread
     _routed(gate, x[:0], x[:0], np.float32(0.0), w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs,
-            xi)
+            xi, bk)
 
 
 @njit(cache=True)
