@@ -247,15 +247,18 @@ class Workspace:
         return self._block_h
 
     def block_scratch(self, blocks: bool, A: int = 0, I: int = 0) -> tuple:
-        """The fused decode token's block-kind scratch (kernels/decode's bk): block_acts' arrays whole (Xq, Xd, Xs,
-        tmps), experts_decode_par's for A routed experts of I rows (_experts_rows), and PAR_MIN_BLOCK_WEIGHTS.
-        Where the model has no block kinds (blocks False), or no routed ones (A == 0), 1 x 1 arrays of the same
-        types stand in (never read), so that every model's token has one type of scratch."""
-        z = tuple(np.zeros((1, 1), dt) for dt in (np.int8, np.float32, np.int32, np.float32,
-                                                  np.float32, np.float32, np.int8, np.float32, np.int32))
+        """The fused decode token's block-kind scratch (kernels/decode's bk): block_acts' buffers whole (Xq, Xd, Xs
+        flat; tmps one row per thread chunk), experts_decode_par's for A routed experts of I rows (_experts_rows),
+        and PAR_MIN_BLOCK_WEIGHTS. Where the model has no block kinds (blocks False), or no routed ones (A == 0),
+        small arrays of the same types stand in (never read), so that every model's token has one type of scratch."""
+        z = (np.zeros(1, np.int8), np.zeros(1, np.float32), np.zeros(1, np.int32), np.zeros((1, 1), np.float32),
+             *(np.zeros((1, 1), dt) for dt in (np.float32, np.float32, np.int8, np.float32, np.int32)))
         if blocks:
             self.block_acts(1, self._n_max)
-        acts = self._block_acts if blocks else z[:4]
+            _, q, d, s, tmps = self._block_acts
+            acts = (q, d, s, tmps.reshape(2 * self.threads, -1))
+        else:
+            acts = z[:4]
         rows = self._experts_rows(A, I) if blocks and A else z[4:]
         return (*acts, *rows, np.int64(self.PAR_MIN_BLOCK_WEIGHTS))
 

@@ -116,8 +116,8 @@ def _store_attend_overload(kc, vc, table, l, q3, k3, v3, start, window, scale, o
 # The scratch xs/xi picks the threads: one row (1-D) runs every matrix on the calling thread; a
 # workspace's (2*chunks, ...) rows split each matrix's rows over Numba threads (prange, `chunks`
 # chunks; the experts' w1 and w3 take 2*chunks in one region). Rows give the same bits either way.
-# bk: the block kinds' scratch (Workspace.block_scratch): Xq, Xd, Xs, tmps (block_acts' arrays), and
-# H1, H3, Hq, Hd, Hs (the threaded experts' rows, experts_decode_par), 1 x 1 arrays for other kinds; and
+# bk: the block kinds' scratch (Workspace.block_scratch): Xq, Xd, Xs, tmps (block_acts' buffers), and
+# H1, H3, Hq, Hd, Hs (the threaded experts' rows, experts_decode_par), small arrays for other kinds; and
 # the weights from which a block-kind matrix goes to the threads (Workspace.PAR_MIN_BLOCK_WEIGHTS).
 
 def _is_pair(W):
@@ -132,11 +132,12 @@ def _is_blocks(W):
 
 @njit(cache=True, inline="always")
 def _acts(bk, n, kind):
-    # the rounding scratch of one row of n activations for kind, sliced as Workspace.block_acts slices it
-    # (so that every block kernel gets the types forward's general path compiled), and the per-thread scratch
-    Xq, Xd, Xs, tmps = bk[0], bk[1], bk[2], bk[3]
-    q = Xq[:1, :2 * n] if kind & ACTS16 else Xq[:1, :n]
-    return q, Xd[:1, :n // 32], Xs[:1, :n // 16], tmps[:, :tmps.shape[1]]
+    # the rounding scratch of one row of n activations for kind, C-contiguous (1, ...) views of the workspace's flat
+    # buffers as Workspace.block_acts makes them (so every block kernel gets the types forward's general path
+    # compiled), and the per-thread scratch rows
+    w = 2 * n if kind & ACTS16 else n
+    return (bk[0][:w].reshape((1, w)), bk[1][:n // 32].reshape((1, n // 32)), bk[2][:n // 16].reshape((1, n // 16)),
+            bk[3])
 
 
 @njit(cache=True, inline="always")
