@@ -161,27 +161,6 @@ def test_a_llama_quantized_q4_k_m_file_keeps_its_bytes_and_logits(tmp_path, monk
     assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.7
 
 
-def test_decode_on_two_threads_gives_the_one_thread_bits(tmp_path):
-    hf = _hf(tmp_path)
-    kinds = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_K]
-
-    def mixed(name, a):
-        if a.ndim < 2 or "ffn_gate_inp" in name:
-            return a, Q.F32
-        k = kinds[sum(map(ord, name)) % len(kinds)]
-        return quantized(a * 0.5, k, seed=len(name)), k
-    write_gguf(hf, tmp_path / "m.gguf", "mixtral", matrix_type=mixed, config=_cfg())
-    convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks", progress=False,
-                 require_tokenizer=False)
-    runs = []
-    for threads in (1, 2):
-        m = Model.open(str(tmp_path / "b.colibri"), threads=threads)
-        c = m.new_cache(64)
-        m.prefill(c, PROMPT[:8])
-        runs.append(np.stack([m.decode(c, t)[0].copy() for t in PROMPT[8:14]]))
-    assert np.array_equal(runs[0], runs[1])
-
-
 def test_colibri_dequantize_writes_the_block_kinds_values_as_floats(tmp_path):
     from colibri_server.model.quant import dequantize_file
     hf = _hf(tmp_path)

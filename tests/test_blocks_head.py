@@ -183,3 +183,28 @@ def test_a_block_models_threaded_kernels_are_compiled_before_fork(tmp_path):
             assert tuple(numba.typeof(a) for a in args) in mm, (W.shape, T)
     args = ws.experts_blocks_args(L, np.zeros(2, np.int64), np.zeros(2, np.float32), ws.x[0], ws.h[0])
     assert tuple(numba.typeof(a) for a in args) in {tuple(s) for s in KB.experts_decode_par.signatures}
+
+
+def test_decode_on_two_threads_gives_the_one_thread_bits(tmp_path):
+    """A model of five block kinds mixed matrix by matrix (q, k, v, the experts' three each their own): its fused
+    decode token on two threads gives the one-thread bits. Here, beside the head's tests, so that the same worker
+    runs it after them and loads the block-kind token they compiled rather than waiting on that compile."""
+    from test_blocks_convert import _cfg, _hf
+    hf = _hf(tmp_path)
+    kinds = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_K]
+
+    def mixed(name, a):
+        if a.ndim < 2 or "ffn_gate_inp" in name:
+            return a, Q.F32
+        k = kinds[sum(map(ord, name)) % len(kinds)]
+        return quantized(a * 0.5, k, seed=len(name)), k
+    write_gguf(hf, tmp_path / "m.gguf", "mixtral", matrix_type=mixed, config=_cfg())
+    convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks", progress=False,
+                 require_tokenizer=False)
+    runs = []
+    for threads in (1, 2):
+        m = Model.open(str(tmp_path / "b.colibri"), threads=threads)
+        c = m.new_cache(64)
+        m.prefill(c, PROMPT[:8])
+        runs.append(np.stack([m.decode(c, t)[0].copy() for t in PROMPT[8:14]]))
+    assert np.array_equal(runs[0], runs[1])
