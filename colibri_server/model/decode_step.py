@@ -19,9 +19,9 @@ latent attention (mla.py's projections, the latent row cached); weights in f16/b
 quantized, or in llama.cpp's block kinds (a GGUF's: each matrix the pair (raw bytes, GGML kind), the kind a
 number per layer since llama-quantize's Q4_K_M mixes Q4_K and Q6_K; the products Workspace.mm_blocks' kernels,
 the experts Workspace.expert's, or on threads experts_decode_par, as forward's general path runs them). Measured
-on bench-mixtral Q4_K_M, one thread: the general path spent ~15% of a token in Python (gdb samples); fused,
-decode went from ~140 to ~160 tok/s on a shared machine. f32 weights (forward sends them through BLAS), or layers that differ in kind where the kernel
-wants one type, get None from `build`, and forward keeps its general path.
+on bench-mixtral Q4_K_M, one thread: the general path spent ~15% of a token in Python (gdb samples); fused, decode
+went from 141 to 160 tok/s (bench/blocks.py, quiet). f32 weights (forward sends them through BLAS), or layers that
+differ in kind where the kernel wants one type, get None from `build`, and forward keeps its general path.
 
 With threads > 1 (a workspace of several scratch rows) every matrix's rows, q|k|v, wo, the
 experts and the head, are split over Numba threads inside the one call, and attention's kv
@@ -40,6 +40,7 @@ from .blocks import is_block
 from .kernels import decode as KD
 from .panels import kernel_array
 from .rope import attention_scale
+from .weights import read_only
 
 __all__ = ["DecodeStep"]
 
@@ -64,13 +65,8 @@ def _weight(W):
     return None if a.dtype == np.float32 else a
 
 
-def _read_only(a):
-    a.setflags(write=False)
-    return a
-
-
-def _opt(a, none=_NONE):
-    return none if a is None else a
+def _opt(a):
+    return _NONE if a is None else a
 
 
 class Stacks:
@@ -161,7 +157,7 @@ class DecodeStep:
             return None
         wqkv, qnorm, knorm = st(wqkv), st(_opt(L.q_norm) for L in Ls), st(_opt(L.k_norm) for L in Ls)
         # Qwen2-MoE's and GPT-OSS's q|k|v biases as one vector
-        bqkv = st(_NONE if L.bq is None else _read_only(np.concatenate([L.bq, L.bk, L.bv])) for L in Ls)
+        bqkv = st(_NONE if L.bq is None else read_only(np.concatenate([L.bq, L.bk, L.bv])) for L in Ls)
         if any(t is None for t in (wqkv, qnorm, knorm, bqkv)):
             return None
         H, Hkv, hd, qd, kvd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_dim, cfg.kv_dim

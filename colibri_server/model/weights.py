@@ -28,7 +28,8 @@ _ABSENT.setflags(write=False)
 _NO_SINKS = _ABSENT
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
+def read_only(a: np.ndarray) -> np.ndarray:
+    """a, its write flag off (as a view of the mapped file has it); for arrays the model builds itself."""
     a.setflags(write=False)
     return a
 
@@ -166,7 +167,7 @@ def _rule(rt: fmt.RoutingRecord, bias) -> dict:
     from .kernels.moe import RULE_GROUPS, RULE_RENORM, RULE_SIGMOID
     flags = ((RULE_RENORM if rt.flags & fmt.ROUTE_RENORM else 0) | (RULE_SIGMOID if rt.flags & fmt.ROUTE_SIGMOID else 0)
              | (RULE_GROUPS if rt.flags & fmt.ROUTE_GROUP_LIMITED else 0))
-    return {"rule": _read_only(np.array([flags, rt.n_group, rt.topk_group, rt.routed_scale], np.float32)),
+    return {"rule": read_only(np.array([flags, rt.n_group, rt.topk_group, rt.routed_scale], np.float32)),
             "corr_bias": _ABSENT if bias is None else bias}
 
 

@@ -18,7 +18,7 @@ from numba import literal_unroll, njit, types
 from numba.extending import overload
 
 from .attn import attend
-from .blocks import ACTS16, embed_blocks, experts_decode_par
+from .blocks import ACTS16, QB, SB, embed_blocks, experts_decode_par
 from .blocks_gemm import matmul_blocks, matmul_blocks_par
 from .dense import _matvec_core, embed, layernorm, matvec_stack, rmsnorm, rope
 from .heads import heads_matmul, heads_matmul_par
@@ -136,7 +136,7 @@ def _acts(bk, n, kind):
     # buffers as Workspace.block_acts makes them (so every block kernel gets the types forward's general path
     # compiled), and the per-thread scratch rows
     w = 2 * n if kind & ACTS16 else n
-    return (bk[0][:w].reshape((1, w)), bk[1][:n // 32].reshape((1, n // 32)), bk[2][:n // 16].reshape((1, n // 16)),
+    return (bk[0][:w].reshape((1, w)), bk[1][:n // QB].reshape((1, n // QB)), bk[2][:n // SB].reshape((1, n // SB)),
             bk[3])
 
 
@@ -145,11 +145,11 @@ def _blocks_mv(raw, kind, x, out, alpha, accumulate, bk, nt):
     # out (d,) (=|+=) alpha * raw (d, row bytes) @ x (n,): Workspace.mm_blocks at T == 1 (on nt threads from
     # bk[9] weights: Workspace.PAR_MIN_BLOCK_WEIGHTS)
     n, d = x.shape[0], out.shape[0]
-    q, xd, xs, tm = _acts(bk, n, kind)
+    q, xd, xsum, tm = _acts(bk, n, kind)
     if nt > 1 and d * n >= bk[9]:
-        matmul_blocks_par(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xs, tm[:nt], alpha, accumulate)
+        matmul_blocks_par(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xsum, tm[:nt], alpha, accumulate)
     else:
-        matmul_blocks(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xs, tm[0], alpha, accumulate)
+        matmul_blocks(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xsum, tm[0], alpha, accumulate)
 
 
 def _threaded(xs):
@@ -162,7 +162,7 @@ def _proj(W, x, out, xs, xi, bk):
 
 @overload(_proj)
 def _proj_overload(W, x, out, xs, xi, bk):
-    # out (d,) = W @ x for a float array or a quantized pair
+    # out (d,) = W @ x for a float array, a quantized pair or a block pair
     par = _threaded(xs)
     if _is_blocks(W):
         def impl(W, x, out, xs, xi, bk):
@@ -193,7 +193,7 @@ def _qkv(W, x, out, xs, xi, bk):
 
 @overload(_qkv)
 def _qkv_overload(W, x, out, xs, xi, bk):
-    # out (qd+2kvd,) = q|k|v @ x: one view, a float stack (rows streamed together), or three pairs
+    # out (qd+2kvd,) = q|k|v @ x: one view, a float stack (rows streamed together), three pairs or three block pairs
     par = _threaded(xs)
     if isinstance(W, types.Array):
         return lambda W, x, out, xs, xi, bk: _proj(W, x, out, xs, xi, bk)
@@ -290,9 +290,9 @@ def _chosen_overload(w1, w3, w2, x, top_k, idx, wts, h1, h3, out, xs, xi, bk):
     if _is_blocks(w1) and _threaded(xs):
         def par(w1, w3, w2, x, top_k, idx, wts, h1, h3, out, xs, xi, bk):
             D = x.shape[0]
-            q, xd, xq16, tm = _acts(bk, D, w1[1])
+            q, xd, xsum, tm = _acts(bk, D, w1[1])
             experts_decode_par(w1[0], w1[1], w3[0], w3[1], w2[0], w2[1], idx[0].astype(np.int64), wts[0],
-                               x.reshape((1, D)), bk[4], bk[5], out.reshape((1, D)), q, xd, xq16, bk[6], bk[7], bk[8],
+                               x.reshape((1, D)), bk[4], bk[5], out.reshape((1, D)), q, xd, xsum, bk[6], bk[7], bk[8],
                                tm[:xs.shape[0] // 2])
         return par
 
