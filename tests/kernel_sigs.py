@@ -1,7 +1,7 @@
 """Opt-in pytest plugin: every compiled signature of every colibri Numba kernel, with the test that first
 compiled (or loaded) it and the seconds its compile took.
 
-    COLIBRI_KERNEL_SIGS=OUT.jsonl pytest -n 0 tests/test_x.py   (conftest loads it when the variable is set)
+    KERNEL_SIGS=OUT.jsonl pytest -n 0 tests/test_x.py   (conftest loads it when the variable is set)
 
 With an empty COLIBRI_CACHE_DIR every signature is a compile; with a warm one it is a load (seconds ~0).
 Writes one JSON line per (kernel, signature): kernel (module.name), sig (the argument types as Numba
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-ENV = "COLIBRI_KERNEL_SIGS"
+ENV = "KERNEL_SIGS"
 
 
 def _dispatchers():

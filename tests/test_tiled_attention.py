@@ -51,6 +51,7 @@ def _check(rng, P, H, Hkv, hd, dv=None, window=0, sinks=False, rows=None, BS=16,
     pos = np.arange(P) if rows is None else np.asarray(rows, np.int64)
     q = rng.standard_normal((len(pos), H, hd)).astype(np.float32)
     sk = (2 * rng.standard_normal(H)).astype(np.float32) if sinks else NO_SINKS
+    sk.setflags(write=False)        # read-only as a model's sinks: the kernels' signature a served model compiles
     scale = 1.0 / np.sqrt(hd)
     ref = KP.paged_attention_ref(q, kp, vp, tables, np.zeros(len(pos), np.int64), pos, window, scale, dv=dv,
                                  sinks=sk if sinks else None)

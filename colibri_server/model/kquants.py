@@ -33,6 +33,8 @@ def quantize(kind: str, rows: np.ndarray) -> np.ndarray:
     if kind in ("q4_k", "q5_k", "q6_k"):
         from .kernels.kquants import quantize_k
         out = np.empty((R, n // k.block * k.size), np.uint8)
+        rows = rows.view()
+        rows.setflags(write=False)      # one compiled signature, whether the caller's rows are writable or mapped
         quantize_k(k.ggml, rows, out)
         return out
     import gguf

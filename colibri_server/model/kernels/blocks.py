@@ -450,18 +450,18 @@ def experts_decode_par(r1, k1, r3, k3, r2, k2, idx, wts, x, H1, H3, out, Xq, Xd,
     for p in prange(nt):
         for a in range(A):
             e = idx[a]
-            _rows(r1[e], k1, x, Xq, Xd, Xs, H1[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, False)
+            _rows(r1[e], k1, x, Xq, Xd, Xs, H1[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, np.bool_(False))
             if same:
-                _rows(r3[e], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, False)
+                _rows(r3[e], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, np.bool_(False))
     if not same:
         round_rows(k3, x, Xq, Xd, Xs)
         for p in prange(nt):
             for a in range(A):
-                _rows(r3[idx[a]], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, False)
+                _rows(r3[idx[a]], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, np.bool_(False))
     for a in range(A):
         _silu_mul_1d(H1[a], H3[a])
     round_rows(k2, H1, Hq, Hd, Hs)
     for p in prange(nt):
         for a in range(A):
             _rows(r2[idx[a]], k2, H1[a:a + 1], Hq[a:a + 1], Hd[a:a + 1], Hs[a:a + 1], out, tmps[p],
-                  p * D // nt, (p + 1) * D // nt, wts[a], True)
+                  p * D // nt, (p + 1) * D // nt, wts[a], np.bool_(True))

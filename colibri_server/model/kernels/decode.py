@@ -146,10 +146,11 @@ def _blocks_mv(raw, kind, x, out, alpha, accumulate, bk, nt):
     # bk[9] weights: Workspace.PAR_MIN_BLOCK_WEIGHTS)
     n, d = x.shape[0], out.shape[0]
     q, xd, xsum, tm = _acts(bk, n, kind)
+    acc = np.bool_(accumulate)      # not a literal: a literal True or False is a compile of the block chain of its own
     if nt > 1 and d * n >= bk[9]:
-        matmul_blocks_par(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xsum, tm[:nt], alpha, accumulate)
+        matmul_blocks_par(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xsum, tm[:nt], alpha, acc)
     else:
-        matmul_blocks(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xsum, tm[0], alpha, accumulate)
+        matmul_blocks(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xsum, tm[0], alpha, acc)
 
 
 def _threaded(xs):
@@ -170,16 +171,16 @@ def _proj_overload(W, x, out, xs, xi, bk):
         return impl
     if isinstance(W, types.Array) and par:
         def impl(W, x, out, xs, xi, bk):
-            _matvec_par(W, x, out, xs.shape[0] // 2, np.float32(1.0), False)
+            _matvec_par(W, x, out, xs.shape[0] // 2, np.float32(1.0), np.bool_(False))
         return impl
     if isinstance(W, types.Array):
         def impl(W, x, out, xs, xi, bk):
-            _matvec_core(W, x, out, np.float32(1.0), False)
+            _matvec_core(W, x, out, np.float32(1.0), np.bool_(False))
         return impl
     if _is_pair(W) and par:
         def impl(W, x, out, xs, xi, bk):
             n = xs.shape[0] // 2
-            _qmv_par(W[0], W[1], x, out, xs[:n], xi[:n], np.float32(1.0), False)
+            _qmv_par(W[0], W[1], x, out, xs[:n], xi[:n], np.float32(1.0), np.bool_(False))
         return impl
     if _is_pair(W):
         def impl(W, x, out, xs, xi, bk):
@@ -268,7 +269,7 @@ def _routed(gate, rule, cbias, sparse, w1, w3, w2, x, top_k, renorm, logits, idx
     # _experts under Phi-MoE's sparsemixer when sparse (its eps) > 0, a version-2 routing rule when rule (4,) is
     # given (kernels/moe.route_rule, cbias (E,) or size 0), else version 1's softmax top-k: moe()'s kernels and
     # order at T == 1
-    _matvec_core(gate, x, logits[0], np.float32(1.0), False)
+    _matvec_core(gate, x, logits[0], np.float32(1.0), np.bool_(False))
     if sparse > 0:
         route_sparsemixer(logits, sparse, idx, wts)
     elif rule.shape[0] > 0:
@@ -343,7 +344,7 @@ def _routed_biased(gate, gate_b, w1, w3, w2, b1, b3, b2, alpha, limit, x, top_k,
                    out, xs, xi, bk):
     # GPT-OSS's routed layer at T == 1, moe()'s general path call for call: the router's logits W x + gate_b, softmax
     # top-k, then its biased experts (experts_biased)
-    _matvec_core(gate, x, logits[0], np.float32(1.0), False)
+    _matvec_core(gate, x, logits[0], np.float32(1.0), np.bool_(False))
     _add(logits[0], gate_b)
     route(logits, top_k, renorm, idx, wts)
     experts_biased(w1, w3, w2, b1, b3, b2, idx[0], wts[0], x, alpha, limit, h1, h3, y, out, xs, xi, bk)

@@ -152,19 +152,19 @@ def _matvec_loop_overload(W, x, out, alpha, accumulate):
 def matvec(W, x, out):
     # W (d,n) f32|u16(f16)|i16(bf16), x (n,) f32 -> out (d,) f32 = W @ x
     # asm (znver3, AVX2): hot loop = 1 row x 32 cols, 4 ymm accumulators; f32 vfmadd231ps ymm,mem; f16 vcvtph2ps mem->ymm + vfmadd231ps; bf16 vpmovzxwd + vpslld $16 + vfmadd231ps
-    _matvec_core(W, x, out, np.float32(1.0), False)
+    _matvec_core(W, x, out, np.float32(1.0), np.bool_(False))
 
 
 @njit(cache=True)
 def matvec_stack(Ws, x, out):
     # (W_0, W_1, ..) (d_k,n) of one type (f16/bf16 rows or panels), x (n,) f32 -> out (sum d_k,) = rows stacked @ x;
     # decode's q|k|v: on AVX2 their rows stream together (kernels/float_ir), else one matvec each, same bits per row
-    if _KF.float_rows_stack(Ws, x, out, np.float32(1.0), False):
+    if _KF.float_rows_stack(Ws, x, out, np.float32(1.0), np.bool_(False)):
         return
     o = 0
     for W in literal_unroll(Ws):                     # a tuple of mixed array types too
         d = nrows(W)
-        _matvec_core(W, x, out[o:o + d], np.float32(1.0), False)
+        _matvec_core(W, x, out[o:o + d], np.float32(1.0), np.bool_(False))
         o += d
 
 

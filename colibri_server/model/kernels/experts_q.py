@@ -30,7 +30,7 @@ def _groups_of(q, s, X, out, lo, hi, part, nparts, xs, xi):
     if g1 <= g0:
         return
     if hi - lo == 1:
-        _qmv_groups(q, s, X[lo], out[lo], xs, xi, g0, g1, np.float32(1.0), False)
+        _qmv_groups(q, s, X[lo], out[lo], xs, xi, g0, g1, np.float32(1.0), np.bool_(False))
     else:
         q_groups(q, s, X[lo:hi], out[lo:hi], g0, g1)
 

@@ -29,7 +29,7 @@ def _head(X, W, out, h, xs, ys):
     for t in range(T):
         xs[t, :] = X[t, h, :]
     if T == 1:
-        _matvec_core(W[h], xs[0], ys[0], np.float32(1.0), False)
+        _matvec_core(W[h], xs[0], ys[0], np.float32(1.0), np.bool_(False))
     else:
         rowgemm(W[h:h + 1], xs, ys)
     for t in range(T):

@@ -118,10 +118,10 @@ def _silu_mul_1d(g, u):
 def expert_ffn(w1, w3, w2, e, x, weight, h1, h3, out):
     # w1,w3 (E,I,D), w2 (E,D,I) any, x (D,) f32 -> out (D,) += weight * w2[e] @ (silu(w1[e]@x) * (w3[e]@x)); h1,h3 (I,) scratch
     one = np.float32(1.0)
-    _matvec_core(w1[e], x, h1, one, False)
-    _matvec_core(w3[e], x, h3, one, False)
+    _matvec_core(w1[e], x, h1, one, np.bool_(False))
+    _matvec_core(w3[e], x, h3, one, np.bool_(False))
     _silu_mul_1d(h1, h3)
-    _matvec_core(w2[e], h1, out, np.float32(weight), True)
+    _matvec_core(w2[e], h1, out, np.float32(weight), np.bool_(True))
 
 
 @njit(cache=True)
@@ -161,19 +161,19 @@ def matvec_qkv_par(W0, W1, W2, x, out, nchunks):
     for c in prange(nchunks):
         r0, r1 = chunk_rows(c, d0, nchunks)
         if r1 > r0:
-            _matvec_core(row_slice(W0, r0, r1), x, out[r0:r1], one, False)
+            _matvec_core(row_slice(W0, r0, r1), x, out[r0:r1], one, np.bool_(False))
         r0, r1 = chunk_rows(c, d1, nchunks)
         if r1 > r0:
-            _matvec_core(row_slice(W1, r0, r1), x, out[d0 + r0:d0 + r1], one, False)
+            _matvec_core(row_slice(W1, r0, r1), x, out[d0 + r0:d0 + r1], one, np.bool_(False))
         r0, r1 = chunk_rows(c, d2, nchunks)
         if r1 > r0:
-            _matvec_core(row_slice(W2, r0, r1), x, out[d0 + d1 + r0:d0 + d1 + r1], one, False)
+            _matvec_core(row_slice(W2, r0, r1), x, out[d0 + d1 + r0:d0 + d1 + r1], one, np.bool_(False))
 
 
 @njit(cache=True)
 def matvec_par(W, x, out, nchunks):
     # matvec with the rows split in nchunks run by Numba threads (threads > 1 only)
-    _matvec_par(W, x, out, nchunks, np.float32(1.0), False)
+    _matvec_par(W, x, out, nchunks, np.float32(1.0), np.bool_(False))
 
 
 @njit(cache=True, parallel=True)
@@ -185,9 +185,9 @@ def _matvec_pair_par(W1, W3, x, h1, h3, nchunks):
         r0, r1 = chunk_rows(c2 % nchunks, d, nchunks)
         if r1 > r0:
             if c2 < nchunks:
-                _matvec_core(row_slice(W1, r0, r1), x, h1[r0:r1], np.float32(1.0), False)
+                _matvec_core(row_slice(W1, r0, r1), x, h1[r0:r1], np.float32(1.0), np.bool_(False))
             else:
-                _matvec_core(row_slice(W3, r0, r1), x, h3[r0:r1], np.float32(1.0), False)
+                _matvec_core(row_slice(W3, r0, r1), x, h3[r0:r1], np.float32(1.0), np.bool_(False))
 
 
 @njit(cache=True)
@@ -195,7 +195,7 @@ def expert_ffn_par(w1, w3, w2, e, x, weight, h1, h3, out, nchunks):
     # expert_ffn on Numba threads: two parallel regions (w1 and w3 together, then w2)
     _matvec_pair_par(w1[e], w3[e], x, h1, h3, nchunks)
     _silu_mul_1d(h1, h3)
-    _matvec_par(w2[e], h1, out, nchunks, np.float32(weight), True)
+    _matvec_par(w2[e], h1, out, nchunks, np.float32(weight), np.bool_(True))
 
 
 def expert_ffn_ref(w1, w3, w2, e, x, weight, out):

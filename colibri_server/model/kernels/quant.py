@@ -204,7 +204,7 @@ def _qmv_groups(q, s, x, out, xs, xi, g0, g1, alpha, accumulate):
 
 @njit(cache=True)
 def _qmv_core(q, s, x, out, xs, xi, alpha, accumulate):
-    _qmv_groups(q, s, x, out, xs, xi, 0, s.shape[0], alpha, accumulate)
+    _qmv_groups(q, s, x, out, xs, xi, np.int64(0), s.shape[0], alpha, accumulate)
 
 
 def scratch_len(n: int) -> int:
@@ -227,7 +227,7 @@ def scratch(n: int, rows: int = 0):
 @njit(cache=True)
 def matvec_q(q, s, x, out, xs, xi):
     # (q i8 (d,n) | u8 (d,n/2), s u16 (d/G,n)), x (n,) f32 -> out (d,) f32 = W @ x; xs (scratch_len(n),) f32, xi (xi_len(n),) i16 scratch
-    _qmv_core(q, s, x, out, xs, xi, np.float32(1.0), False)
+    _qmv_core(q, s, x, out, xs, xi, np.float32(1.0), np.bool_(False))
 
 
 def _dequant(q, s):
@@ -295,10 +295,10 @@ def rows_to_f32_q_ref(q, s, r0, r1, out=None):
 def expert_ffn_q(w1q, w1s, w3q, w3s, w2q, w2s, e, x, weight, h1, h3, out, xs, xi):
     # quantized w1,w3 (E,I,D), w2 (E,D,I); x (D,) -> out (D,) += weight * w2[e] @ (silu(w1[e]@x) * (w3[e]@x)); h1,h3 (I,), xs/xi scratch for max(D,I)
     one = np.float32(1.0)
-    _qmv_core(w1q[e], w1s[e], x, h1, xs, xi, one, False)
-    _qmv_core(w3q[e], w3s[e], x, h3, xs, xi, one, False)
+    _qmv_core(w1q[e], w1s[e], x, h1, xs, xi, one, np.bool_(False))
+    _qmv_core(w3q[e], w3s[e], x, h3, xs, xi, one, np.bool_(False))
     _silu_mul_1d(h1, h3)
-    _qmv_core(w2q[e], w2s[e], h1, out, xs, xi, np.float32(weight), True)
+    _qmv_core(w2q[e], w2s[e], h1, out, xs, xi, np.float32(weight), np.bool_(True))
 
 
 def expert_ffn_q_ref(w1q, w1s, w3q, w3s, w2q, w2s, e, x, weight, out):
@@ -326,7 +326,7 @@ def _qmv_par(q, s, x, out, xs2, xi2, alpha, accumulate):
 @njit(cache=True)
 def matvec_q_par(q, s, x, out, xs2, xi2):
     # matvec_q with the row groups split over xs2.shape[0] chunks run by Numba threads
-    _qmv_par(q, s, x, out, xs2, xi2, np.float32(1.0), False)
+    _qmv_par(q, s, x, out, xs2, xi2, np.float32(1.0), np.bool_(False))
 
 
 @njit(cache=True, parallel=True)
@@ -338,9 +338,9 @@ def matvec_q_qkv_par(q0, s0, q1, s1, q2, s2, x, out, xs2, xi2):
     n0, n1, n2 = s0.shape[0], s1.shape[0], s2.shape[0]
     one = np.float32(1.0)
     for c in prange(nt):
-        _qmv_groups(q0, s0, x, out[:d0], xs2[c], xi2[c], c * n0 // nt, (c + 1) * n0 // nt, one, False)
-        _qmv_groups(q1, s1, x, out[d0:d0 + d1], xs2[c], xi2[c], c * n1 // nt, (c + 1) * n1 // nt, one, False)
-        _qmv_groups(q2, s2, x, out[d0 + d1:], xs2[c], xi2[c], c * n2 // nt, (c + 1) * n2 // nt, one, False)
+        _qmv_groups(q0, s0, x, out[:d0], xs2[c], xi2[c], c * n0 // nt, (c + 1) * n0 // nt, one, np.bool_(False))
+        _qmv_groups(q1, s1, x, out[d0:d0 + d1], xs2[c], xi2[c], c * n1 // nt, (c + 1) * n1 // nt, one, np.bool_(False))
+        _qmv_groups(q2, s2, x, out[d0 + d1:], xs2[c], xi2[c], c * n2 // nt, (c + 1) * n2 // nt, one, np.bool_(False))
 
 
 @njit(cache=True, parallel=True)
@@ -354,9 +354,9 @@ def _qmv_pair_par(q1, s1, q3, s3, x, h1, h3, xs2, xi2):
         g0 = c * ng // nt
         g1 = (c + 1) * ng // nt
         if c2 < nt:
-            _qmv_groups(q1, s1, x, h1, xs2[c2], xi2[c2], g0, g1, one, False)
+            _qmv_groups(q1, s1, x, h1, xs2[c2], xi2[c2], g0, g1, one, np.bool_(False))
         else:
-            _qmv_groups(q3, s3, x, h3, xs2[c2], xi2[c2], g0, g1, one, False)
+            _qmv_groups(q3, s3, x, h3, xs2[c2], xi2[c2], g0, g1, one, np.bool_(False))
 
 
 @njit(cache=True)
@@ -364,4 +364,4 @@ def expert_ffn_q_par(w1q, w1s, w3q, w3s, w2q, w2s, e, x, weight, h1, h3, out, xs
     # expert_ffn_q on threads: two parallel regions (w1 and w3 together, then w2); xs2/xi2 (2*chunks, ...) scratch
     _qmv_pair_par(w1q[e], w1s[e], w3q[e], w3s[e], x, h1, h3, xs2, xi2)
     _silu_mul_1d(h1, h3)
-    _qmv_par(w2q[e], w2s[e], h1, out, xs2[:xs2.shape[0] // 2], xi2[:xi2.shape[0] // 2], np.float32(weight), True)
+    _qmv_par(w2q[e], w2s[e], h1, out, xs2[:xs2.shape[0] // 2], xi2[:xi2.shape[0] // 2], np.float32(weight), np.bool_(True))

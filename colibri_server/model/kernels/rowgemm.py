@@ -249,7 +249,7 @@ def _any_rows(P, X, out, r0, r1):
 @njit(cache=True)
 def rowgemm(P, X, out):
     # P (nb,d,Pw) f32/f16/bf16 weights, X (T,n) f32 -> out (T,d) f32 = X @ W.T
-    _any_rows(P, X, out, 0, P.shape[1])
+    _any_rows(P, X, out, np.int64(0), P.shape[1])
 
 
 @njit(cache=True, parallel=True)
@@ -301,16 +301,16 @@ def _expert_rows(W1, W3, W2, X, order, k, lo, hi, Y):
     u = np.empty((c, I), np.float32)
     y = np.empty((c, D), np.float32)
     if c == 1:                      # Workspace.mm's one-row path: the matvec
-        _matvec_core(W1, xe[0], g[0], np.float32(1.0), False)
-        _matvec_core(W3, xe[0], u[0], np.float32(1.0), False)
+        _matvec_core(W1, xe[0], g[0], np.float32(1.0), np.bool_(False))
+        _matvec_core(W3, xe[0], u[0], np.float32(1.0), np.bool_(False))
     else:
-        _any_rows(_panel_view(W1), xe, g, 0, I)
-        _any_rows(_panel_view(W3), xe, u, 0, I)
+        _any_rows(_panel_view(W1), xe, g, np.int64(0), I)
+        _any_rows(_panel_view(W3), xe, u, np.int64(0), I)
     silu_mul(g, u, g)
     if c == 1:
-        _matvec_core(W2, g[0], y[0], np.float32(1.0), False)
+        _matvec_core(W2, g[0], y[0], np.float32(1.0), np.bool_(False))
     else:
-        _any_rows(_panel_view(W2), g, y, 0, D)
+        _any_rows(_panel_view(W2), g, y, np.int64(0), D)
     for r in range(c):
         Y[order[lo + r]] = y[r]
 
