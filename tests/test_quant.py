@@ -351,6 +351,15 @@ def test_quantized_model_tracks_the_float_one(mixtral_files, kind):
     np.testing.assert_allclose(dec, got[-1], rtol=0, atol={"q8": 1e-3, "q4": 5e-2}[kind] * np.abs(got).max())
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_decode_of_a_quantized_model_is_the_general_path_bit_for_bit(mixtral_files, kind):
+    """test_parity's fused-MoE decode check (the one-call MoE, kernels_decode.moe_quant, against a routing trace's
+    general path) on the quantized files: here, after the test above compiled their kernels in this process, so
+    that it loads them instead of waiting on another worker compiling the same signatures."""
+    from test_parity import fused_decode_is_the_general_path
+    fused_decode_is_the_general_path(Model.open(mixtral_files[kind]))
+
+
 @pytest.mark.slow   # 22 s cold; test_threaded_model_gives_the_same_logits[q4] holds the same bits
 def test_quantized_threads_match_single_thread(mixtral_files):
     a = Model.open(mixtral_files["q4"]).generate(PROMPT, max_tokens=8, ignore_eos=True)
