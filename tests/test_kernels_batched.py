@@ -33,6 +33,7 @@ def test_rowgemm_is_the_product_for_every_batch_size(kind, layout):
     d, n = 37, 512                                     # an odd row count: the 1-row tail
     bits, logical = _weights(kind, d, n, rng)
     P = to_panels(bits) if layout == "panels" else bits[None]
+    P.setflags(write=False)  # read-only as a model's weights: the signature a served model compiles
     for B in (1, 2, 3, 4, 5, 8, 9, 17):
         X = rng.standard_normal((B, n)).astype(np.float32)
         out = np.full((B, d), np.nan, np.float32)
@@ -72,6 +73,8 @@ def test_experts_rows_are_each_chosen_experts_swiglu(kind):
     E, D, I, T, k = 5, 512, 256, 9, 2
     w1, w3, w2 = [[_weights(kind, a, b, rng) for _ in range(E)] for a, b in ((I, D), (I, D), (D, I))]
     P1, P3, P2 = (np.stack([to_panels(bits) for bits, _ in w]) for w in (w1, w3, w2))
+    for P in (P1, P3, P2):
+        P.setflags(write=False)  # read-only as a model's weights: the signature a served model compiles
     X = rng.standard_normal((T, D)).astype(np.float32)
     idx = np.array([[0, 1]] * 5 + [[2, 1], [3, 0], [1, 2], [2, 0]], np.int32)      # expert 3: one row, 4: none
     counts, offsets, order = np.zeros(E, np.int64), np.zeros(E + 1, np.int64), np.zeros(T * k, np.int64)

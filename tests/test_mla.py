@@ -107,6 +107,7 @@ def test_heads_matmul_is_its_twin(wdtype):
     W32 = rng.standard_normal((5, 7, 24)).astype(np.float32)
     W = {np.float32: W32, np.uint16: W32.astype(np.float16).view(np.uint16),
          np.int16: (W32.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)}[wdtype]
+    W.setflags(write=False)  # read-only as a model's weights: the signature a served model compiles
     ref = KH.heads_matmul_ref(X, W)
     for kernel in (KH.heads_matmul, KH.heads_matmul_par):
         out = np.zeros((3, 5, 7), np.float32)
@@ -197,6 +198,7 @@ def test_paged_attention_on_threads_splits_one_rows_heads_bit_for_bit():
         tables = rng.permutation(NB).astype(np.int32)[None]
         q = rng.standard_normal((1, Hq, hd)).astype(np.float32)
         sinks = rng.standard_normal(Hq).astype(np.float32)
+        sinks.setflags(write=False)  # read-only as a model's weights: the signature a served model compiles
         args = (tables, np.zeros(1, np.int64), np.array([33]), 0, 0.3)
         one, two = np.zeros((1, Hq, dv), np.float32), np.full((1, Hq, dv), np.nan, np.float32)
         KT.tiled_attention(q, kp, vp, *args, one, sinks)

@@ -129,6 +129,7 @@ def test_matvec_q_can_fail(rng, kind):
     out = np.zeros(64, np.float32)
     q = W.q.copy()
     q[37, 5] ^= 0x11
+    q.setflags(write=False)  # read-only as a model's weights: the signature a served model compiles
     KQ.matvec_q(q, W.s, x, out, *KQ.scratch(64))
     assert not np.allclose(out, KQ.matvec_q_ref(W.q, W.s, x), rtol=1e-4, atol=1e-6)
 
@@ -248,6 +249,8 @@ def test_threaded_float_kernels(rng, kind):
         K.matvec_par(W[1], x, out, chunks)
         np.testing.assert_allclose(out, K.matvec_ref(W[1], x), rtol=1e-4, atol=1e-5)
     W2 = np.ascontiguousarray(W.transpose(0, 2, 1))                      # (E, 48, 80)
+    for a in (W, W2):
+        a.setflags(write=False)  # read-only as a model's weights: the signature a served model compiles
     out0 = np.zeros(48, np.float32)
     out = out0.copy()
     K.expert_ffn_par(W, W, W2, 1, x, 0.5, np.zeros(80, np.float32), np.zeros(80, np.float32), out, 2)
