@@ -6,7 +6,7 @@ against llama.cpp, one panel per recorded curve:
 - the same on the balanced model (bench/balanced_mixtral.py: uniform routing, residency's worst case);
 - 8-client serving on bench-mixtral f16 (bench/memory_limit_serve.py's JSON: colibri serve, llama-server).
 
-    python bench/memory_limit_plot.py --decode bench/recorded/memory-limit-curve-2026-12-05-epyc-zen4.json \\
+    python bench/memory_limit_plot.py --decode bench/recorded/memory-limit-server-order-2026-12-05-epyc-zen4.json \\
         --balanced bench/recorded/memory-limit-balanced-quiet-2026-12-05-epyc-zen4.json \\
         --serve bench/recorded/memory-limit-serve-curve-2026-12-05-epyc-zen4.json --svg docs/memory-limit.svg
 
