@@ -7,7 +7,7 @@ runs, in turns, inside it (so the page cache the run fills is charged to the lim
 - colibri: a process that opens the .colibri file without pre-faulting it, sets its weights budget to
   what the cgroup leaves it (residency.resolve_budget of residency.available_memory: 90% of the room
   left after the process's own memory, less room for the experts being read), loads its kernels and gives
-  up what they took beyond the room a server leaves them (master/residency.KERNELS_ROOM), locks, decodes greedily with
+  up what they took beyond the room a server leaves them (master/residency.start_after_compile), locks, decodes greedily with
   the server's batched step (one thread, one sequence) while a thread re-ranks the locked experts every
   0.25 s, as the server's master does from its own process;
 - colibri without a budget (the kernel's LRU decides, as before issue 36);
@@ -123,7 +123,7 @@ def child_colibri(a) -> None:
     sys.path.insert(0, str(HERE.parent))
     import numpy as np
 
-    from colibri_server.master.residency import KERNELS_ROOM
+    from colibri_server.master.residency import start_after_compile
     from colibri_server.model import Model
     from colibri_server.model.residency import Residency, available_memory, in_flight_bytes, resolve_budget
     from colibri_server.model.serving import BatchEngine, warm_up
@@ -138,14 +138,12 @@ def child_colibri(a) -> None:
         res = Residency(m.file, m.config, budget, partial=not a.weights_memory)
         m.residency = res
     # the server's order (master/loading): the kernels load (from a cold cache: compile) with the residency attached
-    # and nothing locked; a budget chosen here then gives up what they took beyond KERNELS_ROOM; then the locks.
-    # (a budget fixed before them left one 933 MiB run 77 MiB of page cache: memory-limit-2026-12-05-epyc-zen4.json)
+    # and nothing locked, then the server's start_after_compile (a budget chosen here gives up what they took beyond
+    # KERNELS_ROOM; the locks). A budget fixed before them left one 933 MiB run 77 MiB of page cache
+    # (memory-limit-2026-12-05-epyc-zen4.json)
     warm_up(m)
     if res is not None:
-        over = _anon() - anon0 - KERNELS_ROOM
-        if over > 0 and not a.weights_memory:
-            res.shrink(res.budget - over)
-        res.start()
+        start_after_compile(m, a.weights_memory, _anon() - anon0)
         budget = res.budget
     eng = BatchEngine(m, max_seqs=1, max_batch_tokens=len(PROMPT) + 1, prefix_cache=False)
     if eng.fetch is not None:

@@ -61,6 +61,20 @@ def attach(m, s, budget: int) -> None:
     m.residency = Residency(m.file, m.config, budget, partial=not getattr(s, "weights_memory", 0))
 
 
+def start_after_compile(m, weights_memory: int, grown: int) -> None:
+    """lock()'s first half: a budget chosen from the memory available (weights_memory 0) gives up what the
+    kernels' compile kept beyond KERNELS_ROOM (`grown`: the process's anonymous memory grown since the budget
+    was chosen), then m's Residency starts (its always-resident part locked)."""
+    res = m.residency
+    over = grown - KERNELS_ROOM
+    if over > 0 and not weights_memory:
+        log.info("model %s: the kernels took %.0f MiB beyond the %.0f MiB left for them: weights_memory "
+                 "%.0f -> %.0f MiB", m.path, over / 2**20, KERNELS_ROOM / 2**20, res.budget / 2**20,
+                 max(0, res.budget - over) / 2**20)
+        res.shrink(res.budget - over)
+    res.start()
+
+
 def lock(m, s, grown: int) -> None:
     """Once the kernels are compiled: lock m's always-resident part and, from a saved popular set, the
     experts it names. `grown`: the master's anonymous memory grown since the budget was chosen. A budget
@@ -69,13 +83,7 @@ def lock(m, s, grown: int) -> None:
     locks come after it, and a budget the server chose gives up what the compile kept beyond that room.
     Raises ValueError / OSError with a one-line reason."""
     res = m.residency
-    over = grown - KERNELS_ROOM
-    if over > 0 and not getattr(s, "weights_memory", 0):
-        log.info("model %s: the kernels took %.0f MiB beyond the %.0f MiB left for them: weights_memory "
-                 "%.0f -> %.0f MiB", m.path, over / 2**20, KERNELS_ROOM / 2**20, res.budget / 2**20,
-                 max(0, res.budget - over) / 2**20)
-        res.shrink(res.budget - over)
-    res.start()
+    start_after_compile(m, getattr(s, "weights_memory", 0), grown)
     _load_popular(res, m.path)
     res.rerank(time.monotonic(), max_swaps=1 << 30, cached_only=False)
     res.next_rerank, res.next_save = 0.0, time.monotonic() + SAVE_EVERY
