@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 
 from .blocks import KINDS
-from .weights import read_only
 
 SCHEMES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0")
 _FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}    # a row that is not a multiple of 256
@@ -34,8 +33,9 @@ def quantize(kind: str, rows: np.ndarray) -> np.ndarray:
     if kind in ("q4_k", "q5_k", "q6_k"):
         from .kernels.kquants import quantize_k
         out = np.empty((R, n // k.block * k.size), np.uint8)
-        # read-only: one compiled signature, whether the caller's rows are writable or mapped
-        quantize_k(k.ggml, read_only(rows.view()), out)
+        rows = rows.view()
+        rows.setflags(write=False)      # one compiled signature, whether the caller's rows are writable or mapped
+        quantize_k(k.ggml, rows, out)
         return out
     import gguf
     return np.asarray(gguf.quants.quantize(rows, gguf.GGMLQuantizationType(k.ggml)), np.uint8).reshape(R, -1)
