@@ -144,6 +144,29 @@ def test_a_decode_tokens_eight_row_product_gives_each_rows_dot_bits(kind):
     assert (out[0, :2] == 0.5).all()
 
 
+def test_a_decode_tokens_q4_0_rows_on_swizzled_activations_give_each_rows_dot_bits():
+    # kernels/blocks._rows_q4_0 at one activation row where the CPU has AVX-512 VBMI: the activations swizzled once
+    # (blocks_ir.acts_q4_0_swizzle), then 8 blocks a step with no fold across blocks (row_q4_0_sw); 1056 columns:
+    # 4 groups of 8 blocks and one block alone. Each output is the one-row dot's (kernels/blocks.row_dot), bit for
+    # bit, and a scratch too small for the swizzled activations takes that dot
+    rng = np.random.default_rng(19)
+    d, n = 19, 1056
+    raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, Q.Q4_0, seed=11)
+    x = rng.standard_normal((1, n)).astype(np.float32) * 2.5
+    xq, xd, xs = np.zeros((1, n), np.int8), np.zeros((1, n // 32), np.float32), np.zeros((1, n // 16), np.int32)
+    KB.round_rows(int(Q.Q4_0), x, xq, xd, xs)
+    want = np.array([np.float32(0.5) + np.float32(0.75) * KB.row_dot(int(Q.Q4_0), raw[i], x[0], xq[0], xd[0], xs[0],
+                                                                        np.zeros(16, np.float32))
+                     for i in range(2, d)], np.float32)
+    ref = KB.matmul_blocks_ref(raw, int(Q.Q4_0), x)[0, 2:]
+    assert np.abs(want - 0.5 - 0.75 * ref).max() < 0.01 * np.abs(ref).max()
+    for words in (KG.scratch_words(n), 16 + n // 4 - 1):       # the swizzled activations, and no room for them
+        out = np.full((1, d), 0.5, np.float32)
+        KB._rows(raw, int(Q.Q4_0), x, xq, xd, xs, out, np.zeros(words, np.float32), 2, d, np.float32(0.75), True)
+        assert np.array_equal(out[0, 2:].view(np.uint32), want.view(np.uint32)), words
+        assert (out[0, :2] == 0.5).all()
+
+
 def _mixed(name, a):
     """Every matrix in a block kind (the kinds in turn, by name), where its columns are whole blocks."""
     kinds = [k for k in KINDS if a.shape[-1] % gguf.GGML_QUANT_SIZES[k][0] == 0]
