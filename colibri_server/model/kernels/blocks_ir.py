@@ -225,7 +225,7 @@ def _row32(nibbles, swizzled=False):
             wsp = _arr_ptr(context, builder, a[2], args[2], _i8) if swizzled else None
             dp = _arr_ptr(context, builder, a[k], args[k], _f32)
             sp = _arr_ptr(context, builder, a[k + 1], args[k + 1], _i32)
-            v8, v8f = ir.VectorType(_i32, 8), ir.VectorType(_f32, 8)
+            v8 = ir.VectorType(_i32, 8)
 
             def block(b):
                 """(block b's exact integer sum, its f16 scale as f32)."""
@@ -255,39 +255,10 @@ def _row32(nibbles, swizzled=False):
                 isum = _sum8(builder, ps)
                 return builder.sub(isum, correction(b0, 8)) if nibbles else isum
 
-            def regs8(b0):
-                """Blocks b0..b0+7's bytes as 64-byte registers (the last holds their last 16 bytes), prefetched ahead."""
-                o = builder.mul(b0, ir.Constant(idx, size))
-                for k in range(0, 8 * size, 64):
-                    prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, k)), ahead=BLOCK_AHEAD)
-                base = builder.gep(rp, [o])
-                regs = [_load(builder, builder.gep(base, [ir.Constant(idx, k)]), 64) for k in range(0, 8 * size - 16, 64)]
-                return regs + [_widen(builder, _load(builder, builder.gep(base, [ir.Constant(idx, 8 * size - 16)]), 16))]
-
-            def scales8(s16):
-                h8 = builder.bitcast(builder.bitcast(s16, ir.VectorType(ir.IntType(16), 8)), ir.VectorType(ir.HalfType(), 8))
-                return builder.fpext(h8, v8f)
-
             def group8_q4_0(b0):
-                """Q4_0 blocks b0..b0+7 against the swizzled activations: 32-bit lane l of every vector holds 4
-                values of block l mod 8 (SWIZZLE), so four `vpdpbusd` accumulate in one register and block b's sum
-                is lanes b and b + 8: no folding across blocks."""
-                regs = regs8(b0)
-                acc = ir.Constant(ir.VectorType(_i32, 16), None)
-                v64 = ir.VectorType(_i8, 64)
-                xw = builder.gep(wsp, [builder.mul(b0, ir.Constant(idx, 32))])
-                for half in range(2):           # nibble bytes 0-7, then 8-15, of every block
-                    at = [k * size + 2 + 8 * half + 4 * (ln // 8) + i for ln in range(16) for k in [ln % 8] for i in range(4)]
-                    first = _gather(builder, regs[0], regs[1], [c if c < 128 else 0 for c in at])   # blocks 0-6
-                    g = _gather(builder, first, regs[2], [j if at[j] < 128 else 64 + at[j] - 128 for j in range(64)])
-                    for j, w in enumerate((builder.and_(g, ir.Constant(v64, [15] * 64)),
-                                           builder.lshr(g, ir.Constant(v64, [4] * 64)))):
-                        x = _load(builder, builder.gep(xw, [ir.Constant(idx, 64 * (2 * half + j))]), 64)
-                        acc = _dot64(builder, w, x, acc)
-                isum = builder.add(builder.shuffle_vector(acc, acc, ir.Constant(v8, list(range(8)))),
-                                   builder.shuffle_vector(acc, acc, ir.Constant(v8, list(range(8, 16)))))
-                isum = builder.sub(isum, correction(b0, 8))
-                return isum, scales8(_gather(builder, regs[0], regs[1], [k * size + t for k in range(8) for t in (0, 1)]))
+                """Q4_0 blocks b0..b0+7 against the swizzled activations (q4_0_group8)."""
+                (isum,), ds = q4_0_group8(builder, rp, b0, [builder.gep(wsp, [builder.mul(b0, ir.Constant(idx, 32))])])
+                return builder.sub(isum, correction(b0, 8)), ds
 
             def one_sum(p8, b):
                 isum = _reduce(builder, p8, 8)
@@ -307,6 +278,37 @@ def _row32(nibbles, swizzled=False):
         def impl(typingctx, r, xq, xd, xs, nb):
             return typed(r, xq, xd, xs, nb)
     return impl
+
+
+def q4_0_group8(builder, rp, b0, xws):
+    """Q4_0 blocks b0..b0+7 of the row at i8 pointer rp . the swizzled activations of those blocks at each i8 pointer
+    of xws (one an activation row): ([<8 x i32> a row, lane b block b's integer sum of nibble . activation, the 8's
+    correction left to the caller], the blocks' f16 scales as <8 x f32>). The 8 blocks are read as whole 64-byte
+    registers (prefetched ahead), their nibbles and scales gathered by byte shuffles (`vpermt2b`) into four vectors
+    that meet the activations' four (SWIZZLE: 32-bit lane l holds 4 values of block l mod 8), four `vpdpbusd` a row
+    into one register, its lanes b and b + 8 added: no fold across blocks."""
+    idx, size = ir.IntType(64), 18
+    o = builder.mul(b0, ir.Constant(idx, size))
+    for k in range(0, 8 * size, 64):
+        prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, k)), ahead=BLOCK_AHEAD)
+    base = builder.gep(rp, [o])
+    regs = [_load(builder, builder.gep(base, [ir.Constant(idx, k)]), 64) for k in (0, 64)]
+    regs.append(_widen(builder, _load(builder, builder.gep(base, [ir.Constant(idx, 8 * size - 16)]), 16)))
+    v64 = ir.VectorType(_i8, 64)
+    accs = [ir.Constant(ir.VectorType(_i32, 16), None)] * len(xws)
+    for half in range(2):           # nibble bytes 0-7, then 8-15, of every block: their low nibbles, their high ones
+        at = [k * size + 2 + 8 * half + 4 * (ln // 8) + i for ln in range(16) for k in [ln % 8] for i in range(4)]
+        first = _gather(builder, regs[0], regs[1], [c if c < 128 else 0 for c in at])   # blocks 0-6
+        g = _gather(builder, first, regs[2], [j if at[j] < 128 else 64 + at[j] - 128 for j in range(64)])
+        for j, w in enumerate((builder.and_(g, ir.Constant(v64, [15] * 64)), builder.lshr(g, ir.Constant(v64, [4] * 64)))):
+            accs = [_dot64(builder, w, _load(builder, builder.gep(xw, [ir.Constant(idx, 64 * (2 * half + j))]), 64), acc)
+                    for xw, acc in zip(xws, accs)]
+    v8 = ir.VectorType(_i32, 8)
+    sums = [builder.add(builder.shuffle_vector(acc, acc, ir.Constant(v8, list(range(8)))),
+                        builder.shuffle_vector(acc, acc, ir.Constant(v8, list(range(8, 16))))) for acc in accs]
+    s16 = _gather(builder, regs[0], regs[1], [k * size + t for k in range(8) for t in (0, 1)])
+    h8 = builder.bitcast(builder.bitcast(s16, ir.VectorType(ir.IntType(16), 8)), ir.VectorType(ir.HalfType(), 8))
+    return sums, builder.fpext(h8, ir.VectorType(_f32, 8))
 
 
 # The swizzled activations of a Q4_0 row dot (row_q4_0_sw), per group of 8 blocks (256 bytes): four 64-byte vectors,

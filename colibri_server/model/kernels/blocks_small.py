@@ -24,6 +24,7 @@ from numba.extending import intrinsic
 from .blocks import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _dot_q4_0, _dot_q4_k, _dot_q5_k, _dot_q6_k, _dot_q8_0, _put2
 from .blocks_ir import (
     BLOCK_AHEAD,
+    HAVE_VBMI,
     HAVE_VNNI256,
     _arr_ptr,
     _dot8,
@@ -34,9 +35,12 @@ from .blocks_ir import (
     _scaled_dot,
     _sum8,
     _vload,
+    acts_q4_0_swizzle,
     b32_total,
     b32_update,
     k_update,
+    q4_0_group8,
+    row_q4_0_sw,
 )
 from .prefetch import prefetch_ahead
 
@@ -232,23 +236,29 @@ def _mk_k(kind, nc):
     return intrinsic(impl)
 
 
-def _mk_b32(nibbles, nc):
+def _mk_b32(nibbles, nc, swizzled=False):
     """The micro-kernel of Q8_0 (Q4_0: nibbles) for nc rows, as blocks_ir's row dot (_row32) for each: block b's
-    exact sum times d_b * xd_b into partial sum b mod 8 (8 blocks a vector), the partials summed by b32_total."""
+    exact sum times d_b * xd_b into partial sum b mod 8 (8 blocks a vector), the partials summed by b32_total.
+    swizzled (Q4_0, AVX-512 VBMI): one more argument after xq, the rows' activations as blocks_ir.acts_q4_0_swizzle
+    lays them out, and whole groups of 8 blocks gathered once for the nc rows (blocks_ir.q4_0_group8)."""
     size = 18 if nibbles else 34
+    k = 1 if swizzled else 0        # the arguments after xq move by one
+    gather = swizzled and HAVE_VBMI  # without VBMI (an AVX2 build) xw is not read
 
-    def impl(typingctx, r, xq, xd, xs, t0, nb, res):
-        sig = types.void(r, xq, xd, xs, t0, nb, res)
+    def typed(*args):
+        sig = types.void(*args)
 
         def codegen(context, builder, signature, args):
             a = signature.args
             b = builder
             rp = _arr_ptr(context, b, a[0], args[0], _i8)
-            xq = _rows(context, b, a[1], args[1], args[4], nc, _i8)
-            xd = _rows(context, b, a[2], args[2], args[4], nc, _f32)
-            xs = _rows(context, b, a[3], args[3], args[4], nc, _i32)
-            res = _arr_ptr(context, b, a[6], args[6], _f32)
-            nb = args[5]
+            t0 = args[4 + k]
+            xq = _rows(context, b, a[1], args[1], t0, nc, _i8)
+            xw = _rows(context, b, a[2], args[2], t0, nc, _i8) if swizzled else None
+            xd = _rows(context, b, a[2 + k], args[2 + k], t0, nc, _f32)
+            xs = _rows(context, b, a[3 + k], args[3 + k], t0, nc, _i32)
+            res = _arr_ptr(context, b, a[6 + k], args[6 + k], _f32)
+            nb = args[5 + k]
             accs = [cgutils.alloca_once_value(b, ir.Constant(_vf, None)) for _ in range(nc)]
 
             def weights(blk):
@@ -272,15 +282,18 @@ def _mk_b32(nibbles, nc):
             eight = _c(8)
             with cgutils.for_range(b, b.sdiv(nb, eight)) as loop:
                 b0 = b.mul(loop.index, eight)
-                ps, ds = [[] for _ in range(nc)], ir.Constant(_vf, None)
-                for i in range(8):
-                    blk = b.add(b0, _c(i))
-                    q, d = weights(blk)
-                    ds = b.insert_element(ds, d, ir.Constant(_i32, i))
-                    for t in range(nc):
-                        ps[t].append(_dot8(b, q, _load(b, b.gep(xq[t], [b.mul(blk, _c(32))]), 32), not nibbles))
+                if gather:
+                    sums, ds = q4_0_group8(b, rp, b0, [b.gep(xw[t], [b.mul(b0, _c(32))]) for t in range(nc)])
+                else:
+                    ps, ds = [[] for _ in range(nc)], ir.Constant(_vf, None)
+                    for i in range(8):
+                        blk = b.add(b0, _c(i))
+                        q, d = weights(blk)
+                        ds = b.insert_element(ds, d, ir.Constant(_i32, i))
+                        for t in range(nc):
+                            ps[t].append(_dot8(b, q, _load(b, b.gep(xq[t], [b.mul(blk, _c(32))]), 32), not nibbles))
                 for t in range(nc):
-                    isum = _sum8(b, ps[t])
+                    isum = sums[t] if gather else _sum8(b, ps[t])
                     if nibbles:     # the nibbles' 8 out through the activations' 32-sums (row32's correction)
                         x16 = _vload(b, xs[t], b.mul(b0, _c(2)), ir.VectorType(_i32, 16))
                         ev = b.shuffle_vector(x16, x16, ir.Constant(_v8, list(range(0, 16, 2))))
@@ -306,6 +319,13 @@ def _mk_b32(nibbles, nc):
                 b.store(tot, b.gep(res, [_c(t)]))
             return context.get_dummy_value()
         return sig, codegen
+
+    if swizzled:
+        def impl(typingctx, r, xq, xw, xd, xs, t0, nb, res):
+            return typed(r, xq, xw, xd, xs, t0, nb, res)
+    else:
+        def impl(typingctx, r, xq, xd, xs, t0, nb, res):
+            return typed(r, xq, xd, xs, t0, nb, res)
     return intrinsic(impl)
 
 
@@ -314,6 +334,8 @@ _q5k_8, _q5k_4, _q5k_3, _q5k_2 = _mk_k(Q5_K, 8), _mk_k(Q5_K, 4), _mk_k(Q5_K, 3),
 _q6k_8, _q6k_4, _q6k_3, _q6k_2 = _mk_k(Q6_K, 8), _mk_k(Q6_K, 4), _mk_k(Q6_K, 3), _mk_k(Q6_K, 2)
 _q8_8, _q8_4, _q8_3, _q8_2 = _mk_b32(False, 8), _mk_b32(False, 4), _mk_b32(False, 3), _mk_b32(False, 2)
 _q40_8, _q40_4, _q40_3, _q40_2 = _mk_b32(True, 8), _mk_b32(True, 4), _mk_b32(True, 3), _mk_b32(True, 2)
+_q40s_8, _q40s_4, _q40s_3, _q40s_2 = (_mk_b32(True, 8, True), _mk_b32(True, 4, True), _mk_b32(True, 3, True),
+                                      _mk_b32(True, 2, True))
 
 
 # ---------------------------------------------------------------------------- rows of a matrix, one kind each
@@ -427,8 +449,43 @@ def _small_q8_0(raw, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate):
 
 
 @njit(cache=True)
-def _small_q4_0(raw, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate):
+def _small_q4_0_swizzled(raw, X, Xq, Xd, Xs, out, res, Xw, i0, i1, alpha, accumulate):
     T, nb = Xq.shape[0], Xq.shape[1] // 32
+    for i in range(i0, i1):
+        r, t0 = raw[i], 0
+        while T - t0 >= 8:
+            _q40s_8(r, Xq, Xw, Xd, Xs, t0, nb, res)
+            _put(out, res, t0, 8, i, alpha, accumulate)
+            t0 += 8
+        if T - t0 >= 4 and T - t0 != 5:
+            _q40s_4(r, Xq, Xw, Xd, Xs, t0, nb, res)
+            _put(out, res, t0, 4, i, alpha, accumulate)
+            t0 += 4
+        if T - t0 >= 3:
+            _q40s_3(r, Xq, Xw, Xd, Xs, t0, nb, res)
+            _put(out, res, t0, 3, i, alpha, accumulate)
+            t0 += 3
+        if T - t0 >= 2:
+            _q40s_2(r, Xq, Xw, Xd, Xs, t0, nb, res)
+            _put(out, res, t0, 2, i, alpha, accumulate)
+            t0 += 2
+        if t0 < T:
+            _put2(out, t0, i, row_q4_0_sw(r, Xq[t0], Xw[t0], Xd[t0], Xs[t0], nb), alpha, accumulate)
+
+
+@njit(cache=True)
+def _small_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # on AVX-512 VBMI with room in tmp for the rows' swizzled activations: _small_q4_0_swizzled, the same bits
+    T, n = Xq.shape[0], Xq.shape[1]
+    res = tmp[:16]
+    w = n // 4
+    if HAVE_VBMI and n >= 256 and tmp.shape[0] >= 16 + T * w:
+        Xw = tmp[16:16 + T * w].reshape((T, w))
+        for t in range(T):
+            acts_q4_0_swizzle(Xq[t], Xw[t], n // 256)
+        _small_q4_0_swizzled(raw, X, Xq, Xd, Xs, out, res, Xw, i0, i1, alpha, accumulate)
+        return
+    nb = n // 32
     for i in range(i0, i1):
         r, t0 = raw[i], 0
         while T - t0 >= 8:
@@ -465,7 +522,7 @@ def small_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     elif kind == Q8_0:
         _small_q8_0(raw, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate)
     elif kind == Q4_0:
-        _small_q4_0(raw, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate)
+        _small_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
 
 
 def small_kind(kind: int) -> bool:
