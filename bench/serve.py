@@ -4,8 +4,8 @@
 
 DIR holds llama-server and llama-quantize, built from the pinned llama.cpp source with
 -DGGML_NATIVE=ON (default bench/.anchors/bin, which bench/build_anchors.sh builds). The model is bench-mixtral (bench/decode.py builds
-it, the .colibri files and the GGUFs, once, under --data; q4_k_m: llama-quantize's Q4_K_M and, for colibri,
-that GGUF converted with the defaults, its block kinds kept). For each precision and each number of
+it, the .colibri files and the GGUFs, once, under --data; q4_k_m, q4_0: llama-quantize's Q4_K_M / Q4_0 and, for
+colibri, that GGUF converted with the defaults, its block kinds kept; q4: colibri's own q4 against Q4_0). For each precision and each number of
 concurrent clients C, llama-server (continuous batching, -np C, -t/-tb = the machine's cores) and
 `colibri serve --model FILE` (nothing else: what a user gets) take turns, --rounds times. Each
 client streams --reqs requests one after another: a --prompt-token prompt of random ids (a different
@@ -56,8 +56,8 @@ sys.path.insert(0, str(HERE))
 
 import decode as D  # noqa: E402  (bench-mixtral, its .colibri files and GGUFs)
 
-GGUF = {"f16": "F16", "q8": "Q8_0", "q4": "Q4_0", "q4_k_m": "Q4_K_M"}
-FROM_GGUF = {"q4_k_m"}     # colibri's file is the GGUF converted with its defaults (the block kinds kept)
+GGUF = {"f16": "F16", "q8": "Q8_0", "q4": "Q4_0", "q4_k_m": "Q4_K_M", "q4_0": "Q4_0"}
+FROM_GGUF = {"q4_k_m", "q4_0"}     # colibri's file is the GGUF converted with its defaults (the block kinds kept)
 
 
 def free_port() -> int:
