@@ -98,12 +98,12 @@ def _gather(builder, a, b, picks):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, len(picks)), picks))
 
 
-def _dot64(builder, w, x, acc=None):
-    """acc (<16 x i32>, default 0) + <64 x i8> unsigned weights . <64 x i8> activations, lane l the sum of bytes
-    4l..4l+3's products (one 512-bit `vpdpbusd`)."""
+def _dot64(builder, w, x, acc):
+    """acc (<16 x i32>) + <64 x i8> unsigned weights . <64 x i8> activations, lane l the sum of bytes 4l..4l+3's
+    products (one 512-bit `vpdpbusd`)."""
     vd = ir.VectorType(_i32, 16)
     f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vd, [vd, vd, vd]), "llvm.x86.avx512.vpdpbusd.512")
-    return builder.call(f, [ir.Constant(vd, None) if acc is None else acc, builder.bitcast(w, vd), builder.bitcast(x, vd)])
+    return builder.call(f, [acc, builder.bitcast(w, vd), builder.bitcast(x, vd)])
 
 
 def _i16(builder, v, n, signed):
