@@ -169,9 +169,18 @@ def test_sync_clients_spread_fail_over_on_kill_and_take_the_restarted_router_bac
     load.wait(lambda: {r["addr"] for r in load.done()} == {a, b}, 20, "both routers serving")
     for r in load.done():                           # the router the pool names is the one that served it
         assert r["out"].worker_pid in pids[r["addr"]], r
-    wait_until(lambda: both.s["a"].stats()["in_flight"] >= 1, 10, "a request running on a")
+    held = Client([a, b], timeout=30)               # two streams of one pool client: one on each router,
+    streams = [held.stream(PROMPTS[2], max_tokens=240, ignore_eos=True) for _ in range(2)]
+    for s in streams:                               # each running (a token back) when a is killed, so a
+        next(s)                                     # request is surely in flight on a, whatever the load does
+    assert sorted(s.addr for s in streams) == sorted([a, b]), [s.addr for s in streams]
+    on_a, on_b = sorted(streams, key=lambda s: s.addr != a)
     t_kill = time.monotonic()
     both.kill("a")
+    with pytest.raises(ConnectionLost, match=a):
+        on_a.completion()
+    assert time.monotonic() < t_kill + 15 and len(on_b.completion().token_ids) == 240
+    held.close()
     load.wait(lambda: len(load.done(since=t_kill + 0.2)) >= 8, 20, "answers from b after a was killed")
     t_restart = time.monotonic()
     both.start("a")
@@ -180,9 +189,7 @@ def test_sync_clients_spread_fail_over_on_kill_and_take_the_restarted_router_bac
     load.wait(lambda: any(r["addr"] == a for r in load.done(since=t_back)), 10, "a used again after its restart")
     log = load.finish()
 
-    failed = [r for r in log if isinstance(r["out"], Exception)]
-    assert failed, "no request was in flight on the killed router: the test proves nothing"
-    for r in failed:                                # in flight on a at the kill, ended at once, explicitly
+    for r in [r for r in log if isinstance(r["out"], Exception)]:                                # in flight on a at the kill, ended at once, explicitly
         assert isinstance(r["out"], ConnectionLost) and a in str(r["out"]), r
         assert r["addr"] == a and r["t0"] < t_kill + 0.2 and r["t1"] < t_kill + 5, r
     after = [r for r in log if r["t0"] >= t_kill + 0.2]
