@@ -649,6 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    from .host.logs import claim_title
+    claim_title()                   # before anything changes the environment
     a = build_parser().parse_args(argv)
     try:
         a.fn(a)

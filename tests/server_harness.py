@@ -62,8 +62,8 @@ class Server:
         args = [sys.executable, "-m", "colibri_server.cli", cmd, "--model", str(model),
                 *(("--workers", str(workers)) if cmd == "serve" else ()),
                 "--bind", self.addr, "--runtime-dir", str(self.runtime), "--pin", "none", *map(str, extra)]
-        e = child_env()
-        e.update(env or {})
+        e = dict(env or {})         # the caller's variables first in the environment (as `VAR=x cmd` puts them)
+        e.update((k, v) for k, v in child_env().items() if k not in e)
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([*prefix, *args], stdout=self.log, stderr=subprocess.STDOUT, env=e)
         self.pid = self.proc.pid

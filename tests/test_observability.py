@@ -31,7 +31,11 @@ def obs(built, tmp_path_factory):
         pass
     s = S()
     s.model, s.url = Model.open(path), f"http://127.0.0.1:{port}"
-    s.server = Server(path, tmp, workers=1, extra=["--http", f"127.0.0.1:{port}", "--log-format", "json"])
+    # the cache root as the first variable of the environment, which the cli sets again from the settings:
+    # setproctitle, had it not found its area before that, would leave every title unchanged
+    from colibri_server.model.numba_cache import cache_root
+    s.server = Server(path, tmp, workers=1, extra=["--http", f"127.0.0.1:{port}", "--log-format", "json"],
+                      env={"COLIBRI_CACHE_DIR": cache_root()})
     try:
         s.server.wait_ready(1)
         s.server.wait_http(s.url)

@@ -46,6 +46,17 @@ def setup(level: str = "info", fmt: str = "text") -> None:
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
 
 
+def claim_title() -> None:
+    """Let setproctitle find this process's argv area now: it looks on its first call, and fails quietly
+    once an inherited environment variable has been replaced (COLIBRI_CACHE_DIR set in the environment
+    and again from the settings), which leaves every later title unchanged. The cli calls it first."""
+    try:
+        import setproctitle
+        setproctitle.getproctitle()
+    except Exception:           # a title is a nicety: never a reason to fail
+        pass
+
+
 def set_role(role: str) -> None:
     """This process's role, in JSON lines and in its title ("colibri: <role>" in ps and top)."""
     global ROLE
