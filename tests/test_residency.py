@@ -125,6 +125,61 @@ def test_rerank_locks_the_most_routed_within_the_budget(small):
         m.close()
 
 
+def test_locked_experts_give_way_while_the_processes_memory_grows_and_come_back(small, caplog):
+    """master/residency.tend each turn: with less memory left than the server keeps free (the workers' KV
+    blocks and buffers grew after the budget was chosen), the least routed experts are released at once, as
+    many bytes as the shortfall, the always-resident part kept; as the room returns they are locked again,
+    never past the budget."""
+    import logging
+
+    from colibri_server.master import residency as MR
+    m, res = _open_with_budget(small, 0.6)
+    try:
+        L, E = res.shared.counts.shape
+        res.shared.counts[...] = np.arange(1, L * E + 1, dtype=np.int64).reshape(L, E)   # all differ
+        res.rerank(time.monotonic(), max_swaps=1000, cached_only=False)
+        full = res.shared.resident.astype(bool)
+        assert 0 < full.sum() < L * E and res.locked_bytes <= res.budget
+        res.floor, res.next_warn, res.next_save = 64 << 20, 0.0, time.monotonic() + 1e9   # as lock() sets them
+
+        class Gen:
+            model = m
+        room = {"now": 80 << 20}
+        gens = {1: Gen()}
+
+        def turn():
+            res.next_rerank = 0.0
+            MR.tend(gens, headroom=lambda: room["now"])
+            return res.shared.resident.astype(bool)
+
+        assert (turn() == full).all() and res.ceiling == res.budget          # room above the floor: nothing moves
+        short = 3 * int(res.expert_bytes.max()) // 2
+        room["now"] = (64 << 20) - short
+        before = res.locked_bytes
+        with caplog.at_level(logging.WARNING, logger="colibri.master"):
+            now = turn()
+        assert before - res.locked_bytes >= short and res.locked_bytes <= res.ceiling < res.budget
+        assert now.sum() < full.sum() and not (now & ~full).any()
+        counts = res.shared.counts
+        assert counts[now].min() > counts[full & ~now].max()                 # the least routed went first
+        assert res.shared.stats[list(MR_STATS()).index("ceiling")] == res.ceiling
+        assert any("under the 64 MiB the server keeps free" in r.message for r in caplog.records)
+        assert _locked_kib() * 1024 <= res.ceiling + 4096 * 8 * L * E
+        room["now"] = 0                                                      # nothing left: the experts all go
+        assert not turn().any() and res.locked_bytes == res.always_bytes     # the always part stays locked
+        room["now"] = 1 << 40                                                # the room is back: so are they
+        for _ in range(4):
+            turn()
+        assert res.ceiling == res.budget and (res.shared.resident.astype(bool) == full).all()
+    finally:
+        m.close()
+
+
+def MR_STATS():
+    from colibri_server.model.residency import STAT_NAMES
+    return STAT_NAMES
+
+
 def test_greedy_answers_equal_under_a_budget(small):
     m = Model.open(small, context=64, populate=False)
     try:
@@ -330,11 +385,12 @@ def test_metrics_and_status_show_the_budget():
     from colibri_server.http.metrics import _weights_families
     w = {"weights_memory": 300 << 20, "locked_bytes": 200 << 20, "experts_resident": 14, "experts": 64, "routes": 100,
          "resident": 60, "predicted": 20, "missed": 15, "missing_bytes": 50 << 20, "requested_bytes": 80 << 20,
-         "predictions": 90, "prediction_hits": 63}
+         "predictions": 90, "prediction_hits": 63, "ceiling": 250 << 20}
     fams = {f.name: f.samples[0].value for f in _weights_families([{"engine": {}}, {"engine": {"weights": w}}])}
     assert fams["colibri_weights_memory_bytes"] == 300 << 20 and fams["colibri_weights_locked_bytes"] == 200 << 20
     assert fams["colibri_weights_stalls"] == 15 and fams["colibri_weights_stall_bytes"] == 50 << 20
     assert fams["colibri_weights_prediction_hits"] == 63 and fams["colibri_weights_experts_resident"] == 14
+    assert fams["colibri_weights_ceiling_bytes"] == 250 << 20
     assert list(_weights_families([{"engine": {"steps": 3}}])) == []          # no budget: no family
     st = {"model": "m.colibri", "model_bytes": 1 << 30, "generation": 1, "queue": 0, "in_flight": 0, "draining": False,
           "router": {"pid": 1, "rss": 1}, "workers": [{"pid": 2, "wid": 0, "generation": 1, "state": "ready",
@@ -343,3 +399,6 @@ def test_metrics_and_status_show_the_budget():
                                                        "engine": {"weights": w}}]}
     line = next(ln for ln in format_status(st).splitlines() if ln.startswith("weights "))
     assert "14/64 experts" in line and "60% locked" in line and "15 stalls" in line and "70% right" in line
+    assert "budget 300.0 MiB (held to 250.0 MiB: memory is short)" in line
+    w["ceiling"] = w["weights_memory"]
+    assert "held" not in next(ln for ln in format_status(st).splitlines() if ln.startswith("weights "))

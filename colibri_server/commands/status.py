@@ -38,7 +38,9 @@ def format_status(st) -> str:
               None)
     if wf:
         uses = max(1, wf.get("routes", 0))
-        out.append(f"weights    budget {mib(wf['weights_memory'])}: {mib(wf['locked_bytes'])} locked, "
+        held = wf.get("ceiling", wf["weights_memory"])
+        short = f" (held to {mib(held)}: memory is short)" if held < wf["weights_memory"] else ""
+        out.append(f"weights    budget {mib(wf['weights_memory'])}{short}: {mib(wf['locked_bytes'])} locked, "
                    f"{wf['experts_resident']}/{wf['experts']} experts; of {wf.get('routes', 0)} expert uses "
                    f"{100 * wf.get('resident', 0) / uses:.0f}% locked, {100 * wf.get('predicted', 0) / uses:.0f}% read "
                    f"ahead, {wf.get('missed', 0)} stalls ({mib(wf.get('missing_bytes', 0))} read while waiting); "

@@ -124,6 +124,8 @@ class _ServerCollector:
 # a weights budget's figures (model/residency.py), shared by the workers of one mapping: the first's
 _WEIGHTS = (("weights_memory", "gauge", "weights_memory_bytes", "the weights budget (bytes kept resident)"),
             ("locked_bytes", "gauge", "weights_locked_bytes", "model bytes locked in memory now"),
+            ("ceiling", "gauge", "weights_ceiling_bytes", "bytes the budget may lock now: below weights_memory "
+             "while the server's processes need the room"),
             ("experts_resident", "gauge", "weights_experts_resident", "experts locked in memory now"),
             ("routes", "counter", "weights_expert_uses", "experts a layer needed (once per step)"),
             ("resident", "counter", "weights_expert_uses_resident", "of those, locked in memory"),

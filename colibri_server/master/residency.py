@@ -1,7 +1,8 @@
 """The master's side of a weights budget (model/residency.py is the mechanism): decide the budget when a
 model is opened, lock its always-resident part before the workers fork, re-rank the locked experts from
-the workers' shared route counts as the main loop turns, and keep the popular set beside the model so a
-restart locks the right experts first.
+the workers' shared route counts as the main loop turns, release the least routed when the processes' own
+memory grows into the room the budget left them (and take the room back when it returns), and keep the
+popular set beside the model so a restart locks the right experts first.
 
 The master starts no thread: a re-rank is a few syscalls (mlock faults a newly chosen expert in from
 disk: at most MAX_SWAPS experts per turn, so a turn stays short).
@@ -17,7 +18,8 @@ import numpy as np
 
 log = logging.getLogger("colibri.master")
 
-RERANK_EVERY = 1.0          # seconds between two re-ranks of one model
+RERANK_EVERY = 1.0          # seconds between two re-ranks of one model (and checks of the memory left)
+WARN_EVERY = 60.0           # seconds between two warnings that memory held the budget down
 MAX_SWAPS = 8               # experts newly locked per re-rank
 SAVE_EVERY = 60.0           # seconds between two saves of the popular set
 
@@ -82,8 +84,11 @@ def lock(m, s, grown: int) -> None:
     of it kept), and pages locked before it would leave it none: an OOM kill in a memory limit. So the
     locks come after it, and a budget the server chose gives up what the compile kept beyond that room.
     Raises ValueError / OSError with a one-line reason."""
+    from ..model.residency import in_flight_bytes
     res = m.residency
     start_after_compile(m, getattr(s, "weights_memory", 0), grown)
+    # the room the budget leaves that tend() keeps free: the experts read at once, and resolve_budget's growth
+    res.floor, res.next_warn = in_flight_bytes(m.file, m.config) + (32 << 20), 0.0
     _load_popular(res, m.path)
     res.rerank(time.monotonic(), max_swaps=1 << 30, cached_only=False)
     res.next_rerank, res.next_save = 0.0, time.monotonic() + SAVE_EVERY
@@ -122,8 +127,12 @@ def _save_popular(res, model_path: str) -> None:
             pass
 
 
-def tend(gens) -> None:
-    """One turn of the main loop: re-rank the residency of every live generation's model that has one."""
+def tend(gens, headroom=None) -> None:
+    """One turn of the main loop: for every live generation's model that has a residency, hold its locked
+    bytes under what the memory left allows (Residency.follow: the processes grew into the room the budget
+    left them) and re-rank it. headroom: a callable giving the bytes left (model/residency.memory_headroom)."""
+    if headroom is None:
+        from ..model.residency import memory_headroom as headroom
     now = time.monotonic()
     for g in list(gens.values()):
         res = getattr(g.model, "residency", None)
@@ -131,9 +140,23 @@ def tend(gens) -> None:
             continue
         res.next_rerank = now + RERANK_EVERY
         try:
+            _follow(res, g.model.path, headroom(), now)
             res.rerank(now, MAX_SWAPS)
         except OSError as e:
             log.warning("weights residency of %s: %s", g.model.path, e)
         if now >= res.next_save:
             res.next_save = now + SAVE_EVERY
             _save_popular(res, g.model.path)
+
+
+def _follow(res, path: str, room: int, now: float) -> None:
+    before = res.ceiling
+    after = res.follow(room, res.floor)
+    if after < before and now >= res.next_warn:
+        res.next_warn = now + WARN_EVERY
+        log.warning("model %s: %.0f MiB of memory left, under the %.0f MiB the server keeps free: weights locked "
+                    "%.0f -> at most %.0f MiB of the %.0f MiB budget (the least routed experts released; they "
+                    "are read from disk when used) until the room comes back", path, room / 2**20,
+                    res.floor / 2**20, res.locked_bytes / 2**20, after / 2**20, res.budget / 2**20)
+    elif after == res.budget and before < res.budget:
+        log.info("model %s: memory is back: the weights budget is %.0f MiB again", path, res.budget / 2**20)

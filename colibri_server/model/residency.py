@@ -34,7 +34,8 @@ import resource
 
 import numpy as np
 
-__all__ = ["Residency", "ReadAhead", "expert_ranges", "resolve_budget", "in_flight_bytes", "available_memory", "BudgetTooSmall", "STAT_NAMES"]
+__all__ = ["Residency", "ReadAhead", "expert_ranges", "resolve_budget", "in_flight_bytes", "available_memory",
+           "memory_headroom", "BudgetTooSmall", "STAT_NAMES"]
 
 PAGE = mmap.PAGESIZE
 MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
@@ -42,7 +43,7 @@ MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 # what ReadAhead counts, in the shared stats row (one int64 each)
 STAT_NAMES = ("routes", "resident", "predicted", "missed", "missing_bytes", "requested_bytes",
-              "predictions", "prediction_hits")
+              "predictions", "prediction_hits", "ceiling")      # ceiling: the master's (Residency.follow)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -114,24 +115,19 @@ def in_flight_bytes(cf, cfg) -> int:
     return (2 * max(1, cfg.top_k) + 1) * biggest
 
 
-def available_memory() -> int:
-    """Bytes this process may still use: the system's available memory, or less in a memory cgroup
-    (v2 memory.max, v1 memory.limit_in_bytes, less what the group uses but cannot give back: its usage
-    less its inactive file pages)."""
-    import psutil
-    avail = psutil.virtual_memory().available
+def _cgroup_limits():
+    """(limit, usage, memory.stat, v2) of each memory cgroup this process is in that has a limit."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
     except OSError:
-        return avail
+        return
     for line in lines:
         _, ctrl, path = line.split(":", 2)
         if ctrl == "":
-            d, files = f"/sys/fs/cgroup{path}", ("memory.max", "memory.current", "inactive_file")
+            d, files = f"/sys/fs/cgroup{path}", ("memory.max", "memory.current")
         elif "memory" in ctrl.split(","):
-            d, files = f"/sys/fs/cgroup/memory{path}", ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                                        "total_inactive_file")
+            d, files = f"/sys/fs/cgroup/memory{path}", ("memory.limit_in_bytes", "memory.usage_in_bytes")
         else:
             continue
         try:
@@ -140,12 +136,36 @@ def available_memory() -> int:
             with open(f"{d}/{files[1]}") as f:
                 used = int(f.read())
             with open(f"{d}/memory.stat") as f:
-                stat = dict(ln.split() for ln in f if ln.strip())
+                stat = {k: int(v) for k, v in (ln.split() for ln in f if ln.strip())}
         except (OSError, ValueError):
             continue
         if lim != "max" and int(lim) < (1 << 60):
-            avail = min(avail, max(0, int(lim) - used + int(stat.get(files[2], 0))))
+            yield int(lim), used, stat, ctrl == ""
+
+
+def available_memory() -> int:
+    """Bytes this process may still use: the system's available memory, or less in a memory cgroup
+    (v2 memory.max, v1 memory.limit_in_bytes, less what the group uses but cannot give back: its usage
+    less its inactive file pages)."""
+    import psutil
+    avail = psutil.virtual_memory().available
+    for lim, used, stat, v2 in _cgroup_limits():
+        avail = min(avail, max(0, lim - used + stat.get("inactive_file" if v2 else "total_inactive_file", 0)))
     return avail
+
+
+def memory_headroom() -> int:
+    """Bytes the server's processes can still take before the kernel must kill one: the system's available
+    memory (it counts the page cache the kernel can reclaim, not locked pages), or less in a memory cgroup:
+    its limit less what it holds that no reclaim gives back (its usage less its file pages on the LRU lists:
+    anonymous memory, locked pages and the kernel's own). Where available_memory asks what a new budget may
+    take, this asks whether the processes' growth since has eaten into what the budget left them."""
+    import psutil
+    room = psutil.virtual_memory().available
+    for lim, used, stat, v2 in _cgroup_limits():
+        files = ("active_file", "inactive_file") if v2 else ("total_active_file", "total_inactive_file")
+        room = min(room, max(0, lim - (used - sum(stat.get(k, 0) for k in files))))
+    return room
 
 
 class _Shared:
@@ -204,6 +224,8 @@ class Residency:
             raise BudgetTooSmall(f"weights_memory {self.budget / 2**20:.0f} MiB is below the part of "
                                  f"{os.path.basename(self.cf.path)} always kept resident "
                                  f"({self.always_bytes / 2**20:.0f} MiB: attention, norms, routers, head)")
+        self.ceiling = self.budget              # what may be locked now: follow() lowers it while memory is short
+        self.shared.stats[STAT_NAMES.index("ceiling")] = self.ceiling
 
     @property
     def active(self) -> bool:
@@ -254,7 +276,7 @@ class Residency:
         # the incumbents keep their place against a newcomer up to 25% ahead (no churn on noise)
         eff = self.score * np.where(res > 0, 1.25, 1.0)
         order = np.argsort(-eff, axis=None, kind="stable")
-        room = self.budget - self.always_bytes
+        room = min(self.budget, self.ceiling) - self.always_bytes
         want = np.zeros_like(res)
         for flat in order:
             l, e = divmod(int(flat), res.shape[1])
@@ -283,6 +305,21 @@ class Residency:
                 added += 1
         self.swaps += added
         return added
+
+    def follow(self, headroom: int, floor: int) -> int:
+        """Keep the processes out of the OOM killer's way after start(): the budget was chosen before they
+        grew (KV blocks filled, buffers, a reload's second generation). With `headroom` (memory_headroom)
+        below `floor`, the ceiling on locked bytes drops by the shortfall below what is locked now, so the
+        next rerank unlocks the lowest ranked experts at once (their pages then the kernel's to reclaim);
+        as the room comes back, the ceiling rises by half the excess a turn (locking takes room again), never
+        above the budget. The always-resident part stays locked. Returns the ceiling."""
+        short = int(floor) - int(headroom)
+        if short > 0:
+            self.ceiling = max(self.always_bytes, min(self.ceiling, self.locked_bytes) - short)
+        elif self.ceiling < self.budget:
+            self.ceiling = min(self.budget, self.ceiling + (-short) // 2)
+        self.shared.stats[STAT_NAMES.index("ceiling")] = self.ceiling
+        return self.ceiling
 
     def _missing(self, l: int, e: int) -> int:
         """Pages of expert (l, e) not in the page cache (mincore: the file's cache, mapped here or not)."""
