@@ -14,7 +14,7 @@ import pytest
 from synth_model import write_model
 
 from colibri_server.model import Model
-from colibri_server.model.residency import BudgetTooSmall, Residency, expert_ranges, resolve_budget
+from colibri_server.model.residency import BudgetTooSmall, Residency, expert_ranges, in_flight_bytes, resolve_budget
 from colibri_server.model.serving import BatchEngine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -141,10 +141,11 @@ def test_locked_experts_give_way_while_the_processes_memory_grows_and_come_back(
         full = res.shared.resident.astype(bool)
         assert 0 < full.sum() < L * E and res.locked_bytes <= res.budget
         res.floor, res.next_warn, res.next_save = 64 << 20, 0.0, time.monotonic() + 1e9   # as lock() sets them
+        res.follow(1 << 40, res.floor)
 
         class Gen:
             model = m
-        room = {"now": 80 << 20}
+        room = {"now": 1 << 40}
         gens = {1: Gen()}
 
         def turn():
@@ -163,7 +164,7 @@ def test_locked_experts_give_way_while_the_processes_memory_grows_and_come_back(
         counts = res.shared.counts
         assert counts[now].min() > counts[full & ~now].max()                 # the least routed went first
         assert res.shared.stats[list(MR_STATS()).index("ceiling")] == res.ceiling
-        assert any("under the 64 MiB the server keeps free" in r.message for r in caplog.records)
+        assert any("beside the 64 MiB the server keeps free" in r.message for r in caplog.records)
         assert _locked_kib() * 1024 <= res.ceiling + 4096 * 8 * L * E
         room["now"] = 0                                                      # nothing left: the experts all go
         assert not turn().any() and res.locked_bytes == res.always_bytes     # the always part stays locked
@@ -171,6 +172,35 @@ def test_locked_experts_give_way_while_the_processes_memory_grows_and_come_back(
         for _ in range(4):
             turn()
         assert res.ceiling == res.budget and (res.shared.resident.astype(bool) == full).all()
+    finally:
+        m.close()
+
+
+def test_a_saved_popular_set_locks_within_the_memory_left(small, tmp_path):
+    """lock() locks a saved popular set at once, reading it from disk: within the memory left beyond the room
+    the server keeps free (half of it, the rest as tend() measures again), not the whole budget."""
+    import shutil
+    from types import SimpleNamespace
+
+    from colibri_server.master import residency as MR
+    path = str(tmp_path / "m.colibri")
+    shutil.copy(small, path)
+    m = Model.open(path, context=64, populate=False)
+    try:
+        budget = int(m.file.header["file_size"] * 0.6)
+        m.residency = Residency(m.file, m.config, budget)
+        L, E = m.config.num_layers, m.config.num_experts
+        with open(MR.popular_path(path), "w") as f:
+            json.dump({"identity": m.file.identity, "score": np.arange(1, L * E + 1).reshape(L, E).tolist()}, f)
+        res, one = m.residency, int(m.residency.expert_bytes.max())
+        floor = in_flight_bytes(m.file, m.config) + (32 << 20)
+        try:
+            MR.lock(m, SimpleNamespace(weights_memory=budget), 0, headroom=lambda: floor + 4 * one)
+        except OSError as e:
+            pytest.skip(f"cannot lock memory here: {e}")
+        assert res.ceiling == res.always_bytes + 2 * one and res.always_bytes < res.locked_bytes <= res.ceiling
+        assert res.shared.resident.sum() == 2                            # the two best of the saved set
+        assert res.shared.resident[L - 1, E - 1] and res.shared.resident[L - 1, E - 2]
     finally:
         m.close()
 

@@ -77,19 +77,21 @@ def start_after_compile(m, weights_memory: int, grown: int) -> None:
     res.start()
 
 
-def lock(m, s, grown: int) -> None:
+def lock(m, s, grown: int, headroom=None) -> None:
     """Once the kernels are compiled: lock m's always-resident part and, from a saved popular set, the
     experts it names. `grown`: the master's anonymous memory grown since the budget was chosen. A budget
     the server chose left KERNELS_ROOM for it; a cold compile keeps more (hundreds of MiB at its peak, part
     of it kept), and pages locked before it would leave it none: an OOM kill in a memory limit. So the
     locks come after it, and a budget the server chose gives up what the compile kept beyond that room.
-    Raises ValueError / OSError with a one-line reason."""
-    from ..model.residency import in_flight_bytes
+    headroom: as tend's. Raises ValueError / OSError with a one-line reason."""
+    from ..model.residency import in_flight_bytes, memory_headroom
+    headroom = headroom or memory_headroom
     res = m.residency
     start_after_compile(m, getattr(s, "weights_memory", 0), grown)
     # the room the budget leaves that tend() keeps free: the experts read at once, and resolve_budget's growth
     res.floor, res.next_warn = in_flight_bytes(m.file, m.config) + (32 << 20), 0.0
     _load_popular(res, m.path)
+    _follow(res, m.path, headroom(), time.monotonic())        # a saved set locks at once: within the room
     res.rerank(time.monotonic(), max_swaps=1 << 30, cached_only=False)
     res.next_rerank, res.next_save = 0.0, time.monotonic() + SAVE_EVERY
     budget = res.budget
@@ -149,14 +151,23 @@ def tend(gens, headroom=None) -> None:
             _save_popular(res, g.model.path)
 
 
+HELD_WARN_AFTER = 10.0      # seconds the ceiling may stay below the budget (its rise included) before a warning
+
+
 def _follow(res, path: str, room: int, now: float) -> None:
     before = res.ceiling
     after = res.follow(room, res.floor)
-    if after < before and now >= res.next_warn:
+    if after >= res.budget:
+        if getattr(res, "held_since", None) is not None and now - res.held_since >= HELD_WARN_AFTER:
+            log.info("model %s: memory is back: the weights budget is %.0f MiB again", path, res.budget / 2**20)
+        res.held_since = None
+        return
+    if getattr(res, "held_since", None) is None:
+        res.held_since = now
+    short = room < res.floor and after < before          # released experts: say so at once
+    if (short or now - res.held_since >= HELD_WARN_AFTER) and now >= res.next_warn:
         res.next_warn = now + WARN_EVERY
-        log.warning("model %s: %.0f MiB of memory left, under the %.0f MiB the server keeps free: weights locked "
-                    "%.0f -> at most %.0f MiB of the %.0f MiB budget (the least routed experts released; they "
-                    "are read from disk when used) until the room comes back", path, room / 2**20,
-                    res.floor / 2**20, res.locked_bytes / 2**20, after / 2**20, res.budget / 2**20)
-    elif after == res.budget and before < res.budget:
-        log.info("model %s: memory is back: the weights budget is %.0f MiB again", path, res.budget / 2**20)
+        log.warning("model %s: %.0f MiB of memory left beside the %.0f MiB the server keeps free: weights locked "
+                    "held to %.0f MiB of the %.0f MiB budget (%.0f MiB locked; the least routed experts are read "
+                    "from disk when used) until the room comes back", path, max(0, room - res.floor) / 2**20,
+                    res.floor / 2**20, after / 2**20, res.budget / 2**20, res.locked_bytes / 2**20)

@@ -307,17 +307,17 @@ class Residency:
         return added
 
     def follow(self, headroom: int, floor: int) -> int:
-        """Keep the processes out of the OOM killer's way after start(): the budget was chosen before they
-        grew (KV blocks filled, buffers, a reload's second generation). With `headroom` (memory_headroom)
-        below `floor`, the ceiling on locked bytes drops by the shortfall below what is locked now, so the
-        next rerank unlocks the lowest ranked experts at once (their pages then the kernel's to reclaim);
-        as the room comes back, the ceiling rises by half the excess a turn (locking takes room again), never
-        above the budget. The always-resident part stays locked. Returns the ceiling."""
-        short = int(floor) - int(headroom)
-        if short > 0:
-            self.ceiling = max(self.always_bytes, min(self.ceiling, self.locked_bytes) - short)
-        elif self.ceiling < self.budget:
-            self.ceiling = min(self.budget, self.ceiling + (-short) // 2)
+        """Keep the processes out of the OOM killer's way: the budget is chosen before they grow (KV blocks
+        filled, buffers, a reload's second generation) and a weights_memory set by hand may not fit at all.
+        Locking a page takes it from what `headroom` (memory_headroom) counts, so what may be locked now is
+        what is locked plus the headroom beyond `floor`: below it, the ceiling on locked bytes drops by the
+        shortfall and the next rerank unlocks the least routed experts at once (their pages then the
+        kernel's to reclaim); above it, the ceiling rises by half the excess a turn (the headroom is
+        measured again after the locks), never above the budget. The always-resident part stays locked.
+        Returns the ceiling."""
+        room = int(headroom) - int(floor)
+        want = self.locked_bytes + (room if room < 0 else room // 2)
+        self.ceiling = min(self.budget, max(self.always_bytes, want))
         self.shared.stats[STAT_NAMES.index("ceiling")] = self.ceiling
         return self.ceiling
 
