@@ -14,7 +14,14 @@ import pytest
 from synth_model import write_model
 
 from colibri_server.model import Model
-from colibri_server.model.residency import BudgetTooSmall, Residency, expert_ranges, in_flight_bytes, resolve_budget
+from colibri_server.model.residency import (
+    STAT_NAMES,
+    BudgetTooSmall,
+    Residency,
+    expert_ranges,
+    in_flight_bytes,
+    resolve_budget,
+)
 from colibri_server.model.serving import BatchEngine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -140,7 +147,8 @@ def test_locked_experts_give_way_while_the_processes_memory_grows_and_come_back(
         res.rerank(time.monotonic(), max_swaps=1000, cached_only=False)
         full = res.shared.resident.astype(bool)
         assert 0 < full.sum() < L * E and res.locked_bytes <= res.budget
-        res.floor, res.next_warn, res.next_save = 64 << 20, 0.0, time.monotonic() + 1e9   # as lock() sets them
+        res.floor, res.next_warn, res.held_since = 64 << 20, 0.0, None           # as lock() sets them
+        res.next_save = time.monotonic() + 1e9
         res.follow(1 << 40, res.floor)
 
         class Gen:
@@ -163,7 +171,7 @@ def test_locked_experts_give_way_while_the_processes_memory_grows_and_come_back(
         assert now.sum() < full.sum() and not (now & ~full).any()
         counts = res.shared.counts
         assert counts[now].min() > counts[full & ~now].max()                 # the least routed went first
-        assert res.shared.stats[list(MR_STATS()).index("ceiling")] == res.ceiling
+        assert res.shared.stats[STAT_NAMES.index("ceiling")] == res.ceiling
         assert any("beside the 64 MiB the server keeps free" in r.message for r in caplog.records)
         assert _locked_kib() * 1024 <= res.ceiling + 4096 * 8 * L * E
         room["now"] = 0                                                      # nothing left: the experts all go
@@ -203,11 +211,6 @@ def test_a_saved_popular_set_locks_within_the_memory_left(small, tmp_path):
         assert res.shared.resident[L - 1, E - 1] and res.shared.resident[L - 1, E - 2]
     finally:
         m.close()
-
-
-def MR_STATS():
-    from colibri_server.model.residency import STAT_NAMES
-    return STAT_NAMES
 
 
 def test_greedy_answers_equal_under_a_budget(small):

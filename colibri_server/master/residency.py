@@ -20,6 +20,7 @@ log = logging.getLogger("colibri.master")
 
 RERANK_EVERY = 1.0          # seconds between two re-ranks of one model (and checks of the memory left)
 WARN_EVERY = 60.0           # seconds between two warnings that memory held the budget down
+HELD_WARN_AFTER = 10.0      # seconds the ceiling may stay below the budget (its rise included) before a warning
 MAX_SWAPS = 8               # experts newly locked per re-rank
 SAVE_EVERY = 60.0           # seconds between two saves of the popular set
 
@@ -89,7 +90,7 @@ def lock(m, s, grown: int, headroom=None) -> None:
     res = m.residency
     start_after_compile(m, getattr(s, "weights_memory", 0), grown)
     # the room the budget leaves that tend() keeps free: the experts read at once, and resolve_budget's growth
-    res.floor, res.next_warn = in_flight_bytes(m.file, m.config) + (32 << 20), 0.0
+    res.floor, res.next_warn, res.held_since = in_flight_bytes(m.file, m.config) + (32 << 20), 0.0, None
     _load_popular(res, m.path)
     _follow(res, m.path, headroom(), time.monotonic())        # a saved set locks at once: within the room
     res.rerank(time.monotonic(), max_swaps=1 << 30, cached_only=False)
@@ -151,18 +152,15 @@ def tend(gens, headroom=None) -> None:
             _save_popular(res, g.model.path)
 
 
-HELD_WARN_AFTER = 10.0      # seconds the ceiling may stay below the budget (its rise included) before a warning
-
-
 def _follow(res, path: str, room: int, now: float) -> None:
     before = res.ceiling
     after = res.follow(room, res.floor)
     if after >= res.budget:
-        if getattr(res, "held_since", None) is not None and now - res.held_since >= HELD_WARN_AFTER:
+        if res.held_since is not None and now - res.held_since >= HELD_WARN_AFTER:
             log.info("model %s: memory is back: the weights budget is %.0f MiB again", path, res.budget / 2**20)
         res.held_since = None
         return
-    if getattr(res, "held_since", None) is None:
+    if res.held_since is None:
         res.held_since = now
     short = room < res.floor and after < before          # released experts: say so at once
     if (short or now - res.held_since >= HELD_WARN_AFTER) and now >= res.next_warn:
