@@ -276,7 +276,7 @@ class Residency:
         # the incumbents keep their place against a newcomer up to 25% ahead (no churn on noise)
         eff = self.score * np.where(res > 0, 1.25, 1.0)
         order = np.argsort(-eff, axis=None, kind="stable")
-        room = min(self.budget, self.ceiling) - self.always_bytes
+        room = self.ceiling - self.always_bytes           # ceiling <= budget (shrink, follow)
         want = np.zeros_like(res)
         for flat in order:
             l, e = divmod(int(flat), res.shape[1])
