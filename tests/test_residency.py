@@ -184,6 +184,38 @@ def test_locked_experts_give_way_while_the_processes_memory_grows_and_come_back(
         m.close()
 
 
+def test_each_live_worker_widens_the_room_kept_free(small):
+    """The floor tend() keeps free is the experts each live worker reads at once: memory that left one worker
+    room locks the same experts, and a second worker (TTIN, a reload's new generation beside the draining one)
+    with the same memory left releases the least routed ones for its reads."""
+    from colibri_server.master import residency as MR
+    m, res = _open_with_budget(small, 0.6)
+    try:
+        L, E = res.shared.counts.shape
+        res.shared.counts[...] = np.arange(1, L * E + 1, dtype=np.int64).reshape(L, E)
+        res.rerank(time.monotonic(), max_swaps=1000, cached_only=False)
+        full = res.shared.resident.astype(bool)
+        res.in_flight = in_flight_bytes(m.file, m.config)
+        res.next_warn, res.held_since, res.next_save = 0.0, None, time.monotonic() + 1e9
+        one_worker = MR.floor_for(res, 1)
+        assert MR.floor_for(res, 2) - one_worker == res.in_flight > 0
+
+        class Gen:
+            model = m
+
+        def turn(workers):
+            res.next_rerank = 0.0
+            MR.tend({1: Gen()}, headroom=lambda: one_worker, workers=workers)
+            return res.shared.resident.astype(bool)
+        assert (turn(1) == full).all() and res.floor == one_worker
+        before = res.locked_bytes
+        now = turn(2)
+        assert res.floor == MR.floor_for(res, 2) and res.locked_bytes <= max(res.always_bytes, before - res.in_flight)
+        assert now.sum() < full.sum() and res.locked_bytes >= res.always_bytes
+    finally:
+        m.close()
+
+
 def test_a_saved_popular_set_locks_within_the_memory_left(small, tmp_path):
     """lock() locks a saved popular set at once, reading it from disk: within the memory left beyond the room
     the server keeps free (half of it, the rest as tend() measures again), not the whole budget."""

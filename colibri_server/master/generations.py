@@ -121,7 +121,7 @@ class Reloads:
         """Commit the generation being brought up once all its workers are READY (and the router
         has its tokenizer); roll it back when it does not come up in time. Each turn also re-ranks the
         locked experts of the models that have a weights budget (residency.py)."""
-        tend_residency(self.gens)
+        tend_residency(self.gens, workers=len(self.workers))
         if self.reloading is None:
             if self.pending_reload and not stopping:
                 kind, self.pending_reload = self.pending_reload, None

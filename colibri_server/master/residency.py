@@ -32,6 +32,7 @@ SAVE_EVERY = 60.0           # seconds between two saves of the popular set
 # plus the KV blocks it fills.
 KERNELS_ROOM = 64 << 20
 PROCESS_ROOM = 32 << 20
+FLOOR_SLACK = 32 << 20      # kept free beside the experts the workers read at once (floor_for)
 
 
 def processes_room(s) -> int:
@@ -47,6 +48,14 @@ def budget_for(path: str, s) -> int:
     from ..model.residency import available_memory, resolve_budget
     size = os.path.getsize(path)
     return resolve_budget(getattr(s, "weights_memory", 0), size, available_memory(), size // 20, processes_room(s))
+
+
+def floor_for(res, workers: int) -> int:
+    """The memory tend() keeps free beside the locked weights: the experts each of `workers` live workers reads
+    at once (in_flight_bytes: each reads its own step's), and FLOOR_SLACK. A floor for one worker left a
+    second one (TTIN, a reload's new generation beside the draining one) no room to stream its experts in:
+    every process in the memory limit thrashed, down to the router's own code pages."""
+    return res.in_flight * max(1, int(workers)) + FLOOR_SLACK
 
 
 def popular_path(model_path: str) -> str:
@@ -89,8 +98,9 @@ def lock(m, s, grown: int, headroom=None) -> None:
     headroom = headroom or memory_headroom
     res = m.residency
     start_after_compile(m, getattr(s, "weights_memory", 0), grown)
-    # the room the budget leaves that tend() keeps free: the experts read at once, and resolve_budget's growth
-    res.floor, res.next_warn, res.held_since = in_flight_bytes(m.file, m.config) + (32 << 20), 0.0, None
+    # the room the budget leaves that tend() keeps free: the experts the workers read at once, and some slack
+    res.in_flight = in_flight_bytes(m.file, m.config)
+    res.floor, res.next_warn, res.held_since = floor_for(res, getattr(s, "workers", 1) or 1), 0.0, None
     _load_popular(res, m.path)
     _follow(res, m.path, headroom(), time.monotonic())        # a saved set locks at once: within the room
     res.rerank(time.monotonic(), max_swaps=1 << 30, cached_only=False)
@@ -130,10 +140,11 @@ def _save_popular(res, model_path: str) -> None:
             pass
 
 
-def tend(gens, headroom=None) -> None:
+def tend(gens, headroom=None, workers=None) -> None:
     """One turn of the main loop: for every live generation's model that has a residency, hold its locked
     bytes under what the memory left allows (Residency.follow: the processes grew into the room the budget
-    left them) and re-rank it. headroom: a callable giving the bytes left (model/residency.memory_headroom)."""
+    left them) and re-rank it. headroom: a callable giving the bytes left (model/residency.memory_headroom);
+    workers: the live workers of every generation (they share the memory), which sets the floor (floor_for)."""
     if headroom is None:
         from ..model.residency import memory_headroom as headroom
     now = time.monotonic()
@@ -142,6 +153,8 @@ def tend(gens, headroom=None) -> None:
         if res is None or now < res.next_rerank:
             continue
         res.next_rerank = now + RERANK_EVERY
+        if workers is not None:
+            res.floor = floor_for(res, workers)
         try:
             _follow(res, g.model.path, headroom(), now)
             res.rerank(now, MAX_SWAPS)
