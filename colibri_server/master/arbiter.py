@@ -51,6 +51,7 @@ import time
 
 import msgpack
 
+from ..host.paging import FaultWatch
 from ..router.loop import EXIT_ROUTER_BIND
 from ..worker import EXIT_BOOT_FAILED, EXIT_RETIRED, HeartbeatTable, Worker, worker_main
 from .faults import ModelFaults
@@ -109,6 +110,7 @@ class Arbiter:
         self.reloads = Reloads(settings, workers=self.workers, fleet=self.fleet, to_router=self.to_router,
                                notify=self.notify, spawn_worker=self.spawn_worker, kill=self._kill,
                                open_model=self._open_model, reload_settings=reload_settings)
+        self.paging = FaultWatch()      # a silent router or worker that reads pages from disk is not hung
         self.faults = ModelFaults(gens=self.reloads.gens, to_router=self.to_router)  # the model file under the map
         self.router_pid = None
         self.router_started = 0.0
@@ -427,6 +429,7 @@ class Arbiter:
             w = self.workers.pop(pid, None)
             if w is None:
                 continue
+            self.paging.forget(pid)
             self.heartbeats.clear(w.slot)
             self.to_router({"op": "exited", "pid": pid})
             if w.stopping or self.stopping:
@@ -475,12 +478,14 @@ class Arbiter:
             self.backoff = 1.0
 
     def murder_hung(self):
+        """Kill a worker silent for `timeout`: no heartbeat and no page read from disk (host/paging.py)."""
         timeout = self.settings.timeout
         for w in list(self.workers.values()):
             if w.killed:
                 continue
+            self.paging.poll(w.pid)
             age = self.heartbeats.age(w.slot)
-            if age > timeout:
+            if age > timeout and self.paging.silent_for(w.pid, age) > timeout:
                 log.error("worker %d silent for %.1fs (timeout %.1fs): killing it", w.pid, age, timeout)
                 self._kill(w.pid, signal.SIGKILL)
 
@@ -549,7 +554,8 @@ class Arbiter:
             if not self.stopping and now >= self.router_next_start:
                 self.spawn_router()
             return
-        silent = now - self.router_seen
+        self.paging.poll(self.router_pid)
+        silent = self.paging.silent_for(self.router_pid, now - self.router_seen)   # its code paged in: alive
         limit = max(self.settings.timeout, ROUTER_TIMEOUT_MIN_S)
         if silent > limit:
             log.error("router %d silent for %.1fs (limit %.1fs: timeout, at least %.0fs): killing it",

@@ -38,6 +38,7 @@ import zmq
 
 from ..host.logs import request as request_extra
 from ..host.logs import set_role
+from ..host.paging import FaultWatch
 from ..wire import protocol as P
 from .control import ControlRequests
 from .master_pipe import MasterPipe
@@ -81,6 +82,7 @@ class Router:
         self.queue = collections.deque()   # rids
         self.prefix_owner = collections.OrderedDict()   # first KV block's key -> worker ident
         self.workers = {}                  # ident -> W
+        self.paging, self.paging_told = FaultWatch(), set()     # a silent worker reading from disk: alive
         self.by_pid = {}                   # pid -> ident
         self.next_rid = 1
         self.draining = False
@@ -422,12 +424,24 @@ class Router:
             if r.deadline is not None and now > r.deadline:
                 self.cancel(r, "deadline_exceeded", f"deadline of {r.request['deadline_ms']} ms passed "
                                                      f"({'running' if r.state == 'running' else 'queued'})")
+        timeout = self.settings.timeout
         for w in list(self.workers.values()):
+            if w.remote:                    # another machine's process: remote.py judges its silence
+                self.send_worker(w.ident, b"PING", b"\x80")
+                continue
+            self.paging.poll(w.pid)
             silent = now - w.last_seen
-            if w.state == "ready" and silent > self.settings.timeout and not w.remote:
-                w.state = "unresponsive"
-                log.warning("worker %s silent for %.1fs: no more work for it", w.pid, silent)
-                self.to_master({"op": "unresponsive", "pid": w.pid})
+            if w.state == "ready" and silent > timeout:
+                if self.paging.silent_for(w.pid, silent) > timeout:
+                    w.state = "unresponsive"
+                    log.warning("worker %s silent for %.1fs: no more work for it", w.pid, silent)
+                    self.to_master({"op": "unresponsive", "pid": w.pid})
+                elif w.pid not in self.paging_told:
+                    self.paging_told.add(w.pid)
+                    log.warning("worker %s silent for %.1fs while it reads pages from disk (major faults): memory "
+                                "is short; waiting for it", w.pid, silent)
+            elif silent < timeout:
+                self.paging_told.discard(w.pid)
             self.send_worker(w.ident, b"PING", b"\x80")
         self.control_requests.tick(now)
         if self.draining and not self.told_drained and self.drained():
@@ -617,6 +631,9 @@ class Router:
         """The worker is gone: each of its requests that streamed nothing is retried elsewhere, each
         that did ends with worker_lost; while the server stops, each ends with shutting_down."""
         w = self.workers.pop(ident, None)
+        if w is not None:
+            self.paging.forget(w.pid)
+            self.paging_told.discard(w.pid)
         if w is None:
             return
         self.experts.retire(w)

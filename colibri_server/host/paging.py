@@ -1,0 +1,54 @@
+"""Whether a silent process is hung or waiting on the disk: its major page faults.
+
+A worker answers between two steps; a step that faults its weights in from disk (a weights budget
+below the model's size, a memory limit that evicted them) can take longer than `timeout`, and a
+process whose own code pages were evicted stalls the same way. Killing it then loses its requests
+and frees nothing: its replacement faults the same pages in. A hung process (a deadlock, a stopped
+one) takes no major faults; one that is paging does. So the silence checks (the master's of the
+router and the workers, the router's of the workers) measure silence as the time since the later
+of the process's last message and its last major fault.
+"""
+from __future__ import annotations
+
+import time
+
+
+def major_faults(pid: int):
+    """The process's major page faults so far (all its threads; /proc/PID/stat), None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[9])     # field 12, majflt, counted after the name
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class FaultWatch:
+    """The last time each watched process's major faults grew. poll() every turn of the caller's loop
+    (one read of /proc/PID/stat per process); quiet_for(pid) is then how long it has taken none."""
+
+    def __init__(self, clock=time.monotonic, faults=major_faults):
+        self.clock, self.faults = clock, faults
+        self.seen = {}          # pid -> (faults, when they last grew)
+
+    def poll(self, pid: int) -> None:
+        n = self.faults(pid)
+        if n is None:
+            self.seen.pop(pid, None)
+            return
+        last = self.seen.get(pid)
+        if last is None or n > last[0]:
+            self.seen[pid] = (n, self.clock())
+
+    def quiet_for(self, pid: int) -> float:
+        """Seconds since pid's major faults last grew (since it was first polled, at most); inf if never polled."""
+        last = self.seen.get(pid)
+        return float("inf") if last is None else self.clock() - last[1]
+
+    def silent_for(self, pid: int, silent: float) -> float:
+        """A process's silence counting its paging as a sign of life: the shorter of `silent` (since its last
+        message) and the time since its last major fault."""
+        return min(silent, self.quiet_for(pid))
+
+    def forget(self, pid: int) -> None:
+        self.seen.pop(pid, None)

@@ -1,0 +1,55 @@
+"""host/paging: a silent process that reads pages from disk is waiting, not hung (the master's and the
+router's silence checks count its major faults as a sign of life)."""
+from __future__ import annotations
+
+import mmap
+import os
+
+from colibri_server.host.paging import FaultWatch, major_faults
+
+
+def test_major_faults_count_the_pages_a_process_reads_from_disk(tmp_path):
+    """Pages dropped from the page cache and touched through a mapping are major faults of this process."""
+    path = tmp_path / "cold"
+    size = 4 << 20
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+        before = major_faults(os.getpid())
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+            m.madvise(mmap.MADV_RANDOM)                 # one fault a page: no read-around hides them
+            total = sum(m[i] for i in range(0, size, mmap.PAGESIZE))
+        after = major_faults(os.getpid())
+    finally:
+        os.close(fd)
+    assert total >= 0 and isinstance(before, int)
+    assert after - before >= size // mmap.PAGESIZE // 2
+    assert major_faults(2 ** 22 + 12345) is None                            # no such process
+
+
+def test_silence_counts_from_the_last_message_or_the_last_page_read():
+    """silent_for: the shorter of the time since the last message and since the faults last grew; a process that
+    takes none stays silent from its last message, and a gone one is forgotten."""
+    clock, faults = [0.0], {7: 100}
+    w = FaultWatch(clock=lambda: clock[0], faults=lambda pid: faults.get(pid))
+    assert w.silent_for(7, 50.0) == 50.0                    # never polled: its messages alone decide
+    w.poll(7)
+    clock[0] = 20.0
+    w.poll(7)                                               # no fault since: quiet from the first poll
+    assert w.silent_for(7, 50.0) == 20.0
+    faults[7] = 101
+    clock[0] = 25.0
+    w.poll(7)
+    clock[0] = 40.0
+    w.poll(7)
+    assert w.quiet_for(7) == 15.0 and w.silent_for(7, 60.0) == 15.0 and w.silent_for(7, 3.0) == 3.0
+    clock[0] = 100.0
+    w.poll(7)                                               # hung: no fault for 75 s
+    assert w.silent_for(7, 90.0) == 75.0
+    del faults[7]
+    w.poll(7)
+    assert w.quiet_for(7) == float("inf")
