@@ -53,3 +53,23 @@ def test_silence_counts_from_the_last_message_or_the_last_page_read():
     del faults[7]
     w.poll(7)
     assert w.quiet_for(7) == float("inf")
+
+
+def test_hung_is_silent_past_the_timeout_without_paging_and_a_paging_one_is_told_once(caplog):
+    """hung(): False within the timeout; past it, True for a process that took no major fault for as long, False
+    (and one warning per silence) for one that still reads pages."""
+    import logging
+    clock, faults = [0.0], {7: 1}
+    w = FaultWatch(clock=lambda: clock[0], faults=lambda pid: faults.get(pid))
+    w.poll(7)
+    assert not w.hung(7, 5.0, 30.0, "worker 7")
+    with caplog.at_level(logging.WARNING, logger="colibri.paging"):
+        for t in range(10, 60, 10):                     # silent 40-80 s, a fault every 10 s
+            clock[0] = float(t)
+            faults[7] += 1
+            w.poll(7)
+            assert not w.hung(7, 30.0 + t, 30.0, "worker 7")
+    assert sum("worker 7 silent" in r.message for r in caplog.records) == 1
+    clock[0] = 91.0                                     # no fault for 41 s
+    w.poll(7)
+    assert w.hung(7, 121.0, 30.0, "worker 7")

@@ -10,7 +10,10 @@ of the process's last message and its last major fault.
 """
 from __future__ import annotations
 
+import logging
 import time
+
+log = logging.getLogger("colibri.paging")
 
 
 def major_faults(pid: int):
@@ -30,6 +33,7 @@ class FaultWatch:
     def __init__(self, clock=time.monotonic, faults=major_faults):
         self.clock, self.faults = clock, faults
         self.seen = {}          # pid -> (faults, when they last grew)
+        self.told = set()       # pids silent past the timeout while paging: said once
 
     def poll(self, pid: int) -> None:
         n = self.faults(pid)
@@ -50,5 +54,20 @@ class FaultWatch:
         message) and the time since its last major fault."""
         return min(silent, self.quiet_for(pid))
 
+    def hung(self, pid: int, silent: float, timeout: float, name: str) -> bool:
+        """Whether `name` (pid), silent for `silent` seconds since its last message, is hung: silent past
+        `timeout` and no major fault for as long. Silent past it while paging: said once, and False."""
+        if silent <= timeout:
+            self.told.discard(pid)
+            return False
+        if self.silent_for(pid, silent) > timeout:
+            return True
+        if pid not in self.told:
+            self.told.add(pid)
+            log.warning("%s silent for %.1fs while it reads pages from disk (major faults): memory is short; "
+                        "waiting for it", name, silent)
+        return False
+
     def forget(self, pid: int) -> None:
         self.seen.pop(pid, None)
+        self.told.discard(pid)

@@ -5,38 +5,34 @@ listening address first (startup.py: the gateway's HTTP socket here, the client 
 router, forked before the model is opened and answering "starting" meanwhile), then opens and
 validates the model (MAP_SHARED, read-only, optionally pre-faulted and locked), compiles the
 kernels by running one tiny non-parallel generation and one batched step, calls gc.freeze(), hands
-the first generation to the router and forks the workers. Signal
-handlers only queue the signal; the main loop dispatches handle_<name>(). It talks to the
-router over a SOCK_SEQPACKET socketpair (worker exited, generation switched, drain, exit)
-and hears back which workers announced READY and which went silent.
+the first generation to the router and forks the workers. Signal handlers only queue the signal; the
+main loop dispatches handle_<name>(). It talks to the router over a SOCK_SEQPACKET socketpair (worker
+exited, generation switched, drain, exit) and hears back which workers announced READY and which went silent.
 
-Generations: each one owns its Model (its own mapping of the file, as opened when the
-generation began), its settings and its tokenizer (the router holds a copy); a mapping is
-closed only when no worker of its generation is left and it is neither the serving nor the
-reloading generation. A reload (HUP: settings and model; USR1: model) is a transaction: the
-new generation's model is opened and checked and its workers boot and announce READY, and
-only then is it committed (the router sends new requests to it and retires the old one once
-the old one's queue is empty). If any step fails, the new generation is rolled back, the old
-one keeps serving, and the failure is logged, kept for `status` and sent as the systemd STATUS.
-Only the first start may halt the master.
+Generations: each one owns its Model (its own mapping of the file, as opened when the generation began), its
+settings and its tokenizer (the router holds a copy); a mapping is closed only when no worker of its generation
+is left and it is neither the serving nor the reloading generation. A reload (HUP: settings and model; USR1:
+model) is a transaction: the new generation's model is opened and checked and its workers boot and announce
+READY, and only then is it committed (the router sends new requests to it and retires the old one once the old
+one's queue is empty). If any step fails, the new generation is rolled back, the old one keeps serving, and the
+failure is logged, kept for `status` and sent as the systemd STATUS. Only the first start may halt the master.
 
-The router is supervised like a worker: it says "alive" over the pipe every 0.5 s (also between
-the messages of a long burst); one silent for `timeout`, at least 5 s (stopped, hung), is killed; a dead router is restarted, with a growing
-delay while it keeps dying young. Its requests end with an explicit error on the client side
-(the client sees its connection drop); the workers re-announce to the new router at its first
-heartbeat ping.
+The router is supervised like a worker: it says "alive" over the pipe every 0.5 s (also between the
+messages of a long burst); one silent for `timeout`, at least 5 s (stopped, hung; one reading pages from
+disk is not: host/paging.py), is killed; a dead router is restarted, with a growing delay while it keeps
+dying young. Its requests end with an explicit error on the client side (the client sees its connection
+drop); the workers re-announce to the new router at its first heartbeat ping.
 
-Where the parts live: loading.py opens and checks what the master needs before it forks (the
-model, its checksums, the compile, the runtime directory, the pidfile); the Arbiter holds a Reloads
-(generations.py: what is served and the reload transaction) and a Fleet (fleet.py: what the role,
-head or worker host, changes), each built in __init__ with what it reads and calls.
+Where the parts live: loading.py opens and checks what the master needs before it forks (the model, its
+checksums, the compile, the runtime directory, the pidfile); the Arbiter holds a Reloads (generations.py: what
+is served and the reload transaction) and a Fleet (fleet.py: what the role, head or worker host, changes), each
+built in __init__ with what it reads and calls.
 
-Exit codes: 0 clean stop (TERM while loading too); 3 a worker failed to boot at the first start
-(halt, do not respawn forever); 4 the model or settings could not be loaded at start; 5 a listening
-address cannot be bound at start (the router's client address or backend_bind, the gateway's http:
-busy port, missing ipc directory), found before the model is opened. 3, 4 and 5 are in the unit's
-RestartPreventExitStatus: they do not get better by retrying.
-"""
+Exit codes: 0 clean stop (TERM while loading too); 3 a worker failed to boot at the first start (halt, do not
+respawn forever); 4 the model or settings could not be loaded at start; 5 a listening address cannot be bound at
+start (the router's client address or backend_bind, the gateway's http: busy port, missing ipc directory), found
+before the model is opened. 3, 4 and 5 are in the unit's RestartPreventExitStatus: they do not get better by
+retrying."""
 from __future__ import annotations
 
 import errno
@@ -478,14 +474,13 @@ class Arbiter:
             self.backoff = 1.0
 
     def murder_hung(self):
-        """Kill a worker silent for `timeout`: no heartbeat and no page read from disk (host/paging.py)."""
         timeout = self.settings.timeout
         for w in list(self.workers.values()):
             if w.killed:
                 continue
             self.paging.poll(w.pid)
             age = self.heartbeats.age(w.slot)
-            if age > timeout and self.paging.silent_for(w.pid, age) > timeout:
+            if self.paging.hung(w.pid, age, timeout, f"worker {w.pid}"):      # no heartbeat, no page read
                 log.error("worker %d silent for %.1fs (timeout %.1fs): killing it", w.pid, age, timeout)
                 self._kill(w.pid, signal.SIGKILL)
 
@@ -555,9 +550,8 @@ class Arbiter:
                 self.spawn_router()
             return
         self.paging.poll(self.router_pid)
-        silent = self.paging.silent_for(self.router_pid, now - self.router_seen)   # its code paged in: alive
-        limit = max(self.settings.timeout, ROUTER_TIMEOUT_MIN_S)
-        if silent > limit:
+        silent, limit = now - self.router_seen, max(self.settings.timeout, ROUTER_TIMEOUT_MIN_S)
+        if self.paging.hung(self.router_pid, silent, limit, f"router {self.router_pid}"):
             log.error("router %d silent for %.1fs (limit %.1fs: timeout, at least %.0fs): killing it",
                       self.router_pid, silent, limit, ROUTER_TIMEOUT_MIN_S)
             self._kill_router()

@@ -82,7 +82,7 @@ class Router:
         self.queue = collections.deque()   # rids
         self.prefix_owner = collections.OrderedDict()   # first KV block's key -> worker ident
         self.workers = {}                  # ident -> W
-        self.paging, self.paging_told = FaultWatch(), set()     # a silent worker reading from disk: alive
+        self.paging = FaultWatch()         # a silent worker reading pages from disk is not hung
         self.by_pid = {}                   # pid -> ident
         self.next_rid = 1
         self.draining = False
@@ -424,24 +424,13 @@ class Router:
             if r.deadline is not None and now > r.deadline:
                 self.cancel(r, "deadline_exceeded", f"deadline of {r.request['deadline_ms']} ms passed "
                                                      f"({'running' if r.state == 'running' else 'queued'})")
-        timeout = self.settings.timeout
         for w in list(self.workers.values()):
-            if w.remote:                    # another machine's process: remote.py judges its silence
-                self.send_worker(w.ident, b"PING", b"\x80")
-                continue
-            self.paging.poll(w.pid)
-            silent = now - w.last_seen
-            if w.state == "ready" and silent > timeout:
-                if self.paging.silent_for(w.pid, silent) > timeout:
+            if not w.remote:                # another machine's: remote.py judges its silence
+                self.paging.poll(w.pid)
+                if w.state == "ready" and self.paging.hung(w.pid, now - w.last_seen, self.settings.timeout, f"worker {w.pid}"):
                     w.state = "unresponsive"
-                    log.warning("worker %s silent for %.1fs: no more work for it", w.pid, silent)
+                    log.warning("worker %s silent for %.1fs: no more work for it", w.pid, now - w.last_seen)
                     self.to_master({"op": "unresponsive", "pid": w.pid})
-                elif w.pid not in self.paging_told:
-                    self.paging_told.add(w.pid)
-                    log.warning("worker %s silent for %.1fs while it reads pages from disk (major faults): memory "
-                                "is short; waiting for it", w.pid, silent)
-            elif silent < timeout:
-                self.paging_told.discard(w.pid)
             self.send_worker(w.ident, b"PING", b"\x80")
         self.control_requests.tick(now)
         if self.draining and not self.told_drained and self.drained():
@@ -631,11 +620,9 @@ class Router:
         """The worker is gone: each of its requests that streamed nothing is retried elsewhere, each
         that did ends with worker_lost; while the server stops, each ends with shutting_down."""
         w = self.workers.pop(ident, None)
-        if w is not None:
-            self.paging.forget(w.pid)
-            self.paging_told.discard(w.pid)
         if w is None:
             return
+        self.paging.forget(w.pid)
         self.experts.retire(w)
         if w.state != "draining":
             self.counters["worker_restarts"] += 1       # died or was killed, not a drained exit
