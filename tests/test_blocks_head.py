@@ -121,28 +121,14 @@ def _head_model(tmp_path, head):
     return str(tmp_path / "m.colibri")
 
 
-def _fused_and_general(m):
-    """Six decode tokens' logits after an 8-token prefill, through the fused token (decode_step) and through forward's
-    general path (a routing trace keeps it there)."""
-    from colibri_server.model.decode_step import DecodeStep
-    from colibri_server.model.transformer import forward
-    assert isinstance(m.workspace.decode_step(m.config, m.weights), DecodeStep)     # block kinds: fused
-    runs = []
-    for trace in (None, []):
-        c = m.new_cache(64)
-        m.prefill(c, PROMPT[:8])
-        runs.append(np.stack([forward(m.config, m.weights, m.rope, m.workspace, c, tokens=np.array([t]),
-                                      trace=trace)[0].copy() for t in PROMPT[8:14]]))
-    assert trace
-    return runs
-
-
 @pytest.mark.parametrize("head", [Q.Q8_0, Q.Q6_K], ids=lambda k: k.name)
 def test_the_int16_head_is_the_default_and_every_path_gets_its_bits(tmp_path, head):
     """The model's own head: on by default; a batch of hidden rows (a serving step's, a prefill's) and each row
     alone (decode) through the workspace every path calls, on one and two threads: the same bits; decode's
-    logits through the fused token (decode_step) those of forward's general path, and near the prefill's;
-    exact_head false: llama.cpp's. Two threads' fused token: the slow test below."""
+    logits on one and two threads the same bits, the fused token's (decode_step) those of forward's general
+    path, and near the prefill's; exact_head false: llama.cpp's."""
+    from colibri_server.model.decode_step import DecodeStep
+    from colibri_server.model.transformer import forward
     path = _head_model(tmp_path, head)
     m = Model.open(path)
     assert isinstance(m.weights.output, BlockTensor) and m.weights.output.acts16       # the default
@@ -158,24 +144,24 @@ def test_the_int16_head_is_the_default_and_every_path_gets_its_bits(tmp_path, he
             one = w.workspace.mm(hs[t:t + 1], w.weights.output, np.zeros((1, V), np.float32))
             assert np.array_equal(one[0].view(np.uint32), batch[t].view(np.uint32)), t
     full = m.logits(PROMPT)
-    runs = _fused_and_general(m)
-    assert np.array_equal(runs[1].view(np.uint32), runs[0].view(np.uint32))
+    runs = []
+    for threads in (1, 2):
+        m = Model.open(path, threads=threads)
+        assert isinstance(m.workspace.decode_step(m.config, m.weights), DecodeStep)     # block kinds: fused
+        for trace in (None, []):                    # a routing trace keeps forward on its general path
+            c = m.new_cache(64)
+            m.prefill(c, PROMPT[:8])
+            runs.append(np.stack([forward(m.config, m.weights, m.rope, m.workspace, c, tokens=np.array([t]),
+                                          trace=trace)[0].copy() for t in PROMPT[8:14]]))
+        assert trace
+    for r in runs[1:]:
+        assert np.array_equal(r.view(np.uint32), runs[0].view(np.uint32))
     assert np.abs(runs[0][:-1] - full[8:13]).max() < 1e-4 * np.abs(full).max()
     assert not m.set_exact_head(False) and not m.weights.output.acts16                # llama.cpp's rounding
     c = m.new_cache(64)
     m.prefill(c, PROMPT[:8])
     int8 = m.decode(c, PROMPT[8])[0]
     assert not np.array_equal(int8, runs[1][0]) and np.abs(int8 - runs[1][0]).max() < 0.05 * np.abs(int8).max()
-
-
-@pytest.mark.slow          # the block kinds' fused token on two threads: a cold compile of its own, ~110 s
-def test_the_block_kinds_fused_token_on_two_threads_is_the_one_thread_token_bit_for_bit(tmp_path):
-    """The fused token on two threads (the head's rows, each expert's products over the threads) gives the one-thread
-    token's bits, and forward's general path on two threads the same."""
-    path = _head_model(tmp_path, Q.Q8_0)
-    one = _fused_and_general(Model.open(path))
-    for r in _fused_and_general(Model.open(path, threads=2)):
-        assert np.array_equal(r.view(np.uint32), one[0].view(np.uint32))
 
 
 @pytest.mark.slow          # the threaded block kernels' cold compile: minutes on a loaded core
