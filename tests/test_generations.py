@@ -97,6 +97,28 @@ def test_two_hups_then_new_workers_serve_their_own_model(server, model_a):
     assert "unmapping" in s.logs()          # generations 1 and 2 closed once their workers were gone
 
 
+def test_a_closed_generation_is_unmapped_at_once(server):
+    """The master maps the model once however many reloads: a closed generation's mapping goes when it is
+    closed, not when the collector reaches its views (the first generation's it never reaches: gc.freeze)."""
+    from colibri_server.bundled import BUNDLED_MODEL
+    s = server(model=BUNDLED_MODEL)
+    size = os.path.getsize(BUNDLED_MODEL)
+    for g in (2, 3, 4):
+        s.signal(signal.SIGHUP)
+        s.wait_for(lambda: s.logs().count("unmapping") == g - 1, what=f"generation {g - 1} unmapped")
+        assert _mapped_bytes(s.pid, BUNDLED_MODEL) <= size + 4096, g
+
+
+def _mapped_bytes(pid, path):
+    real, total = os.path.realpath(path), 0
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(real):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                total += hi - lo
+    return total
+
+
 # ---------------------------------------------------------------------------- items 2 and 3
 
 def test_hup_with_the_model_missing_or_truncated_is_rolled_back(server, model_a, tmp_path):

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import blocks as _blocks
+from .release import release
 
 
 class _KernelPages:
@@ -291,13 +292,13 @@ class ColibriFile:
         return mm, size
 
     def close(self) -> None:
-        """Drop the mapping. Views taken from it must not be used afterwards."""
-        self._buf = None
-        try:
-            self._mm.close()
-        except BufferError:
-            # views are still alive somewhere; the mapping goes when they do
-            pass
+        """Drop the mapping now, views taken from it alive or not (release.py). They must not be used after."""
+        if self._buf is not None:
+            addr, size, self._buf = self._buf.ctypes.data, self._buf.size, None
+            try:
+                self._mm.close()
+            except BufferError:
+                release(addr, size)
 
     # -- access -----------------------------------------------------------------
     def __contains__(self, name) -> bool:
