@@ -132,11 +132,12 @@ def test_kernels_import_nothing_of_the_model_but_the_format_and_their_cache():
 
 
 def test_format_describes_bytes_only():
-    """The file format reads only the table of llama.cpp's block kinds (their bytes), which reads nothing."""
+    """The file format reads only the table of llama.cpp's block kinds (their bytes) and release (how a mapping
+    with live views is dropped), which read nothing."""
     g = import_graph()
     assert "colibri_server.model.hugepages" not in _reach(g, "colibri_server.model.format")
-    assert g["colibri_server.model.format"] <= {"colibri_server.model.blocks"}
-    assert g["colibri_server.model.blocks"] == set()
+    assert g["colibri_server.model.format"] <= {"colibri_server.model.blocks", "colibri_server.model.release"}
+    assert g["colibri_server.model.blocks"] == set() and g["colibri_server.model.release"] == set()
 
 
 def test_cli_reaches_the_model_through_its_api_only():
