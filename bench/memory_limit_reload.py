@@ -62,17 +62,18 @@ def _ask(addr, timeout):
         return list(r.token_ids), r.generation
 
 
-def _wait_generation(addr, g, p, timeout) -> bool:
+def _wait_health(addr, p, timeout, ok) -> bool:
+    """Poll the router's health until ok(health) (the server still alive), at most `timeout` seconds."""
     from colibri_server.client import Client
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and p.poll() is None:
         try:
             with Client(addr, timeout=5) as c:
-                if c.health().get("generation") == g:
+                if ok(c.health()):
                     return True
         except Exception:
             pass
-        time.sleep(1)
+        time.sleep(0.5)
     return False
 
 
@@ -100,7 +101,7 @@ def main(argv=None):
         with open(cg.procs_file(), "w") as f:
             f.write(str(os.getpid()))
     p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=enter)
-    steps, first, ok = [], None, True
+    steps, first, ok, victim = [], None, True, None
     try:
         for name, g in (("start", 1), ("HUP", 2), ("HUP", 3), ("TTIN", 3), ("kill -9 worker", 3)):
             t = time.monotonic()
@@ -109,15 +110,16 @@ def main(argv=None):
             elif name == "TTIN":
                 p.send_signal(signal.SIGTTIN)
             elif name.startswith("kill"):
-                kids = _procs_pids(p.pid)
-                if kids:
-                    os.kill(kids[0], signal.SIGKILL)
+                victim = _procs_pids(p.pid)[0]
+                os.kill(victim, signal.SIGKILL)
+            workers = 1 if name in ("start", "HUP") else 2          # TTIN adds one; the killed one is replaced
             row = {"step": name}
             try:
-                if not _wait_generation(addr, g, p, a.step_timeout):
-                    raise TimeoutError(f"generation {g} not serving after {a.step_timeout:.0f}s")
-                if name in ("TTIN", "kill -9 worker"):
-                    time.sleep(10)          # the new worker boots; the request may go to either
+                ready = _wait_health(addr, p, a.step_timeout, lambda h: h.get("generation") == g and
+                                     h.get("workers_ready", 0) >= workers and victim not in _procs_pids(p.pid))
+                if not ready:
+                    raise TimeoutError(f"generation {g} with {workers} workers ready not serving after "
+                                       f"{a.step_timeout:.0f}s")
                 tokens, gen = _ask(addr, a.step_timeout)
                 first = first or tokens
                 row.update(seconds=round(time.monotonic() - t, 1), generation=gen, same=tokens == first)

@@ -52,6 +52,17 @@ def wait_until(predicate, timeout=30.0, what="condition", context=lambda: ""):
     raise TimeoutError(f"{what} not met in {timeout}s:\n{context()}")
 
 
+def mapped_bytes(path, pid="self") -> int:
+    """Bytes of process pid's address space that map the file at `path` (/proc/PID/maps)."""
+    real, total = os.path.realpath(path), 0
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(real):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                total += hi - lo
+    return total
+
+
 class Server:
     def __init__(self, model, tmp_path, workers=2, extra=(), env=None, name="s", cmd="serve", prefix=()):
         """cmd: "serve", or "router" (a head: no --workers); prefix: an argv to run it under (a

@@ -23,6 +23,7 @@ from format_files import (
     expect_error,
     routing_records,
 )
+from server_harness import mapped_bytes
 
 from colibri_server.model import format as fmt
 from colibri_server.model.config import ModelConfig
@@ -88,17 +89,6 @@ def test_views_are_read_only_and_zero_copy(base):
         cf.close()
 
 
-def _mapped_bytes(path):
-    real = os.path.realpath(path)
-    total = 0
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if line.rstrip().endswith(real):
-                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                total += hi - lo
-    return total
-
-
 def test_close_releases_the_file_while_views_of_it_are_alive(base, tmp_path):
     """close() drops the mapping now: with views still held (a reference cycle, a frozen generation) the file is
     no longer mapped, and one deleted meanwhile has its space back; the views' range is unmapped when they go."""
@@ -109,10 +99,10 @@ def test_close_releases_the_file_while_views_of_it_are_alive(base, tmp_path):
     cf = fmt.ColibriFile.open(path)
     held = [cf.view("blk.1.ffn_up_exps"), cf.view("output_norm")]
     size = os.path.getsize(path)
-    assert _mapped_bytes(path) >= size
+    assert mapped_bytes(path) >= size
     os.unlink(path)                                          # a model file replaced on disk, then USR1
     cf.close()
-    assert _mapped_bytes(path) == 0 and _mapped_bytes(path + " (deleted)") == 0
+    assert mapped_bytes(path) == 0 and mapped_bytes(path + " (deleted)") == 0
     cf.close()                                               # twice: nothing more to do
     del held, cf
     gc.collect()
@@ -121,7 +111,7 @@ def test_close_releases_the_file_while_views_of_it_are_alive(base, tmp_path):
         assert other.view("output_norm").size > 0
     finally:
         other.close()
-    assert _mapped_bytes(base.path) == 0                     # no view left: the plain close
+    assert mapped_bytes(base.path) == 0                     # no view left: the plain close
 
 
 def test_stacked_view_is_the_rows_of_tensors_stored_back_to_back(base):

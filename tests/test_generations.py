@@ -19,7 +19,7 @@ import time
 import numpy as np
 import psutil
 import pytest
-from server_harness import Server
+from server_harness import READY_TIMEOUT, Server, mapped_bytes
 
 from colibri_server.client import ColibriError
 from colibri_server.model import Model
@@ -105,18 +105,8 @@ def test_a_closed_generation_is_unmapped_at_once(server):
     size = os.path.getsize(BUNDLED_MODEL)
     for g in (2, 3, 4):
         s.signal(signal.SIGHUP)
-        s.wait_for(lambda: s.logs().count("unmapping") == g - 1, what=f"generation {g - 1} unmapped")
-        assert _mapped_bytes(s.pid, BUNDLED_MODEL) <= size + 4096, g
-
-
-def _mapped_bytes(pid, path):
-    real, total = os.path.realpath(path), 0
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            if line.rstrip().endswith(real):
-                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                total += hi - lo
-    return total
+        s.wait_for(lambda: s.logs().count("unmapping") == g - 1, READY_TIMEOUT, f"generation {g - 1} unmapped")
+        assert mapped_bytes(BUNDLED_MODEL, s.pid) <= size + 4096, g
 
 
 # ---------------------------------------------------------------------------- items 2 and 3

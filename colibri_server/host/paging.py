@@ -15,6 +15,8 @@ import time
 
 log = logging.getLogger("colibri.paging")
 
+POLL_AFTER = 1.0        # seconds of silence after which hung() starts reading a process's major faults
+
 
 def major_faults(pid: int):
     """The process's major page faults so far (all its threads; /proc/PID/stat), None when gone."""
@@ -27,8 +29,8 @@ def major_faults(pid: int):
 
 
 class FaultWatch:
-    """The last time each watched process's major faults grew. poll() every turn of the caller's loop
-    (one read of /proc/PID/stat per process); quiet_for(pid) is then how long it has taken none."""
+    """The last time each watched process's major faults grew (poll(): one read of /proc/PID/stat);
+    quiet_for(pid) is how long it has taken none since it was first polled."""
 
     def __init__(self, clock=time.monotonic, faults=major_faults):
         self.clock, self.faults = clock, faults
@@ -56,7 +58,11 @@ class FaultWatch:
 
     def hung(self, pid: int, silent: float, timeout: float, name: str) -> bool:
         """Whether `name` (pid), silent for `silent` seconds since its last message, is hung: silent past
-        `timeout` and no major fault for as long. Silent past it while paging: said once, and False."""
+        `timeout` and no major fault for as long. Silent past it while paging: said once, and False. Called
+        every turn of the caller's loop; it reads the process's faults only once it has been silent for
+        POLL_AFTER (a process that answers costs nothing), so a hung one is killed at most that late."""
+        if silent > min(POLL_AFTER, timeout / 2):
+            self.poll(pid)
         if silent <= timeout:
             self.told.discard(pid)
             return False

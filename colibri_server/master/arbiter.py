@@ -478,7 +478,6 @@ class Arbiter:
         for w in list(self.workers.values()):
             if w.killed:
                 continue
-            self.paging.poll(w.pid)
             age = self.heartbeats.age(w.slot)
             if self.paging.hung(w.pid, age, timeout, f"worker {w.pid}"):      # no heartbeat, no page read
                 log.error("worker %d silent for %.1fs (timeout %.1fs): killing it", w.pid, age, timeout)
@@ -549,7 +548,6 @@ class Arbiter:
             if not self.stopping and now >= self.router_next_start:
                 self.spawn_router()
             return
-        self.paging.poll(self.router_pid)
         silent, limit = now - self.router_seen, max(self.settings.timeout, ROUTER_TIMEOUT_MIN_S)
         if self.paging.hung(self.router_pid, silent, limit, f"router {self.router_pid}"):
             log.error("router %d silent for %.1fs (limit %.1fs: timeout, at least %.0fs): killing it",

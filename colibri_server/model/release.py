@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 
 _MAP_FIXED, _MAP_NORESERVE, _PROT_NONE = 0x10, 0x4000, 0
 
 
-def release(addr: int, size: int) -> None:
-    """Replace the mapping at [addr, addr + size) by an inaccessible reservation. OSError if it cannot."""
+def release(addr: int, size: int) -> bool:
+    """Replace the mapping at [addr, addr + size) by an inaccessible reservation. False if the kernel refuses
+    (the mapping then stays until its last view goes, as Python's mmap leaves it)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
-    if libc.mmap(addr, size, _PROT_NONE, flags, -1, 0) != addr:
-        err = ctypes.get_errno()
-        raise OSError(err, f"cannot release the mapping at {addr:#x}: {os.strerror(err)}")
+    return libc.mmap(addr, size, _PROT_NONE, flags, -1, 0) == addr

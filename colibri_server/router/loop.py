@@ -425,12 +425,12 @@ class Router:
                 self.cancel(r, "deadline_exceeded", f"deadline of {r.request['deadline_ms']} ms passed "
                                                      f"({'running' if r.state == 'running' else 'queued'})")
         for w in list(self.workers.values()):
-            if not w.remote:                # another machine's: remote.py judges its silence
-                self.paging.poll(w.pid)
-                if w.state == "ready" and self.paging.hung(w.pid, now - w.last_seen, self.settings.timeout, f"worker {w.pid}"):
-                    w.state = "unresponsive"
-                    log.warning("worker %s silent for %.1fs: no more work for it", w.pid, now - w.last_seen)
-                    self.to_master({"op": "unresponsive", "pid": w.pid})
+            silent = now - w.last_seen      # another machine's (remote) is remote.py's to judge
+            if not w.remote and w.state == "ready" and self.paging.hung(w.pid, silent, self.settings.timeout,
+                                                                        f"worker {w.pid}"):
+                w.state = "unresponsive"
+                log.warning("worker %s silent for %.1fs: no more work for it", w.pid, silent)
+                self.to_master({"op": "unresponsive", "pid": w.pid})
             self.send_worker(w.ident, b"PING", b"\x80")
         self.control_requests.tick(now)
         if self.draining and not self.told_drained and self.drained():
