@@ -128,7 +128,8 @@ def test_kernels_import_nothing_of_the_model_but_the_format_and_their_cache():
     for mod, edges in g.items():
         if mod == kernels or mod.startswith(kernels + "."):
             outside = {n for n in edges if not (n == kernels or n.startswith(kernels + "."))}
-            assert outside <= {"colibri_server.model.format", "colibri_server.model.numba_cache"}, (mod, outside)
+            assert outside <= {"colibri_server.model.format", "colibri_server.model.numba_cache",
+                                "colibri_server.model.numba_link"}, (mod, outside)
 
 
 def test_format_describes_bytes_only():

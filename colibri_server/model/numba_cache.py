@@ -58,7 +58,7 @@ log = logging.getLogger("colibri.kernels")
 def sources_digest(folder: pathlib.Path = HERE) -> str:
     """sha256 over the names and bytes of the kernel sources (kernels*.py and kernels/*.py)."""
     h = hashlib.sha256()
-    for f in sorted(folder.glob("kernels*.py")) + sorted(folder.glob("kernels/*.py")):
+    for f in sorted(folder.glob("kernels*.py")) + sorted(folder.glob("kernels/*.py")) + sorted(folder.glob("numba_link.py")):
         h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
