@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..numba_link import by_reference
 from .base import _REDUCE_FM, to_f32
 from .blocks_ir import (
     HAVE_VBMI,
@@ -74,6 +75,7 @@ def _k_scale_min(sc, j):
 
 # ---------------------------------------------------------------------------- dequantizers
 
+@by_reference          # linked by reference (model/numba_link): one copy of each kernel below, not one per caller
 @njit(cache=True)
 def deq_row(kind, r, y):
     # r (row bytes,) u8 one row of blocks of GGML type `kind` (+ ACTS16 or not) -> y (n,) f32
@@ -381,6 +383,7 @@ def _rows_q6_k(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             _put2(out, t, i, _dot_q6_k(raw[i], X[t], Xq[t], Xd[t], Xs[t], v), alpha, accumulate)
 
 
+@by_reference
 @njit(cache=True)
 def _rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # out[t, i] (=|+=) alpha * raw[i] . X[t] for rows i0..i1 and every t (each weight row read once for all t)
@@ -427,6 +430,7 @@ def _kround(kind):
     return kind == Q4_K or kind == Q5_K or kind == Q6_K
 
 
+@by_reference
 @njit(cache=True)
 def round_rows(kind, X, Xq, Xd, Xs):
     # every row of X (T, n) rounded for kind into Xq (T, n) i8, Xd (T, n/32) f32, Xs (T, n/16) i32 (quant_acts, or
