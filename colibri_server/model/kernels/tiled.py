@@ -36,6 +36,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from ..numba_link import by_reference
 from .attn_ir import HAVE_ATTN_IR, TILE_LANES, tile_exp, tile_max, tile_scores, tile_scores8, tile_wsum
 from .base import expf, to_f32
 from .row_ir import HAVE_ROW_IR, row_exp, row_max, row_prefetch, row_scores, row_wsum
@@ -333,6 +334,7 @@ def _segment_row(kpool, vpool, table, kh, gh, s, sc):
     return True
 
 
+@by_reference          # its tiles' loads, scores and softmax (~17 functions): compiled once, not into each caller
 @njit(cache=True)
 def _segment(kpool, vpool, table, kh, rows, gh, s, sc):
     # segment s's partial of an item's query vectors (_prepare's: rows x gh, on kv head kh of the sequence
