@@ -31,6 +31,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ..numba_link import by_reference
 from .base import _REDUCE_FM, to_f32
 from .dense import _matvec_core
 from .float_ir import HAVE_FLOAT_IR, HAVE_FLOAT_IR8, _widen
@@ -239,6 +240,7 @@ def _tiled_overload(P, X, out, r0, r1):
     return impl
 
 
+@by_reference          # its tiles and row dots, copied into ~11 libraries otherwise: compiled once (model/numba_link)
 @njit(cache=True)
 def _any_rows(P, X, out, r0, r1):
     i = _tiled(P, X, out, r0, r1)
