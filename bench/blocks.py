@@ -6,8 +6,9 @@ same GGUF and llama.cpp's own llama-bench on the GGUF, in ONE run.
 For each of bench-mixtral's GGUFs (llama-quantize from its F32 GGUF, as bench/decode.py builds them):
 the .colibri file's size against the GGUF's, then batch-1 prefill (128 tokens) and decode (128 tokens)
 tok/s of the blocks file, of the q8 file (`--quantize q8`) and of llama-bench on the GGUF (its defaults,
-repacking on; where its repacking crashes, as in prefill on a Zen 4 VM, or dies of an invalid opcode in
-libggml-cpu on the 2-vCPU Xeon VM that lists AMX, without it: "repack" in the JSON), at each thread count, one subprocess after the other (bench/decode.py's workers). Run it under
+repacking on; where that dies, as its AMX matmul does on a 2-vCPU Xeon VM whose CPU runs AMX, the build
+without AMX with repacking on (`NOAMX=1 bench/build_anchors.sh`), else repacking off: "repack" and "build" in
+the JSON; llama_bench.run_best), at each thread count, one subprocess after the other (bench/decode.py's workers). Run it under
 `flock /tmp/bench.lock`; on a shared machine compare the ratios of one run, not absolute figures.
 
 The physical bound: the read bandwidth at each thread count is measured before and after each GGUF's runs
@@ -85,14 +86,10 @@ def main():
             bw0 = read_limit(src, th)
             r = {"blocks": D.run_worker("colibri", blocks, th, a.reps), "q8": D.run_worker("colibri", q8, th, a.reps)}
             try:
-                r["llama"] = {**llama_bench.run(src, th, a.reps, D.PROMPT_LEN, D.NEW_TOKENS), "repack": True}
-            except RuntimeError:           # its CPU repacking crashed (Zen 4 VM; SIGILL on the AMX-listing Xeon VM)
-                try:
-                    r["llama"] = {**llama_bench.run(src, th, a.reps, D.PROMPT_LEN, D.NEW_TOKENS, no_repack=True),
-                                  "repack": False}
-                except RuntimeError as e:
-                    r["llama"] = {"error": str(e)[-500:]}
-            row[f"t{th}"] = {k: {m: v.get(m) for m in ("decode_tok_s", "prefill_tok_s", "repack", "error")}
+                r["llama"] = llama_bench.run_best(src, th, a.reps, D.PROMPT_LEN, D.NEW_TOKENS)
+            except RuntimeError as e:
+                r["llama"] = {"error": str(e)[-500:]}
+            row[f"t{th}"] = {k: {m: v.get(m) for m in ("decode_tok_s", "prefill_tok_s", "repack", "build", "error")}
                              for k, v in r.items()}
             bw = (bw0 + read_limit(src, th)) / 2
             row[f"t{th}"]["read_GBps"] = bw
