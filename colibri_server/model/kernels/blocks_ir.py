@@ -479,20 +479,32 @@ def q45_ints(builder, rp, o, xp, sp, b, five, ahead=True):
     qs = 48 if five else 16
     if five:
         qh = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, 16))]), 32)
-    if HAVE_VNNI512:            # two sub-blocks an instruction: 32 bytes of qs hold sub-blocks 2c (low) and 2c+1 (high)
+    if HAVE_VNNI512:
+        # two sub-blocks an instruction, from whole 64-byte loads: qs's bytes 64h..64h+63 hold sub-blocks 4h and 4h+2
+        # in their low nibbles (bytes 0-31, 32-63) and 4h+1, 4h+3 in their high ones, so the activations' sub-blocks
+        # are paired the same way (two shuffles of their two 64-byte loads, shared by kernels/blocks_rows8's 8 rows)
+        v64 = ir.VectorType(_i8, 64)
         sc16 = builder.zext(sc8, ir.VectorType(i16, 8))
         ivec = ir.Constant(ir.VectorType(_i32, 16), None)
-        for c in range(4):
-            bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 32 * c))]), 32)
-            lo, hi = builder.and_(bb, ir.Constant(vt, [15] * 32)), builder.lshr(bb, ir.Constant(vt, [4] * 32))
+        if five:                # bytes 0-31 qh, 32-63 qh >> 2: bit 4h (+1) of a byte is the fifth bit of lo's (hi's)
+            qh2 = _join(builder, qh, builder.lshr(qh, ir.Constant(vt, [2] * 32)))
+        for h in range(2):
+            bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 64 * h))]), 64)
+            xa = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 128 * h))]), 64)
+            xb = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 128 * h + 64))]), 64)
+            lo, hi = builder.and_(bb, ir.Constant(v64, [15] * 64)), builder.lshr(bb, ir.Constant(v64, [4] * 64))
             if five:
-                one, four = ir.Constant(vt, [1] * 32), ir.Constant(vt, [4] * 32)
-                lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), one), four))
-                hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c + 1] * 32)), one),
+                one, four = ir.Constant(v64, [1] * 64), ir.Constant(v64, [4] * 64)
+                lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(qh2, ir.Constant(v64, [4 * h] * 64)), one), four))
+                hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(qh2, ir.Constant(v64, [4 * h + 1] * 64)), one),
                                                  four))
-            xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 64 * c))]), 64)
-            s = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(_i32, 32), [2 * c] * 16 + [2 * c + 1] * 16))
-            ivec = builder.add(ivec, _scaled_dot64(builder, _join(builder, lo, hi), xv, s))
+            for q, half in ((lo, 0), (hi, 1)):
+                xv = builder.shuffle_vector(xa, xb, ir.Constant(ir.VectorType(_i32, 64),
+                                                                [32 * half + k for k in range(32)]
+                                                                + [64 + 32 * half + k for k in range(32)]))
+                j = 4 * h + half
+                s = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(_i32, 32), [j] * 16 + [j + 2] * 16))
+                ivec = builder.add(ivec, _scaled_dot64(builder, q, xv, s))
     else:
         ivec = ir.Constant(ir.VectorType(_i32, 8), None)
         for c in range(4):

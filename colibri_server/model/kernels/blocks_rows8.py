@@ -16,12 +16,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks_ir import _arr_ptr, _f16_at, _f32, _i8, _i32, fold_blocks, k_update, q6_ints, q45_ints
+from .blocks_ir import _arr_ptr, _f32, _i8, _i32, fold_blocks, k_update, q6_ints, q45_ints
 from .prefetch import prefetch_ahead
 
 ROWS = 8
 AHEAD_ROWS = 8      # prefetched into L2: the block being read, this many rows further on (the next group's)
 _idx = ir.IntType(64)
+_i16 = ir.IntType(16)
 
 
 def lanes(builder, vals):
@@ -30,6 +31,18 @@ def lanes(builder, vals):
     for r, x in enumerate(vals):
         v = builder.insert_element(v, x, ir.Constant(_i32, r))
     return v
+
+
+def _word(builder, rp, o, ty):
+    """The integer of type ty at byte o of the i8 pointer rp."""
+    return builder.load(builder.bitcast(builder.gep(rp, [o]), ty.as_pointer()), align=1)
+
+
+def _halves(builder, v):
+    """<8 x i32> or <8 x i16> -> <8 x float>: each lane's low 16 bits as an f16, widened (exact: the same values as
+    blocks_ir._f16_at, converted 8 at once)."""
+    h = v if v.type.element == _i16 else builder.trunc(v, ir.VectorType(_i16, ROWS))
+    return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), ROWS)), ir.VectorType(_f32, ROWS))
 
 
 def _mk(kind):
@@ -63,12 +76,13 @@ def _mk(kind):
                     parts = [q45_ints(builder, rp, o, xp, sp, b, kind == 13, ahead=False) for rp in rows]
                     isum = fold_blocks(builder, [p[0] for p in parts])
                     msum = fold_blocks(builder, [p[1] for p in parts])
-                    d = lanes(builder, [_f16_at(builder, rp, o) for rp in rows])
-                    dm = lanes(builder, [_f16_at(builder, rp, builder.add(o, ir.Constant(_idx, 2))) for rp in rows])
+                    w = lanes(builder, [_word(builder, rp, o, _i32) for rp in rows])    # d | dmin << 16
+                    d, dm = _halves(builder, w), _halves(builder, builder.lshr(w, ir.Constant(w.type, [16] * ROWS)))
                     builder.store(k_update(builder, builder.load(acc), isum, d, xdv, msum, dm), acc)
                 else:
                     isum = fold_blocks(builder, [q6_ints(builder, rp, o, xp, sp, b, ahead=False) for rp in rows])
-                    d = lanes(builder, [_f16_at(builder, rp, builder.add(o, ir.Constant(_idx, 208))) for rp in rows])
+                    d = _halves(builder, lanes(builder, [_word(builder, rp, builder.add(o, ir.Constant(_idx, 208)), _i16)
+                                                         for rp in rows]))
                     builder.store(k_update(builder, builder.load(acc), isum, d, xdv), acc)
             out = _arr_ptr(context, builder, a[6], args[6], _f32)
             builder.store(builder.load(acc), builder.bitcast(out, vf.as_pointer()), align=4)
