@@ -137,7 +137,7 @@ def test_the_int16_head_is_the_default_and_every_path_gets_its_bits(tmp_path, he
     V = m.config.vocab_size
     batch = m.workspace.mm(hs, m.weights.output, np.zeros((6, V), np.float32))
     two = Model.open(path, threads=2)
-    two.workspace.PAR_MIN_BLOCK_WEIGHTS = 0                 # the head's rows over the threads even this small
+    two.workspace.PAR_MIN_WEIGHTS = 0                       # the head's rows over the threads even this small
     assert np.array_equal(two.workspace.mm(hs, two.weights.output, np.zeros((6, V), np.float32)), batch)
     for t in range(6):
         for w in (m, two):

@@ -64,16 +64,14 @@ class Workspace:
     where the CPU has avx512bf16: about 2x the f32 path, with the activations' rounding)."""
 
     TILE_ROWS = 256   # rows of a f16/bf16/quantized weight converted to f32 at once for BLAS
-    # forward's general decode path on threads (models the fused token does not cover: decode_step.py):
-    # a parallel region costs ~50 us to launch on Numba's workqueue (7-13 us on tbb, both measured
-    # on VMs), so it runs the experts (two regions per expert) and matrices of at least this many
-    # weights on threads, the rest (attention projections) on the calling thread
+    # matrices of at least this many weights x rows run on the threads (each thread its share of the weight rows),
+    # smaller ones on the calling thread: a parallel region costs ~50 us to launch on Numba's workqueue, 7-13 us
+    # on tbb (both measured on VMs). One threshold for every kind: at 8M (1 << 23) a small model's block-kind
+    # attention projections stay on the calling thread while the other waits; at 1M, bench-mixtral
+    # Q4_K_M blocks on 2 threads (2-vCPU Xeon, bench/step.py, 3 rounds in turn) took 6.0-6.5 ms a one-row step
+    # against 6.4-8.2 and 16.5-18.3 ms a 4-row step against 19.3-19.8 (8 and 16 rows, and the fused decode
+    # token, the same within the noise). A prefill's or a serving step's many rows thread every matrix
     PAR_MIN_WEIGHTS = 1 << 20
-    # the same for block-kind matrices (mm_blocks), which have no fused expert call on threads: one region a
-    # matrix, so only the big ones (an output head) go to the threads. bench-mixtral Q4_K_M blocks, decode on
-    # 2 threads (shared, loaded machine): 1 << 20 74.2 tok/s, 1 << 23 78.7. Counted in weights x rows, so a
-    # prefill's or a serving step's many rows thread every matrix (each thread its share of the weight rows)
-    PAR_MIN_BLOCK_WEIGHTS = 1 << 23
     # up to this many rows, f16/bf16 matrices go through kernels.rowgemm (each weight converted once, in a
     # register, for every row) instead of converting 256-row tiles to f32 for BLAS: since rowgemm's IR
     # tile, a 256-row serving step (8 prompts of 32 tokens, bench-mixtral f16, 2 threads) took 727 ms
@@ -217,7 +215,7 @@ class Workspace:
         """out (T,d) (=|+=) alpha * X (T,n) @ W.T for a block-kind W (kernels/blocks): the rows of X rounded
         once, each weight row read once for all of them; weight rows over the threads when the work is big."""
         T, n = X.shape
-        if self.threads > 1 and out.shape[1] * n * T >= self.PAR_MIN_BLOCK_WEIGHTS:
+        if self.threads > 1 and out.shape[1] * n * T >= self.PAR_MIN_WEIGHTS:
             KG.matmul_blocks_par(*self.mm_blocks_args(X, W, out, alpha, accumulate))
         else:
             Xq, Xd, Xs, tmps = self.block_acts(T, n, W.acts16)
@@ -249,7 +247,7 @@ class Workspace:
     def block_scratch(self, blocks: bool, A: int = 0, I: int = 0) -> tuple:
         """The fused decode token's block-kind scratch (kernels/decode's bk): block_acts' buffers whole (Xq, Xd, Xs
         flat; tmps one row per thread chunk), experts_decode_par's for A routed experts of I rows (_experts_rows),
-        and PAR_MIN_BLOCK_WEIGHTS. Where the model has no block kinds (blocks False), or no routed ones (A == 0),
+        and PAR_MIN_WEIGHTS. Where the model has no block kinds (blocks False), or no routed ones (A == 0),
         small arrays of the same types stand in (never read), so that every model's token has one type of scratch."""
         z = (np.zeros(1, np.int8), np.zeros(1, np.float32), np.zeros(1, np.int32), np.zeros((1, 1), np.float32),
              *(np.zeros((1, 1), dt) for dt in (np.float32, np.float32, np.int8, np.float32, np.int32)))
@@ -260,7 +258,7 @@ class Workspace:
         else:
             acts = z[:4]
         rows = self._experts_rows(A, I) if blocks and A else z[4:]
-        return (*acts, *rows, np.int64(self.PAR_MIN_BLOCK_WEIGHTS))
+        return (*acts, *rows, np.int64(self.PAR_MIN_WEIGHTS))
 
     def mm_blocks_args(self, X, W, out, alpha: float = 1.0, accumulate: bool = False) -> tuple:
         """matmul_blocks_par's arguments for mm_blocks on threads, its scratch from this workspace."""

@@ -118,7 +118,7 @@ def _store_attend_overload(kc, vc, table, l, q3, k3, v3, start, window, scale, o
 # chunks; the experts' w1 and w3 take 2*chunks in one region). Rows give the same bits either way.
 # bk: the block kinds' scratch (Workspace.block_scratch): Xq, Xd, Xs, tmps (block_acts' buffers), and
 # H1, H3, Hq, Hd, Hs (the threaded experts' rows, experts_decode_par), small arrays for other kinds; and
-# the weights from which a block-kind matrix goes to the threads (Workspace.PAR_MIN_BLOCK_WEIGHTS).
+# the weights from which a block-kind matrix goes to the threads (Workspace.PAR_MIN_WEIGHTS).
 
 def _is_pair(W):
     return (isinstance(W, types.BaseTuple) and len(W) == 2 and isinstance(W[0], types.Array)
@@ -143,7 +143,7 @@ def _acts(bk, n, kind):
 @njit(cache=True, inline="always")
 def _blocks_mv(raw, kind, x, out, alpha, accumulate, bk, nt):
     # out (d,) (=|+=) alpha * raw (d, row bytes) @ x (n,): Workspace.mm_blocks at T == 1 (on nt threads from
-    # bk[9] weights: Workspace.PAR_MIN_BLOCK_WEIGHTS)
+    # bk[9] weights: Workspace.PAR_MIN_WEIGHTS)
     n, d = x.shape[0], out.shape[0]
     q, xd, xsum, tm = _acts(bk, n, kind)
     acc = np.bool_(accumulate)      # not a literal: a literal True or False is a compile of the block chain of its own
