@@ -33,12 +33,12 @@ def lanes(builder, vals):
     return v
 
 
-def _word(builder, rp, o, ty):
+def word(builder, rp, o, ty):
     """The integer of type ty at byte o of the i8 pointer rp."""
     return builder.load(builder.bitcast(builder.gep(rp, [o]), ty.as_pointer()), align=1)
 
 
-def _halves(builder, v):
+def f16_lanes(builder, v):
     """<8 x i32> or <8 x i16> -> <8 x float>: each lane's low 16 bits as an f16, widened (exact: the same values as
     blocks_ir._f16_at, converted 8 at once)."""
     h = v if v.type.element == _i16 else builder.trunc(v, ir.VectorType(_i16, ROWS))
@@ -76,12 +76,12 @@ def _mk(kind):
                     parts = [q45_ints(builder, rp, o, xp, sp, b, kind == 13, ahead=False) for rp in rows]
                     isum = fold_blocks(builder, [p[0] for p in parts])
                     msum = fold_blocks(builder, [p[1] for p in parts])
-                    w = lanes(builder, [_word(builder, rp, o, _i32) for rp in rows])    # d | dmin << 16
-                    d, dm = _halves(builder, w), _halves(builder, builder.lshr(w, ir.Constant(w.type, [16] * ROWS)))
+                    w = lanes(builder, [word(builder, rp, o, _i32) for rp in rows])    # d | dmin << 16
+                    d, dm = f16_lanes(builder, w), f16_lanes(builder, builder.lshr(w, ir.Constant(w.type, [16] * ROWS)))
                     builder.store(k_update(builder, builder.load(acc), isum, d, xdv, msum, dm), acc)
                 else:
                     isum = fold_blocks(builder, [q6_ints(builder, rp, o, xp, sp, b, ahead=False) for rp in rows])
-                    d = _halves(builder, lanes(builder, [_word(builder, rp, builder.add(o, ir.Constant(_idx, 208)), _i16)
+                    d = f16_lanes(builder, lanes(builder, [word(builder, rp, builder.add(o, ir.Constant(_idx, 208)), _i16)
                                                          for rp in rows]))
                     builder.store(k_update(builder, builder.load(acc), isum, d, xdv), acc)
             out = _arr_ptr(context, builder, a[6], args[6], _f32)

@@ -33,18 +33,21 @@ from numba.extending import intrinsic
 from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, SB, _put2, _rows
 from .blocks_ir import (
     BLOCK_AHEAD,
+    HAVE_VBMI,
     _arr_ptr,
     _f16_at,
+    _join,
     _k_scales_mins,
     _load,
     _reduce,
+    _scaled_dot64,
     _vload,
     b32_row,
     fold_blocks,
     fold_pairs,
     k_update,
 )
-from .blocks_rows8 import AHEAD_ROWS, lanes
+from .blocks_rows8 import AHEAD_ROWS, f16_lanes, lanes, word
 from .blocks_rows8 import ROWS as ROWS8
 from .cpu import HAVE_VNNI512
 from .prefetch import prefetch_ahead
@@ -190,55 +193,108 @@ row16_q4_0.__doc__ = "row16_q8_0 for a Q4_0 row (18-byte blocks)"
 # block of each of C activation rows: per row the same integers and float steps as alone (C = 1), so a batch's
 # rows get the bits of each row's own product.
 
-def _q45_weights(builder, rp, o, five, ahead=True):
-    """Q4_K / Q5_K's block at byte o: 8 (<32 x i16> values times their scale, activation offset), mins <8 x i8>,
-    d, dmin."""
+def _kscales(builder, rp, o, kind, ahead=True):
+    """A k-quant block's per-row parts at byte o (prefetching the bytes BLOCK_AHEAD beyond it unless ahead is
+    False): Q6_K (its 16 group scales <16 x i16>,); Q4_K / Q5_K (the 8 sub-block scales <8 x i16>, the mins
+    <8 x i8>, Q5_K's fifth bits as _k_half takes them or None)."""
     idx = ir.IntType(64)
-    vt = ir.VectorType(_i8, 32)
-    sc8, mn8 = _k_scales_mins(builder, rp, o)
-    for line in range(0, (176 if five else 144) if ahead else 0, 64):
+    size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[kind]
+    for line in range(0, size if ahead else 0, 64):
         prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
-    qs = 48 if five else 16
-    if five:
+    if kind == Q6_K:
+        return (builder.sext(_vload(builder, rp, builder.add(o, ir.Constant(idx, 192)), ir.VectorType(_i8, 16)),
+                             ir.VectorType(_i16, 16)),)
+    sc8, mn8 = _k_scales_mins(builder, rp, o)
+    qh = None
+    if kind == Q5_K:
+        vt = ir.VectorType(_i8, 32)
         qh = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, 16))]), 32)
-    ws = []
-    for c in range(4):
-        bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 32 * c))]), 32)
-        for half in range(2):
-            q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
-            j = 2 * c + half
-            if five:            # Q5_K: bit j of qh[k] is the fifth bit of sub-block j's value k
-                hb = builder.and_(builder.lshr(qh, ir.Constant(vt, [j] * 32)), ir.Constant(vt, [1] * 32))
-                q = builder.or_(q, builder.shl(hb, ir.Constant(vt, [4] * 32)))
-            s = builder.zext(builder.extract_element(sc8, ir.Constant(_i32, j)), _i16)
-            sv = builder.shuffle_vector(builder.insert_element(ir.Constant(_W32, None), s, ir.Constant(_i32, 0)),
-                                        ir.Constant(_W32, None), ir.Constant(ir.VectorType(_i32, 32), [0] * 32))
-            ws.append((builder.mul(builder.zext(q, _W32), sv), 32 * j))           # at most 63 * 31
-    return ws, mn8, _f16_at(builder, rp, o), _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2)))
+        if HAVE_VNNI512:        # bytes 0-31 qh, 32-63 qh >> 2 (the pairing of _k_half's 64-byte loads)
+            qh = _join(builder, qh, builder.lshr(qh, ir.Constant(vt, [2] * 32)))
+    return builder.zext(sc8, ir.VectorType(_i16, 8)), mn8, qh
 
 
-def _q6_weights(builder, rp, o, ahead=True):
-    """Q6_K's block at byte o: 8 (<32 x i16> (values - 32) times their group's scale, activation offset), d."""
+def _halves32(builder, v):
+    """<64 x i8> -> its bytes 0-31 and 32-63."""
+    m = ir.VectorType(_i32, 32)
+    return (builder.shuffle_vector(v, v, ir.Constant(m, list(range(32)))),
+            builder.shuffle_vector(v, v, ir.Constant(m, list(range(32, 64)))))
+
+
+def _k_bytes(builder, rp, o, kind, h, parts):
+    """AVX-512: half h of the k-quant block at byte o (parts its _kscales) as two <64 x i8> of its unsigned values,
+    two sub-blocks each: Q6_K (values 0..63) sub-blocks 0, 1 then 2, 3 of the half (values 128h..128h+127 in
+    order); Q4_K / Q5_K sub-blocks 4h | 4h+2, then 4h+1 | 4h+3 (the low and high nibbles of qs's 64 bytes)."""
     idx = ir.IntType(64)
-    vt = ir.VectorType(_i8, 32)
+
+    def c8(v):
+        return ir.Constant(ir.VectorType(_i8, 64), [v] * 64)
+    if kind == Q6_K:            # ql's 64 bytes: sub-blocks 0, 1 in the low nibbles, 2, 3 in the high; qh's 2-bit fields
+        ql = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, 64 * h))]), 64)
+        qh = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, 128 + 32 * h))]), 32)
+        qh2 = _join(builder, qh, builder.lshr(qh, ir.Constant(ir.VectorType(_i8, 32), [2] * 32)))
+        return (builder.or_(builder.and_(ql, c8(15)), builder.shl(builder.and_(qh2, c8(3)), c8(4))),
+                builder.or_(builder.lshr(ql, c8(4)), builder.shl(builder.and_(builder.lshr(qh2, c8(4)), c8(3)), c8(4))))
+    qh = parts[2]
+    bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, (48 if kind == Q5_K else 16) + 64 * h))]), 64)
+    lo, hi = builder.and_(bb, c8(15)), builder.lshr(bb, c8(4))
+    if kind == Q5_K:            # qh's bytes 0-31 and, shifted by 2, 32-63 (_kscales): bit 4h (+1) the fifth bit
+        lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(qh, c8(4 * h)), c8(1)), c8(4)))
+        hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(qh, c8(4 * h + 1)), c8(1)), c8(4)))
+    return lo, hi
+
+
+def _k_half(builder, rp, o, kind, h, parts):
+    """The 4 sub-blocks of half h (values 128h..128h+127) of the k-quant block at byte o, parts its _kscales: a list
+    of (<32 x i16> values times their scale (Q6_K's values - 32), their activations' offset). With AVX-512 the bytes
+    are unpacked 64 at a time (two sub-blocks an instruction), else 32."""
+    idx = ir.IntType(64)
 
     def at(off):
         return builder.add(o, ir.Constant(idx, off))
-    sc = builder.sext(_vload(builder, rp, at(192), ir.VectorType(_i8, 16)), ir.VectorType(_i16, 16))
-    for line in range(0, 210 if ahead else 0, 64):
-        prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
-    ws = []
-    for h in range(2):
-        qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
-        for c in range(4):
-            ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
-            low = builder.and_(builder.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
-            high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
-            q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32))), ir.Constant(vt, [32] * 32))
-            g = 8 * h + 2 * c
-            sv = builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_i32, 32), [g] * 16 + [g + 1] * 16))
-            ws.append((builder.mul(builder.sext(q, _W32), sv), 128 * h + 32 * c))   # |w| <= 32 * 128
-    return ws, _f16_at(builder, rp, at(208))
+
+    def c8(v, n=32):
+        return ir.Constant(ir.VectorType(_i8, n), [v] * n)
+
+    def scaled(q, sv, signed):
+        return builder.mul((builder.sext if signed else builder.zext)(q, _W32), sv)
+    if kind == Q6_K:
+        s16 = parts[0]
+
+        def sv(g):
+            return builder.shuffle_vector(s16, s16, ir.Constant(ir.VectorType(_i32, 32), [g] * 16 + [g + 1] * 16))
+        if HAVE_VNNI512:
+            qa, qb = _k_bytes(builder, rp, o, kind, h, parts)
+            qs = [*_halves32(builder, builder.sub(qa, c8(32, 64))), *_halves32(builder, builder.sub(qb, c8(32, 64)))]
+        else:
+            qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
+            qs = []
+            for c in range(4):
+                ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
+                low = builder.and_(builder.lshr(ql, c8(4 * (c // 2))), c8(15))
+                high = builder.and_(builder.lshr(qh, c8(2 * c)), c8(3))
+                qs.append(builder.sub(builder.or_(low, builder.shl(high, c8(4))), c8(32)))
+        return [(scaled(q, sv(8 * h + 2 * c), True), 128 * h + 32 * c) for c, q in enumerate(qs)]   # |w| <= 32 * 128
+    sc16, _, qh = parts
+    five = kind == Q5_K
+    qs_at = 48 if five else 16
+
+    def sv(j):
+        return builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(_i32, 32), [j] * 32))
+    if HAVE_VNNI512:
+        lo, hi = _k_bytes(builder, rp, o, kind, h, parts)
+        (a, b), (c, d) = _halves32(builder, lo), _halves32(builder, hi)
+        qs = [a, c, b, d]       # sub-blocks 4h, 4h+1, 4h+2, 4h+3
+    else:
+        qs = []
+        for c in (2 * h, 2 * h + 1):
+            bb = _load(builder, builder.gep(rp, [at(qs_at + 32 * c)]), 32)
+            for half in range(2):
+                q = builder.and_(bb, c8(15)) if half == 0 else builder.lshr(bb, c8(4))
+                if five:        # Q5_K: bit j of qh[k] is the fifth bit of sub-block j's value k
+                    q = builder.or_(q, builder.shl(builder.and_(builder.lshr(qh, c8(2 * c + half)), c8(1)), c8(4)))
+                qs.append(q)
+    return [(scaled(q, sv(4 * h + k), False), 32 * (4 * h + k)) for k, q in enumerate(qs)]      # at most 63 * 31
 
 
 def _rows_of(context, builder, aty, arr, t0, nc, ty):
@@ -272,18 +328,19 @@ def _krow(kind, nc):
             with cgutils.for_range(builder, args[5]) as loop:
                 b = loop.index
                 o = builder.mul(b, ir.Constant(idx, size))
-                if kind == Q6_K:
-                    ws, d = _q6_weights(builder, rp, o)
-                else:
-                    ws, mn8, d, dmin = _q45_weights(builder, rp, o, kind == Q5_K)
+                parts = _kscales(builder, rp, o, kind)
                 x0 = builder.mul(b, ir.Constant(idx, 256))
-                ivecs = []
-                for t in range(nc):
-                    ivec = ir.Constant(_V16, None)
-                    for w, off in ws:
-                        ivec = _dot16(builder, ivec, w, _x16(builder, xps[t], builder.add(x0, ir.Constant(idx, off))))
-                    ivecs.append(ivec)
+                ivecs = [ir.Constant(_V16, None)] * nc
+                for h in range(2):          # a half's 4 sub-blocks decoded once for the nc rows (few registers live)
+                    ws = _k_half(builder, rp, o, kind, h, parts)
+                    for t in range(nc):
+                        for w, off in ws:
+                            ivecs[t] = _dot16(builder, ivecs[t], w, _x16(builder, xps[t], builder.add(x0, ir.Constant(idx, off))))
                 isums = _sums64(builder, ivecs)
+                if kind == Q6_K:
+                    d = _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 208)))
+                else:
+                    d, dmin = _f16_at(builder, rp, o), _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2)))
                 for t in range(nc):
                     xdb = builder.load(builder.gep(dps[t], [b]))
                     if kind == Q6_K:
@@ -293,7 +350,7 @@ def _krow(kind, nc):
                         xs16 = _vload(builder, sps[t], builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
                         ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
                         od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
-                        msum = _reduce(builder, builder.mul(builder.zext(mn8, v8), builder.add(ev, od)), 8)
+                        msum = _reduce(builder, builder.mul(builder.zext(parts[1], v8), builder.add(ev, od)), 8)
                         upd = k_update(builder, builder.load(accs[t]), isums[t], d, xdb, msum, dmin)
                     builder.store(upd, accs[t])
             for t in range(nc):
@@ -301,6 +358,47 @@ def _krow(kind, nc):
             return context.get_dummy_value()
         return sig, codegen
     return intrinsic(impl)
+
+
+def _split_ints(builder, rps, parts, o, xb, sp, b, kind):
+    """AVX-512 VBMI: the exact block integers of 8 weight rows (rps, their _kscales parts) . one int16 activation row
+    (xb its i8 pointer, sp its 16-sums), with int8 instructions: each value X = 256 H + L (H its high byte, signed;
+    L its low byte, 0..255), so q . X = 256 (q . H) + L . q, each a `vpmaddubsw` (values 0..63 as the unsigned
+    operand against H, as the signed one against L: pairs at most 2 * 255 * 63, no saturation) and a `vpmaddwd` by
+    the scales, as the int8 row dots (blocks_rows8). -> <8 x i64>, lane r row r's I (Q6_K's values - 32 through
+    32 * sum_g scale_g * (group g's 16-sum)), exactly _krows8's integers, so the same bits. The activations' bytes
+    are parted into H and L once a block (8 `vpermt2b`) for the 8 rows."""
+    idx = ir.IntType(64)
+    m64 = ir.VectorType(_i32, 64)
+    x0 = builder.mul(b, ir.Constant(idx, 512))
+    loads = {k: _load(builder, builder.gep(xb, [builder.add(x0, ir.Constant(idx, 64 * k))]), 64) for k in range(8)}
+
+    def parted(ka, kb):         # the even (L) and odd (H) bytes of loads ka, kb: 64 values in order
+        return tuple(builder.shuffle_vector(loads[ka], loads[kb], ir.Constant(m64, list(range(e, 128, 2))))
+                     for e in (0, 1))
+    hs, ls = [ir.Constant(_V16, None)] * ROWS8, [ir.Constant(_V16, None)] * ROWS8
+    for h in range(2):
+        # the 64 values each of _k_bytes' two vectors stands for: Q6_K 128h..+63, +64..+127; Q4_K / Q5_K sub-blocks
+        # 4h | 4h+2 and 4h+1 | 4h+3 (values 128h + 0..31 | 64..95 and 32..63 | 96..127)
+        xs = [parted(4 * h, 4 * h + 1), parted(4 * h + 2, 4 * h + 3)] if kind == Q6_K else \
+            [parted(4 * h, 4 * h + 2), parted(4 * h + 1, 4 * h + 3)]
+        for r, rp in enumerate(rps):
+            sc = parts[r][0]
+            for v, q in enumerate(_k_bytes(builder, rp, o, kind, h, parts[r])):
+                lanes_ = ([8 * h + 4 * v + k // 8 for k in range(32)] if kind == Q6_K else
+                          [4 * h + v] * 16 + [4 * h + v + 2] * 16)
+                s32 = builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_i32, 32), lanes_))
+                lo, hi = xs[v]
+                hs[r] = builder.add(hs[r], _scaled_dot64(builder, q, hi, s32))
+                ls[r] = builder.add(ls[r], _scaled_dot64(builder, lo, q, s32))
+    v8l = ir.VectorType(_i64, 8)
+    isum = builder.add(builder.mul(builder.sext(fold_blocks(builder, hs), v8l), ir.Constant(v8l, [256] * 8)),
+                       builder.sext(fold_blocks(builder, ls), v8l))
+    if kind == Q6_K:
+        xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), _V16)
+        corr = fold_blocks(builder, [builder.mul(builder.sext(p[0], _V16), xs16) for p in parts])
+        isum = builder.sub(isum, builder.mul(builder.sext(corr, v8l), ir.Constant(v8l, [32] * 8)))
+    return isum
 
 
 def _krows8(kind):
@@ -328,37 +426,36 @@ def _krows8(kind):
                 b = loop.index
                 o = builder.mul(b, ir.Constant(idx, size))
                 x0 = builder.mul(b, ir.Constant(idx, 256))
-                xs = {}
-                ivecs, ds, dms, mps = [], [], [], []
                 for line in range(0, size, 64):          # the same block of the next 8 rows (blocks_rows8)
                     prefetch_ahead(builder, rps, builder.add(o, dist), ahead=line)
-                for rp in rps:
-                    if kind == Q6_K:
-                        ws, d = _q6_weights(builder, rp, o, ahead=False)
-                    else:
-                        ws, mn8, d, dmin = _q45_weights(builder, rp, o, kind == Q5_K, ahead=False)
-                        dms.append(dmin)
-                        if not xs:
-                            xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
-                            xs["sums"] = builder.add(
-                                builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2)))),
-                                builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2)))))
-                        mps.append(builder.mul(builder.zext(mn8, v8), xs["sums"]))
-                    ds.append(d)
-                    ivec = ir.Constant(_V16, None)
-                    for w, off in ws:
-                        if off not in xs:
-                            xs[off] = _x16(builder, xp, builder.add(x0, ir.Constant(idx, off)))
-                        ivec = _dot16(builder, ivec, w, xs[off])
-                    ivecs.append(ivec)
+                parts = [_kscales(builder, rp, o, kind, ahead=False) for rp in rps]
+                if HAVE_VBMI:
+                    isum = _split_ints(builder, rps, parts, o, builder.bitcast(xp, _i8.as_pointer()), sp, b, kind)
+                else:
+                    ivecs = [ir.Constant(_V16, None)] * ROWS8
+                    for h in range(2):      # a half's activations loaded once for the 8 rows (few registers live)
+                        xs = {}
+                        for r, rp in enumerate(rps):
+                            for w, off in _k_half(builder, rp, o, kind, h, parts[r]):
+                                if off not in xs:
+                                    xs[off] = _x16(builder, xp, builder.add(x0, ir.Constant(idx, off)))
+                                ivecs[r] = _dot16(builder, ivecs[r], w, xs[off])
+                    isum = lanes(builder, _sums64(builder, ivecs))
                 xd = builder.load(builder.gep(dp, [b]))
                 xdv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, None), xd, ir.Constant(_i32, 0)),
                                              ir.Constant(vf, None), ir.Constant(v8, [0] * ROWS8))
-                isum = lanes(builder, _sums64(builder, ivecs))
                 if kind == Q6_K:
-                    upd = k_update(builder, builder.load(acc), isum, lanes(builder, ds), xdv)
+                    ds = f16_lanes(builder, lanes(builder, [word(builder, rp, builder.add(o, ir.Constant(idx, 208)), _i16)
+                                                          for rp in rps]))
+                    upd = k_update(builder, builder.load(acc), isum, ds, xdv)
                 else:
-                    upd = k_update(builder, builder.load(acc), isum, lanes(builder, ds), xdv, fold_blocks(builder, mps), lanes(builder, dms))
+                    xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
+                    sums = builder.add(builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2)))),
+                                       builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2)))))
+                    msum = fold_blocks(builder, [builder.mul(builder.zext(p[1], v8), sums) for p in parts])
+                    dd = lanes(builder, [word(builder, rp, o, _i32) for rp in rps])          # d | dmin << 16
+                    upd = k_update(builder, builder.load(acc), isum, f16_lanes(builder, dd), xdv, msum,
+                                   f16_lanes(builder, builder.lshr(dd, ir.Constant(v8, [16] * ROWS8))))
                 builder.store(upd, acc)
             out = _arr_ptr(context, builder, a[7], args[7], _f32)
             builder.store(builder.load(acc), builder.bitcast(out, vf.as_pointer()), align=4)
