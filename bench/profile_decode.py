@@ -1,6 +1,9 @@
 """Where a decode token's time goes, per kernel and per thread: `perf record` on a process decoding in a loop.
 
-    python bench/profile_decode.py MODEL.colibri [--threads 2] [--seconds 8] [--context 256] [--top 12]
+    python bench/profile_decode.py MODEL.colibri [--threads 2] [--seconds 8] [--context 256] [--top 12] [--batch B]
+
+--batch B profiles a serving step of B sequences (BatchEngine, as bench/step.py runs it) instead of the fused
+decode token.
 
 perf (Debian's linux-perf) samples the process's threads on the cpu-clock (no hardware counters needed, as on
 VMs). Numba's compiled code has no symbols perf can read, so the child process keeps every Numba library's
@@ -75,19 +78,31 @@ def child(a):
     import numpy as np  # noqa: F401
 
     from colibri_server.model import Model
+    from colibri_server.model.serving import BatchEngine
     m = Model.open(a.model, populate=True, context=max(a.context + 16, 64), threads=a.threads)
-    cache = m.new_cache()
+    if a.batch:                 # a serving step of `batch` sequences (bench/step.py's engine), restarted as they end
+        eng, ids = BatchEngine(m, max_seqs=a.batch, max_batch_tokens=256, kv_dtype="f16"), iter(range(1 << 30))
+
+        def step():
+            while len(eng.sched.running) + len(eng.sched.waiting) < a.batch:
+                eng.add(next(ids), [1 + k % 100 for k in range(32)], max_tokens=a.context - 32, ignore_eos=True)
+            return len(eng.step())
+    else:                       # the fused decode token
+        cache = [m.new_cache()]
+
+        def step():
+            if cache[0].length >= a.context:
+                cache[0] = m.new_cache()
+            m.decode(cache[0], 1 + cache[0].length % 100)
+            return 1
     for _ in range(8):
-        m.decode(cache, 1)
+        step()
     print("functions", _write_map(), flush=True)
     print("ready", os.getpid(), flush=True)
     t, n = time.perf_counter(), 0
     while time.perf_counter() - t < a.seconds + 4:
-        if cache.length >= a.context:
-            cache = m.new_cache()
-        m.decode(cache, 1 + n % 100)
-        n += 1
-    print(f"decode {n / (time.perf_counter() - t):.1f} tok/s", flush=True)
+        n += step()
+    print(f"{'step of ' + str(a.batch) if a.batch else 'decode'}: {n / (time.perf_counter() - t):.1f} tok/s", flush=True)
 
 
 WAITING = re.compile(r"tbb::|sched_yield|__schedule|do_syscall|clock_gettime|futex|x64_sys_call|gomp_|GOMP_")
@@ -147,6 +162,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--context", type=int, default=256, help="tokens per sequence before it starts again")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=0, help="profile a serving step of this many sequences instead")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -154,7 +170,8 @@ def main():
     if not shutil.which("perf"):
         sys.exit("profile_decode: perf not found (Debian: apt-get install linux-perf)")
     proc = subprocess.Popen([sys.executable, __file__, "--child", a.model, "--threads", str(a.threads), "--seconds",
-                             str(a.seconds), "--context", str(a.context)], stdout=subprocess.PIPE, text=True)
+                             str(a.seconds), "--context", str(a.context), "--batch", str(a.batch)],
+                            stdout=subprocess.PIPE, text=True)
     pid = None
     for line in proc.stdout:
         print(line.rstrip(), flush=True)
