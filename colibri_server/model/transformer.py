@@ -66,12 +66,14 @@ class Workspace:
     TILE_ROWS = 256   # rows of a f16/bf16/quantized weight converted to f32 at once for BLAS
     # matrices of at least this many weights x rows run on the threads (each thread its share of the weight rows),
     # smaller ones on the calling thread: a parallel region costs ~50 us to launch on Numba's workqueue, 7-13 us
-    # on tbb (both measured on VMs). One threshold for every kind: at 8M (1 << 23) a small model's block-kind
-    # attention projections stay on the calling thread while the other waits; at 1M, bench-mixtral
-    # Q4_K_M blocks on 2 threads (2-vCPU Xeon, bench/step.py, 3 rounds in turn) took 6.0-6.5 ms a one-row step
-    # against 6.4-8.2 and 16.5-18.3 ms a 4-row step against 19.3-19.8 (8 and 16 rows, and the fused decode
-    # token, the same within the noise). A prefill's or a serving step's many rows thread every matrix
-    PAR_MIN_WEIGHTS = 1 << 20
+    # on tbb (both measured on VMs). One threshold for every kind. At 8M (1 << 23) a small model's block-kind
+    # attention projections stay on the calling thread while the other waits; bench-mixtral Q4_K_M blocks on 2
+    # threads (2-vCPU Xeon, bench/step.py, 3 rounds in turn): at 1M a one-row step took 6.0-6.5 ms against 6.4-8.2,
+    # a 4-row step 16.5-18.3 against 19.3-19.8. At 256K (1 << 18) its 256 x 1024 k and v go to the threads too:
+    # the fused decode token 134.1-145.0 tok/s against 126.9-138.7 at 1M (4 rounds in turn, separate processes,
+    # 1 << 18 the faster in each); bench-mixtral f16's 1- and 2-row steps the same at both. A prefill's or a serving
+    # step's many rows thread every matrix
+    PAR_MIN_WEIGHTS = 1 << 18
     # up to this many rows, f16/bf16 matrices go through kernels.rowgemm (each weight converted once, in a
     # register, for every row) instead of converting 256-row tiles to f32 for BLAS: since rowgemm's IR
     # tile, a 256-row serving step (8 prompts of 32 tokens, bench-mixtral f16, 2 threads) took 727 ms
