@@ -465,10 +465,10 @@ def _krows8(kind):
 
 
 _q4k_8, _q5k_8, _q6k_8 = _krows8(Q4_K), _krows8(Q5_K), _krows8(Q6_K)
-C16 = 8                     # activation rows a k-quant weight row is dotted with at once
-_q4k_c, _q4k_1 = _krow(Q4_K, C16), _krow(Q4_K, 1)
-_q5k_c, _q5k_1 = _krow(Q5_K, C16), _krow(Q5_K, 1)
-_q6k_c, _q6k_1 = _krow(Q6_K, C16), _krow(Q6_K, 1)
+C16 = 8                     # activation rows a k-quant weight row is dotted with at once; the rest 4, then 1 at a time
+_q4k_c, _q4k_4, _q4k_1 = _krow(Q4_K, C16), _krow(Q4_K, 4), _krow(Q4_K, 1)
+_q5k_c, _q5k_4, _q5k_1 = _krow(Q5_K, C16), _krow(Q5_K, 4), _krow(Q5_K, 1)
+_q6k_c, _q6k_4, _q6k_1 = _krow(Q6_K, C16), _krow(Q6_K, 4), _krow(Q6_K, 1)
 
 
 # ---------------------------------------------------------------------------- row loops
@@ -500,7 +500,8 @@ def _rows16_q4_0(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate):
 
 @njit(cache=True)
 def _rows16_k(raw, kind, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate):
-    # the k-quants: each weight row dotted with C16 activation rows at once, then the rest one by one (the same bits)
+    # the k-quants: each weight row dotted with C16 activation rows at once, then 4, then the rest one by one (the same
+    # bits)
     T, nb = X.shape[0], X.shape[1] // 256
     if T == 1:                  # a decode token: 8 weight rows at a time, the rest one by one
         while i0 + ROWS8 <= i1:
@@ -523,7 +524,18 @@ def _rows16_k(raw, kind, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate):
                 _q6k_c(raw[i], Xq, Xd, Xs, t0, nb, res)
             for t in range(C16):
                 _put2(out, t0 + t, i, res[t], alpha, accumulate)
-        for t in range(T // C16 * C16, T):
+        t0 = T // C16 * C16
+        if T - t0 >= 4:         # 4 of the rest at once (a serving step of 4-7 sequences reads each row once, not 4 times)
+            if kind == Q4_K:
+                _q4k_4(raw[i], Xq, Xd, Xs, t0, nb, res)
+            elif kind == Q5_K:
+                _q5k_4(raw[i], Xq, Xd, Xs, t0, nb, res)
+            else:
+                _q6k_4(raw[i], Xq, Xd, Xs, t0, nb, res)
+            for t in range(4):
+                _put2(out, t0 + t, i, res[t], alpha, accumulate)
+            t0 += 4
+        for t in range(t0, T):
             if kind == Q4_K:
                 _q4k_1(raw[i], Xq, Xd, Xs, t, nb, res)
             elif kind == Q5_K:
