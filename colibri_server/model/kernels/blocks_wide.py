@@ -498,10 +498,36 @@ def _rows16_q4_0(raw, X, Xq, Xd, Xs, out, i0, i1, alpha, accumulate):
             _put2(out, t, i, _dot16_q4_0(raw[i], X[t], Xq[t], Xd[t], Xs[t]), alpha, accumulate)
 
 
+@njit(cache=True, inline="always")
+def _krow_n(kind, n, r, Xq, Xd, Xs, t0, nb, res):
+    # weight row r of a k-quant kind . activation rows t0..t0+n-1 -> res[:n], n = C16, 4 (a serving step of 4-7
+    # sequences reads each row once, not 4 times) or 1
+    if n == C16:
+        if kind == Q4_K:
+            _q4k_c(r, Xq, Xd, Xs, t0, nb, res)
+        elif kind == Q5_K:
+            _q5k_c(r, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q6k_c(r, Xq, Xd, Xs, t0, nb, res)
+    elif n == 4:
+        if kind == Q4_K:
+            _q4k_4(r, Xq, Xd, Xs, t0, nb, res)
+        elif kind == Q5_K:
+            _q5k_4(r, Xq, Xd, Xs, t0, nb, res)
+        else:
+            _q6k_4(r, Xq, Xd, Xs, t0, nb, res)
+    elif kind == Q4_K:
+        _q4k_1(r, Xq, Xd, Xs, t0, nb, res)
+    elif kind == Q5_K:
+        _q5k_1(r, Xq, Xd, Xs, t0, nb, res)
+    else:
+        _q6k_1(r, Xq, Xd, Xs, t0, nb, res)
+
+
 @njit(cache=True)
 def _rows16_k(raw, kind, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate):
-    # the k-quants: each weight row dotted with C16 activation rows at once, then 4, then the rest one by one (the same
-    # bits)
+    # the k-quants: each weight row dotted with C16 activation rows at once, then 4, then the rest one by one (_krow_n;
+    # the same bits)
     T, nb = X.shape[0], X.shape[1] // 256
     if T == 1:                  # a decode token: 8 weight rows at a time, the rest one by one
         while i0 + ROWS8 <= i1:
@@ -515,34 +541,13 @@ def _rows16_k(raw, kind, X, Xq, Xd, Xs, out, res, i0, i1, alpha, accumulate):
                 _put2(out, 0, i0 + r, res[r], alpha, accumulate)
             i0 += ROWS8
     for i in range(i0, i1):
-        for t0 in range(0, T - C16 + 1, C16):
-            if kind == Q4_K:
-                _q4k_c(raw[i], Xq, Xd, Xs, t0, nb, res)
-            elif kind == Q5_K:
-                _q5k_c(raw[i], Xq, Xd, Xs, t0, nb, res)
-            else:
-                _q6k_c(raw[i], Xq, Xd, Xs, t0, nb, res)
-            for t in range(C16):
+        t0 = 0
+        while t0 < T:
+            n = C16 if T - t0 >= C16 else 4 if T - t0 >= 4 else 1
+            _krow_n(kind, n, raw[i], Xq, Xd, Xs, t0, nb, res)
+            for t in range(n):
                 _put2(out, t0 + t, i, res[t], alpha, accumulate)
-        t0 = T // C16 * C16
-        if T - t0 >= 4:         # 4 of the rest at once (a serving step of 4-7 sequences reads each row once, not 4 times)
-            if kind == Q4_K:
-                _q4k_4(raw[i], Xq, Xd, Xs, t0, nb, res)
-            elif kind == Q5_K:
-                _q5k_4(raw[i], Xq, Xd, Xs, t0, nb, res)
-            else:
-                _q6k_4(raw[i], Xq, Xd, Xs, t0, nb, res)
-            for t in range(4):
-                _put2(out, t0 + t, i, res[t], alpha, accumulate)
-            t0 += 4
-        for t in range(t0, T):
-            if kind == Q4_K:
-                _q4k_1(raw[i], Xq, Xd, Xs, t, nb, res)
-            elif kind == Q5_K:
-                _q5k_1(raw[i], Xq, Xd, Xs, t, nb, res)
-            else:
-                _q6k_1(raw[i], Xq, Xd, Xs, t, nb, res)
-            _put2(out, t, i, res[0], alpha, accumulate)
+            t0 += n
 
 
 @njit(cache=True)
