@@ -183,8 +183,13 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         data = os.path.join(d, "perf.data")
         time.sleep(1)
-        subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-F", "2000", "-p", pid, "-o", data, "--", "sleep",
-                        str(a.seconds)], check=True, stderr=subprocess.DEVNULL)
+        rec = subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-F", "2000", "-p", pid, "-o", data, "--",
+                              "sleep", str(a.seconds)], capture_output=True, text=True)
+        if rec.returncode:
+            proc.kill()
+            os.unlink(f"/tmp/perf-{pid}.map")
+            last = (rec.stderr.strip().splitlines() or ["no message"])[-1]
+            sys.exit(f"profile_decode: perf record failed ({last}; as root, or with kernel.perf_event_paranoid <= 1)")
         script = subprocess.run(["perf", "script", "-i", data, "-F", "tid,ip,sym"], capture_output=True,
                                 text=True).stdout
     print(proc.stdout.read().rstrip())
