@@ -12,6 +12,7 @@ both. Per run: a 128-token prefill, 8 warm-up tokens, then the median of 120 dec
 of a shorter context: half of it as the prompt, passes until 120 tokens are timed).
 Prints each round and the median ratio old/new time (>= 1: this tree is as fast or faster).
 Each tree compiles its kernels once, in a warm-up run not counted. The machine must be quiet.
+`--avx2` compiles both for an AVX2-only CPU on an AVX-512 machine (as bench/blocks.py --avx2).
 
     python bench/decode_ab.py --families DIR [--rev REV] [--threads 1]
 
@@ -97,7 +98,12 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--head-ab", action="store_true", help="this tree with exact_head false against its default")
+    ap.add_argument("--avx2", action="store_true", help="both trees compiled for an AVX2-only CPU (as blocks.py --avx2)")
     a = ap.parse_args()
+    if a.avx2:
+        sys.path.insert(0, str(ROOT))
+        from colibri_server.model.kernels.cpu import without_avx512
+        os.environ.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=without_avx512())    # the subprocesses inherit it
     if a.head_ab:
         return ab(a, a.models, lambda model, t: run(ROOT, model, t, "int8"), lambda model, t: run(ROOT, model, t),
                   "int8 head")

@@ -16,7 +16,7 @@ from blocks_data import Q, quantized
 from colibri_server.model.kernels import blocks as KB
 from colibri_server.model.kernels import cpu
 
-KINDS = (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_0)
+KINDS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0)
 D, N, T = 24, 512, 3
 
 CHILD = """
@@ -24,7 +24,7 @@ import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from blocks_data import quantized
-from colibri_server.model.kernels import blocks_gemm as KG, blocks_ir as KI, cpu
+from colibri_server.model.kernels import blocks as KB, blocks_gemm as KG, blocks_ir as KI, cpu
 out = {"vnni512": cpu.HAVE_VNNI512, "vnni256": KI.HAVE_VNNI256, "tiles": KG.HAVE_TILES, "avx2": cpu.HAVE_AVX2}
 for kind in json.loads(sys.argv[2]):
     rng = np.random.default_rng(kind)
@@ -36,7 +36,12 @@ for kind in json.loads(sys.argv[2]):
                      np.zeros((X.shape[0], n // 16), np.int32), np.zeros(KG.scratch_words(n), np.float32),
                      np.float32(1.0), False)
     out[str(kind)] = y.tolist()
-asm = "".join(KG.matmul_blocks.inspect_asm().values())
+    y1 = np.zeros((1, raw.shape[0]), np.float32)    # one activation row: a decode token's row dots (8 rows at once)
+    KG.matmul_blocks(raw, kind, X[:1], y1, np.zeros((1, n), np.int8), np.zeros((1, n // 32), np.float32),
+                     np.zeros((1, n // 16), np.int32), np.zeros(KG.scratch_words(n), np.float32), np.float32(1.0), False)
+    out[str(kind) + "/1"] = y1.tolist()
+# the dots are compiled into the row loops (a decode token's Q4_K rows: blocks._rows_q4_k), not into the dispatch
+asm = "".join(a for f in (KG.matmul_blocks, KB._rows_q4_k) for a in f.inspect_asm().values())
 out["zmm"] = "zmm" in asm
 out["ymm_dots"] = "vpmaddubsw" in asm and "ymm" in asm
 print(json.dumps(out))
@@ -73,6 +78,14 @@ def test_an_avx2_target_forced_on_an_avx512_host_takes_the_avx2_paths_with_the_s
         scale = np.abs(X).astype(np.float64) @ np.abs(KB.dequantize_ref(raw, int(kind), N)).T.astype(np.float64)
         assert (np.abs(a - h) <= scale * 1e-6 + 1e-7).all(), kind.name
         assert (np.abs(a - ref) <= scale * 2e-2 + 1e-5).all(), kind.name
+        # one row (a decode token's row dots; the k-quants' 8 weight rows at once, kernels/blocks_rows8 on
+        # blocks_ir.q45_ints / q6_ints, whose AVX2 and AVX-512 paths sum the same integers per block and step the
+        # same floats: the same bits)
+        a1, h1 = (np.asarray(p[str(int(kind)) + "/1"], np.float32) for p in (avx2, host))
+        if kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+            assert np.array_equal(a1.view(np.uint32), h1.view(np.uint32)), kind.name
+        assert (np.abs(a1 - h1) <= scale[:1] * 1e-6 + 1e-7).all(), kind.name
+        assert (np.abs(a1 - ref[:1]) <= scale[:1] * 2e-2 + 1e-5).all(), kind.name
 
 
 TILE_KINDS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0)

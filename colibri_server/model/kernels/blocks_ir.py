@@ -469,9 +469,6 @@ def q45_ints(builder, rp, o, xp, sp, b, five, ahead=True):
     idx = ir.IntType(64)
     vt = ir.VectorType(_i8, 32)
     i16 = ir.IntType(16)
-
-    def c32(v):
-        return ir.Constant(_i32, v)
     sc8, mn8 = _k_scales_mins(builder, rp, o)
     for line in range(0, (176 if five else 144) if ahead else 0, 64):
         prefetch_ahead(builder, [rp], builder.add(o, ir.Constant(idx, line)), ahead=BLOCK_AHEAD)
@@ -507,6 +504,10 @@ def q45_ints(builder, rp, o, xp, sp, b, five, ahead=True):
                 ivec = builder.add(ivec, _scaled_dot64(builder, q, xv, s))
     else:
         ivec = ir.Constant(ir.VectorType(_i32, 8), None)
+        # the 8 scales as i16 in both 128-bit halves, so that each sub-block's scale is an in-lane broadcast (one
+        # `vpshufb`), not a scalar extracted and broadcast again
+        sc8x2 = builder.zext(builder.shuffle_vector(sc8, sc8, ir.Constant(ir.VectorType(_i32, 16), list(range(8)) * 2)),
+                             ir.VectorType(i16, 16))
         for c in range(4):
             bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 32 * c))]), 32)
             for half in range(2):
@@ -516,8 +517,8 @@ def q45_ints(builder, rp, o, xp, sp, b, five, ahead=True):
                     hb = builder.and_(builder.lshr(qh, ir.Constant(vt, [j] * 32)), ir.Constant(vt, [1] * 32))
                     q = builder.or_(q, builder.shl(hb, ir.Constant(vt, [4] * 32)))
                 xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 32 * j))]), 32)
-                s = builder.zext(builder.extract_element(sc8, c32(j)), i16)
-                ivec = builder.add(ivec, _scaled_dot(builder, q, xv, _s16(builder, s, s)))
+                s = builder.shuffle_vector(sc8x2, sc8x2, ir.Constant(ir.VectorType(_i32, 16), [j] * 8 + [8 + j] * 8))
+                ivec = builder.add(ivec, _scaled_dot(builder, q, xv, s))
     xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
     ev = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(0, 16, 2))))
     od = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(1, 16, 2))))
@@ -585,18 +586,19 @@ def q6_ints(builder, rp, o, xp, sp, b, ahead=True):
                 ivec = builder.add(ivec, _scaled_dot64(builder, q, xv, s))
     else:
         ivec = ir.Constant(ir.VectorType(_i32, 8), None)
+        s16 = builder.sext(sc, ir.VectorType(i16, 16))
         for h in range(2):
             qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
+            # the half's 8 group scales in both 128-bit halves: each sub-block's pair (g, g + 1) an in-lane shuffle
+            sh = builder.shuffle_vector(s16, s16, ir.Constant(ir.VectorType(_i32, 16), list(range(8 * h, 8 * h + 8)) * 2))
             for c in range(4):
                 ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
                 low = builder.and_(builder.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
                 high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
                 q = builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32)))
                 xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 128 * h + 32 * c))]), 32)
-                g = 8 * h + 2 * c
-                s16 = _s16(builder, builder.sext(builder.extract_element(sc, ir.Constant(_i32, g)), i16),
-                           builder.sext(builder.extract_element(sc, ir.Constant(_i32, g + 1)), i16))
-                ivec = builder.add(ivec, _scaled_dot(builder, q, xv, s16))
+                pair = builder.shuffle_vector(sh, sh, ir.Constant(ir.VectorType(_i32, 16), [2 * c] * 8 + [9 + 2 * c] * 8))
+                ivec = builder.add(ivec, _scaled_dot(builder, q, xv, pair))     # groups 8h + 2c, 8h + 2c + 1
         ivec = builder.shuffle_vector(ivec, ir.Constant(ivec.type, None), ir.Constant(v16, list(range(16))))
     xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), v16)
     off = builder.mul(builder.mul(builder.sext(sc, v16), xs16), ir.Constant(v16, [32] * 16))
