@@ -133,12 +133,18 @@ def _sums64(builder, vs):
         return [_sum64(builder, v) for v in vs]
     if len(vs) > 8:
         return [s for i in range(0, len(vs), 8) for s in _sums64(builder, vs[i:i + 8])]
+    s = _sums64_lanes(builder, vs)
+    return [builder.extract_element(s, ir.Constant(_i32, t)) for t in range(8)]
+
+
+def _sums64_lanes(builder, vs):
+    """8 <16 x i32> -> <8 x i64>, lane t the sum of vs[t]'s lanes (exact): their halves added in <8 x i64>, then
+    pairs of vectors folded into one three times (blocks_ir.fold_pairs)."""
     v8, v64 = ir.VectorType(_i32, 8), ir.VectorType(_i64, 8)
     lo, hi = ir.Constant(v8, list(range(8))), ir.Constant(v8, list(range(8, 16)))
     ps = [builder.add(builder.sext(builder.shuffle_vector(v, v, lo), v64),
                       builder.sext(builder.shuffle_vector(v, v, hi), v64)) for v in vs]
-    s = fold_pairs(builder, ps, 8)
-    return [builder.extract_element(s, ir.Constant(_i32, t)) for t in range(8)]
+    return fold_pairs(builder, ps, 8)
 
 
 # ---------------------------------------------------------------------------- 32-block kinds: whole rows
@@ -324,7 +330,9 @@ def _krow(kind, nc):
             dps = _rows_of(context, builder, a[2], args[2], args[4], nc, _f32)
             sps = _rows_of(context, builder, a[3], args[3], args[4], nc, _i32)
             out = _arr_ptr(context, builder, a[6], args[6], _f32)
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nc)]
+            vec = nc == ROWS8           # the float steps of the 8 rows as the lanes of one vector (each lane row t's)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(_f32, nc), None) if vec else ir.Constant(_f32, 0.0))
+                    for _ in range(1 if vec else nc)]
             with cgutils.for_range(builder, args[5]) as loop:
                 b = loop.index
                 o = builder.mul(b, ir.Constant(idx, size))
@@ -336,28 +344,66 @@ def _krow(kind, nc):
                     for t in range(nc):
                         for w, off in ws:
                             ivecs[t] = _dot16(builder, ivecs[t], w, _x16(builder, xps[t], builder.add(x0, ir.Constant(idx, off))))
-                isums = _sums64(builder, ivecs)
                 if kind == Q6_K:
-                    d = _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 208)))
+                    d, dmin = _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 208))), None
                 else:
                     d, dmin = _f16_at(builder, rp, o), _f16_at(builder, rp, builder.add(o, ir.Constant(idx, 2)))
+                if vec:
+                    _k_update_lanes(builder, accs[0], _sums64_lanes(builder, ivecs), d, dmin, dps, sps, b, parts)
+                else:
+                    _k_update_rows(builder, accs, _sums64(builder, ivecs), d, dmin, dps, sps, b, parts)
+            if vec:
+                builder.store(builder.load(accs[0]), builder.bitcast(out, accs[0].type), align=4)
+            else:
                 for t in range(nc):
-                    xdb = builder.load(builder.gep(dps[t], [b]))
-                    if kind == Q6_K:
-                        upd = k_update(builder, builder.load(accs[t]), isums[t], d, xdb)
-                    else:
-                        v8 = ir.VectorType(_i32, 8)
-                        xs16 = _vload(builder, sps[t], builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
-                        ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
-                        od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
-                        msum = _reduce(builder, builder.mul(builder.zext(parts[1], v8), builder.add(ev, od)), 8)
-                        upd = k_update(builder, builder.load(accs[t]), isums[t], d, xdb, msum, dmin)
-                    builder.store(upd, accs[t])
-            for t in range(nc):
-                builder.store(builder.load(accs[t]), builder.gep(out, [ir.Constant(idx, t)]))
+                    builder.store(builder.load(accs[t]), builder.gep(out, [ir.Constant(idx, t)]))
             return context.get_dummy_value()
         return sig, codegen
     return intrinsic(impl)
+
+
+def _k_update_rows(builder, accs, isums, d, dmin, dps, sps, b, parts):
+    """_krow's float step of block b, one activation row after another: accs[t] (an f32 slot) + isums[t] * (d * xd_t)
+    [- M_t * (dmin * xd_t), M_t = sum_j min_j * row t's 32-sum j] (blocks_ir.k_update)."""
+    idx = ir.IntType(64)
+    v8 = ir.VectorType(_i32, 8)
+    for t, acc in enumerate(accs):
+        xdb = builder.load(builder.gep(dps[t], [b]))
+        if dmin is None:
+            upd = k_update(builder, builder.load(acc), isums[t], d, xdb)
+        else:
+            xs16 = _vload(builder, sps[t], builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
+            ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
+            od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
+            msum = _reduce(builder, builder.mul(builder.zext(parts[1], v8), builder.add(ev, od)), 8)
+            upd = k_update(builder, builder.load(acc), isums[t], d, xdb, msum, dmin)
+        builder.store(upd, acc)
+
+
+def _k_update_lanes(builder, acc, isum, d, dmin, dps, sps, b, parts):
+    """_krow's float step of block b for 8 activation rows at once: acc (a <8 x f32> slot, lane t row t's accumulator)
+    + isum (<8 x i64>, lane t row t's block integer I) * (d * xd_t) [- M_t * (dmin * xd_t), M_t = sum_j min_j * row
+    t's 32-sum j, the 8 rows' products folded into one vector]: lane t does row t's scalar operations (k_update), the
+    same bits as one row at a time."""
+    idx = ir.IntType(64)
+    vf, v8 = ir.VectorType(_f32, ROWS8), ir.VectorType(_i32, ROWS8)
+
+    def splat(x):
+        return builder.shuffle_vector(builder.insert_element(ir.Constant(vf, None), x, ir.Constant(_i32, 0)),
+                                      ir.Constant(vf, None), ir.Constant(v8, [0] * ROWS8))
+    xdv = lanes(builder, [builder.load(builder.gep(dp, [b])) for dp in dps])
+    if dmin is None:
+        builder.store(k_update(builder, builder.load(acc), isum, splat(d), xdv), acc)
+        return
+    mins = builder.zext(parts[1], v8)
+    prods = []
+    for sp in sps:
+        xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
+        ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
+        od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
+        prods.append(builder.mul(mins, builder.add(ev, od)))
+    builder.store(k_update(builder, builder.load(acc), isum, splat(d), xdv, fold_blocks(builder, prods), splat(dmin)),
+                  acc)
 
 
 def _split_ints(builder, rps, parts, o, xb, sp, b, kind):
