@@ -73,16 +73,19 @@ def _pairs(builder, w16, x16, n):
 
 
 def _dot8(builder, w, x, signed):
-    """<32 x i8> weights (signed, or unsigned values 0..127) . <32 x i8> activations -> <8 x i32>, lane l
-    the sum of the products of bytes 4l..4l+3: one `vpdpbusd` where the CPU has it (signed weights
-    through llama.cpp's sign trick: |w| times x with w's sign), else sign-extended pairs (`vpmaddwd`)."""
-    if not HAVE_VNNI256:
+    """<32 x i8> weights (signed, or unsigned values 0..127) . <32 x i8> activations (|x| <= 127, the int8 rounding's)
+    -> <8 x i32>, lane l the sum of the products of bytes 4l..4l+3: signed weights through llama.cpp's sign trick
+    (|w| times x with w's sign), then one `vpdpbusd` where the CPU has it, else on AVX2 `vpmaddubsw` (pairs of
+    |w| <= 128 times |x| <= 127 within i16: exact) and `vpmaddwd` by ones; else sign-extended pairs."""
+    if not (HAVE_VNNI256 or HAVE_AVX2):
         return _pairs(builder, _i16(builder, w, 32, signed), _i16(builder, x, 32, True), 32)
     vt, vd = ir.VectorType(_i8, 32), ir.VectorType(_i32, 8)
     if signed:
         neg = builder.icmp_signed("<", w, ir.Constant(vt, None))
         x = builder.select(neg, builder.sub(ir.Constant(vt, None), x), x)
         w = builder.select(neg, builder.sub(ir.Constant(vt, None), w), w)
+    if not HAVE_VNNI256:
+        return _scaled_dot(builder, w, x, ir.Constant(ir.VectorType(ir.IntType(16), 16), [1] * 16))
     f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vd, [vd, vd, vd]), "llvm.x86.avx512.vpdpbusd.256")
     return builder.call(f, [ir.Constant(vd, None), builder.bitcast(w, vd), builder.bitcast(x, vd)])
 
