@@ -40,6 +40,11 @@ for kind in json.loads(sys.argv[2]):
     KG.matmul_blocks(raw, kind, X[:1], y1, np.zeros((1, n), np.int8), np.zeros((1, n // 32), np.float32),
                      np.zeros((1, n // 16), np.int32), np.zeros(KG.scratch_words(n), np.float32), np.float32(1.0), False)
     out[str(kind) + "/1"] = y1.tolist()
+    if kind in (12, 13, 14):      # the int16 head's row dots (blocks_wide._krows8: 8 weight rows a pass)
+        KG.matmul_blocks(raw, kind + KB.ACTS16, X[:1], y1, np.zeros((1, 2 * n), np.int8),
+                         np.zeros((1, n // 32), np.float32), np.zeros((1, n // 16), np.int32),
+                         np.zeros(KG.scratch_words(n), np.float32), np.float32(1.0), False)
+        out[str(kind) + "/16"] = y1.tolist()
 # the dots are compiled into the row loops (a decode token's Q4_K rows: blocks._rows_q4_k), not into the dispatch
 asm = "".join(a for f in (KG.matmul_blocks, KB._rows_q4_k) for a in f.inspect_asm().values())
 out["zmm"] = "zmm" in asm
@@ -84,6 +89,11 @@ def test_an_avx2_target_forced_on_an_avx512_host_takes_the_avx2_paths_with_the_s
         a1, h1 = (np.asarray(p[str(int(kind)) + "/1"], np.float32) for p in (avx2, host))
         if kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
             assert np.array_equal(a1.view(np.uint32), h1.view(np.uint32)), kind.name
+            # the int16 head's rows: the AVX2 byte split (blocks_wide._split_ints_avx2) and AVX-512's (VBMI or
+            # widened) sum the same integers
+            a16, h16 = (np.asarray(p[str(int(kind)) + "/16"], np.float32) for p in (avx2, host))
+            assert np.array_equal(a16.view(np.uint32), h16.view(np.uint32)), kind.name
+            assert (np.abs(a16 - ref[:1]) <= scale[:1] * 2e-2 + 1e-5).all(), kind.name
         assert (np.abs(a1 - h1) <= scale[:1] * 1e-6 + 1e-7).all(), kind.name
         assert (np.abs(a1 - ref[:1]) <= scale[:1] * 2e-2 + 1e-5).all(), kind.name
 

@@ -40,6 +40,7 @@ from .blocks_ir import (
     _k_scales_mins,
     _load,
     _reduce,
+    _scaled_dot,
     _scaled_dot64,
     _vload,
     b32_row,
@@ -49,7 +50,7 @@ from .blocks_ir import (
 )
 from .blocks_rows8 import AHEAD_ROWS, f16_lanes, lanes, word
 from .blocks_rows8 import ROWS as ROWS8
-from .cpu import HAVE_VNNI512
+from .cpu import HAVE_AVX2, HAVE_VNNI512
 from .prefetch import prefetch_ahead
 from .quant_ir import _round
 
@@ -254,11 +255,6 @@ def _k_half(builder, rp, o, kind, h, parts):
     """The 4 sub-blocks of half h (values 128h..128h+127) of the k-quant block at byte o, parts its _kscales: a list
     of (<32 x i16> values times their scale (Q6_K's values - 32), their activations' offset). With AVX-512 the bytes
     are unpacked 64 at a time (two sub-blocks an instruction), else 32."""
-    idx = ir.IntType(64)
-
-    def at(off):
-        return builder.add(o, ir.Constant(idx, off))
-
     def c8(v, n=32):
         return ir.Constant(ir.VectorType(_i8, n), [v] * n)
 
@@ -273,17 +269,9 @@ def _k_half(builder, rp, o, kind, h, parts):
             qa, qb = _k_bytes(builder, rp, o, kind, h, parts)
             qs = [*_halves32(builder, builder.sub(qa, c8(32, 64))), *_halves32(builder, builder.sub(qb, c8(32, 64)))]
         else:
-            qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
-            qs = []
-            for c in range(4):
-                ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
-                low = builder.and_(builder.lshr(ql, c8(4 * (c // 2))), c8(15))
-                high = builder.and_(builder.lshr(qh, c8(2 * c)), c8(3))
-                qs.append(builder.sub(builder.or_(low, builder.shl(high, c8(4))), c8(32)))
+            qs = [builder.sub(q, c8(32)) for q in _k_values32(builder, rp, o, kind, h, parts)]
         return [(scaled(q, sv(8 * h + 2 * c), True), 128 * h + 32 * c) for c, q in enumerate(qs)]   # |w| <= 32 * 128
-    sc16, _, qh = parts
-    five = kind == Q5_K
-    qs_at = 48 if five else 16
+    sc16 = parts[0]
 
     def sv(j):
         return builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(_i32, 32), [j] * 32))
@@ -292,15 +280,84 @@ def _k_half(builder, rp, o, kind, h, parts):
         (a, b), (c, d) = _halves32(builder, lo), _halves32(builder, hi)
         qs = [a, c, b, d]       # sub-blocks 4h, 4h+1, 4h+2, 4h+3
     else:
-        qs = []
-        for c in (2 * h, 2 * h + 1):
-            bb = _load(builder, builder.gep(rp, [at(qs_at + 32 * c)]), 32)
-            for half in range(2):
-                q = builder.and_(bb, c8(15)) if half == 0 else builder.lshr(bb, c8(4))
-                if five:        # Q5_K: bit j of qh[k] is the fifth bit of sub-block j's value k
-                    q = builder.or_(q, builder.shl(builder.and_(builder.lshr(qh, c8(2 * c + half)), c8(1)), c8(4)))
-                qs.append(q)
+        qs = _k_values32(builder, rp, o, kind, h, parts)
     return [(scaled(q, sv(4 * h + k), False), 32 * (4 * h + k)) for k, q in enumerate(qs)]      # at most 63 * 31
+
+
+def _k_values32(builder, rp, o, kind, h, parts):
+    """The 4 sub-blocks of 32 values of half h of the k-quant block at byte o (parts its _kscales), each a <32 x i8>
+    of its unsigned values in order (Q6_K 0..63, Q5_K 0..31, Q4_K 0..15): values 128h + 32c.. for c = 0..3, 32 bytes
+    a load (the AVX2 paths)."""
+    idx = ir.IntType(64)
+
+    def at(off):
+        return builder.add(o, ir.Constant(idx, off))
+
+    def c8(v):
+        return ir.Constant(ir.VectorType(_i8, 32), [v] * 32)
+    qs = []
+    if kind == Q6_K:
+        qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
+        for c in range(4):
+            ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
+            low = builder.and_(builder.lshr(ql, c8(4 * (c // 2))), c8(15))
+            high = builder.and_(builder.lshr(qh, c8(2 * c)), c8(3))
+            qs.append(builder.or_(low, builder.shl(high, c8(4))))
+        return qs
+    qh = parts[2]
+    for c in (2 * h, 2 * h + 1):
+        bb = _load(builder, builder.gep(rp, [at((48 if kind == Q5_K else 16) + 32 * c)]), 32)
+        for half in range(2):
+            q = builder.and_(bb, c8(15)) if half == 0 else builder.lshr(bb, c8(4))
+            if kind == Q5_K:    # bit j of qh[k] is the fifth bit of sub-block j's value k
+                q = builder.or_(q, builder.shl(builder.and_(builder.lshr(qh, c8(2 * c + half)), c8(1)), c8(4)))
+            qs.append(q)
+    return qs
+
+
+def _split_ints_avx2(builder, rps, parts, o, xp, sp, b, kind):
+    """_split_ints on AVX2 (no VBMI, 32-byte registers): the same exact block integers of 8 weight rows . one int16
+    activation row (xp its i16 pointer), each X = 256 H + L and q . X = 256 (q . H) + L . q with `vpmaddubsw` and the
+    sub-block scales' `vpmaddwd` (blocks_ir._scaled_dot: pairs at most 2 * 255 * 63, no saturation), the activations'
+    bytes parted once a block for the 8 rows; the rows one after another (16 registers). -> <8 x i64>, lane r row
+    r's I, _krows8's integers."""
+    idx = ir.IntType(64)
+    m32 = ir.VectorType(_i32, 32)
+    x0 = builder.mul(b, ir.Constant(idx, 256))
+    xs = []                     # per sub-block of 32 values (128h + 32c): its activations' (L, H) bytes
+    for k in range(8):
+        v = builder.bitcast(_x16(builder, xp, builder.add(x0, ir.Constant(idx, 32 * k))), ir.VectorType(_i8, 64))
+        xs.append(tuple(builder.shuffle_vector(v, v, ir.Constant(m32, list(range(e, 64, 2)))) for e in (0, 1)))
+    hs, ls = [], []
+    for r, rp in enumerate(rps):
+        sc = parts[r][0]
+        if kind == Q6_K:        # the 16 group scales as pairs (g, g + 1) of a sub-block, in-lane shuffles
+            halves = [builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_i32, 16), list(range(8 * h, 8 * h + 8)) * 2))
+                      for h in range(2)]
+        else:                   # the 8 scales in both 128-bit halves
+            sc2 = builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_i32, 16), list(range(8)) * 2))
+        hv = lv = ir.Constant(ir.VectorType(_i32, 8), None)
+        for h in range(2):
+            for c, q in enumerate(_k_values32(builder, rp, o, kind, h, parts[r])):
+                if kind == Q6_K:
+                    s16 = builder.shuffle_vector(halves[h], halves[h], ir.Constant(ir.VectorType(_i32, 16),
+                                                                                   [2 * c] * 8 + [9 + 2 * c] * 8))
+                else:
+                    j = 4 * h + c
+                    s16 = builder.shuffle_vector(sc2, sc2, ir.Constant(ir.VectorType(_i32, 16), [j] * 8 + [8 + j] * 8))
+                lo, hi = xs[4 * h + c]
+                hv = builder.add(hv, _scaled_dot(builder, q, hi, s16))
+                lv = builder.add(lv, _scaled_dot(builder, lo, q, s16))
+        hs.append(hv)
+        ls.append(lv)
+    v8l = ir.VectorType(_i64, 8)
+    isum = builder.add(builder.mul(builder.sext(fold_blocks(builder, hs), v8l), ir.Constant(v8l, [256] * 8)),
+                       builder.sext(fold_blocks(builder, ls), v8l))
+    if kind == Q6_K:
+        xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), _V16)
+        corr = fold_blocks(builder, [builder.mul(builder.sext(p[0], _V16), xs16) for p in parts])
+        isum = builder.sub(isum, builder.mul(builder.sext(corr, v8l), ir.Constant(v8l, [32] * 8)))
+    return isum
 
 
 def _rows_of(context, builder, aty, arr, t0, nc, ty):
@@ -477,6 +534,8 @@ def _krows8(kind):
                 parts = [_kscales(builder, rp, o, kind, ahead=False) for rp in rps]
                 if HAVE_VBMI:
                     isum = _split_ints(builder, rps, parts, o, builder.bitcast(xp, _i8.as_pointer()), sp, b, kind)
+                elif HAVE_AVX2 and not HAVE_VNNI512:
+                    isum = _split_ints_avx2(builder, rps, parts, o, xp, sp, b, kind)
                 else:
                     ivecs = [ir.Constant(_V16, None)] * ROWS8
                     for h in range(2):      # a half's activations loaded once for the 8 rows (few registers live)
