@@ -350,14 +350,7 @@ def _split_ints_avx2(builder, rps, parts, o, xp, sp, b, kind):
                 lv = builder.add(lv, _scaled_dot(builder, lo, q, s16))
         hs.append(hv)
         ls.append(lv)
-    v8l = ir.VectorType(_i64, 8)
-    isum = builder.add(builder.mul(builder.sext(fold_blocks(builder, hs), v8l), ir.Constant(v8l, [256] * 8)),
-                       builder.sext(fold_blocks(builder, ls), v8l))
-    if kind == Q6_K:
-        xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), _V16)
-        corr = fold_blocks(builder, [builder.mul(builder.sext(p[0], _V16), xs16) for p in parts])
-        isum = builder.sub(isum, builder.mul(builder.sext(corr, v8l), ir.Constant(v8l, [32] * 8)))
-    return isum
+    return _split_total(builder, hs, ls, parts, sp, b, kind)
 
 
 def _rows_of(context, builder, aty, arr, t0, nc, ty):
@@ -494,6 +487,14 @@ def _split_ints(builder, rps, parts, o, xb, sp, b, kind):
                 lo, hi = xs[v]
                 hs[r] = builder.add(hs[r], _scaled_dot64(builder, q, hi, s32))
                 ls[r] = builder.add(ls[r], _scaled_dot64(builder, lo, q, s32))
+    return _split_total(builder, hs, ls, parts, sp, b, kind)
+
+
+def _split_total(builder, hs, ls, parts, sp, b, kind):
+    """The byte split's block integers of 8 weight rows from their per-row vectors of q . H (hs) and L . q (ls) sums:
+    <8 x i64>, lane r = 256 (hs[r]'s sum) + ls[r]'s sum, for Q6_K less 32 * sum_g scale_g * (group g's 16-sum)
+    (its values' -32)."""
+    idx = ir.IntType(64)
     v8l = ir.VectorType(_i64, 8)
     isum = builder.add(builder.mul(builder.sext(fold_blocks(builder, hs), v8l), ir.Constant(v8l, [256] * 8)),
                        builder.sext(fold_blocks(builder, ls), v8l))
