@@ -250,10 +250,7 @@ def _row32(nibbles, swizzled=False):
 
             def correction(b0, n):
                 """Q4_0: 8 * the activations' 32-sums of blocks b0..b0+n (<8 x i32>, n <= 8 lanes)."""
-                xs16 = _vload(builder, sp, builder.mul(b0, ir.Constant(idx, 2)), ir.VectorType(_i32, 16))
-                ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
-                od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
-                return builder.mul(builder.add(ev, od), ir.Constant(v8, [8] * 8))
+                return builder.mul(sums32(builder, sp, builder.mul(b0, ir.Constant(idx, 2))), ir.Constant(v8, [8] * 8))
 
             def group_sum(ps, b0):
                 isum = _sum8(builder, ps)
@@ -359,6 +356,43 @@ acts_q4_0_swizzle.__doc__ = "xq (n,) i8 -> xw (>= n bytes, any dtype): ng groups
 
 def _vload(builder, base, off, vt):
     return builder.load(builder.bitcast(builder.gep(base, [off]), vt.as_pointer()), align=1)
+
+
+def sums32(builder, sp, at):
+    """<8 x i32>: the activations' 32-sums from element `at` (i64) of their 16-sums (sp, an i32 pointer): lane i
+    16-sums 2i and 2i + 1 added (a 256-block's 8 sub-blocks at at = 16 b, or 8 32-blocks at at = 2 b0)."""
+    v8 = ir.VectorType(_i32, 8)
+    xs16 = _vload(builder, sp, at, ir.VectorType(_i32, 16))
+    return builder.add(builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2)))),
+                       builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2)))))
+
+
+def k_values32(builder, rp, o, h, six, qh=None):
+    """The 4 sub-blocks of 32 values of half h of the k-quant block at byte o of rp, each a <32 x i8> of its unsigned
+    values in order (values 128h + 32c.., c = 0..3), 32 bytes a load (the AVX2 paths): Q6_K's (six, 0..63), Q4_K's
+    (0..15) or, given qh (the 32 bytes of fifth bits at o + 16), Q5_K's (0..31)."""
+    idx = ir.IntType(64)
+
+    def at(off):
+        return builder.gep(rp, [builder.add(o, ir.Constant(idx, off))])
+
+    def c8(v):
+        return ir.Constant(ir.VectorType(_i8, 32), [v] * 32)
+    qs = []
+    if six:
+        high = _load(builder, at(128 + 32 * h), 32)
+        for c in range(4):
+            low = builder.and_(builder.lshr(_load(builder, at(64 * h + 32 * (c % 2)), 32), c8(4 * (c // 2))), c8(15))
+            qs.append(builder.or_(low, builder.shl(builder.and_(builder.lshr(high, c8(2 * c)), c8(3)), c8(4))))
+        return qs
+    for c in (2 * h, 2 * h + 1):
+        bb = _load(builder, at((16 if qh is None else 48) + 32 * c), 32)
+        for half in range(2):
+            q = builder.and_(bb, c8(15)) if half == 0 else builder.lshr(bb, c8(4))
+            if qh is not None:  # Q5_K: bit j of qh[k] is the fifth bit of sub-block j's value k
+                q = builder.or_(q, builder.shl(builder.and_(builder.lshr(qh, c8(2 * c + half)), c8(1)), c8(4)))
+            qs.append(q)
+    return qs
 
 
 def _f16_at(builder, rp, off):
@@ -511,21 +545,13 @@ def q45_ints(builder, rp, o, xp, sp, b, five, ahead=True):
         # `vpshufb`), not a scalar extracted and broadcast again
         sc8x2 = builder.zext(builder.shuffle_vector(sc8, sc8, ir.Constant(ir.VectorType(_i32, 16), list(range(8)) * 2)),
                              ir.VectorType(i16, 16))
-        for c in range(4):
-            bb = _load(builder, builder.gep(rp, [builder.add(o, ir.Constant(idx, qs + 32 * c))]), 32)
-            for half in range(2):
-                q = builder.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else builder.lshr(bb, ir.Constant(vt, [4] * 32))
-                j = 2 * c + half
-                if five:            # Q5_K: bit j of qh[k] is the fifth bit of sub-block j's value k
-                    hb = builder.and_(builder.lshr(qh, ir.Constant(vt, [j] * 32)), ir.Constant(vt, [1] * 32))
-                    q = builder.or_(q, builder.shl(hb, ir.Constant(vt, [4] * 32)))
+        for h in range(2):
+            for c, q in enumerate(k_values32(builder, rp, o, h, False, qh if five else None)):
+                j = 4 * h + c
                 xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 32 * j))]), 32)
                 s = builder.shuffle_vector(sc8x2, sc8x2, ir.Constant(ir.VectorType(_i32, 16), [j] * 8 + [8 + j] * 8))
                 ivec = builder.add(ivec, _scaled_dot(builder, q, xv, s))
-    xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
-    ev = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(0, 16, 2))))
-    od = builder.shuffle_vector(xs16, xs16, ir.Constant(ir.VectorType(_i32, 8), list(range(1, 16, 2))))
-    return ivec, builder.mul(builder.zext(mn8, ir.VectorType(_i32, 8)), builder.add(ev, od))
+    return ivec, builder.mul(builder.zext(mn8, ir.VectorType(_i32, 8)), sums32(builder, sp, builder.mul(b, ir.Constant(idx, 16))))
 
 
 kblock_q4_k = intrinsic(_kblock_q45_k(False))
@@ -591,14 +617,9 @@ def q6_ints(builder, rp, o, xp, sp, b, ahead=True):
         ivec = ir.Constant(ir.VectorType(_i32, 8), None)
         s16 = builder.sext(sc, ir.VectorType(i16, 16))
         for h in range(2):
-            qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
             # the half's 8 group scales in both 128-bit halves: each sub-block's pair (g, g + 1) an in-lane shuffle
             sh = builder.shuffle_vector(s16, s16, ir.Constant(ir.VectorType(_i32, 16), list(range(8 * h, 8 * h + 8)) * 2))
-            for c in range(4):
-                ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
-                low = builder.and_(builder.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
-                high = builder.and_(builder.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
-                q = builder.or_(low, builder.shl(high, ir.Constant(vt, [4] * 32)))
+            for c, q in enumerate(k_values32(builder, rp, o, h, True)):
                 xv = _load(builder, builder.gep(xp, [builder.add(x0, ir.Constant(idx, 128 * h + 32 * c))]), 32)
                 pair = builder.shuffle_vector(sh, sh, ir.Constant(ir.VectorType(_i32, 16), [2 * c] * 8 + [9 + 2 * c] * 8))
                 ivec = builder.add(ivec, _scaled_dot(builder, q, xv, pair))     # groups 8h + 2c, 8h + 2c + 1

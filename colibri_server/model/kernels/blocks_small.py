@@ -39,8 +39,10 @@ from .blocks_ir import (
     b32_total,
     b32_update,
     k_update,
+    k_values32,
     q4_0_group8,
     row_q4_0_sw,
+    sums32,
 )
 from .prefetch import prefetch_ahead
 
@@ -136,7 +138,7 @@ def _q45_block(builder, rp, xq, xd, xs, blk, nc, five):
     """Q4_K / Q5_K block blk of the row rp times rows xq[t]: (I, M) <8 x i32> (lane t: row t's exact sums, as
     blocks_ir's kblock_q4_k sums them), (d, dmin) f32 and the rows' scales xd[t][blk] as <8 x f32>."""
     b = builder
-    size, qs = (176, 48) if five else (144, 16)
+    size = 176 if five else 144
     o = b.mul(blk, _c(size))
 
     def c32(v):
@@ -144,18 +146,11 @@ def _q45_block(builder, rp, xq, xd, xs, blk, nc, five):
     sc8, mn8 = _k_scales_mins(b, rp, o)
     for line in range(0, size, 64):
         prefetch_ahead(b, [rp], b.add(o, _c(line)), ahead=BLOCK_AHEAD)
-    vt = ir.VectorType(_i8, 32)
-    if five:
-        qh = _load(b, b.gep(rp, [b.add(o, _c(16))]), 32)
+    qh = _load(b, b.gep(rp, [b.add(o, _c(16))]), 32) if five else None
     qv = []
-    for c in range(4):
-        bb = _load(b, b.gep(rp, [b.add(o, _c(qs + 32 * c))]), 32)
-        for half in range(2):
-            q = b.and_(bb, ir.Constant(vt, [15] * 32)) if half == 0 else b.lshr(bb, ir.Constant(vt, [4] * 32))
-            j = 2 * c + half
-            if five:
-                hb = b.and_(b.lshr(qh, ir.Constant(vt, [j] * 32)), ir.Constant(vt, [1] * 32))
-                q = b.or_(q, b.shl(hb, ir.Constant(vt, [4] * 32)))
+    for h in range(2):
+        for k, q in enumerate(k_values32(b, rp, o, h, False, qh)):
+            j = 4 * h + k
             s = b.zext(b.extract_element(sc8, c32(j)), ir.IntType(16))
             qv.append((q, _s16(b, s, s), 32 * j, (s, s)))
     mnz = b.zext(mn8, _v8)
@@ -163,10 +158,7 @@ def _q45_block(builder, rp, xq, xd, xs, blk, nc, five):
     ivs, mvs = [], []
     for t in range(nc):
         ivs.append(_products(b, qv, xq[t], x0))
-        xs16 = _vload(b, xs[t], b.mul(blk, _c(16)), ir.VectorType(_i32, 16))
-        ev = b.shuffle_vector(xs16, xs16, ir.Constant(_v8, list(range(0, 16, 2))))
-        od = b.shuffle_vector(xs16, xs16, ir.Constant(_v8, list(range(1, 16, 2))))
-        mvs.append(b.mul(mnz, b.add(ev, od)))
+        mvs.append(b.mul(mnz, sums32(b, xs[t], b.mul(blk, _c(16)))))
     xdv = _lanes(b, [b.load(b.gep(xd[t], [blk])) for t in range(nc)], _vf)
     return _gather8(b, ivs), _gather8(b, mvs), _f16_at(b, rp, o), _f16_at(b, rp, b.add(o, _c(2))), xdv
 
@@ -178,21 +170,16 @@ def _q6_block(builder, rp, xq, xd, xs, blk, nc):
 
     def at(off):
         return b.add(o, _c(off))
-    vt = ir.VectorType(_i8, 32)
     i16 = ir.IntType(16)
     sc = _vload(b, rp, at(192), ir.VectorType(_i8, 16))
     for line in range(0, 210, 64):
         prefetch_ahead(b, [rp], at(line), ahead=BLOCK_AHEAD)
     qv = []
     for h in range(2):
-        qh = _load(b, b.gep(rp, [at(128 + 32 * h)]), 32)
-        for c in range(4):
-            ql = _load(b, b.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
-            low = b.and_(b.lshr(ql, ir.Constant(vt, [4 * (c // 2)] * 32)), ir.Constant(vt, [15] * 32))
-            high = b.and_(b.lshr(qh, ir.Constant(vt, [2 * c] * 32)), ir.Constant(vt, [3] * 32))
+        for c, q in enumerate(k_values32(b, rp, o, h, True)):
             g = 8 * h + 2 * c
             sa, sb = (b.sext(b.extract_element(sc, ir.Constant(_i32, g + k)), i16) for k in (0, 1))
-            qv.append((b.or_(low, b.shl(high, ir.Constant(vt, [4] * 32))), _s16(b, sa, sb), 128 * h + 32 * c, (sa, sb)))
+            qv.append((q, _s16(b, sa, sb), 128 * h + 32 * c, (sa, sb)))
     sc32 = b.sext(sc, ir.VectorType(_i32, 16))
     x0 = b.mul(blk, _c(256))
     ivs, ofs = [], []
@@ -295,10 +282,7 @@ def _mk_b32(nibbles, nc, swizzled=False):
                 for t in range(nc):
                     isum = sums[t] if gather else _sum8(b, ps[t])
                     if nibbles:     # the nibbles' 8 out through the activations' 32-sums (row32's correction)
-                        x16 = _vload(b, xs[t], b.mul(b0, _c(2)), ir.VectorType(_i32, 16))
-                        ev = b.shuffle_vector(x16, x16, ir.Constant(_v8, list(range(0, 16, 2))))
-                        od = b.shuffle_vector(x16, x16, ir.Constant(_v8, list(range(1, 16, 2))))
-                        isum = b.sub(isum, b.mul(b.add(ev, od), ir.Constant(_v8, [8] * 8)))
+                        isum = b.sub(isum, b.mul(sums32(b, xs[t], b.mul(b0, _c(2))), ir.Constant(_v8, [8] * 8)))
                     b.store(b32_update(b, b.load(accs[t]), isum, ds, _vload(b, xd[t], b0, _vf)), accs[t])
             with cgutils.for_range_slice(b, b.mul(b.sdiv(nb, eight), eight), nb, _c(1)) as (blk, _):
                 q, d = weights(blk)

@@ -47,6 +47,8 @@ from .blocks_ir import (
     fold_blocks,
     fold_pairs,
     k_update,
+    k_values32,
+    sums32,
 )
 from .blocks_rows8 import AHEAD_ROWS, f16_lanes, lanes, word
 from .blocks_rows8 import ROWS as ROWS8
@@ -269,7 +271,7 @@ def _k_half(builder, rp, o, kind, h, parts):
             qa, qb = _k_bytes(builder, rp, o, kind, h, parts)
             qs = [*_halves32(builder, builder.sub(qa, c8(32, 64))), *_halves32(builder, builder.sub(qb, c8(32, 64)))]
         else:
-            qs = [builder.sub(q, c8(32)) for q in _k_values32(builder, rp, o, kind, h, parts)]
+            qs = [builder.sub(q, c8(32)) for q in _values32(builder, rp, o, kind, h, parts)]
         return [(scaled(q, sv(8 * h + 2 * c), True), 128 * h + 32 * c) for c, q in enumerate(qs)]   # |w| <= 32 * 128
     sc16 = parts[0]
 
@@ -280,39 +282,13 @@ def _k_half(builder, rp, o, kind, h, parts):
         (a, b), (c, d) = _halves32(builder, lo), _halves32(builder, hi)
         qs = [a, c, b, d]       # sub-blocks 4h, 4h+1, 4h+2, 4h+3
     else:
-        qs = _k_values32(builder, rp, o, kind, h, parts)
+        qs = _values32(builder, rp, o, kind, h, parts)
     return [(scaled(q, sv(4 * h + k), False), 32 * (4 * h + k)) for k, q in enumerate(qs)]      # at most 63 * 31
 
 
-def _k_values32(builder, rp, o, kind, h, parts):
-    """The 4 sub-blocks of 32 values of half h of the k-quant block at byte o (parts its _kscales), each a <32 x i8>
-    of its unsigned values in order (Q6_K 0..63, Q5_K 0..31, Q4_K 0..15): values 128h + 32c.. for c = 0..3, 32 bytes
-    a load (the AVX2 paths)."""
-    idx = ir.IntType(64)
-
-    def at(off):
-        return builder.add(o, ir.Constant(idx, off))
-
-    def c8(v):
-        return ir.Constant(ir.VectorType(_i8, 32), [v] * 32)
-    qs = []
-    if kind == Q6_K:
-        qh = _load(builder, builder.gep(rp, [at(128 + 32 * h)]), 32)
-        for c in range(4):
-            ql = _load(builder, builder.gep(rp, [at(64 * h + 32 * (c % 2))]), 32)
-            low = builder.and_(builder.lshr(ql, c8(4 * (c // 2))), c8(15))
-            high = builder.and_(builder.lshr(qh, c8(2 * c)), c8(3))
-            qs.append(builder.or_(low, builder.shl(high, c8(4))))
-        return qs
-    qh = parts[2]
-    for c in (2 * h, 2 * h + 1):
-        bb = _load(builder, builder.gep(rp, [at((48 if kind == Q5_K else 16) + 32 * c)]), 32)
-        for half in range(2):
-            q = builder.and_(bb, c8(15)) if half == 0 else builder.lshr(bb, c8(4))
-            if kind == Q5_K:    # bit j of qh[k] is the fifth bit of sub-block j's value k
-                q = builder.or_(q, builder.shl(builder.and_(builder.lshr(qh, c8(2 * c + half)), c8(1)), c8(4)))
-            qs.append(q)
-    return qs
+def _values32(builder, rp, o, kind, h, parts):
+    """blocks_ir.k_values32 of a k-quant kind, parts its _kscales: the 4 sub-blocks of half h as unsigned bytes."""
+    return k_values32(builder, rp, o, h, kind == Q6_K, None if kind == Q6_K else parts[2])
 
 
 def _split_ints_avx2(builder, rps, parts, o, xp, sp, b, kind):
@@ -338,7 +314,7 @@ def _split_ints_avx2(builder, rps, parts, o, xp, sp, b, kind):
             sc2 = builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_i32, 16), list(range(8)) * 2))
         hv = lv = ir.Constant(ir.VectorType(_i32, 8), None)
         for h in range(2):
-            for c, q in enumerate(_k_values32(builder, rp, o, kind, h, parts[r])):
+            for c, q in enumerate(_values32(builder, rp, o, kind, h, parts[r])):
                 if kind == Q6_K:
                     s16 = builder.shuffle_vector(halves[h], halves[h], ir.Constant(ir.VectorType(_i32, 16),
                                                                                    [2 * c] * 8 + [9 + 2 * c] * 8))
@@ -422,10 +398,7 @@ def _k_update_rows(builder, accs, isums, d, dmin, dps, sps, b, parts):
         if dmin is None:
             upd = k_update(builder, builder.load(acc), isums[t], d, xdb)
         else:
-            xs16 = _vload(builder, sps[t], builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
-            ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
-            od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
-            msum = _reduce(builder, builder.mul(builder.zext(parts[1], v8), builder.add(ev, od)), 8)
+            msum = _reduce(builder, builder.mul(builder.zext(parts[1], v8), sums32(builder, sps[t], builder.mul(b, ir.Constant(idx, 16)))), 8)
             upd = k_update(builder, builder.load(acc), isums[t], d, xdb, msum, dmin)
         builder.store(upd, acc)
 
@@ -448,10 +421,7 @@ def _k_update_lanes(builder, acc, isum, d, dmin, dps, sps, b, parts):
     mins = builder.zext(parts[1], v8)
     prods = []
     for sp in sps:
-        xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
-        ev = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2))))
-        od = builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2))))
-        prods.append(builder.mul(mins, builder.add(ev, od)))
+        prods.append(builder.mul(mins, sums32(builder, sp, builder.mul(b, ir.Constant(idx, 16)))))
     builder.store(k_update(builder, builder.load(acc), isum, splat(d), xdv, fold_blocks(builder, prods), splat(dmin)),
                   acc)
 
@@ -555,9 +525,7 @@ def _krows8(kind):
                                                           for rp in rps]))
                     upd = k_update(builder, builder.load(acc), isum, ds, xdv)
                 else:
-                    xs16 = _vload(builder, sp, builder.mul(b, ir.Constant(idx, 16)), ir.VectorType(_i32, 16))
-                    sums = builder.add(builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(0, 16, 2)))),
-                                       builder.shuffle_vector(xs16, xs16, ir.Constant(v8, list(range(1, 16, 2)))))
+                    sums = sums32(builder, sp, builder.mul(b, ir.Constant(idx, 16)))
                     msum = fold_blocks(builder, [builder.mul(builder.zext(p[1], v8), sums) for p in parts])
                     dd = lanes(builder, [word(builder, rp, o, _i32) for rp in rps])          # d | dmin << 16
                     upd = k_update(builder, builder.load(acc), isum, f16_lanes(builder, dd), xdv, msum,
