@@ -98,6 +98,35 @@ def _tiled_rows_are_the_matvecs(kind, T):
     assert (np.abs((out - 0.5) / 0.75 - ref) <= bound * 1.01 + 1e-5).all()
 
 
+@pytest.mark.parametrize("block", [32, 256])
+def test_activation_rounding_is_llama_cpps_and_a_nan_reaches_the_scale(block):
+    # kernels/blocks.round_rows (every block-kind product's int8 activations): per block, d = max|x| / 127 in f32,
+    # x * (1/d) rounded to nearest even (nothing when the block is all zeros), the 16-sums of the integers; a block
+    # holding a NaN gets d = NaN, so the products it enters are NaN (the worker's non-finite check sees it) rather
+    # than a finite number from a NaN rounded to some integer
+    kind = int(Q.Q4_K if block == 256 else Q.Q8_0)
+    rng = np.random.default_rng(23)
+    T, n = 5, 1024
+    X = (rng.standard_normal((T, n)) * rng.uniform(0.01, 30.0, (T, n // block)).repeat(block, 1)).astype(np.float32)
+    X[1, :block] = 0.0                                      # a block of zeros
+    X[2, 3] = np.float32(1e-40)                             # a denormal maximum
+    X[3, block + 1] = np.nan
+    Xq, Xd, Xs = np.zeros((T, n), np.int8), np.zeros((T, n // 32), np.float32), np.zeros((T, n // 16), np.int32)
+    KB.round_rows(kind, X, Xq, Xd, Xs)
+    xb = X.reshape(T, -1, block)
+    d = np.abs(xb).max(-1) / np.float32(127)                # NaN where the block holds one
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        q = np.rint(xb * inv[..., None])
+    nb = n // block
+    assert np.array_equal(Xd[:, :nb].view(np.uint32), d.astype(np.float32).view(np.uint32))
+    assert np.isnan(Xd[3, 1]) and np.isfinite(np.delete(Xd[:, :nb], 3 * nb + 1)).all()
+    ok = np.isfinite(d)                                     # the NaN's block: its integers are not defined
+    assert np.array_equal(Xq.reshape(T, nb, block)[ok], q[ok].astype(np.int8))
+    assert np.array_equal(Xs.reshape(T, nb, block // 16)[ok], q[ok].reshape(-1, block // 16, 16).sum(-1))
+    assert (Xq[1, :block] == 0).all() and Xd[1, 0] == 0
+
+
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda k: k.name)
 def test_the_small_row_product_gives_each_rows_matvec_bits(kind):
     # kernels/blocks_small: one weight row against passes of 8, 7..2 activation rows (a last single one: the row

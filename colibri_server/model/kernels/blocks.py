@@ -39,7 +39,7 @@ from .blocks_ir import (
 )
 from .blocks_rows8 import ROWS, rows8_q4_k, rows8_q5_k, rows8_q6_k
 from .moe import _silu_mul_1d
-from .quant_ir import _bits_f32, _round
+from .quant_ir import _absmax, _bits_f32, _round
 
 QB = 32          # activations per rounding block
 ACTS16 = 256     # added to a kind's id: its activations rounded to int16, not int8 (the output head, whose two best
@@ -224,23 +224,25 @@ def quant_acts(x, xq, xd, xs):
     # x (n,) f32 -> xq (n,) i8 = round(x / d_b) per 32-block b, xd (n/32,) f32 = d_b = max|x_b| / 127,
     # xs (n/16,) i32 = sums of 16 consecutive xq
     for b in range(x.shape[0] // QB):
-        m = np.float32(0.0)
-        for k in range(QB):
-            m = max(m, abs(x[b * QB + k]))
-        d = m / np.float32(127.0)
-        xd[b] = d
-        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        for k in range(SB):
-            a = _round(x[b * QB + k] * inv)
-            c = _round(x[b * QB + SB + k] * inv)
-            xq[b * QB + k] = np.int8(a)
-            xq[b * QB + SB + k] = np.int8(c)
-            s0 += a
-            s1 += c
-        xs[2 * b] = s0
-        xs[2 * b + 1] = s1
+        xd[b] = _round_block(x[b * QB:(b + 1) * QB], xq[b * QB:(b + 1) * QB], xs, 2 * b)
+
+
+@njit(cache=True, inline="always")
+def _round_block(x, xq, xs, g0):
+    # one rounding block x (m,) f32 -> xq (m,) i8 = round(x / d), xs[g0 + g] = the sums of xq's 16-groups; returns
+    # d = max|x| / 127 (NaN when x holds a NaN, so it reaches the products). Each step is its own loop so that each
+    # vectorises (one loop rounding, storing and summing stayed scalar: 2.0 against 0.4 ns a value), and the scale
+    # is stored by the caller (stored here, the loops were scalar again)
+    d = _absmax(x) / np.float32(127.0)
+    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+    for k in range(x.shape[0]):
+        xq[k] = np.int8(_round(x[k] * inv))
+    for g in range(x.shape[0] // SB):
+        s = np.int32(0)
+        for k in range(g * SB, g * SB + SB):
+            s += np.int32(xq[k])
+        xs[g0 + g] = s
+    return d
 
 
 # ---------------------------------------------------------------------------- dots
@@ -410,19 +412,7 @@ def quant_acts_k(x, xq, xd, xs):
     # x (n,) f32 -> xq (n,) i8 = round(x / d_b) per 256-block b (llama.cpp's Q8_K rounding, for the k-quants
     # whose sums are integer over a whole block: KROUND), xd[b] = d_b = max|x_b| / 127, xs (n/16,) i32 as quant_acts
     for b in range(x.shape[0] // 256):
-        m = np.float32(0.0)
-        for k in range(256):
-            m = max(m, abs(x[b * 256 + k]))
-        d = m / np.float32(127.0)
-        xd[b] = d
-        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-        for g in range(16):
-            s = np.int32(0)
-            for k in range(b * 256 + g * SB, b * 256 + g * SB + SB):
-                a = _round(x[k] * inv)
-                xq[k] = np.int8(a)
-                s += a
-            xs[b * 16 + g] = s
+        xd[b] = _round_block(x[b * 256:(b + 1) * 256], xq[b * 256:(b + 1) * 256], xs, 16 * b)
 
 
 @njit(cache=True, inline="always")

@@ -257,6 +257,15 @@ def _fold_absmax(sg, x, xs):
 
 
 @njit(cache=True, inline="always")
+def _absmax(x):
+    # max |x| (m,) f32, as _fold_absmax: an integer max of the bit patterns (vectorises; a NaN wins)
+    mi = np.int32(0)
+    for k in range(x.shape[0]):
+        mi = max(mi, np.int32(_f32_bits(x[k]) & np.int32(0x7FFFFFFF)))
+    return _bits_f32(mi)
+
+
+@njit(cache=True, inline="always")
 def _quant_i8(xs, inv, x8):
     # xs (m,) f32 -> x8 (m,) = round(xs * inv) as int8 (|.| <= 127); returns their sum
     tot = np.int32(0)
