@@ -75,17 +75,21 @@ def _write_map() -> int:
 
 def child(a):
     _keep_objects()
-    import numpy as np  # noqa: F401
+    import numpy as np
 
     from colibri_server.model import Model
     from colibri_server.model.serving import BatchEngine
     m = Model.open(a.model, populate=True, context=max(a.context + 16, 64), threads=a.threads)
     if a.batch:                 # a serving step of `batch` sequences (bench/step.py's engine), restarted as they end
+        # each sequence its own random prompt (bench/step.py's): one prompt for all would route every row to the
+        # same experts, a step that reads a quarter of the weights a real one does
         eng, ids = BatchEngine(m, max_seqs=a.batch, max_batch_tokens=256, kv_dtype="f16"), iter(range(1 << 30))
+        rng = np.random.default_rng(0)
 
         def step():
             while len(eng.sched.running) + len(eng.sched.waiting) < a.batch:
-                eng.add(next(ids), [1 + k % 100 for k in range(32)], max_tokens=a.context - 32, ignore_eos=True)
+                eng.add(next(ids), rng.integers(3, m.config.vocab_size, 32).tolist(), max_tokens=a.context - 32,
+                        ignore_eos=True)
             return len(eng.step())
     else:                       # the fused decode token
         cache = [m.new_cache()]
