@@ -145,7 +145,8 @@ def child_colibri(a) -> None:
     if res is not None:
         start_after_compile(m, a.weights_memory, _anon() - anon0)
         budget = res.budget
-    eng = BatchEngine(m, max_seqs=1, max_batch_tokens=len(PROMPT) + 1, prefix_cache=False)
+    eng = BatchEngine(m, max_seqs=1, max_batch_tokens=len(PROMPT) + 1, prefix_cache=False,
+                      predict_experts=a.expert_readahead == "predicted")
     if eng.fetch is not None:
         eng.fetch.spread = a.spread
     eng.add(0, PROMPT, max_tokens=a.new, ignore_eos=True, temperature=0.0)
@@ -185,7 +186,8 @@ def _anon() -> int:
 
 def colibri(a, cg, mode: str) -> dict:
     argv = [sys.executable, __file__, "--child", "--model", str(a.model), "--new", str(a.new),
-            "--budget-mode", mode, "--weights-memory", str(a.weights_memory), "--spread", str(a.spread)]
+            "--budget-mode", mode, "--weights-memory", str(a.weights_memory), "--spread", str(a.spread),
+            "--expert-readahead", a.expert_readahead]
     r = run_in(cg, argv, env=dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1"))
     if r.returncode:
         return {"error": f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}
@@ -220,7 +222,9 @@ def main(argv=None):
     ap.add_argument("--json", default="")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--budget-mode", default="auto", choices=["auto", "none", "lru"], help=argparse.SUPPRESS)
-    ap.add_argument("--spread", type=int, default=0, help="read ahead top_k + SPREAD of the next layer (-1: none)")
+    ap.add_argument("--expert-readahead", default="chosen", choices=["chosen", "predicted"],
+                    help="the server's setting of that name (predicted: the next layer's probable experts read too)")
+    ap.add_argument("--spread", type=int, default=0, help="predict top_k + SPREAD of the next layer (-1: none)")
     ap.add_argument("--weights-memory", type=int, default=0, help="colibri's budget in bytes (0: from the limit)")
     ap.add_argument("--svg", default="", help="draw the curve into this SVG file")
     ap.add_argument("--plot", default="", help="only draw --svg from this recorded JSON")

@@ -45,8 +45,8 @@ def _locked_kib() -> int:
     return -1
 
 
-def _greedy(m, res=None, n=12):
-    eng = BatchEngine(m, max_seqs=1, max_batch_tokens=len(PROMPT) + 1, prefix_cache=False)
+def _greedy(m, res=None, n=12, predict=False):
+    eng = BatchEngine(m, max_seqs=1, max_batch_tokens=len(PROMPT) + 1, prefix_cache=False, predict_experts=predict)
     eng.add(0, PROMPT, max_tokens=n, ignore_eos=True, temperature=0.0)
     toks = []
     while eng.has_work():
@@ -252,17 +252,19 @@ def test_greedy_answers_equal_under_a_budget(small):
         assert eng.single is not None                             # no budget: the fused token, as before
     finally:
         m.close()
-    m, res = _open_with_budget(small, 0.35)
-    try:
-        got, eng = _greedy(m, res)
-        assert got == ref
-        f = eng.stats()["weights"]
-        assert f["routes"] > 0 and 0 < f["experts_resident"] < f["experts"]
-        assert f["resident"] > 0                                  # the locked experts served routes
-        assert f["predictions"] > 0 and f["prediction_hits"] > 0
-        assert f["locked_bytes"] <= res.budget
-    finally:
-        m.close()
+    for predict in (False, True):                                 # expert_readahead chosen (the default), predicted
+        m, res = _open_with_budget(small, 0.35)
+        try:
+            got, eng = _greedy(m, res, predict=predict)
+            assert got == ref
+            f = eng.stats()["weights"]
+            assert f["routes"] > 0 and 0 < f["experts_resident"] < f["experts"]
+            assert f["resident"] > 0                              # the locked experts served routes
+            assert f["predictions"] > 0 and f["prediction_hits"] > 0     # the next layer's guess is scored either way
+            assert (f["predicted"] > 0) == predict                # and its experts read ahead only when predicted
+            assert f["locked_bytes"] <= res.budget
+        finally:
+            m.close()
 
 
 def test_budget_below_the_always_part_is_one_line(small):

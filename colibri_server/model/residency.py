@@ -18,10 +18,12 @@ so an expert is a handful of byte ranges of the one MAP_SHARED mapping. Under a 
 Residency (the master's, one per mapped file; a one-process user such as a benchmark calls rerank()
 itself) chooses and locks; ReadAhead (each worker's, the forward pass's hook) asks for an expert's bytes
 (MADV_WILLNEED: the reads are submitted at once and overlap compute) when layer l routes to an expert
-that is not locked, and for layer l+1's probable experts (its router applied to layer l's output:
+that is not locked; it predicts layer l+1's probable experts (its router applied to layer l's output:
 bench/routing_stats.py measured 70% of its choices in the predicted top-k, 86% in top-k+1 on
-bench-mixtral) as soon as layer l is done; it counts what it found resident, what its prediction had
-asked for, and the bytes it found missing (mincore) when a layer needed them: the stalls.
+bench-mixtral) as soon as layer l is done and scores the guess, asking for them too only with
+expert_readahead = predicted (ReadAhead.ahead: measured slower on a disk that is the bottleneck); it
+counts what it found resident, what its prediction had asked for, and the bytes it found missing
+(mincore) when a layer needed them: the stalls.
 
 Legend: L layers, E experts per layer.
 """
@@ -336,8 +338,8 @@ class Residency:
         return {"weights_memory": self.budget, "locked_bytes": self.locked_bytes, "always_bytes": self.always_bytes,
                 "experts_resident": int(self.shared.resident.sum()), "swaps": self.swaps, **st}
 
-    def reader(self, cfg, spread: int = 0) -> "ReadAhead":
-        return ReadAhead(self, cfg, spread)
+    def reader(self, cfg, predict: bool = False, spread: int = 0) -> "ReadAhead":
+        return ReadAhead(self, cfg, predict, spread)
 
 
 def _room_to_lock(budget: int) -> None:
@@ -362,7 +364,7 @@ class ReadAhead:
     """A worker's hook in the forward pass (batch.forward_batch): route(l, layer, h) before layer l's
     experts run, ahead(l, x) after layer l's output is in x. Counts into the shared stats row."""
 
-    def __init__(self, residency: Residency, cfg, spread: int = 0):
+    def __init__(self, residency: Residency, cfg, predict: bool = False, spread: int = 0):
         self.r = residency
         self.cfg = cfg
         self.mm = residency.cf._mm
@@ -372,7 +374,8 @@ class ReadAhead:
         self.resident = residency.shared.resident
         self.asked = np.zeros(self.resident.shape, np.bool_)    # (L,E) requested by a prediction, this step
         self._vec = np.zeros(max(1, int(residency.expert_bytes.max()) // PAGE + 8), np.uint8)
-        self.spread = spread             # ask for the next layer's top_k + spread (-1: no prediction)
+        self.predict = predict           # read the next layer's probable experts ahead (expert_readahead = predicted)
+        self.spread = spread             # its top_k + spread are the probable ones (-1: no prediction, none scored)
 
     def figures(self) -> dict:
         """The budget and what every worker counted (shared): what a heartbeat reports."""
@@ -417,7 +420,7 @@ class ReadAhead:
             if self.resident[l, e]:
                 self.stats[1] += 1
                 continue
-            if self.asked[l, e]:
+            if self.predict and self.asked[l, e]:
                 self.stats[2] += 1
             m = self._fetch(l, e)
             if m:
@@ -435,7 +438,13 @@ class ReadAhead:
             self.stats[7] += int(got.sum())
 
     def ahead(self, l: int, x, layers) -> None:
-        """x (N,D) layer l's output: layer l+1's router on it; ask for its probable experts not locked."""
+        """x (N,D) layer l's output: layer l+1's router on it names its probable experts (scored in predicted()
+        against the real choice: the hit rate shown), and with `predict` they are asked for now when not locked.
+        Off by default, measured: asked here, a right guess gains layer l+1's attention time on its read, while a
+        wrong one (a third) puts a whole expert's read before the needed ones on a disk that is already the
+        bottleneck, and takes page cache from them. bench/memory_limit.py, bench-mixtral f16, one thread, a
+        1.9 GB/s disk, tok/s asked / not: 26.8 / 30.5 at a 75% limit, 9.1-9.4 / 13.2-13.6 at 50%, 3.9 / 4.9 at
+        25%; asked only after a layer that found its experts in memory: 27.1 at 75%, 10.6 at 50%."""
         if self.spread < 0 or l + 1 >= len(layers) or layers[l + 1].gate is None:
             return
         nxt = layers[l + 1]
@@ -449,5 +458,5 @@ class ReadAhead:
         for e in np.unique(np.argpartition(-logits, k - 1, axis=1)[:, :k]):
             e = int(e)
             self.asked[l + 1, e] = True
-            if not self.resident[l + 1, e]:
+            if self.predict and not self.resident[l + 1, e]:
                 self._fetch(l + 1, e)

@@ -45,7 +45,8 @@ class RequestTooLarge(ValueError):
 
 class BatchEngine:
     def __init__(self, model, *, max_seqs: int = 16, max_batch_tokens: int = 256, kv_cache_memory: int = 0,
-                 kv_dtype: str = "f16", block_size: int = BLOCK_SIZE, prefix_cache: bool = True):
+                 kv_dtype: str = "f16", block_size: int = BLOCK_SIZE, prefix_cache: bool = True,
+                 predict_experts: bool = False):
         cfg = model.config
         self.model = model
         per_block = block_bytes(cfg, block_size, kv_dtype)
@@ -61,9 +62,10 @@ class BatchEngine:
         # least as fast as batch-1 decode was before batching; None for models it does not cover
         self.single = ws.decode_step(cfg, model.weights)
         # weights under a budget (residency.py): every step through forward_batch, whose layers ask for the
-        # experts that are not resident before they run (the fused token has no place between layers)
+        # experts that are not resident before they run (the fused token has no place between layers), and with
+        # predict_experts the next layer's probable ones (expert_readahead)
         residency = getattr(model, "residency", None)
-        self.fetch = residency.reader(cfg) if residency is not None else None
+        self.fetch = residency.reader(cfg, predict_experts) if residency is not None else None
         if self.fetch is not None:
             self.single = None
         self.scores = aligned_zeros(cfg.num_heads // cfg.num_kv_heads * model.context, np.float32) \

@@ -498,8 +498,13 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("weights_memory", SIZE, 0,
             "bytes of the model kept resident (0: all of it when the file fits in the memory available at "
             "start, else nine tenths of that less room for the experts being read); below the file's size the "
-            "always-needed part and the most-routed experts are locked, the others read on demand and "
-            "ahead of the layer that needs them", Range(0), reload=USR1),
+            "always-needed part and the most-routed experts are locked, the others read when a layer routes "
+            "to them", Range(0), reload=USR1),
+    Setting("expert_readahead", ENUM("chosen", "predicted"), "chosen",
+            "with weights_memory below the model's size, which experts a worker asks the disk for: chosen (a "
+            "layer's chosen experts not locked, at once when it has routed) or predicted (also the next "
+            "layer's probable ones, one layer early: slower where the disk is the bottleneck, the guesses "
+            "that miss read whole experts before the needed ones)"),
     Setting("verify_checksums", BOOL, True, "verify every tensor's CRC-32 when the model is opened (start, "
             "HUP, USR1): a corrupted file is refused naming the tensor", reload=USR1),
     Setting("hugepages", BOOL, True, "map the model on 2 MiB pages where the kernel can (re-reads "

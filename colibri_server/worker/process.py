@@ -134,7 +134,8 @@ class Worker:
             from ..model.residency import available_memory  # a cgroup's limit counted
             mem = available_memory() // (4 * max(1, st.workers or 1))
         eng = BatchEngine(self.model, max_seqs=st.slots, max_batch_tokens=st.max_batch_tokens, kv_cache_memory=mem,
-                          kv_dtype=st.kv_dtype, prefix_cache=st.prefix_cache)
+                          kv_dtype=st.kv_dtype, prefix_cache=st.prefix_cache,
+                          predict_experts=st.expert_readahead == "predicted")
         self._check_memory_budget(eng)
         return eng
 
