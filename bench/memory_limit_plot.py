@@ -6,9 +6,9 @@ against llama.cpp, one panel per recorded curve:
 - the same on the balanced model (bench/balanced_mixtral.py: uniform routing, residency's worst case);
 - 8-client serving on bench-mixtral f16 (bench/memory_limit_serve.py's JSON: colibri serve, llama-server).
 
-    python bench/memory_limit_plot.py --decode bench/recorded/memory-limit-server-order-2026-12-05-epyc-zen4.json \\
-        --balanced bench/recorded/memory-limit-balanced-quiet-2026-12-05-epyc-zen4.json \\
-        --serve bench/recorded/memory-limit-serve-curve-2026-12-05-epyc-zen4.json --svg docs/memory-limit.svg
+    python bench/memory_limit_plot.py --decode bench/recorded/memory-limit-chosen-2026-12-06-xeon-amx.json \\
+        --balanced bench/recorded/memory-limit-balanced-chosen-2026-12-06-xeon-amx.json \\
+        --serve bench/recorded/memory-limit-serve-chosen-2026-12-06-xeon-amx.json --svg docs/memory-limit.svg
 
 A panel's dashed line is colibri's own speed with no limit (the file cached). Log scale.
 """
