@@ -21,6 +21,7 @@ from colibri_server.model.residency import (
     expert_ranges,
     in_flight_bytes,
     resolve_budget,
+    will_need,
 )
 from colibri_server.model.serving import BatchEngine
 
@@ -243,6 +244,47 @@ def test_a_saved_popular_set_locks_within_the_memory_left(small, tmp_path):
         assert res.shared.resident[L - 1, E - 1] and res.shared.resident[L - 1, E - 2]
     finally:
         m.close()
+
+
+def test_a_range_beyond_the_readahead_window_is_read_whole(tmp_path):
+    # residency.will_need: one madvise(WILLNEED) reads no more than the device's readahead window (Linux caps it:
+    # 8 MiB on a disk of read_ahead_kb 8192), so a 24 MiB expert range is asked for in chunks; under MADV_RANDOM
+    # (an unlocked expert's advice) what one call left unread would come a page at a time from the layer's faults
+    import ctypes
+    import mmap
+
+    n = 24 << 20
+    path = tmp_path / "expert.bin"
+    with open(path, "wb") as f:
+        f.write(np.random.default_rng(0).integers(0, 256, n, np.uint8).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, n, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+        addr = np.frombuffer(mm, np.uint8).ctypes.data      # (the view is gone at once: mm can close)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        v = np.zeros(n // mmap.PAGESIZE, np.uint8)
+
+        def cached():
+            assert libc.mincore(ctypes.c_void_p(addr), n, v.ctypes.data) == 0
+            return (v & 1).mean()
+        os.posix_fadvise(fd, 0, n, os.POSIX_FADV_DONTNEED)
+        if cached() > 0.5:
+            pytest.skip("this file system keeps the file in memory (tmpfs): nothing to read")
+        mm.madvise(mmap.MADV_RANDOM)
+        will_need(mm, 0, n)
+        last, moved = cached(), time.monotonic()
+        while last < 1.0 and time.monotonic() - moved < 30:      # the reads still coming in, however slowly
+            time.sleep(0.01)
+            now = cached()
+            if now > last:
+                last, moved = now, time.monotonic()
+        assert last == 1.0, f"{last:.0%} of the range read: the reads stopped there"
+        mm.close()
+    finally:
+        os.close(fd)
 
 
 def test_greedy_answers_equal_under_a_budget(small):

@@ -52,6 +52,19 @@ _libc.mlock.argtypes = _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
+READ_CHUNK = 2 << 20     # bytes of one madvise(WILLNEED)
+
+
+def will_need(mm, a: int, n: int) -> None:
+    """Ask for bytes a..a+n of the mapping mm to be read, in calls of at most READ_CHUNK: one call reads no more
+    than the device's readahead window (Linux's force_page_cache_ra; 8 MiB here), and the rest of a larger range
+    is then read by the faults of the layer that needs it, a page at a time under MADV_RANDOM. A 13.6 MiB range
+    on this machine: one call left 41% unread (233 ms until the layer's faults had it), 2 MiB calls had it all
+    in 14 ms."""
+    for o in range(a, a + n, READ_CHUNK):
+        mm.madvise(MADV_WILLNEED, o, min(READ_CHUNK, a + n - o))
+
+
 class BudgetTooSmall(ValueError):
     """weights_memory below the part of the model that must always be resident."""
 
@@ -399,7 +412,7 @@ class ReadAhead:
             miss += gone.size * PAGE
             cut = np.flatnonzero(np.diff(gone) > 64) + 1
             for run in np.split(gone, cut):
-                self.mm.madvise(MADV_WILLNEED, a + int(run[0]) * PAGE, (int(run[-1]) - int(run[0]) + 1) * PAGE)
+                will_need(self.mm, a + int(run[0]) * PAGE, (int(run[-1]) - int(run[0]) + 1) * PAGE)
         self.stats[5] += miss
         return miss
 
