@@ -133,7 +133,7 @@ def k_header(typingctx, raw, r0, off, b, SC, MN, DD, DM):
     def codegen(context, builder, signature, args):
         t = _Tile(context, builder, signature, args)
         bb = builder
-        h = t.cols(t.idx(2))[:4]
+        h = t.cols32(t.idx(2), 4)
         blk = t.idx(3)
         t.store(6, bb.mul(blk, t.c(R)), t.f16(h[0]))
         t.store(7, bb.mul(blk, t.c(R)), t.f16(bb.lshr(h[0], t.k(16))))
@@ -165,8 +165,8 @@ def q6_header(typingctx, raw, r0, off, b, SC, SP, DD):
         t = _Tile(context, builder, signature, args)
         bb = builder
         o = t.idx(2)
-        h = t.cols(bb.add(o, t.c(144)))[12:]             # bytes 192..207: the scales
-        dw = t.cols(bb.add(o, t.c(146)))[15]             # bytes 206..209: d in the high half
+        h = t.cols32(bb.add(o, t.c(192)), 4)             # bytes 192..207: the scales
+        dw = t.cols32(bb.add(o, t.c(194)), 4)[3]         # bytes 206..209: d in the high half
         blk = t.idx(3)
         t.store(6, bb.mul(blk, t.c(R)), t.f16(bb.lshr(dw, t.k(16))))
         s = [bb.ashr(bb.shl(h[g // 4], t.k(24 - 8 * (g % 4))), t.k(24)) for g in range(16)]
