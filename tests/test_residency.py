@@ -248,7 +248,7 @@ def test_a_saved_popular_set_locks_within_the_memory_left(small, tmp_path):
 
 def test_a_range_beyond_the_readahead_window_is_read_whole(tmp_path):
     # residency.will_need: one madvise(WILLNEED) reads no more than the device's readahead window (Linux caps it:
-    # 8 MiB on a disk of read_ahead_kb 8192), so a 24 MiB expert range is asked for in chunks; under MADV_RANDOM
+    # 2-8 MiB on a disk of read_ahead_kb 8192), so a 24 MiB expert range is asked for in chunks; under MADV_RANDOM
     # (an unlocked expert's advice) what one call left unread would come a page at a time from the layer's faults
     import ctypes
     import mmap

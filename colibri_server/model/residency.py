@@ -57,7 +57,7 @@ READ_CHUNK = 2 << 20     # bytes of one madvise(WILLNEED)
 
 def will_need(mm, a: int, n: int) -> None:
     """Ask for bytes a..a+n of the mapping mm to be read, in calls of at most READ_CHUNK: one call reads no more
-    than the device's readahead window (Linux's force_page_cache_ra; 8 MiB here), and the rest of a larger range
+    than the device's readahead window (Linux's force_page_cache_ra; 2-8 MiB on this VM), and the rest of a larger range
     is then read by the faults of the layer that needs it, a page at a time under MADV_RANDOM. A 13.6 MiB range
     on this machine: one call left 41% unread (233 ms until the layer's faults had it), 2 MiB calls had it all
     in 14 ms."""
