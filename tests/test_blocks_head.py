@@ -89,9 +89,9 @@ def test_the_head_keeps_the_f32_order_of_two_near_candidates_that_int8_swaps(kin
 
 @pytest.mark.parametrize("kind", FAST, ids=lambda k: k.name)
 def test_every_caller_gets_the_same_bits(kind):
-    """Rows of a batch (13: the int16 Q8_0 / Q4_0 tiles' count, 3 tiles of 16 weight rows and 5 row dots; 8 rows
-    a k-quant row at once, then 5 one by one), each row alone (a k-quant's weight rows 8 at a time, blocks_wide's
-    _krows8, then 5 one by one), and the rows split over threads: the same bits."""
+    """Rows of a batch (13: the int16 Q8_0 / Q4_0 / Q6_K tiles' count, 3 tiles of 16 weight rows and 5 row dots; Q4_K
+    and Q5_K 8 rows a weight row at once, then 5 one by one), each row alone (a k-quant's weight rows 8 at a time,
+    blocks_wide's _krows8, then 5 one by one), and the rows split over threads: the same bits."""
     rng = np.random.default_rng(4)
     d, n, T = 53, 768, 13
     raw = quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, kind, seed=5)
@@ -103,6 +103,34 @@ def test_every_caller_gets_the_same_bits(kind):
         assert np.array_equal(_product(raw, k, X[t:t + 1])[0].view(np.uint32), batch[t].view(np.uint32)), t
     assert np.array_equal(_product(raw, k, X, par=True), batch)
     assert np.array_equal(_product(raw, k, X[2:3], par=True)[0], batch[2])
+
+
+def test_the_q6_k_head_tiles_keep_exact_sums_at_the_extremes():
+    """The Q6_K head's tiles (kernels/blocks_head) at the bounds their i32 sums are sized for: every scale -128, the
+    values all 63 or all 0 (31 or -32 after the offset) row by row, the int16 activations all +-32767 (a constant
+    magnitude: each block's max), two rows of one sign and the others' signs in runs: each output the bits of its row alone (the row
+    dots' i64 sums), and the float64 product of the dequantized weights within the float steps' rounding."""
+    from colibri_server.model.kernels import blocks_head as KH
+    d, n, T = 48, 512, 7                       # 3 tiles; passes of 4 and 3 rows
+    assert T >= KH.HEAD_TILE_MIN_ROWS
+    block = np.zeros(210, np.uint8)
+    block[192:208] = np.array([-128] * 16, np.int8).view(np.uint8)                   # the 16 group scales
+    block[208:210] = np.array([1.0], np.float16).view(np.uint8)                       # d
+    rows = []
+    for r in range(d):
+        b = block.copy()
+        b[:192] = 255 if r % 3 else 0          # ql and qh all ones (values 63) or all zeros (0)
+        rows.append(np.tile(b, n // 256))
+    raw = read_only(np.stack(rows))
+    signs = np.where((np.arange(n)[None, :] // (1 + np.arange(T)[:, None])) % 2 == 0, 1.0, -1.0)
+    signs[0], signs[1] = 1.0, -1.0             # the largest sums: every value of a row one sign
+    X = (signs * 3.0).astype(np.float32)
+    k = int(Q.Q6_K) + KB.ACTS16
+    batch = _product(raw, k, X)
+    for t in range(T):
+        assert np.array_equal(_product(raw, k, X[t:t + 1])[0].view(np.uint32), batch[t].view(np.uint32)), t
+    ref = _ref(raw, Q.Q6_K, X)
+    assert np.abs(batch - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 def _head_model(tmp_path, head):

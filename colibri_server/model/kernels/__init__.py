@@ -15,6 +15,8 @@ Rooms, imports running upward only (a module imports only those above it):
   rowgemm   few-row GEMM of a serving step
   experts_q a serving step's q8/q4 experts in one call  prefetch  software prefetch for slow weight readers
   blocks_ir, blocks   llama.cpp's block kinds: IR row dots; dequantizers, activation rounding, row products
+  blocks_tile_ir      the tiles' micro-kernel IR helpers (a tile's 16 weight rows as the lanes of a vector)
+  blocks_head         the output head's Q6_K tiles on int16 activations
   blocks_gemm         their tiled product of many rows (16-row panels, VNNI micro-kernels)
   decode    the whole decode token fused into one Numba call
   kquants   llama.cpp's k-quant encoders (converter), over base and paged's f16 conversions

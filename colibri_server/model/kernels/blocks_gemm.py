@@ -16,11 +16,12 @@ lane, no horizontal sum); a sub-block's sums times the rows' scales (`vpmulld`),
 (blocks_ir.k_update) on 16 rows at once. These are the integers and float operations of the row dots
 kblock_q4_k / kblock_q5_k / kblock_q6_k, so each output equals the matvec's bit for bit, whatever T or the threads.
 The output head's int16 activations (a kind id + ACTS16, kernels/blocks_wide) take blocks_wide's row dots, and
-from WIDE_TILE_MIN_ROWS rows Q8_0 / Q4_0 tiles whose lanes hold two i16 values of a row (`vpdpwssd`).
+from WIDE_TILE_MIN_ROWS rows Q8_0 / Q4_0 tiles whose lanes hold two i16 values of a row (`vpdpwssd`), a Q6_K head
+from blocks_head.HEAD_TILE_MIN_ROWS rows the int8 Q6_K panel against the activations' two bytes (kernels/blocks_head).
 On AVX2 (no VNNI) the k-quants' and Q4_0's passes are kernels/blocks_avx2's (a panel's 8-row halves, products
 added in i16 by `vpmaddubsw` + `vpaddw`, one `vpmaddwd` per sub-block); the other kernels here run with each 16-lane
 vector split in two 256-bit halves by LLVM and the dot instructions built from `vpmaddubsw` and `vpmaddwd`
-(_Kernel.dpbusd / dpwssd): the same integers everywhere, so the same bits.
+(blocks_tile_ir.Kernel.dpbusd / dpwssd): the same integers everywhere, so the same bits.
 """
 from __future__ import annotations
 
@@ -32,15 +33,16 @@ from numba.extending import intrinsic
 
 from ..numba_link import by_reference
 from . import blocks_avx2 as A2
-from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _put2, _rows, round_rows
+from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _rows, round_rows
+from .blocks_head import HEAD_TILE_MIN_ROWS, tiles_q6_kw
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
 from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k
 from .blocks_small import SMALL_MAX_ROWS, small_rows
+from .blocks_tile_ir import KC, Kernel, store_rows
 from .blocks_wide import round_rows16, rows16
 from .cpu import HAVE_AVX2, HAVE_VNNI512
 
 C = 4                      # activation rows per pass of the micro-kernel
-KC = 8                     # the k-quants' activation rows per pass
 GEMM_MIN_ROWS = 4          # fewer activation rows: the row dots (the panel costs more than it saves)
 # the k-quants' panels laid out by register transposes (kernels/blocks_panels) pay from 2 rows, before the small-row
 # kernels: one thread, the weights in cache, ms for 1 / 2 / 4 / 8 rows, row dots / small rows / tiles: Q4_K
@@ -52,7 +54,7 @@ K_TILE_MIN_ROWS = 2
 # bench/head.py, 32000 x 1024 Q8_0, one thread, row dots / tiles: 4 rows 5.6 / 11.4 ms, 16 rows 22.4 / 17.3
 WIDE_TILE_MIN_ROWS = 12
 HAVE_TILES = HAVE_VNNI512        # every tile kind (Q8_0's and the int16 head's too)
-# the kinds whose weight bytes stay within 0..63 (Q4_K, Q5_K, Q6_K, Q4_0) also on AVX2, where _Kernel.dpbusd is
+# the kinds whose weight bytes stay within 0..63 (Q4_K, Q5_K, Q6_K, Q4_0) also on AVX2, where Kernel.dpbusd is
 # `vpmaddubsw` + `vpmaddwd` (exact below i16 saturation; Q8_0's flipped bytes reach 255 and would saturate)
 TILES_SMALL_VALUES = HAVE_VNNI512 or HAVE_AVX2
 
@@ -104,103 +106,12 @@ def _prep_b32w(raw, r0, nb, nibbles, P, DD):
 
 # ---------------------------------------------------------------------------- micro-kernels (LLVM IR)
 
-class _Kernel:
-    """IR helpers over the micro-kernels' arguments: the activations' rows t0.. (C of them) and 16-lane vectors."""
-
-    def __init__(self, context, builder, sig, args, nacts):
-        self.b = builder
-        self.v16 = ir.VectorType(_i32, R)
-        self.f16 = ir.VectorType(_f32, R)
-        xq, xd, xs = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (nacts, nacts + 1, nacts + 2))
-        self.t0 = args[nacts + 3]
-        self.nb = args[nacts + 4]
-        self.res = _arr_ptr(context, builder, sig.args[nacts + 5], args[nacts + 5], _f32)
-
-        def rows(arr, ty):
-            stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
-            base = builder.bitcast(arr.data, _i8.as_pointer())
-            return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(self.t0, ir.Constant(_idx, t)), stride)]),
-                                    ty.as_pointer()) for t in range(KC)]
-        self.xq, self.xd, self.xs = rows(xq, _i8), rows(xd, _f32), rows(xs, _i32)
-        self.module = builder.module
-
-    def _fn(self, name, ret, *args):
-        return cgutils.get_or_insert_function(self.module, ir.FunctionType(ret, list(args)), name)
-
-    def _halves(self, v, ty):
-        """The two 8-lane halves of a 16-lane i32 vector as ty (256 bits each)."""
-        v8 = ir.VectorType(_i32, 8)
-        return [self.b.bitcast(self.b.shuffle_vector(v, v, ir.Constant(v8, list(range(8 * h, 8 * h + 8)))), ty)
-                for h in range(2)]
-
-    def _joined(self, lo, hi):
-        return self.b.shuffle_vector(lo, hi, ir.Constant(self.v16, list(range(R))))
-
-    def dpbusd(self, acc, w, x):
-        """acc + the sums of 4 products u8 w times s8 x in each i32 lane: `vpdpbusd` with AVX-512 VNNI; on AVX2
-        `vpmaddubsw` (pairs in i16) then `vpmaddwd` by ones on each 256-bit half, the same integers while a pair's
-        sum stays within i16 (|w| <= 63 against |x| <= 127: the nibble and 6-bit kinds, not Q8_0's flipped bytes)."""
-        if HAVE_VNNI512:
-            return self.b.call(self._fn("llvm.x86.avx512.vpdpbusd.512", self.v16, self.v16, self.v16, self.v16),
-                               [acc, w, x])
-        v32, v16h, v8 = ir.VectorType(_i8, 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_i32, 8)
-        ubs = self._fn("llvm.x86.avx2.pmadd.ub.sw", v16h, v32, v32)
-        wd = self._fn("llvm.x86.avx2.pmadd.wd", v8, v16h, v16h)
-        ones = ir.Constant(v16h, [1] * 16)
-        parts = [self.b.call(wd, [self.b.call(ubs, [wh, xh]), ones])
-                 for wh, xh in zip(self._halves(w, v32), self._halves(x, v32))]
-        return self.b.add(acc, self._joined(*parts))
-
-    def dpwssd(self, acc, a, c):
-        """acc + the sums of 2 products s16 a times s16 c in each i32 lane: `vpdpwssd`, or `vpmaddwd` on AVX2."""
-        if HAVE_VNNI512:
-            return self.b.call(self._fn("llvm.x86.avx512.vpdpwssd.512", self.v16, self.v16, self.v16, self.v16),
-                               [acc, a, c])
-        v16h, v8 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(_i32, 8)
-        wd = self._fn("llvm.x86.avx2.pmadd.wd", v8, v16h, v16h)
-        parts = [self.b.call(wd, [ah, ch]) for ah, ch in zip(self._halves(a, v16h), self._halves(c, v16h))]
-        return self.b.add(acc, self._joined(*parts))
-
-    def vec(self, p, at, ty=None):
-        """The 16 lanes at element `at` (i64) of pointer p."""
-        ty = ty or self.v16
-        return self.b.load(self.b.bitcast(self.b.gep(p, [at]), ty.as_pointer()), align=4)
-
-    def splat(self, v, ty=None):
-        ty = ty or self.v16
-        s = self.b.insert_element(ir.Constant(ty, None), v, ir.Constant(_i32, 0))
-        return self.b.shuffle_vector(s, ir.Constant(ty, None), ir.Constant(ir.VectorType(_i32, R), [0] * R))
-
-    def x4(self, t, at):
-        """Activation row t's 4 bytes at column `at` (i64), broadcast to the 16 lanes."""
-        p = self.b.bitcast(self.b.gep(self.xq[t], [at]), _i32.as_pointer())
-        return self.splat(self.b.load(p, align=1))
-
-    def xs1(self, t, at):
-        """Word `at` (i64) of activation row t's xs argument, broadcast: the tiles pass the k-quants' i16 pairs of
-        activation sums there (xs_pairs)."""
-        return self.splat(self.b.load(self.b.gep(self.xs[t], [at])))
-
-    def c(self, v):
-        return ir.Constant(_idx, v)
-
-    def block_loop(self, nc, body):
-        """acc[t] (16 f32 lanes per activation row) = body over blocks 0..nb, then stored to res[t*R:]."""
-        b = self.b
-        accs = [cgutils.alloca_once_value(b, ir.Constant(self.f16, None)) for _ in range(nc)]
-        with cgutils.for_range(b, self.nb) as loop:
-            body(loop.index, accs)
-        for t in range(nc):
-            p = b.bitcast(b.gep(self.res, [self.c(t * R)]), self.f16.as_pointer())
-            b.store(b.load(accs[t]), p, align=4)
-
-
 def _mk_q45_k(nc, five):
     def impl(typingctx, P, SC, MN, DD, DM, xq, xd, xs, t0, nb, res):
         sig = types.void(P, SC, MN, DD, DM, xq, xd, xs, t0, nb, res)
 
         def codegen(context, builder, signature, args):
-            k = _Kernel(context, builder, signature, args, 5)
+            k = Kernel(context, builder, signature, args, 5)
             b = builder
             p, sc, mn, dd, dm = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i > 2 else _i32)
                                  for i in range(5))
@@ -243,7 +154,7 @@ def _mk_q6_k(nc):
         sig = types.void(P, SC, SP, DD, xq, xd, xs, t0, nb, res)
 
         def codegen(context, builder, signature, args):
-            k = _Kernel(context, builder, signature, args, 4)
+            k = Kernel(context, builder, signature, args, 4)
             b = builder
             p, sc, sp, dd = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i == 3 else _i32)
                              for i in range(4))
@@ -297,7 +208,7 @@ def _mk_b32(nc, nibbles, wide=False):
         sig = types.void(P, DD, xq, xd, xs, t0, nb, res)
 
         def codegen(context, builder, signature, args):
-            k = _Kernel(context, builder, signature, args, 2)
+            k = Kernel(context, builder, signature, args, 2)
             b = builder
             p = _arr_ptr(context, builder, signature.args[0], args[0], _i32)
             dd = _arr_ptr(context, builder, signature.args[1], args[1], _f32)
@@ -355,12 +266,6 @@ _q6k_8, _q6k_4, _q6k_3, _q6k_2, _q6k_1 = (_mk_q6_k(n) for n in (KC, 4, 3, 2, 1))
 
 
 # ---------------------------------------------------------------------------- tiles
-
-@njit(cache=True, inline="always")
-def _store(res, out, t0, nc, r0, alpha, accumulate):
-    for t in range(nc):
-        for r in range(R):
-            _put2(out, t0 + t, r0 + r, res[t * R + r], alpha, accumulate)
 
 
 @njit(cache=True, inline="always")
@@ -456,7 +361,7 @@ def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         while t0 < T:
             nc = _pass_width(T, t0)
             _pass_q45_k(nc, five, P, SC, MN, DD, DM, Xq, Xd, Xs, XP, t0, nb, res)
-            _store(res, out, t0, nc, r0, alpha, accumulate)
+            store_rows(res, out, t0, nc, r0, alpha, accumulate)
             t0 += nc
 
 
@@ -475,7 +380,7 @@ def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         while t0 < T:
             nc = _pass_width(T, t0)
             _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, XP, t0, nb, res)
-            _store(res, out, t0, nc, r0, alpha, accumulate)
+            store_rows(res, out, t0, nc, r0, alpha, accumulate)
             t0 += nc
 
 
@@ -494,7 +399,7 @@ def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             while t0 < T:
                 nc = min(A2.KC40, T - t0)
                 A2.pass_q40(nc, P, DD, Xq, Xd, Xs, t0, nb, res)
-                _store(res, out, t0, nc, r0, alpha, accumulate)
+                store_rows(res, out, t0, nc, r0, alpha, accumulate)
                 t0 += nc
             continue
         for t0 in range(0, T - C32 + 1, C32):
@@ -502,13 +407,13 @@ def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
                 _q40_2(P, DD, Xq, Xd, Xs, t0, nb, res)
             else:
                 _q8_2(P, DD, Xq, Xd, Xs, t0, nb, res)
-            _store(res, out, t0, C32, r0, alpha, accumulate)
+            store_rows(res, out, t0, C32, r0, alpha, accumulate)
         for t0 in range(T // C32 * C32, T):
             if nibbles:
                 _q40_1(P, DD, Xq, Xd, Xs, t0, nb, res)
             else:
                 _q8_1(P, DD, Xq, Xd, Xs, t0, nb, res)
-            _store(res, out, t0, 1, r0, alpha, accumulate)
+            store_rows(res, out, t0, 1, r0, alpha, accumulate)
 
 
 @njit(cache=True)
@@ -522,10 +427,10 @@ def _tiles_b32w(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         _prep_b32w(raw, r0, nb, nibbles, P, DD)
         for t0 in range(0, T - C32 + 1, C32):
             _w32_2(P, DD, Xq, Xd, Xs, t0, nb, res)
-            _store(res, out, t0, C32, r0, alpha, accumulate)
+            store_rows(res, out, t0, C32, r0, alpha, accumulate)
         for t0 in range(T // C32 * C32, T):
             _w32_1(P, DD, Xq, Xd, Xs, t0, nb, res)
-            _store(res, out, t0, 1, r0, alpha, accumulate)
+            store_rows(res, out, t0, 1, r0, alpha, accumulate)
 
 
 @by_reference          # ~33 functions of tiles and row dots: compiled once, not into each of the ~18 libraries above it
@@ -535,7 +440,7 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # SMALL_MAX_ROWS rows of X of an integer kind through kernels/blocks_small (each block unpacked once for all rows),
     # more (the k-quants: from K_TILE_MIN_ROWS) through whole tiles of R rows where they run (HAVE_TILES), the rest through the row
     # dots, the same bits every way; kind + ACTS16 (the output head): blocks_wide's row dots, its Q8_0/Q4_0 tiles
-    # from WIDE_TILE_MIN_ROWS rows. tmp: >= scratch_words(n) f32
+    # from WIDE_TILE_MIN_ROWS rows, Q6_K's (kernels/blocks_head) from HEAD_TILE_MIN_ROWS. tmp: >= scratch_words(n) f32
     end = i0
     T = X.shape[0]
     if kind & ACTS16:
@@ -544,6 +449,9 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
                 and tmp.shape[0] >= scratch_words(X.shape[1]):
             end = i0 + (i1 - i0) // R * R
             _tiles_b32w(raw, k == Q4_0, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
+        elif HAVE_TILES and T >= HEAD_TILE_MIN_ROWS and k == Q6_K and tmp.shape[0] >= scratch_words(X.shape[1]):
+            end = i0 + (i1 - i0) // R * R
+            tiles_q6_kw(raw, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         rows16(raw, kind, X, Xq, Xd, Xs, out, tmp, end, i1, alpha, accumulate)
         return
     kq = kind == Q4_K or kind == Q5_K or kind == Q6_K

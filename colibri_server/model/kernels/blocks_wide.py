@@ -20,7 +20,9 @@ an instruction; `vpmaddwd` elsewhere), exact sums per block:
 
 The kinds without integer dots take the f32 activations as they are (kernels/blocks' generic path) with or
 without the flag. Every caller (batch-1 matvec, a serving step's rows, prefill, threads) goes through these
-row dots, each weight row read once for all the activation rows: the same bits whatever the caller.
+row dots, each weight row read once for all the activation rows, or, from a few activation rows, through tiles of
+16 weight rows with the same integers and float steps (Q8_0 / Q4_0: kernels/blocks_gemm; Q6_K: kernels/blocks_head):
+the same bits whatever the caller.
 """
 from __future__ import annotations
 

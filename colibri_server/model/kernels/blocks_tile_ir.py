@@ -1,0 +1,120 @@
+"""IR helpers of the tiles' micro-kernels (kernels/blocks_gemm, kernels/blocks_head): a micro-kernel's activation
+rows t0.. as pointers, 16-lane vectors of a panel (lane r weight row r of a tile), the dot instructions (`vpdpbusd`,
+`vpdpwssd`, or their AVX2 equivalents with the same integers), broadcasts of an activation row's 4 bytes, the loop
+over a tile's blocks; and the store of a pass's results into the output (alpha, accumulate).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit
+from numba.core import cgutils
+
+from .blocks import _put2
+from .blocks_ir import _arr_ptr
+from .blocks_panels import R
+from .cpu import HAVE_VNNI512
+
+__all__ = ["KC", "Kernel", "store_rows"]
+
+KC = 8                     # the k-quants' activation rows per pass
+
+_i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+_idx = ir.IntType(64)
+
+
+class Kernel:
+    """IR helpers over the micro-kernels' arguments: the activations' rows t0.. (C of them) and 16-lane vectors."""
+
+    def __init__(self, context, builder, sig, args, nacts):
+        self.b = builder
+        self.v16 = ir.VectorType(_i32, R)
+        self.f16 = ir.VectorType(_f32, R)
+        xq, xd, xs = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (nacts, nacts + 1, nacts + 2))
+        self.t0 = args[nacts + 3]
+        self.nb = args[nacts + 4]
+        self.res = _arr_ptr(context, builder, sig.args[nacts + 5], args[nacts + 5], _f32)
+
+        def rows(arr, ty):
+            stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+            base = builder.bitcast(arr.data, _i8.as_pointer())
+            return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(self.t0, ir.Constant(_idx, t)), stride)]),
+                                    ty.as_pointer()) for t in range(KC)]
+        self.xq, self.xd, self.xs = rows(xq, _i8), rows(xd, _f32), rows(xs, _i32)
+        self.module = builder.module
+
+    def _fn(self, name, ret, *args):
+        return cgutils.get_or_insert_function(self.module, ir.FunctionType(ret, list(args)), name)
+
+    def _halves(self, v, ty):
+        """The two 8-lane halves of a 16-lane i32 vector as ty (256 bits each)."""
+        v8 = ir.VectorType(_i32, 8)
+        return [self.b.bitcast(self.b.shuffle_vector(v, v, ir.Constant(v8, list(range(8 * h, 8 * h + 8)))), ty)
+                for h in range(2)]
+
+    def _joined(self, lo, hi):
+        return self.b.shuffle_vector(lo, hi, ir.Constant(self.v16, list(range(R))))
+
+    def dpbusd(self, acc, w, x):
+        """acc + the sums of 4 products u8 w times s8 x in each i32 lane: `vpdpbusd` with AVX-512 VNNI; on AVX2
+        `vpmaddubsw` (pairs in i16) then `vpmaddwd` by ones on each 256-bit half, the same integers while a pair's
+        sum stays within i16 (|w| <= 63 against |x| <= 127: the nibble and 6-bit kinds, not Q8_0's flipped bytes)."""
+        if HAVE_VNNI512:
+            return self.b.call(self._fn("llvm.x86.avx512.vpdpbusd.512", self.v16, self.v16, self.v16, self.v16),
+                               [acc, w, x])
+        v32, v16h, v8 = ir.VectorType(_i8, 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_i32, 8)
+        ubs = self._fn("llvm.x86.avx2.pmadd.ub.sw", v16h, v32, v32)
+        wd = self._fn("llvm.x86.avx2.pmadd.wd", v8, v16h, v16h)
+        ones = ir.Constant(v16h, [1] * 16)
+        parts = [self.b.call(wd, [self.b.call(ubs, [wh, xh]), ones])
+                 for wh, xh in zip(self._halves(w, v32), self._halves(x, v32))]
+        return self.b.add(acc, self._joined(*parts))
+
+    def dpwssd(self, acc, a, c):
+        """acc + the sums of 2 products s16 a times s16 c in each i32 lane: `vpdpwssd`, or `vpmaddwd` on AVX2."""
+        if HAVE_VNNI512:
+            return self.b.call(self._fn("llvm.x86.avx512.vpdpwssd.512", self.v16, self.v16, self.v16, self.v16),
+                               [acc, a, c])
+        v16h, v8 = ir.VectorType(ir.IntType(16), 16), ir.VectorType(_i32, 8)
+        wd = self._fn("llvm.x86.avx2.pmadd.wd", v8, v16h, v16h)
+        parts = [self.b.call(wd, [ah, ch]) for ah, ch in zip(self._halves(a, v16h), self._halves(c, v16h))]
+        return self.b.add(acc, self._joined(*parts))
+
+    def vec(self, p, at, ty=None):
+        """The 16 lanes at element `at` (i64) of pointer p."""
+        ty = ty or self.v16
+        return self.b.load(self.b.bitcast(self.b.gep(p, [at]), ty.as_pointer()), align=4)
+
+    def splat(self, v, ty=None):
+        ty = ty or self.v16
+        s = self.b.insert_element(ir.Constant(ty, None), v, ir.Constant(_i32, 0))
+        return self.b.shuffle_vector(s, ir.Constant(ty, None), ir.Constant(ir.VectorType(_i32, R), [0] * R))
+
+    def x4(self, t, at):
+        """Activation row t's 4 bytes at column `at` (i64), broadcast to the 16 lanes."""
+        p = self.b.bitcast(self.b.gep(self.xq[t], [at]), _i32.as_pointer())
+        return self.splat(self.b.load(p, align=1))
+
+    def xs1(self, t, at):
+        """Word `at` (i64) of activation row t's xs argument, broadcast: the tiles pass the k-quants' i16 pairs of
+        activation sums there (xs_pairs)."""
+        return self.splat(self.b.load(self.b.gep(self.xs[t], [at])))
+
+    def c(self, v):
+        return ir.Constant(_idx, v)
+
+    def block_loop(self, nc, body):
+        """acc[t] (16 f32 lanes per activation row) = body over blocks 0..nb, then stored to res[t*R:]."""
+        b = self.b
+        accs = [cgutils.alloca_once_value(b, ir.Constant(self.f16, None)) for _ in range(nc)]
+        with cgutils.for_range(b, self.nb) as loop:
+            body(loop.index, accs)
+        for t in range(nc):
+            p = b.bitcast(b.gep(self.res, [self.c(t * R)]), self.f16.as_pointer())
+            b.store(b.load(accs[t]), p, align=4)
+
+
+@njit(cache=True, inline="always")
+def store_rows(res, out, t0, nc, r0, alpha, accumulate):
+    for t in range(nc):
+        for r in range(R):
+            _put2(out, t0 + t, r0 + r, res[t * R + r], alpha, accumulate)
