@@ -86,6 +86,8 @@ class Worker:
                                                     signal.SIGCHLD})
         from ..host.pinning import apply
         apply(self.cpus)
+        from ..host.allocator import keep_freed_memory
+        keep_freed_memory()         # a step's temporaries reused, not faulted in again at every layer
         self._limit_threads(self.settings.threads_per_worker)
         if self.settings.threads_per_worker > 1:
             self.model.set_threads(self.settings.threads_per_worker)   # decode matvecs split over threads
