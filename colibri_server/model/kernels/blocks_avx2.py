@@ -22,6 +22,7 @@ from numba.extending import intrinsic
 
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
 from .blocks_panels import R
+from .blocks_tile_ir import activation_rows
 
 KC2 = 4                    # the k-quants' activation rows per pass (per row: an i16 sum, an i32 sum and the f32 accumulator)
 # Q4_0's (per row 8 f32 accumulators, one a block mod 8, as the row dots sum them): one thread, 2048 x 1024 at 128 rows,
@@ -40,16 +41,7 @@ class _Half:
 
     def __init__(self, context, builder, sig, args, nacts, nc):
         self.b = builder
-        xq, xd, xs = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (nacts, nacts + 1, nacts + 2))
-        self.t0, self.nb = args[nacts + 3], args[nacts + 4]
-        self.res = _arr_ptr(context, builder, sig.args[nacts + 5], args[nacts + 5], _f32)
-
-        def rows(arr, ty):
-            stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
-            base = builder.bitcast(arr.data, _i8.as_pointer())
-            return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(self.t0, ir.Constant(_idx, t)), stride)]),
-                                    ty.as_pointer()) for t in range(nc)]
-        self.xq, self.xd, self.xs = rows(xq, _i8), rows(xd, _f32), rows(xs, _i32)
+        self.xq, self.xd, self.xs, self.t0, self.nb, self.res = activation_rows(context, builder, sig, args, nacts, nc)
         m = builder.module
         self.ubsw = cgutils.get_or_insert_function(m, ir.FunctionType(_w16, [_b32, _b32]), "llvm.x86.avx2.pmadd.ub.sw")
         self.wd = cgutils.get_or_insert_function(m, ir.FunctionType(_v8, [_w16, _w16]), "llvm.x86.avx2.pmadd.wd")

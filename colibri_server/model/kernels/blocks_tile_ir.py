@@ -14,12 +14,27 @@ from .blocks_ir import _arr_ptr
 from .blocks_panels import R
 from .cpu import HAVE_VNNI512
 
-__all__ = ["KC", "Kernel", "store_rows"]
+__all__ = ["KC", "Kernel", "activation_rows", "store_rows"]
 
 KC = 8                     # the k-quants' activation rows per pass
 
 _i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
 _idx = ir.IntType(64)
+
+
+def activation_rows(context, builder, sig, args, nacts, n):
+    """A micro-kernel's arguments from index nacts (xq, xd, xs, t0, nb, res) -> (xq, xd, xs: pointers to their rows
+    t0..t0+n as i8, f32, i32; t0; nb; res as f32*)."""
+    xq, xd, xs = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (nacts, nacts + 1, nacts + 2))
+    t0 = args[nacts + 3]
+
+    def rows(arr, ty):
+        stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+        base = builder.bitcast(arr.data, _i8.as_pointer())
+        return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(t0, ir.Constant(_idx, t)), stride)]),
+                                ty.as_pointer()) for t in range(n)]
+    return (rows(xq, _i8), rows(xd, _f32), rows(xs, _i32), t0, args[nacts + 4],
+            _arr_ptr(context, builder, sig.args[nacts + 5], args[nacts + 5], _f32))
 
 
 class Kernel:
@@ -29,17 +44,7 @@ class Kernel:
         self.b = builder
         self.v16 = ir.VectorType(_i32, R)
         self.f16 = ir.VectorType(_f32, R)
-        xq, xd, xs = (context.make_array(sig.args[k])(context, builder, args[k]) for k in (nacts, nacts + 1, nacts + 2))
-        self.t0 = args[nacts + 3]
-        self.nb = args[nacts + 4]
-        self.res = _arr_ptr(context, builder, sig.args[nacts + 5], args[nacts + 5], _f32)
-
-        def rows(arr, ty):
-            stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
-            base = builder.bitcast(arr.data, _i8.as_pointer())
-            return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(self.t0, ir.Constant(_idx, t)), stride)]),
-                                    ty.as_pointer()) for t in range(KC)]
-        self.xq, self.xd, self.xs = rows(xq, _i8), rows(xd, _f32), rows(xs, _i32)
+        self.xq, self.xd, self.xs, self.t0, self.nb, self.res = activation_rows(context, builder, sig, args, nacts, KC)
         self.module = builder.module
 
     def _fn(self, name, ret, *args):
