@@ -8,12 +8,13 @@ pays that every step: 20% of a 16-row step of bench-mixtral Q4_K_M.
 
 Here a tile is blocks_panels.prep_q6_k's int8 panel (the 6-bit values 0..63 as bytes, lane r weight row r) and each
 int16 activation X = 256 H + L is split into its high byte H (signed) and its low byte L (0..255) once per call
-(split16), so that q . X = 256 (q . H) + L . q takes two `vpdpbusd` on 4 values of 16 rows: values as the unsigned
-side against H, L as the unsigned side against the values (0..63 fit the signed side). Per block and activation row,
-exact in i32 lanes: A = sum_g s_g (q . H)_g and B = sum_g s_g (L . q)_g over the 16 groups (|A| <= 16 * 128 * 16 *
-63 * 128, |B| <= 16 * 128 * 16 * 63 * 255, both < 2^31), O = sum_g s_g S_g with S_g the group's 16-sum of X (|O|
-<= 16 * 128 * 16 * 32767 < 2^31); then in i64 I = 256 A + B - 32 O: the block integer sum_g s_g ((q - 32) . X)_g of
-the row dots (blocks_wide._krow), and the same float step (blocks_ir.k_update), so each output has their bits.
+(split16, into an array of T x 2n bytes the call allocates, as kernels/experts_blocks allocates its rows), so
+that q . X = 256 (q . H) + L . q takes two `vpdpbusd` on 4 values of 16 rows: values as the unsigned side against
+H, L as the unsigned side against the values (0..63 fit the signed side). Per block and activation row, exact in i32 lanes:
+A = sum_g s_g (q . H)_g and B = sum_g s_g (L . q)_g over the 16 groups (|A| <= 16 * 128 * 16 * 63 * 128, |B| <= 16 *
+128 * 16 * 63 * 255, both < 2^31), O = sum_g s_g S_g with S_g the group's 16-sum of X (|O| <= 16 * 128 * 16 * 32767
+< 2^31); then in i64 I = 256 A + B - 32 O: the block integer sum_g s_g ((q - 32) . X)_g of the row dots
+(blocks_wide._krow), and the same float step (blocks_ir.k_update), so each output has their bits.
 """
 from __future__ import annotations
 
