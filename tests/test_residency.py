@@ -281,7 +281,9 @@ def test_a_range_beyond_the_readahead_window_is_read_whole(tmp_path):
             now = cached()
             if now > last:
                 last, moved = now, time.monotonic()
-        assert last == 1.0, f"{last:.0%} of the range read: the reads stopped there"
+        # readahead is best effort: a page it cannot allocate at once is left to the fault (the suite's other worker
+        # busy beside it left 6 of 6144 pages unread once); one call for the whole range stops at 8-33%
+        assert last >= 0.95, f"{last:.1%} of the range read: the reads stopped there"
         mm.close()
     finally:
         os.close(fd)
