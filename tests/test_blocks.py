@@ -242,3 +242,30 @@ def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path, monkeypatch):
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err < 5e-3, err                # f32 sums against float64 (measured 1.5e-3 on the llama-quantize'd file)
     assert (got.argmax(-1) == exact.argmax(-1)).mean() >= 0.9    # and the rounding itself stays small
+
+
+@pytest.mark.parametrize("kinds", [(Q.Q4_K, Q.Q8_0, Q.Q8_0), (Q.Q4_K, Q.Q4_0, Q.Q4_0), (Q.Q8_0, Q.Q8_0, Q.Q6_K),
+                                   (Q.Q6_K, Q.Q4_K, Q.Q8_0), (Q.Q4_K, Q.Q5_K, Q.Q6_K)],
+                         ids=lambda ks: "-".join(k.name for k in ks))
+@pytest.mark.parametrize("T", [1, 3])
+def test_q_k_and_v_in_one_parallel_region_are_three_products_bit_for_bit(kinds, T):
+    """blocks_gemm.matmul3_blocks_par (a decode token's q, k and v in one parallel region, each on its kind's rounding of
+    the input: rounded once per rounding the three take, whichever of them share one) gives each matrix's own
+    matmul_blocks bits."""
+    rng = np.random.default_rng(3)
+    n, dims = 512, (96, 48, 64)
+    raws = [quantized(rng.standard_normal((d, n)).astype(np.float32) * 0.05, k, seed=d) for d, k in zip(dims, kinds)]
+    X = rng.standard_normal((T, n)).astype(np.float32)
+    tmps = np.zeros((2, KG.scratch_words(n)), np.float32)
+    ref = []
+    for raw, k in zip(raws, kinds):
+        out = np.zeros((T, raw.shape[0]), np.float32)
+        KG.matmul_blocks(raw, int(k), X, out, np.zeros((T, n), np.int8), np.zeros((T, n // 32), np.float32),
+                         np.zeros((T, n // 16), np.int32), tmps[0], np.float32(1.0), False)
+        ref.append(out)
+    outs = [np.full((T, d), np.nan, np.float32) for d in dims]
+    KG.matmul3_blocks_par(raws[0], int(kinds[0]), raws[1], int(kinds[1]), raws[2], int(kinds[2]), X, *outs,
+                          np.zeros((3 * T, n), np.int8), np.zeros((3 * T, n // 32), np.float32),
+                          np.zeros((3 * T, n // 16), np.int32), tmps)
+    for got, want in zip(outs, ref):
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -215,7 +215,8 @@ def test_a_block_models_threaded_kernels_are_compiled_before_fork(tmp_path):
 
 def test_decode_on_two_threads_gives_the_one_thread_bits(tmp_path):
     """A model of five block kinds mixed matrix by matrix (q, k, v, the experts' three each their own): its fused
-    decode token on two threads gives the one-thread bits. Here, beside the head's tests, so that the same worker
+    decode token on two threads gives the one-thread bits, also with every matrix on the threads (q, k and v then in
+    one parallel region, each on its kind's rounding of the input). Here, beside the head's tests, so that the same worker
     runs it after them and loads the block-kind token they compiled rather than waiting on that compile."""
     from test_blocks_convert import _cfg, _hf
     hf = _hf(tmp_path)
@@ -230,9 +231,11 @@ def test_decode_on_two_threads_gives_the_one_thread_bits(tmp_path):
     convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "b.colibri"), "f32", quantize="blocks", progress=False,
                  require_tokenizer=False)
     runs = []
-    for threads in (1, 2):
+    for threads, par_min in ((1, None), (2, None), (2, 0)):
         m = Model.open(str(tmp_path / "b.colibri"), threads=threads)
+        if par_min is not None:     # every matrix on the threads, q, k and v in one region (matmul3_blocks_par)
+            m.workspace.PAR_MIN_WEIGHTS = par_min
         c = m.new_cache(64)
         m.prefill(c, PROMPT[:8])
         runs.append(np.stack([m.decode(c, t)[0].copy() for t in PROMPT[8:14]]))
-    assert np.array_equal(runs[0], runs[1])
+    assert np.array_equal(runs[0], runs[1]) and np.array_equal(runs[0], runs[2])

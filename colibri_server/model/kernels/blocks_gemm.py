@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 
 from ..numba_link import by_reference
 from . import blocks_avx2 as A2
-from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _rows, round_rows
+from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _kround, _rows, round_rows
 from .blocks_head import HEAD_TILE_MIN_ROWS, tiles_q6_kw
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
 from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k
@@ -531,3 +531,44 @@ def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
     else:
         round_acts(kind, X, Xq, Xd, Xs)
     gemm_rows_par(raw, kind, X, Xq, Xd, Xs, out, tmps, alpha, accumulate)
+
+
+@njit(cache=True, inline="always")
+def _chunk_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, c, nt):
+    # gemm_rows_par's chunk c of nt: its share (whole tiles) of raw's rows
+    d = raw.shape[0]
+    tiles = (d + R - 1) // R
+    gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, min(d, c * tiles // nt * R), min(d, (c + 1) * tiles // nt * R),
+              np.float32(1.0), np.bool_(False))
+
+
+@njit(cache=True, parallel=True)
+def _gemm_rows3_par(ra, ka, rb, kb, rc, kc, X, Qa, Da, Sa, Qb, Db, Sb, Qc, Dc, Sc, oa, ob, oc, tmps):
+    # three matrices' gemm_rows_par in one parallel region: chunk c takes its share of each one's rows
+    nt = tmps.shape[0]
+    for c in prange(nt):
+        _chunk_rows(ra, ka, X, Qa, Da, Sa, oa, tmps[c], c, nt)
+        _chunk_rows(rb, kb, X, Qb, Db, Sb, ob, tmps[c], c, nt)
+        _chunk_rows(rc, kc, X, Qc, Dc, Sc, oc, tmps[c], c, nt)
+
+
+@njit(cache=True)
+def matmul3_blocks_par(ra, ka, rb, kb, rc, kc, X, oa, ob, oc, Xq, Xd, Xs, tmps):
+    # X (T, n) @ ra.T -> oa, @ rb.T -> ob, @ rc.T -> oc (q, k and v: block kinds without ACTS16) in one parallel region
+    # of tmps.shape[0] chunks, where three matmul_blocks_par calls take three: X rounded once per rounding the kinds
+    # take (Xq, Xd, Xs (>= 3T, ...): rows 0..T for ka, T..2T and 2T..3T for the others when theirs differs), each
+    # product the rows of its own call (the same bits)
+    T = X.shape[0]
+    Qa, Da, Sa = Xq[:T], Xd[:T], Xs[:T]
+    round_rows(ka, X, Qa, Da, Sa)
+    Qb, Db, Sb = Qa, Da, Sa
+    if _kround(kb) != _kround(ka):
+        Qb, Db, Sb = Xq[T:2 * T], Xd[T:2 * T], Xs[T:2 * T]
+        round_rows(kb, X, Qb, Db, Sb)
+    Qc, Dc, Sc = Qb, Db, Sb
+    if _kround(kc) == _kround(ka):
+        Qc, Dc, Sc = Qa, Da, Sa
+    elif _kround(kc) != _kround(kb):
+        Qc, Dc, Sc = Xq[2 * T:3 * T], Xd[2 * T:3 * T], Xs[2 * T:3 * T]
+        round_rows(kc, X, Qc, Dc, Sc)
+    _gemm_rows3_par(ra, ka, rb, kb, rc, kc, X, Qa, Da, Sa, Qb, Db, Sb, Qc, Dc, Sc, oa, ob, oc, tmps)

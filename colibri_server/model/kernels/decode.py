@@ -19,7 +19,7 @@ from numba.extending import overload
 
 from .attn import attend
 from .blocks import ACTS16, QB, SB, embed_blocks, experts_decode_par
-from .blocks_gemm import matmul_blocks, matmul_blocks_par
+from .blocks_gemm import matmul3_blocks_par, matmul_blocks, matmul_blocks_par
 from .dense import _matvec_core, embed, layernorm, matvec_stack, rmsnorm, rope
 from .heads import heads_matmul, heads_matmul_par
 from .moe import (
@@ -153,6 +153,28 @@ def _blocks_mv(raw, kind, x, out, alpha, accumulate, bk, nt):
         matmul_blocks(raw, kind, x.reshape((1, n)), out.reshape((1, d)), q, xd, xsum, tm[0], alpha, acc)
 
 
+@njit(cache=True, inline="always")
+def _qkv_blocks_together(W, x, xs, bk):
+    # whether q, k and v (block kinds) take one parallel region (blocks_gemm.matmul3_blocks_par): each would take the
+    # threads on its own (bk[9]), none rounds to int16, and bk's rounding buffers hold three rows of x
+    n = x.shape[0]
+    d = min(W[0][0].shape[0], W[1][0].shape[0], W[2][0].shape[0])
+    return (d * n >= bk[9] and not (W[0][1] | W[1][1] | W[2][1]) & ACTS16 and bk[0].shape[0] >= 3 * n
+            and bk[1].shape[0] >= 3 * (n // QB) and bk[2].shape[0] >= 3 * (n // SB))
+
+
+@njit(cache=True, inline="always")
+def _qkv_blocks(W, x, out, nt, bk):
+    # out (qd+2kvd,) = q|k|v @ x in one parallel region of nt chunks (a token's ~3 regions fewer than _proj's each)
+    n = x.shape[0]
+    dq, dk = W[0][0].shape[0], W[1][0].shape[0]
+    dv = W[2][0].shape[0]
+    matmul3_blocks_par(W[0][0], W[0][1], W[1][0], W[1][1], W[2][0], W[2][1], x.reshape((1, n)),
+                       out[:dq].reshape((1, dq)), out[dq:dq + dk].reshape((1, dk)), out[dq + dk:dq + dk + dv].reshape((1, dv)),
+                       bk[0][:3 * n].reshape((3, n)), bk[1][:3 * (n // QB)].reshape((3, n // QB)),
+                       bk[2][:3 * (n // SB)].reshape((3, n // SB)), bk[3][:nt])
+
+
 def _threaded(xs):
     return isinstance(xs, types.Array) and xs.ndim == 2
 
@@ -200,6 +222,9 @@ def _qkv_overload(W, x, out, xs, xi, bk):
         return lambda W, x, out, xs, xi, bk: _proj(W, x, out, xs, xi, bk)
     if isinstance(W, types.BaseTuple) and len(W) == 3 and all(_is_blocks(p) for p in W):
         def impl(W, x, out, xs, xi, bk):        # forward's qkv_rows: q, k, v each its own product
+            if par and _qkv_blocks_together(W, x, xs, bk):
+                _qkv_blocks(W, x, out, xs.shape[0] // 2, bk)
+                return
             o = 0
             for p in literal_unroll(W):
                 d = p[0].shape[0]
