@@ -16,7 +16,6 @@ largest step's temporaries, as a workspace sized for them would). glibc only; el
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 __all__ = ["KEEP", "keep_freed_memory"]
 
@@ -28,7 +27,7 @@ def keep_freed_memory(keep: int = KEEP) -> bool:
     """Make glibc's malloc serve blocks below `keep` bytes from its heap and keep up to `keep` bytes of freed memory
     for reuse. False where the C library is not glibc or refuses."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)               # the C library the process runs on
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False

@@ -36,7 +36,7 @@ from . import blocks_avx2 as A2
 from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _kround, _rows, round_rows
 from .blocks_head import HEAD_TILE_MIN_ROWS, tiles_q6_kw
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
-from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k
+from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k, q6_panel
 from .blocks_small import SMALL_MAX_ROWS, small_rows
 from .blocks_tile_ir import KC, Kernel, store_rows
 from .blocks_wide import round_rows16, rows16
@@ -370,9 +370,8 @@ def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # as _tiles_q4_k for a Q6_K matrix
     nb = Xq.shape[1] // 256
     T = Xq.shape[0]
-    w = tmp.view(np.int32)
-    P, SC, SP = w[:nb * 1024], w[nb * 1024:nb * 1280], w[nb * 1280:nb * 1408]
-    DD, res = tmp[nb * 1408:nb * 1424], tmp[nb * 1424:nb * 1424 + KC * R]
+    P, SC, SP, DD, rest = q6_panel(tmp, nb)
+    res = rest[:KC * R]
     XP = xs_pairs(Xs, 1)
     for r0 in range(i0, i1 - R + 1, R):
         prep_q6_k(raw, r0, nb, P, SC, SP, DD)
@@ -511,15 +510,22 @@ def round_acts_par(kind, X, Xq, Xd, Xs, nparts):
         round_acts(kind, X[r0:r1], Xq[r0:r1], Xd[r0:r1], Xs[r0:r1])
 
 
+@njit(cache=True, inline="always")
+def _chunk_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, c, nt, alpha, accumulate):
+    # chunk c of nt of a threaded product: gemm_rows on its share (whole tiles) of raw's rows
+    d = raw.shape[0]
+    tiles = (d + R - 1) // R
+    gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, min(d, c * tiles // nt * R), min(d, (c + 1) * tiles // nt * R),
+              alpha, accumulate)
+
+
 @njit(cache=True, parallel=True)
 def gemm_rows_par(raw, kind, X, Xq, Xd, Xs, out, tmps, alpha, accumulate):
     # gemm_rows of X's rows (rounded) with the weight rows split over tmps.shape[0] chunks (whole tiles) run by Numba
     # threads
-    tiles = (raw.shape[0] + R - 1) // R
     nt = tmps.shape[0]
     for c in prange(nt):
-        gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmps[c], min(raw.shape[0], c * tiles // nt * R),
-                  min(raw.shape[0], (c + 1) * tiles // nt * R), alpha, accumulate)
+        _chunk_rows(raw, kind, X, Xq, Xd, Xs, out, tmps[c], c, nt, alpha, accumulate)
 
 
 @njit(cache=True)
@@ -533,23 +539,15 @@ def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
     gemm_rows_par(raw, kind, X, Xq, Xd, Xs, out, tmps, alpha, accumulate)
 
 
-@njit(cache=True, inline="always")
-def _chunk_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, c, nt):
-    # gemm_rows_par's chunk c of nt: its share (whole tiles) of raw's rows
-    d = raw.shape[0]
-    tiles = (d + R - 1) // R
-    gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, min(d, c * tiles // nt * R), min(d, (c + 1) * tiles // nt * R),
-              np.float32(1.0), np.bool_(False))
-
-
 @njit(cache=True, parallel=True)
 def _gemm_rows3_par(ra, ka, rb, kb, rc, kc, X, Qa, Da, Sa, Qb, Db, Sb, Qc, Dc, Sc, oa, ob, oc, tmps):
     # three matrices' gemm_rows_par in one parallel region: chunk c takes its share of each one's rows
     nt = tmps.shape[0]
+    one, no = np.float32(1.0), np.bool_(False)     # not literals: gemm_rows' one compile with matmul_blocks' types
     for c in prange(nt):
-        _chunk_rows(ra, ka, X, Qa, Da, Sa, oa, tmps[c], c, nt)
-        _chunk_rows(rb, kb, X, Qb, Db, Sb, ob, tmps[c], c, nt)
-        _chunk_rows(rc, kc, X, Qc, Dc, Sc, oc, tmps[c], c, nt)
+        _chunk_rows(ra, ka, X, Qa, Da, Sa, oa, tmps[c], c, nt, one, no)
+        _chunk_rows(rb, kb, X, Qb, Db, Sb, ob, tmps[c], c, nt, one, no)
+        _chunk_rows(rc, kc, X, Qc, Dc, Sc, oc, tmps[c], c, nt, one, no)
 
 
 @njit(cache=True)

@@ -24,14 +24,14 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .blocks_ir import _arr_ptr, k_update
-from .blocks_panels import R, prep_q6_k
-from .blocks_tile_ir import KC, Kernel, store_rows
+from .blocks_panels import R, prep_q6_k, q6_panel
+from .blocks_tile_ir import Kernel, store_rows
 
 __all__ = ["HEAD_TILE_MIN_ROWS", "split16", "tiles_q6_kw"]
 
 # from this many activation rows the Q6_K head runs through these tiles rather than blocks_wide's row dots
 HEAD_TILE_MIN_ROWS = 4
-HEAD_PASS = 4              # activation rows per pass (6 vectors live a row)
+HEAD_PASS = 4              # activation rows per pass (5 vectors live a row: two group sums, A, B, O)
 
 _i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -116,9 +116,8 @@ def tiles_q6_kw(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     T = Xq.shape[0]
     X2 = np.empty((T, 512 * nb), np.uint8)
     split16(Xq, X2)
-    w = tmp.view(np.int32)
-    P, SC, SP = w[:nb * 1024], w[nb * 1024:nb * 1280], w[nb * 1280:nb * 1408]
-    DD, res = tmp[nb * 1408:nb * 1424], tmp[nb * 1424:nb * 1424 + KC * R]
+    P, SC, SP, DD, rest = q6_panel(tmp, nb)
+    res = rest[:HEAD_PASS * R]
     for r0 in range(i0, i1 - R + 1, R):
         prep_q6_k(raw, r0, nb, P, SC, SP, DD)
         t0 = 0

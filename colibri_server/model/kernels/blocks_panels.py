@@ -15,6 +15,7 @@ read the same integers either way, so the products keep their bits.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -244,6 +245,13 @@ def prep_q45_k(raw, r0, nb, five, P, SC, MN, DD, DM):
         else:
             q4_k_values(raw, r0, o, b, P)
         k_header(raw, r0, o, b, SC, MN, DD, DM)
+
+
+@njit(cache=True, inline="always")
+def q6_panel(tmp, nb):
+    # prep_q6_k's arrays for nb blocks in a tile's f32 scratch tmp: P, SC, SP (i32 views), DD, and the rest of tmp
+    w = tmp.view(np.int32)
+    return w[:nb * 1024], w[nb * 1024:nb * 1280], w[nb * 1280:nb * 1408], tmp[nb * 1408:nb * 1424], tmp[nb * 1424:]
 
 
 @njit(cache=True)
