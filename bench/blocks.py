@@ -41,10 +41,10 @@ import llama_bench
 
 
 def converted(data, name, how):
-    from colibri_server.model.gguf_import import convert_gguf
+    from colibri_server.model.gguf_import import CONVERTER_VERSION, convert_gguf
     src = data / f"bench-mixtral-{name}.gguf"
     out = data / f"bench-mixtral-{name}-{how}.colibri"
-    if not out.exists():
+    if not out.exists() or D.converter_of(out) != CONVERTER_VERSION:        # older converters: other kinds
         convert_gguf(str(src), str(out), "f16", quantize=how, progress=False, require_tokenizer=False)
     return src, out
 

@@ -99,7 +99,7 @@ def build_colibri(data, hf_dir, precisions):
     out = {}
     for p in sorted(set(precisions) | {"f32"}):
         path = data / f"bench-mixtral-{p}.colibri"
-        if not path.exists() or _converter_of(path) != CONVERTER_VERSION:   # older converters: other layouts
+        if not path.exists() or converter_of(path) != CONVERTER_VERSION:   # older converters: other layouts
             t0 = time.time()
             convert(hf_dir, path, require_tokenizer=False, progress=False, **COLIBRI[p])
             print(f"converted {path.name} in {time.time() - t0:.0f}s", flush=True)
@@ -107,7 +107,7 @@ def build_colibri(data, hf_dir, precisions):
     return out
 
 
-def _converter_of(path) -> str:
+def converter_of(path) -> str:
     from colibri_server.model import format as fmt
     cf = fmt.ColibriFile.open(path)
     try:

@@ -91,9 +91,9 @@ def build(data: pathlib.Path, precisions, llama_bin: pathlib.Path):
                                stdout=subprocess.DEVNULL)
         ggufs[p] = path
         if p in FROM_GGUF:
-            from colibri_server.model.gguf_import import convert_gguf
+            from colibri_server.model.gguf_import import CONVERTER_VERSION, convert_gguf
             col[p] = data / f"bench-mixtral-{name}-auto.colibri"
-            if not col[p].exists():
+            if not col[p].exists() or D.converter_of(col[p]) != CONVERTER_VERSION:     # older converters: other kinds
                 convert_gguf(str(path), str(col[p]), progress=False, require_tokenizer=False)
     return col, ggufs
 

@@ -174,9 +174,9 @@ def cmd_inspect(a):
     print(f"tokenizer {len(cf.tokenizer_json)} bytes; chat template {len(cf.chat_template)} bytes")
     print(f"routing   {len(cf.routing)} layers: " + ", ".join(
         f"{i}:{'moe k=%d' % r.top_k if r.num_experts else 'dense'}" for i, r in enumerate(cf.routing)))
-    print(f"{'#':>4} {'name':24} {'dtype':6} {'shape':22} {'offset':>12} {'bytes':>12} {'bits/w':>6} crc32")
+    print(f"{'#':>4} {'name':24} {'dtype':8} {'shape':22} {'offset':>12} {'bytes':>12} {'bits/w':>6} crc32")
     for r in cf.record_list:
-        print(f"{r.index:>4} {r.name:24} {r.dtype:6} {str(list(r.shape)):22} {r.offset:>12} {r.size:>12} "
+        print(f"{r.index:>4} {r.name:24} {r.dtype:8} {str(list(r.shape)):22} {r.offset:>12} {r.size:>12} "
               f"{_bits(cf, r):6.2f} {r.crc32:08x}")
     mats = [r for r in cf.record_list if len(r.shape) >= 2 and not r.name.endswith(".s")]
     n = sum(int(np.prod(r.shape)) for r in mats)

@@ -15,7 +15,7 @@ from test_gguf_import import PROMPT, write_gguf
 
 from colibri_server.model import Model
 from colibri_server.model import format as fmt
-from colibri_server.model.blocks import BY_GGML, BlockTensor
+from colibri_server.model.blocks import BASE, BY_GGML, BlockTensor
 from colibri_server.model.blocks import KINDS as BLOCK_KINDS
 from colibri_server.model.gguf_import import convert_gguf
 from colibri_server.model.kernels import blocks as KB
@@ -37,7 +37,10 @@ def test_the_table_matches_gguf():
     for kind in KINDS:
         bk = BY_GGML[int(kind)]
         assert (bk.block, bk.size) == gguf.GGML_QUANT_SIZES[kind] and bk.name == kind.name.lower()
-    assert len(BLOCK_KINDS) == 13
+    # and the one stored as tiles: Q4_K's blocks, 16 rows interleaved (kernels/blocks.to_x16)
+    assert set(BLOCK_KINDS) == {k.name.lower() for k in KINDS} | {"q4_k_x16"}
+    x = BLOCK_KINDS["q4_k_x16"]
+    assert (x.block, x.size, x.ggml) == (256, 144, int(Q.Q4_K) + KB.X16) and BASE["q4_k_x16"] == "q4_k"
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
@@ -224,11 +227,14 @@ def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path, monkeypatch):
     cf = fmt.ColibriFile.open(tmp_path / "b.colibri")
     assert cf.header["version"] == 3
     kept = {r.dtype for r in cf.record_list} & fmt.BLOCK_DTYPES
-    assert kept == {t.name.lower() for t in used}
-    for t in reader.tensors:               # the GGUF's bytes, unchanged (q/k rows aside: unpermuted)
+    assert {BASE.get(k, k) for k in kept} == {t.name.lower() for t in used}
+    for t in reader.tensors:               # the GGUF's bytes, unchanged (q/k rows aside: unpermuted; Q4_K experts as tiles)
         ours = "token_embd" if t.name == "token_embd.weight" else t.name[:-len(".weight")]
         if t.tensor_type != Q.F32 and not ours.endswith(("attn_q", "attn_k")) and ours in cf.records:
-            assert bytes(cf.tensor_bytes(ours)) == np.asarray(t.data).tobytes(), ours
+            stored = cf.view(ours)
+            if cf.records[ours].dtype in BASE:
+                stored = KB.from_x16(stored)
+            assert stored.tobytes() == np.asarray(t.data).tobytes(), ours
     cf.close()
     m = Model.open(str(tmp_path / "b.colibri"))
     assert isinstance(m.weights.layers[0].w1, BlockTensor)

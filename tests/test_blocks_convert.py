@@ -18,6 +18,8 @@ from test_gguf_import import PROMPT, write_gguf
 from colibri_server import cli
 from colibri_server.model import Model
 from colibri_server.model import format as fmt
+from colibri_server.model.blocks import BASE
+from colibri_server.model.blocks import KINDS as BLOCK_KINDS
 from colibri_server.model.gguf_import import convert_gguf
 from colibri_server.model.kernels import blocks as KB
 from colibri_server.model.kernels import blocks_gemm as KG
@@ -114,7 +116,10 @@ def test_a_quantized_gguf_converts_by_default_to_its_own_size(tmp_path, kind):
     write_gguf(hf, tmp_path / "q.gguf", "mixtral", matrix_type=matrix, config=_cfg())
     cfg, rep = convert_gguf(str(tmp_path / "q.gguf"), str(tmp_path / "q.colibri"), "f32", progress=False,
                             require_tokenizer=False)                           # --quantize auto, the default
-    assert cfg.quant == "none" and set(cfg.block_types.values()) == {kind.name.lower()}
+    assert cfg.quant == "none" and {BASE.get(k, k) for k in cfg.block_types.values()} == {kind.name.lower()}
+    # Q4_K experts as 16-row tiles (kernels/blocks_x16), the rest as the GGUF's rows
+    assert (cfg.block_types["blk.0.ffn_up_exps"] == "q4_k_x16") == (kind == Q.Q4_K)
+    assert cfg.block_types["blk.0.attn_o"] == kind.name.lower()
     size = (tmp_path / "q.colibri").stat().st_size / (tmp_path / "q.gguf").stat().st_size
     assert size <= 1.03, size
     assert np.isfinite(Model.open(str(tmp_path / "q.colibri")).logits(PROMPT)).all()
@@ -138,10 +143,12 @@ def test_a_llama_quantized_q4_k_m_file_keeps_its_bytes_and_logits(tmp_path, monk
     cf = fmt.ColibriFile.open(tmp_path / "b.colibri")
     for name, kind in cfg.block_types.items():
         t = tensors["token_embd.weight" if name == "token_embd" else name.replace("attn_o", "attn_output") + ".weight"]
-        assert kind == t.tensor_type.name.lower()
+        assert BASE.get(kind, kind) == t.tensor_type.name.lower()
+        assert (kind == "q4_k_x16") == (name.endswith("_exps") and t.tensor_type == Q.Q4_K)
+        stored = KB.from_x16(cf.view(name)) if kind in BASE else cf.view(name)      # experts' Q4_K rows as tiles
         if not name.endswith(("attn_q", "attn_k")):     # q/k rows are unpermuted; their bytes move as whole rows
-            assert bytes(cf.tensor_bytes(name)) == np.asarray(t.data).tobytes(), name
-        got = KB.dequantize_ref(cf.view(name), int(t.tensor_type), cf.records[name].shape[-1])
+            assert stored.tobytes() == np.asarray(t.data).tobytes(), name
+        got = KB.dequantize_ref(cf.view(name), BLOCK_KINDS[kind].ggml, cf.records[name].shape[-1])
         if not name.endswith(("attn_q", "attn_k")):
             want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(got.shape)
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name

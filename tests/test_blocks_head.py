@@ -15,6 +15,7 @@ from colibri_server.model.blocks import BlockTensor
 from colibri_server.model.gguf_import import convert_gguf
 from colibri_server.model.kernels import blocks as KB
 from colibri_server.model.kernels import blocks_gemm as KG
+from colibri_server.model.kernels import experts_blocks as KEB
 
 FAST = [Q.Q8_0, Q.Q6_K, Q.Q4_0, Q.Q4_K, Q.Q5_K]          # the kinds with integer dots (kernels/blocks.FAST)
 
@@ -210,7 +211,7 @@ def test_a_block_models_threaded_kernels_are_compiled_before_fork(tmp_path):
             args = ws.mm_blocks_args(np.zeros((T, W.shape[1]), np.float32), W, np.zeros((T, W.shape[0]), np.float32))
             assert tuple(numba.typeof(a) for a in args) in mm, (W.shape, T)
     args = ws.experts_blocks_args(L, np.zeros(2, np.int64), np.zeros(2, np.float32), ws.x[0], ws.h[0])
-    assert tuple(numba.typeof(a) for a in args) in {tuple(s) for s in KB.experts_decode_par.signatures}
+    assert tuple(numba.typeof(a) for a in args) in {tuple(s) for s in KEB.experts_decode_par.signatures}
 
 
 def test_decode_on_two_threads_gives_the_one_thread_bits(tmp_path):

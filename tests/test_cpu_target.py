@@ -105,7 +105,7 @@ import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from blocks_data import quantized
-from colibri_server.model.kernels import blocks_gemm as KG, cpu
+from colibri_server.model.kernels import blocks as KB, blocks_gemm as KG, cpu
 out = {"vnni512": cpu.HAVE_VNNI512, "small_tiles": KG.TILES_SMALL_VALUES, "diff": {}}
 d, n, T = 37, 512, 11              # 2 tiles of 16 and 5 rows through the row dots; 2 passes of 4 rows and 3 alone
 for kind in json.loads(sys.argv[2]):
@@ -123,6 +123,19 @@ for kind in json.loads(sys.argv[2]):
     rows = np.concatenate([product(X[t:t + 1]) for t in range(T)])          # one row at a time: the row dots
     out["diff"][str(kind)] = int((tiles.view(np.uint32) != rows.view(np.uint32)).sum())
     out[str(kind)] = tiles.tolist()
+    if kind == 12:      # Q4_K's rows as 16-row tiles (q4_k_x16): on AVX2 the tiles through 256-bit halves
+        w = quantized(rng.standard_normal((48, n)).astype(np.float32) * 0.05, kind, seed=kind)
+        x16 = KB.to_x16(w)
+        diff = 0
+        for rows in (X, X[:1], np.tile(X, (5, 1))):         # 55 rows: panels of the tiles
+            a, b = (np.zeros((rows.shape[0], 48), np.float32) for _ in range(2))
+            for m, k, y in ((w, kind, a), (x16, kind + KB.X16, b)):
+                KG.matmul_blocks(m, k, rows, y, np.zeros(rows.shape, np.int8),
+                                 np.zeros((rows.shape[0], n // 32), np.float32),
+                                 np.zeros((rows.shape[0], n // 16), np.int32), np.zeros(KG.scratch_words(n), np.float32),
+                                 np.float32(1.0), False)
+            diff += int((a.view(np.uint32) != b.view(np.uint32)).sum())
+        out["x16diff"] = diff
 asm = "".join(KG._tiles_q45_k.inspect_asm().values()) + "".join(KG._tiles_b32.inspect_asm().values())
 out["zmm"] = "zmm" in asm
 out["maddubsw"] = "vpmaddubsw" in asm
@@ -148,6 +161,7 @@ def test_the_avx2_tiles_give_the_row_dots_bits_and_the_vnni_tiles_bits(tmp_path)
     host = run(dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "host")))
     assert avx2["small_tiles"] and not avx2["vnni512"] and avx2["maddubsw"] and not avx2["zmm"]
     assert host["vnni512"] and host["zmm"]
+    assert avx2["x16diff"] == 0 and host["x16diff"] == 0
     for kind in TILE_KINDS:
         assert avx2["diff"][str(int(kind))] == 0 and host["diff"][str(int(kind))] == 0, kind.name
         a, h = np.asarray(avx2[str(int(kind))], np.float32), np.asarray(host[str(int(kind))], np.float32)

@@ -41,9 +41,21 @@ KINDS = {k.name: k for k in (
     BlockKind("q5_1", 7, 32, 24), BlockKind("q8_0", 8, 32, 34), BlockKind("q2_k", 10, QK_K, 84),
     BlockKind("q3_k", 11, QK_K, 110), BlockKind("q4_k", 12, QK_K, 144), BlockKind("q5_k", 13, QK_K, 176),
     BlockKind("q6_k", 14, QK_K, 210), BlockKind("iq4_nl", 20, 32, 18), BlockKind("iq4_xs", 23, QK_K, 136),
-    BlockKind("mxfp4", 39, 32, 17))}
+    BlockKind("mxfp4", 39, 32, 17),
+    BlockKind("q4_k_x16", 12 + 128, QK_K, 144))}        # q4_k stored as 16-row tiles (kernels/blocks.to_x16)
+X16_OF = {"q4_k": "q4_k_x16"}                           # a kind -> the same blocks as 16-row tiles (stored_kind)
+BASE = {v: k for k, v in X16_OF.items()}                # and back: the GGUF type whose bytes a tiled kind holds
+TILE_ROWS = 16
 BY_GGML = {k.ggml: k for k in KINDS.values()}
 BY_CODE = {k.code: k for k in KINDS.values()}
+
+
+def stored_kind(name: str, kind: str, shape) -> str:
+    """The kind a matrix of `kind` is written in: an expert stack's Q4_K as 16-row tiles (kernels/blocks_x16: the
+    serving step's tiles read them as they are) when its rows are whole tiles; every other matrix as it is."""
+    if name.endswith("_exps") and kind in X16_OF and int(shape[-2]) % TILE_ROWS == 0:
+        return X16_OF[kind]
+    return kind
 
 
 def row_bytes(kind: str, n: int) -> int:
@@ -101,6 +113,8 @@ class BlockTensor:
 
     def __getitem__(self, e) -> BlockTensor:
         """One matrix of a stack, or a run of rows of a matrix (slices on the leading axis)."""
+        if self.kind in BASE and self.raw.ndim == 2:
+            raise TypeError(f"the rows of a {self.kind} matrix are interleaved in tiles, not a range of bytes")
         raw = self.raw[e]
         return BlockTensor(self.kind, raw)
 

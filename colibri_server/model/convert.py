@@ -22,9 +22,10 @@ from .config import LAYOUTS, ConfigError, ModelConfig, expected_tensors
 from .families import BY_ARCH, BY_HF_CLASS, ConvertError, by_hf_class
 from .families import get as _get
 from .families.base import HF_LAYER_NAMES
+from .kernels.blocks import to_x16
 from .panels import to_panels
 
-CONVERTER_VERSION = "colibri-convert 2"     # 2: f16 matrices in panels by default
+CONVERTER_VERSION = "colibri-convert 3"     # 2: f16 matrices in panels by default; 3: q4_k experts as tiles
 CHUNK_BYTES = 8 << 20       # rows are converted in blocks of about this many source bytes
 
 SUPPORTED = tuple(BY_HF_CLASS)     # the transformers architectures the families convert
@@ -497,19 +498,42 @@ def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer
         errors.update(err.result())
 
 
+def as_stored(kind: str, blocks):
+    """Row blocks of `kind`'s base blocks (BASE: the GGUF's rows) -> the bytes a file of `kind` holds: for a tiled
+    kind the same rows regrouped into whole tiles and interleaved (kernels/blocks.to_x16), else as they come."""
+    from .blocks import BASE, TILE_ROWS
+    if kind not in BASE:
+        yield from blocks
+        return
+    rest = None
+    for b in blocks:
+        b = np.ascontiguousarray(b).reshape(-1, b.shape[-1])
+        rest = b if rest is None else np.concatenate([rest, b])
+        whole = rest.shape[0] // TILE_ROWS * TILE_ROWS
+        if whole:
+            yield to_x16(rest[:whole])
+            rest = rest[whole:]
+    if rest is not None and rest.shape[0]:
+        raise ValueError(f"{kind}: {rest.shape[0]} rows left over, not a whole tile of {TILE_ROWS}")
+
+
 def _block_encoded(blocks, src_dtype: str, kind: str, err, name: str):
     """Row blocks of float values -> their bytes in block kind `kind` (kquants.py)."""
     import gguf
 
-    from .blocks import KINDS
+    from .blocks import BASE, KINDS
     from .kquants import quantize
-    for b in blocks:
-        a = _to_f32(b, src_dtype)
-        a2 = a.reshape(-1, a.shape[-1])
-        raw = quantize(kind, a2)
-        if err:
-            err.add(name, a2, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(KINDS[kind].ggml)))
-        yield raw.reshape(a.shape[:-1] + (raw.shape[-1],))
+    base = BASE.get(kind, kind)                 # a tiled kind: its base kind's blocks, as_stored's tiles
+
+    def encoded():
+        for b in blocks:
+            a = _to_f32(b, src_dtype)
+            a2 = a.reshape(-1, a.shape[-1])
+            raw = quantize(base, a2)
+            if err:
+                err.add(name, a2, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(KINDS[base].ggml)))
+            yield raw.reshape(a.shape[:-1] + (raw.shape[-1],))
+    yield from as_stored(kind, encoded())
 
 
 class _ErrorMeter:

@@ -23,6 +23,7 @@ from .convert import (
     CONVERTER_VERSION,
     ROTARY_KEYS,
     _to_f32,
+    as_stored,
     checked_config,
     default_layout,
     partial_rotary_rows,
@@ -347,8 +348,10 @@ def _block_pieces(t, raw, kind, key, family, cfg, rows, cols):
     import gguf
     permute = family.gguf_qk_permuted and key in ("attn_q", "attn_k", "attn_q_b", "attn_k_b")
     heads = cfg.num_heads if key.startswith("attn_q") else cfg.num_kv_heads
-    own = _type_name(t).lower() == kind
-    target = gguf.GGMLQuantizationType[kind.upper()]
+    from .blocks import BASE
+    base = BASE.get(kind, kind)                 # a tiled kind holds its base kind's blocks (as_stored)
+    own = _type_name(t).lower() == base
+    target = gguf.GGMLQuantizationType[base.upper()]
 
     def matrix(m):
         if permute:
@@ -362,7 +365,7 @@ def _block_pieces(t, raw, kind, key, family, cfg, rows, cols):
                 f = gguf.quants.dequantize(b, t.tensor_type).astype(np.float32).reshape(-1, cols)
                 yield gguf.quants.quantize(f, target)
     for e in range(raw.shape[0]):
-        yield "BLOCKS", matrix(raw[e])
+        yield "BLOCKS", as_stored(kind, matrix(raw[e]))
 
 
 def block_plan(kv: GgufKV, family, cfg) -> tuple[dict, dict]:
@@ -370,7 +373,7 @@ def block_plan(kv: GgufKV, family, cfg) -> tuple[dict, dict]:
     with no kernel here). Every quantized matrix the kernels multiply (the QUANTIZABLE ones and the
     token embedding) keeps its GGUF type; float tensors stay float, and so do tensors a family
     transforms or scales (their values change: llama.cpp's blocks would not hold them)."""
-    from .blocks import BY_GGML
+    from .blocks import BY_GGML, stored_kind
     from .config import QUANTIZABLE, expected_tensors
     folds = family.gguf_folds(kv, cfg) if family.gguf_folds else {}
     kinds, converted = {}, {}
@@ -393,7 +396,7 @@ def block_plan(kv: GgufKV, family, cfg) -> tuple[dict, dict]:
             converted[gname] = f"{tname} -> q8_0"
             kinds[n] = "q8_0"
         else:
-            kinds[n] = bk.name
+            kinds[n] = stored_kind(n, bk.name, shape)
     return kinds, converted
 
 

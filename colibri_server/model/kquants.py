@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .blocks import KINDS
+from .blocks import KINDS, stored_kind
 
 SCHEMES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0")
 _FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}    # a row that is not a multiple of 256
@@ -79,5 +79,5 @@ def scheme_kinds(cfg, scheme: str) -> dict:
         if cols % KINDS[kind].block:
             kind = _FALLBACK.get(kind, kind)
         if cols % KINDS[kind].block == 0:
-            kinds[n] = kind
+            kinds[n] = stored_kind(n, kind, shape)
     return kinds

@@ -32,6 +32,7 @@ from .kernels import aligned_zeros, lazy_zeros
 from .kernels import blocks as KB
 from .kernels import blocks_gemm as KG
 from .kernels import decode as KD
+from .kernels import experts_blocks as KEB
 from .kernels import gemm as GE
 from .kernels import quant as KQ
 from .kernels import rowgemm as RG
@@ -226,8 +227,8 @@ class Workspace:
 
     def experts_blocks(self, layer, idx, wts, x, out) -> None:
         """out (D,) += the chosen experts (idx (A,), wts (A,)) of block-kind stacks on x (D,), on the threads in two
-        parallel regions (kernels/blocks.experts_decode_par: the same bits as one expert after another)."""
-        KB.experts_decode_par(*self.experts_blocks_args(layer, idx, wts, x, out))
+        parallel regions (kernels/experts_blocks.experts_decode_par: the same bits as one expert after another)."""
+        KEB.experts_decode_par(*self.experts_blocks_args(layer, idx, wts, x, out))
 
     def experts_blocks_args(self, layer, idx, wts, x, out) -> tuple:
         """experts_decode_par's arguments, its scratch from this workspace (compile_parallel compiles for them)."""
@@ -421,7 +422,7 @@ def compile_parallel(weights, ws: Workspace) -> None:
             key = ("experts_blocks",) + tuple(numba.typeof(a) for a in args)
             if key not in seen:
                 seen.add(key)
-                compile_for(KB.experts_decode_par, *args)
+                compile_for(KEB.experts_decode_par, *args)
     for L in weights.layers:
         if L.qkv_stack is not None and len(L.qkv_stack) == 3:      # forward's q|k|v stack on threads
             key = ("qkv",) + tuple(numba.typeof(a) for a in L.qkv_stack)

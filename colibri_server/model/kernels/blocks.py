@@ -23,7 +23,7 @@ output head's products (a kind id + ACTS16) round the activations to int16 inste
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..numba_link import by_reference
 from .base import _REDUCE_FM, to_f32
@@ -38,13 +38,14 @@ from .blocks_ir import (
     row_q8_0,
 )
 from .blocks_rows8 import ROWS, rows8_q4_k, rows8_q5_k, rows8_q6_k
-from .moe import _silu_mul_1d
 from .quant_ir import _absmax, _bits_f32, _round
 
 QB = 32          # activations per rounding block
 ACTS16 = 256     # added to a kind's id: its activations rounded to int16, not int8 (the output head, whose two best
                  # logits can be near enough for the int8 rounding to swap them: kernels/blocks_wide)
 SB = 16          # activations per int32 sum
+X16 = 128        # added to Q4_K's id: the matrix stored as tiles of X16_ROWS rows (to_x16, kernels/blocks_x16)
+X16_ROWS = 16
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
@@ -209,8 +210,25 @@ def rows_to_f32_blocks(raw, kind, r0, r1, out):
         deq_row(kind, raw[i], out[i - r0])
 
 
+def to_x16(raw: np.ndarray) -> np.ndarray:
+    """Q4_K rows (..., d, row bytes), d a multiple of 16 -> the same bytes as Q4_K_X16's 16-row tiles: in a tile, block b
+    is the transpose of its 16 rows' block b (dword q of row r at dword 16q + r of the tile's block; kernels/blocks_x16)."""
+    *lead, d, n = raw.shape
+    w = np.ascontiguousarray(raw).view(np.uint32).reshape(-1, X16_ROWS, n // 144, 36)
+    return np.ascontiguousarray(w.transpose(0, 2, 3, 1)).view(np.uint8).reshape(raw.shape)
+
+
+def from_x16(raw: np.ndarray) -> np.ndarray:
+    """to_x16's inverse: Q4_K_X16 tiles -> the Q4_K rows."""
+    *lead, d, n = raw.shape
+    w = np.ascontiguousarray(raw).view(np.uint32).reshape(-1, n // 144, 36, X16_ROWS)
+    return np.ascontiguousarray(w.transpose(0, 3, 1, 2)).view(np.uint8).reshape(raw.shape)
+
+
 def dequantize_ref(raw: np.ndarray, kind: int, n: int) -> np.ndarray:
     """numpy: every row of raw (..., row bytes) dequantized -> (..., n) f32 (through deq_row)."""
+    if kind == Q4_K + X16:
+        raw, kind = from_x16(raw), Q4_K
     flat = np.ascontiguousarray(raw).reshape(-1, raw.shape[-1])
     out = np.empty((flat.shape[0], n), np.float32)
     rows_to_f32_blocks(flat, kind, 0, flat.shape[0], out)
@@ -417,7 +435,7 @@ def quant_acts_k(x, xq, xd, xs):
 
 @njit(cache=True, inline="always")
 def _kround(kind):
-    return kind == Q4_K or kind == Q5_K or kind == Q6_K
+    return kind == Q4_K or kind == Q5_K or kind == Q6_K or kind == Q4_K + X16
 
 
 @by_reference
@@ -445,36 +463,3 @@ def embed_blocks(raw, kind, tokens, out):
     # raw (V, row bytes) u8 token embedding of GGML type kind, tokens (T,) i64 -> out (T, D) f32 (rows dequantized)
     for t in range(tokens.shape[0]):
         deq_row(kind, raw[tokens[t]], out[t])
-
-
-@njit(cache=True, parallel=True)
-def experts_decode_par(r1, k1, r3, k3, r2, k2, idx, wts, x, H1, H3, out, Xq, Xd, Xs, Hq, Hd, Hs, tmps):
-    # one token's chosen experts (idx (A,), weights wts (A,)) of block-kind stacks r1, r3 (E, I, row bytes), r2 (E, D, row
-    # bytes) on x (1, D) -> out (1, D) += sum_a wts[a] * expert idx[a](x), in two parallel regions (the up rows of every
-    # chosen expert split over tmps.shape[0] parts, then the down rows), the same products and order as one
-    # expert after another on one thread. Scratch: H1, H3 (A, I) f32; Xq/Xd/Xs x's rounding; Hq/Hd/Hs (A, ...) H1's
-    A = idx.shape[0]
-    I = H1.shape[1]
-    D = out.shape[1]
-    nt = tmps.shape[0]
-    round_rows(k1, x, Xq, Xd, Xs)
-    same = _kround(k1) == _kround(k3)           # one rounding of x serves both up matrices
-    one = np.float32(1.0)
-    for p in prange(nt):
-        for a in range(A):
-            e = idx[a]
-            _rows(r1[e], k1, x, Xq, Xd, Xs, H1[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, np.bool_(False))
-            if same:
-                _rows(r3[e], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, np.bool_(False))
-    if not same:
-        round_rows(k3, x, Xq, Xd, Xs)
-        for p in prange(nt):
-            for a in range(A):
-                _rows(r3[idx[a]], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], p * I // nt, (p + 1) * I // nt, one, np.bool_(False))
-    for a in range(A):
-        _silu_mul_1d(H1[a], H3[a])
-    round_rows(k2, H1, Hq, Hd, Hs)
-    for p in prange(nt):
-        for a in range(A):
-            _rows(r2[idx[a]], k2, H1[a:a + 1], Hq[a:a + 1], Hd[a:a + 1], Hs[a:a + 1], out, tmps[p],
-                  p * D // nt, (p + 1) * D // nt, wts[a], np.bool_(True))

@@ -33,13 +33,14 @@ from numba.extending import intrinsic
 
 from ..numba_link import by_reference
 from . import blocks_avx2 as A2
-from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _f16, _kround, _rows, round_rows
+from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, X16, _f16, _kround, _rows, round_rows
 from .blocks_head import HEAD_TILE_MIN_ROWS, tiles_q6_kw
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
-from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k, q6_panel
+from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k, prep_x16, q6_panel
 from .blocks_small import SMALL_MAX_ROWS, small_rows
-from .blocks_tile_ir import KC, Kernel, store_rows
+from .blocks_tile_ir import KC, Kernel, pass_width, store_rows, xs_pairs
 from .blocks_wide import round_rows16, rows16
+from .blocks_x16 import gemm_rows_x16
 from .cpu import HAVE_AVX2, HAVE_VNNI512
 
 C = 4                      # activation rows per pass of the micro-kernel
@@ -53,6 +54,11 @@ K_TILE_MIN_ROWS = 2
 # the int16 head's Q8_0 / Q4_0 panels (two values a lane: twice the int8 panel's work to lay out) pay from 12 rows:
 # bench/head.py, 32000 x 1024 Q8_0, one thread, row dots / tiles: 4 rows 5.6 / 11.4 ms, 16 rows 22.4 / 17.3
 WIDE_TILE_MIN_ROWS = 12
+# a Q4_K_X16 matrix (kernels/blocks_x16) takes its tiles as stored up to this many rows of X; from here a panel of each
+# tile (blocks_panels.prep_x16, no transposes) through the Q4_K passes, which do not unpack the nibbles and scales again
+# in each pass of KC rows. One thread, 64 matrices 2048 x 1024 (memory), against the Q4_K rows' panels: as stored
+# 1.12x at 4 rows, 1.08x at 16, 1.00x at 32, 0.96x at 48, 0.93x at 128; through a panel 0.96-0.99x from 48 to 128
+X16_PANEL_MIN_ROWS = 48
 HAVE_TILES = HAVE_VNNI512        # every tile kind (Q8_0's and the int16 head's too)
 # the kinds whose weight bytes stay within 0..63 (Q4_K, Q5_K, Q6_K, Q4_0) also on AVX2, where Kernel.dpbusd is
 # `vpmaddubsw` + `vpmaddwd` (exact below i16 saturation; Q8_0's flipped bytes reach 255 and would saturate)
@@ -318,37 +324,16 @@ def _pass_q6_k(nc, P, SC, SP, DD, Xq, Xd, Xs, XP, t0, nb, res):
         _q6k_1(P, SC, SP, DD, Xq, Xd, XP, t0, nb, res)
 
 
-@njit(cache=True)
-def xs_pairs(Xs, group):
-    # the k-quant micro-kernels' i16 pairs of activation sums, packed once per call rather than in every pass of every
-    # tile (4 loads, adds, shifts and a broadcast from a general register per pair, beside the passes' vector work: one
-    # thread, 2048x1024 Q4_K at 128 rows 155 -> 165 G MAC/s, at 32 rows 138 -> 150): group 2, Q4_K / Q5_K's 32-sums of sub-blocks 2p, 2p+1 (Xs[t, 4p] + Xs[t, 4p+1] | Xs[t, 4p+2] + Xs[t, 4p+3]
-    # << 16, against the mins' pairs), or 1, Q6_K's 16-sums (Xs[t, 2p] | Xs[t, 2p+1] << 16, against its scales' pairs)
-    T, m = Xs.shape
-    w = m // (2 * group)
-    XP = np.empty((T, w), np.int32)
-    for t in range(T):
-        for p in range(w):
-            if group == 2:
-                lo, hi = Xs[t, 4 * p] + Xs[t, 4 * p + 1], Xs[t, 4 * p + 2] + Xs[t, 4 * p + 3]
-            else:
-                lo, hi = Xs[t, 2 * p], Xs[t, 2 * p + 1]
-            XP[t, p] = np.int32((lo & 0xFFFF) | (hi << 16))
-    return XP
-
-
 @njit(cache=True, inline="always")
 def _pass_width(T, t0):
     # the rows of the next pass from t0: KC while KC remain, then 4, then the last 1-3 in one pass (AVX2: blocks_avx2's)
-    if not HAVE_VNNI512:
-        return A2.pass_width(T, t0)
-    left = T - t0
-    return KC if left >= KC else 4 if left >= 4 else left
+    return pass_width(T, t0) if HAVE_VNNI512 else A2.pass_width(T, t0)
 
 
 @njit(cache=True)
-def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    # rows i0..i0 + R*k (whole tiles) of a Q4_K (Q5_K: five) matrix times every row of Xq (rounded per 256: quant_acts_k)
+def _tiles_q45_k(raw, five, x16, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # rows i0..i0 + R*k (whole tiles) of a Q4_K (Q5_K: five; x16: Q4_K_X16, its tiles' panels laid out without
+    # transposes) matrix times every row of Xq (rounded per 256: quant_acts_k)
     nb = Xq.shape[1] // 256
     T = Xq.shape[0]
     w = tmp.view(np.int32)
@@ -356,7 +341,10 @@ def _tiles_q45_k(raw, five, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     DD, DM, res = tmp[nb * 1216:nb * 1232], tmp[nb * 1232:nb * 1248], tmp[nb * 1248:nb * 1248 + KC * R]
     XP = xs_pairs(Xs, 2)
     for r0 in range(i0, i1 - R + 1, R):
-        prep_q45_k(raw, r0, nb, five, P, SC, MN, DD, DM)
+        if x16:
+            prep_x16(raw, r0, nb, P, SC, MN, DD, DM)
+        else:
+            prep_q45_k(raw, r0, nb, five, P, SC, MN, DD, DM)
         t0 = 0
         while t0 < T:
             nc = _pass_width(T, t0)
@@ -439,7 +427,9 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # SMALL_MAX_ROWS rows of X of an integer kind through kernels/blocks_small (each block unpacked once for all rows),
     # more (the k-quants: from K_TILE_MIN_ROWS) through whole tiles of R rows where they run (HAVE_TILES), the rest through the row
     # dots, the same bits every way; kind + ACTS16 (the output head): blocks_wide's row dots, its Q8_0/Q4_0 tiles
-    # from WIDE_TILE_MIN_ROWS rows, Q6_K's (kernels/blocks_head) from HEAD_TILE_MIN_ROWS. tmp: >= scratch_words(n) f32
+    # from WIDE_TILE_MIN_ROWS rows, Q6_K's (kernels/blocks_head) from HEAD_TILE_MIN_ROWS; Q4_K + X16 (its rows stored
+    # as tiles): kernels/blocks_x16's tiles as stored from one row, their panels from X16_PANEL_MIN_ROWS.
+    # tmp: >= scratch_words(n) f32
     end = i0
     T = X.shape[0]
     if kind & ACTS16:
@@ -453,6 +443,15 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             tiles_q6_kw(raw, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         rows16(raw, kind, X, Xq, Xd, Xs, out, tmp, end, i1, alpha, accumulate)
         return
+    if kind == Q4_K + X16:
+        lo, hi = (i0 + R - 1) // R * R, i1 // R * R          # the whole tiles in i0..i1
+        if T >= X16_PANEL_MIN_ROWS and lo < hi and TILES_SMALL_VALUES and tmp.shape[0] >= scratch_words(X.shape[1]):
+            gemm_rows_x16(raw, X, Xq, Xd, Xs, out, tmp, i0, lo, alpha, accumulate)
+            _tiles_q45_k(raw, False, True, Xq, Xd, Xs, out, tmp, lo, hi, alpha, accumulate)
+            gemm_rows_x16(raw, X, Xq, Xd, Xs, out, tmp, hi, i1, alpha, accumulate)
+        else:                               # its tiles as stored (kernels/blocks_x16)
+            gemm_rows_x16(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
+        return
     kq = kind == Q4_K or kind == Q5_K or kind == Q6_K
     big = tmp.shape[0] >= scratch_words(X.shape[1])      # room for a panel
     if 2 <= T <= SMALL_MAX_ROWS and (kq or kind == Q8_0 or kind == Q4_0) \
@@ -464,7 +463,7 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     elif kq and TILES_SMALL_VALUES and T >= (min(GEMM_MIN_ROWS, K_TILE_MIN_ROWS) if HAVE_TILES else GEMM_MIN_ROWS):
         end = i0 + (i1 - i0) // R * R
         if kind == Q4_K or kind == Q5_K:
-            _tiles_q45_k(raw, kind == Q5_K, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
+            _tiles_q45_k(raw, kind == Q5_K, False, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         else:
             _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
     elif X.shape[0] >= GEMM_MIN_ROWS and (HAVE_TILES and kind == Q8_0 or TILES_SMALL_VALUES and kind == Q4_0) \

@@ -50,6 +50,13 @@ def _transpose(builder, rows):
     return rows
 
 
+def f16_lanes(b, v):
+    """The low 16 bits of each of 16 i32 lanes as IEEE half -> <16 x float>, exact (fpext, as kernels/base's f16 to
+    f32)."""
+    h = b.bitcast(b.trunc(v, ir.VectorType(ir.IntType(16), R)), ir.VectorType(ir.HalfType(), R))
+    return b.fpext(h, ir.VectorType(ir.FloatType(), R))
+
+
 class _Tile:
     """IR over a tile's arguments (raw, r0, ...): the 16 rows' 64 bytes at a byte offset, transposed, and 16-lane
     stores into the panel arrays."""
@@ -118,10 +125,29 @@ class _Tile:
         return ir.Constant(_v16, [v] * R)
 
     def f16(self, v):
-        """The low 16 bits of each lane as IEEE half -> <16 x float>, exact (fpext, as kernels/base's f16 to f32)."""
-        b = self.b
-        h = b.bitcast(b.trunc(v, ir.VectorType(ir.IntType(16), R)), ir.VectorType(ir.HalfType(), R))
-        return b.fpext(h, ir.VectorType(ir.FloatType(), R))
+        return f16_lanes(self.b, v)
+
+
+def k_scale(bb, h, j, k):
+    """Sub-block j's 6-bit scale of a Q4_K / Q5_K block whose 12 packed scale bytes are 3 16-lane dwords h (lane r:
+    row r) -> an i32 vector: blocks._k_scale_min on 16 rows as lanes (k(v): v splat)."""
+    def sc(i):              # byte i of the 12
+        return bb.and_(bb.lshr(h[i // 4], k(8 * (i % 4))), k(255))
+    if j < 4:
+        return bb.and_(sc(j), k(63))
+    return bb.or_(bb.and_(sc(j + 4), k(15)), bb.and_(bb.lshr(sc(j - 4), k(2)), k(48)))
+
+
+def k_min_pair(bb, h, p, k):
+    """The 6-bit mins of sub-blocks 2p and 2p+1 (h as k_scale's) -> min 2p | min 2p+1 << 16 in each lane."""
+    def sc(i):
+        return bb.and_(bb.lshr(h[i // 4], k(8 * (i % 4))), k(255))
+
+    def mn(j):
+        if j < 4:
+            return bb.and_(sc(j + 4), k(63))
+        return bb.or_(bb.lshr(sc(j + 4), k(4)), bb.and_(bb.lshr(sc(j), k(2)), k(48)))
+    return bb.or_(mn(2 * p), bb.shl(mn(2 * p + 1), k(16)))
 
 
 @intrinsic
@@ -139,19 +165,10 @@ def k_header(typingctx, raw, r0, off, b, SC, MN, DD, DM):
         t.store(6, bb.mul(blk, t.c(R)), t.f16(h[0]))
         t.store(7, bb.mul(blk, t.c(R)), t.f16(bb.lshr(h[0], t.k(16))))
 
-        def sc(k):              # byte k of the 12
-            return bb.and_(bb.lshr(h[1 + k // 4], t.k(8 * (k % 4))), t.k(255))
-        mins = []
         for j in range(8):
-            if j < 4:
-                s, m = bb.and_(sc(j), t.k(63)), bb.and_(sc(j + 4), t.k(63))
-            else:
-                s = bb.or_(bb.and_(sc(j + 4), t.k(15)), bb.and_(bb.lshr(sc(j - 4), t.k(2)), t.k(48)))
-                m = bb.or_(bb.lshr(sc(j + 4), t.k(4)), bb.and_(bb.lshr(sc(j), t.k(2)), t.k(48)))
-            t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(8)), t.c(j)), t.c(R)), s)
-            mins.append(m)
+            t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(8)), t.c(j)), t.c(R)), k_scale(bb, h[1:], j, t.k))
         for p in range(4):
-            t.store(5, bb.mul(bb.add(bb.mul(blk, t.c(4)), t.c(p)), t.c(R)), bb.or_(mins[2 * p], bb.shl(mins[2 * p + 1], t.k(16))))
+            t.store(5, bb.mul(bb.add(bb.mul(blk, t.c(4)), t.c(p)), t.c(R)), k_min_pair(bb, h[1:4], p, t.k))
         return context.get_dummy_value()
     return sig, codegen
 
@@ -245,6 +262,44 @@ def prep_q45_k(raw, r0, nb, five, P, SC, MN, DD, DM):
         else:
             q4_k_values(raw, r0, o, b, P)
         k_header(raw, r0, o, b, SC, MN, DD, DM)
+
+
+@intrinsic
+def x16_block(typingctx, raw, r0, b, P, SC, MN, DD, DM):
+    """Block b of the Q4_K_X16 tile at row r0 (vector q at dword (36b + q) * R of the tile: blocks.to_x16) -> the same
+    P, SC, MN, DD, DM as prep_q45_k's for the Q4_K rows it holds, with no transpose: the tile's vectors are already
+    the rows as lanes."""
+    sig = types.void(raw, r0, b, P, SC, MN, DD, DM)
+
+    def codegen(context, builder, signature, args):
+        t = _Tile(context, builder, signature, args)
+        bb = builder
+        blk = t.idx(2)
+        tile = bb.bitcast(bb.gep(t.base, [bb.mul(t.r0, t.stride)]), _v16.as_pointer())
+        ptrs = [bb.gep(tile, [bb.add(bb.mul(blk, t.c(36)), t.c(q))]) for q in range(36)]
+        h = [bb.load(p, align=4) for p in ptrs]
+        # the next tile's same bytes into L2, as prep_q45_k asks for them
+        prefetch_ahead(bb, ptrs, bb.mul(t.stride, ir.Constant(_idx, R)), ahead=0)
+        t.store(6, bb.mul(blk, t.c(R)), t.f16(h[0]))
+        t.store(7, bb.mul(blk, t.c(R)), t.f16(bb.lshr(h[0], t.k(16))))
+        for j in range(8):
+            t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(8)), t.c(j)), t.c(R)), k_scale(bb, h[1:4], j, t.k))
+        for p in range(4):
+            t.store(5, bb.mul(bb.add(bb.mul(blk, t.c(4)), t.c(p)), t.c(R)), k_min_pair(bb, h[1:4], p, t.k))
+        for c in range(4):
+            for hi in range(2):
+                for g in range(8):
+                    v = bb.and_(bb.lshr(h[4 + 8 * c + g], t.k(4 * hi)), t.k(0x0F0F0F0F))
+                    t.store(3, bb.mul(bb.add(bb.mul(blk, t.c(64)), t.c(16 * c + 8 * hi + g)), t.c(R)), v)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True)
+def prep_x16(raw, r0, nb, P, SC, MN, DD, DM):
+    # the Q4_K_X16 tile at row r0 -> prep_q45_k's panel of its rows (blocks_gemm.X16_PANEL_MIN_ROWS)
+    for b in range(nb):
+        x16_block(raw, r0, b, P, SC, MN, DD, DM)
 
 
 @njit(cache=True, inline="always")

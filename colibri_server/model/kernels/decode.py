@@ -18,9 +18,10 @@ from numba import literal_unroll, njit, types
 from numba.extending import overload
 
 from .attn import attend
-from .blocks import ACTS16, QB, SB, embed_blocks, experts_decode_par
+from .blocks import ACTS16, QB, SB, embed_blocks
 from .blocks_gemm import matmul3_blocks_par, matmul_blocks, matmul_blocks_par
 from .dense import _matvec_core, embed, layernorm, matvec_stack, rmsnorm, rope
+from .experts_blocks import experts_decode_par
 from .heads import heads_matmul, heads_matmul_par
 from .moe import (
     _matvec_par,
@@ -312,7 +313,7 @@ def _chosen(w1, w3, w2, x, top_k, idx, wts, h1, h3, out, xs, xi, bk):
 @overload(_chosen)
 def _chosen_overload(w1, w3, w2, x, top_k, idx, wts, h1, h3, out, xs, xi, bk):
     # out (D,) += the top_k chosen experts (idx, wts (1,k)) of x, one after another; block kinds on threads: in two
-    # parallel regions (kernels/blocks.experts_decode_par, as Workspace.experts_blocks runs them: the same bits)
+    # parallel regions (kernels/experts_blocks.experts_decode_par, as Workspace.experts_blocks runs them: the same bits)
     if _is_blocks(w1) and _threaded(xs):
         def par(w1, w3, w2, x, top_k, idx, wts, h1, h3, out, xs, xi, bk):
             D = x.shape[0]

@@ -21,9 +21,9 @@ from numba import njit, prange
 
 from .blocks import QB, SB, _kround, round_rows
 from .blocks_gemm import R, gemm_rows
-from .moe import silu_mul
+from .moe import _silu_mul_1d, silu_mul
 
-__all__ = ["experts_rows_blocks"]
+__all__ = ["experts_decode_par", "experts_rows_blocks"]
 
 
 @njit(cache=True, inline="always")
@@ -111,3 +111,40 @@ def experts_rows_blocks(r1, k1, r3, k3, r2, k2, X, order, offsets, k, Y, active,
     _silu_round(G, U, k2, gq, gd, gs, nparts)
     Yg = np.empty((n, D), np.float32)
     _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, order, Y, tmps)
+
+
+@njit(cache=True, parallel=True)
+def experts_decode_par(r1, k1, r3, k3, r2, k2, idx, wts, x, H1, H3, out, Xq, Xd, Xs, Hq, Hd, Hs, tmps):
+    # one token's chosen experts (idx (A,), weights wts (A,)) of block-kind stacks r1, r3 (E, I, row bytes), r2 (E, D, row
+    # bytes) on x (1, D) -> out (1, D) += sum_a wts[a] * expert idx[a](x), in two parallel regions (the up rows of every
+    # chosen expert split over tmps.shape[0] parts, then the down rows), the same products and order as one
+    # expert after another on one thread (each part whole tiles: _share). Scratch: H1, H3 (A, I) f32; Xq/Xd/Xs x's
+    # rounding; Hq/Hd/Hs (A, ...) H1's
+    A = idx.shape[0]
+    I = H1.shape[1]
+    D = out.shape[1]
+    nt = tmps.shape[0]
+    round_rows(k1, x, Xq, Xd, Xs)
+    same = _kround(k1) == _kround(k3)           # one rounding of x serves both up matrices
+    one = np.float32(1.0)
+    for p in prange(nt):
+        i0, i1 = _share(I, p, nt)
+        for a in range(A):
+            e = idx[a]
+            gemm_rows(r1[e], k1, x, Xq, Xd, Xs, H1[a:a + 1], tmps[p], i0, i1, one, np.bool_(False))
+            if same:
+                gemm_rows(r3[e], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], i0, i1, one, np.bool_(False))
+    if not same:
+        round_rows(k3, x, Xq, Xd, Xs)
+        for p in prange(nt):
+            i0, i1 = _share(I, p, nt)
+            for a in range(A):
+                gemm_rows(r3[idx[a]], k3, x, Xq, Xd, Xs, H3[a:a + 1], tmps[p], i0, i1, one, np.bool_(False))
+    for a in range(A):
+        _silu_mul_1d(H1[a], H3[a])
+    round_rows(k2, H1, Hq, Hd, Hs)
+    for p in prange(nt):
+        j0, j1 = _share(D, p, nt)
+        for a in range(A):
+            gemm_rows(r2[idx[a]], k2, H1[a:a + 1], Hq[a:a + 1], Hd[a:a + 1], Hs[a:a + 1], out, tmps[p], j0, j1,
+                      wts[a], np.bool_(True))
