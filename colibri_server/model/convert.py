@@ -508,7 +508,7 @@ def as_stored(kind: str, blocks):
     rest = None
     for b in blocks:
         b = np.ascontiguousarray(b).reshape(-1, b.shape[-1])
-        rest = b if rest is None else np.concatenate([rest, b])
+        rest = b if rest is None or not len(rest) else np.concatenate([rest, b])
         whole = rest.shape[0] // TILE_ROWS * TILE_ROWS
         if whole:
             yield to_x16(rest[:whole])

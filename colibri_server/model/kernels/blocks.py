@@ -213,14 +213,14 @@ def rows_to_f32_blocks(raw, kind, r0, r1, out):
 def to_x16(raw: np.ndarray) -> np.ndarray:
     """Q4_K rows (..., d, row bytes), d a multiple of 16 -> the same bytes as Q4_K_X16's 16-row tiles: in a tile, block b
     is the transpose of its 16 rows' block b (dword q of row r at dword 16q + r of the tile's block; kernels/blocks_x16)."""
-    *lead, d, n = raw.shape
+    n = raw.shape[-1]
     w = np.ascontiguousarray(raw).view(np.uint32).reshape(-1, X16_ROWS, n // 144, 36)
     return np.ascontiguousarray(w.transpose(0, 2, 3, 1)).view(np.uint8).reshape(raw.shape)
 
 
 def from_x16(raw: np.ndarray) -> np.ndarray:
     """to_x16's inverse: Q4_K_X16 tiles -> the Q4_K rows."""
-    *lead, d, n = raw.shape
+    n = raw.shape[-1]
     w = np.ascontiguousarray(raw).view(np.uint32).reshape(-1, n // 144, 36, X16_ROWS)
     return np.ascontiguousarray(w.transpose(0, 3, 1, 2)).view(np.uint8).reshape(raw.shape)
 

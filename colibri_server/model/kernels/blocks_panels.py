@@ -118,6 +118,30 @@ class _Tile:
                       v.type.element.as_pointer())
         b.store(v, b.bitcast(b.gep(p, [at]), v.type.as_pointer()), align=4)
 
+    def store_k_header(self, blk, h, sc):
+        """A Q4_K / Q5_K block's header as 4 16-lane dwords h (d | dmin, the 12 packed scale bytes) of block blk ->
+        argument sc (SC) the 8 scales, sc + 1 (MN) the mins' 4 pairs, sc + 2 / sc + 3 (DD / DM) d and dmin."""
+        b = self.b
+        self.store(sc + 2, b.mul(blk, self.c(R)), self.f16(h[0]))
+        self.store(sc + 3, b.mul(blk, self.c(R)), self.f16(b.lshr(h[0], self.k(16))))
+        for j in range(8):
+            self.store(sc, b.mul(b.add(b.mul(blk, self.c(8)), self.c(j)), self.c(R)), k_scale(b, h[1:4], j, self.k))
+        for p in range(4):
+            self.store(sc + 1, b.mul(b.add(b.mul(blk, self.c(4)), self.c(p)), self.c(R)), k_min_pair(b, h[1:4], p, self.k))
+
+    def store_k_values(self, blk, q, arg, qh=None):
+        """A Q4_K / Q5_K block's 32 dwords of nibbles q (dword 8c + g, 16 rows as lanes) of block blk -> argument arg
+        (P): dword g of sub-block j at (64 blk + 8j + g) * R, a byte a value (qh: Q5_K's fifth bits' 8 dwords)."""
+        b = self.b
+        for c in range(4):
+            for h in range(2):
+                for g in range(8):
+                    v = b.and_(b.lshr(q[8 * c + g], self.k(4 * h)), self.k(0x0F0F0F0F))
+                    if qh is not None:
+                        hb = b.and_(b.lshr(qh[g], self.k(2 * c + h)), self.k(0x01010101))
+                        v = b.or_(v, b.shl(hb, self.k(4)))
+                    self.store(arg, b.mul(b.add(b.mul(blk, self.c(64)), self.c(16 * c + 8 * h + g)), self.c(R)), v)
+
     def c(self, v):
         return ir.Constant(_idx, v)
 
@@ -128,25 +152,27 @@ class _Tile:
         return f16_lanes(self.b, v)
 
 
+def _scale_byte(bb, h, i, k):
+    """Byte i of a Q4_K / Q5_K block's 12 packed scale bytes, held as 3 16-lane dwords h (lane r: row r)."""
+    return bb.and_(bb.lshr(h[i // 4], k(8 * (i % 4))), k(255))
+
+
 def k_scale(bb, h, j, k):
     """Sub-block j's 6-bit scale of a Q4_K / Q5_K block whose 12 packed scale bytes are 3 16-lane dwords h (lane r:
     row r) -> an i32 vector: blocks._k_scale_min on 16 rows as lanes (k(v): v splat)."""
-    def sc(i):              # byte i of the 12
-        return bb.and_(bb.lshr(h[i // 4], k(8 * (i % 4))), k(255))
     if j < 4:
-        return bb.and_(sc(j), k(63))
-    return bb.or_(bb.and_(sc(j + 4), k(15)), bb.and_(bb.lshr(sc(j - 4), k(2)), k(48)))
+        return bb.and_(_scale_byte(bb, h, j, k), k(63))
+    return bb.or_(bb.and_(_scale_byte(bb, h, j + 4, k), k(15)),
+                  bb.and_(bb.lshr(_scale_byte(bb, h, j - 4, k), k(2)), k(48)))
 
 
 def k_min_pair(bb, h, p, k):
     """The 6-bit mins of sub-blocks 2p and 2p+1 (h as k_scale's) -> min 2p | min 2p+1 << 16 in each lane."""
-    def sc(i):
-        return bb.and_(bb.lshr(h[i // 4], k(8 * (i % 4))), k(255))
-
     def mn(j):
         if j < 4:
-            return bb.and_(sc(j + 4), k(63))
-        return bb.or_(bb.lshr(sc(j + 4), k(4)), bb.and_(bb.lshr(sc(j), k(2)), k(48)))
+            return bb.and_(_scale_byte(bb, h, j + 4, k), k(63))
+        return bb.or_(bb.lshr(_scale_byte(bb, h, j + 4, k), k(4)),
+                      bb.and_(bb.lshr(_scale_byte(bb, h, j, k), k(2)), k(48)))
     return bb.or_(mn(2 * p), bb.shl(mn(2 * p + 1), k(16)))
 
 
@@ -159,16 +185,7 @@ def k_header(typingctx, raw, r0, off, b, SC, MN, DD, DM):
 
     def codegen(context, builder, signature, args):
         t = _Tile(context, builder, signature, args)
-        bb = builder
-        h = t.cols32(t.idx(2), 4)
-        blk = t.idx(3)
-        t.store(6, bb.mul(blk, t.c(R)), t.f16(h[0]))
-        t.store(7, bb.mul(blk, t.c(R)), t.f16(bb.lshr(h[0], t.k(16))))
-
-        for j in range(8):
-            t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(8)), t.c(j)), t.c(R)), k_scale(bb, h[1:], j, t.k))
-        for p in range(4):
-            t.store(5, bb.mul(bb.add(bb.mul(blk, t.c(4)), t.c(p)), t.c(R)), k_min_pair(bb, h[1:4], p, t.k))
+        t.store_k_header(t.idx(3), t.cols32(t.idx(2), 4), 4)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -210,14 +227,7 @@ def _mk_k_values(five):
             qs = 48 if five else 16
             q = t.cols(bb.add(o, t.c(qs))) + t.cols(bb.add(o, t.c(qs + 64)))      # dword 8c + g of the 128 bytes
             qh = t.cols(bb.add(o, t.c(16)))[:8] if five else None                   # the fifth bits' 8 dwords
-            for c in range(4):
-                for h in range(2):
-                    for g in range(8):
-                        v = bb.and_(bb.lshr(q[8 * c + g], t.k(4 * h)), t.k(0x0F0F0F0F))
-                        if five:
-                            hb = bb.and_(bb.lshr(qh[g], t.k(2 * c + h)), t.k(0x01010101))
-                            v = bb.or_(v, bb.shl(hb, t.k(4)))
-                        t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(64)), t.c(16 * c + 8 * h + g)), t.c(R)), v)
+            t.store_k_values(blk, q, 4, qh)
             return context.get_dummy_value()
         return sig, codegen
     return intrinsic(impl)
@@ -280,17 +290,8 @@ def x16_block(typingctx, raw, r0, b, P, SC, MN, DD, DM):
         h = [bb.load(p, align=4) for p in ptrs]
         # the next tile's same bytes into L2, as prep_q45_k asks for them
         prefetch_ahead(bb, ptrs, bb.mul(t.stride, ir.Constant(_idx, R)), ahead=0)
-        t.store(6, bb.mul(blk, t.c(R)), t.f16(h[0]))
-        t.store(7, bb.mul(blk, t.c(R)), t.f16(bb.lshr(h[0], t.k(16))))
-        for j in range(8):
-            t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(8)), t.c(j)), t.c(R)), k_scale(bb, h[1:4], j, t.k))
-        for p in range(4):
-            t.store(5, bb.mul(bb.add(bb.mul(blk, t.c(4)), t.c(p)), t.c(R)), k_min_pair(bb, h[1:4], p, t.k))
-        for c in range(4):
-            for hi in range(2):
-                for g in range(8):
-                    v = bb.and_(bb.lshr(h[4 + 8 * c + g], t.k(4 * hi)), t.k(0x0F0F0F0F))
-                    t.store(3, bb.mul(bb.add(bb.mul(blk, t.c(64)), t.c(16 * c + 8 * hi + g)), t.c(R)), v)
+        t.store_k_header(blk, h[:4], 4)
+        t.store_k_values(blk, h[4:], 3)
         return context.get_dummy_value()
     return sig, codegen
 

@@ -12,9 +12,9 @@ so every output keeps the bits of the row dots on the file's own Q4_K rows. A ti
 front to back (the next tile's same vector asked into L2 as each is loaded), and a decode token's one activation row
 takes the same micro-kernel: no horizontal sum per row and block as the row dots do.
 
-One thread, 2048 x 1024 matrices, ms a matrix, Q4_K rows (panel + tiles; one row: row dots) / these tiles: in L2 at
-1 / 4 / 8 rows 0.065 / 0.094 / 0.145 -> 0.028 / 0.066 / 0.098; cycling through 128 (151 MB, memory) 0.115-0.129 /
-0.139-0.159 / 0.175-0.198 -> 0.092-0.104 / 0.123 / 0.157-0.178.
+One thread, 2048 x 1024 matrices, ms a matrix, Q4_K rows (panel + tiles; one row: row dots) -> these tiles
+(bench/tiles_x16.py): in L2 at 1 / 4 / 8 rows 0.072 / 0.098 / 0.138 -> 0.029 / 0.061 / 0.102; cycling through 64
+(75 MB, memory) 0.097 / 0.133 / 0.169 -> 0.090 / 0.119 / 0.150.
 """
 from __future__ import annotations
 
