@@ -170,6 +170,8 @@ def test_sync_clients_spread_fail_over_on_kill_and_take_the_restarted_router_bac
     for r in load.done():                           # the router the pool names is the one that served it
         assert r["out"].worker_pid in pids[r["addr"]], r
     held = Client([a, b], timeout=30)               # two streams of one pool client: one on each router,
+    h = held.health()                               # once both of its connections are up (a fresh client waits
+    assert [r["status"] for r in h["routers"]] == ["ok", "ok"], h   # only `grace` for the second one)
     streams = [held.stream(PROMPTS[2], max_tokens=240, ignore_eos=True) for _ in range(2)]
     for s in streams:                               # each running (a token back) when a is killed, so a
         next(s)                                     # request is surely in flight on a, whatever the load does
@@ -215,10 +217,10 @@ def test_async_client_spreads_and_fails_over_on_kill(both):
                     return s.addr, None
                 except ColibriError as e:
                     return s.addr, e
+            h = await c.health()                    # both connections up: a fresh client waits only `grace`
+            assert h["status"] == "ok" and [r["status"] for r in h["routers"]] == ["ok", "ok"], h   # for the second
             first = await asyncio.gather(*(one(i) for i in range(6)))
             assert {addr for addr, _ in first} == {a, b} and not any(e for _, e in first), first
-            h = await c.health()
-            assert h["status"] == "ok" and [r["status"] for r in h["routers"]] == ["ok", "ok"], h
             streaming = asyncio.Semaphore(0)
             tasks = [asyncio.ensure_future(one(i, 240, streaming)) for i in range(4)]
             for _ in tasks:                         # all four streaming, two on each router
