@@ -108,8 +108,13 @@ def build_colibri(data, hf_dir, precisions):
 
 
 def converter_of(path) -> str:
+    """The converter that wrote the .colibri file at path, "" when this tree cannot read it (a newer tree wrote a
+    kind this one does not know): either way a caller that wants its own CONVERTER_VERSION converts it again."""
     from colibri_server.model import format as fmt
-    cf = fmt.ColibriFile.open(path)
+    try:
+        cf = fmt.ColibriFile.open(path)
+    except fmt.ColibriFormatError:
+        return ""
     try:
         return json.loads(cf.metadata_json or "{}").get("converter", "")
     finally:

@@ -37,10 +37,11 @@ def test_the_table_matches_gguf():
     for kind in KINDS:
         bk = BY_GGML[int(kind)]
         assert (bk.block, bk.size) == gguf.GGML_QUANT_SIZES[kind] and bk.name == kind.name.lower()
-    # and the one stored as tiles: Q4_K's blocks, 16 rows interleaved (kernels/blocks.to_x16)
-    assert set(BLOCK_KINDS) == {k.name.lower() for k in KINDS} | {"q4_k_x16"}
-    x = BLOCK_KINDS["q4_k_x16"]
-    assert (x.block, x.size, x.ggml) == (256, 144, int(Q.Q4_K) + KB.X16) and BASE["q4_k_x16"] == "q4_k"
+    # and the ones stored as tiles: Q4_K's and Q6_K's blocks, 16 rows interleaved (kernels/blocks.to_x16)
+    assert set(BLOCK_KINDS) == {k.name.lower() for k in KINDS} | {"q4_k_x16", "q6_k_x16"}
+    for base, size in ((Q.Q4_K, 144), (Q.Q6_K, 210)):
+        x = BLOCK_KINDS[f"{base.name.lower()}_x16"]
+        assert (x.block, x.size, x.ggml) == (256, size, int(base) + KB.X16) and BASE[x.name] == base.name.lower()
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
@@ -228,12 +229,12 @@ def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path, monkeypatch):
     assert cf.header["version"] == 3
     kept = {r.dtype for r in cf.record_list} & fmt.BLOCK_DTYPES
     assert {BASE.get(k, k) for k in kept} == {t.name.lower() for t in used}
-    for t in reader.tensors:               # the GGUF's bytes, unchanged (q/k rows aside: unpermuted; Q4_K experts as tiles)
+    for t in reader.tensors:               # the GGUF's bytes, unchanged (q/k rows aside: unpermuted; Q4_K, Q6_K experts as tiles)
         ours = "token_embd" if t.name == "token_embd.weight" else t.name[:-len(".weight")]
         if t.tensor_type != Q.F32 and not ours.endswith(("attn_q", "attn_k")) and ours in cf.records:
             stored = cf.view(ours)
             if cf.records[ours].dtype in BASE:
-                stored = KB.from_x16(stored)
+                stored = KB.from_x16(stored, BLOCK_KINDS[cf.records[ours].dtype].size)
             assert stored.tobytes() == np.asarray(t.data).tobytes(), ours
     cf.close()
     m = Model.open(str(tmp_path / "b.colibri"))

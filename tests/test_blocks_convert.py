@@ -117,8 +117,8 @@ def test_a_quantized_gguf_converts_by_default_to_its_own_size(tmp_path, kind):
     cfg, rep = convert_gguf(str(tmp_path / "q.gguf"), str(tmp_path / "q.colibri"), "f32", progress=False,
                             require_tokenizer=False)                           # --quantize auto, the default
     assert cfg.quant == "none" and {BASE.get(k, k) for k in cfg.block_types.values()} == {kind.name.lower()}
-    # Q4_K experts as 16-row tiles (kernels/blocks_x16), the rest as the GGUF's rows
-    assert (cfg.block_types["blk.0.ffn_up_exps"] == "q4_k_x16") == (kind == Q.Q4_K)
+    # Q4_K and Q6_K experts as 16-row tiles (kernels/blocks_x16), the rest as the GGUF's rows
+    assert (cfg.block_types["blk.0.ffn_up_exps"] == f"{kind.name.lower()}_x16") == (kind in (Q.Q4_K, Q.Q6_K))
     assert cfg.block_types["blk.0.attn_o"] == kind.name.lower()
     size = (tmp_path / "q.colibri").stat().st_size / (tmp_path / "q.gguf").stat().st_size
     assert size <= 1.03, size
@@ -144,8 +144,8 @@ def test_a_llama_quantized_q4_k_m_file_keeps_its_bytes_and_logits(tmp_path, monk
     for name, kind in cfg.block_types.items():
         t = tensors["token_embd.weight" if name == "token_embd" else name.replace("attn_o", "attn_output") + ".weight"]
         assert BASE.get(kind, kind) == t.tensor_type.name.lower()
-        assert (kind == "q4_k_x16") == (name.endswith("_exps") and t.tensor_type == Q.Q4_K)
-        stored = KB.from_x16(cf.view(name)) if kind in BASE else cf.view(name)      # experts' Q4_K rows as tiles
+        assert (kind in BASE) == (name.endswith("_exps") and t.tensor_type in (Q.Q4_K, Q.Q6_K))
+        stored = KB.from_x16(cf.view(name), 210 if t.tensor_type == Q.Q6_K else 144) if kind in BASE else cf.view(name)
         if not name.endswith(("attn_q", "attn_k")):     # q/k rows are unpermuted; their bytes move as whole rows
             assert stored.tobytes() == np.asarray(t.data).tobytes(), name
         got = KB.dequantize_ref(cf.view(name), BLOCK_KINDS[kind].ggml, cf.records[name].shape[-1])

@@ -123,9 +123,9 @@ for kind in json.loads(sys.argv[2]):
     rows = np.concatenate([product(X[t:t + 1]) for t in range(T)])          # one row at a time: the row dots
     out["diff"][str(kind)] = int((tiles.view(np.uint32) != rows.view(np.uint32)).sum())
     out[str(kind)] = tiles.tolist()
-    if kind == 12:      # Q4_K's rows as 16-row tiles (q4_k_x16): on AVX2 the tiles through 256-bit halves
+    if kind in (12, 14):      # Q4_K's and Q6_K's rows as 16-row tiles: on AVX2 the tiles through 256-bit halves
         w = quantized(rng.standard_normal((48, n)).astype(np.float32) * 0.05, kind, seed=kind)
-        x16 = KB.to_x16(w)
+        x16 = KB.to_x16(w, 144 if kind == 12 else 210)
         diff = 0
         for rows in (X, X[:1], np.tile(X, (5, 1))):         # 55 rows: panels of the tiles
             a, b = (np.zeros((rows.shape[0], 48), np.float32) for _ in range(2))
@@ -135,7 +135,7 @@ for kind in json.loads(sys.argv[2]):
                                  np.zeros((rows.shape[0], n // 16), np.int32), np.zeros(KG.scratch_words(n), np.float32),
                                  np.float32(1.0), False)
             diff += int((a.view(np.uint32) != b.view(np.uint32)).sum())
-        out["x16diff"] = diff
+        out["x16diff"] = out.get("x16diff", 0) + diff
 asm = "".join(KG._tiles_q45_k.inspect_asm().values()) + "".join(KG._tiles_b32.inspect_asm().values())
 out["zmm"] = "zmm" in asm
 out["maddubsw"] = "vpmaddubsw" in asm

@@ -117,8 +117,8 @@ def test_scheme_kinds_follow_llama_quantize_for_an_eight_expert_model(tmp_path):
     for i in range(8):
         assert k[f"blk.{i}.attn_k"] == k[f"blk.{i}.attn_v"] == "q8_0"       # 8 experts: k and v at 8 bits
         assert k[f"blk.{i}.attn_o"] == "q5_k" and k[f"blk.{i}.attn_q"] == "q4_k"
-        # the experts' Q4_K as 16-row tiles (q4_k_x16: the same blocks, kernels/blocks_x16)
-        assert k[f"blk.{i}.ffn_down_exps"] == ("q6_k" if i in more else "q4_k_x16"), i
+        # the experts' Q4_K and Q6_K as 16-row tiles (q4_k_x16, q6_k_x16: the same blocks, kernels/blocks_x16)
+        assert k[f"blk.{i}.ffn_down_exps"] == ("q6_k_x16" if i in more else "q4_k_x16"), i
         assert k[f"blk.{i}.ffn_up_exps"] == k[f"blk.{i}.ffn_gate_exps"] == "q4_k_x16"
     assert k["output"] == "q6_k" and k["token_embd"] == "q4_k"
     assert set(scheme_kinds(cfg, "q8_0").values()) == {"q8_0"}
@@ -129,15 +129,15 @@ def test_scheme_kinds_follow_llama_quantize_for_an_eight_expert_model(tmp_path):
 def test_a_checkpoint_converts_to_q4_k_m_and_runs(tmp_path, monkeypatch, capsys):
     hf = _hf(tmp_path, layers=2)
     cfg = convert(hf, tmp_path / "m.colibri", "f32", quantize="q4_k_m", progress=False, require_tokenizer=False)
-    assert cfg.block_types["blk.1.ffn_down_exps"] == "q6_k" and cfg.block_types["blk.0.ffn_down_exps"] == "q4_k_x16"
+    assert cfg.block_types["blk.1.ffn_down_exps"] == "q6_k_x16" and cfg.block_types["blk.0.ffn_down_exps"] == "q4_k_x16"
     cf = fmt.ColibriFile.open(tmp_path / "m.colibri")
     f32 = convert(hf, tmp_path / "f.colibri", "f32", progress=False, require_tokenizer=False)
     ref = fmt.ColibriFile.open(tmp_path / "f.colibri")
     for name, kind in cfg.block_types.items():          # the stored bytes are the encoder's on the f32 weights
         w = np.asarray(ref.view(name), np.float32)
         want = quantize(BASE.get(kind, kind), w.reshape(-1, w.shape[-1]))
-        if kind in BASE:                                 # the experts' q4_k rows as tiles
-            want = to_x16(want)
+        if kind in BASE:                                 # the experts' q4_k and q6_k rows as tiles
+            want = to_x16(want, KINDS[kind].size)
         assert bytes(cf.tensor_bytes(name)) == want.tobytes(), name
     cf.close(), ref.close()
     assert f32.block_types == {}

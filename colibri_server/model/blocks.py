@@ -42,8 +42,9 @@ KINDS = {k.name: k for k in (
     BlockKind("q3_k", 11, QK_K, 110), BlockKind("q4_k", 12, QK_K, 144), BlockKind("q5_k", 13, QK_K, 176),
     BlockKind("q6_k", 14, QK_K, 210), BlockKind("iq4_nl", 20, 32, 18), BlockKind("iq4_xs", 23, QK_K, 136),
     BlockKind("mxfp4", 39, 32, 17),
-    BlockKind("q4_k_x16", 12 + 128, QK_K, 144))}        # q4_k stored as 16-row tiles (kernels/blocks.to_x16)
-X16_OF = {"q4_k": "q4_k_x16"}                           # a kind -> the same blocks as 16-row tiles (stored_kind)
+    BlockKind("q4_k_x16", 12 + 128, QK_K, 144),         # q4_k stored as 16-row tiles (kernels/blocks.to_x16)
+    BlockKind("q6_k_x16", 14 + 128, QK_K, 210))}        # and q6_k
+X16_OF = {"q4_k": "q4_k_x16", "q6_k": "q6_k_x16"}       # a kind -> the same blocks as 16-row tiles (stored_kind)
 BASE = {v: k for k, v in X16_OF.items()}                # and back: the GGUF type whose bytes a tiled kind holds
 TILE_ROWS = 16
 BY_GGML = {k.ggml: k for k in KINDS.values()}
@@ -51,7 +52,7 @@ BY_CODE = {k.code: k for k in KINDS.values()}
 
 
 def stored_kind(name: str, kind: str, shape) -> str:
-    """The kind a matrix of `kind` is written in: an expert stack's Q4_K as 16-row tiles (kernels/blocks_x16: the
+    """The kind a matrix of `kind` is written in: an expert stack's Q4_K or Q6_K as 16-row tiles (kernels/blocks_x16: the
     serving step's tiles read them as they are) when its rows are whole tiles; every other matrix as it is."""
     if name.endswith("_exps") and kind in X16_OF and int(shape[-2]) % TILE_ROWS == 0:
         return X16_OF[kind]

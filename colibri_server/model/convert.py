@@ -25,7 +25,7 @@ from .families.base import HF_LAYER_NAMES
 from .kernels.blocks import to_x16
 from .panels import to_panels
 
-CONVERTER_VERSION = "colibri-convert 3"     # 2: f16 matrices in panels by default; 3: q4_k experts as tiles
+CONVERTER_VERSION = "colibri-convert 4"     # 2: f16 matrices in panels by default; 3: q4_k experts as tiles; 4: q6_k's
 CHUNK_BYTES = 8 << 20       # rows are converted in blocks of about this many source bytes
 
 SUPPORTED = tuple(BY_HF_CLASS)     # the transformers architectures the families convert
@@ -501,7 +501,7 @@ def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer
 def as_stored(kind: str, blocks):
     """Row blocks of `kind`'s base blocks (BASE: the GGUF's rows) -> the bytes a file of `kind` holds: for a tiled
     kind the same rows regrouped into whole tiles and interleaved (kernels/blocks.to_x16), else as they come."""
-    from .blocks import BASE, TILE_ROWS
+    from .blocks import BASE, KINDS, TILE_ROWS
     if kind not in BASE:
         yield from blocks
         return
@@ -511,7 +511,7 @@ def as_stored(kind: str, blocks):
         rest = b if rest is None or not len(rest) else np.concatenate([rest, b])
         whole = rest.shape[0] // TILE_ROWS * TILE_ROWS
         if whole:
-            yield to_x16(rest[:whole])
+            yield to_x16(rest[:whole], KINDS[kind].size)
             rest = rest[whole:]
     if rest is not None and rest.shape[0]:
         raise ValueError(f"{kind}: {rest.shape[0]} rows left over, not a whole tile of {TILE_ROWS}")

@@ -17,7 +17,7 @@ Rooms, imports running upward only (a module imports only those above it):
   blocks_ir, blocks   llama.cpp's block kinds: IR row dots; dequantizers, activation rounding, row products
   blocks_tile_ir      the tiles' micro-kernel IR helpers (a tile's 16 weight rows as the lanes of a vector)
   blocks_head         the output head's Q6_K tiles on int16 activations
-  blocks_x16          the tiles of Q4_K matrices stored as 16-row tiles (q4_k_x16): read as stored, any rows
+  blocks_x16          Q4_K and Q6_K matrices stored as 16-row tiles (q4_k_x16, q6_k_x16): read as stored, any rows
   blocks_gemm         their tiled product of many rows (16-row panels, VNNI micro-kernels)
   experts_blocks      a serving step's and a decode token's block-kind experts in one call
   decode    the whole decode token fused into one Numba call

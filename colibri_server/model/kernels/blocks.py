@@ -44,7 +44,7 @@ QB = 32          # activations per rounding block
 ACTS16 = 256     # added to a kind's id: its activations rounded to int16, not int8 (the output head, whose two best
                  # logits can be near enough for the int8 rounding to swap them: kernels/blocks_wide)
 SB = 16          # activations per int32 sum
-X16 = 128        # added to Q4_K's id: the matrix stored as tiles of X16_ROWS rows (to_x16, kernels/blocks_x16)
+X16 = 128        # added to Q4_K's / Q6_K's id: the matrix stored as tiles of X16_ROWS rows (to_x16, kernels/blocks_x16)
 X16_ROWS = 16
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
@@ -210,25 +210,35 @@ def rows_to_f32_blocks(raw, kind, r0, r1, out):
         deq_row(kind, raw[i], out[i - r0])
 
 
-def to_x16(raw: np.ndarray) -> np.ndarray:
-    """Q4_K rows (..., d, row bytes), d a multiple of 16 -> the same bytes as Q4_K_X16's 16-row tiles: in a tile, block b
-    is the transpose of its 16 rows' block b (dword q of row r at dword 16q + r of the tile's block; kernels/blocks_x16)."""
-    n = raw.shape[-1]
-    w = np.ascontiguousarray(raw).view(np.uint32).reshape(-1, X16_ROWS, n // 144, 36)
-    return np.ascontiguousarray(w.transpose(0, 2, 3, 1)).view(np.uint8).reshape(raw.shape)
+def to_x16(raw: np.ndarray, size: int) -> np.ndarray:
+    """Rows of blocks of `size` bytes (Q4_K's 144, Q6_K's 210; raw (..., d, row bytes), d a multiple of 16) -> the same
+    bytes as 16-row tiles (Q4_K_X16, Q6_K_X16): in a tile, block b is the transpose of its 16 rows' block b taken as
+    size // 4 dwords (dword q of row r at dword 16q + r of the tile's block), then the rows' last size % 4 bytes
+    (Q6_K's d) row after row (kernels/blocks_x16)."""
+    n, w = raw.shape[-1], size // 4
+    b = np.ascontiguousarray(raw).reshape(-1, X16_ROWS, n // size, size)
+    head = np.ascontiguousarray(b[..., :4 * w]).view(np.uint32).transpose(0, 2, 3, 1)
+    tail = b[..., 4 * w:].transpose(0, 2, 1, 3)
+    tiles = np.concatenate([np.ascontiguousarray(head).view(np.uint8).reshape(head.shape[:2] + (-1,)),
+                            tail.reshape(tail.shape[:2] + (-1,))], axis=2)
+    return np.ascontiguousarray(tiles).reshape(raw.shape)
 
 
-def from_x16(raw: np.ndarray) -> np.ndarray:
-    """to_x16's inverse: Q4_K_X16 tiles -> the Q4_K rows."""
-    n = raw.shape[-1]
-    w = np.ascontiguousarray(raw).view(np.uint32).reshape(-1, n // 144, 36, X16_ROWS)
-    return np.ascontiguousarray(w.transpose(0, 3, 1, 2)).view(np.uint8).reshape(raw.shape)
+def from_x16(raw: np.ndarray, size: int) -> np.ndarray:
+    """to_x16's inverse: 16-row tiles of blocks of `size` bytes -> the rows."""
+    n, w = raw.shape[-1], size // 4
+    t = np.ascontiguousarray(raw).reshape(-1, n // size, X16_ROWS * size)
+    head = np.ascontiguousarray(t[..., :64 * w]).view(np.uint32).reshape(t.shape[:2] + (w, X16_ROWS))
+    tail = t[..., 64 * w:].reshape(t.shape[:2] + (X16_ROWS, size - 4 * w))
+    rows = np.concatenate([np.ascontiguousarray(head.transpose(0, 3, 1, 2)).view(np.uint8),
+                           tail.transpose(0, 2, 1, 3)], axis=3)
+    return np.ascontiguousarray(rows).reshape(raw.shape)
 
 
 def dequantize_ref(raw: np.ndarray, kind: int, n: int) -> np.ndarray:
     """numpy: every row of raw (..., row bytes) dequantized -> (..., n) f32 (through deq_row)."""
-    if kind == Q4_K + X16:
-        raw, kind = from_x16(raw), Q4_K
+    if kind & X16 and kind < ACTS16:
+        raw, kind = from_x16(raw, BLOCK[kind - X16][1]), kind - X16
     flat = np.ascontiguousarray(raw).reshape(-1, raw.shape[-1])
     out = np.empty((flat.shape[0], n), np.float32)
     rows_to_f32_blocks(flat, kind, 0, flat.shape[0], out)
@@ -435,7 +445,7 @@ def quant_acts_k(x, xq, xd, xs):
 
 @njit(cache=True, inline="always")
 def _kround(kind):
-    return kind == Q4_K or kind == Q5_K or kind == Q6_K or kind == Q4_K + X16
+    return kind == Q4_K or kind == Q5_K or kind == Q6_K or kind == Q4_K + X16 or kind == Q6_K + X16
 
 
 @by_reference

@@ -36,7 +36,7 @@ from . import blocks_avx2 as A2
 from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, X16, _f16, _kround, _rows, round_rows
 from .blocks_head import HEAD_TILE_MIN_ROWS, tiles_q6_kw
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
-from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k, prep_x16, q6_panel
+from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k, prep_x16, prep_x16_q6, q6_panel
 from .blocks_small import SMALL_MAX_ROWS, small_rows
 from .blocks_tile_ir import KC, Kernel, pass_width, store_rows, xs_pairs
 from .blocks_wide import round_rows16, rows16
@@ -59,6 +59,9 @@ WIDE_TILE_MIN_ROWS = 12
 # in each pass of KC rows. One thread, 64 matrices 2048 x 1024 (memory), against the Q4_K rows' panels: as stored
 # 1.12x at 4 rows, 1.08x at 16, 1.00x at 32, 0.96x at 48, 0.93x at 128; through a panel 0.96-0.99x from 48 to 128
 X16_PANEL_MIN_ROWS = 48
+# and a Q6_K_X16 matrix from this many (blocks_panels.prep_x16_q6, the Q6_K passes): as stored against the Q6_K rows'
+# panels, 1024 x 2048 from memory, 1.02-1.05x at 16 rows, 0.95x at 20, 0.91x at 32; through a panel 0.98-0.99x
+X16_Q6_PANEL_MIN_ROWS = 20
 HAVE_TILES = HAVE_VNNI512        # every tile kind (Q8_0's and the int16 head's too)
 # the kinds whose weight bytes stay within 0..63 (Q4_K, Q5_K, Q6_K, Q4_0) also on AVX2, where Kernel.dpbusd is
 # `vpmaddubsw` + `vpmaddwd` (exact below i16 saturation; Q8_0's flipped bytes reach 255 and would saturate)
@@ -354,15 +357,18 @@ def _tiles_q45_k(raw, five, x16, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate
 
 
 @njit(cache=True)
-def _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    # as _tiles_q4_k for a Q6_K matrix
+def _tiles_q6_k(raw, x16, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # as _tiles_q45_k for a Q6_K (x16: Q6_K_X16) matrix
     nb = Xq.shape[1] // 256
     T = Xq.shape[0]
     P, SC, SP, DD, rest = q6_panel(tmp, nb)
     res = rest[:KC * R]
     XP = xs_pairs(Xs, 1)
     for r0 in range(i0, i1 - R + 1, R):
-        prep_q6_k(raw, r0, nb, P, SC, SP, DD)
+        if x16:
+            prep_x16_q6(raw, r0, nb, P, SC, SP, DD)
+        else:
+            prep_q6_k(raw, r0, nb, P, SC, SP, DD)
         t0 = 0
         while t0 < T:
             nc = _pass_width(T, t0)
@@ -427,8 +433,9 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # SMALL_MAX_ROWS rows of X of an integer kind through kernels/blocks_small (each block unpacked once for all rows),
     # more (the k-quants: from K_TILE_MIN_ROWS) through whole tiles of R rows where they run (HAVE_TILES), the rest through the row
     # dots, the same bits every way; kind + ACTS16 (the output head): blocks_wide's row dots, its Q8_0/Q4_0 tiles
-    # from WIDE_TILE_MIN_ROWS rows, Q6_K's (kernels/blocks_head) from HEAD_TILE_MIN_ROWS; Q4_K + X16 (its rows stored
-    # as tiles): kernels/blocks_x16's tiles as stored from one row, their panels from X16_PANEL_MIN_ROWS.
+    # from WIDE_TILE_MIN_ROWS rows, Q6_K's (kernels/blocks_head) from HEAD_TILE_MIN_ROWS; Q4_K + X16, Q6_K + X16 (rows
+    # stored as tiles): kernels/blocks_x16's tiles as stored from one row, their panels from X16_PANEL_MIN_ROWS
+    # (X16_Q6_PANEL_MIN_ROWS).
     # tmp: >= scratch_words(n) f32
     end = i0
     T = X.shape[0]
@@ -443,14 +450,19 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             tiles_q6_kw(raw, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         rows16(raw, kind, X, Xq, Xd, Xs, out, tmp, end, i1, alpha, accumulate)
         return
-    if kind == Q4_K + X16:
+    if kind == Q4_K + X16 or kind == Q6_K + X16:
+        six = kind == Q6_K + X16
         lo, hi = (i0 + R - 1) // R * R, i1 // R * R          # the whole tiles in i0..i1
-        if T >= X16_PANEL_MIN_ROWS and lo < hi and TILES_SMALL_VALUES and tmp.shape[0] >= scratch_words(X.shape[1]):
-            gemm_rows_x16(raw, X, Xq, Xd, Xs, out, tmp, i0, lo, alpha, accumulate)
-            _tiles_q45_k(raw, False, True, Xq, Xd, Xs, out, tmp, lo, hi, alpha, accumulate)
-            gemm_rows_x16(raw, X, Xq, Xd, Xs, out, tmp, hi, i1, alpha, accumulate)
+        panel_min = X16_Q6_PANEL_MIN_ROWS if six else X16_PANEL_MIN_ROWS
+        if T >= panel_min and lo < hi and TILES_SMALL_VALUES and tmp.shape[0] >= scratch_words(X.shape[1]):
+            gemm_rows_x16(raw, six, X, Xq, Xd, Xs, out, tmp, i0, lo, alpha, accumulate)
+            if six:
+                _tiles_q6_k(raw, True, Xq, Xd, Xs, out, tmp, lo, hi, alpha, accumulate)
+            else:
+                _tiles_q45_k(raw, False, True, Xq, Xd, Xs, out, tmp, lo, hi, alpha, accumulate)
+            gemm_rows_x16(raw, six, X, Xq, Xd, Xs, out, tmp, hi, i1, alpha, accumulate)
         else:                               # its tiles as stored (kernels/blocks_x16)
-            gemm_rows_x16(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
+            gemm_rows_x16(raw, six, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate)
         return
     kq = kind == Q4_K or kind == Q5_K or kind == Q6_K
     big = tmp.shape[0] >= scratch_words(X.shape[1])      # room for a panel
@@ -465,7 +477,7 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         if kind == Q4_K or kind == Q5_K:
             _tiles_q45_k(raw, kind == Q5_K, False, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         else:
-            _tiles_q6_k(raw, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
+            _tiles_q6_k(raw, False, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
     elif X.shape[0] >= GEMM_MIN_ROWS and (HAVE_TILES and kind == Q8_0 or TILES_SMALL_VALUES and kind == Q4_0) \
             and X.shape[1] % 256 == 0:
         end = i0 + (i1 - i0) // R * R

@@ -142,6 +142,28 @@ class _Tile:
                         v = b.or_(v, b.shl(hb, self.k(4)))
                     self.store(arg, b.mul(b.add(b.mul(blk, self.c(64)), self.c(16 * c + 8 * h + g)), self.c(R)), v)
 
+    def store_q6_header(self, blk, h, d, sc):
+        """A Q6_K block's 16 int8 scales as 4 16-lane dwords h and its d (<16 x float>) of block blk -> argument sc
+        (SC) the scales, sc + 1 (SP) their i16 pairs, sc + 2 (DD) d."""
+        b = self.b
+        self.store(sc + 2, b.mul(blk, self.c(R)), d)
+        s = [q6_scale(b, h, g, self.k) for g in range(16)]
+        for g in range(16):
+            self.store(sc, b.mul(b.add(b.mul(blk, self.c(16)), self.c(g)), self.c(R)), s[g])
+        for p in range(8):
+            self.store(sc + 1, b.mul(b.add(b.mul(blk, self.c(8)), self.c(p)), self.c(R)),
+                       b.or_(b.and_(s[2 * p], self.k(0xFFFF)), b.shl(s[2 * p + 1], self.k(16))))
+
+    def store_q6_values(self, blk, ql, qh, arg):
+        """A Q6_K block's 32 dwords of ql and 16 of qh (16 rows as lanes) of block blk -> argument arg (P): dword g of
+        values 128h + 32c.. at (64 blk + 32h + 8c + g) * R, a 6-bit unsigned byte a value (q6_value)."""
+        b = self.b
+        for h in range(2):
+            for c in range(4):
+                for g in range(8):
+                    self.store(arg, b.mul(b.add(b.mul(blk, self.c(64)), self.c(32 * h + 8 * c + g)), self.c(R)),
+                               q6_value(b, ql, qh, h, c, g, self.k))
+
     def c(self, v):
         return ir.Constant(_idx, v)
 
@@ -176,6 +198,19 @@ def k_min_pair(bb, h, p, k):
     return bb.or_(mn(2 * p), bb.shl(mn(2 * p + 1), k(16)))
 
 
+def q6_scale(bb, h, g, k):
+    """Group g's int8 scale of a Q6_K block whose 16 scale bytes are 4 16-lane dwords h, sign-extended to i32."""
+    return bb.ashr(bb.shl(h[g // 4], k(24 - 8 * (g % 4))), k(24))
+
+
+def q6_value(bb, ql, qh, h, c, g, k):
+    """Dword g of a Q6_K block's values 128h + 32c.. as 6-bit unsigned bytes (the low 4 bits from ql's dword
+    16h + 8(c % 2) + g, the high 2 from qh's dword 8h + g), from its 32 ql and 16 qh dwords (16 rows as lanes)."""
+    low = bb.and_(bb.lshr(ql[16 * h + 8 * (c % 2) + g], k(4 * (c // 2))), k(0x0F0F0F0F))
+    high = bb.and_(bb.lshr(qh[8 * h + g], k(2 * c)), k(0x03030303))
+    return bb.or_(low, bb.shl(high, k(4)))
+
+
 @intrinsic
 def k_header(typingctx, raw, r0, off, b, SC, MN, DD, DM):
     """A Q4_K / Q5_K block's 16 header bytes at off (d, dmin, the 12 packed 6-bit scales and mins) of rows r0..r0+R
@@ -202,14 +237,7 @@ def q6_header(typingctx, raw, r0, off, b, SC, SP, DD):
         o = t.idx(2)
         h = t.cols32(bb.add(o, t.c(192)), 4)             # bytes 192..207: the scales
         dw = t.cols32(bb.add(o, t.c(194)), 4)[3]         # bytes 206..209: d in the high half
-        blk = t.idx(3)
-        t.store(6, bb.mul(blk, t.c(R)), t.f16(bb.lshr(dw, t.k(16))))
-        s = [bb.ashr(bb.shl(h[g // 4], t.k(24 - 8 * (g % 4))), t.k(24)) for g in range(16)]
-        for g in range(16):
-            t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(16)), t.c(g)), t.c(R)), s[g])
-        for p in range(8):
-            t.store(5, bb.mul(bb.add(bb.mul(blk, t.c(8)), t.c(p)), t.c(R)),
-                    bb.or_(bb.and_(s[2 * p], t.k(0xFFFF)), bb.shl(s[2 * p + 1], t.k(16))))
+        t.store_q6_header(t.idx(3), h, t.f16(bb.lshr(dw, t.k(16))), 4)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -244,17 +272,10 @@ def q6_values(typingctx, raw, r0, off, b, P):
 
     def codegen(context, builder, signature, args):
         t = _Tile(context, builder, signature, args)
-        bb = builder
-        o, blk = t.idx(2), t.idx(3)
-        ql = t.cols(o) + t.cols(bb.add(o, t.c(64)))         # dword q of ql's 128 bytes
-        qh = t.cols(bb.add(o, t.c(128)))                    # dword q of qh's 64
-        for h in range(2):
-            for c in range(4):
-                for g in range(8):
-                    low = bb.and_(bb.lshr(ql[16 * h + 8 * (c % 2) + g], t.k(4 * (c // 2))), t.k(0x0F0F0F0F))
-                    high = bb.and_(bb.lshr(qh[8 * h + g], t.k(2 * c)), t.k(0x03030303))
-                    t.store(4, bb.mul(bb.add(bb.mul(blk, t.c(64)), t.c(32 * h + 8 * c + g)), t.c(R)),
-                            bb.or_(low, bb.shl(high, t.k(4))))
+        o = t.idx(2)
+        ql = t.cols(o) + t.cols(builder.add(o, t.c(64)))     # dword q of ql's 128 bytes
+        qh = t.cols(builder.add(o, t.c(128)))                # dword q of qh's 64
+        t.store_q6_values(t.idx(3), ql, qh, 4)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -301,6 +322,52 @@ def prep_x16(raw, r0, nb, P, SC, MN, DD, DM):
     # the Q4_K_X16 tile at row r0 -> prep_q45_k's panel of its rows (blocks_gemm.X16_PANEL_MIN_ROWS)
     for b in range(nb):
         x16_block(raw, r0, b, P, SC, MN, DD, DM)
+
+
+Q6_WORDS = 52             # a Q6_K block's 208 bytes before its d, as dwords
+
+
+def q6x_ptr(builder, base, blk, q):
+    """Byte pointer of vector q of block blk of a Q6_K_X16 tile (base: its first byte, i8*; blocks.to_x16): vector q
+    (dword q of the 16 rows: ql 0..31, qh 32..47, the scales 48..51) at byte 3360 blk + 64q, the rows' 16 d (f16) at
+    q = Q6_WORDS."""
+    bb = builder
+    return bb.gep(base, [bb.add(bb.mul(blk, ir.Constant(_idx, R * 210)), ir.Constant(_idx, 64 * q))])
+
+
+def q6x_d(builder, p):
+    """The 16 rows' d at byte pointer p (q6x_ptr's q = Q6_WORDS) -> <16 x float> (exact)."""
+    bb = builder
+    h = bb.load(bb.bitcast(p, ir.VectorType(ir.IntType(16), R).as_pointer()), align=2)
+    return bb.fpext(bb.bitcast(h, ir.VectorType(ir.HalfType(), R)), ir.VectorType(ir.FloatType(), R))
+
+
+@intrinsic
+def x16_q6_block(typingctx, raw, r0, b, P, SC, SP, DD):
+    """Block b of the Q6_K_X16 tile at row r0 -> the same P, SC, SP, DD as prep_q6_k's for the Q6_K rows it holds,
+    with no transpose."""
+    sig = types.void(raw, r0, b, P, SC, SP, DD)
+
+    def codegen(context, builder, signature, args):
+        t = _Tile(context, builder, signature, args)
+        bb = builder
+        blk = t.idx(2)
+        base = bb.gep(t.base, [bb.mul(t.r0, t.stride)])
+        ptrs = [q6x_ptr(bb, base, blk, q) for q in range(Q6_WORDS)]
+        h = [bb.load(bb.bitcast(p, _v16.as_pointer()), align=4) for p in ptrs]
+        ql, qh, sc, d = h[:32], h[32:48], h[48:], q6x_d(bb, q6x_ptr(bb, base, blk, Q6_WORDS))
+        prefetch_ahead(bb, ptrs, bb.mul(t.stride, ir.Constant(_idx, R)), ahead=0)
+        t.store_q6_header(blk, sc, d, 4)
+        t.store_q6_values(blk, ql, qh, 3)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(cache=True)
+def prep_x16_q6(raw, r0, nb, P, SC, SP, DD):
+    # the Q6_K_X16 tile at row r0 -> prep_q6_k's panel of its rows
+    for b in range(nb):
+        x16_q6_block(raw, r0, b, P, SC, SP, DD)
 
 
 @njit(cache=True, inline="always")

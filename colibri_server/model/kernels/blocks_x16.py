@@ -1,5 +1,5 @@
-"""Q4_K matrices stored as 16-row tiles (the kind Q4_K_X16): the tiles' micro-kernels read the weights as they are
-stored, with no panel laid out per call.
+"""Q4_K and Q6_K matrices stored as 16-row tiles (the kinds Q4_K_X16, Q6_K_X16): the tiles' micro-kernels read the
+weights as they are stored, with no panel laid out per call.
 
 A Q4_K block is 36 dwords (d | dmin, the 12 packed scale bytes, the 128 bytes of nibbles). In a Q4_K_X16 matrix
 rows 16i..16i+15 are one tile, and a tile's block b is the transpose of those 16 rows' block b: dword q of row r at
@@ -15,6 +15,13 @@ takes the same micro-kernel: no horizontal sum per row and block as the row dots
 One thread, 2048 x 1024 matrices, ms a matrix, Q4_K rows (panel + tiles; one row: row dots) -> these tiles
 (bench/tiles_x16.py): in L2 at 1 / 4 / 8 rows 0.072 / 0.098 / 0.138 -> 0.029 / 0.061 / 0.102; cycling through 64
 (75 MB, memory) 0.097 / 0.133 / 0.169 -> 0.090 / 0.119 / 0.150.
+
+A Q6_K block is 210 bytes: its first 52 dwords (ql, qh, the 16 int8 scales) are transposed the same way (vector q at
+byte 64q of the tile's block), the 16 rows' d follow as 16 f16 (blocks.to_x16). A pass rebuilds each dword of 6-bit
+values from a ql and a qh vector (blocks_panels.q6_value: 2 shifts, 2 ands, an or) and sign-extends each group's
+scale from the scale vectors (q6_scale), where the Q6_K panels store both per call. 1024 x 2048 Q6_K, 64 matrices
+(110 MB), Q6_K rows -> these tiles (bench/tiles_x16.py --kind q6_k --shape 1024 2048): 1 row 0.132 -> 0.131, 2 rows
+0.200 -> 0.141, 4 rows 0.237 -> 0.166, 8 rows 0.284 -> 0.227, 16 rows 0.395 -> 0.375 ms.
 """
 from __future__ import annotations
 
@@ -23,9 +30,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .blocks import X16_ROWS, _put2, _rows_q4_k
+from .blocks import X16_ROWS, _put2, _rows_q4_k, _rows_q6_k
 from .blocks_ir import _arr_ptr, k_update
-from .blocks_panels import R, f16_lanes, k_min_pair, k_scale
+from .blocks_panels import Q6_WORDS, R, f16_lanes, k_min_pair, k_scale, q6_scale, q6_value, q6x_d, q6x_ptr
 from .blocks_tile_ir import KC, Kernel, pass_width, store_rows, xs_pairs
 from .cpu import HAVE_AVX2, HAVE_VNNI512
 from .prefetch import prefetch_ahead
@@ -99,6 +106,74 @@ def _mk_q4kx(nc):
 _x8, _x4, _x3, _x2, _x1 = (_mk_q4kx(n) for n in (KC, 4, 3, 2, 1))
 
 
+class _Vectors:
+    """Vectors first.. of a Q6_K_X16 tile's block, each loaded where it is used (and the next tile's same bytes asked
+    into L2)."""
+
+    def __init__(self, b, tile, blk, first, ahead, ty):
+        self.b, self.tile, self.blk, self.first, self.ahead, self.ty = b, tile, blk, first, ahead, ty
+
+    def __getitem__(self, q):
+        p = q6x_ptr(self.b, self.tile, self.blk, self.first + q)
+        prefetch_ahead(self.b, [p], self.ahead, ahead=0)
+        return self.b.load(self.b.bitcast(p, self.ty.as_pointer()), align=4)
+
+
+def _mk_q6kx(nc):
+    def impl(typingctx, raw, r0, xq, xd, xs, t0, nb, res):
+        sig = types.void(raw, r0, xq, xd, xs, t0, nb, res)
+
+        def codegen(context, builder, signature, args):
+            k = Kernel(context, builder, signature, args, 2)
+            b = builder
+            base = _arr_ptr(context, builder, signature.args[0], args[0], ir.IntType(8))
+            r0 = context.cast(b, args[1], signature.args[1], types.intp)
+            row_bytes = b.mul(k.nb, k.c(210))
+            tile = b.gep(base, [b.mul(r0, row_bytes)])           # the tile's first byte
+            zero = ir.Constant(k.v16, None)
+            ahead = b.mul(row_bytes, k.c(R))                    # bytes: the next tile's same vector, into L2
+
+            def splat(v):
+                return ir.Constant(k.v16, [v] * R)
+
+            def body(blk, accs):
+                ql, qh, sv = (_Vectors(b, tile, blk, f, ahead, k.v16) for f in (0, 32, 48))
+                isum = [zero] * nc
+                x0 = b.mul(blk, k.c(256))
+                for h in range(2):
+                    for c in range(4):
+                        g0, g1 = [zero] * nc, [zero] * nc
+                        for g in range(8):
+                            v = q6_value(b, ql, qh, h, c, g, splat)
+                            for t in range(nc):
+                                x = k.x4(t, b.add(x0, k.c(128 * h + 32 * c + 4 * g)))
+                                if g < 4:
+                                    g0[t] = k.dpbusd(g0[t], v, x)
+                                else:
+                                    g1[t] = k.dpbusd(g1[t], v, x)
+                        s0, s1 = (q6_scale(b, sv, 8 * h + 2 * c + i, splat) for i in range(2))
+                        for t in range(nc):
+                            isum[t] = b.add(isum[t], b.add(b.mul(g0[t], s0), b.mul(g1[t], s1)))
+                off = [zero] * nc
+                for q in range(8):          # the scales' i16 pairs against the activations' 16-sums: the offset 32
+                    pair = b.or_(b.and_(q6_scale(b, sv, 2 * q, splat), splat(0xFFFF)),
+                                 b.shl(q6_scale(b, sv, 2 * q + 1, splat), splat(16)))
+                    for t in range(nc):
+                        off[t] = k.dpwssd(off[t], pair, k.xs1(t, b.add(b.mul(blk, k.c(8)), k.c(q))))
+                d = q6x_d(b, q6x_ptr(b, tile, blk, Q6_WORDS))
+                for t in range(nc):
+                    xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
+                    it = b.sub(isum[t], b.shl(off[t], splat(5)))
+                    b.store(k_update(b, b.load(accs[t]), it, d, xdb), accs[t])
+            k.block_loop(nc, body)
+            return context.get_dummy_value()
+        return sig, codegen
+    return intrinsic(impl)
+
+
+_y8, _y4, _y3, _y2, _y1 = (_mk_q6kx(n) for n in (KC, 4, 3, 2, 1))
+
+
 @njit(cache=True, inline="always")
 def _pass(nc, raw, r0, Xq, Xd, XP, t0, nb, res):
     if nc == KC:
@@ -113,25 +188,41 @@ def _pass(nc, raw, r0, Xq, Xd, XP, t0, nb, res):
         _x1(raw, r0, Xq, Xd, XP, t0, nb, res)
 
 
+@njit(cache=True, inline="always")
+def _pass6(nc, raw, r0, Xq, Xd, XP, t0, nb, res):
+    if nc == KC:
+        _y8(raw, r0, Xq, Xd, XP, t0, nb, res)
+    elif nc == 4:
+        _y4(raw, r0, Xq, Xd, XP, t0, nb, res)
+    elif nc == 3:
+        _y3(raw, r0, Xq, Xd, XP, t0, nb, res)
+    elif nc == 2:
+        _y2(raw, r0, Xq, Xd, XP, t0, nb, res)
+    else:
+        _y1(raw, r0, Xq, Xd, XP, t0, nb, res)
+
+
 @njit(cache=True)
-def untile(raw, r0, rows):
-    # the Q4_K rows r0..r0+R of a Q4_K_X16 matrix into rows (R, row bytes): blocks.from_x16 for one tile
-    w = raw.view(np.uint32)
-    W = w.shape[1]
-    out = rows.view(np.uint32)
-    for q in range(W):
-        blk, j = divmod(q, QK_DWORDS)
+def untile(raw, size, r0, rows):
+    # the rows r0..r0+R of a matrix of `size`-byte blocks stored as tiles into rows (R, row bytes): blocks.from_x16 for
+    # one tile (each block: size // 4 dwords of the 16 rows transposed, then the rows' size % 4 last bytes in turn)
+    n = raw.shape[1]
+    w = size // 4
+    tail = size - 4 * w
+    for blk in range(n // size):
         for r in range(R):
-            out[r, q] = w[r0 + (blk * QK_DWORDS * R + j * R + r) // W, (blk * QK_DWORDS * R + j * R + r) % W]
+            for j in range(size):
+                k = blk * R * size + (64 * (j // 4) + 4 * r + j % 4 if j < 4 * w else 64 * w + tail * r + j - 4 * w)
+                rows[r, blk * size + j] = raw[r0 + k // n, k % n]
 
 
 @njit(cache=True)
-def gemm_rows_x16(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
-    # blocks_gemm.gemm_rows for a Q4_K_X16 matrix (rows i0..i1, Xq rounded per 256): whole tiles through the micro-kernels
-    # above (AVX-512 VNNI or AVX2), a tile cut by i0 or i1 and every tile without AVX2 as Q4_K rows again (untile)
-    # through the row dots. The same bits every way. tmp: >= KC * R f32 words
+def gemm_rows_x16(raw, six, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
+    # blocks_gemm.gemm_rows for a Q4_K_X16 (six: Q6_K_X16) matrix (rows i0..i1, Xq rounded per 256): whole tiles through
+    # the micro-kernels above (AVX-512 VNNI or AVX2), a tile cut by i0 or i1 and every tile without AVX2 as the rows
+    # again (untile) through the row dots. The same bits every way. tmp: >= KC * R f32 words
     T, nb = Xq.shape[0], Xq.shape[1] // 256
-    XP = xs_pairs(Xs, 2) if HAVE_AVX2 else np.empty((0, 0), np.int32)
+    XP = xs_pairs(Xs, 1 if six else 2) if HAVE_AVX2 else np.empty((0, 0), np.int32)
     res = tmp[:KC * R]
     plain = np.empty((0, 0), np.uint8)
     part = np.empty((0, 0), np.float32)
@@ -142,15 +233,22 @@ def gemm_rows_x16(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             t0 = 0
             while t0 < T:
                 nc = pass_width(T, t0) if HAVE_VNNI512 else min(AVX2_PASS, T - t0)
-                _pass(nc, raw, r0, Xq, Xd, XP, t0, nb, res)
+                if six:
+                    _pass6(nc, raw, r0, Xq, Xd, XP, t0, nb, res)
+                else:
+                    _pass(nc, raw, r0, Xq, Xd, XP, t0, nb, res)
                 store_rows(res, out, t0, nc, r0, alpha, accumulate)
                 t0 += nc
             continue
         if plain.shape[0] == 0:
             plain = np.empty((R, raw.shape[1]), np.uint8)
             part = np.empty((T, R), np.float32)
-        untile(raw, r0, plain)
-        _rows_q4_k(plain, X, Xq, Xd, Xs, part, tmp, a - r0, e - r0, one, no)
+        if six:
+            untile(raw, 210, r0, plain)
+            _rows_q6_k(plain, X, Xq, Xd, Xs, part, tmp, a - r0, e - r0, one, no)
+        else:
+            untile(raw, 144, r0, plain)
+            _rows_q4_k(plain, X, Xq, Xd, Xs, part, tmp, a - r0, e - r0, one, no)
         for t in range(T):
             for i in range(a, e):
                 _put2(out, t, i, part[t, i - r0], alpha, accumulate)

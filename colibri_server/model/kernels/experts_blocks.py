@@ -11,7 +11,7 @@ rows fell on the experts. The rows' gathering and rounding, the SwiGLU between a
 over the same parts (rows for the first two, the part's own output columns for the scatter), so on two threads
 no step runs on one alone. Every product is the row dot's bits for its rows (rounded the same way), so
 the output is the per-expert path's. A decode token's chosen experts on threads (experts_decode_par) take the same
-gemm_rows in two parallel regions, each thread part whole tiles of rows (q4_k_x16's tiles are read whole).
+gemm_rows in two parallel regions, each thread part whole tiles of rows (q4_k_x16's and q6_k_x16's tiles are read whole).
 
 Legend as in moe.py: T rows, k chosen experts per row, D hidden, I expert intermediate, n = T*k.
 """
