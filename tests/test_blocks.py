@@ -254,7 +254,7 @@ def test_a_gguf_of_mixed_block_types_keeps_them_and_runs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kinds", [(Q.Q4_K, Q.Q8_0, Q.Q8_0), (Q.Q4_K, Q.Q4_0, Q.Q4_0), (Q.Q8_0, Q.Q8_0, Q.Q6_K),
                                    (Q.Q6_K, Q.Q4_K, Q.Q8_0), (Q.Q4_K, Q.Q5_K, Q.Q6_K)],
                          ids=lambda ks: "-".join(k.name for k in ks))
-@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("T", [1, 3, 16, 40])       # from 16 rows rounded on the threads (PAR_ROUND_MIN_ROWS)
 def test_q_k_and_v_in_one_parallel_region_are_three_products_bit_for_bit(kinds, T):
     """blocks_gemm.matmul3_blocks_par (a decode token's q, k and v in one parallel region, each on its kind's rounding of
     the input: rounded once per rounding the three take, whichever of them share one) gives each matrix's own

@@ -196,7 +196,8 @@ def test_the_int16_head_is_the_default_and_every_path_gets_its_bits(tmp_path, he
 @pytest.mark.slow          # the threaded block kernels' cold compile: minutes on a loaded core
 def test_a_block_models_threaded_kernels_are_compiled_before_fork(tmp_path):
     """compile_threaded (a pre-fork master's) compiles the block kinds' threaded kernels for the types a 2-thread
-    worker's workspace gives them (mm_blocks on one and a few rows, a decode token's experts), so a worker compiles
+    worker's workspace gives them (mm_blocks on one and a few rows, a decode token's experts, a step's q, k and v in
+    one region), so a worker compiles
     none at its first requests: compiled there, they stalled a first 16-client burst on Q4_K_M for 26 s."""
     import numba
 
@@ -212,6 +213,8 @@ def test_a_block_models_threaded_kernels_are_compiled_before_fork(tmp_path):
             assert tuple(numba.typeof(a) for a in args) in mm, (W.shape, T)
     args = ws.experts_blocks_args(L, np.zeros(2, np.int64), np.zeros(2, np.float32), ws.x[0], ws.h[0])
     assert tuple(numba.typeof(a) for a in args) in {tuple(s) for s in KEB.experts_decode_par.signatures}
+    args = ws.qkv_blocks_args(ws.h[:3], L, ws.q[:3], ws.k[:3], ws.v[:3])     # a step's q, k and v in one region
+    assert tuple(numba.typeof(a) for a in args) in {tuple(s) for s in KG.matmul3_blocks_par.signatures}
 
 
 def test_decode_on_two_threads_gives_the_one_thread_bits(tmp_path):

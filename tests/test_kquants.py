@@ -126,6 +126,32 @@ def test_scheme_kinds_follow_llama_quantize_for_an_eight_expert_model(tmp_path):
         scheme_kinds(cfg, "q3_k_l")
 
 
+def test_a_steps_q_k_and_v_take_one_parallel_region_with_each_products_bits(tmp_path):
+    """Workspace.qkv_blocks (q, k and v of a serving step or a prefill in one parallel region on the threads) gives
+    the bits of the three products one after another, and declines (doing nothing) where each product alone would
+    stay on one thread: a few rows, or one thread."""
+    from colibri_server.model.transformer import Workspace
+    hf = _hf(tmp_path, layers=1)
+    convert(hf, tmp_path / "m.colibri", "f32", quantize="q4_k_m", progress=False, require_tokenizer=False)
+    m = Model.open(str(tmp_path / "m.colibri"))
+    L = m.weights.layers[0]
+    assert (L.wq.kind, L.wk.kind) == ("q4_k", "q8_0")             # two roundings of the input
+    rng = np.random.default_rng(4)
+    D, dkv = m.config.hidden_size, L.wk.shape[0]
+    for T in (1, 16, 40):
+        X = rng.standard_normal((T, D)).astype(np.float32)
+        outs = [[np.full((T, W.shape[0]), np.nan, np.float32) for W in (L.wq, L.wk, L.wv)] for _ in range(2)]
+        ws = Workspace(m.config, 64, threads=2)
+        for W, out in zip((L.wq, L.wk, L.wv), outs[0]):
+            ws.mm(X, W, out)
+        assert ws.qkv_blocks(X, L, *outs[1]) == (T > 1), T           # 1 row: 256 x 64 weights, below PAR_MIN_WEIGHTS
+        assert (dkv * D * T >= ws.PAR_MIN_WEIGHTS) == (T > 1)
+        for got, want in zip(outs[1], outs[0]):
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)) or T == 1, T
+        assert T > 1 or all(np.isnan(o).all() for o in outs[1])
+    assert not Workspace(m.config, 64, threads=1).qkv_blocks(X, L, *outs[1])
+
+
 def test_a_checkpoint_converts_to_q4_k_m_and_runs(tmp_path, monkeypatch, capsys):
     hf = _hf(tmp_path, layers=2)
     cfg = convert(hf, tmp_path / "m.colibri", "f32", quantize="q4_k_m", progress=False, require_tokenizer=False)

@@ -522,6 +522,15 @@ def round_acts_par(kind, X, Xq, Xd, Xs, nparts):
 
 
 @njit(cache=True, inline="always")
+def _round_par(kind, X, Xq, Xd, Xs, nt):
+    # the rows of X rounded for kind as matmul_blocks_par rounds them: on nt threads from PAR_ROUND_MIN_ROWS rows
+    if X.shape[0] >= PAR_ROUND_MIN_ROWS:
+        round_acts_par(kind, X, Xq, Xd, Xs, nt)
+    else:
+        round_acts(kind, X, Xq, Xd, Xs)
+
+
+@njit(cache=True, inline="always")
 def _chunk_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, c, nt, alpha, accumulate):
     # chunk c of nt of a threaded product: gemm_rows on its share (whole tiles) of raw's rows
     d = raw.shape[0]
@@ -543,10 +552,7 @@ def gemm_rows_par(raw, kind, X, Xq, Xd, Xs, out, tmps, alpha, accumulate):
 def matmul_blocks_par(raw, kind, X, out, Xq, Xd, Xs, tmps, alpha, accumulate):
     # matmul_blocks on tmps.shape[0] Numba threads: the rows of X rounded (on the threads from PAR_ROUND_MIN_ROWS),
     # then the weight rows split over the threads (gemm_rows_par)
-    if X.shape[0] >= PAR_ROUND_MIN_ROWS:
-        round_acts_par(kind, X, Xq, Xd, Xs, tmps.shape[0])
-    else:
-        round_acts(kind, X, Xq, Xd, Xs)
+    _round_par(kind, X, Xq, Xd, Xs, tmps.shape[0])
     gemm_rows_par(raw, kind, X, Xq, Xd, Xs, out, tmps, alpha, accumulate)
 
 
@@ -566,18 +572,18 @@ def matmul3_blocks_par(ra, ka, rb, kb, rc, kc, X, oa, ob, oc, Xq, Xd, Xs, tmps):
     # X (T, n) @ ra.T -> oa, @ rb.T -> ob, @ rc.T -> oc (q, k and v: block kinds without ACTS16) in one parallel region
     # of tmps.shape[0] chunks, where three matmul_blocks_par calls take three: X rounded once per rounding the kinds
     # take (Xq, Xd, Xs (>= 3T, ...): rows 0..T for ka, T..2T and 2T..3T for the others when theirs differs), each
-    # product the rows of its own call (the same bits)
-    T = X.shape[0]
+    # product the rows of its own call (the same bits); the rows rounded as matmul_blocks_par rounds them (_round_par)
+    T, nt = X.shape[0], tmps.shape[0]
     Qa, Da, Sa = Xq[:T], Xd[:T], Xs[:T]
-    round_rows(ka, X, Qa, Da, Sa)
+    _round_par(ka, X, Qa, Da, Sa, nt)
     Qb, Db, Sb = Qa, Da, Sa
     if _kround(kb) != _kround(ka):
         Qb, Db, Sb = Xq[T:2 * T], Xd[T:2 * T], Xs[T:2 * T]
-        round_rows(kb, X, Qb, Db, Sb)
+        _round_par(kb, X, Qb, Db, Sb, nt)
     Qc, Dc, Sc = Qb, Db, Sb
     if _kround(kc) == _kround(ka):
         Qc, Dc, Sc = Qa, Da, Sa
     elif _kround(kc) != _kround(kb):
         Qc, Dc, Sc = Xq[2 * T:3 * T], Xd[2 * T:3 * T], Xs[2 * T:3 * T]
-        round_rows(kc, X, Qc, Dc, Sc)
+        _round_par(kc, X, Qc, Dc, Sc, nt)
     _gemm_rows3_par(ra, ka, rb, kb, rc, kc, X, Qa, Da, Sa, Qb, Db, Sb, Qc, Dc, Sc, oa, ob, oc, tmps)
