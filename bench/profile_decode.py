@@ -3,7 +3,7 @@
     python bench/profile_decode.py MODEL.colibri [--threads 2] [--seconds 8] [--context 256] [--top 12] [--batch B]
 
 --batch B profiles a serving step of B sequences (BatchEngine, as bench/step.py runs it) instead of the fused
-decode token.
+decode token; --prompts N the prefill of N 32-token prompts that arrive at once (N clients starting together).
 
 perf (Debian's linux-perf) samples the process's threads on the cpu-clock (no hardware counters needed, as on
 VMs). Numba's compiled code has no symbols perf can read, so the child process keeps every Numba library's
@@ -80,7 +80,17 @@ def child(a):
     from colibri_server.model import Model
     from colibri_server.model.serving import BatchEngine
     m = Model.open(a.model, populate=True, context=max(a.context + 16, 64), threads=a.threads)
-    if a.batch:                 # a serving step of `batch` sequences (bench/step.py's engine), restarted as they end
+    if a.prompts:               # the prefill of `prompts` requests of 32 tokens arriving at once, over and over
+        rng = np.random.default_rng(0)
+
+        def step():
+            eng = BatchEngine(m, max_seqs=a.prompts, max_batch_tokens=256, kv_dtype="f16")
+            for i in range(a.prompts):
+                eng.add(i, rng.integers(3, m.config.vocab_size, 32).tolist(), max_tokens=2, ignore_eos=True)
+            while eng.sched.waiting or any(s.pending > 1 for s in eng.sched.running):
+                eng.step()
+            return 32 * a.prompts
+    elif a.batch:               # a serving step of `batch` sequences (bench/step.py's engine), restarted as they end
         # each sequence its own random prompt (bench/step.py's): one prompt for all would route every row to the
         # same experts, a step that reads a quarter of the weights a real one does
         eng, ids = BatchEngine(m, max_seqs=a.batch, max_batch_tokens=256, kv_dtype="f16"), iter(range(1 << 30))
@@ -106,7 +116,8 @@ def child(a):
     t, n = time.perf_counter(), 0
     while time.perf_counter() - t < a.seconds + 4:
         n += step()
-    print(f"{'step of ' + str(a.batch) if a.batch else 'decode'}: {n / (time.perf_counter() - t):.1f} tok/s", flush=True)
+    what = f"prefill of {a.prompts} x 32" if a.prompts else f"step of {a.batch}" if a.batch else "decode"
+    print(f"{what}: {n / (time.perf_counter() - t):.1f} tok/s", flush=True)
 
 
 WAITING = re.compile(r"tbb::|sched_yield|__schedule|do_syscall|clock_gettime|futex|x64_sys_call|gomp_|GOMP_")
@@ -167,6 +178,8 @@ def main():
     ap.add_argument("--context", type=int, default=256, help="tokens per sequence before it starts again")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--batch", type=int, default=0, help="profile a serving step of this many sequences instead")
+    ap.add_argument("--prompts", type=int, default=0,
+                    help="profile the prefill of this many 32-token prompts arriving at once instead")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -174,7 +187,7 @@ def main():
     if not shutil.which("perf"):
         sys.exit("profile_decode: perf not found (Debian: apt-get install linux-perf)")
     proc = subprocess.Popen([sys.executable, __file__, "--child", a.model, "--threads", str(a.threads), "--seconds",
-                             str(a.seconds), "--context", str(a.context), "--batch", str(a.batch)],
+                             str(a.seconds), "--context", str(a.context), "--batch", str(a.batch), "--prompts", str(a.prompts)],
                             stdout=subprocess.PIPE, text=True)
     pid = None
     for line in proc.stdout:
