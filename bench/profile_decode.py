@@ -1,6 +1,6 @@
 """Where a decode token's time goes, per kernel and per thread: `perf record` on a process decoding in a loop.
 
-    python bench/profile_decode.py MODEL.colibri [--threads 2] [--seconds 8] [--context 256] [--top 12] [--batch B]
+    python bench/profile_decode.py MODEL.colibri [--threads 2] [--seconds 8] [--context 256] [--top 12] [--batch B | --prompts N]
 
 --batch B profiles a serving step of B sequences (BatchEngine, as bench/step.py runs it) instead of the fused
 decode token; --prompts N the prefill of N 32-token prompts that arrive at once (N clients starting together).
