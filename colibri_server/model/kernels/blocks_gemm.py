@@ -38,7 +38,7 @@ from .blocks_head import HEAD_TILE_MIN_ROWS, tiles_q6_kw
 from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
 from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k, prep_x16, prep_x16_q6, q6_panel
 from .blocks_small import SMALL_MAX_ROWS, small_rows
-from .blocks_tile_ir import KC, Kernel, pass_width, store_rows, xs_pairs
+from .blocks_tile_ir import KC, Kernel, pass_width, q6_block_end, q6_block_sums, store_rows, xs_pairs
 from .blocks_wide import round_rows16, rows16
 from .blocks_x16 import gemm_rows_x16
 from .cpu import HAVE_AVX2, HAVE_VNNI512
@@ -167,41 +167,14 @@ def _mk_q6_k(nc):
             b = builder
             p, sc, sp, dd = (_arr_ptr(context, builder, signature.args[i], args[i], _f32 if i == 3 else _i32)
                              for i in range(4))
-            zero = ir.Constant(k.v16, None)
-
-            def cst(v):
-                return k.splat(ir.Constant(_i32, v))
 
             def body(blk, accs):
-                isum = [zero] * nc
-                x0 = b.mul(blk, k.c(256))
-                for h in range(2):
-                    for c in range(4):
-                        g0, g1 = [zero] * nc, [zero] * nc
-                        for g in range(8):
-                            # the 6-bit values, unpacked in the panel (blocks_panels.prep_q6_k)
-                            q = k.vec(p, b.mul(b.add(b.mul(blk, k.c(64)), k.c(32 * h + 8 * c + g)), k.c(R)))
-                            for t in range(nc):
-                                x = k.x4(t, b.add(x0, k.c(128 * h + 32 * c + 4 * g)))
-                                if g < 4:
-                                    g0[t] = k.dpbusd(g0[t], q, x)
-                                else:
-                                    g1[t] = k.dpbusd(g1[t], q, x)
-                        gi = 8 * h + 2 * c
-                        s0 = k.vec(sc, b.mul(b.add(b.mul(blk, k.c(16)), k.c(gi)), k.c(R)))
-                        s1 = k.vec(sc, b.mul(b.add(b.mul(blk, k.c(16)), k.c(gi + 1)), k.c(R)))
-                        for t in range(nc):
-                            isum[t] = b.add(isum[t], b.add(b.mul(g0[t], s0), b.mul(g1[t], s1)))
-                off = [zero] * nc
-                for q in range(8):
-                    s = k.vec(sp, b.mul(b.add(b.mul(blk, k.c(8)), k.c(q)), k.c(R)))
-                    for t in range(nc):
-                        off[t] = k.dpwssd(off[t], s, k.xs1(t, b.add(b.mul(blk, k.c(8)), k.c(q))))
-                d = k.vec(dd, b.mul(blk, k.c(R)), k.f16)
-                for t in range(nc):
-                    xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
-                    it = b.sub(isum[t], b.shl(off[t], cst(5)))
-                    b.store(k_update(b, b.load(accs[t]), it, d, xdb), accs[t])
+                # the 6-bit values and the scales, unpacked in the panel (blocks_panels.prep_q6_k)
+                isum = q6_block_sums(
+                    k, blk, nc, lambda h, c, g: k.vec(p, b.mul(b.add(b.mul(blk, k.c(64)), k.c(32 * h + 8 * c + g)), k.c(R))),
+                    lambda g: k.vec(sc, b.mul(b.add(b.mul(blk, k.c(16)), k.c(g)), k.c(R))))
+                q6_block_end(k, blk, accs, isum, lambda q: k.vec(sp, b.mul(b.add(b.mul(blk, k.c(8)), k.c(q)), k.c(R))),
+                             k.vec(dd, b.mul(blk, k.c(R)), k.f16))
             k.block_loop(nc, body)
             return context.get_dummy_value()
         return sig, codegen

@@ -11,11 +11,11 @@ from numba import njit
 from numba.core import cgutils
 
 from .blocks import _put2
-from .blocks_ir import _arr_ptr
+from .blocks_ir import _arr_ptr, k_update
 from .blocks_panels import R
 from .cpu import HAVE_VNNI512
 
-__all__ = ["KC", "Kernel", "activation_rows", "pass_width", "store_rows", "xs_pairs"]
+__all__ = ["KC", "Kernel", "activation_rows", "pass_width", "q6_block_end", "q6_block_sums", "store_rows", "xs_pairs"]
 
 KC = 8                     # the k-quants' activation rows per pass
 
@@ -117,6 +117,49 @@ class Kernel:
         for t in range(nc):
             p = b.bitcast(b.gep(self.res, [self.c(t * R)]), self.f16.as_pointer())
             b.store(b.load(accs[t]), p, align=4)
+
+
+def q6_block_sums(k, blk, nc, value, scale):
+    """A Q6_K block's integer sums in a micro-kernel pass of nc activation rows: per row t, sum over the 16 groups g of
+    scale(g) times the group's 6-bit values (value(h, c, g): dword g of the values 128h + 32c.., 16 weight rows as
+    lanes) times the row's activations (`vpdpbusd`, two groups of 16 values at a time)."""
+    b = k.b
+    zero = ir.Constant(k.v16, None)
+    isum = [zero] * nc
+    x0 = b.mul(blk, k.c(256))
+    for h in range(2):
+        for c in range(4):
+            g0, g1 = [zero] * nc, [zero] * nc
+            for g in range(8):
+                v = value(h, c, g)
+                for t in range(nc):
+                    x = k.x4(t, b.add(x0, k.c(128 * h + 32 * c + 4 * g)))
+                    if g < 4:
+                        g0[t] = k.dpbusd(g0[t], v, x)
+                    else:
+                        g1[t] = k.dpbusd(g1[t], v, x)
+            s0, s1 = scale(8 * h + 2 * c), scale(8 * h + 2 * c + 1)
+            for t in range(nc):
+                isum[t] = b.add(isum[t], b.add(b.mul(g0[t], s0), b.mul(g1[t], s1)))
+    return isum
+
+
+def q6_block_end(k, blk, accs, isum, pair, d):
+    """The end of a Q6_K block in a micro-kernel pass (its panel's, kernels/blocks_gemm, or its tile's as stored,
+    kernels/blocks_x16): isum[t], the integer sum of scale times 6-bit value (0..63) times activation over the block for
+    activation row t, less 32 times the scales against the activations' 16-sums (pair(q): the scales 2q | 2q+1 << 16
+    as i16 pairs, against xs_pairs(Xs, 1)), scaled by d (<16 x float>) and the row's d into accs[t] (k_update)."""
+    b = k.b
+    zero = ir.Constant(k.v16, None)
+    off = [zero] * len(isum)
+    for q in range(8):
+        s = pair(q)
+        for t in range(len(isum)):
+            off[t] = k.dpwssd(off[t], s, k.xs1(t, b.add(b.mul(blk, k.c(8)), k.c(q))))
+    five = k.splat(ir.Constant(_i32, 5))
+    for t in range(len(isum)):
+        xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
+        b.store(k_update(b, b.load(accs[t]), b.sub(isum[t], b.shl(off[t], five)), d, xdb), accs[t])
 
 
 @njit(cache=True, inline="always")

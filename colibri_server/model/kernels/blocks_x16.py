@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 from .blocks import X16_ROWS, _put2, _rows_q4_k, _rows_q6_k
 from .blocks_ir import _arr_ptr, k_update
 from .blocks_panels import Q6_WORDS, R, f16_lanes, k_min_pair, k_scale, q6_scale, q6_value, q6x_d, q6x_ptr
-from .blocks_tile_ir import KC, Kernel, pass_width, store_rows, xs_pairs
+from .blocks_tile_ir import KC, Kernel, pass_width, q6_block_end, q6_block_sums, store_rows, xs_pairs
 from .cpu import HAVE_AVX2, HAVE_VNNI512
 from .prefetch import prefetch_ahead
 
@@ -130,7 +130,6 @@ def _mk_q6kx(nc):
             r0 = context.cast(b, args[1], signature.args[1], types.intp)
             row_bytes = b.mul(k.nb, k.c(210))
             tile = b.gep(base, [b.mul(r0, row_bytes)])           # the tile's first byte
-            zero = ir.Constant(k.v16, None)
             ahead = b.mul(row_bytes, k.c(R))                    # bytes: the next tile's same vector, into L2
 
             def splat(v):
@@ -138,33 +137,11 @@ def _mk_q6kx(nc):
 
             def body(blk, accs):
                 ql, qh, sv = (_Vectors(b, tile, blk, f, ahead, k.v16) for f in (0, 32, 48))
-                isum = [zero] * nc
-                x0 = b.mul(blk, k.c(256))
-                for h in range(2):
-                    for c in range(4):
-                        g0, g1 = [zero] * nc, [zero] * nc
-                        for g in range(8):
-                            v = q6_value(b, ql, qh, h, c, g, splat)
-                            for t in range(nc):
-                                x = k.x4(t, b.add(x0, k.c(128 * h + 32 * c + 4 * g)))
-                                if g < 4:
-                                    g0[t] = k.dpbusd(g0[t], v, x)
-                                else:
-                                    g1[t] = k.dpbusd(g1[t], v, x)
-                        s0, s1 = (q6_scale(b, sv, 8 * h + 2 * c + i, splat) for i in range(2))
-                        for t in range(nc):
-                            isum[t] = b.add(isum[t], b.add(b.mul(g0[t], s0), b.mul(g1[t], s1)))
-                off = [zero] * nc
-                for q in range(8):          # the scales' i16 pairs against the activations' 16-sums: the offset 32
-                    pair = b.or_(b.and_(q6_scale(b, sv, 2 * q, splat), splat(0xFFFF)),
-                                 b.shl(q6_scale(b, sv, 2 * q + 1, splat), splat(16)))
-                    for t in range(nc):
-                        off[t] = k.dpwssd(off[t], pair, k.xs1(t, b.add(b.mul(blk, k.c(8)), k.c(q))))
-                d = q6x_d(b, q6x_ptr(b, tile, blk, Q6_WORDS))
-                for t in range(nc):
-                    xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), k.f16)
-                    it = b.sub(isum[t], b.shl(off[t], splat(5)))
-                    b.store(k_update(b, b.load(accs[t]), it, d, xdb), accs[t])
+                isum = q6_block_sums(k, blk, nc, lambda h, c, g: q6_value(b, ql, qh, h, c, g, splat),
+                                     lambda g: q6_scale(b, sv, g, splat))
+                q6_block_end(k, blk, accs, isum, lambda q: b.or_(b.and_(q6_scale(b, sv, 2 * q, splat), splat(0xFFFF)),
+                                                                 b.shl(q6_scale(b, sv, 2 * q + 1, splat), splat(16))),
+                             q6x_d(b, q6x_ptr(b, tile, blk, Q6_WORDS)))
             k.block_loop(nc, body)
             return context.get_dummy_value()
         return sig, codegen
@@ -175,31 +152,32 @@ _y8, _y4, _y3, _y2, _y1 = (_mk_q6kx(n) for n in (KC, 4, 3, 2, 1))
 
 
 @njit(cache=True, inline="always")
-def _pass(nc, raw, r0, Xq, Xd, XP, t0, nb, res):
+def _pass(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res):
+    # activation rows t0..t0+nc through the Q4_K_X16 (six: Q6_K_X16) tile at row r0
     if nc == KC:
-        _x8(raw, r0, Xq, Xd, XP, t0, nb, res)
+        if six:
+            _y8(raw, r0, Xq, Xd, XP, t0, nb, res)
+        else:
+            _x8(raw, r0, Xq, Xd, XP, t0, nb, res)
     elif nc == 4:
-        _x4(raw, r0, Xq, Xd, XP, t0, nb, res)
+        if six:
+            _y4(raw, r0, Xq, Xd, XP, t0, nb, res)
+        else:
+            _x4(raw, r0, Xq, Xd, XP, t0, nb, res)
     elif nc == 3:
-        _x3(raw, r0, Xq, Xd, XP, t0, nb, res)
+        if six:
+            _y3(raw, r0, Xq, Xd, XP, t0, nb, res)
+        else:
+            _x3(raw, r0, Xq, Xd, XP, t0, nb, res)
     elif nc == 2:
-        _x2(raw, r0, Xq, Xd, XP, t0, nb, res)
+        if six:
+            _y2(raw, r0, Xq, Xd, XP, t0, nb, res)
+        else:
+            _x2(raw, r0, Xq, Xd, XP, t0, nb, res)
+    elif six:
+        _y1(raw, r0, Xq, Xd, XP, t0, nb, res)
     else:
         _x1(raw, r0, Xq, Xd, XP, t0, nb, res)
-
-
-@njit(cache=True, inline="always")
-def _pass6(nc, raw, r0, Xq, Xd, XP, t0, nb, res):
-    if nc == KC:
-        _y8(raw, r0, Xq, Xd, XP, t0, nb, res)
-    elif nc == 4:
-        _y4(raw, r0, Xq, Xd, XP, t0, nb, res)
-    elif nc == 3:
-        _y3(raw, r0, Xq, Xd, XP, t0, nb, res)
-    elif nc == 2:
-        _y2(raw, r0, Xq, Xd, XP, t0, nb, res)
-    else:
-        _y1(raw, r0, Xq, Xd, XP, t0, nb, res)
 
 
 @njit(cache=True)
@@ -233,10 +211,7 @@ def gemm_rows_x16(raw, six, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             t0 = 0
             while t0 < T:
                 nc = pass_width(T, t0) if HAVE_VNNI512 else min(AVX2_PASS, T - t0)
-                if six:
-                    _pass6(nc, raw, r0, Xq, Xd, XP, t0, nb, res)
-                else:
-                    _pass(nc, raw, r0, Xq, Xd, XP, t0, nb, res)
+                _pass(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res)
                 store_rows(res, out, t0, nc, r0, alpha, accumulate)
                 t0 += nc
             continue
