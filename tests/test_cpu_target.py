@@ -127,7 +127,7 @@ for kind in json.loads(sys.argv[2]):
         w = quantized(rng.standard_normal((48, n)).astype(np.float32) * 0.05, kind, seed=kind)
         x16 = KB.to_x16(w, 144 if kind == 12 else 210)
         diff = 0
-        for rows in (X, X[:1], np.tile(X, (5, 1))):         # 55 rows: panels of the tiles
+        for rows in (X, X[:1], X[:3], np.tile(X, (5, 1))):      # 1, 3 rows: the tiles as stored; 11, 55: their panels
             a, b = (np.zeros((rows.shape[0], 48), np.float32) for _ in range(2))
             for m, k, y in ((w, kind, a), (x16, kind + KB.X16, b)):
                 KG.matmul_blocks(m, k, rows, y, np.zeros(rows.shape, np.int8),

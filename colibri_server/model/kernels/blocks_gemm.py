@@ -62,6 +62,11 @@ X16_PANEL_MIN_ROWS = 48
 # and a Q6_K_X16 matrix from this many (blocks_panels.prep_x16_q6, the Q6_K passes): as stored against the Q6_K rows'
 # panels, 1024 x 2048 from memory, 1.02-1.05x at 16 rows, 0.95x at 20, 0.91x at 32; through a panel 0.98-0.99x
 X16_Q6_PANEL_MIN_ROWS = 20
+# on AVX2 (blocks_x16.AVX2_PASS: 4 rows a pass, the values unpacked again in each) both from this many: one thread, 64
+# matrices from memory, against the rows' panels (blocks_avx2's passes), Q4_K 2048 x 1024 as stored 1.03-1.08x at 4
+# rows, 0.83x at 6, 0.82x at 8, 0.72x at 16, 0.61x at 47, through a panel 1.02-1.07x at 5 to 8 rows, 0.99-1.00x to 32;
+# Q6_K 1024 x 2048 as stored 0.97-1.19x at 4, 0.88x at 6, 0.81x at 16, through a panel 1.04-1.07x at 5 to 8
+X16_AVX2_PANEL_MIN_ROWS = 5
 HAVE_TILES = HAVE_VNNI512        # every tile kind (Q8_0's and the int16 head's too)
 # the kinds whose weight bytes stay within 0..63 (Q4_K, Q5_K, Q6_K, Q4_0) also on AVX2, where Kernel.dpbusd is
 # `vpmaddubsw` + `vpmaddwd` (exact below i16 saturation; Q8_0's flipped bytes reach 255 and would saturate)
@@ -408,7 +413,7 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # dots, the same bits every way; kind + ACTS16 (the output head): blocks_wide's row dots, its Q8_0/Q4_0 tiles
     # from WIDE_TILE_MIN_ROWS rows, Q6_K's (kernels/blocks_head) from HEAD_TILE_MIN_ROWS; Q4_K + X16, Q6_K + X16 (rows
     # stored as tiles): kernels/blocks_x16's tiles as stored from one row, their panels from X16_PANEL_MIN_ROWS
-    # (X16_Q6_PANEL_MIN_ROWS).
+    # (X16_Q6_PANEL_MIN_ROWS; on AVX2 X16_AVX2_PANEL_MIN_ROWS).
     # tmp: >= scratch_words(n) f32
     end = i0
     T = X.shape[0]
@@ -426,7 +431,7 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     if kind == Q4_K + X16 or kind == Q6_K + X16:
         six = kind == Q6_K + X16
         lo, hi = (i0 + R - 1) // R * R, i1 // R * R          # the whole tiles in i0..i1
-        panel_min = X16_Q6_PANEL_MIN_ROWS if six else X16_PANEL_MIN_ROWS
+        panel_min = (X16_Q6_PANEL_MIN_ROWS if six else X16_PANEL_MIN_ROWS) if HAVE_VNNI512 else X16_AVX2_PANEL_MIN_ROWS
         if T >= panel_min and lo < hi and TILES_SMALL_VALUES and tmp.shape[0] >= scratch_words(X.shape[1]):
             gemm_rows_x16(raw, six, X, Xq, Xd, Xs, out, tmp, i0, lo, alpha, accumulate)
             if six:
