@@ -197,8 +197,8 @@ def test_the_int16_head_is_the_default_and_every_path_gets_its_bits(tmp_path, he
 def test_a_block_models_threaded_kernels_are_compiled_before_fork(tmp_path):
     """compile_threaded (a pre-fork master's) compiles the block kinds' threaded kernels for the types a 2-thread
     worker's workspace gives them (mm_blocks on one and a few rows, a decode token's experts, a step's q, k and v in
-    one region), so a worker compiles
-    none at its first requests: compiled there, they stalled a first 16-client burst on Q4_K_M for 26 s."""
+    one region), so a worker compiles none at its first requests: compiled there, they stalled a first 16-client
+    burst on Q4_K_M for 26 s."""
     import numba
 
     from colibri_server.model.transformer import Workspace
