@@ -11,7 +11,9 @@ concurrent clients C, llama-server (continuous batching, -np C, -t/-tb = the mac
 client streams --reqs requests one after another: a --prompt-token prompt of random ids (a different
 one per request), --tokens greedy new tokens, EOS ignored. Figures per system and C: aggregate
 completion tokens / wall seconds, time to first token (p50, p99) and inter-token latency (the gaps
-between a request's streamed tokens; p50, p99), and colibri / llama-server. Prints a table, writes JSON.
+between a request's streamed tokens; p50, p99), and colibri / llama-server. Prints a table, writes JSON;
+each JSON row also has cpu_pct: the CPU time over the run of the clients (this process) and of each of the
+server's processes, as % of one core (the clients, and colibri's router, run on the cores its worker uses).
 The machine must be quiet (nothing else running): the two systems share its cores in turns.
 
     python bench/serve.py --no-llama --against-bin REV/.venv/bin/colibri [...] --precisions f16 q4
@@ -50,6 +52,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -102,6 +105,7 @@ class Stats:
     def __init__(self):
         self.lock = threading.Lock()
         self.tokens, self.ttft, self.itl, self.errors = 0, [], [], []
+        self.cpu = {}           # process name -> CPU seconds over the clients' run (cpu_seconds)
 
     def add(self, stamps, t0):
         with self.lock:
@@ -115,7 +119,25 @@ class Stats:
             self.errors.append(repr(e)[:200])
 
 
-def run_clients(conc, reqs, one, P):
+def cpu_seconds(server):
+    """CPU seconds (user + system) so far of this process (the clients: "clients") and of the server's process tree
+    (psutil.Process or None), summed by process name (colibri's master, router and workers are named apart)."""
+    me = psutil.Process()
+    t = me.cpu_times()
+    out = {"clients": t.user + t.system}
+    for p in ([server] + server.children(recursive=True)) if server is not None else []:
+        try:
+            name, t = p.name(), p.cpu_times()
+        except psutil.Error:        # exited meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + t.user + t.system
+    return out
+
+
+def run_clients(conc, reqs, one, P, server=None):
+    """conc client threads, each running reqs requests (one(i, prompt)) -> (Stats, wall seconds). server: the
+    psutil.Process of the server, whose processes' CPU time over the run goes into Stats.cpu beside the clients'
+    (the machine's cores serve both: what the clients and the server's other processes take, its workers lack)."""
     st = Stats()
 
     def client(i):
@@ -126,12 +148,14 @@ def run_clients(conc, reqs, one, P):
             except Exception as e:  # noqa: BLE001  (counted and printed, the run goes on)
                 st.error(e)
     ts = [threading.Thread(target=client, args=(i,)) for i in range(conc)]
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(server), time.perf_counter()
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    return st, time.perf_counter() - t0
+    wall, c1 = time.perf_counter() - t0, cpu_seconds(server)
+    st.cpu = {k: v - c0.get(k, 0.0) for k, v in c1.items()}
+    return st, wall
 
 
 def wait_until(check, what, timeout=180):
@@ -183,15 +207,16 @@ def llama_round(a, gguf, conc, P):
             c.close()
             return stamps
         one(0, P[-1])                                   # warm-up
-        return run_clients(conc, a.reqs, one, P)
+        return run_clients(conc, a.reqs, one, P, psutil.Process(p.pid))
     finally:
         p.terminate()
         p.wait(30)
         log.close()
 
 
-def colibri_clients(a, conc, P, socks):
-    """conc streaming clients, client i on socks[i % len(socks)], after one warm-up request to each."""
+def colibri_clients(a, conc, P, socks, server=None):
+    """conc streaming clients, client i on socks[i % len(socks)], after one warm-up request to each (server: as
+    run_clients')."""
     from colibri_server.client import Client
     local = threading.local()
 
@@ -206,7 +231,7 @@ def colibri_clients(a, conc, P, socks):
     for k in range(len(socks)):
         one(k, P[-1])
     local.__dict__.clear()      # each client thread its own connection (the warm-up ran on this one)
-    return run_clients(conc, a.reqs, one, P)
+    return run_clients(conc, a.reqs, one, P, server)
 
 
 def colibri_round(a, path, conc, P, binary=None):
@@ -224,7 +249,7 @@ def colibri_round(a, path, conc, P, binary=None):
                 h = c.health()
                 return "starting" if h["status"] == "starting" else h["status"] == "ok" and h["workers_ready"] >= 1
             wait_until(ready, "colibri")
-        return colibri_clients(a, conc, P, [sock])
+        return colibri_clients(a, conc, P, [sock], psutil.Process(p.pid))
     finally:
         p.terminate()
         try:
@@ -354,7 +379,8 @@ def measure(a, systems):
                     row = dict(precision=prec, conc=conc, round=rnd, system=system, tokens=st.tokens,
                                wall_s=round(wall, 2), tok_s=round(st.tokens / wall, 1),
                                ttft_p50_ms=pct(st.ttft, 50), ttft_p99_ms=pct(st.ttft, 99),
-                               itl_p50_ms=pct(st.itl, 50), itl_p99_ms=pct(st.itl, 99), errors=st.errors[:3])
+                               itl_p50_ms=pct(st.itl, 50), itl_p99_ms=pct(st.itl, 99), errors=st.errors[:3],
+                               cpu_pct={k: round(v / wall * 100, 1) for k, v in st.cpu.items()})
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     return rows
