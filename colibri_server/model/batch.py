@@ -18,6 +18,7 @@ import numpy as np
 from . import kernels as K
 from . import mla as MLA
 from .config import ModelConfig
+from .head import head_logits
 from .kernels import paged as KP
 from .kernels import tiled as KT
 from .moe import moe, swiglu
@@ -44,11 +45,12 @@ class Rows:
 
 
 def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, noise=None, expert_counts=None,
-                  fetch=None) -> np.ndarray:
+                  fetch=None, argmax_rows=None) -> np.ndarray:
     """Run every row of the step; write their keys and values into the pool; return the logits of
     the sampled rows (M,V), a view of logits_out (>= M,V). expert_counts (L,E) int64: each layer's
     routing choices of these rows are added to it. fetch: a residency.ReadAhead when the weights have a
-    budget (asks for the experts that are not resident before they are needed)."""
+    budget (asks for the experts that are not resident before they are needed). argmax_rows (M,) bool: the
+    sampled rows that take only their argmax (head.head_logits)."""
     N = len(rows)
     if N > ws.rows:
         raise ValueError(f"{N} rows exceed the workspace's {ws.rows}")
@@ -98,11 +100,7 @@ def forward_batch(cfg: ModelConfig, w, rope, ws, pool, rows: Rows, logits_out, n
     hs = ws.gather[:M]                                                         # (M,D)
     np.take(x, rows.sample, axis=0, out=hs)
     norm(hs, w.output_norm, w.output_norm_b, cfg.rms_norm_eps, hs)
-    logits = logits_out[:M]                                                    # (M,V)
-    ws.mm(hs, w.output, logits)
-    if w.output_b is not None:
-        logits += w.output_b
-    return logits
+    return head_logits(ws, hs, w.output, w.output_b, logits_out[:M], argmax_rows)      # (M,V)
 
 
 def _feed_forward(cfg: ModelConfig, l: int, L, x, h, sub, ws, noise, expert_counts, fetch=None) -> None:

@@ -462,6 +462,11 @@ class Sequence:
             self.timings["decode_s"] += time.perf_counter() - t0
         return ev
 
+    def argmax_only(self) -> bool:
+        """Whether the next token reads nothing of its logits but which is largest: argmax_only sampling, no
+        grammar, no log-probabilities (model/head then gives that argmax at the int8 head's speed)."""
+        return self.params.argmax_only and self.constraint is None and self.params.logprobs is None
+
     def _sample(self, logits) -> StreamEvent:
         p = self.params
         allowed, complete = None, False

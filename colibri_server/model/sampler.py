@@ -186,6 +186,13 @@ class SamplingParams:
         """Temperature 0, or one so small that 1/T overflows float32: its limit is the argmax."""
         return self.temperature == 0.0 or 1.0 / self.temperature > float(np.finfo(np.float32).max)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with no logit bias and no repetition, presence or frequency penalty: the token is the argmax of
+        the logits as given."""
+        return self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0 \
+            and self.frequency_penalty == 0.0 and not self.logit_bias
+
 
 # --------------------------------------------------------------------------
 # Sampler

@@ -150,7 +150,8 @@ class BatchEngine:
                 self.expert_counts[self._moe_rows, self.single.routes] += 1    # (n_moe,A): a layer's experts differ
             else:
                 logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, out, noise=m.noise,
-                                       expert_counts=self.expert_counts, fetch=self.fetch)
+                                       expert_counts=self.expert_counts, fetch=self.fetch,
+                                       argmax_rows=self._argmax_rows(plan, rows))
         except ArithmeticError as e:        # a kernel met NaNs: fault whose rows hold them, recompute the rest
             self._arithmetic_fault(plan, e)
             return []
@@ -249,6 +250,16 @@ class BatchEngine:
             if seg.state.rid in self.states:
                 self._fault(seg.state, self._numerical_fault(seg.state, seg.start + seg.n, what(seg)))
 
+    @staticmethod
+    def _argmax_rows(plan, rows) -> np.ndarray:
+        """(M,) bool over the sampled rows: those whose token is the argmax of their logits and which nothing else
+        reads (no scored prompt rows, one completion, Sequence.argmax_only)."""
+        mask = np.zeros(len(rows.sample), np.bool_)
+        for seg, (first, j) in zip(plan, rows.seg_logits):
+            if j is not None and first is None and seg.state.width == 1 and seg.state.seq.argmax_only():
+                mask[j] = True
+        return mask
+
     def _rows(self, plan) -> Rows:
         """The step's rows; rows.seg_logits[i] = (first logits row of segment i's scored prompt rows or
         None, its sampled row's logits row or None)."""
@@ -322,6 +333,7 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
 
     from . import kernels as K
     from .blocks import is_block
+    from .head import compile_refine
     from .kernels import parallel_runtime
     from .kernels import rowgemm as RG
     from .kernels import tiled as KT
@@ -355,6 +367,7 @@ def compile_threaded(model, kv_dtype: str = "f16") -> None:
                     RG.rowgemm_par.compile(s)
     ws = Workspace(cfg, 1, threads=2)
     compile_parallel(w, ws)                                                  # mm's threaded matvecs and GEMMs
+    compile_refine(ws, w.output, w.output_b)                                 # the greedy rows' head (model/head)
     for W in mats:                                       # and its one-thread matvec for the matrices below that
         if W is not None and not hasattr(W, "q") and W.dtype != np.float32 and W.ndim == 2 \
                 and W.shape[0] * W.shape[1] < ws.PAR_MIN_WEIGHTS:
