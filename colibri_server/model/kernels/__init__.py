@@ -20,6 +20,7 @@ Rooms, imports running upward only (a module imports only those above it):
   blocks_x16          Q4_K and Q6_K matrices stored as 16-row tiles (q4_k_x16, q6_k_x16): read as stored, any rows
   blocks_gemm         their tiled product of many rows (16-row panels, VNNI micro-kernels)
   experts_blocks      a serving step's and a decode token's block-kind experts in one call
+  head_argmax         the int16 head's argmax from the int8 head's logits (the few near the top recomputed)
   decode    the whole decode token fused into one Numba call
   kquants   llama.cpp's k-quant encoders (converter), over base and paged's f16 conversions
 
