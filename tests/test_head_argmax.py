@@ -145,7 +145,7 @@ def test_the_warm_up_compiles_the_refinement_before_fork(tmp_path):
     serving.warm_up(m)
     head = m.weights.output
     assert any(s[0] == numba.typeof(head.raw) for s in KH.refine_argmax.signatures)
-    assert (head.raw.__array_interface__["data"][0], head.raw.shape, head.kind) in MH._L2
+    assert id(head.raw) in MH._L2
 
 
 @pytest.mark.slow          # compile_threaded's cold compile: minutes on a loaded core
@@ -164,3 +164,20 @@ def test_the_threaded_refinement_is_compiled_before_fork(tmp_path):
     args = MH._refine_args(ws, ws.gather[:3], m.weights.output, m.weights.output_b, np.zeros((16, V), np.float32)[:3],
                            np.arange(3))
     assert tuple(numba.typeof(a) for a in args) in {tuple(s) for s in KH.refine_argmax_par.signatures}
+
+
+def test_a_heads_norm_is_forgotten_with_its_bytes():
+    """W2 is kept per head array while it lives: a reload's model, whatever address its head lands at, gets its own."""
+    import gc
+
+    from colibri_server.model import head as MH
+    from colibri_server.model.blocks import BlockTensor
+    rng = np.random.default_rng(8)
+    raw = quantized(rng.standard_normal((32, 256)).astype(np.float32) * 0.05, Q.Q6_K, seed=1)
+    head = BlockTensor("q6_k", raw, acts16=True)
+    key = id(raw)
+    w2 = MH._l2_max(head)
+    assert MH._L2[key] == w2 == KH.head_l2_max(raw, int(Q.Q6_K), 256) > 0
+    del head, raw
+    gc.collect()
+    assert key not in MH._L2

@@ -11,6 +11,8 @@ nothing reads. The other rows get the int16 head as before.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from .blocks import BlockTensor
@@ -18,14 +20,15 @@ from .kernels import head_argmax as KH
 
 __all__ = ["head_logits"]
 
-_L2: dict = {}          # (address, shape, kind) of a head's bytes -> max_v |w_v|_2: once a process (the master's
-                        # warm-up computes it before the workers fork)
+_L2: dict = {}          # id of a head's bytes (BlockTensor.raw) -> max_v |w_v|_2, dropped with the array (a reload's
+                        # model is another array); the master's warm-up computes it before the workers fork
 
 
 def _l2_max(head: BlockTensor) -> float:
-    key = (head.raw.__array_interface__["data"][0], head.raw.shape, head.kind)
+    key = id(head.raw)
     if key not in _L2:
         _L2[key] = float(KH.head_l2_max(head.raw, head.ggml & 255, head.shape[-1]))
+        weakref.finalize(head.raw, _L2.pop, key, None)
     return _L2[key]
 
 
