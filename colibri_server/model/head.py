@@ -52,8 +52,11 @@ def head_logits(ws, hs, head, bias, logits, argmax_rows=None):
             logits[sel] = part
     if bias is not None:
         logits += bias
-    KH.refine_argmax_par(*_refine_args(ws, hs, head, bias, logits, fast)) if ws.threads > 1 else \
-        KH.refine_argmax(*_refine_args(ws, hs, head, bias, logits, fast))
+    args = _refine_args(ws, hs, head, bias, logits, fast)
+    if ws.threads > 1:
+        KH.refine_argmax_par(*args)
+    else:
+        KH.refine_argmax(*args)
     return logits
 
 
