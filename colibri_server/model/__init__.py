@@ -2,7 +2,7 @@
 
 `Model` (engine.py) is the face: open a file, prefill/decode/stream, plus what the cli needs
 (`generate_from_embeddings`, `weights.first_rows`). Below it: transformer/moe/decode_step (one
-sequence), batch/kv/scheduler/serving (many), weights/panels/quant (views of the mapping),
+sequence), batch/head/kv/scheduler/serving (many), weights/panels/quant (views of the mapping),
 format (bytes) and hugepages (pages), convert (HF -> .colibri), kernels/ (every Numba loop).
 It never imports the roles (master, router, worker), the wire (protocol, client) or the gateway.
 Importing it imports neither the engine nor the kernels (nor Numba): `Model` and its kin load on first use.

@@ -15,7 +15,7 @@ Three forward paths, each for a reason, all built from the same kernels and per-
   layers of mixed kinds);
 - batch.forward_batch(): the serving step, rows of many sequences on the paged pool (kv.py),
   each selected expert read once per step for all its rows (test_batching: a step's rows equal
-  each sequence run alone);
+  each sequence run alone), its greedy rows' head on int8 with the int16 head's tokens (head.py);
 - decode_step.DecodeStep: a batch-1 decode token in one Numba call, 2-5% faster than forward's
   dozen dispatches per layer, bit for bit the same logits (test_parity, test_batching).
 """
