@@ -15,7 +15,8 @@ import weakref
 
 import numpy as np
 
-from .blocks import BlockTensor
+from .blocks import KINDS, BlockTensor
+from .kernels import blocks as KB
 from .kernels import head_argmax as KH
 
 __all__ = ["head_logits"]
@@ -24,10 +25,19 @@ _L2: dict = {}          # id of a head's bytes (BlockTensor.raw) -> max_v |w_v|_
                         # model is another array); the master's warm-up computes it before the workers fork
 
 
+def _refined_kind(head):
+    """The head's GGML id when its greedy rows take the int8 head and the refinement (a block-kind head on the int16
+    rounding, of a kind with integer dots: the others take the f32 hidden state either way), else None."""
+    if not isinstance(head, BlockTensor) or not head.acts16:
+        return None
+    k = KINDS[head.kind].ggml
+    return k if k in KB.FAST else None
+
+
 def _l2_max(head: BlockTensor) -> float:
     key = id(head.raw)
     if key not in _L2:
-        _L2[key] = float(KH.head_l2_max(head.raw, head.ggml & 255, head.shape[-1]))
+        _L2[key] = float(KH.head_l2_max(head.raw, _refined_kind(head), head.shape[-1]))
         weakref.finalize(head.raw, _L2.pop, key, None)
     return _L2[key]
 
@@ -35,8 +45,7 @@ def _l2_max(head: BlockTensor) -> float:
 def head_logits(ws, hs, head, bias, logits, argmax_rows=None):
     """logits (M,V) = hs (M,D) @ head.T (+ bias); argmax_rows (M,) bool or None: the rows that only take their
     argmax (their other logits are then the int8 head's). Returns logits."""
-    if argmax_rows is None or not isinstance(head, BlockTensor) or not head.acts16 \
-            or not KH.refines(head.ggml & 255) or not argmax_rows.any():
+    if argmax_rows is None or _refined_kind(head) is None or not argmax_rows.any():
         ws.mm(hs, head, logits)
         if bias is not None:
             logits += bias
@@ -66,7 +75,7 @@ _NO_BIAS = np.zeros(0, np.float32)
 def _refine_args(ws, hs, head, bias, logits, rows):
     """kernels/head_argmax's arguments: refine_argmax's, or on threads refine_argmax_par's (a scratch a thread)."""
     _, _, _, tmps = ws.block_acts(1, hs.shape[1], True)
-    return (head.raw, head.ggml & 255, hs, logits, rows, bias if bias is not None else _NO_BIAS, _l2_max(head),
+    return (head.raw, _refined_kind(head), hs, logits, rows, bias if bias is not None else _NO_BIAS, _l2_max(head),
             tmps[:ws.threads] if ws.threads > 1 else tmps[0])
 
 
@@ -74,7 +83,7 @@ def compile_refine(ws, head, bias) -> None:
     """Compile refine_argmax_par for the types a threaded workspace gives it (a pre-fork master compiles, the
     forked workers run it), when the head takes it."""
     import numba
-    if ws.threads < 2 or not isinstance(head, BlockTensor) or not head.acts16 or not KH.refines(head.ggml & 255):
+    if ws.threads < 2 or _refined_kind(head) is None:
         return
     args = _refine_args(ws, ws.gather[:1], head, bias, np.zeros((1, head.shape[0]), np.float32), np.zeros(1, np.int64))
     KH.refine_argmax_par.compile(tuple(numba.typeof(a) for a in args))

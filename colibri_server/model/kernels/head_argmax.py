@@ -16,17 +16,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _kround, deq_row, round_rows
+from .blocks import ACTS16, _kround, deq_row, round_rows
 from .blocks_gemm import gemm_rows
 from .blocks_wide import round_rows16
 
-__all__ = ["head_l2_max", "refine_argmax", "refine_argmax_par", "refines"]
-
-
-@njit(cache=True)
-def refines(kind):
-    # whether kind's int16 head differs from its int8 one (blocks_wide rounds these to int16; the others take f32)
-    return kind == Q8_0 or kind == Q4_0 or kind == Q4_K or kind == Q5_K or kind == Q6_K
+__all__ = ["head_l2_max", "refine_argmax", "refine_argmax_par"]
 
 
 @njit(cache=True)
@@ -122,7 +116,7 @@ def _bias_max(bias):
 def refine_argmax(raw, kind, X, L, rows, bias, l2, tmp):
     # rows t of X (T, n) f32 (the head's input) whose L[t] (T, d) f32 holds the int8 head's logits (+ bias (d,) f32, or
     # size 0): every logit within 2E of the row's maximum replaced by the int16 head's (kind: the head's GGML id,
-    # refines(kind); l2: head_l2_max; tmp >= blocks_gemm.scratch_words(n) f32). Returns the logits recomputed.
+    # one of blocks.FAST, those with an int16 rounding; l2: head_l2_max; tmp >= blocks_gemm.scratch_words(n) f32). Returns the logits recomputed.
     q8, d8, s8, q16, d16, s16 = _scratch(X.shape[1])
     bmax = _bias_max(bias)
     done = 0
