@@ -106,6 +106,17 @@ def cached(path) -> int:
         return -1
 
 
+def device_read(path) -> int:
+    """Bytes the block device holding `path` has read since boot (its sectors read, /sys/dev/block/M:m/stat),
+    -1 when unknown: the difference over a run is what the run read from disk, cache misses and re-reads included."""
+    st = os.stat(path)
+    try:
+        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
+            return int(f.read().split()[2]) * 512
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def run_in(cg: Cgroup | None, argv, env=None, timeout=1800) -> subprocess.CompletedProcess:
     procs = cg.procs_file() if cg is not None else None
 

@@ -16,8 +16,10 @@ concurrent clients each stream --reqs greedy requests one after another (a --pro
 fixed random ids, a different one per request, --tokens new tokens, EOS ignored). A run stops by
 itself: no client starts a request after --deadline seconds, and a request still streaming at
 1.5 x --deadline is cut there. Figures: aggregate tokens / wall seconds, the cgroup's peak usage
-against its limit, its OOM kills, and whether every finished request's greedy tokens equal the same
-server's unconstrained run (no cgroup, the file cached), which runs first. --cold-kernels starts colibri
+against its limit, its OOM kills, the bytes the model's block device read while the clients ran (per
+token: what decides the speed when the disk is the bottleneck; memory_limit.device_read), and whether
+every finished request's greedy tokens equal the same server's unconstrained run (no cgroup, the file
+cached), which runs first. --cold-kernels starts colibri
 under a limit with an empty kernel cache, so that its cold compile runs inside the limit too.
 
     python bench/memory_limit_serve.py --limits 50 \\
@@ -227,10 +229,13 @@ def processes(cg) -> dict:
 
 def _measure(a, one, P, ready_t, p, cg=None) -> dict:
     run = Run(a.deadline)
+    read0 = ML.device_read(a.model)
     wall = run.clients(a.clients, a.reqs, one, P)
+    read = ML.device_read(a.model) - read0 if read0 >= 0 else -1
     mem = processes(cg)
     return {"memory": mem, "tokens": run.tokens, "wall_s": round(wall, 2), "tok_s": round(run.tokens / wall, 2),
             "requests_done": len(run.answers), "requests": a.clients * a.reqs, "errors": run.errors[:3],
+            "disk_read_bytes": read, "disk_read_per_token": round(read / run.tokens) if read >= 0 and run.tokens else None,
             "start_s": round(ready_t - a.t_launch, 1), "alive": p.poll() is None,
             "answers": {f"{i}.{j}": v for (i, j), v in sorted(run.answers.items())}}
 
@@ -315,7 +320,8 @@ def main(argv=None):
             row[who] = got
             print(f"{pct:g}% ({limit / 2**20:.0f} MiB): {who} {got.get('tok_s')} tok/s, "
                   f"{got.get('requests_done')}/{got.get('requests')} requests, peak "
-                  f"{got.get('peak_bytes', 0) / 2**20:.0f} MiB, oom {got.get('oom_kills')}, same "
+                  f"{got.get('peak_bytes', 0) / 2**20:.0f} MiB, oom {got.get('oom_kills')}, disk read "
+                  f"{(got.get('disk_read_per_token') or 0) / 2**20:.1f} MiB/token, same "
                   f"{got['same_as_unconstrained']}, {got.get('weights', '')} {got.get('error', '')}", flush=True)
         if row["colibri"].get("weights_figures"):
             print(f"{pct:g}%: colibri weights {row['colibri']['weights_figures']}", flush=True)
