@@ -69,11 +69,11 @@ def test_products_equal_the_dequantized_product_within_the_rounding(kind):
     assert np.array_equal(one[0], out[1])
 
 
-@pytest.mark.skipif(not KG.HAVE_TILES, reason="the tiled product runs on AVX-512 VNNI only")
+@pytest.mark.skipif(not KG.B32_TILES, reason="the tiled product runs on AVX-512 VNNI and AVX2 only")
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0], ids=lambda k: k.name)
 def test_the_tiled_product_gives_each_rows_matvec_bits(kind):
     # 53 weight rows: 3 tiles of 16 and 5 rows through the row dots; 9, 10, 11 rows of X: 2 passes of 4 and a last
-    # pass of 1, 2 or 3 rows (the k-quants; the 32-block kinds pass 2 rows at a time)
+    # pass of 1, 2 or 3 rows (the k-quants, and Q8_0 on AVX2; the other 32-block kinds pass 2 rows at a time)
     for T in (9, 10, 11):
         _tiled_rows_are_the_matvecs(kind, T)
 

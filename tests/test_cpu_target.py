@@ -98,7 +98,7 @@ def test_an_avx2_target_forced_on_an_avx512_host_takes_the_avx2_paths_with_the_s
         assert (np.abs(a1 - ref[:1]) <= scale[:1] * 2e-2 + 1e-5).all(), kind.name
 
 
-TILE_KINDS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0)
+TILE_KINDS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q8_0)
 
 TILES_CHILD = """
 import json, sys
@@ -146,8 +146,9 @@ print(json.dumps(out))
 @pytest.mark.slow          # a cold compile of the tiled products for each target (minutes on a loaded core)
 @pytest.mark.skipif(not cpu.HAVE_VNNI512, reason="needs an AVX-512 VNNI host to force the AVX2 paths on")
 def test_the_avx2_tiles_give_the_row_dots_bits_and_the_vnni_tiles_bits(tmp_path):
-    # kernels/blocks_gemm on an AVX2-only target: Q4_K, Q5_K, Q6_K and Q4_0 tiles from `vpmaddubsw` + `vpmaddwd` on
-    # 256-bit halves, each output row the row dots' bits (one activation row at a time) and the AVX-512 tiles' bits
+    # kernels/blocks_gemm on an AVX2-only target: Q4_K, Q5_K, Q6_K, Q4_0 and Q8_0 (the sign trick) tiles from
+    # `vpmaddubsw` + `vpmaddwd` on 256-bit halves, each output row the row dots' bits (one activation row at a time)
+    # and the AVX-512 tiles' bits
     kinds = json.dumps([int(k) for k in TILE_KINDS])
     tests = os.path.dirname(__file__)
 

@@ -62,15 +62,18 @@ X16_PANEL_MIN_ROWS = 48
 # and a Q6_K_X16 matrix from this many (blocks_panels.prep_x16_q6, the Q6_K passes): as stored against the Q6_K rows'
 # panels, 1024 x 2048 from memory, 1.02-1.05x at 16 rows, 0.95x at 20, 0.91x at 32; through a panel 0.98-0.99x
 X16_Q6_PANEL_MIN_ROWS = 20
-# on AVX2 (blocks_x16.AVX2_PASS: 4 rows a pass, the values unpacked again in each) both from this many: one thread, 64
-# matrices from memory, against the rows' panels (blocks_avx2's passes), Q4_K 2048 x 1024 as stored 1.03-1.08x at 4
-# rows, 0.83x at 6, 0.82x at 8, 0.72x at 16, 0.61x at 47, through a panel 1.02-1.07x at 5 to 8 rows, 0.99-1.00x to 32;
-# Q6_K 1024 x 2048 as stored 0.97-1.19x at 4, 0.88x at 6, 0.81x at 16, through a panel 1.04-1.07x at 5 to 8
-X16_AVX2_PANEL_MIN_ROWS = 5
+# on AVX2 (kernels/blocks_avx2's tiles as stored: a 256-bit half at a time, 4 rows a pass, the values unpacked in
+# each) a Q4_K_X16 matrix from this many, a Q6_K_X16 one from the next: one thread, 64 matrices from memory, as stored
+# against through a panel (blocks_avx2's panel passes), Q4_K 2048 x 1024 1.07x at 5 rows, 1.04x at 6, 0.97x at 7,
+# 0.96x at 8, 0.86x at 12, 0.85x at 16; Q6_K 1024 x 2048 0.97x at 5 and 6, 0.94x at 8, 0.85x at 16
+X16_AVX2_PANEL_MIN_ROWS = 7
+X16_AVX2_Q6_PANEL_MIN_ROWS = 5
 HAVE_TILES = HAVE_VNNI512        # every tile kind (Q8_0's and the int16 head's too)
 # the kinds whose weight bytes stay within 0..63 (Q4_K, Q5_K, Q6_K, Q4_0) also on AVX2, where Kernel.dpbusd is
 # `vpmaddubsw` + `vpmaddwd` (exact below i16 saturation; Q8_0's flipped bytes reach 255 and would saturate)
 TILES_SMALL_VALUES = HAVE_VNNI512 or HAVE_AVX2
+# Q8_0 and Q4_0 tiles: AVX-512 VNNI's, or on AVX2 kernels/blocks_avx2's (Q8_0's through the sign trick)
+B32_TILES = HAVE_VNNI512 or HAVE_AVX2
 
 
 @njit(cache=True)
@@ -365,11 +368,14 @@ def _tiles_b32(raw, nibbles, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     DD, res = tmp[nb * nw * R:nb * (nw + 1) * R], tmp[nb * (nw + 1) * R:nb * (nw + 1) * R + C * R]
     for r0 in range(i0, i1 - R + 1, R):
         prep_b32(raw, r0, nb, nibbles, P, DD)
-        if nibbles and not HAVE_VNNI512:          # AVX2: blocks_avx2's Q4_0 kernels
+        if not HAVE_VNNI512:                      # AVX2: blocks_avx2's Q4_0 and Q8_0 kernels
             t0 = 0
             while t0 < T:
-                nc = min(A2.KC40, T - t0)
-                A2.pass_q40(nc, P, DD, Xq, Xd, Xs, t0, nb, res)
+                nc = min(A2.KC40 if nibbles else A2.KC80, T - t0)
+                if nibbles:
+                    A2.pass_q40(nc, P, DD, Xq, Xd, Xs, t0, nb, res)
+                else:
+                    A2.pass_q80(nc, P, DD, Xq, Xd, Xs, t0, nb, res)
                 store_rows(res, out, t0, nc, r0, alpha, accumulate)
                 t0 += nc
             continue
@@ -431,7 +437,10 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     if kind == Q4_K + X16 or kind == Q6_K + X16:
         six = kind == Q6_K + X16
         lo, hi = (i0 + R - 1) // R * R, i1 // R * R          # the whole tiles in i0..i1
-        panel_min = (X16_Q6_PANEL_MIN_ROWS if six else X16_PANEL_MIN_ROWS) if HAVE_VNNI512 else X16_AVX2_PANEL_MIN_ROWS
+        if HAVE_VNNI512:
+            panel_min = X16_Q6_PANEL_MIN_ROWS if six else X16_PANEL_MIN_ROWS
+        else:
+            panel_min = X16_AVX2_Q6_PANEL_MIN_ROWS if six else X16_AVX2_PANEL_MIN_ROWS
         if T >= panel_min and lo < hi and TILES_SMALL_VALUES and tmp.shape[0] >= scratch_words(X.shape[1]):
             gemm_rows_x16(raw, six, X, Xq, Xd, Xs, out, tmp, i0, lo, alpha, accumulate)
             if six:
@@ -456,7 +465,7 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             _tiles_q45_k(raw, kind == Q5_K, False, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
         else:
             _tiles_q6_k(raw, False, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)
-    elif X.shape[0] >= GEMM_MIN_ROWS and (HAVE_TILES and kind == Q8_0 or TILES_SMALL_VALUES and kind == Q4_0) \
+    elif X.shape[0] >= GEMM_MIN_ROWS and B32_TILES and (kind == Q8_0 or kind == Q4_0) \
             and X.shape[1] % 256 == 0:
         end = i0 + (i1 - i0) // R * R
         _tiles_b32(raw, kind == Q4_0, Xq, Xd, Xs, out, tmp, i0, end, alpha, accumulate)

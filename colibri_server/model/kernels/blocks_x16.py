@@ -31,6 +31,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .blocks import X16_ROWS, _put2, _rows_q4_k, _rows_q6_k
+from .blocks_avx2 import KC2, pass_x16
 from .blocks_ir import _arr_ptr, k_update
 from .blocks_panels import Q6_WORDS, R, f16_lanes, k_min_pair, k_scale, q6_scale, q6_value, q6x_d, q6x_ptr
 from .blocks_tile_ir import KC, Kernel, pass_width, q6_block_end, q6_block_sums, store_rows, xs_pairs
@@ -41,11 +42,12 @@ _i32, _f32 = ir.IntType(32), ir.FloatType()
 
 QK_DWORDS = 36             # a Q4_K block's 144 bytes
 assert X16_ROWS == R
-# on AVX2 the same micro-kernels, each 16-lane vector in two 256-bit halves (blocks_tile_ir.Kernel.dpbusd: `vpmaddubsw`
-# + `vpmaddwd`, exact on nibbles), at most 4 activation rows a pass (8 would hold 32 of the 16 ymm registers). One
-# thread, bench-mixtral Q4_K_M forced to AVX2: the fused decode token 8.6-8.7 ms (the Q4_K rows' row dots 9.3-9.8;
-# these tiles through a panel and blocks_avx2's passes 10.6-11.3), a 16-row step 69-72 ms either way
-AVX2_PASS = 4
+# on AVX2 kernels/blocks_avx2's micro-kernels for the same tiles (pass_x16): a 256-bit half (8 rows) at a time, 4
+# activation rows a pass, sums in i16 as its panel passes add them. One thread, 64 matrices from memory
+# (bench/tiles_x16.py, in turns), ms a matrix, against these micro-kernels with each 16-lane vector in two halves
+# (Kernel.dpbusd's `vpmaddubsw` + `vpmaddwd` + `vpmulld` per dword): Q4_K 2048 x 1024 at 2 / 3 / 4 rows 0.126-0.131 /
+# 0.155-0.172 / 0.179-0.208 -> 0.105-0.122 / 0.121-0.137 / 0.141-0.155; Q6_K 1024 x 2048 at 3 / 4 rows 0.200-0.208 /
+# 0.236-0.245 -> 0.172 / 0.204-0.208; one row the same (memory)
 
 
 def _mk_q4kx(nc):
@@ -210,8 +212,11 @@ def gemm_rows_x16(raw, six, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
         if HAVE_AVX2 and a == r0 and e == r0 + R:
             t0 = 0
             while t0 < T:
-                nc = pass_width(T, t0) if HAVE_VNNI512 else min(AVX2_PASS, T - t0)
-                _pass(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res)
+                nc = pass_width(T, t0) if HAVE_VNNI512 else min(KC2, T - t0)
+                if HAVE_VNNI512:
+                    _pass(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res)
+                else:
+                    pass_x16(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res)
                 store_rows(res, out, t0, nc, r0, alpha, accumulate)
                 t0 += nc
             continue
