@@ -419,7 +419,7 @@ def gemm_rows(raw, kind, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     # dots, the same bits every way; kind + ACTS16 (the output head): blocks_wide's row dots, its Q8_0/Q4_0 tiles
     # from WIDE_TILE_MIN_ROWS rows, Q6_K's (kernels/blocks_head) from HEAD_TILE_MIN_ROWS; Q4_K + X16, Q6_K + X16 (rows
     # stored as tiles): kernels/blocks_x16's tiles as stored from one row, their panels from X16_PANEL_MIN_ROWS
-    # (X16_Q6_PANEL_MIN_ROWS; on AVX2 X16_AVX2_PANEL_MIN_ROWS).
+    # (X16_Q6_PANEL_MIN_ROWS; on AVX2 X16_AVX2_PANEL_MIN_ROWS, X16_AVX2_Q6_PANEL_MIN_ROWS).
     # tmp: >= scratch_words(n) f32
     end = i0
     T = X.shape[0]
