@@ -47,7 +47,8 @@ assert X16_ROWS == R
 # (bench/tiles_x16.py, in turns), ms a matrix, against these micro-kernels with each 16-lane vector in two halves
 # (Kernel.dpbusd's `vpmaddubsw` + `vpmaddwd` + `vpmulld` per dword): Q4_K 2048 x 1024 at 2 / 3 / 4 rows 0.126-0.131 /
 # 0.155-0.172 / 0.179-0.208 -> 0.105-0.122 / 0.121-0.137 / 0.141-0.155; Q6_K 1024 x 2048 at 3 / 4 rows 0.200-0.208 /
-# 0.236-0.245 -> 0.172 / 0.204-0.208; one row the same (memory)
+# 0.236-0.245 -> 0.172 / 0.204-0.208. One row keeps the 16-lane kernel: through the halves the fused decode token was
+# 0.984x / 0.993x as fast on one / two threads (bench/decode_ab.py --avx2, 3 rounds)
 
 
 def _mk_q4kx(nc):
@@ -213,7 +214,7 @@ def gemm_rows_x16(raw, six, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             t0 = 0
             while t0 < T:
                 nc = pass_width(T, t0) if HAVE_VNNI512 else min(KC2, T - t0)
-                if HAVE_VNNI512:
+                if HAVE_VNNI512 or nc == 1:     # one row on AVX2: the 16-lane kernel (no spill at one row)
                     _pass(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res)
                 else:
                     pass_x16(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res)
