@@ -224,6 +224,9 @@ def test_a_steps_block_experts_in_one_call_are_the_per_expert_path_bit_for_bit(t
                 mp.setattr(Workspace, "block_experts_in_one_call", lambda self, layer: False)
                 each = moe(L, x, ws, np.zeros_like(x))
             assert np.array_equal(one.view(np.uint32), each.view(np.uint32)), (li, T)
+            # a step's experts run a few at a time (a budget's ReadAhead.stream: here one a part), the same bits
+            parts = moe(L, x, ws, np.zeros_like(x), stream=lambda a, n: (a[i:i + 1] for i in range(len(a))))
+            assert np.array_equal(one.view(np.uint32), parts.view(np.uint32)), (li, T)
             # and each (row, expert) alone: its three products through the row dots, as the decode token runs them
             E, A = L.w1.shape[0], L.top_k
             idx = ws.route_idx[:T, :A].copy()
@@ -232,6 +235,12 @@ def test_a_steps_block_experts_in_one_call_are_the_per_expert_path_bit_for_bit(t
             Y = np.zeros((A * T, x.shape[1]), np.float32)
             KEB.experts_rows_blocks(L.w1.raw, L.w1.ggml, L.w3.raw, L.w3.ggml, L.w2.raw, L.w2.ggml, x, order, offsets,
                                     A, Y, np.flatnonzero(counts), ws.block_tmps(256))
+            e1 = np.flatnonzero(counts)[1:2]                # one expert: its rows written, no other row touched
+            Yp = np.full_like(Y, np.nan)
+            KEB.experts_rows_blocks(L.w1.raw, L.w1.ggml, L.w3.raw, L.w3.ggml, L.w2.raw, L.w2.ggml, x, order, offsets,
+                                    A, Yp, e1, ws.block_tmps(256))
+            mine = np.isin(np.arange(A * T), order[offsets[e1[0]]:offsets[e1[0] + 1]])
+            assert np.isnan(Yp[~mine]).all() and np.array_equal(Yp[mine].view(np.uint32), Y[mine].view(np.uint32))
             for t in range(T):
                 for a in range(A):
                     e = idx[t, a]

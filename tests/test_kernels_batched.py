@@ -90,6 +90,10 @@ def test_experts_rows_are_each_chosen_experts_swiglu(kind):
     Y2 = np.full_like(Y, np.nan)
     RG.experts_rows_par(P1, P3, P2, X, order, offsets, k, Y2, np.flatnonzero(counts))
     assert np.array_equal(Y, Y2)
+    Y2 = np.full_like(Y, np.nan)                         # the experts a few at a time (a budget's ReadAhead.stream)
+    for part in (np.array([0, 1]), np.array([2]), np.array([3])):
+        RG.experts_rows_par(P1, P3, P2, X, order, offsets, k, Y2, part)
+    assert np.array_equal(Y, Y2)
     wts = rng.random((T, k)).astype(np.float32)
     out = np.full((T, D), np.nan, np.float32)
     RG.weighted_rows(Y, wts, out)
@@ -172,6 +176,14 @@ def test_quant_experts_rows_are_each_experts_matrix_calls(kind):
         KX.experts_rows_q(q1, s1, q3, s3, q2, s2, X, order, offsets, k, Y, active, xs, xi)
         got.append(Y)
     assert np.array_equal(got[0], got[1])
+    Y = np.full((T * k, D), np.nan, np.float32)        # the experts a few at a time (a budget's ReadAhead.stream)
+    for part in (active[:1], active[1:3], active[3:]):
+        KX.experts_rows_q(q1, s1, q3, s3, q2, s2, X, order, offsets, k, Y, part, xs, xi)
+    assert np.array_equal(got[0], Y)
+    Y = np.full((T * k, D), np.nan, np.float32)        # one expert: its rows written, no other row touched
+    KX.experts_rows_q(q1, s1, q3, s3, q2, s2, X, order, offsets, k, Y, active[1:2], xs, xi)
+    mine = np.isin(np.arange(T * k), order[offsets[active[1]]:offsets[active[1] + 1]])
+    assert np.isnan(Y[~mine]).all() and np.array_equal(Y[mine], got[0][mine])
     deq = dequantize_q8 if kind == "q8" else dequantize_q4
     xs, xi = KQ.scratch(max(D, I))
 

@@ -17,6 +17,7 @@ from colibri_server.model import Model
 from colibri_server.model.residency import (
     STAT_NAMES,
     BudgetTooSmall,
+    ReadAhead,
     Residency,
     expert_ranges,
     in_flight_bytes,
@@ -309,6 +310,78 @@ def test_greedy_answers_equal_under_a_budget(small):
             assert f["locked_bytes"] <= res.budget
         finally:
             m.close()
+
+
+def test_a_steps_experts_are_read_a_part_ahead_of_the_ones_running(small):
+    """ReadAhead.stream: with several rows, route() asks for nothing and moe()'s parts of n experts are each asked for
+    one part ahead (the first two parts before the first runs), the locked ones never; with one row route() asks for
+    every chosen expert at once, as before."""
+    m, res = _open_with_budget(small, 0.35)
+    try:
+        r = res.reader(m.config)
+        L0 = m.weights.layers[0]
+        E = L0.gate.shape[0]
+        asked = []
+        r._fetch = lambda l, e, ask=True: asked.append(e) if ask else 0
+        res.shared.resident[0] = 0
+        res.shared.resident[0, 3] = 1                                   # one locked expert
+        h = np.random.default_rng(0).standard_normal((16, L0.gate.shape[1])).astype(np.float32)
+        r.route(0, L0, h)
+        assert asked == []
+        active = np.arange(E)
+        seen = []
+        for part in r.stream(active, 2):
+            seen.append((list(part), list(asked)))
+        assert [p for p, _ in seen] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert seen[0][1] == [0, 1, 2]                                  # parts 0 and 1, the locked 3 left out
+        assert seen[1][1] == [0, 1, 2, 4, 5]
+        assert seen[2][1] == [0, 1, 2, 4, 5, 6, 7] == seen[3][1]
+        asked.clear()
+        r.route(0, L0, h[:1])
+        assert len(asked) == len(set(asked)) and 1 <= len(asked) <= L0.top_k
+        assert list(r.stream(np.array(sorted(asked)), 2)) and len(asked) == len(set(asked))   # not asked twice
+    finally:
+        m.close()
+
+
+def test_greedy_answers_of_several_sequences_equal_under_a_budget(small, monkeypatch):
+    """Four sequences decoding together (their steps' experts run in parts through ReadAhead.stream) give the
+    tokens they give with the whole model resident."""
+    prompts = [PROMPT, PROMPT[::-1], [3, 9, 27, 81, 243], [700, 12, 5]]
+
+    def run(m, res=None):
+        eng = BatchEngine(m, max_seqs=4, max_batch_tokens=32, prefix_cache=False)
+        for i, p in enumerate(prompts):
+            eng.add(i, p, max_tokens=10, ignore_eos=True, temperature=0.0)
+        toks = {i: [] for i in range(len(prompts))}
+        while eng.has_work():
+            for sid, ev in eng.step():
+                toks[sid].append(ev.token_id)
+            if res is not None:
+                res.rerank(time.monotonic())
+        return toks, eng
+    m = Model.open(small, context=64, populate=False)
+    try:
+        ref, _ = run(m)
+    finally:
+        m.close()
+    parts = []
+    stream = ReadAhead.stream
+
+    def counted(self, active, n):
+        for part in stream(self, active, n):
+            parts.append(len(part))
+            yield part
+    monkeypatch.setattr(ReadAhead, "stream", counted)
+    m, res = _open_with_budget(small, 0.35)
+    try:
+        got, eng = run(m, res)
+        assert got == ref
+        f = eng.stats()["weights"]
+        assert f["routes"] > 0 and 0 < f["experts_resident"] < f["experts"]
+        assert parts and max(parts) == 1 and len(parts) > 4 * m.config.num_layers    # one thread: an expert a part
+    finally:
+        m.close()
 
 
 def test_budget_below_the_always_part_is_one_line(small):

@@ -110,7 +110,7 @@ def _feed_forward(cfg: ModelConfig, l: int, L, x, h, sub, ws, noise, expert_coun
     if L.gate is not None:
         if fetch is not None:
             fetch.route(l, L, h)                                               # its experts not resident: read now
-        moe(L, h, ws, sub, noise=noise)
+        moe(L, h, ws, sub, noise=noise, stream=fetch.stream if fetch is not None else None)
         if fetch is not None:
             fetch.predicted(l, ws.route_idx[:N, :L.top_k])
         if expert_counts is not None:                                          # the layer's choices, (N,A)

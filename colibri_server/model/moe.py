@@ -61,8 +61,10 @@ def swiglu(x, w1, w3, w2, ws, out):
     return out
 
 
-def moe(layer, x, ws, out, noise=None, trace=None):
-    """x (T,D) normed hidden -> out (T,D) = sum_a w_a * expert_a(x) [+ shared expert]."""
+def moe(layer, x, ws, out, noise=None, trace=None, stream=None):
+    """x (T,D) normed hidden -> out (T,D) = sum_a w_a * expert_a(x) [+ shared expert]. stream: with weights larger
+    than their budget, a residency.ReadAhead's stream(active, n), through which a step's experts run n at a time
+    while the next ones are read (T > 1; a decode token's few experts were all asked for at once)."""
     T = x.shape[0]
     E, A = layer.gate.shape[0], layer.top_k
     logits = ws.router[:T, :E]                                                 # (T,E)
@@ -109,7 +111,10 @@ def moe(layer, x, ws, out, noise=None, trace=None):
             # a serving step's (or a short prompt's) experts in one Numba call (kernels/rowgemm.experts_rows)
             Y = ws.expert_rows(T * A)                                          # (T*A,D) one row per choice
             w1, w3, w2 = kernel_array(layer.w1), kernel_array(layer.w3), kernel_array(layer.w2)
-            if ws.threads > 1:
+            if stream is not None:
+                for part in stream(active, ws.threads):
+                    RG.experts_rows_par(w1, w3, w2, x, order, offsets, A, Y, part)
+            elif ws.threads > 1:
                 RG.experts_rows_par(w1, w3, w2, x, order, offsets, A, Y, active)
             else:
                 RG.experts_rows(w1, w3, w2, x, order, offsets, A, Y)
@@ -119,16 +124,18 @@ def moe(layer, x, ws, out, noise=None, trace=None):
             # the same for block-kind experts (kernels/experts_blocks): a few rows each through the small-T product
             Y = ws.expert_rows(T * A)
             w1, w3, w2 = layer.w1, layer.w3, layer.w2
-            KEB.experts_rows_blocks(w1.raw, w1.ggml, w3.raw, w3.ggml, w2.raw, w2.ggml, x, order, offsets, A, Y, active,
-                                    ws.block_tmps(max(w1.shape[1], w1.shape[2])))
+            for part in _parts(stream, active, ws.threads):
+                KEB.experts_rows_blocks(w1.raw, w1.ggml, w3.raw, w3.ggml, w2.raw, w2.ggml, x, order, offsets, A, Y, part,
+                                        ws.block_tmps(max(w1.shape[1], w1.shape[2])))
             RG.weighted_rows(Y, wts, out)
             return _shared_expert(layer, x, ws, out)
         if not general and ws.quant_experts_in_one_call(layer):
             # the same for q8/q4 experts (kernels/experts_q): the matvec's or the integer GEMM's row groups
             Y = ws.expert_rows(T * A)
             w1, w3, w2 = layer.w1, layer.w3, layer.w2
-            KX.experts_rows_q(w1.q, w1.s, w3.q, w3.s, w2.q, w2.s, x, order, offsets, A, Y, active,
-                              ws.xs[:ws.threads], ws.xi[:ws.threads])
+            for part in _parts(stream, active, ws.threads):
+                KX.experts_rows_q(w1.q, w1.s, w3.q, w3.s, w2.q, w2.s, x, order, offsets, A, Y, part,
+                                  ws.xs[:ws.threads], ws.xi[:ws.threads])
             RG.weighted_rows(Y, wts, out)
             return _shared_expert(layer, x, ws, out)
     out[...] = 0.0
@@ -140,25 +147,31 @@ def moe(layer, x, ws, out, noise=None, trace=None):
             ws.expert(layer.w1, layer.w3, layer.w2, int(idx[0, a]), x[0], float(wts[0, a]), out[0])
     else:
         I = layer.w1.shape[1]
-        for e in np.flatnonzero(counts):
-            flat = order[offsets[e]:offsets[e + 1]]                            # (c,) positions t*A + a
-            tok = flat // A                                                    # (c,) token rows, unique
-            c = tok.shape[0]
-            xe = ws.gather[:c]                                                 # (c,D)
-            np.take(x, tok, axis=0, out=xe)
-            (g, u), y = ws.ffn_rows(c, I), ws.expert_out[:c]                  # (c,I) (c,I) (c,D)
-            ws.mm(xe, layer.w1[e], g)
-            ws.mm(xe, layer.w3[e], u)
-            if general:
-                K.swiglu_clamped(g, u, layer.b1[e], layer.b3[e], layer.swiglu[0], layer.swiglu[1], g)
-            else:
-                K.silu_mul(g, u, g)
-            ws.mm(g, layer.w2[e], y)
-            if layer.b2 is not None:
-                y += layer.b2[e]
-            y *= wts.reshape(-1)[flat][:, None]                                # (c,D) scaled by routing weight
-            out[tok] += y
+        for part in _parts(stream, active, 1):
+            for e in part:
+                flat = order[offsets[e]:offsets[e + 1]]                            # (c,) positions t*A + a
+                tok = flat // A                                                    # (c,) token rows, unique
+                c = tok.shape[0]
+                xe = ws.gather[:c]                                                 # (c,D)
+                np.take(x, tok, axis=0, out=xe)
+                (g, u), y = ws.ffn_rows(c, I), ws.expert_out[:c]                  # (c,I) (c,I) (c,D)
+                ws.mm(xe, layer.w1[e], g)
+                ws.mm(xe, layer.w3[e], u)
+                if general:
+                    K.swiglu_clamped(g, u, layer.b1[e], layer.b3[e], layer.swiglu[0], layer.swiglu[1], g)
+                else:
+                    K.silu_mul(g, u, g)
+                ws.mm(g, layer.w2[e], y)
+                if layer.b2 is not None:
+                    y += layer.b2[e]
+                y *= wts.reshape(-1)[flat][:, None]                                # (c,D) scaled by routing weight
+                out[tok] += y
     return _shared_expert(layer, x, ws, out)
+
+
+def _parts(stream, active, n):
+    """The experts that got rows (active, ascending) n at a time through stream (moe's), else all at once."""
+    return (active,) if stream is None else stream(active, n)
 
 
 def _shared_expert(layer, x, ws, out):

@@ -18,7 +18,9 @@ so an expert is a handful of byte ranges of the one MAP_SHARED mapping. Under a 
 Residency (the master's, one per mapped file; a one-process user such as a benchmark calls rerank()
 itself) chooses and locks; ReadAhead (each worker's, the forward pass's hook) asks for an expert's bytes
 (MADV_WILLNEED: the reads are submitted at once and overlap compute) when layer l routes to an expert
-that is not locked; it predicts layer l+1's probable experts (its router applied to layer l's output:
+that is not locked: a decode token's few at once, a step of several rows a part of n experts ahead of the
+part running (stream(): moe() runs them n at a time, n the worker's threads), so a layer's reads held in
+the page cache at once are two parts, not every expert its rows chose; it predicts layer l+1's probable experts (its router applied to layer l's output:
 bench/routing_stats.py measured 70% of its choices in the predicted top-k, 86% in top-k+1 on
 bench-mixtral) as soon as layer l is done and scores the guess, asking for them too only with
 expert_readahead = predicted (ReadAhead.ahead: measured slower on a disk that is the bottleneck); it
@@ -389,6 +391,7 @@ class ReadAhead:
         self._vec = np.zeros(max(1, int(residency.expert_bytes.max()) // PAGE + 8), np.uint8)
         self.predict = predict           # read the next layer's probable experts ahead (expert_readahead = predicted)
         self.spread = spread             # its top_k + spread are the probable ones (-1: no prediction, none scored)
+        self.layer, self.streamed = 0, set()     # the layer route() saw last, its experts asked for since
 
     def figures(self) -> dict:
         """The budget and what every worker counted (shared): what a heartbeat reports."""
@@ -397,10 +400,11 @@ class ReadAhead:
         return {"weights_memory": r.budget, "locked_bytes": r.always_bytes + int(r.expert_bytes[self.resident > 0].sum()),
                 "experts_resident": int(self.resident.sum()), "experts": int(self.resident.size), **st}
 
-    def _fetch(self, l: int, e: int) -> int:
+    def _fetch(self, l: int, e: int, ask: bool = True) -> int:
         """Ask for the bytes of expert (l, e) that are not in the page cache (mincore: a few us for an
         expert whose pages are mapped; madvise(WILLNEED) on cached pages costs ~400 us per 12 MiB, so only
-        the missing runs are asked for, gaps under 256 KiB merged); returns how many bytes were missing."""
+        the missing runs are asked for, gaps under 256 KiB merged); returns how many bytes were missing
+        (ask False: only counts them)."""
         miss = 0
         for a, n in self.r.experts[l][e]:
             v = self._vec[:n // PAGE]
@@ -410,16 +414,20 @@ class ReadAhead:
             if gone.size == 0:
                 continue
             miss += gone.size * PAGE
+            if not ask:
+                continue
             cut = np.flatnonzero(np.diff(gone) > 64) + 1
             for run in np.split(gone, cut):
                 will_need(self.mm, a + int(run[0]) * PAGE, (int(run[-1]) - int(run[0]) + 1) * PAGE)
-        self.stats[5] += miss
+        if ask:
+            self.stats[5] += miss
         return miss
 
     def route(self, l: int, layer, h) -> None:
-        """h (N,D): layer l's normed rows, before its experts: ask at once for what is missing of the
-        chosen experts that are not locked (the router's top-k, as moe() will choose them), and count:
-        an expert found with bytes missing is a stall (the layer waits for them)."""
+        """h (N,D): layer l's normed rows, before its experts: count what is missing of the chosen experts
+        that are not locked (the router's top-k, as moe() will choose them; an expert found with bytes
+        missing is a stall: the layer waits for them) and, for one row, ask for it at once; more rows
+        run their experts through stream(), which asks a few ahead of the ones running."""
         A = layer.top_k
         logits = h @ layer.gate.T                                                   # (N,E)
         if layer.gate_b is not None:
@@ -428,6 +436,8 @@ class ReadAhead:
             logits = logits + layer.corr_bias
         chosen = np.unique(np.argpartition(-logits, A - 1, axis=1)[:, :A])          # (<= N*A,)
         self.stats[0] += chosen.size
+        self.layer, self.streamed = l, set()
+        one = h.shape[0] == 1
         for e in chosen:
             e = int(e)
             if self.resident[l, e]:
@@ -435,12 +445,30 @@ class ReadAhead:
                 continue
             if self.predict and self.asked[l, e]:
                 self.stats[2] += 1
-            m = self._fetch(l, e)
+            m = self._fetch(l, e, ask=one)
+            if one:
+                self.streamed.add(e)
             if m:
                 self.stats[3] += 1
                 self.stats[4] += m
         if l > 0:
             self.asked[l - 1] = False
+
+    def stream(self, active, n):
+        """moe()'s experts of the layer route() saw last (active (k,), ascending), n at a time: before a part
+        runs, what is missing of the next part's experts that are not locked is asked for, so one part is
+        read while another runs. Asking for a layer's every chosen expert at once held them all in the page
+        cache together (8 rows chose 6-8 of bench-mixtral's 8 experts a layer, 78-104 MiB in f16); a budget
+        that left less room than that read them twice: at 50% of the file, 8 clients, a budget of 200 MiB
+        read 103 MiB from the disk a token against 80 at the default 145."""
+        l = self.layer
+        for i in range(0, len(active), n):
+            for e in active[i:i + 2 * n] if i == 0 else active[i + n:i + 2 * n]:
+                e = int(e)
+                if not self.resident[l, e] and e not in self.streamed:
+                    self.streamed.add(e)
+                    self._fetch(l, e)
+            yield active[i:i + n]
 
     def predicted(self, l: int, idx) -> None:
         """idx (N,A): layer l's actual choices: count them (shared table) and score layer l's prediction."""

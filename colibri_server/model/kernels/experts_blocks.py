@@ -48,9 +48,9 @@ def _up(r1, k1, r3, k3, xe, q1, d1, s1, q3, d3, s3, offsets, active, G, U, tmps)
 
 
 @njit(cache=True, parallel=True)
-def _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, order, Y, tmps):
-    # each part's columns of Yg (its share of w2's rows), then those columns scattered to Y (row order[r] = Yg[r]): a
-    # part owns its columns, so no other part waits for it
+def _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, order, Y, tmps, first, last):
+    # each part's columns of Yg (its share of w2's rows), then those columns of rows first..last scattered to Y (row
+    # order[r] = Yg[r]): a part owns its columns, so no other part waits for it
     nparts = tmps.shape[0]
     one, no = np.float32(1.0), np.bool_(False)     # not literals: gemm_rows' one compile with matmul_blocks' types
     for p in prange(nparts):
@@ -59,7 +59,7 @@ def _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, order, Y, tmps):
             e = active[j]
             lo, hi = offsets[e], offsets[e + 1]
             gemm_rows(r2[e], k2, G[lo:hi], gq[lo:hi], gd[lo:hi], gs[lo:hi], Yg[lo:hi], tmps[p], i0, i1, one, no)
-        for r in range(order.shape[0]):
+        for r in range(first, last):
             Y[order[r], i0:i1] = Yg[r, i0:i1]
 
 
@@ -91,10 +91,12 @@ def _silu_round(G, U, k2, gq, gd, gs, nparts):
 @njit(cache=True)
 def experts_rows_blocks(r1, k1, r3, k3, r2, k2, X, order, offsets, k, Y, active, tmps):
     # r1, r3 (E,I,row bytes) / r2 (E,D,row bytes) block-kind expert stacks of GGML types k1, k3, k2; order/offsets
-    # the rows grouped by expert (moe.group_by_expert), active the experts with rows; X (T,D) -> Y (T*k,D): row t*k+a
-    # = the a-th chosen expert of row t on x_t. tmps (parts, >= blocks_gemm.scratch_words(max(D, I))) f32: one
-    # scratch per thread part
+    # the rows grouped by expert (moe.group_by_expert), active the experts with rows (or consecutive ones of them,
+    # ascending: only their rows, lo..hi, are read and written; moe() may run a step's experts a few at a time);
+    # X (T,D) -> Y (T*k,D): row t*k+a = the a-th chosen expert of row t on x_t. tmps (parts, >=
+    # blocks_gemm.scratch_words(max(D, I))) f32: one scratch per thread part
     n = order.shape[0]
+    lo, hi = offsets[active[0]], offsets[active[-1] + 1]
     D = X.shape[1]
     I = r1.shape[1]
     nparts = tmps.shape[0]
@@ -104,14 +106,15 @@ def experts_rows_blocks(r1, k1, r3, k3, r2, k2, X, order, offsets, k, Y, active,
         q3, d3, s3 = q1, d1, s1
     else:
         q3, d3, s3 = np.empty((n, D), np.int8), np.empty((n, D // QB), np.float32), np.empty((n, D // SB), np.int32)
-    _gather_round(X, order, k, k1, k3, xe, q1, d1, s1, q3, d3, s3, nparts)
+    _gather_round(X, order[lo:hi], k, k1, k3, xe[lo:hi], q1[lo:hi], d1[lo:hi], s1[lo:hi], q3[lo:hi], d3[lo:hi],
+                  s3[lo:hi], nparts)
     G = np.empty((n, I), np.float32)
     U = np.empty((n, I), np.float32)
     _up(r1, k1, r3, k3, xe, q1, d1, s1, q3, d3, s3, offsets, active, G, U, tmps)
     gq, gd, gs = np.empty((n, I), np.int8), np.empty((n, I // QB), np.float32), np.empty((n, I // SB), np.int32)
-    _silu_round(G, U, k2, gq, gd, gs, nparts)
+    _silu_round(G[lo:hi], U[lo:hi], k2, gq[lo:hi], gd[lo:hi], gs[lo:hi], nparts)
     Yg = np.empty((n, D), np.float32)
-    _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, order, Y, tmps)
+    _down(r2, k2, G, gq, gd, gs, offsets, active, Yg, order, Y, tmps, lo, hi)
 
 
 @njit(cache=True, parallel=True)

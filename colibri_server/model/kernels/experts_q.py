@@ -61,17 +61,20 @@ def experts_rows_q(q1, s1, q3, s3, q2, s2, X, order, offsets, k, Y, active, xs2,
     # (q, s) (E,I,D) / (E,D,I) quantized expert stacks (q8 or q4, each its own); order/offsets the rows grouped by
     # expert (moe.group_by_expert), active the experts with rows; X (T,D) -> Y (T*k,D): row t*k+a = the a-th
     # chosen expert of row t on x_t. xs2, xi2: one row of matvec scratch (kernels/quant.scratch) per thread part
+    # (active: consecutive ones of those, ascending; only their rows, lo..hi, are read and written: moe() may run a
+    # step's experts a few at a time)
     n = order.shape[0]
     D = X.shape[1]
     I = q1.shape[1]
+    lo, hi = offsets[active[0]], offsets[active[-1] + 1]
     xe = np.empty((n, D), np.float32)            # X's rows in expert order
-    for r in range(n):
+    for r in range(lo, hi):
         xe[r] = X[order[r] // k]
     G = np.empty((n, I), np.float32)
     U = np.empty((n, I), np.float32)
     Yg = np.empty((n, D), np.float32)
     _up(q1, s1, q3, s3, xe, offsets, active, G, U, xs2, xi2)
-    silu_mul(G, U, G)
+    silu_mul(G[lo:hi], U[lo:hi], G[lo:hi])
     _down(q2, s2, G, offsets, active, Yg, xs2, xi2)
-    for r in range(n):
+    for r in range(lo, hi):
         Y[order[r]] = Yg[r]
