@@ -188,7 +188,7 @@ def test_a_heads_norm_is_its_largest_rows_norm():
     """W2 = max_v |w_v|_2 of the dequantized rows (the bound the refinement stands on): numpy's in float64 within
     rounding (the kernel adds a row in four running sums)."""
     rng = np.random.default_rng(9)
-    raw = quantized(rng.standard_normal((40, 512)).astype(np.float32) * 0.05, Q.Q8_0, seed=2)
+    raw = quantized(rng.standard_normal((40, 512)).astype(np.float32) * 0.05, Q.Q8_0, seed=2).copy()
     raw[17] = quantized(rng.standard_normal((1, 512)).astype(np.float32) * 0.2, Q.Q8_0, seed=3)[0]   # the largest
     W = KB.dequantize_ref(raw, int(Q.Q8_0), 512).astype(np.float64)
     want = np.sqrt((W * W).sum(axis=1)).max()

@@ -13,7 +13,7 @@ lane adds 2 products per step, so Q4_K's values (0..15) take a sub-block's 8 ste
 (0..31) 4 steps (31496), Q6_K's (0..63) 2 steps (32004). The integers are those of the row dots and of the
 16-lane tiles (each sub-block's scale times its sum, added over the block), then the same float step
 (blocks_ir.k_update) on 8 rows: each output keeps its bits. Q8_0's signed bytes take llama.cpp's sign trick
-(_mk_q80): |w| on the unsigned side, pairs of 128 x 127 within i16, each pair summed to i32 at once.
+(_mk_b32): |w| on the unsigned side, pairs of 128 x 127 within i16, each pair summed to i32 at once.
 """
 from __future__ import annotations
 
@@ -202,10 +202,14 @@ def _mk_q6_k(nc):
     return intrinsic(impl)
 
 
-def _mk_q40(nc):
-    """Q4_0 (kernels/blocks_panels.prep_b32's nibble panel): a block's 8 `vpmaddubsw` (its 4 dwords' low and high
-    nibbles, 0..15) added in i16, one `vpmaddwd` by ones, minus 8 times the activations' sum; then blocks_ir.b32_update
-    into accumulator b mod 8 and b32_total, as the row dots and the 16-lane tiles do."""
+def _mk_b32(nc, nibbles):
+    """The 32-block kinds (kernels/blocks_panels.prep_b32's panels) a block at a time, each block's exact integer sum of
+    each row, then blocks_ir.b32_update into accumulator b mod 8 and b32_total, as the row dots and the 16-lane tiles do.
+    Q4_0 (nibbles): the block's 8 `vpmaddubsw` (its 4 dwords' low and high nibbles, 0..15) added in i16, one `vpmaddwd`
+    by ones, minus 8 times the activations' sum. Q8_0 (its panel: each byte + 128, which `vpmaddubsw` would saturate
+    on): each byte flipped back to its signed value, llama.cpp's sign trick (|w| as the unsigned side, the activation
+    given w's sign by `vpsignb`), one `vpmaddubsw` (pairs of 128 x 127, within i16) and one `vpmaddwd` by ones a
+    dword, added over the block."""
     def impl(typingctx, P, DD, xq, xd, xs, t0, nb, res):
         sig = types.void(P, DD, xq, xd, xs, t0, nb, res)
 
@@ -217,65 +221,41 @@ def _mk_q40(nc):
             mask = k.splat(ir.Constant(_i32, 0x0F0F0F0F))
             four = k.splat(ir.Constant(_i32, 4))
             ones = ir.Constant(_w16, [1] * 16)
-            for h in range(2):
-                accs = [[cgutils.alloca_once_value(b, ir.Constant(_f8, None)) for _ in range(8)] for _ in range(nc)]
-                with cgutils.for_range(b, b.sdiv(k.nb, k.c(8))) as loop:        # 8 blocks: accumulator b mod 8
-                    for i in range(8):
-                        blk = b.add(b.mul(loop.index, k.c(8)), k.c(i))
-                        x0 = b.mul(blk, k.c(32))
-                        ws, ats = [], []
-                        for g in range(4):
-                            w = k.vec(p, b.add(b.mul(blk, k.c(4)), k.c(g)), h)
-                            ws += [b.bitcast(b.and_(w, mask), _b32), b.bitcast(b.and_(b.lshr(w, four), mask), _b32)]
-                            ats += [b.add(x0, k.c(4 * g)), b.add(x0, k.c(16 + 4 * g))]
-                        d = k.vec(dd, blk, h, _f8)
-                        for t in range(nc):
-                            s2 = b.gep(k.xs[t], [b.mul(blk, k.c(2))])
-                            corr = b.mul(b.add(b.load(s2), b.load(b.gep(s2, [k.c(1)]))), ir.Constant(_i32, 8))
-                            it = b.sub(k.madd(ir.Constant(_v8, None), k.sums16(ws, t, ats), ones), k.splat(corr))
-                            xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), _f8)
-                            b.store(b32_update(b, b.load(accs[t][i]), it, d, xdb), accs[t][i])
-                for t in range(nc):
-                    tot = b32_total(b, [b.load(a) for a in accs[t]])
-                    b.store(tot, b.bitcast(b.gep(k.res, [k.c(t * R + H * h)]), _f8.as_pointer()), align=4)
-            return context.get_dummy_value()
-        return sig, codegen
-    return intrinsic(impl)
-
-
-def _mk_q80(nc):
-    """Q8_0 (kernels/blocks_panels.prep_b32's panel: each byte + 128, which `vpmaddubsw` would saturate on): each byte
-    flipped back to its signed value, llama.cpp's sign trick (|w| as the unsigned side, the activation given w's sign by
-    `vpsignb`), one `vpmaddubsw` (pairs of 128 x 127, within i16) and one `vpmaddwd` by ones per dword, added over the
-    block: its exact integer sum; then blocks_ir.b32_update into accumulator b mod 8 and b32_total, as the row dots."""
-    def impl(typingctx, P, DD, xq, xd, xs, t0, nb, res):
-        sig = types.void(P, DD, xq, xd, xs, t0, nb, res)
-
-        def codegen(context, builder, signature, args):
-            k = _Half(context, builder, signature, args, 2, nc)
-            b = builder
-            p = _arr_ptr(context, builder, signature.args[0], args[0], _i32)
-            dd = _arr_ptr(context, builder, signature.args[1], args[1], _f32)
             sign = cgutils.get_or_insert_function(b.module, ir.FunctionType(_b32, [_b32, _b32]), "llvm.x86.avx2.psign.b")
             flip, none = ir.Constant(_b32, [-128] * 32), ir.Constant(_b32, None)
-            ones = ir.Constant(_w16, [1] * 16)
+
+            def q40_sums(blk, x0, h):
+                ws, ats = [], []
+                for g in range(4):
+                    w = k.vec(p, b.add(b.mul(blk, k.c(4)), k.c(g)), h)
+                    ws += [b.bitcast(b.and_(w, mask), _b32), b.bitcast(b.and_(b.lshr(w, four), mask), _b32)]
+                    ats += [b.add(x0, k.c(4 * g)), b.add(x0, k.c(16 + 4 * g))]
+                out = []
+                for t in range(nc):
+                    s2 = b.gep(k.xs[t], [b.mul(blk, k.c(2))])
+                    corr = b.mul(b.add(b.load(s2), b.load(b.gep(s2, [k.c(1)]))), ir.Constant(_i32, 8))
+                    out.append(b.sub(k.madd(ir.Constant(_v8, None), k.sums16(ws, t, ats), ones), k.splat(corr)))
+                return out
+
+            def q80_sums(blk, x0, h):
+                isum = [ir.Constant(_v8, None)] * nc
+                for g in range(8):
+                    w = b.xor(b.bitcast(k.vec(p, b.add(b.mul(blk, k.c(8)), k.c(g)), h), _b32), flip)
+                    aw = b.select(b.icmp_signed("<", w, none), b.sub(none, w), w)
+                    for t in range(nc):
+                        sx = b.call(sign, [k.x4(t, b.add(x0, k.c(4 * g))), w])
+                        isum[t] = k.madd(isum[t], b.call(k.ubsw, [aw, sx]), ones)
+                return isum
             for h in range(2):
                 accs = [[cgutils.alloca_once_value(b, ir.Constant(_f8, None)) for _ in range(8)] for _ in range(nc)]
                 with cgutils.for_range(b, b.sdiv(k.nb, k.c(8))) as loop:        # 8 blocks: accumulator b mod 8
                     for i in range(8):
                         blk = b.add(b.mul(loop.index, k.c(8)), k.c(i))
-                        x0 = b.mul(blk, k.c(32))
-                        isum = [ir.Constant(_v8, None)] * nc
-                        for g in range(8):
-                            w = b.xor(b.bitcast(k.vec(p, b.add(b.mul(blk, k.c(8)), k.c(g)), h), _b32), flip)
-                            aw = b.select(b.icmp_signed("<", w, none), b.sub(none, w), w)
-                            for t in range(nc):
-                                sx = b.call(sign, [k.x4(t, b.add(x0, k.c(4 * g))), w])
-                                isum[t] = k.madd(isum[t], b.call(k.ubsw, [aw, sx]), ones)
+                        its = (q40_sums if nibbles else q80_sums)(blk, b.mul(blk, k.c(32)), h)
                         d = k.vec(dd, blk, h, _f8)
                         for t in range(nc):
                             xdb = k.splat(b.load(b.gep(k.xd[t], [blk])), _f8)
-                            b.store(b32_update(b, b.load(accs[t][i]), isum[t], d, xdb), accs[t][i])
+                            b.store(b32_update(b, b.load(accs[t][i]), its[t], d, xdb), accs[t][i])
                 for t in range(nc):
                     tot = b32_total(b, [b.load(a) for a in accs[t]])
                     b.store(tot, b.bitcast(b.gep(k.res, [k.c(t * R + H * h)]), _f8.as_pointer()), align=4)
@@ -424,8 +404,8 @@ def _f16_lanes(b, v):
 _q4k_4, _q4k_3, _q4k_2, _q4k_1 = (_mk_q45_k(n, False) for n in (4, 3, 2, 1))
 _q5k_4, _q5k_3, _q5k_2, _q5k_1 = (_mk_q45_k(n, True) for n in (4, 3, 2, 1))
 _q6k_4, _q6k_3, _q6k_2, _q6k_1 = (_mk_q6_k(n) for n in (4, 3, 2, 1))
-_q40_2, _q40_1 = _mk_q40(2), _mk_q40(1)
-_q80_4, _q80_3, _q80_2, _q80_1 = (_mk_q80(n) for n in (4, 3, 2, 1))
+_q40_2, _q40_1 = _mk_b32(2, True), _mk_b32(1, True)
+_q80_4, _q80_3, _q80_2, _q80_1 = (_mk_b32(n, False) for n in (4, 3, 2, 1))
 _q4kx_4, _q4kx_3, _q4kx_2 = (_mk_q4kx(n) for n in (4, 3, 2))
 _q6kx_4, _q6kx_3, _q6kx_2 = (_mk_q6kx(n) for n in (4, 3, 2))
 
