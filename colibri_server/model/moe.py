@@ -11,6 +11,8 @@ Decode (T == 1) runs the router, top-k and the selected experts in one Numba cal
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from . import kernels as K
@@ -111,13 +113,11 @@ def moe(layer, x, ws, out, noise=None, trace=None, stream=None):
             # a serving step's (or a short prompt's) experts in one Numba call (kernels/rowgemm.experts_rows)
             Y = ws.expert_rows(T * A)                                          # (T*A,D) one row per choice
             w1, w3, w2 = kernel_array(layer.w1), kernel_array(layer.w3), kernel_array(layer.w2)
-            if stream is not None:
-                for part in stream(active, ws.threads):
-                    RG.experts_rows_par(w1, w3, w2, x, order, offsets, A, Y, part)
-            elif ws.threads > 1:
-                RG.experts_rows_par(w1, w3, w2, x, order, offsets, A, Y, active)
-            else:
+            if stream is None and ws.threads == 1:
                 RG.experts_rows(w1, w3, w2, x, order, offsets, A, Y)
+            else:
+                for part in _parts(stream, active, ws.threads):
+                    RG.experts_rows_par(w1, w3, w2, x, order, offsets, A, Y, part)
             RG.weighted_rows(Y, wts, out)
             return _shared_expert(layer, x, ws, out)
         if not general and ws.block_experts_in_one_call(layer):
@@ -147,25 +147,24 @@ def moe(layer, x, ws, out, noise=None, trace=None, stream=None):
             ws.expert(layer.w1, layer.w3, layer.w2, int(idx[0, a]), x[0], float(wts[0, a]), out[0])
     else:
         I = layer.w1.shape[1]
-        for part in _parts(stream, active, 1):
-            for e in part:
-                flat = order[offsets[e]:offsets[e + 1]]                            # (c,) positions t*A + a
-                tok = flat // A                                                    # (c,) token rows, unique
-                c = tok.shape[0]
-                xe = ws.gather[:c]                                                 # (c,D)
-                np.take(x, tok, axis=0, out=xe)
-                (g, u), y = ws.ffn_rows(c, I), ws.expert_out[:c]                  # (c,I) (c,I) (c,D)
-                ws.mm(xe, layer.w1[e], g)
-                ws.mm(xe, layer.w3[e], u)
-                if general:
-                    K.swiglu_clamped(g, u, layer.b1[e], layer.b3[e], layer.swiglu[0], layer.swiglu[1], g)
-                else:
-                    K.silu_mul(g, u, g)
-                ws.mm(g, layer.w2[e], y)
-                if layer.b2 is not None:
-                    y += layer.b2[e]
-                y *= wts.reshape(-1)[flat][:, None]                                # (c,D) scaled by routing weight
-                out[tok] += y
+        for e in itertools.chain.from_iterable(_parts(stream, active, 1)):
+            flat = order[offsets[e]:offsets[e + 1]]                            # (c,) positions t*A + a
+            tok = flat // A                                                    # (c,) token rows, unique
+            c = tok.shape[0]
+            xe = ws.gather[:c]                                                 # (c,D)
+            np.take(x, tok, axis=0, out=xe)
+            (g, u), y = ws.ffn_rows(c, I), ws.expert_out[:c]                  # (c,I) (c,I) (c,D)
+            ws.mm(xe, layer.w1[e], g)
+            ws.mm(xe, layer.w3[e], u)
+            if general:
+                K.swiglu_clamped(g, u, layer.b1[e], layer.b3[e], layer.swiglu[0], layer.swiglu[1], g)
+            else:
+                K.silu_mul(g, u, g)
+            ws.mm(g, layer.w2[e], y)
+            if layer.b2 is not None:
+                y += layer.b2[e]
+            y *= wts.reshape(-1)[flat][:, None]                                # (c,D) scaled by routing weight
+            out[tok] += y
     return _shared_expert(layer, x, ws, out)
 
 

@@ -20,8 +20,8 @@ itself) chooses and locks; ReadAhead (each worker's, the forward pass's hook) as
 (MADV_WILLNEED: the reads are submitted at once and overlap compute) when layer l routes to an expert
 that is not locked: a decode token's few at once, a step of several rows a part of n experts ahead of the
 part running (stream(): moe() runs them n at a time, n the worker's threads), so a layer's reads held in
-the page cache at once are two parts, not every expert its rows chose; it predicts layer l+1's probable experts (its router applied to layer l's output:
-bench/routing_stats.py measured 70% of its choices in the predicted top-k, 86% in top-k+1 on
+the page cache at once are two parts, not every expert its rows chose; it predicts layer l+1's probable
+experts (its router applied to layer l's output: bench/routing_stats.py measured 70% of its choices in the predicted top-k, 86% in top-k+1 on
 bench-mixtral) as soon as layer l is done and scores the guess, asking for them too only with
 expert_readahead = predicted (ReadAhead.ahead: measured slower on a disk that is the bottleneck); it
 counts what it found resident, what its prediction had asked for, and the bytes it found missing
