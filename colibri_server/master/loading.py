@@ -45,6 +45,7 @@ def open_model(path, s):
     except Exception:
         pass
     from ..host.memory import anonymous
+    from ..host.trim import trim
     from .residency import attach, budget_for, lock
     budget = budget_for(path, s)
     if budget < size:
@@ -72,6 +73,7 @@ def open_model(path, s):
         t1 = time.perf_counter()
         try:
             _compile(m, s)
+            given = trim()          # LLVM's library pages and the heap's free pages: the workers fork without them
             if budget < size:       # locked once the compile is done: it takes what the page cache gives up
                 try:
                     lock(m, s, anonymous(os.getpid()) - anon0)
@@ -88,12 +90,12 @@ def open_model(path, s):
         raise
     huge = m.file.huge_bytes
     log.info("model %s: %s, %d layers, %d experts, %s, %.1f MiB mapped in %.2fs (%s), checksums %s, "
-             "kernels ready in %.2fs (%d compiled)",
+             "kernels ready in %.2fs (%d compiled; %.0f MiB of the compiler's memory given back)",
              path, m.config.arch, m.config.num_layers, m.config.num_experts, m.config.dtype,
              size / 2**20, t_map, "2 MiB pages: unknown" if huge is None else
              f"{huge / 2**20:.0f} MiB on 2 MiB pages",
              f"verified (+{t_crc:.2f}s beside the compile)" if verify else "not verified",
-             time.perf_counter() - t1, getattr(m, "compiled", 0))
+             time.perf_counter() - t1, getattr(m, "compiled", 0), given / 2**20)
     return m
 
 
