@@ -142,7 +142,7 @@ def test_pieces_evicted_and_read_back_small_come_back_on_2mib_pages(tmp_path):
                 os.pread(fd, 1 << 20, off)
     finally:
         os.close(fd)
-    mm, _ = fmt.ColibriFile._map(path, True, True)                 # mapped, not mended
+    mm, _, _ = fmt.ColibriFile._map(path, True, True)              # mapped, not mended
     try:
         small = HP.small_pieces(HP.address(mm), size)
     finally:

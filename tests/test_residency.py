@@ -14,6 +14,7 @@ import pytest
 from synth_model import write_model
 
 from colibri_server.model import Model
+from colibri_server.model.prefetch import Prefetcher
 from colibri_server.model.residency import (
     STAT_NAMES,
     BudgetTooSmall,
@@ -22,7 +23,6 @@ from colibri_server.model.residency import (
     expert_ranges,
     in_flight_bytes,
     resolve_budget,
-    will_need,
 )
 from colibri_server.model.serving import BatchEngine
 
@@ -247,10 +247,12 @@ def test_a_saved_popular_set_locks_within_the_memory_left(small, tmp_path):
         m.close()
 
 
-def test_a_range_beyond_the_readahead_window_is_read_whole(tmp_path):
-    # residency.will_need: one madvise(WILLNEED) reads no more than the device's readahead window (Linux caps it:
-    # 2-8 MiB on a disk of read_ahead_kb 8192), so a 24 MiB expert range is asked for in chunks; under MADV_RANDOM
-    # (an unlocked expert's advice) what one call left unread would come a page at a time from the layer's faults
+@pytest.mark.parametrize("populate", [False, True], ids=["willneed", "populate"])
+def test_a_range_beyond_the_readahead_window_is_read_whole(tmp_path, populate):
+    # prefetch.Prefetcher reads a 24 MiB expert range on its own thread, whole: faulted in on a mapping advised 2 MiB
+    # pages (MADV_POPULATE_READ), or asked of the readahead in chunks (one madvise(WILLNEED) reads no more than the
+    # device's readahead window: 2-8 MiB on a disk of read_ahead_kb 8192); under MADV_RANDOM (an unlocked expert's
+    # advice) what one call left unread would come a page at a time from the layer's faults
     import ctypes
     import mmap
 
@@ -274,8 +276,15 @@ def test_a_range_beyond_the_readahead_window_is_read_whole(tmp_path):
         os.posix_fadvise(fd, 0, n, os.POSIX_FADV_DONTNEED)
         if cached() > 0.5:
             pytest.skip("this file system keeps the file in memory (tmpfs): nothing to read")
+        if populate:
+            mm.madvise(mmap.MADV_HUGEPAGE)
         mm.madvise(mmap.MADV_RANDOM)
-        will_need(mm, 0, n)
+        reader = Prefetcher(populate=populate)
+        reader.ask(addr, n)
+        deadline = time.monotonic() + 120
+        while not reader.idle() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reader.idle()
         last, moved = cached(), time.monotonic()
         while last < 1.0 and time.monotonic() - moved < 30:      # the reads still coming in, however slowly
             time.sleep(0.01)
@@ -428,6 +437,8 @@ def test_the_master_locks_after_the_compile(small, monkeypatch):
         at_compile.append(_locked_kib())
         kept.append(np.ones(MR.KERNELS_ROOM + (8 << 20), np.uint8))      # what a cold compile keeps
     monkeypatch.setattr(loading, "_compile", compile_)
+    from colibri_server.host import trim
+    monkeypatch.setattr(trim, "trim", lambda: 0)     # the heap this process had before: not the compile's to give back
     try:
         m = loading.open_model(small, s)
     except HaltServer as e:

@@ -235,6 +235,7 @@ class ColibriFile:
         self.config_json, self.metadata_json, self.tokenizer_json, self.chat_template = blobs
         self._buf = np.frombuffer(mm, dtype=np.uint8)
         self.huge_bytes = None          # bytes mapped on 2 MiB pages, when open() measured it
+        self.hugepages = False          # whether open() advised 2 MiB pages on the mapping
 
     @functools.cached_property
     def identity(self) -> str:
@@ -251,7 +252,7 @@ class ColibriFile:
         when populating a large file, re-read once the parts that came back on 4 KiB pages
         (hugepages.py); `huge_bytes` then says how much is on 2 MiB pages (None: unknown)."""
         path = os.fspath(path)
-        mm, size = cls._map(path, populate, hugepages)
+        mm, size, advised = cls._map(path, populate, hugepages)
         huge = PAGES.rehome(path, mm, size) if hugepages and populate else None
         try:
             header, records, routing, blobs = _validate(path, mm, size)
@@ -260,6 +261,7 @@ class ColibriFile:
             raise
         cf = cls(path, mm, header, records, routing, blobs)
         cf.huge_bytes = huge
+        cf.hugepages = advised          # the mapping advised 2 MiB pages: a fault reads a 2 MiB folio
         return cf
 
     @staticmethod
@@ -285,11 +287,10 @@ class ColibriFile:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        if hugepages:
-            PAGES.advise(mm)
+        advised = bool(hugepages and PAGES.advise(mm))
         if populate:
             PAGES.populate(mm, size)
-        return mm, size
+        return mm, size, advised
 
     def close(self) -> None:
         """Drop the mapping now, views taken from it alive or not (release.py). They must not be used after."""

@@ -17,7 +17,7 @@ so an expert is a handful of byte ranges of the one MAP_SHARED mapping. Under a 
 
 Residency (the master's, one per mapped file; a one-process user such as a benchmark calls rerank()
 itself) chooses and locks; ReadAhead (each worker's, the forward pass's hook) asks for an expert's bytes
-(MADV_WILLNEED: the reads are submitted at once and overlap compute) when layer l routes to an expert
+(a reader thread faults them in, prefetch.py: the reads overlap compute) when layer l routes to an expert
 that is not locked: a decode token's few at once, a step of several rows a part of n experts ahead of the
 part running (stream(): moe() runs them n at a time, n the worker's threads), so a layer's reads held in
 the page cache at once are two parts, not every expert its rows chose; it predicts layer l+1's probable
@@ -38,12 +38,13 @@ import resource
 
 import numpy as np
 
+from .prefetch import Prefetcher
+
 __all__ = ["Residency", "ReadAhead", "expert_ranges", "resolve_budget", "in_flight_bytes", "available_memory",
            "memory_headroom", "BudgetTooSmall", "STAT_NAMES"]
 
 PAGE = mmap.PAGESIZE
 MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
-MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 # what ReadAhead counts, in the shared stats row (one int64 each)
 STAT_NAMES = ("routes", "resident", "predicted", "missed", "missing_bytes", "requested_bytes",
@@ -52,19 +53,6 @@ STAT_NAMES = ("routes", "resident", "predicted", "missed", "missing_bytes", "req
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-
-READ_CHUNK = 2 << 20     # bytes of one madvise(WILLNEED)
-
-
-def will_need(mm, a: int, n: int) -> None:
-    """Ask for bytes a..a+n of the mapping mm to be read, in calls of at most READ_CHUNK: one call reads no more
-    than the device's readahead window (Linux's force_page_cache_ra; 2-8 MiB on this VM), and the rest of a larger range
-    is then read by the faults of the layer that needs it, a page at a time under MADV_RANDOM. A 13.6 MiB range
-    on this machine: one call left 41% unread (233 ms until the layer's faults had it), 2 MiB calls had it all
-    in 14 ms."""
-    for o in range(a, a + n, READ_CHUNK):
-        mm.madvise(MADV_WILLNEED, o, min(READ_CHUNK, a + n - o))
 
 
 class BudgetTooSmall(ValueError):
@@ -392,6 +380,9 @@ class ReadAhead:
         self.predict = predict           # read the next layer's probable experts ahead (expert_readahead = predicted)
         self.spread = spread             # its top_k + spread are the probable ones (-1: no prediction, none scored)
         self.layer, self.streamed = 0, set()     # the layer route() saw last, its experts asked for since
+        # the reads asked for: faulted in by a thread of the worker's on a mapping advised 2 MiB pages (a folio
+        # a fault, mapped whole); otherwise asked of the kernel's readahead (WILLNEED) from it
+        self.reader = Prefetcher(populate=bool(getattr(residency.cf, "hugepages", False)))
 
     def figures(self) -> dict:
         """The budget and what every worker counted (shared): what a heartbeat reports."""
@@ -418,7 +409,7 @@ class ReadAhead:
                 continue
             cut = np.flatnonzero(np.diff(gone) > 64) + 1
             for run in np.split(gone, cut):
-                will_need(self.mm, a + int(run[0]) * PAGE, (int(run[-1]) - int(run[0]) + 1) * PAGE)
+                self.reader.ask(self.base + a + int(run[0]) * PAGE, (int(run[-1]) - int(run[0]) + 1) * PAGE)
         if ask:
             self.stats[5] += miss
         return miss
