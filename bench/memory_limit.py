@@ -134,6 +134,7 @@ def child_colibri(a) -> None:
     sys.path.insert(0, str(HERE.parent))
     import numpy as np
 
+    from colibri_server.host.trim import trim
     from colibri_server.master.residency import start_after_compile
     from colibri_server.model import Model
     from colibri_server.model.residency import Residency, available_memory, in_flight_bytes, resolve_budget
@@ -149,10 +150,12 @@ def child_colibri(a) -> None:
         res = Residency(m.file, m.config, budget, partial=not a.weights_memory)
         m.residency = res
     # the server's order (master/loading): the kernels load (from a cold cache: compile) with the residency attached
-    # and nothing locked, then the server's start_after_compile (a budget chosen here gives up what they took beyond
+    # and nothing locked, what they left behind is given back (host/trim: LLVM's library pages, the heap's free
+    # pages), then the server's start_after_compile (a budget chosen here gives up what they took beyond
     # KERNELS_ROOM; the locks). A budget fixed before them left one 933 MiB run 77 MiB of page cache
     # (memory-limit-2026-12-05-epyc-zen4.json)
     warm_up(m)
+    trim()
     if res is not None:
         start_after_compile(m, a.weights_memory, _anon() - anon0)
         budget = res.budget

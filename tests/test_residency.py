@@ -111,11 +111,14 @@ def test_rerank_locks_the_most_routed_within_the_budget(small):
         os.close(fd)
         missing = np.array([[res._missing(l, e) for e in range(E)] for l in range(L)])
         assert (missing > 0).sum() > L * E // 2
-        res.rerank(time.monotonic(), max_swaps=1000)              # locks only what a worker just read
+        res.rerank(time.monotonic(), max_swaps=1000, uncached=0)  # only what a worker just read
         assert (missing[res.shared.resident > 0] == 0).all()
-        res.rerank(time.monotonic(), max_swaps=1000)
-        assert (missing[res.shared.resident > 0] == 0).all()
-        res.rerank(time.monotonic(), max_swaps=1000, cached_only=False)
+        before = res.shared.resident.astype(bool).copy()
+        ranked = np.where((missing > 0) & ~before, counts, -1)
+        best = np.unravel_index(np.argmax(ranked), ranked.shape)
+        res.rerank(time.monotonic(), max_swaps=1000)              # and one a call read from disk: the best ranked
+        assert res.shared.resident[best]                          # (its 2 MiB folios may bring neighbours in)
+        res.rerank(time.monotonic(), max_swaps=1000, uncached=1 << 30)
         resident = res.shared.resident.astype(bool)
         assert resident[:, 2].all() and resident[0, 5]
         assert res.locked_bytes <= res.budget
@@ -126,7 +129,7 @@ def test_rerank_locks_the_most_routed_within_the_budget(small):
         assert _locked_kib() * 1024 <= res.budget + 4096 * 8 * L * E
         # the routes move: the decayed scores give way, within the budget at every step
         res.shared.counts[:, 6] += 10_000
-        res.rerank(time.monotonic() + 300, max_swaps=1000, cached_only=False)
+        res.rerank(time.monotonic() + 300, max_swaps=1000, uncached=1 << 30)
         resident = res.shared.resident.astype(bool)
         assert resident[:, 6].all()
         assert res.locked_bytes <= res.budget
@@ -146,7 +149,7 @@ def test_locked_experts_give_way_while_the_processes_memory_grows_and_come_back(
     try:
         L, E = res.shared.counts.shape
         res.shared.counts[...] = np.arange(1, L * E + 1, dtype=np.int64).reshape(L, E)   # all differ
-        res.rerank(time.monotonic(), max_swaps=1000, cached_only=False)
+        res.rerank(time.monotonic(), max_swaps=1000, uncached=1 << 30)
         full = res.shared.resident.astype(bool)
         assert 0 < full.sum() < L * E and res.locked_bytes <= res.budget
         res.floor, res.next_warn, res.held_since = 64 << 20, 0.0, None           # as lock() sets them
@@ -195,7 +198,7 @@ def test_each_live_worker_widens_the_room_kept_free(small):
     try:
         L, E = res.shared.counts.shape
         res.shared.counts[...] = np.arange(1, L * E + 1, dtype=np.int64).reshape(L, E)
-        res.rerank(time.monotonic(), max_swaps=1000, cached_only=False)
+        res.rerank(time.monotonic(), max_swaps=1000, uncached=1 << 30)
         full = res.shared.resident.astype(bool)
         res.in_flight = in_flight_bytes(m.file, m.config)
         res.next_warn, res.held_since, res.next_save = 0.0, None, time.monotonic() + 1e9

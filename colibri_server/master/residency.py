@@ -103,7 +103,7 @@ def lock(m, s, grown: int, headroom=None) -> None:
     res.floor, res.next_warn, res.held_since = floor_for(res, getattr(s, "workers", 1) or 1), 0.0, None
     _load_popular(res, m.path)
     _follow(res, m.path, headroom(), time.monotonic())        # a saved set locks at once: within the room
-    res.rerank(time.monotonic(), max_swaps=1 << 30, cached_only=False)
+    res.rerank(time.monotonic(), max_swaps=1 << 30, uncached=1 << 30)
     res.next_rerank, res.next_save = 0.0, time.monotonic() + SAVE_EVERY
     budget = res.budget
     whole = sum(n for _, n in res.always)

@@ -6,7 +6,9 @@ that asks (it blocked the forward pass for about as long as the read took), and 
 them 4 KiB at a time. Faulting the range in with MADV_POPULATE_READ (Linux 5.14) reads it as a layer's
 own faults would: on the model's mapping advised MADV_HUGEPAGE (hugepages.py) each fault reads one
 2 MiB folio and maps it whole. A thread of its own does it, so the forward pass goes on while the disk
-reads; a layer that reaches a range before the thread does faults it in itself, beside it.
+reads; a layer that reaches a range before the thread does faults it in itself, beside it. (Two or
+four such threads gave batch-1 decode at 50% of bench-mixtral f16 nothing: 16.4-17.7 tok/s against
+16.8-17.0 with one.)
 
 bench/readahead.py (bench-mixtral f16 read an expert-sized piece ahead of the one touched, in a memory
 cgroup of 300 MiB): WILLNEED 1.7-1.9 GB/s, this thread 3.1-5.4 GB/s.
@@ -44,7 +46,7 @@ class Prefetcher:
         self._cv = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self.advice = MADV_POPULATE_READ if populate else MADV_WILLNEED
-        self.busy = False
+        self.busy = 0
 
     def ask(self, addr: int, n: int) -> None:
         if self._pid != os.getpid():                        # first ask here, or a forked child's
@@ -66,11 +68,12 @@ class Prefetcher:
         cv, queue = self._cv, self._queue
         while True:
             with cv:
-                self.busy = False
                 while not queue:
                     cv.wait()
                 o, n = queue.popleft()
-                self.busy = True
+                self.busy += 1
             if _libc.madvise(o, n, self.advice) != 0 and ctypes.get_errno() == 22 and self.advice != MADV_WILLNEED:
                 self.advice = MADV_WILLNEED                  # no MADV_POPULATE_READ here: ask the readahead
                 _libc.madvise(o, n, self.advice)
+            with cv:
+                self.busy -= 1
