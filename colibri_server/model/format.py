@@ -234,8 +234,7 @@ class ColibriFile:
         self.record_list = records
         self.config_json, self.metadata_json, self.tokenizer_json, self.chat_template = blobs
         self._buf = np.frombuffer(mm, dtype=np.uint8)
-        self.huge_bytes = None          # bytes mapped on 2 MiB pages, when open() measured it
-        self.hugepages = False          # whether open() advised 2 MiB pages on the mapping
+        self.huge_bytes, self.hugepages = None, False     # bytes on 2 MiB pages (open() measured), 2 MiB advised
 
     @functools.cached_property
     def identity(self) -> str:
