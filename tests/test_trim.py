@@ -39,10 +39,12 @@ def test_page_out_drops_a_library_only_this_process_maps(tmp_path):
     with open(lib, "rb+") as f:         # clean and out of the cache: the child's faults read it, as a library's are
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    # a child maps it read-only and executable as the loader would, touches every page, pages it out
+    # a child maps it read-only and executable as the loader would, touches every page, pages it out; on one
+    # CPU: a page just faulted in waits in that CPU's LRU batch, which madvise drains only where it runs
     code = f"""
-import mmap, sys
+import mmap, os, sys
 from colibri_server.host import trim
+os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[0]])
 f = open({str(lib)!r}, "rb")
 mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ | mmap.PROT_EXEC)
 sum(mm[i] for i in range(0, len(mm), mmap.PAGESIZE))
