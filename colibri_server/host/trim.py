@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import os
 
+from .memory import rss
+
 MADV_PAGEOUT = 21
 LIBRARIES = ("libllvmlite", "libLLVM")     # llvmlite's library, or a system LLVM it links to
 
@@ -38,14 +40,6 @@ def _library_ranges(names=LIBRARIES):
     return out
 
 
-def _resident() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def page_out(names=LIBRARIES) -> None:
     """Advise MADV_PAGEOUT on this process's read-only mappings of the files named (base names starting so)."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -55,9 +49,9 @@ def page_out(names=LIBRARIES) -> None:
 
 def trim() -> int:
     """Page out LLVM's library and trim the malloc heap; returns the resident bytes given back."""
-    before = _resident()
+    before = rss(os.getpid())
     page_out()
     trim_heap = getattr(ctypes.CDLL(None), "malloc_trim", None)                      # glibc only
     if trim_heap is not None:
         trim_heap(ctypes.c_size_t(0))
-    return max(0, before - _resident())
+    return max(0, before - rss(os.getpid()))
