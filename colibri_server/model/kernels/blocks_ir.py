@@ -36,6 +36,9 @@ _i8, _i32 = ir.IntType(8), ir.IntType(32)
 # shared Zen 4 machine, 48 2048x1024 matrices in turn from DRAM, one thread, 0 vs 4096: Q4_0 387 vs 227 us
 # a matrix, Q8_0 334 / 330, Q4_K 240 / 246, Q6_K 315 / 319 (the machine loaded by other work: noisy)
 BLOCK_AHEAD = 4096
+# Q8_0's row dot asks for the bytes BLOCK_AHEAD on only where it multiplies with `vpmaddubsw` (AVX2): there, one thread,
+# 64 2048 x 1024 Q8_0 matrices in turn from DRAM (a 2-vCPU Zen 3), 0.166 -> 0.126 ms a matrix (1024 bytes ahead 0.133,
+# 16384 0.126); with `vpdpbusd` (a Zen 4) one prefetch a 34-byte block cost 5-8% of a decode token on one thread
 
 
 def _load(builder, p, n):
@@ -79,15 +82,29 @@ def _dot8(builder, w, x, signed):
     |w| <= 128 times |x| <= 127 within i16: exact) and `vpmaddwd` by ones; else sign-extended pairs."""
     if not (HAVE_VNNI256 or HAVE_AVX2):
         return _pairs(builder, _i16(builder, w, 32, signed), _i16(builder, x, 32, True), 32)
-    vt, vd = ir.VectorType(_i8, 32), ir.VectorType(_i32, 8)
+    vd = ir.VectorType(_i32, 8)
     if signed:
-        neg = builder.icmp_signed("<", w, ir.Constant(vt, None))
-        x = builder.select(neg, builder.sub(ir.Constant(vt, None), x), x)
-        w = builder.select(neg, builder.sub(ir.Constant(vt, None), w), w)
+        x, w = sign_trick(builder, w, x)
     if not HAVE_VNNI256:
         return _scaled_dot(builder, w, x, ir.Constant(ir.VectorType(ir.IntType(16), 16), [1] * 16))
     f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vd, [vd, vd, vd]), "llvm.x86.avx512.vpdpbusd.256")
     return builder.call(f, [ir.Constant(vd, None), builder.bitcast(w, vd), builder.bitcast(x, vd)])
+
+
+def sign_trick(builder, w, x):
+    """<32 x i8> signed weights w and activations x -> (x with w's sign, |w|): llama.cpp's sign trick, so that a
+    `vpmaddubsw` (unsigned times signed) multiplies signed bytes. x is negated where w < 0 and zeroed where w == 0
+    (its product with |w| = 0 is 0 either way); |-128| is 128 as the unsigned byte. On AVX2 one `vpsignb` and one
+    `vpabsb` (a select on w < 0 compiled to a compare, an xor and a subtract for x: 4 vector instructions a block
+    of the Q8_0 row dot instead of 2)."""
+    vt = w.type
+    if HAVE_AVX2 and vt.count == 32:
+        sign = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt]), "llvm.x86.avx2.psign.b")
+        x = builder.call(sign, [x, w])
+    else:
+        x = builder.select(builder.icmp_signed("<", w, ir.Constant(vt, None)), builder.sub(ir.Constant(vt, None), x), x)
+    neg = builder.icmp_signed("<", w, ir.Constant(vt, None))
+    return x, builder.select(neg, builder.sub(ir.Constant(vt, None), w), w)
 
 
 def _widen(builder, v):
@@ -233,8 +250,8 @@ def _row32(nibbles, swizzled=False):
             def block(b):
                 """(block b's exact integer sum, its f16 scale as f32)."""
                 o = builder.mul(b, ir.Constant(idx, size))
-                if nibbles:     # Q8_0's rows stream without it: one prefetch a 34-byte block cost 5-8% of a
-                    prefetch_ahead(builder, [rp], o, ahead=BLOCK_AHEAD)     # decode token on one Zen 4 thread
+                if nibbles or not HAVE_VNNI256:     # Q8_0 rows: see BLOCK_AHEAD
+                    prefetch_ahead(builder, [rp], o, ahead=BLOCK_AHEAD)
                 xv = _load(builder, builder.gep(xp, [builder.mul(b, ir.Constant(idx, 32))]), 32)
                 wp = builder.gep(rp, [builder.add(o, ir.Constant(idx, 2))])
                 if nibbles:
