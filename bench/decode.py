@@ -544,16 +544,22 @@ def _cpu():
     try:
         with open("/proc/cpuinfo") as f:
             txt = f.read()
-        model = next(ln.split(":", 1)[1].strip() for ln in txt.splitlines() if ln.startswith("model name"))
-        flags = next(ln.split(":", 1)[1].split() for ln in txt.splitlines() if ln.startswith("flags"))
-        out = dict(model=model, simd=[f for f in flags if f.startswith(("avx", "fma", "f16c"))], cores=os.cpu_count())
+        first = {}
+        for ln in txt.splitlines():         # the first CPU's fields
+            k, _, v = ln.partition(":")
+            first.setdefault(k.strip(), v.strip())
+        flags = first.get("flags", "").split()
+        # a VM often names its CPU only "AMD EPYC": vendor, family and model tell a Zen 3 (25, 1) from a Zen 4 (25, 17)
+        out = dict(model=first["model name"], vendor=first.get("vendor_id", ""), family=first.get("cpu family", ""),
+                   model_number=first.get("model", ""), simd=[f for f in flags if f.startswith(("avx", "fma", "f16c"))],
+                   cores=os.cpu_count())
         try:
             with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
                 out["thp"] = f.read().strip()
         except OSError:
             pass
         return out
-    except (OSError, StopIteration):
+    except (OSError, KeyError):
         return {}
 
 

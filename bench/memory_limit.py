@@ -32,6 +32,9 @@ import threading
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from decode import _cpu  # noqa: E402  (the CPU a run was on, in its JSON)
+
 DATA = pathlib.Path(os.environ.get("COLIBRI_BENCH_DATA", os.path.expanduser("~/.cache/colibri-speed")))
 LLAMA_BIN = pathlib.Path(os.environ.get("LLAMA_BIN", HERE / ".anchors" / "bin"))
 PROMPT = [1, 5, 9, 200, 31, 77, 1000, 4, 2300, 17, 99, 512, 8, 4096, 250, 13]
@@ -292,7 +295,7 @@ def main(argv=None):
     out = {"model": a.model.name, "gguf": a.gguf.name, "file_size": size, "new_tokens": a.new, "threads": 1,
            "llama_bench_flags": "--repack 0 (this VM's AMX flags crash llama.cpp's repacking)",
            "reference": {"colibri": {k: v for k, v in ref.items() if k != "tokens"}, "llama": lref}, "rows": rows,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "uname": os.uname().release}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "uname": os.uname().release, "cpu": _cpu()}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -45,6 +45,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import memory_limit as ML  # noqa: E402  (Cgroup, drop_cache)
 import serve as S  # noqa: E402  (free_port, prompts, wait_until)
+from decode import _cpu  # noqa: E402
 
 
 class Run:
@@ -339,7 +340,7 @@ def main(argv=None):
                if a.cold_kernels else ""),
            "reference": {k: strip(v) for k, v in refs.items()},
            "rows": [{k: strip(v) if isinstance(v, dict) else v for k, v in r.items()} for r in rows],
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "uname": os.uname().release}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "uname": os.uname().release, "cpu": _cpu()}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

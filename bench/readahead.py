@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import memory_limit as ML  # noqa: E402  (Cgroup, drop_cache, DATA)
+from decode import _cpu  # noqa: E402
 
 WAYS = ("willneed", "prefetch", "faults")
 
@@ -110,7 +111,8 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": a.model.name, "limit_mib": a.limit, "piece_mib": a.piece, "runs": runs,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "uname": os.uname().release}, f, indent=1)
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "uname": os.uname().release, "cpu": _cpu()}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
