@@ -107,6 +107,20 @@ def sign_trick(builder, w, x):
     return x, builder.select(neg, builder.sub(ir.Constant(vt, None), w), w)
 
 
+def _nibbles32(builder, bb):
+    """<16 x i8> of packed nibbles -> <32 x i8>: the low nibbles, then the high ones (Q4_0's value order). On AVX2
+    the 16 bytes in both halves of a register, the upper half shifted by 4 (`vbroadcasti128`, `vpsrlvd`, `vpand`)
+    rather than split and joined (a shift, an insert and an and): the Q4_0 matrix above 0.110 -> 0.100 ms."""
+    vt, m32 = ir.VectorType(_i8, 32), ir.VectorType(_i32, 32)
+    if HAVE_AVX2:
+        both = builder.bitcast(builder.shuffle_vector(bb, bb, ir.Constant(m32, list(range(16)) * 2)), ir.VectorType(_i32, 8))
+        shifted = builder.lshr(both, ir.Constant(ir.VectorType(_i32, 8), [0] * 4 + [4] * 4))
+        return builder.and_(builder.bitcast(shifted, vt), ir.Constant(vt, [15] * 32))
+    v16 = ir.VectorType(_i8, 16)
+    return builder.shuffle_vector(builder.and_(bb, ir.Constant(v16, [15] * 16)), builder.lshr(bb, ir.Constant(v16, [4] * 16)),
+                                  ir.Constant(m32, list(range(32))))
+
+
 def _widen(builder, v):
     """<16 x i8> -> <64 x i8>, the upper 48 bytes zero."""
     z = ir.Constant(v.type, None)
@@ -156,11 +170,29 @@ def fold_pairs(builder, ps, n: int):
     lanes 0..n/2-1 are the first's adjacent pairs added and the rest the second's (exact: integers). After
     log2(n) rounds of n vectors, lane i is the sum of ps[i]'s lanes."""
     mask = ir.VectorType(_i32, n)
+    if n == 8 and len(ps) == 8 and HAVE_AVX2 and not HAVE_VNNI512:
+        return _fold8_avx2(builder, ps)
     ev, od = ir.Constant(mask, list(range(0, 2 * n, 2))), ir.Constant(mask, list(range(1, 2 * n, 2)))
     while len(ps) > 1:
         ps = [builder.add(builder.shuffle_vector(a, b, ev), builder.shuffle_vector(a, b, od))
               for a, b in zip(ps[0::2], ps[1::2])]
     return ps[0]
+
+
+def _fold8_avx2(builder, ps):
+    """fold_pairs of 8 <8 x i32> on AVX2: two rounds of pair sums within each 128-bit half (`vphaddd`, which the
+    pairs across the halves each needed a `vpermq` after), then the halves' sums added across (two `vperm2i128`
+    and an add): 9 instructions instead of 14, the same integers. One thread on a Zen 3, a 2048 x 1024 matrix in cache,
+    one activation row: Q4_0 0.136 -> 0.110 ms, Q8_0 0.119 -> 0.094."""
+    m8 = ir.VectorType(_i32, 8)
+
+    def pairs(a, b):        # [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
+        return builder.add(builder.shuffle_vector(a, b, ir.Constant(m8, [0, 2, 8, 10, 4, 6, 12, 14])),
+                           builder.shuffle_vector(a, b, ir.Constant(m8, [1, 3, 9, 11, 5, 7, 13, 15])))
+    r = [pairs(ps[i], ps[i + 1]) for i in range(0, 8, 2)]
+    s0, s1 = pairs(r[0], r[1]), pairs(r[2], r[3])       # lane j < 4: ps[j]'s lanes 0-3, lane 4 + j: its lanes 4-7
+    return builder.add(builder.shuffle_vector(s0, s1, ir.Constant(m8, [0, 1, 2, 3, 8, 9, 10, 11])),
+                       builder.shuffle_vector(s0, s1, ir.Constant(m8, [4, 5, 6, 7, 12, 13, 14, 15])))
 
 
 def fold_blocks(builder, ps):
@@ -191,18 +223,21 @@ def b32_total(builder, accs):
                         builder.fadd(builder.fadd(accs[4], accs[5]), builder.fadd(accs[6], accs[7])))
 
 
-def b32_row(builder, nb, dp, block, group_sum, one_sum, group8=None):
+def b32_row(builder, nb, dp, block, group_sum, one_sum, group8=None, ahead=None):
     """The 32-block kinds' row loop, as f32: block(b) -> (block b's products, its weight scale as f32); block b's
     integer sum times d_b * xd_b (dp: the activations' f32 scales) to partial sum b mod 8 (b32_update), 8 blocks at a
     time as one vector (group_sum(products of blocks b0..b0+7, b0) -> <8 x i32>; or group8(b0) -> (that <8 x i32>, the
     8 scales <8 x f32>) where a kind reads 8 blocks at once), the last nb mod 8 one at a time in their lanes
-    (one_sum(products, b) -> i32); the partials summed by b32_total."""
+    (one_sum(products, b) -> i32); the partials summed by b32_total. ahead(b0), if given, runs first in each group of 8
+    read by block (the row's prefetches)."""
     idx = ir.IntType(64)
     vf = ir.VectorType(_f32, 8)
     acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
     eight = ir.Constant(idx, 8)
     with cgutils.for_range(builder, builder.sdiv(nb, eight)) as loop:      # 8 blocks, one per lane
         b0 = builder.mul(loop.index, eight)
+        if ahead is not None and group8 is None:
+            ahead(b0)
         if group8 is not None:
             isum, ds = group8(b0)
         else:
@@ -250,20 +285,20 @@ def _row32(nibbles, swizzled=False):
             def block(b):
                 """(block b's exact integer sum, its f16 scale as f32)."""
                 o = builder.mul(b, ir.Constant(idx, size))
-                if nibbles or not HAVE_VNNI256:     # Q8_0 rows: see BLOCK_AHEAD
-                    prefetch_ahead(builder, [rp], o, ahead=BLOCK_AHEAD)
                 xv = _load(builder, builder.gep(xp, [builder.mul(b, ir.Constant(idx, 32))]), 32)
                 wp = builder.gep(rp, [builder.add(o, ir.Constant(idx, 2))])
                 if nibbles:
-                    vt = ir.VectorType(_i8, 16)
-                    bb = _load(builder, wp, 16)
-                    q = builder.shuffle_vector(builder.and_(bb, ir.Constant(vt, [15] * 16)),
-                                               builder.lshr(bb, ir.Constant(vt, [4] * 16)),
-                                               ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-                    p8 = _dot8(builder, q, xv, False)
+                    p8 = _dot8(builder, _nibbles32(builder, _load(builder, wp, 16)), xv, False)
                 else:
                     p8 = _dot8(builder, _load(builder, wp, 32), xv, True)
                 return p8, _f16_at(builder, rp, o)
+
+            def ahead(b0):
+                """8 blocks' lines BLOCK_AHEAD bytes on, one prefetch a 64-byte line (Q8_0's: see BLOCK_AHEAD), where
+                one a block asked for each line two to four times."""
+                if nibbles or not HAVE_VNNI256:
+                    for line in range(0, 8 * size, 64):
+                        prefetch_ahead(builder, [rp], builder.mul(b0, ir.Constant(idx, size)), ahead=BLOCK_AHEAD + line)
 
             def correction(b0, n):
                 """Q4_0: 8 * the activations' 32-sums of blocks b0..b0+n (<8 x i32>, n <= 8 lanes)."""
@@ -286,7 +321,8 @@ def _row32(nibbles, swizzled=False):
                     isum = builder.sub(isum, builder.mul(xsum, ir.Constant(_i32, 8)))
                 return isum
             # without VBMI (an AVX2 build) the swizzled dot is the plain one: xw unread
-            return b32_row(builder, args[-1], dp, block, group_sum, one_sum, group8_q4_0 if swizzled and HAVE_VBMI else None)
+            return b32_row(builder, args[-1], dp, block, group_sum, one_sum, group8_q4_0 if swizzled and HAVE_VBMI else None,
+                           ahead)
         return sig, codegen
 
     if swizzled:
