@@ -406,8 +406,8 @@ _q5k_4, _q5k_3, _q5k_2, _q5k_1 = (_mk_q45_k(n, True) for n in (4, 3, 2, 1))
 _q6k_4, _q6k_3, _q6k_2, _q6k_1 = (_mk_q6_k(n) for n in (4, 3, 2, 1))
 _q40_2, _q40_1 = _mk_b32(2, True), _mk_b32(1, True)
 _q80_4, _q80_3, _q80_2, _q80_1 = (_mk_b32(n, False) for n in (4, 3, 2, 1))
-_q4kx_4, _q4kx_3, _q4kx_2 = (_mk_q4kx(n) for n in (4, 3, 2))
-_q6kx_4, _q6kx_3, _q6kx_2 = (_mk_q6kx(n) for n in (4, 3, 2))
+_q4kx_4, _q4kx_3, _q4kx_2, _q4kx_1 = (_mk_q4kx(n) for n in (4, 3, 2, 1))
+_q6kx_4, _q6kx_3, _q6kx_2, _q6kx_1 = (_mk_q6kx(n) for n in (4, 3, 2, 1))
 
 
 @njit(cache=True, inline="always")
@@ -466,8 +466,7 @@ def pass_q40(nc, P, DD, Xq, Xd, Xs, t0, nb, res):
 
 @njit(cache=True, inline="always")
 def pass_x16(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res):
-    # activation rows t0..t0+nc (nc in 2..KC2) through the Q4_K_X16 (six: Q6_K_X16) tile at row r0, as stored (one row
-    # takes kernels/blocks_x16's 16-lane kernel)
+    # activation rows t0..t0+nc (nc in 1..KC2) through the Q4_K_X16 (six: Q6_K_X16) tile at row r0, as stored
     if nc == 4:
         if six:
             _q6kx_4(raw, r0, Xq, Xd, XP, t0, nb, res)
@@ -478,10 +477,15 @@ def pass_x16(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res):
             _q6kx_3(raw, r0, Xq, Xd, XP, t0, nb, res)
         else:
             _q4kx_3(raw, r0, Xq, Xd, XP, t0, nb, res)
+    elif nc == 2:
+        if six:
+            _q6kx_2(raw, r0, Xq, Xd, XP, t0, nb, res)
+        else:
+            _q4kx_2(raw, r0, Xq, Xd, XP, t0, nb, res)
     elif six:
-        _q6kx_2(raw, r0, Xq, Xd, XP, t0, nb, res)
+        _q6kx_1(raw, r0, Xq, Xd, XP, t0, nb, res)
     else:
-        _q4kx_2(raw, r0, Xq, Xd, XP, t0, nb, res)
+        _q4kx_1(raw, r0, Xq, Xd, XP, t0, nb, res)
 
 
 @njit(cache=True, inline="always")

@@ -47,8 +47,9 @@ assert X16_ROWS == R
 # (bench/tiles_x16.py, in turns), ms a matrix, against these micro-kernels with each 16-lane vector in two halves
 # (Kernel.dpbusd's `vpmaddubsw` + `vpmaddwd` + `vpmulld` per dword): Q4_K 2048 x 1024 at 2 / 3 / 4 rows 0.126-0.131 /
 # 0.155-0.172 / 0.179-0.208 -> 0.105-0.122 / 0.121-0.137 / 0.141-0.155; Q6_K 1024 x 2048 at 3 / 4 rows 0.200-0.208 /
-# 0.236-0.245 -> 0.172 / 0.204-0.208. One row keeps the 16-lane kernel: through the halves the fused decode token was
-# 0.984x / 0.993x as fast on one / two threads (bench/decode_ab.py --avx2, 3 rounds)
+# 0.236-0.245 -> 0.172 / 0.204-0.208. A decode token's one row takes them too: bench-mixtral Q4_K_M's fused token
+# against these 16-lane kernels (bench/decode_ab.py, 2 x 3 rounds), on a Zen 3 (AVX2 its own) 1.038x / 1.030x on one
+# thread and 1.062x / 1.049x on two; on a Xeon with AVX2 forced (--avx2) it had been 0.984x / 0.993x
 
 
 def _mk_q4kx(nc):
@@ -214,7 +215,7 @@ def gemm_rows_x16(raw, six, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
             t0 = 0
             while t0 < T:
                 nc = pass_width(T, t0) if HAVE_VNNI512 else min(KC2, T - t0)
-                if HAVE_VNNI512 or nc == 1:     # one row on AVX2: the 16-lane kernel (no spill at one row)
+                if HAVE_VNNI512:
                     _pass(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res)
                 else:
                     pass_x16(six, nc, raw, r0, Xq, Xd, XP, t0, nb, res)
