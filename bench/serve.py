@@ -365,7 +365,8 @@ def fleet_main(a):
                   f"{last('local', 'ttft_p50_ms')} / {last('1 host', 'ttft_p50_ms')} | "
                   f"{last('local', 'itl_p50_ms')} / {last('1 host', 'itl_p50_ms')} |")
     if a.json:
-        pathlib.Path(a.json).write_text(json.dumps([dict(r, cpu=D._cpu()) for r in rows], indent=1))
+        cpu = D._cpu()
+        pathlib.Path(a.json).write_text(json.dumps([dict(r, cpu=cpu) for r in rows], indent=1))
 
 
 def measure(a, systems):
@@ -457,7 +458,8 @@ def main():
                   " | ".join(f"{med['colibri'] / med[n]:.3f}x" for n in refs) +
                   f" | {c0['ttft_p50_ms']}/{c0['ttft_p99_ms']} | {c0['itl_p50_ms']}/{c0['itl_p99_ms']} |")
     if a.json:
-        pathlib.Path(a.json).write_text(json.dumps([dict(r, cpu=D._cpu()) for r in rows], indent=1))
+        cpu = D._cpu()
+        pathlib.Path(a.json).write_text(json.dumps([dict(r, cpu=cpu) for r in rows], indent=1))
 
 
 if __name__ == "__main__":

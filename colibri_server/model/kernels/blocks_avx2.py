@@ -22,7 +22,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
+from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update, sign_trick
 from .blocks_panels import Q6_WORDS, R, k_min_pair, k_scale, q6_scale, q6_value, q6x_ptr
 from .blocks_tile_ir import activation_rows
 from .prefetch import prefetch_ahead
@@ -221,8 +221,7 @@ def _mk_b32(nc, nibbles):
             mask = k.splat(ir.Constant(_i32, 0x0F0F0F0F))
             four = k.splat(ir.Constant(_i32, 4))
             ones = ir.Constant(_w16, [1] * 16)
-            sign = cgutils.get_or_insert_function(b.module, ir.FunctionType(_b32, [_b32, _b32]), "llvm.x86.avx2.psign.b")
-            flip, none = ir.Constant(_b32, [-128] * 32), ir.Constant(_b32, None)
+            flip = ir.Constant(_b32, [-128] * 32)
 
             def q40_sums(blk, x0, h):
                 ws, ats = [], []
@@ -241,9 +240,8 @@ def _mk_b32(nc, nibbles):
                 isum = [ir.Constant(_v8, None)] * nc
                 for g in range(8):
                     w = b.xor(b.bitcast(k.vec(p, b.add(b.mul(blk, k.c(8)), k.c(g)), h), _b32), flip)
-                    aw = b.select(b.icmp_signed("<", w, none), b.sub(none, w), w)
-                    for t in range(nc):
-                        sx = b.call(sign, [k.x4(t, b.add(x0, k.c(4 * g))), w])
+                    for t in range(nc):     # |w| the same for every row (LLVM computes it once)
+                        sx, aw = sign_trick(b, w, k.x4(t, b.add(x0, k.c(4 * g))))
                         isum[t] = k.madd(isum[t], b.call(k.ubsw, [aw, sx]), ones)
                 return isum
             for h in range(2):

@@ -97,14 +97,14 @@ def sign_trick(builder, w, x):
     (its product with |w| = 0 is 0 either way); |-128| is 128 as the unsigned byte. On AVX2 one `vpsignb` and one
     `vpabsb` (a select on w < 0 compiled to a compare, an xor and a subtract for x: 4 vector instructions a block
     of the Q8_0 row dot instead of 2)."""
-    vt = w.type
+    vt, zero = w.type, ir.Constant(w.type, None)
+    neg = builder.icmp_signed("<", w, zero)
     if HAVE_AVX2 and vt.count == 32:
         sign = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt]), "llvm.x86.avx2.psign.b")
         x = builder.call(sign, [x, w])
     else:
-        x = builder.select(builder.icmp_signed("<", w, ir.Constant(vt, None)), builder.sub(ir.Constant(vt, None), x), x)
-    neg = builder.icmp_signed("<", w, ir.Constant(vt, None))
-    return x, builder.select(neg, builder.sub(ir.Constant(vt, None), w), w)
+        x = builder.select(neg, builder.sub(zero, x), x)
+    return x, builder.select(neg, builder.sub(zero, w), w)
 
 
 def _nibbles32(builder, bb):
@@ -294,11 +294,10 @@ def _row32(nibbles, swizzled=False):
                 return p8, _f16_at(builder, rp, o)
 
             def ahead(b0):
-                """8 blocks' lines BLOCK_AHEAD bytes on, one prefetch a 64-byte line (Q8_0's: see BLOCK_AHEAD), where
-                one a block asked for each line two to four times."""
-                if nibbles or not HAVE_VNNI256:
-                    for line in range(0, 8 * size, 64):
-                        prefetch_ahead(builder, [rp], builder.mul(b0, ir.Constant(idx, size)), ahead=BLOCK_AHEAD + line)
+                """8 blocks' lines BLOCK_AHEAD bytes on, one prefetch a 64-byte line, where one a block asked for
+                each line two to four times."""
+                for line in range(0, 8 * size, 64):
+                    prefetch_ahead(builder, [rp], builder.mul(b0, ir.Constant(idx, size)), ahead=BLOCK_AHEAD + line)
 
             def correction(b0, n):
                 """Q4_0: 8 * the activations' 32-sums of blocks b0..b0+n (<8 x i32>, n <= 8 lanes)."""
@@ -322,7 +321,7 @@ def _row32(nibbles, swizzled=False):
                 return isum
             # without VBMI (an AVX2 build) the swizzled dot is the plain one: xw unread
             return b32_row(builder, args[-1], dp, block, group_sum, one_sum, group8_q4_0 if swizzled and HAVE_VBMI else None,
-                           ahead)
+                           ahead if nibbles or not HAVE_VNNI256 else None)      # Q8_0's: see BLOCK_AHEAD
         return sig, codegen
 
     if swizzled:
