@@ -16,6 +16,7 @@ from synth_model import write_model
 from colibri_server.model import Model
 from colibri_server.model.prefetch import Prefetcher
 from colibri_server.model.residency import (
+    PAGE,
     STAT_NAMES,
     BudgetTooSmall,
     ReadAhead,
@@ -54,13 +55,13 @@ def _greedy(m, res=None, n=12, predict=False):
     while eng.has_work():
         toks += [ev.token_id for _, ev in eng.step()]
         if res is not None:
-            res.rerank(time.monotonic())
+            res.rerank()
     return toks, eng
 
 
 def _open_with_budget(path, frac):
     m = Model.open(path, context=64, populate=False)
-    res = Residency(m.file, m.config, int(m.file.header["file_size"] * frac))
+    res = Residency(m.file, m.config, int(m.file.header["file_size"] * frac), chunk=PAGE)   # (its experts: 0.5 MiB slices)
     try:
         res.start()
     except OSError as e:
@@ -111,28 +112,135 @@ def test_rerank_locks_the_most_routed_within_the_budget(small):
         os.close(fd)
         missing = np.array([[res._missing(l, e) for e in range(E)] for l in range(L)])
         assert (missing > 0).sum() > L * E // 2
-        res.rerank(time.monotonic(), max_swaps=1000, uncached=0)  # only what a worker just read
+        res.rerank(max_swaps=1000, uncached=0)  # only what a worker just read
         assert (missing[res.shared.resident > 0] == 0).all()
         before = res.shared.resident.astype(bool).copy()
         ranked = np.where((missing > 0) & ~before, counts, -1)
         best = np.unravel_index(np.argmax(ranked), ranked.shape)
-        res.rerank(time.monotonic(), max_swaps=1000)              # and one a call read from disk: the best ranked
+        res.rerank(max_swaps=1000)              # and one a call read from disk: the best ranked
         assert res.shared.resident[best]                          # (its 2 MiB folios may bring neighbours in)
-        res.rerank(time.monotonic(), max_swaps=1000, uncached=1 << 30)
+        res.rerank(max_swaps=1000, uncached=1 << 30)
         resident = res.shared.resident.astype(bool)
         assert resident[:, 2].all() and resident[0, 5]
         assert res.locked_bytes <= res.budget
         assert 0 < resident.sum() < L * E                         # the budget cut the ranking
         assert counts[resident].min() > counts[~resident].max()   # experts of one size: the top ones
         assert res.budget - res.locked_bytes < res.expert_bytes.max()   # and as many as fit
-        assert res.always_bytes + res.expert_bytes[resident].sum() == res.locked_bytes
+        mask = np.zeros(res.refs.size, np.bool_)
+        mask[res.always_chunks] = True
+        held = np.unique(np.concatenate([res.expert_chunks[l][e] for l, e in zip(*np.nonzero(resident))]))
+        assert res.always_bytes + res._cost(held, mask) == res.locked_bytes   # neighbours' shared pages counted once
         assert _locked_kib() * 1024 <= res.budget + 4096 * 8 * L * E
         # the routes move: the decayed scores give way, within the budget at every step
         res.shared.counts[:, 6] += 10_000
-        res.rerank(time.monotonic() + 300, max_swaps=1000, uncached=1 << 30)
+        res.rerank(max_swaps=1000, uncached=1 << 30)
         resident = res.shared.resident.astype(bool)
         assert resident[:, 6].all()
         assert res.locked_bytes <= res.budget
+    finally:
+        m.close()
+
+
+def test_the_ranking_follows_the_tokens_not_the_clock(small):
+    """The decayed counts halve every half_life tokens that went through the model (the routes counted, over
+    top_k in each layer with experts): an idle server keeps its ranking however long it waits, and experts a
+    sequence stopped using give way within a few tokens to ones it uses now, though those have fewer routes
+    in all."""
+    m = Model.open(small, context=64, populate=False)
+    experts, always, _ = expert_ranges(m.file, m.config)
+    each = sum(n for _, n in experts[0][0])
+    frac = (sum(n for _, n in always) + 4.5 * each) / m.file.header["file_size"]
+    m.close()
+    m, res = _open_with_budget(small, frac)               # room for 4 experts
+    try:
+        L, E = res.shared.counts.shape
+        assert res.routes_per_token == m.config.top_k * L
+        res.shared.counts[:, 1] = 100                     # 100 tokens routed to experts 1 and 2 of every layer
+        res.shared.counts[:, 2] = 100
+        res.rerank(max_swaps=1000, uncached=1 << 30)
+        first = res.shared.resident.astype(bool).copy()
+        assert first.sum() == 4 and first[:, [1, 2]].sum() == 4
+        score = res.score.copy()
+        time.sleep(0.2)                                   # no token since: nothing decays, nothing moves
+        res.rerank(max_swaps=1000, uncached=1 << 30)
+        assert np.array_equal(res.score, score) and np.array_equal(res.shared.resident.astype(bool), first)
+        fd = os.open(small, os.O_RDONLY)
+        os.fdatasync(fd)                                  # (a dirty page stays)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)      # out of the page cache (where no folio is locked)
+        os.close(fd)
+        fresh = [(l, e) for l in range(L) for e in range(E) if e not in (1, 2) and res._missing(l, e)][:4]
+        assert len(fresh) == 4
+        # then 20 tokens (5 half-lives) route to four other experts: 40 routes each against the others' 100
+        for l, e in fresh:
+            res.shared.counts[l, e] += 40
+        res.rerank(max_swaps=1000, uncached=0)            # none may be read now: the old ones keep their places
+        assert np.array_equal(res.shared.resident.astype(bool), first)
+        res.rerank(max_swaps=1000, uncached=1 << 30)
+        now = res.shared.resident.astype(bool)
+        assert np.allclose(res.score[:, 1], 100 * 0.5 ** (4 * 40 / res.routes_per_token / res.half_life))
+        assert now.sum() == 4 and all(now[l, e] for l, e in fresh)
+        assert res.locked_bytes <= res.budget
+    finally:
+        m.close()
+
+
+def _locked_ranges(base: int):
+    """[(offset into the mapping at `base`, length)] of this process's locked mappings (smaps), neighbours
+    joined (other advice splits a locked range into several mappings)."""
+    out, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                cur = (a - base, b - a)
+            elif head[0] == "VmFlags:" and "lo" in head[1:] and cur is not None:
+                if out and out[-1][0] + out[-1][1] == cur[0]:
+                    out[-1] = (out[-1][0], out[-1][1] + cur[1])
+                else:
+                    out.append(cur)
+    return out
+
+
+def test_locks_hold_whole_2mib_pieces_and_count_them(small):
+    """A lock ending inside a 2 MiB page-cache folio pins that folio without counting it (mlock skips a large
+    folio a locked range covers in part; reclaim cannot take it): so every lock starts and ends on a 2 MiB
+    piece of the file, the budget counts the pieces, a piece two locked experts share stays locked until both
+    are released, and what the kernel holds locked is what the budget counts."""
+    MIB2 = 2 << 20                                     # the largest page-cache folio: a PMD
+    m = Model.open(small, context=64, populate=False)
+    size = m.file.header["file_size"]
+    res = Residency(m.file, m.config, size)
+    try:
+        res.start()
+    except OSError as e:
+        m.close()
+        pytest.skip(f"cannot lock memory here: {e}")
+    m.residency = res
+    base = m.file._buf.ctypes.data
+    try:
+        L, E = res.shared.counts.shape
+        res.shared.counts[0, 3] = 50                     # two neighbours in one stack: a piece in common
+        res.shared.counts[0, 4] = 40
+        res.rerank(max_swaps=1000, uncached=1 << 30)
+        assert res.shared.resident[0, 3] and res.shared.resident[0, 4]
+        held = _locked_ranges(base)
+        assert held and all(a % MIB2 == 0 and (n % MIB2 == 0 or a + n >= size) for a, n in held)
+        pinned = lambda: sum(min(n, size - a) for a, n in _locked_ranges(base))      # noqa: E731
+        # the experts counted in whole pieces (the always part at its own size: its pieces' edges are the room's)
+        assert pinned() - res._bytes(res.always_chunks) == res.locked_bytes - res.always_bytes
+        assert res.locked_bytes <= res.budget
+        shared_piece = set(res.expert_chunks[0][3].tolist()) & set(res.expert_chunks[0][4].tolist())
+        assert shared_piece
+        res._unlock(0, 4)                                 # expert 4 released: 3 keeps the piece they share
+        locked = {c for a, n in _locked_ranges(base) for c in range(a // MIB2, -(-(a + n) // MIB2))}
+        assert shared_piece <= locked and set(res.expert_chunks[0][3].tolist()) <= locked
+        res._unlock(0, 3)
+        locked = {c for a, n in _locked_ranges(base) for c in range(a // MIB2, -(-(a + n) // MIB2))}
+        alone = set(res.expert_chunks[0][4].tolist()) - set(res.always_chunks.tolist()) - {
+            c for l in range(L) for e in range(E) if res.shared.resident[l, e] for c in res.expert_chunks[l][e].tolist()}
+        assert not (alone & locked)                       # a piece no lock holds is unlocked
+        assert pinned() - res._bytes(res.always_chunks) == res.locked_bytes - res.always_bytes
     finally:
         m.close()
 
@@ -149,7 +257,7 @@ def test_locked_experts_give_way_while_the_processes_memory_grows_and_come_back(
     try:
         L, E = res.shared.counts.shape
         res.shared.counts[...] = np.arange(1, L * E + 1, dtype=np.int64).reshape(L, E)   # all differ
-        res.rerank(time.monotonic(), max_swaps=1000, uncached=1 << 30)
+        res.rerank(max_swaps=1000, uncached=1 << 30)
         full = res.shared.resident.astype(bool)
         assert 0 < full.sum() < L * E and res.locked_bytes <= res.budget
         res.floor, res.next_warn, res.held_since = 64 << 20, 0.0, None           # as lock() sets them
@@ -198,7 +306,7 @@ def test_each_live_worker_widens_the_room_kept_free(small):
     try:
         L, E = res.shared.counts.shape
         res.shared.counts[...] = np.arange(1, L * E + 1, dtype=np.int64).reshape(L, E)
-        res.rerank(time.monotonic(), max_swaps=1000, uncached=1 << 30)
+        res.rerank(max_swaps=1000, uncached=1 << 30)
         full = res.shared.resident.astype(bool)
         res.in_flight = in_flight_bytes(m.file, m.config)
         res.next_warn, res.held_since, res.next_save = 0.0, None, time.monotonic() + 1e9
@@ -233,7 +341,7 @@ def test_a_saved_popular_set_locks_within_the_memory_left(small, tmp_path):
     m = Model.open(path, context=64, populate=False)
     try:
         budget = int(m.file.header["file_size"] * 0.6)
-        m.residency = Residency(m.file, m.config, budget)
+        m.residency = Residency(m.file, m.config, budget, chunk=PAGE)
         L, E = m.config.num_layers, m.config.num_experts
         with open(MR.popular_path(path), "w") as f:
             json.dump({"identity": m.file.identity, "score": np.arange(1, L * E + 1).reshape(L, E).tolist()}, f)
@@ -370,7 +478,7 @@ def test_greedy_answers_of_several_sequences_equal_under_a_budget(small, monkeyp
             for sid, ev in eng.step():
                 toks[sid].append(ev.token_id)
             if res is not None:
-                res.rerank(time.monotonic())
+                res.rerank()
         return toks, eng
     m = Model.open(small, context=64, populate=False)
     try:
@@ -405,8 +513,8 @@ def test_budget_below_the_always_part_is_one_line(small):
         m.close()
     m = Model.open(small, context=32, populate=False)
     try:                                      # a budget the server chose: as much of the always part as fits
-        res = Residency(m.file, m.config, 100 * 4096, partial=True)
-        assert 0 < res.always_bytes <= 100 * 4096 and sum(n for _, n in res.locked_always) == res.always_bytes
+        res = Residency(m.file, m.config, 100 * 4096, partial=True, chunk=PAGE)
+        assert 0 < res.always_bytes <= 100 * 4096 and res.always_chunks.size * 4096 == res.always_bytes
     finally:
         m.close()
     assert resolve_budget(0, 100, 200) == 100                     # fits: all of it
@@ -476,7 +584,7 @@ toks = []
 while eng.has_work():
     toks += [ev.token_id for _, ev in eng.step()]
     if res is not None:
-        res.rerank(time.monotonic())
+        res.rerank()
 print(json.dumps({"tokens": toks, "budget": budget, "size": size, "weights": eng.stats().get("weights")}))
 """
 
@@ -557,7 +665,7 @@ def test_server_under_a_weights_budget(small, tmp_path):
         size = m.file.header["file_size"]
     finally:
         m.close()
-    budget = int(size * 0.4)
+    budget = int(size * 0.7)              # (its always part, whole 2 MiB pieces: 28 of its 53 MiB)
     s = Server(small, tmp_path, workers=2, extra=("--weights-memory", budget, "--context", 64))
     try:
         s.wait_ready(workers=2)

@@ -54,6 +54,7 @@ from .faults import ModelFaults
 from .fleet import Fleet
 from .generations import Reloads
 from .loading import EXIT_BIND, EXIT_LOAD, HaltServer, describe_exit, make_runtime_dir, model_path_of, write_pidfile
+from .residency import next_turn as residency_turn
 from .startup import Loading, bind_http, wait_router_up
 
 log = logging.getLogger("colibri.master")
@@ -343,6 +344,9 @@ class Arbiter:
     def sleep(self):
         try:
             timeout = min(0.5, self.watchdog or 0.5)
+            rerank = residency_turn(self.gens, time.monotonic())          # a weights budget re-ranks on time
+            if rerank is not None:
+                timeout = min(timeout, rerank)
             if self.router_pid is None and not self.stopping and self.role != "host":   # restart the router on time
                 timeout = min(timeout, max(0.0, self.router_next_start - time.monotonic()))
             r, _, _ = select.select([self._wake_r, self.pipe], [], [], timeout)

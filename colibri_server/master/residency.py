@@ -18,10 +18,12 @@ import numpy as np
 
 log = logging.getLogger("colibri.master")
 
-RERANK_EVERY = 1.0          # seconds between two re-ranks of one model (and checks of the memory left)
+RERANK_EVERY = 0.25         # seconds between two re-ranks of one model (and checks of the memory left): a few
+                            # tokens of a batch-1 decode under a tight limit (the ranking's half-life is 4 tokens)
 WARN_EVERY = 60.0           # seconds between two warnings that memory held the budget down
 HELD_WARN_AFTER = 10.0      # seconds the ceiling may stay below the budget (its rise included) before a warning
 MAX_SWAPS = 8               # experts newly locked per re-rank
+UNCACHED_SWAPS = 1          # of which read from disk by the lock (the others a worker used just now)
 SAVE_EVERY = 60.0           # seconds between two saves of the popular set
 
 
@@ -103,10 +105,10 @@ def lock(m, s, grown: int, headroom=None) -> None:
     res.floor, res.next_warn, res.held_since = floor_for(res, getattr(s, "workers", 1) or 1), 0.0, None
     _load_popular(res, m.path)
     _follow(res, m.path, headroom(), time.monotonic())        # a saved set locks at once: within the room
-    res.rerank(time.monotonic(), max_swaps=1 << 30, uncached=1 << 30)
+    res.rerank(max_swaps=1 << 30, uncached=1 << 30)
     res.next_rerank, res.next_save = 0.0, time.monotonic() + SAVE_EVERY
     budget = res.budget
-    whole = sum(n for _, n in res.always)
+    whole = res.whole_always_bytes
     if res.always_bytes < whole:
         log.warning("model %s: the memory left beside the server's processes (weights_memory %.0f MiB) holds "
                     "%.0f of the %.0f MiB always needed: the rest and every expert are read on demand, slowly; "
@@ -157,12 +159,19 @@ def tend(gens, headroom=None, workers=None) -> None:
             res.floor = floor_for(res, workers)
         try:
             _follow(res, g.model.path, headroom(), now)
-            res.rerank(now, MAX_SWAPS)
+            res.rerank(MAX_SWAPS, UNCACHED_SWAPS)
         except OSError as e:
             log.warning("weights residency of %s: %s", g.model.path, e)
         if now >= res.next_save:
             res.next_save = now + SAVE_EVERY
             _save_popular(res, g.model.path)
+
+
+def next_turn(gens, now: float) -> float | None:
+    """Seconds until tend() has a model to re-rank (the master's loop sleeps no longer); None: no budget."""
+    due = [g.model.residency.next_rerank for g in list(gens.values())
+           if getattr(g.model, "residency", None) is not None]
+    return max(0.0, min(due) - now) if due else None
 
 
 def _follow(res, path: str, room: int, now: float) -> None:

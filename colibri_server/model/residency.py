@@ -44,6 +44,13 @@ __all__ = ["Residency", "ReadAhead", "expert_ranges", "resolve_budget", "in_flig
            "memory_headroom", "BudgetTooSmall", "STAT_NAMES"]
 
 PAGE = mmap.PAGESIZE
+# What is locked and counted against the budget, in whole pieces of the file of this size: the page cache holds a
+# file read on a 2 MiB mapping in folios up to 2 MiB, and mlock pins only a folio wholly inside a locked range,
+# while reclaim cannot take one that a locked range covers in part (the unmap gives up on it): a lock that ends
+# inside a folio pins that folio unaccounted. bench-mixtral f16's expert slices are 4 MiB at 1.55 MiB into a
+# piece: an expert pinned 18 MiB for the 12 its locks counted, and a 50% memory limit thrashed or OOM-killed
+# the process once the locked experts changed often.
+CHUNK = 2 << 20
 MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 # what ReadAhead counts, in the shared stats row (one int64 each)
@@ -186,6 +193,15 @@ class _Shared:
         self.resident = buf[n * 8 + len(STAT_NAMES) * 8:][:n].reshape(L, E)
 
 
+# The half-life of an expert's route count, in tokens through the model (rows of the steps, summed over the
+# workers). A sequence's routes move from token to token (bench/residency_policy.py: bench-mixtral f16, four
+# greedy sequences of 96 tokens, 13 of its 64 experts locked, re-ranked every 4 tokens): the share of a decode
+# token's expert uses found locked was 0.65-0.72 with a half-life of 4 tokens, 0.63-0.69 with 8, 0.49-0.62
+# without decay, 0.58-0.68 for the best fixed set known in hindsight. The four as one step's rows: 0.28-0.30
+# whatever the half-life, 0.61 newcomers a step against 0.19 without decay.
+HALF_LIFE_TOKENS = 4.0
+
+
 class Residency:
     """The master's: lock the always-resident part and the experts that fit in the budget, by decayed
     route counts. cf: the open ColibriFile (its mapping), cfg its ModelConfig, budget in bytes. A budget
@@ -193,16 +209,21 @@ class Residency:
     itself): then as much of that part as fits is locked, no expert, and the rest is read on demand.
     always_bytes is what is locked of that part."""
 
-    def __init__(self, cf, cfg, budget: int, half_life: float = 30.0, partial: bool = False):
-        self.cf, self.budget, self.half_life = cf, int(budget), half_life
+    def __init__(self, cf, cfg, budget: int, half_life: float = HALF_LIFE_TOKENS, partial: bool = False,
+                 chunk: int = CHUNK):
+        self.cf, self.budget, self.half_life, self.chunk = cf, int(budget), half_life, int(chunk)
         self.experts, self.always, self.demand = expert_ranges(cf, cfg)
         L, E = cfg.num_layers, max(1, cfg.num_experts)
         self.expert_bytes = np.array([[sum(n for _, n in self.experts[l][e]) if E else 0 for e in range(E)]
                                       for l in range(L)], np.int64)                      # (L,E)
+        # the routes one token adds to the counts: top_k in each layer that has experts
+        self.routes_per_token = max(1, int(cfg.top_k) * int((self.expert_bytes.sum(axis=1) > 0).sum()))
+        self.size = int(cf.header["file_size"])
+        self.refs = np.zeros(-(-self.size // self.chunk), np.int32)   # (pieces,) locks held on each piece
+        self.expert_chunks = [[_chunks(r, self.chunk) for r in row] for row in self.experts]
         self.shared = _Shared(L, E)
         self.score = np.zeros((L, E), np.float64)                                       # (L,E) decayed routes
         self._seen = np.zeros((L, E), np.int64)
-        self._last = None
         self.locked_bytes = 0
         self.swaps = 0
         self._base = cf._buf.ctypes.data
@@ -215,16 +236,15 @@ class Residency:
         file order. Raises BudgetTooSmall as the constructor says."""
         assert self.locked_bytes == 0, "shrink() before start()"
         self.budget = min(self.budget, max(0, int(budget)))
-        self.locked_always = list(self.always)
-        self.always_bytes = sum(n for _, n in self.always)
+        # the always part is locked in whole pieces but counted at its own size: the pieces' edges it shares
+        # with the expert stacks (50 of its 153 MiB on bench-mixtral f16) are in the room the default budget
+        # leaves beside it, where they have always been (an expert that shares one costs nothing more)
+        self.always_chunks = _chunks(self.always, self.chunk)
+        self.whole_always_bytes = sum(n for _, n in self.always)
+        self.always_bytes = self.whole_always_bytes
         if self.always_bytes > self.budget and self.partial:
-            room, self.locked_always = self.budget, []
-            for a, n in self.always:
-                n = min(n, room // PAGE * PAGE)
-                if n > 0:
-                    self.locked_always.append((a, n))
-                    room -= n
-            self.always_bytes = sum(n for _, n in self.locked_always)
+            self.always_chunks = self.always_chunks[:self.budget // self.chunk]      # in file order, what fits
+            self.always_bytes = self._bytes(self.always_chunks)
         if self.always_bytes > self.budget:
             raise BudgetTooSmall(f"weights_memory {self.budget / 2**20:.0f} MiB is below the part of "
                                  f"{os.path.basename(self.cf.path)} always kept resident "
@@ -247,73 +267,115 @@ class Residency:
                     mm.madvise(MADV_RANDOM, a, n)
         for a, n in self.demand:
             mm.madvise(MADV_RANDOM, a, n)
-        for a, n in self.locked_always:
-            self._lock(a, n)
+        self._lock(self.always_chunks)
         self.locked_bytes = self.always_bytes
 
-    def _lock(self, a, n):
-        if _libc.mlock(ctypes.c_void_p(self._base + a), n) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"mlock of {n / 2**20:.1f} MiB of {self.cf.path}: {os.strerror(e)}")
+    def _bytes(self, chunks) -> int:
+        """The file's bytes in these pieces (the last one may be short)."""
+        n = int(chunks.size) * self.chunk
+        if chunks.size and chunks[-1] == self.refs.size - 1:
+            n -= self.refs.size * self.chunk - self.size
+        return n
 
-    def _release(self, ranges):
-        """Unlock an expert and drop the master's page-table entries of it; its pages stay in the page
-        cache as the kernel's to reclaim first (dropping them outright, POSIX_FADV_DONTNEED, threw away
-        pages a limit still had room for: 75% limit 21.7 tok/s against the kernel LRU's 24.3)."""
+    def _cost(self, chunks, held) -> int:
+        """Bytes locking `chunks` adds where `held` (a bool per piece) are locked already."""
+        return self._bytes(chunks[~held[chunks]])
+
+    def _lock(self, chunks) -> None:
+        """Lock the pieces not locked yet; count a lock of each (locked_bytes: the pieces held)."""
+        for c in chunks[self.refs[chunks] == 0]:
+            a = int(c) * self.chunk
+            n = min(self.chunk, self.size - a)
+            if _libc.mlock(ctypes.c_void_p(self._base + a), n) != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, f"mlock of {n / 2**20:.1f} MiB of {self.cf.path}: {os.strerror(e)}")
+            self.locked_bytes += n
+        self.refs[chunks] += 1
+
+    def _release(self, chunks) -> None:
+        """Drop a lock of each piece; the pieces no lock holds any more are unlocked and the master's
+        page-table entries of them dropped: their pages stay in the page cache as the kernel's to reclaim
+        first (dropping them outright, POSIX_FADV_DONTNEED, threw away pages a limit still had room for:
+        75% limit 21.7 tok/s against the kernel LRU's 24.3)."""
+        self.refs[chunks] -= 1
         mm = self.cf._mm
-        for a, n in ranges:
+        for c in chunks[self.refs[chunks] == 0]:
+            a = int(c) * self.chunk
+            n = min(self.chunk, self.size - a)
             _libc.munlock(ctypes.c_void_p(self._base + a), n)
             mm.madvise(MADV_DONTNEED, a, n)
+            self.locked_bytes -= n
 
-    def rerank(self, now: float, max_swaps: int = 16, uncached: int = 1) -> int:
-        """Fold the routes counted since the last call into the decayed scores and lock the experts that
-        rank highest within the budget, unlocking those that fell out (at most max_swaps experts locked
-        per call, the best first, so the caller never waits long). uncached: how many of them may have
-        pages missing from the page cache (mlock reads those from disk, in the caller, beside the workers'
-        own reads; a newcomer a worker used just now is usually cached). Allowing none left a budget's last
-        places empty under a tight limit, where the page cache rarely held a whole newcomer by the time of
-        a rerank: 10 of 13 experts locked at 50% of bench-mixtral f16, batch-1 decode.
+    def rerank(self, max_swaps: int = 16, uncached: int = 1) -> int:
+        """Fold the routes counted since the last call into the decayed scores (each score halves every
+        half_life tokens that went through the model: the decay follows the work done, not the clock, so an
+        idle server keeps its ranking) and lock the experts that rank highest within the budget (the
+        ceiling), unlocking those that fell out. At most max_swaps newcomers are locked per call, the best
+        first, so the caller never waits long; uncached: how many of them may have pages missing from the page
+        cache (mlock reads those from disk, in the caller, beside the workers' own reads; a newcomer a worker
+        used just now is usually cached). An incumbent that fell out keeps its place until a newcomer can take
+        it: unlocking first and locking what the limits allowed had left 2 of 13 places empty at the end of a
+        batch-1 decode at 50% of bench-mixtral f16 (allowing no uncached newcomer at all, 3 of 13).
         Returns how many were locked."""
         res = self.shared.resident
         counts = self.shared.counts.copy()
         new, self._seen = counts - self._seen, counts
-        decay = 1.0 if self._last is None else 0.5 ** ((now - self._last) / self.half_life)
-        self._last = now
-        self.score = self.score * decay + new
+        tokens = max(0, int(new.sum())) / self.routes_per_token          # through the model since the last call
+        self.score = self.score * 0.5 ** (tokens / self.half_life) + new
         # the incumbents keep their place against a newcomer up to 25% ahead (no churn on noise)
         eff = self.score * np.where(res > 0, 1.25, 1.0)
-        order = np.argsort(-eff, axis=None, kind="stable")
-        room = self.ceiling - self.always_bytes           # ceiling <= budget (shrink, follow)
-        want = np.zeros_like(res)
-        for flat in order:
-            l, e = divmod(int(flat), res.shape[1])
-            b = int(self.expert_bytes[l, e])
-            if eff[l, e] <= 0 or b == 0:
+        order = [divmod(int(f), res.shape[1]) for f in np.argsort(-eff, axis=None, kind="stable")]
+        base = np.zeros(self.refs.size, np.bool_)
+        base[self.always_chunks] = True
+        room, held = self.ceiling - self.always_bytes, base.copy()     # ceiling <= budget (shrink, follow)
+        want = np.zeros(res.shape, np.bool_)              # the ranking's choice within the room
+        for l, e in order:
+            ch = self.expert_chunks[l][e]
+            if eff[l, e] <= 0 or ch.size == 0:
                 break
+            b = self._cost(ch, held)
             if b <= room:
-                want[l, e], room = 1, room - b
-        # unlock first (the budget holds at every moment), then lock the newcomers, best first
-        for l, e in zip(*np.nonzero((res > 0) & (want == 0))):
-            res[l, e] = 0
-            self._release(self.experts[l][e])
-            self.locked_bytes -= int(self.expert_bytes[l, e])
-        added = 0
-        for flat in order:
-            l, e = divmod(int(flat), res.shape[1])
+                want[l, e], room, held[ch] = True, room - b, True
+        can = res > 0                                     # what may be locked after this call: the incumbents
+        for l, e in order:                                # and the newcomers the limits let in now
             if want[l, e] and not res[l, e]:
-                if added >= max_swaps:
+                if max_swaps <= 0:
                     break
                 if self._missing(l, e):
                     if uncached <= 0:
                         continue
                     uncached -= 1
-                for a, n in self.experts[l][e]:
-                    self._lock(a, n)
+                can[l, e], max_swaps = True, max_swaps - 1
+        keep = np.zeros(res.shape, np.bool_)              # the best of those within the room
+        room, held = self.ceiling - self.always_bytes, base
+        for l, e in order:
+            ch = self.expert_chunks[l][e]
+            if can[l, e] and ch.size and (want[l, e] or res[l, e]):
+                b = self._cost(ch, held)
+                if b <= room:
+                    keep[l, e], room, held[ch] = True, room - b, True
+        # each newcomer, best first, takes the place of the weakest that fell out: that one is unlocked just
+        # before it is locked (the budget holds at every moment, and one expert at a time is between the two)
+        out = [(l, e) for l, e in reversed(order) if res[l, e] and not keep[l, e]]
+        added = 0
+        for l, e in order:
+            if keep[l, e] and not res[l, e]:
+                ch = self.expert_chunks[l][e]
+                while out and self.locked_bytes + self._cost(ch, self.refs > 0) > self.ceiling:
+                    self._unlock(*out.pop(0))
+                if self.locked_bytes + self._cost(ch, self.refs > 0) > self.ceiling:
+                    continue
+                self._lock(ch)
                 res[l, e] = 1
-                self.locked_bytes += int(self.expert_bytes[l, e])
                 added += 1
+        for l, e in out:
+            self._unlock(l, e)
         self.swaps += added
         return added
+
+    def _unlock(self, l: int, e: int) -> None:
+        self.shared.resident[l, e] = 0
+        self._release(self.expert_chunks[l][e])
 
     def follow(self, headroom: int, floor: int) -> int:
         """Keep the processes out of the OOM killer's way: the budget is chosen before they grow (KV blocks
@@ -347,6 +409,12 @@ class Residency:
 
     def reader(self, cfg, predict: bool = False, spread: int = 0) -> "ReadAhead":
         return ReadAhead(self, cfg, predict, spread)
+
+
+def _chunks(ranges, chunk: int) -> np.ndarray:
+    """(n,) int64 ascending: the pieces of the file `chunk` bytes long that byte ranges [(offset, length)] touch."""
+    out = [np.arange(a // chunk, -(-(a + n) // chunk)) for a, n in ranges if n > 0]
+    return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
 
 
 def _room_to_lock(budget: int) -> None:
@@ -392,7 +460,11 @@ class ReadAhead:
         """The budget and what every worker counted (shared): what a heartbeat reports."""
         r = self.r
         st = dict(zip(STAT_NAMES, (int(v) for v in self.stats)))
-        return {"weights_memory": r.budget, "locked_bytes": r.always_bytes + int(r.expert_bytes[self.resident > 0].sum()),
+        held = np.zeros(r.refs.size, np.bool_)
+        held[r.always_chunks] = True
+        experts = [r.expert_chunks[l][e] for l, e in zip(*np.nonzero(self.resident))]
+        more = r._cost(np.unique(np.concatenate(experts)), held) if experts else 0
+        return {"weights_memory": r.budget, "locked_bytes": r.always_bytes + more,
                 "experts_resident": int(self.resident.sum()), "experts": int(self.resident.size), **st}
 
     def _fetch(self, l: int, e: int, ask: bool = True) -> int:
