@@ -9,7 +9,7 @@ runs, in turns, inside it (so the page cache the run fills is charged to the lim
   left after the process's own memory, less room for the experts being read), loads its kernels and gives
   up what they took beyond the room a server leaves them (master/residency.start_after_compile), locks, decodes greedily with
   the server's batched step (one thread, one sequence) while a thread re-ranks the locked experts every
-  0.25 s, as the server's master does from its own process;
+  RERANK_EVERY (0.25 s), as the server's master does from its own process;
 - colibri without a budget (the kernel's LRU decides, as before issue 36);
 - llama-bench on the GGUF of the same weights (mmap, its defaults; `--repack 0`: this VM's AMX flags
   crash llama.cpp's repacking).
@@ -138,7 +138,7 @@ def child_colibri(a) -> None:
     import numpy as np
 
     from colibri_server.host.trim import trim
-    from colibri_server.master.residency import start_after_compile
+    from colibri_server.master.residency import MAX_SWAPS, RERANK_EVERY, UNCACHED_SWAPS, start_after_compile
     from colibri_server.model import Model
     from colibri_server.model.residency import Residency, available_memory, in_flight_bytes, resolve_budget
     from colibri_server.model.serving import BatchEngine, warm_up
@@ -171,8 +171,8 @@ def child_colibri(a) -> None:
     done = threading.Event()
 
     def master():          # the server's master re-ranks in its own process, beside the workers: here a thread
-        while not done.wait(0.25):
-            res.rerank(time.monotonic(), 8)
+        while not done.wait(RERANK_EVERY):
+            res.rerank(MAX_SWAPS, UNCACHED_SWAPS)
     tender = threading.Thread(target=master, daemon=True)
     if res is not None:
         tender.start()
@@ -185,7 +185,7 @@ def child_colibri(a) -> None:
     dec = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
     out = {"tokens": toks, "decode_tok_s": dec, "first_token_s": times[0] - t0, "budget": budget,
            "file_size": size, "residency": res.figures() if res is not None else None,
-           "rss_anon": _anon()}
+           "rss_anon": _anon(), "route_counts": res.shared.counts.tolist() if res is not None else None}
     print(json.dumps(out))
     np.asarray(0)
 
@@ -236,6 +236,7 @@ def main(argv=None):
                     help="memory limits in %% of the .colibri file's size")
     ap.add_argument("--new", type=int, default=64, help="tokens decoded")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--no-lru", action="store_true", help="skip colibri without a budget (the kernel's LRU)")
     ap.add_argument("--json", default="")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--budget-mode", default="auto", choices=["auto", "none", "lru"], help=argparse.SUPPRESS)
@@ -266,7 +267,7 @@ def main(argv=None):
     for pct in a.limits:
         limit = int(size * pct / 100)
         row = {"limit_pct": pct, "limit_bytes": limit}
-        for who in ("colibri", "colibri_lru") + (() if a.no_llama else ("llama",)):
+        for who in ("colibri",) + (() if a.no_lru else ("colibri_lru",)) + (() if a.no_llama else ("llama",)):
             for p in (a.model, a.gguf):
                 drop_cache(p)
             cg = Cgroup(f"colibri-bench-{os.getpid()}", limit)
@@ -287,7 +288,7 @@ def main(argv=None):
               f"(budget {row['colibri'].get('budget', 0) / 2**20:.0f} MiB, same tokens "
               f"{row['colibri'].get('same_tokens')}, peak {row['colibri'].get('peak_bytes', 0) / 2**20:.0f} MiB, "
               f"oom {row['colibri'].get('oom_kills')}) | kernel LRU colibri "
-              f"{row['colibri_lru'].get('decode_tok_s', 0):6.1f} | llama-bench {lb:6.1f} tok/s "
+              f"{row.get('colibri_lru', {}).get('decode_tok_s', 0):6.1f} | llama-bench {lb:6.1f} tok/s "
               f"(peak {row.get('llama', {}).get('peak_bytes', 0) / 2**20:.0f} MiB) | ratio "
               f"{row['colibri_vs_llama'] or 0:.2f}x | of own in-memory {row['colibri_vs_own_in_memory'] or 0:.2f}"
               + (f" | errors: {[(k, v['error']) for k, v in row.items() if isinstance(v, dict) and 'error' in v]}"
