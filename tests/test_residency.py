@@ -59,9 +59,12 @@ def _greedy(m, res=None, n=12, predict=False):
     return toks, eng
 
 
-def _open_with_budget(path, frac):
+def _open_with_budget(path, frac, chunk=PAGE):
+    """The model at `path` under a budget of `frac` of its size, locked in pieces of `chunk` bytes (the small
+    model's experts are 0.5 MiB slices: in 2 MiB pieces its always part would hold every one; None: the
+    server's own pieces)."""
     m = Model.open(path, context=64, populate=False)
-    res = Residency(m.file, m.config, int(m.file.header["file_size"] * frac), chunk=PAGE)   # (its experts: 0.5 MiB slices)
+    res = Residency(m.file, m.config, int(m.file.header["file_size"] * frac), **({} if chunk is None else {"chunk": chunk}))
     try:
         res.start()
     except OSError as e:
@@ -208,15 +211,8 @@ def test_locks_hold_whole_2mib_pieces_and_count_them(small):
     piece of the file, the budget counts the pieces, a piece two locked experts share stays locked until both
     are released, and what the kernel holds locked is what the budget counts."""
     MIB2 = 2 << 20                                     # the largest page-cache folio: a PMD
-    m = Model.open(small, context=64, populate=False)
+    m, res = _open_with_budget(small, 1.0, chunk=None)
     size = m.file.header["file_size"]
-    res = Residency(m.file, m.config, size)
-    try:
-        res.start()
-    except OSError as e:
-        m.close()
-        pytest.skip(f"cannot lock memory here: {e}")
-    m.residency = res
     base = m.file._buf.ctypes.data
     try:
         L, E = res.shared.counts.shape
