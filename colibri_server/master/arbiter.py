@@ -343,10 +343,7 @@ class Arbiter:
 
     def sleep(self):
         try:
-            timeout = min(0.5, self.watchdog or 0.5)
-            rerank = residency_turn(self.gens, time.monotonic())          # a weights budget re-ranks on time
-            if rerank is not None:
-                timeout = min(timeout, rerank)
+            timeout = min(0.5, self.watchdog or 0.5, residency_turn(self.gens, time.monotonic()))   # re-ranks on time
             if self.router_pid is None and not self.stopping and self.role != "host":   # restart the router on time
                 timeout = min(timeout, max(0.0, self.router_next_start - time.monotonic()))
             r, _, _ = select.select([self._wake_r, self.pipe], [], [], timeout)

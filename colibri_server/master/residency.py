@@ -167,11 +167,11 @@ def tend(gens, headroom=None, workers=None) -> None:
             _save_popular(res, g.model.path)
 
 
-def next_turn(gens, now: float) -> float | None:
-    """Seconds until tend() has a model to re-rank (the master's loop sleeps no longer); None: no budget."""
+def next_turn(gens, now: float) -> float:
+    """Seconds until tend() has a model to re-rank (the master's loop sleeps no longer); inf: no budget."""
     due = [g.model.residency.next_rerank for g in list(gens.values())
            if getattr(g.model, "residency", None) is not None]
-    return max(0.0, min(due) - now) if due else None
+    return max(0.0, min(due) - now) if due else float("inf")
 
 
 def _follow(res, path: str, room: int, now: float) -> None:
