@@ -651,6 +651,25 @@ def test_greedy_answers_equal_in_a_cgroup_below_the_model(tmp_path):
 
 # ------------------------------------------------------------------- the server: master, router, workers
 
+def test_the_master_loop_wakes_for_a_rerank_only_while_it_reranks(monkeypatch):
+    """Arbiter.sleep waits no longer than the next re-rank of a model with a budget (master/residency.next_turn);
+    while the server stops, tend() no longer re-ranks and the re-rank stays due: the loop then sleeps its own
+    turn instead of spinning through a graceful stop."""
+    import types
+
+    from colibri_server.master import arbiter
+    from colibri_server.master.residency import next_turn
+    waits = []
+    monkeypatch.setattr(arbiter.select, "select", lambda r, w, x, timeout: waits.append(timeout) or ([], [], []))
+    due = types.SimpleNamespace(model=types.SimpleNamespace(residency=types.SimpleNamespace(next_rerank=0.0)))
+    me = types.SimpleNamespace(watchdog=0, gens={1: due}, stopping=True, router_pid=1, role="host", _wake_r=-1, pipe=None)
+    arbiter.Arbiter.sleep(me)
+    me.stopping = False
+    arbiter.Arbiter.sleep(me)
+    assert waits == [0.5, 0.0]                           # stopping: its own turn; turning: the re-rank is due
+    assert next_turn({}, 0.0) == float("inf")             # no budget: nothing to wake for
+
+
 def test_server_under_a_weights_budget(small, tmp_path):
     from server_harness import Server
 

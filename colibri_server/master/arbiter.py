@@ -343,7 +343,7 @@ class Arbiter:
 
     def sleep(self):
         try:
-            timeout = min(0.5, self.watchdog or 0.5, residency_turn(self.gens, time.monotonic()))   # re-ranks on time
+            timeout = min(0.5, self.watchdog or 0.5, 0.5 if self.stopping else residency_turn(self.gens, time.monotonic()))
             if self.router_pid is None and not self.stopping and self.role != "host":   # restart the router on time
                 timeout = min(timeout, max(0.0, self.router_next_start - time.monotonic()))
             r, _, _ = select.select([self._wake_r, self.pipe], [], [], timeout)

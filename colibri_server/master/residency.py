@@ -168,7 +168,8 @@ def tend(gens, headroom=None, workers=None) -> None:
 
 
 def next_turn(gens, now: float) -> float:
-    """Seconds until tend() has a model to re-rank (the master's loop sleeps no longer); inf: no budget."""
+    """Seconds until tend() has a model to re-rank (the master's loop sleeps no longer); inf: no budget. Only while
+    tend() turns (not while the server stops: the re-rank stays due, and the loop would not sleep at all)."""
     due = [g.model.residency.next_rerank for g in list(gens.values())
            if getattr(g.model, "residency", None) is not None]
     return max(0.0, min(due) - now) if due else float("inf")

@@ -207,7 +207,7 @@ class Residency:
     route counts. cf: the open ColibriFile (its mapping), cfg its ModelConfig, budget in bytes. A budget
     below the always-resident part raises BudgetTooSmall, unless partial (a budget the server chose
     itself): then as much of that part as fits is locked, no expert, and the rest is read on demand.
-    always_bytes is what is locked of that part."""
+    always_bytes is what the budget counts of that part (shrink)."""
 
     def __init__(self, cf, cfg, budget: int, half_life: float = HALF_LIFE_TOKENS, partial: bool = False,
                  chunk: int = CHUNK):
