@@ -49,7 +49,12 @@ def test_round_trip(bases, arch):
         for i, rt in enumerate(cf.routing):
             assert tuple(rt.__dict__.values()) == (*routing_records(b.cfg, names.index)[i], 0, 0, 1.0)
         prev_end = h["data_offset"]
-        for r in cf.record_list:
+        stack = [fmt.is_expert_stack(r.name, r.shape, b.cfg.num_experts) for r in cf.record_list]
+        by_offset = sorted(cf.record_list, key=lambda r: r.offset)
+        # the expert stacks after every other tensor, each kind in declaration order
+        assert [r.name for r in by_offset] == [r.name for s, r in sorted(zip(stack, cf.record_list), key=lambda sr: sr[0])]
+        assert any(stack) == (b.cfg.num_experts > 0)
+        for r in by_offset:
             want = b.data[r.name]
             v = cf.view(r.name)
             assert r.offset % fmt.ALIGNMENT == 0 and r.offset >= prev_end
@@ -232,8 +237,9 @@ CASES = [
                  fmt.TensorOutOfBounds, "token_embd", id="offset-past-eof"),
     pytest.param("mixtral", lambda p, b: p.set_record("token_embd", offset=p.header()["data_offset"] - 64),
                  fmt.TensorOutOfBounds, "token_embd", id="offset-before-data"),
-    pytest.param("mixtral", lambda p, b: p.set_record("output", offset=p.record("output")["offset"] + 64),
-                 fmt.TensorOutOfBounds, "output", id="end-past-eof"),
+    pytest.param("mixtral", lambda p, b: p.set_record("blk.1.ffn_down_exps",              # the file's last tensor
+                                                      offset=p.record("blk.1.ffn_down_exps")["offset"] + 64),
+                 fmt.TensorOutOfBounds, "blk.1.ffn_down_exps", id="end-past-eof"),
     pytest.param("mixtral", _rec("token_embd", offset=2**64 - 64), fmt.TensorOutOfBounds, "token_embd",
                  id="offset-max"),
     pytest.param("mixtral", lambda p, b: p.set_record("token_embd", offset=p.record("token_embd")["offset"] + 2),

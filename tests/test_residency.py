@@ -223,8 +223,7 @@ def test_locks_hold_whole_2mib_pieces_and_count_them(small):
         held = _locked_ranges(base)
         assert held and all(a % MIB2 == 0 and (n % MIB2 == 0 or a + n >= size) for a, n in held)
         pinned = lambda: sum(min(n, size - a) for a, n in _locked_ranges(base))      # noqa: E731
-        # the experts counted in whole pieces (the always part at its own size: its pieces' edges are the room's)
-        assert pinned() - res._bytes(res.always_chunks) == res.locked_bytes - res.always_bytes
+        assert pinned() == res.locked_bytes                  # what the kernel holds locked is what the budget counts
         assert res.locked_bytes <= res.budget
         shared_piece = set(res.expert_chunks[0][3].tolist()) & set(res.expert_chunks[0][4].tolist())
         assert shared_piece
@@ -236,7 +235,35 @@ def test_locks_hold_whole_2mib_pieces_and_count_them(small):
         alone = set(res.expert_chunks[0][4].tolist()) - set(res.always_chunks.tolist()) - {
             c for l in range(L) for e in range(E) if res.shared.resident[l, e] for c in res.expert_chunks[l][e].tolist()}
         assert not (alone & locked)                       # a piece no lock holds is unlocked
-        assert pinned() - res._bytes(res.always_chunks) == res.locked_bytes - res.always_bytes
+        assert pinned() == res.locked_bytes
+    finally:
+        m.close()
+
+
+def test_the_writer_puts_each_expert_on_whole_pieces(tmp_path):
+    """The reference writer lays the expert stacks after every other tensor, a stack whose per-expert slice is a
+    whole number of 2 MiB pieces starting on one: under a budget locked in 2 MiB pieces such an expert then costs
+    exactly its own bytes (bench-mixtral f16's 12 MiB experts had cost up to 18), no two experts share a piece,
+    and the always-resident part is one run beside the token embeddings (read on demand), not one per layer."""
+    MIB2 = 2 << 20
+    p = tmp_path / "pieces.colibri"
+    write_model(p, **{**SMALL, "hidden_size": 512, "moe_intermediate_size": 2048, "num_layers": 2, "num_experts": 4})
+    m = Model.open(str(p), context=64, populate=False)
+    try:
+        res = Residency(m.file, m.config, m.file.header["file_size"])
+        L, E = res.expert_bytes.shape
+        assert (res.expert_bytes == 3 * MIB2).all()                  # w1, w3, w2: 512 x 2048 f16 each
+        seen = set(res.always_chunks.tolist())
+        for l in range(L):
+            for e in range(E):
+                ch = res.expert_chunks[l][e]
+                assert res._bytes(ch) == res.expert_bytes[l, e]        # costs its bytes: no piece edge
+                assert not seen & set(ch.tolist())
+                seen |= set(ch.tolist())
+        runs = [(a, n) for a, n in res.always if n]
+        assert len(runs) == 2 and runs[0][0] + runs[0][1] == res.demand[0][0]     # before and after token_embd
+        assert res.demand[0][0] + res.demand[0][1] == runs[1][0]
+        assert res.always_bytes - sum(n for _, n in res.always) < 2 * MIB2
     finally:
         m.close()
 

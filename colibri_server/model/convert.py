@@ -25,7 +25,8 @@ from .families.base import HF_LAYER_NAMES
 from .kernels.blocks import to_x16
 from .panels import to_panels
 
-CONVERTER_VERSION = "colibri-convert 4"     # 2: f16 matrices in panels by default; 3: q4_k experts as tiles; 4: q6_k's
+CONVERTER_VERSION = "colibri-convert 5"     # 2: f16 matrices in panels by default; 3: q4_k experts as tiles; 4: q6_k's;
+# 5: expert stacks after the rest, on 2 MiB when an expert's slice is whole 2 MiB pieces (format.PIECE)
 CHUNK_BYTES = 8 << 20       # rows are converted in blocks of about this many source bytes
 
 SUPPORTED = tuple(BY_HF_CLASS)     # the transformers architectures the families convert

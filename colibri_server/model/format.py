@@ -81,6 +81,11 @@ NAME_BYTES = 24
 MAX_NDIM = 4
 ALIGNMENT = 64          # every tensor starts on a 64-byte boundary (one cache line / AVX-512 register)
 PAGE = 4096             # data_offset is page aligned
+# The reference writer puts the expert stacks after every other tensor, and starts one on a 2 MiB boundary when
+# its per-expert slice is a whole number of 2 MiB pieces: under a weights budget the server locks whole 2 MiB
+# pieces (residency.py), so such an expert then costs exactly its bytes and the always-resident part is one
+# run of pieces, not one per layer with edges shared with the stacks.
+PIECE = 2 << 20
 NO_TENSOR = 0xFFFFFFFF  # "absent" in the routing table
 
 # magic, version, num_experts, num_layers, header_size, tensor_count,
@@ -525,6 +530,13 @@ def read_json_blob(path, field, text, required=True):
     return obj
 
 
+def is_expert_stack(name: str, shape, num_experts: int) -> bool:
+    """True for a tensor holding one slice per routed expert of a layer (`blk.N.ffn_*_exps*`, leading
+    dimension the model's expert count): each expert's slice is one contiguous byte range of it."""
+    return num_experts > 0 and name.startswith("blk.") and "_exps" in name and len(shape) > 0 \
+        and int(shape[0]) == num_experts
+
+
 # ---------------------------------------------------------------------------- writer
 
 class ColibriWriter:
@@ -593,8 +605,9 @@ class ColibriWriter:
             pos += len(b)
         data_offset = _align(pos, PAGE)
         pos = data_offset
-        for d in self._decl:
-            pos = _align(pos, ALIGNMENT)
+        stack = [is_expert_stack(d[0], d[2], self.num_experts) for d in self._decl]
+        for s, d in sorted(zip(stack, self._decl), key=lambda sd: sd[0]):     # stable: declaration order
+            pos = _align(pos, PIECE if s and d[4] % (PIECE * d[2][0]) == 0 else ALIGNMENT)
             d[3] = pos
             pos += d[4]
         return routing_offset, offs, data_offset, pos

@@ -38,6 +38,7 @@ import resource
 
 import numpy as np
 
+from .format import is_expert_stack
 from .prefetch import Prefetcher
 
 __all__ = ["Residency", "ReadAhead", "expert_ranges", "resolve_budget", "in_flight_bytes", "available_memory",
@@ -87,15 +88,14 @@ def expert_ranges(cf, cfg) -> tuple[list, list, list]:
             demand.append((a + PAGE, n - 2 * PAGE))
             covered.append(demand[-1])
             continue
-        if "_exps" not in r.name or not r.name.startswith("blk.") or not r.shape or int(r.shape[0]) != E \
-                or r.size % E:
+        if not is_expert_stack(r.name, r.shape, E) or r.size % E:
             continue
         layer, each = int(r.name.split(".")[1]), r.size // E
         for e in range(E):
             a, n = _pages(r.offset + e * each, each)
             experts[layer][e].append((a, n))
-        a, n = _pages(r.offset, r.size)
-        covered.append((a + PAGE, max(0, n - 2 * PAGE)))  # edge pages may hold a neighbour: always's
+        a = -(-r.offset // PAGE) * PAGE                 # the stack's whole pages; a page it shares with a
+        covered.append((a, max(0, (r.offset + r.size) // PAGE * PAGE - a)))     # neighbour is always's
     size = cf.header["file_size"]
     always, pos = [], 0
     for a, n in sorted(covered):
@@ -236,11 +236,12 @@ class Residency:
         file order. Raises BudgetTooSmall as the constructor says."""
         assert self.locked_bytes == 0, "shrink() before start()"
         self.budget = min(self.budget, max(0, int(budget)))
-        # the always part is locked in whole pieces but counted at its own size: the pieces' edges it shares
-        # with the expert stacks (50 of its 153 MiB on bench-mixtral f16) are in the room the default budget
-        # leaves beside it, where they have always been (an expert that shares one costs nothing more)
+        # the always part is locked and counted in whole pieces, as the experts are (an expert that shares a
+        # piece with it costs nothing more). The reference writer puts it before the expert stacks in one run
+        # (format.PIECE): its pieces add under 2 MiB to it; in a file written with a stack after each layer
+        # they added 50 MiB to bench-mixtral f16's 153.
         self.always_chunks = _chunks(self.always, self.chunk)
-        self.whole_always_bytes = sum(n for _, n in self.always)
+        self.whole_always_bytes = self._bytes(self.always_chunks)
         self.always_bytes = self.whole_always_bytes
         if self.always_bytes > self.budget and self.partial:
             self.always_chunks = self.always_chunks[:self.budget // self.chunk]      # in file order, what fits
