@@ -15,6 +15,7 @@ import pytest
 from colibri_server.model import format as fmt
 from colibri_server.model.config import ModelConfig, expected_tensors
 from colibri_server.model.engine import Model
+from colibri_server.model.writer import ColibriWriter
 
 NO = fmt.NO_TENSOR
 BLOBS = ("config", "metadata", "tokenizer", "chat_template")
@@ -104,7 +105,7 @@ def build_file(path, cfg: ModelConfig, seed=0, override=None, skip=(), extra=())
     plan += list(extra)
     rng = np.random.default_rng(seed)
     data = {n: _random_tensor(rng, dt, shape) for n, dt, shape in plan}
-    with fmt.ColibriWriter(path, config=cfg.to_dict(), metadata=META, tokenizer_json=TOKENIZER,
+    with ColibriWriter(path, config=cfg.to_dict(), metadata=META, tokenizer_json=TOKENIZER,
                            chat_template=TEMPLATE, num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
         for n, dt, shape in plan:
             w.declare(n, dt, shape)

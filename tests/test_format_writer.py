@@ -22,11 +22,12 @@ from colibri_server import cli
 from colibri_server.model import format as fmt
 from colibri_server.model.config import expected_tensors
 from colibri_server.model.engine import Model
+from colibri_server.model.writer import ColibriWriter
 
 # ---------------------------------------------------------------------------- writer safety
 
 def _writer(path, cfg):
-    return fmt.ColibriWriter(path, config=cfg.to_dict(), metadata=META, tokenizer_json=TOKENIZER,
+    return ColibriWriter(path, config=cfg.to_dict(), metadata=META, tokenizer_json=TOKENIZER,
                              chat_template=TEMPLATE, num_experts=cfg.num_experts, num_layers=cfg.num_layers)
 
 

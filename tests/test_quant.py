@@ -11,6 +11,7 @@ from colibri_server.model import kernels as K
 from colibri_server.model import quant as Q
 from colibri_server.model.config import ModelConfig, expected_tensors
 from colibri_server.model.kernels import quant as KQ
+from colibri_server.model.writer import ColibriWriter
 
 KINDS = ["q8", "q4"]
 
@@ -295,7 +296,7 @@ def test_u4_sizes_and_views(tmp_path):
     with pytest.raises(ValueError):
         fmt.nbytes("u4", (32, 7))
     cfg = _cfg()
-    w = fmt.ColibriWriter(tmp_path / "x.colibri", config=cfg.to_dict(), metadata={}, num_experts=4, num_layers=1)
+    w = ColibriWriter(tmp_path / "x.colibri", config=cfg.to_dict(), metadata={}, num_experts=4, num_layers=1)
     with pytest.raises(ValueError):
         w.declare("odd", "u4", (32, 7))
     w.abort()

@@ -264,6 +264,37 @@ def test_the_writer_puts_each_expert_on_whole_pieces(tmp_path):
         assert len(runs) == 2 and runs[0][0] + runs[0][1] == res.demand[0][0]     # before and after token_embd
         assert res.demand[0][0] + res.demand[0][1] == runs[1][0]
         assert res.always_bytes - sum(n for _, n in res.always) < 2 * MIB2
+        assert res.misplaced == []
+    finally:
+        m.close()
+
+
+def test_a_file_with_its_experts_off_the_pieces_is_named_at_start(tmp_path, monkeypatch, caplog):
+    """A file an older converter wrote (expert stacks between the layers, 64-byte aligned) still serves under a
+    budget, but each locked expert holds its neighbours' pieces: the master says so once, naming the file and
+    what converting it again gives."""
+    import logging
+    from types import SimpleNamespace
+
+    import colibri_server.model.format as fmt
+    from colibri_server.master import residency as MR
+    p = tmp_path / "old-layout.colibri"
+    with monkeypatch.context() as mp:
+        mp.setattr(fmt, "PIECE", fmt.ALIGNMENT)          # the writer before the pieces: 64-byte alignment
+        write_model(p, **{**SMALL, "hidden_size": 512, "moe_intermediate_size": 2048, "num_layers": 2, "num_experts": 4})
+    m = Model.open(str(p), context=64, populate=False)
+    try:
+        size = m.file.header["file_size"]
+        m.residency = res = Residency(m.file, m.config, size)
+        assert res.misplaced and all("_exps" in n for n in res.misplaced)
+        assert (res.expert_bytes > 3 * (2 << 20)).all()
+        with caplog.at_level(logging.WARNING, logger="colibri.master"):
+            try:
+                MR.lock(m, SimpleNamespace(weights_memory=size), 0, headroom=lambda: 1 << 40)
+            except OSError as e:
+                pytest.skip(f"cannot lock memory here: {e}")
+        said = [r.getMessage() for r in caplog.records if "2 MiB pieces" in r.getMessage()]
+        assert len(said) == 1 and str(p) in said[0] and "convert" in said[0]
     finally:
         m.close()
 

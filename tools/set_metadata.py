@@ -12,6 +12,7 @@ import json
 import sys
 
 from colibri_server.model import format as fmt
+from colibri_server.model.writer import ColibriWriter
 
 
 def main(argv=None):
@@ -33,7 +34,7 @@ def main(argv=None):
         except ValueError:
             meta[k] = v
     config = json.loads(cf.config_json)
-    with fmt.ColibriWriter(a.model, config=config, metadata=meta, tokenizer_json=cf.tokenizer_json,
+    with ColibriWriter(a.model, config=config, metadata=meta, tokenizer_json=cf.tokenizer_json,
                            chat_template=cf.chat_template, num_experts=cf.header["num_experts"],
                            num_layers=cf.header["num_layers"]) as w:
         for r in cf.record_list:

@@ -108,6 +108,12 @@ def lock(m, s, grown: int, headroom=None) -> None:
     res.rerank(max_swaps=1 << 30, uncached=1 << 30)
     res.next_rerank, res.next_save = 0.0, time.monotonic() + SAVE_EVERY
     budget = res.budget
+    if res.misplaced:
+        held = sum(res._bytes(c) for row in res.expert_chunks for c in row)
+        log.warning("model %s: its experts are not on whole 2 MiB pieces (%d stacks; a converter before "
+                    "colibri-convert 5 wrote it), so under weights_memory they hold %.0f%% more than their bytes: "
+                    "convert it again to lock more of them", m.path, len(res.misplaced),
+                    100 * (held / max(1, int(res.expert_bytes.sum())) - 1))
     whole = res.whole_always_bytes
     if res.always_bytes < whole:
         log.warning("model %s: the memory left beside the server's processes (weights_memory %.0f MiB) holds "

@@ -24,6 +24,7 @@ from .families import get as _get
 from .families.base import HF_LAYER_NAMES
 from .kernels.blocks import to_x16
 from .panels import to_panels
+from .writer import ColibriWriter
 
 CONVERTER_VERSION = "colibri-convert 5"     # 2: f16 matrices in panels by default; 3: q4_k experts as tiles; 4: q6_k's;
 # 5: expert stacks after the rest, on 2 MiB when an expert's slice is whole 2 MiB pieces (format.PIECE)
@@ -449,7 +450,7 @@ def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer
     plan = [(n, s, dts[0]) for n, s, dts in expected_tensors(cfg)]
     total = sum(fmt.nbytes(dt, s) for _, s, dt in plan)
     bar = _progress(total, f"convert {os.path.basename(out_path)}", progress)
-    with fmt.ColibriWriter(out_path, config=cfg.to_dict(), metadata=metadata, tokenizer_json=tokenizer_json,
+    with ColibriWriter(out_path, config=cfg.to_dict(), metadata=metadata, tokenizer_json=tokenizer_json,
                            chat_template=chat_template, num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
         for n, s, dt in plan:
             w.declare(n, dt, s)
@@ -606,7 +607,7 @@ def default_layout(dtype: str, layout: str | None) -> str:
     return layout
 
 
-def routing_records(cfg: ModelConfig, w: fmt.ColibriWriter):
+def routing_records(cfg: ModelConfig, w: ColibriWriter):
     recs = []
     for i in range(cfg.num_layers):
         if not cfg.is_moe_layer(i):

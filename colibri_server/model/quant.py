@@ -80,6 +80,7 @@ def dequantize_file(src, dst, dtype: str = "f16", progress=None, layout: str | N
     from . import format as fmt
     from .config import ModelConfig, expected_tensors, file_config
     from .convert import _encode, default_layout
+    from .writer import ColibriWriter
     layout = default_layout(dtype, layout)
     cf = fmt.ColibriFile.open(src)
     try:
@@ -89,7 +90,7 @@ def dequantize_file(src, dst, dtype: str = "f16", progress=None, layout: str | N
         meta = fmt.read_json_blob(cf.path, "metadata", cf.metadata_json, required=False)
         meta = {**meta, "dequantized_from": f"{cfg.quant} {dict(cfg.quant_overrides)}"}
         plan = list(expected_tensors(out_cfg))
-        with fmt.ColibriWriter(dst, config=out_cfg.to_dict(), metadata=meta, tokenizer_json=cf.tokenizer_json,
+        with ColibriWriter(dst, config=out_cfg.to_dict(), metadata=meta, tokenizer_json=cf.tokenizer_json,
                                chat_template=cf.chat_template, num_experts=cf.header["num_experts"],
                                num_layers=cf.header["num_layers"]) as w:
             for name, shape, dts in plan:

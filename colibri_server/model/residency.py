@@ -221,6 +221,10 @@ class Residency:
         self.size = int(cf.header["file_size"])
         self.refs = np.zeros(-(-self.size // self.chunk), np.int32)   # (pieces,) locks held on each piece
         self.expert_chunks = [[_chunks(r, self.chunk) for r in row] for row in self.experts]
+        # stacks whose experts could lie on whole pieces but do not (a converter before format.PIECE): each of
+        # their locked experts holds pieces of its neighbours beyond its own bytes
+        self.misplaced = [r.name for r in cf.record_list if is_expert_stack(r.name, r.shape, cfg.num_experts)
+                          and r.size % (self.chunk * cfg.num_experts) == 0 and r.offset % self.chunk]
         self.shared = _Shared(L, E)
         self.score = np.zeros((L, E), np.float64)                                       # (L,E) decayed routes
         self._seen = np.zeros((L, E), np.int64)

@@ -14,6 +14,7 @@ from . import format as fmt
 from .blocks import KINDS as BLOCK_KINDS
 from .config import ModelConfig, expected_tensors
 from .convert import routing_records
+from .writer import ColibriWriter
 
 __all__ = ["write_synthetic"]
 
@@ -47,7 +48,7 @@ def write_synthetic(path, cfg: ModelConfig, seed: int = 0, chunk: int = 1 << 20)
     cfg.check()
     rng = np.random.default_rng(seed)
     pool = rng.standard_normal(chunk, dtype=np.float32) * np.float32(0.02)
-    with fmt.ColibriWriter(path, config=cfg.to_dict(), metadata={"name": "synthetic"},
+    with ColibriWriter(path, config=cfg.to_dict(), metadata={"name": "synthetic"},
                            num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
         plan = list(expected_tensors(cfg))
         for name, shape, dts in plan:
