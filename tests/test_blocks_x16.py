@@ -116,7 +116,7 @@ def test_a_decode_tokens_experts_on_threads_have_the_rows_bits(down):
     E, I, D, A = 4, 256, 256, 2
     rng = np.random.default_rng(5)
     kinds = (Q.Q4_K, Q.Q4_K, down)
-    r1, r3, r2 = (np.stack([_rows(kinds[k], 256, 256, 20 + 4 * k + e) for e in range(E)]) for k in (0, 1, 2))
+    r1, r3, r2 = (read_only(np.stack([_rows(kinds[k], 256, 256, 20 + 4 * k + e) for e in range(E)])) for k in (0, 1, 2))
     idx, wts = np.array([3, 1], np.int64), np.array([0.6, 0.4], np.float32)
     x = rng.standard_normal((1, D)).astype(np.float32)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from blocks_data import Q, quantized
+from blocks_data import Q, quantized, read_only
 from test_blocks_head import FAST, _head_model, _product
 
 from colibri_server.model import Model
@@ -58,7 +58,7 @@ def test_where_the_int8_rounding_swaps_the_top_two_the_int16_one_wins(kind):
     assert pairs, "no neighbours in int16 order that the int8 rounding swaps"
     hi, lo = pairs[-1]
     below = np.flatnonzero((L16 < L16[lo]) & (L8 < L8[hi]))[:200]
-    head = np.ascontiguousarray(raw[np.concatenate([[lo, hi], below])])
+    head = read_only(raw[np.concatenate([[lo, hi], below])])       # read-only, as a model's rows: one compile
     h16, h8 = _product(head, int(kind) + KB.ACTS16, x), _product(head, int(kind), x)
     assert h8[0].argmax() == 0 and h16[0].argmax() == 1
     got, _ = _refined(head, kind, x, h8, np.zeros(0, np.float32))
