@@ -106,7 +106,7 @@ def build_file(path, cfg: ModelConfig, seed=0, override=None, skip=(), extra=())
     rng = np.random.default_rng(seed)
     data = {n: _random_tensor(rng, dt, shape) for n, dt, shape in plan}
     with ColibriWriter(path, config=cfg.to_dict(), metadata=META, tokenizer_json=TOKENIZER,
-                           chat_template=TEMPLATE, num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
+                       chat_template=TEMPLATE, num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
         for n, dt, shape in plan:
             w.declare(n, dt, shape)
         w.set_routing(routing_records(cfg, w.index))

@@ -28,7 +28,7 @@ from colibri_server.model.writer import ColibriWriter
 
 def _writer(path, cfg):
     return ColibriWriter(path, config=cfg.to_dict(), metadata=META, tokenizer_json=TOKENIZER,
-                             chat_template=TEMPLATE, num_experts=cfg.num_experts, num_layers=cfg.num_layers)
+                         chat_template=TEMPLATE, num_experts=cfg.num_experts, num_layers=cfg.num_layers)
 
 
 def _declare_all(w, cfg):

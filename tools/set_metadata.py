@@ -35,8 +35,8 @@ def main(argv=None):
             meta[k] = v
     config = json.loads(cf.config_json)
     with ColibriWriter(a.model, config=config, metadata=meta, tokenizer_json=cf.tokenizer_json,
-                           chat_template=cf.chat_template, num_experts=cf.header["num_experts"],
-                           num_layers=cf.header["num_layers"]) as w:
+                       chat_template=cf.chat_template, num_experts=cf.header["num_experts"],
+                       num_layers=cf.header["num_layers"]) as w:
         for r in cf.record_list:
             w.declare(r.name, r.dtype, r.shape)
         w.set_routing(list(cf.routing))

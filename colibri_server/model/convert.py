@@ -451,7 +451,7 @@ def write_model(out_path, cfg: ModelConfig, pieces, *, metadata: dict, tokenizer
     total = sum(fmt.nbytes(dt, s) for _, s, dt in plan)
     bar = _progress(total, f"convert {os.path.basename(out_path)}", progress)
     with ColibriWriter(out_path, config=cfg.to_dict(), metadata=metadata, tokenizer_json=tokenizer_json,
-                           chat_template=chat_template, num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
+                       chat_template=chat_template, num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
         for n, s, dt in plan:
             w.declare(n, dt, s)
         w.set_routing(routing_records(cfg, w))

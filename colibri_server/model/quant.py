@@ -91,8 +91,8 @@ def dequantize_file(src, dst, dtype: str = "f16", progress=None, layout: str | N
         meta = {**meta, "dequantized_from": f"{cfg.quant} {dict(cfg.quant_overrides)}"}
         plan = list(expected_tensors(out_cfg))
         with ColibriWriter(dst, config=out_cfg.to_dict(), metadata=meta, tokenizer_json=cf.tokenizer_json,
-                               chat_template=cf.chat_template, num_experts=cf.header["num_experts"],
-                               num_layers=cf.header["num_layers"]) as w:
+                           chat_template=cf.chat_template, num_experts=cf.header["num_experts"],
+                           num_layers=cf.header["num_layers"]) as w:
             for name, shape, dts in plan:
                 w.declare(name, dts[0], shape)
             names = {n: i for i, (n, _, _) in enumerate(plan)}

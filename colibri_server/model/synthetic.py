@@ -49,7 +49,7 @@ def write_synthetic(path, cfg: ModelConfig, seed: int = 0, chunk: int = 1 << 20)
     rng = np.random.default_rng(seed)
     pool = rng.standard_normal(chunk, dtype=np.float32) * np.float32(0.02)
     with ColibriWriter(path, config=cfg.to_dict(), metadata={"name": "synthetic"},
-                           num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
+                       num_experts=cfg.num_experts, num_layers=cfg.num_layers) as w:
         plan = list(expected_tensors(cfg))
         for name, shape, dts in plan:
             w.declare(name, dts[0], shape)
