@@ -133,8 +133,8 @@ def main(argv=None):
     if not (hf / "model.safetensors").exists():
         balance(src, hf, a.prompts, a.prompt_len)
     col = a.data / f"{NAME}-f16.colibri"
-    if not col.exists():
-        from colibri_server.model.convert import convert
+    from colibri_server.model.convert import CONVERTER_VERSION, convert
+    if not col.exists() or D.converter_of(col) != CONVERTER_VERSION:     # older converters: other layouts
         convert(hf, col, require_tokenizer=False, progress=False, **D.COLIBRI["f16"])
         print(f"wrote {col}", flush=True)
     gguf = a.data / f"{NAME}-F16.gguf"
