@@ -218,10 +218,6 @@ def view_shape(dtype: str, shape) -> tuple:
     return shape[:-1] + (shape[-1] // 2,) if dtype == "u4" else shape
 
 
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 # ---------------------------------------------------------------------------- reader
 
 class ColibriFile:

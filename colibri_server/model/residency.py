@@ -38,7 +38,7 @@ import resource
 
 import numpy as np
 
-from .format import is_expert_stack
+from .format import PIECE, is_expert_stack
 from .prefetch import Prefetcher
 
 __all__ = ["Residency", "ReadAhead", "expert_ranges", "resolve_budget", "in_flight_bytes", "available_memory",
@@ -50,8 +50,8 @@ PAGE = mmap.PAGESIZE
 # while reclaim cannot take one that a locked range covers in part (the unmap gives up on it): a lock that ends
 # inside a folio pins that folio unaccounted. bench-mixtral f16's expert slices are 4 MiB at 1.55 MiB into a
 # piece: an expert pinned 18 MiB for the 12 its locks counted, and a 50% memory limit thrashed or OOM-killed
-# the process once the locked experts changed often.
-CHUNK = 2 << 20
+# the process once the locked experts changed often. The writer puts experts on these pieces (format.PIECE).
+CHUNK = PIECE
 MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 # what ReadAhead counts, in the shared stats row (one int64 each)
