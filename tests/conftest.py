@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # opt-in: every kernel signature compiled, with the test that compiled it (tests/kernel_sigs.py)
 pytest_plugins = ["kernel_sigs"] if os.environ.get("KERNEL_SIGS") else []
+# opt-in: each test's seconds and the worker that ran it (tests/worker_times.py)
+pytest_plugins += ["worker_times"] if os.environ.get("TEST_TIMES") else []
 # the suite's compiled kernels: one cache for both xdist workers and every server a test starts, kept between
 # runs of this checkout, apart from the user's own (model/numba_cache keys it by build and CPU inside)
 if not os.environ.get("NUMBA_CACHE_DIR"):
