@@ -138,14 +138,10 @@ def test_attention_inner_loops_are_vector_fmas(rng):
     kv = rng.standard_normal((32, 64)).astype(np.float32)
     S = np.empty((4, 32), np.float32)
 
-    @numba.njit                                              # not cached: its asm can be inspected
-    def scores(Q, K, S):
-        KA._scores_group(Q, K, np.float32(0.125), S)
-
-    @numba.njit
-    def wsum(S, V, O):
-        KA._weighted_sum_group(S, V, O)
-    scores(Q, kv, S)
+    # uncached copies of the two kernels (linked by reference, a caller's asm holds only a call): asm to inspect
+    scores, wsum = (numba.njit(fastmath=f.targetoptions.get("fastmath", False))(f.py_func)
+                    for f in (KA._scores_group, KA._weighted_sum_group))
+    scores(Q, kv, np.float32(0.125), S)
     wsum(S, kv, np.empty((4, 64), np.float32))
     for f in (scores, wsum):
         asm = f.inspect_asm(f.signatures[0])

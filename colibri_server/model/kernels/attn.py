@@ -23,6 +23,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from ..numba_link import by_reference
 from .attn_ir import HAVE_ATTN_IR, scores8, wsum_rows
 from .base import _REDUCE_FM, _max_finite, expf
 
@@ -32,6 +33,7 @@ ROW_CHUNK = 64     # V rows per wsum_rows call, for the same reason (64 x hd flo
 __all__ = ["attend", "attention", "attention_par", "attention_ref"]
 
 
+@by_reference          # in the decode token and each attention kernel: compiled once, not into every caller (model/numba_link)
 @njit(cache=True, fastmath=_REDUCE_FM)
 def _scores_group(Q, K, sc, S):
     # Q (g,hd) the query heads of one kv head, K (P,hd) -> S (g,P) = sc * Q @ K.T, each key row read once
@@ -64,6 +66,7 @@ def _softmax_weights(scores, m):
     return tot
 
 
+@by_reference          # as _scores_group
 @njit(cache=True)
 def _weighted_sum_group(S, V, O):
     # S (g,P) weights, V (P,hd) -> O (g,hd) = S @ V; 4 rows of V per pass, each read once for the g heads

@@ -17,6 +17,7 @@ import numpy as np
 from numba import literal_unroll, njit, types
 from numba.extending import overload
 
+from ..numba_link import by_reference
 from .attn import attend
 from .blocks import ACTS16, QB, SB, embed_blocks
 from .blocks_gemm import matmul3_blocks_par, matmul_blocks, matmul_blocks_par
@@ -290,6 +291,7 @@ def _experts(gate, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, 
             xi, bk)
 
 
+@by_reference          # a MoE layer of the decode token: one copy, not one in each token's module (model/numba_link)
 @njit(cache=True)
 def _routed(gate, rule, cbias, sparse, w1, w3, w2, x, top_k, renorm, logits, idx, wts, h1, h3, out, xs, xi, bk):
     # _experts under Phi-MoE's sparsemixer when sparse (its eps) > 0, a version-2 routing rule when rule (4,) is
@@ -365,6 +367,7 @@ def experts_biased(w1, w3, w2, b1, b3, b2, idx, wts, x, alpha, limit, h1, h3, y,
             out[j] += (y[j] + be[j]) * wa
 
 
+@by_reference          # as _routed
 @njit(cache=True)
 def _routed_biased(gate, gate_b, w1, w3, w2, b1, b3, b2, alpha, limit, x, top_k, renorm, logits, idx, wts, h1, h3, y,
                    out, xs, xi, bk):
@@ -376,6 +379,7 @@ def _routed_biased(gate, gate_b, w1, w3, w2, b1, b3, b2, alpha, limit, x, top_k,
     experts_biased(w1, w3, w2, b1, b3, b2, idx[0], wts[0], x, alpha, limit, h1, h3, y, out, xs, xi, bk)
 
 
+@by_reference          # as _routed, for a dense layer
 @njit(cache=True)
 def _mlp(w1, w3, w2, x, m1, m3, out, xs, xi, bk):
     # a dense layer's SwiGLU MLP of x (D,) -> out (D,) = w2 @ (silu(w1 @ x) * (w3 @ x)), through m1, m3 (F,)

@@ -8,6 +8,7 @@ import numpy as np
 from numba import literal_unroll, njit, types
 from numba.extending import overload
 
+from ..numba_link import by_reference
 from . import float_ir as _KF
 from .base import _REDUCE_FM, _max_finite, nrows, to_f32, weights_to_f32  # noqa: F401
 
@@ -102,6 +103,7 @@ def _store(out, i, a, alpha, accumulate):
         out[i] = alpha * a
 
 
+@by_reference          # the float matvec under the token, the heads and the general path: compiled once (model/numba_link)
 @njit(cache=True, fastmath=_REDUCE_FM)
 def _matvec_core(W, x, out, alpha, accumulate):
     # W (d,n) any, x (n,) f32 -> out (d,) = alpha * W@x (+ out if accumulate); one row at a time
@@ -113,6 +115,7 @@ def _matvec_core(W, x, out, alpha, accumulate):
     _matvec_loop(W, x, out, alpha, accumulate)
 
 
+@by_reference          # the float matvec's rows, under every float kernel: compiled once (model/numba_link)
 @njit(cache=True, fastmath=_REDUCE_FM)
 def _rows_loop(W, x, out, alpha, accumulate):
     d, n = W.shape
@@ -124,6 +127,7 @@ def _rows_loop(W, x, out, alpha, accumulate):
         _store(out, i, a, alpha, accumulate)
 
 
+@by_reference          # as _rows_loop, for panels
 @njit(cache=True, fastmath=_REDUCE_FM)
 def _panels_loop(W, x, out, alpha, accumulate):
     # W (nb,d,P) panels: row i is W[0,i] | W[1,i] | ...

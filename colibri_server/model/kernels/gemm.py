@@ -46,6 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..format import PANEL
+from ..numba_link import by_reference
 from .base import nrows, to_f32
 from .cpu import FEATURES as _FEATURES
 from .cpu import HAVE_AVX2
@@ -445,6 +446,7 @@ def matmul_bf16_par(W, X, out, nchunks):
     return out
 
 
+@by_reference          # the q4 GEMM's row groups, under prefill and the serving step: compiled once (model/numba_link)
 @njit(cache=True, error_model="numpy")
 def _q4_groups(q, s, X, out, g0, g1):
     # q (d,n/2) u8 packed q4, s (d/G,n) u16 f16 scales, X (T,n) f32 -> out[:, rows of groups g0..g1] of X @ W.T
@@ -497,6 +499,7 @@ def _q4_groups(q, s, X, out, g0, g1):
                 out[t, g * G + r] = facc[r, t]
 
 
+@by_reference          # as _q4_groups, for q8
 @njit(cache=True, error_model="numpy")
 def _q8_groups(q, s, X, out, g0, g1):
     # q (d,n) i8, s (d/G,n) u16 f16 scales, X (T,n) f32 -> out[:, rows of groups g0..g1] of X @ W.T

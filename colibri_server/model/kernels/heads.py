@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..numba_link import by_reference
 from .dense import _matvec_core
 from .rowgemm import rowgemm
 
@@ -43,6 +44,7 @@ def _check(X, W, out):
         raise ValueError("heads_matmul: X (T,H,n), W (H,d,n) and out (T,H,d) disagree")
 
 
+@by_reference          # latent attention's per-head products, in the token and the general path: compiled once
 @njit(cache=True)
 def heads_matmul(X, W, out):
     # out (T,H,d) = per head h: X[:, h] (T,n) @ W[h].T
@@ -54,6 +56,7 @@ def heads_matmul(X, W, out):
         _head(X, W, out, h, xs, ys)
 
 
+@by_reference          # as heads_matmul
 @njit(cache=True, parallel=True)
 def heads_matmul_par(X, W, out):
     _check(X, W, out)

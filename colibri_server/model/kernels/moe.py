@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..numba_link import by_reference
 from .base import expf, nrows, row_slice
 from .dense import _matvec_core, matvec_ref
 
@@ -50,6 +51,7 @@ def silu_mul_ref(g, u, out=None):
     return r
 
 
+@by_reference          # Phi-MoE's routing, as route below: compiled once, not into each MoE kernel
 @njit(cache=True, error_model="numpy")
 def route_sparsemixer(logits, eps, idx, w):
     # Phi-MoE's sparsemixer at inference: logits (T,E) f32 -> idx (T,2) i32, w (T,2) f32. The best expert i1
@@ -142,6 +144,7 @@ def chunk_rows(c, d, nchunks):
     return r0, r1
 
 
+@by_reference          # the float matvec on threads: compiled once, not into each caller
 @njit(cache=True, parallel=True)
 def _matvec_par(W, x, out, nchunks, alpha, accumulate):
     # W (d,n) any or panels, x (n,) -> out (d,) = alpha * W@x (+=), rows split in nchunks (multiples of 8)
@@ -211,6 +214,7 @@ def expert_ffn_ref(w1, w3, w2, e, x, weight, out):
 # ---------------------------------------------------------------------------
 
 
+@by_reference          # routing, called by every MoE kernel: compiled once, not into each caller (model/numba_link)
 @njit(cache=True)
 def route(logits, top_k, renorm, idx_out, w_out):
     # logits (T,E) f32 -> idx_out (T,k) i32, w_out (T,k) f32: top-k of softmax (desc, ties -> lower index), renorm optional
@@ -255,6 +259,7 @@ def route(logits, top_k, renorm, idx_out, w_out):
 RULE_RENORM, RULE_SIGMOID, RULE_GROUPS = 1, 2, 4
 
 
+@by_reference          # as route
 @njit(cache=True)
 def route_rule(logits, top_k, rule, bias, idx_out, w_out):
     # logits (T,E) f32 -> idx_out (T,k) i32, w_out (T,k) f32 under a version-2 routing rule:

@@ -23,6 +23,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from ..numba_link import by_reference
 from .base import _REDUCE_FM, to_f32
 from .buffers import aligned_zeros
 from .cpu import HAVE_AVX2
@@ -224,6 +225,7 @@ def scratch(n: int, rows: int = 0):
     return aligned_zeros(shape + (scratch_len(n),), np.float32), aligned_zeros(shape + (xi_len(n),), np.int16)
 
 
+@by_reference          # the q8/q4 matvec under the token and the general path: compiled once (model/numba_link)
 @njit(cache=True)
 def matvec_q(q, s, x, out, xs, xi):
     # (q i8 (d,n) | u8 (d,n/2), s u16 (d/G,n)), x (n,) f32 -> out (d,) f32 = W @ x; xs (scratch_len(n),) f32, xi (xi_len(n),) i16 scratch
@@ -312,6 +314,7 @@ def expert_ffn_q_ref(w1q, w1s, w3q, w3s, w2q, w2s, e, x, weight, out):
 
 # ---------------------------------------------------------------------------- threads
 
+@by_reference          # as matvec_q, on threads
 @njit(cache=True, parallel=True)
 def _qmv_par(q, s, x, out, xs2, xi2, alpha, accumulate):
     # as _qmv_core, row groups split in xs2.shape[0] chunks run by threads; xs2/xi2 one scratch row per chunk

@@ -32,6 +32,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..numba_link import by_reference
 from .base import to_f32
 from .cpu import FEATURES as _FEATURES  # noqa: F401
 from .cpu import HAVE_VNNI512
@@ -315,6 +316,7 @@ def _block_scratch(xi, aux, n):
     return xi[:ACT_GROUPS * n].reshape((ACT_GROUPS, n)), _sums_scratch(aux)
 
 
+@by_reference          # the q4 matvec's row groups, under ~20 kernels: compiled once, not into each (model/numba_link)
 @njit(cache=True, error_model="numpy")
 def q4_groups_i8(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
     # q (d,n/2) u8 packed, s (d/G,n) u16 scales, x (n,) f32 -> out rows of groups g0..g1 = alpha * (q-8).(s[g]*x) (+=);
@@ -358,6 +360,7 @@ def q4_groups_i8(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
                 _put(out, r0 + i, acc, alpha, accumulate)
 
 
+@by_reference          # as q4_groups_i8, for q8
 @njit(cache=True, error_model="numpy")
 def q8_groups_i16(q, s, x, xs, xi, aux, out, g0, g1, alpha, accumulate):
     # q (d,n) i8, s (d/G,n) u16 scales, x (n,) f32 -> out rows of groups g0..g1 = alpha * q.(s[g]*x) (+=);
