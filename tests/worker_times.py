@@ -42,11 +42,11 @@ def summary(path: str, files: int = 30) -> str:
         mine = [r for r in rows if r[0] == w]
         out.append(f"{w}: ends at {max(b for _, _, b, _ in mine) - t0:.0f} s, busy {sum(b - a for _, a, b, _ in mine):.0f} s"
                    f" ({len(mine)} tests)")
-    per_file, where = collections.Counter(), {}
+    per_file, where = collections.Counter(), collections.defaultdict(set)
     for w, a, b, node in rows:
         per_file[node.split("::")[0]] += b - a
-        where[node.split("::")[0]] = w
-    out += [f"{s:8.1f} s  {where[f]}  {f}" for f, s in per_file.most_common(files)]
+        where[node.split("::")[0]].add(w)      # one worker under --dist loadfile; any that ran a part otherwise
+    out += [f"{s:8.1f} s  {'+'.join(sorted(where[f]))}  {f}" for f, s in per_file.most_common(files)]
     return "\n".join(out)
 
 
