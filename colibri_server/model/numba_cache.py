@@ -56,10 +56,12 @@ log = logging.getLogger("colibri.kernels")
 
 
 def sources_digest(folder: pathlib.Path = HERE) -> str:
-    """sha256 over the names and bytes of the kernel sources (kernels*.py and kernels/*.py) and of numba_link.py
-    (how they link: a cached caller of a kernel linked by reference holds no copy of it)."""
+    """sha256 over the names and bytes of the kernel sources (kernels*.py and kernels/*.py), of numba_link.py
+    (how they link: a cached caller of a kernel linked by reference holds no copy of it) and of numba_wrappers.py
+    (how their entry points compile)."""
     h = hashlib.sha256()
-    sources = sorted(folder.glob("kernels*.py")) + sorted(folder.glob("kernels/*.py")) + sorted(folder.glob("numba_link.py"))
+    sources = (sorted(folder.glob("kernels*.py")) + sorted(folder.glob("kernels/*.py"))
+               + sorted(folder.glob("numba_link.py")) + sorted(folder.glob("numba_wrappers.py")))
     for f in sources:
         h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()

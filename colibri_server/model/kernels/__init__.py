@@ -31,11 +31,13 @@ and know nothing of configs, files or requests. Model code imports them through 
 """
 from .. import numba_cache as _numba_cache
 from .. import numba_link as _numba_link
+from .. import numba_wrappers as _numba_wrappers
 
 _numba_cache.configure()    # before any kernel module is imported: the machine's and build's own cache directory
 _numba_cache.lock_saves()   # and two processes compiling at once never cross their cache entries
 _numba_cache.lock_compiles()    # and a kernel another process is compiling is waited for and loaded
 _numba_link.install()           # and a kernel marked by_reference is compiled once, not into every caller
+_numba_wrappers.install()       # and the wrappers around each kernel compile cheaply
 
 from . import attn, attn_ir, cpu, decode, dense, float_ir, gemm, heads, packing, quant, quant_ir  # noqa: F401,E402
 from .attn import attend, attention, attention_par, attention_ref  # noqa: F401
