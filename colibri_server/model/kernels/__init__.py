@@ -25,7 +25,8 @@ Rooms, imports running upward only (a module imports only those above it):
   kquants   llama.cpp's k-quant encoders (converter), over base and paged's f16 conversions
 
 Kernels never allocate (outputs and scratch are passed in), never import a model-level module
-(only ..format's constants, and ..numba_cache: where their compiled code is cached, set up here first),
+(only ..format's constants, and ..numba_cache, ..numba_link, ..numba_wrappers: where and how their code
+compiles, set up here first),
 and know nothing of configs, files or requests. Model code imports them through this face:
 `from . import kernels as K` and the families as `from .kernels import quant as KQ`.
 """
