@@ -24,22 +24,18 @@ def _total(xs, w):              # a tuple of arrays, the argument kind of the de
 
 
 def _compiled(kernel, *args):
-    """kernel(*args) -> (result, {defined function name: its attributes}) of the signature it compiled"""
+    """kernel(*args) -> (result, attributes of the CPython wrapper, of the kernel's own function, names of every
+    function the signature's module defines)"""
     got = kernel(*args)
-    ir = kernel.overloads[tuple(numba.typeof(a) for a in args)].library.get_llvm_str()
+    cres = kernel.overloads[tuple(numba.typeof(a) for a in args)]
+    ir = cres.library.get_llvm_str()
     groups = dict(re.findall(r"^attributes #(\d+) = \{(.*)\}", ir, re.M))
     fns = {}
     for line in ir.splitlines():
         m = re.match(r'define .*?@"?([\w.$]+)"?\(', line)
         if m:
             fns[m.group(1)] = {a for g in re.findall(r"#(\d+)", line.rsplit(")", 1)[-1]) for a in groups[g].split()}
-    return got, fns
-
-
-def _wrapper(kernel, fns):
-    sig = kernel.signatures[-1]
-    name = kernel.overloads[sig].fndesc.llvm_cpython_wrapper_name
-    return fns[name], fns[kernel.overloads[sig].fndesc.mangled_name]
+    return got, fns[cres.fndesc.llvm_cpython_wrapper_name], fns[cres.fndesc.mangled_name], set(fns)
 
 
 def test_no_c_wrapper_and_only_a_many_argument_kernels_python_wrapper_unoptimised():
@@ -47,16 +43,18 @@ def test_no_c_wrapper_and_only_a_many_argument_kernels_python_wrapper_unoptimise
     few = (rng.standard_normal(5).astype(np.float32), rng.standard_normal(3).astype(np.float32))
     many = tuple(rng.standard_normal(4).astype(np.float32) for _ in range(40))
     for xs in (few, many):
-        got, fns = _compiled(_total, xs, 2.0)
+        got, wrapper, body, names = _compiled(_total, xs, 2.0)
         assert np.isclose(got, 2.0 * sum(float(x.astype(np.float64).sum()) for x in xs), rtol=1e-6)
-        assert not any(n.startswith("cfunc.") for n in fns), list(fns)
-        wrapper, body = _wrapper(_total, fns)
+        assert not any(n.startswith("cfunc.") for n in names), names
         assert "optnone" not in body
         assert ("optnone" in wrapper) == (xs is many), (len(xs), wrapper)
 
 
-def test_install_is_idempotent_and_a_cfunc_keeps_its_c_wrapper():
+def test_a_kernel_or_cfunc_that_asks_for_a_c_wrapper_keeps_it_and_install_is_idempotent():
     assert numba_wrappers.install() and numba_wrappers.install()
+    asks = numba.njit(no_cfunc_wrapper=False)(_total.py_func)
+    *_, names = _compiled(asks, (np.ones(3, np.float32),), 2.0)
+    assert any(n.startswith("cfunc.") for n in names), names
 
     @numba.cfunc("float64(float64)")
     def twice(x):
