@@ -204,7 +204,7 @@ class Arbiter:
 
     def _open_model(self, path, s):
         """loading.open_model (and with pin = numa on several nodes, its pages placed by host/numa.py: the
-        file interleaved, or a copy per node), and the file's identity (ModelFaults watches it).
+        file interleaved, or a copy per node).
         Returns (Model, {node: (Model, NodeCopy)})."""
         from ..host import numa
         from ..host.pinning import Topology
@@ -217,7 +217,6 @@ class Arbiter:
         except BaseException:
             m.close()
             raise
-        self.faults.watch(path)
         return m, nodes
 
     def _init_signals(self):

@@ -232,6 +232,9 @@ class ColibriFile:
         self.config_json, self.metadata_json, self.tokenizer_json, self.chat_template = blobs
         self._buf = np.frombuffer(mm, dtype=np.uint8)
         self.huge_bytes, self.hugepages = None, False     # bytes on 2 MiB pages (open() measured), 2 MiB advised
+        # the file mapped: (st_dev, st_ino, st_size, st_mtime_ns) of the descriptor mapped, when it was (open() sets
+        # it): a stat of the path later is this file only where its device and inode are these (master/faults.py)
+        self.mapped = None
 
     @functools.cached_property
     def identity(self) -> str:
@@ -248,7 +251,8 @@ class ColibriFile:
         when populating a large file, re-read once the parts that came back on 4 KiB pages
         (hugepages.py); `huge_bytes` then says how much is on 2 MiB pages (None: unknown)."""
         path = os.fspath(path)
-        mm, size, advised = cls._map(path, populate, hugepages)
+        mm, st, advised = cls._map(path, populate, hugepages)
+        size = st.st_size
         huge = PAGES.rehome(path, mm, size) if hugepages and populate else None
         try:
             header, records, routing, blobs = _validate(path, mm, size)
@@ -257,6 +261,7 @@ class ColibriFile:
             raise
         cf = cls(path, mm, header, records, routing, blobs)
         cf.huge_bytes = huge
+        cf.mapped = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         cf.hugepages = advised          # the mapping advised 2 MiB pages: a fault reads a 2 MiB folio
         return cf
 
@@ -286,7 +291,7 @@ class ColibriFile:
         advised = bool(hugepages and PAGES.advise(mm))
         if populate:
             PAGES.populate(mm, size)
-        return mm, size, advised
+        return mm, st, advised
 
     def close(self) -> None:
         """Drop the mapping now, views taken from it alive or not (release.py). They must not be used after."""
