@@ -245,7 +245,7 @@ def _timed_runs(prefill, decode, reps):
 
 def colibri_timers(m, ids, new_tokens):
     """(prefill, decode): seconds of one prefill of ids, and of new_tokens greedy decode steps after it
-    (Model.prefill / Model.decode: the path a worker's single sequence takes)."""
+    (Model.prefill / Model.decode with argmax_only, as a worker's single greedy sequence takes them)."""
     cache = m.new_cache(len(ids) + new_tokens + 8)
 
     def prefill():
@@ -256,10 +256,10 @@ def colibri_timers(m, ids, new_tokens):
 
     def decode():
         cache.reset()
-        tok = int(np.argmax(m.prefill(cache, ids)[0]))
+        tok = int(np.argmax(m.prefill(cache, ids, argmax_only=True)[0]))
         t = time.perf_counter()
         for _ in range(new_tokens):
-            tok = int(np.argmax(m.decode(cache, tok)[0]))
+            tok = int(np.argmax(m.decode(cache, tok, argmax_only=True)[0]))
         return time.perf_counter() - t
     return prefill, decode
 

@@ -2,6 +2,7 @@
 
     python bench/decode_ab.py MODEL.colibri [MODEL2 ...] [--rev 96c098b] [--threads 1 2] [--rounds 3]
     python bench/decode_ab.py MODEL.colibri [MODEL2 ...] --head-ab [--threads 1 2] [--rounds 3]
+    python bench/decode_ab.py MODEL.colibri [MODEL2 ...] --greedy-ab [--threads 1 2] [--rounds 3]
 
 Issue 16's "single-stream batch-1 decode >= 0.97x today's" asks whether continuous batching slowed
 the one-stream path; `--rev` defaults to the commit before it (96c098b). The revision is checked out
@@ -23,6 +24,8 @@ the attention variant), which is what a change to how kernels are called moves.
 
 `--head-ab` compares this tree with itself instead: `exact_head = false` (a block-kind output head on
 llama.cpp's int8 rounding of its input) as "old" against the default (the int16 rounding, kernels/blocks_wide).
+`--greedy-ab` too: every logit of the token (`Model.decode`, the default) as "old" against a greedy sequence's
+token (`argmax_only=True`: a block-kind head's int8 logits with those near the top recomputed at int16, model/head.py).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def inner(path: str, threads: int, head: str = "default") -> None:
     m = Model.open(path, context=512)
     if head == "int8":
         m.set_exact_head(False)
+    kw = {"argmax_only": True} if head == "greedy" else {}      # (an older tree's decode takes no such argument)
     if threads > 1:
         m.set_threads(threads)
     rng = np.random.default_rng(0)
@@ -57,10 +61,10 @@ def inner(path: str, threads: int, head: str = "default") -> None:
         cache = m.new_cache(cap)
         m.prefill(cache, rng.integers(3, m.config.vocab_size, plen))
         for _ in range(8):
-            m.decode(cache, 5)
+            m.decode(cache, 5, **kw)
         for _ in range(n):
             t = time.perf_counter()
-            m.decode(cache, 5)
+            m.decode(cache, 5, **kw)
             ts.append(time.perf_counter() - t)
     print(f"{statistics.median(ts) * 1e3:.4f}")
 
@@ -98,6 +102,7 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--head-ab", action="store_true", help="this tree with exact_head false against its default")
+    ap.add_argument("--greedy-ab", action="store_true", help="this tree's greedy token against its every-logit one")
     ap.add_argument("--avx2", action="store_true", help="both trees compiled for an AVX2-only CPU (as blocks.py --avx2)")
     a = ap.parse_args()
     if a.avx2:
@@ -107,6 +112,9 @@ def main():
     if a.head_ab:
         return ab(a, a.models, lambda model, t: run(ROOT, model, t, "int8"), lambda model, t: run(ROOT, model, t),
                   "int8 head")
+    if a.greedy_ab:
+        return ab(a, a.models, lambda model, t: run(ROOT, model, t), lambda model, t: run(ROOT, model, t, "greedy"),
+                  "every logit")
     with tempfile.TemporaryDirectory(prefix="colibri-ab-") as tmp:
         old = pathlib.Path(tmp) / "old"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), a.rev], check=True)

@@ -101,7 +101,7 @@ def _greedy_run(path, argmax, monkeypatch, requests):
     m = Model.open(path)
     with monkeypatch.context() as mp:
         if not argmax:
-            mp.setattr(BatchEngine, "_argmax_rows", staticmethod(lambda plan, rows: None))
+            mp.setattr(BatchEngine, "_argmax_rows", staticmethod(lambda plan, rows: np.zeros(len(rows.sample), bool)))
         eng = BatchEngine(m, max_seqs=len(requests), max_batch_tokens=64)
         for i, (p, params) in enumerate(requests):
             eng.add(i, p, max_tokens=12, ignore_eos=True, **params)
@@ -193,3 +193,55 @@ def test_a_heads_norm_is_its_largest_rows_norm():
     W = KB.dequantize_ref(raw, int(Q.Q8_0), 512).astype(np.float64)
     want = np.sqrt((W * W).sum(axis=1)).max()
     assert KH.head_l2_max(raw, int(Q.Q8_0), 512) == pytest.approx(want, rel=1e-12)
+
+
+def test_a_greedy_decode_token_takes_the_int8_head_and_keeps_the_int16_argmax(tmp_path, monkeypatch):
+    """The fused decode token of a greedy sequence (argmax_only) multiplies the int8 head and refines its top: its
+    argmax and every logit it recomputed are the int16 token's bits, the other logits the int8 head's; without
+    argmax_only the token is the int16 head's, refinement not called."""
+    m = Model.open(_head_model(tmp_path, Q.Q6_K))
+    cfg, w = m.config, m.weights
+    assert m.workspace.decode_step(cfg, w) is not None                  # the fused token covers this model
+    calls = []
+    refine = KH.refine_argmax
+    monkeypatch.setattr(KH, "refine_argmax", lambda *a: calls.append(a[4].size) or refine(*a))
+    prompt = np.random.default_rng(4).integers(3, 200, 5)
+    out = {}
+    for fast in (False, True):
+        cache = m.new_cache(16)
+        m.prefill(cache, prompt)
+        out[fast] = [m.decode(cache, t, argmax_only=fast)[0].copy() for t in (7, 11, 13)]
+        assert len(calls) == (3 if fast else 0)
+    # the head's int8 logits of the same hidden state: the fast token's unrefined logits
+    h = m.workspace.h[:1].copy()
+    int8 = m.workspace.mm(h, w.output.with_acts16(False), np.zeros((1, cfg.vocab_size), np.float32))[0]
+    for exact, fast in zip(out[False], out[True]):
+        assert fast.argmax() == exact.argmax()
+        other = fast.view(np.uint32) != exact.view(np.uint32)
+        assert other.sum() > cfg.vocab_size // 2                     # most logits are the int8 head's
+        assert not other[exact.argmax()]
+    assert np.array_equal(out[True][-1][other].view(np.uint32), int8[other].view(np.uint32))
+
+
+def test_a_greedy_sequence_alone_gets_the_int16_heads_tokens_on_either_path(tmp_path, monkeypatch):
+    """A greedy request alone, through Model.generate (Sequence: the token on the sequence's cache) and through a
+    serving step of one sequence (the token on the paged pool): the tokens of the same request asking
+    log-probabilities (every logit on the int16 head), each greedy token through the refinement."""
+    m = Model.open(_head_model(tmp_path, Q.Q6_K))
+    calls = []
+    refine = KH.refine_argmax
+    monkeypatch.setattr(KH, "refine_argmax", lambda *a: calls.append(a[4].size) or refine(*a))
+    prompt = np.random.default_rng(6).integers(3, 200, 6).tolist()
+    greedy = m.generate(prompt, max_tokens=10, ignore_eos=True)
+    assert len(calls) == 10                          # the prompt's last row and 9 decode tokens
+    del calls[:]
+    exact = [ev.token_id for ev in m.stream(prompt, max_tokens=10, ignore_eos=True, logprobs=1)]
+    assert not calls and greedy == exact
+    served = {}
+    for params in ({}, {"logprobs": 1}):
+        eng = BatchEngine(m, max_seqs=1, max_batch_tokens=64)
+        eng.add(0, prompt, max_tokens=10, ignore_eos=True, **params)
+        served[bool(params)] = [ev.token_id for _ in iter(eng.has_work, False) for _, ev in eng.step()]
+        assert len(calls) == (0 if params else 10)
+        del calls[:]
+    assert served[False] == served[True] == exact

@@ -37,6 +37,7 @@ import numpy as np
 
 from . import mla as MLA
 from .blocks import is_block
+from .head import argmax_head, refine
 from .kernels import decode as KD
 from .panels import kernel_array
 from .rope import attention_scale
@@ -52,6 +53,7 @@ _NONE = np.zeros(0, np.float32)
 _NONE.setflags(write=False)
 _NO_SCORES = np.zeros(0, np.float32)  # the paged token's scores argument, to compile it (written: not read-only)
 _NO_TABLE = np.zeros(0, np.int32)     # the block table argument of a sequence's own cache (unused)
+_ROW0 = np.zeros(1, np.int64)         # the logits row head.refine recomputes
 
 
 def _weight(W):
@@ -102,8 +104,10 @@ class Stacks:
 class DecodeStep:
     """One decode token of a model, fused; build() says whether this model is covered."""
 
-    def __init__(self, cfg, ws, args, moe_layers, keep=(), blocks=False):
+    def __init__(self, cfg, ws, args, moe_layers, keep=(), blocks=False, output=None):
         self.cfg, self.ws, self.args = cfg, ws, args
+        # output: (the head, its bias or None, the kernel's head tuple of argmax_head or None): a greedy token's head
+        self.output = output
         self._keep = keep                        # the arrays the stacks in args point at
         E, A, S = cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size
         self.ids = np.zeros(1, np.int64)
@@ -247,29 +251,42 @@ class DecodeStep:
                 cbias, sparse, bias, w1, w3, w2, mw1, mw3, mw2, *shared, sgate, has_shared, top_k, renorm,
                 cfg.rms_norm_eps)
         head = (w.output_norm, _opt(w.output_norm_b), wout, _opt(w.output_b))
+        fast = argmax_head(w.output)
+        output = (w.output, w.output_b, None if fast is None else head[:2] + (_weight(fast),) + head[3:])
         blocks = any(is_block(W) for W in (w.token_embd, w.output)) or any(
             is_block(W) for L in Ls for W in vars(L).values())
-        return cls(cfg, ws, (args, head), routed, st.keep, blocks)
+        return cls(cfg, ws, (args, head), routed, st.keep, blocks, output)
 
-    def _call_args(self, rope, k, v, table, start, scores) -> tuple:
+    def _call_args(self, rope, k, v, table, start, scores, argmax_only=False) -> tuple:
         layers, head = self.args
+        if argmax_only and self.output[2] is not None:
+            head = self.output[2]               # the same types: the kind is a number the kernel reads
         return (self.ids, *layers, k, v, table, start, rope[0], rope[1], self.scale, *head, *self.views, scores,
                 self.ws.positions[:1], self.ws.logits)
 
-    def __call__(self, rope, cache, token: int, scores) -> np.ndarray:
+    def __call__(self, rope, cache, token: int, scores, argmax_only: bool = False) -> np.ndarray:
         """Token `token` at position cache.length (forward has checked that the cache has room;
-        scores: its attention scratch) -> the workspace's (1,V) logits; cache advanced."""
+        scores: its attention scratch) -> the workspace's (1,V) logits; cache advanced. argmax_only: the caller
+        reads only the logits' argmax (a greedy sequence, Sequence.argmax_only): a block-kind head then takes
+        the int8 head and head.refine, as a serving step's greedy rows do (the int16 head's argmax; the
+        other logits the int8 head's)."""
         self.ids[0] = token
-        KD.decode_token(*self._call_args(rope, cache.k, cache.v, _NO_TABLE, cache.length, scores))
+        KD.decode_token(*self._call_args(rope, cache.k, cache.v, _NO_TABLE, cache.length, scores, argmax_only))
         cache.length += 1
-        return self.ws.logits
+        return self._logits(argmax_only)
 
-    def paged(self, rope, pool, table, pos: int, token: int, scores) -> np.ndarray:
+    def paged(self, rope, pool, table, pos: int, token: int, scores, argmax_only: bool = False) -> np.ndarray:
         """Token `token` at position `pos` of the sequence whose blocks are `table` (int32, the
         block of pos allocated) in a paged pool (kv.KVPool); scores: a 1-D scratch of >= H/Hkv * (pos+1)
-        -> the workspace's (1,V) logits (a serving step of one decoding sequence)."""
+        -> the workspace's (1,V) logits (a serving step of one decoding sequence); argmax_only as __call__'s."""
         self.ids[0] = token
-        KD.decode_token(*self._call_args(rope, pool.k, pool.v, table, pos, scores))
+        KD.decode_token(*self._call_args(rope, pool.k, pool.v, table, pos, scores, argmax_only))
+        return self._logits(argmax_only)
+
+    def _logits(self, argmax_only):
+        head, bias, fast = self.output
+        if argmax_only and fast is not None:                # the head's input: the workspace's h, normed
+            refine(self.ws, self.ws.h[:1], head, bias, self.ws.logits, _ROW0)
         return self.ws.logits
 
     def signature(self, rope, cache, scores) -> tuple:

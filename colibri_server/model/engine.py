@@ -242,8 +242,9 @@ class Model:
             raise ValueError(f"token id {int(a[bad[0]])} at position {int(bad[0])} is outside the vocabulary 0..{V - 1}")
         return a
 
-    def prefill(self, cache: KVCache, ids, all_logits: bool = False, trace=None) -> np.ndarray:
-        """Feed ids (T,) at cache.length.. in chunks; return (T,V) logits or the last row (1,V)."""
+    def prefill(self, cache: KVCache, ids, all_logits: bool = False, trace=None, argmax_only: bool = False) -> np.ndarray:
+        """Feed ids (T,) at cache.length.. in chunks; return (T,V) logits or the last row (1,V) (argmax_only: of
+        which the caller reads only the argmax, transformer.forward's)."""
         T = len(ids)
         if cache.length + T > cache.capacity:
             raise ValueError(f"{cache.length + T} tokens exceed the context of {cache.capacity}")
@@ -254,15 +255,16 @@ class Model:
             part = ids[s:s + chunk]
             last = forward(self.config, self.weights, self.rope, self.workspace, cache, tokens=part,
                            all_logits=all_logits, noise=self.noise, trace=trace,
-                           out=out[s:s + len(part)] if all_logits else None)
+                           out=out[s:s + len(part)] if all_logits else None, argmax_only=argmax_only)
         return out if all_logits else last
 
-    def decode(self, cache: KVCache, token_id: int) -> np.ndarray:
-        """One token through the KV cache -> (1,V) logits (a view of the workspace)."""
+    def decode(self, cache: KVCache, token_id: int, argmax_only: bool = False) -> np.ndarray:
+        """One token through the KV cache -> (1,V) logits (a view of the workspace; argmax_only: of which the caller
+        reads only the argmax, a greedy sequence's: transformer.forward's)."""
         if cache.length >= cache.capacity:
             raise ValueError(f"the context of {cache.capacity} tokens is full")
         return forward(self.config, self.weights, self.rope, self.workspace, cache,
-                       tokens=np.array([token_id], np.int64), noise=self.noise)
+                       tokens=np.array([token_id], np.int64), noise=self.noise, argmax_only=argmax_only)
 
     def embed_forward(self, cache: KVCache, embeddings: np.ndarray) -> np.ndarray:
         """Feed raw input embeddings (T,D) instead of token ids (debugging); returns (1,V) logits."""
@@ -446,13 +448,13 @@ class Sequence:
                     self.score_prompt(self.fed, logits)
                     logits = logits[-1:]
                 else:
-                    logits = m.prefill(self.cache, part)
+                    logits = m.prefill(self.cache, part, argmax_only=self.argmax_only())
                 self.fed += len(part)
                 self.timings["prefill_s"] += time.perf_counter() - t0
                 if self.fed < len(self.prompt_ids):
                     return None
             else:
-                logits = m.decode(self.cache, self.last)
+                logits = m.decode(self.cache, self.last, argmax_only=self.argmax_only())
         except ArithmeticError as e:        # a kernel met NaNs (the MoE router's weights sum to 0, ...)
             raise numerical_fault(self.cache, start, n, f"{e.__class__.__name__} in the forward pass at "
                                                         f"positions {start}..{start + n - 1}") from None

@@ -1,5 +1,5 @@
-"""The output head of a serving step: its logits, and for the rows that only take their argmax, the int16 head's
-argmax at the int8 head's speed.
+"""The output head of a serving step (and of a greedy decode token): its logits, and for the rows that only take their
+argmax, the int16 head's argmax at the int8 head's speed.
 
 exact_head (the default) multiplies a block-kind head by the hidden state rounded to int16, twice the integer
 dots of llama.cpp's int8 rounding: on bench-mixtral Q4_K_M's 32000 x 1024 Q6_K head, 16 rows took 3.9-4.1 ms on
@@ -7,7 +7,8 @@ two threads against 2.2-2.5 ms at int8, a sixth of a 16-row serving step. A row 
 raw logits, and which nothing else reads (greedy, no log-probabilities, grammar, logit bias or penalties:
 Sequence.argmax_only), gets the int8 head's logits with the few near the top recomputed at int16
 (kernels/head_argmax): its token is the int16 head's, bit for bit; its other logits are the int8 ones, which
-nothing reads. The other rows get the int16 head as before.
+nothing reads. The other rows get the int16 head as before. The fused decode token (decode_step) takes the same
+two steps for a greedy sequence: its head argmax_head's, then refine().
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .blocks import KINDS, BlockTensor
 from .kernels import blocks as KB
 from .kernels import head_argmax as KH
 
-__all__ = ["head_logits"]
+__all__ = ["argmax_head", "head_logits", "refine"]
 
 _L2: dict = {}          # id of a head's bytes (BlockTensor.raw) -> max_v |w_v|_2, dropped with the array (a reload's
                         # model is another array); the master's warm-up computes it before the workers fork
@@ -53,20 +54,32 @@ def head_logits(ws, hs, head, bias, logits, argmax_rows=None):
     fast = np.flatnonzero(argmax_rows)
     rest = np.flatnonzero(~argmax_rows)
     if rest.size == 0:
-        ws.mm(hs, head.with_acts16(False), logits)
+        ws.mm(hs, argmax_head(head), logits)
     else:                   # the rows apart: a row's logits are its own bits whatever rows come with it
-        for sel, W in ((fast, head.with_acts16(False)), (rest, head)):
+        for sel, W in ((fast, argmax_head(head)), (rest, head)):
             part = np.empty((sel.size, logits.shape[1]), np.float32)
             ws.mm(hs[sel], W, part)
             logits[sel] = part
     if bias is not None:
         logits += bias
-    args = _refine_args(ws, hs, head, bias, logits, fast)
+    refine(ws, hs, head, bias, logits, fast)
+    return logits
+
+
+def argmax_head(head):
+    """The head a row that only takes its argmax is multiplied by before refine(): the int8 twin of a head that takes
+    the refinement, else None (the head as it is gives that row its logits)."""
+    return head.with_acts16(False) if _refined_kind(head) is not None else None
+
+
+def refine(ws, hs, head, bias, logits, rows) -> None:
+    """logits[rows] (the int8 head's, argmax_head's, bias added) -> every logit near each row's top recomputed on the
+    int16 head (kernels/head_argmax): the row's argmax is the int16 head's."""
+    args = _refine_args(ws, hs, head, bias, logits, rows)
     if ws.threads > 1:
         KH.refine_argmax_par(*args)
     else:
         KH.refine_argmax(*args)
-    return logits
 
 
 _NO_BIAS = np.zeros(0, np.float32)

@@ -146,7 +146,7 @@ class BatchEngine:
             if len(rows) == 1 and len(plan) == 1 and plan[0].sample and self.single is not None and not rows.embeds \
                     and (m.noise is None or m.noise.scale <= 0):
                 logits = self.single.paged(m.rope, self.pool, rows.tables[0], int(rows.pos[0]), int(rows.tokens[0]),
-                                           self.scores)
+                                           self.scores, self._argmax_rows(plan, rows)[0])
                 self.expert_counts[self._moe_rows, self.single.routes] += 1    # (n_moe,A): a layer's experts differ
             else:
                 logits = forward_batch(m.config, m.weights, m.rope, self.ws, self.pool, rows, out, noise=m.noise,

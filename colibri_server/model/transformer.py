@@ -28,6 +28,7 @@ from . import mla as MLA
 from .blocks import is_block
 from .config import ModelConfig
 from .decode_step import DecodeStep
+from .head import head_logits
 from .kernels import aligned_zeros, lazy_zeros
 from .kernels import blocks as KB
 from .kernels import blocks_gemm as KG
@@ -518,10 +519,15 @@ def qkv_finish(cfg: ModelConfig, L, q, k, v):
     return q.reshape(T, H, hd), k.reshape(T, Hkv, hd)
 
 
+_ARGMAX_ROW = np.ones(1, np.bool_)      # head_logits' argmax_rows of forward's one row of logits
+
+
 def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=None, embeddings=None,
-            all_logits: bool = False, noise=None, trace=None, out=None) -> np.ndarray:
+            all_logits: bool = False, noise=None, trace=None, out=None, argmax_only: bool = False) -> np.ndarray:
     """Run T new tokens (ids (T,), or embeddings (T,D)) at positions cache.length.. and
-    return logits: (T,V) if all_logits (into `out` when given), else the last row (1,V)."""
+    return logits: (T,V) if all_logits (into `out` when given), else the last row (1,V). argmax_only: the
+    caller reads only the last row's argmax (a greedy sequence): a block-kind head then gives that row the int8
+    head's logits with those near the top recomputed on the int16 head (head.py), the int16 head's argmax."""
     T = len(tokens) if tokens is not None else embeddings.shape[0]
     P0 = cache.length
     if T > ws.rows:
@@ -540,7 +546,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
     if T == 1 and embeddings is None and not all_logits and trace is None and (noise is None or noise.scale <= 0):
         step = ws.decode_step(cfg, w)
         if step is not None:                                                   # the whole token in one call
-            return step(rope, cache, int(tokens[0]), scores)
+            return step(rope, cache, int(tokens[0]), scores, argmax_only)
     scale = attention_scale(cfg)
 
     # token embedding (or caller-supplied embeddings)
@@ -580,10 +586,7 @@ def forward(cfg: ModelConfig, w, rope, ws: Workspace, cache: KVCache, tokens=Non
             logits += w.output_b
         return logits
     norm(x[T - 1:T], w.output_norm, w.output_norm_b, cfg.rms_norm_eps, h[:1])
-    ws.mm(h[:1], w.output, ws.logits)        # (1,V)
-    if w.output_b is not None:
-        ws.logits += w.output_b
-    return ws.logits
+    return head_logits(ws, h[:1], w.output, w.output_b, ws.logits, _ARGMAX_ROW if argmax_only else None)   # (1,V)
 
 
 def _attention(cfg: ModelConfig, L, h, ws: Workspace, cache: KVCache, l: int, P0: int, pos, rope, scale: float,
