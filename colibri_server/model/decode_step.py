@@ -104,9 +104,10 @@ class Stacks:
 class DecodeStep:
     """One decode token of a model, fused; build() says whether this model is covered."""
 
-    def __init__(self, cfg, ws, args, moe_layers, keep=(), blocks=False, output=None):
+    def __init__(self, cfg, ws, args, moe_layers, keep=(), blocks=False, output=(None, None, None)):
         self.cfg, self.ws, self.args = cfg, ws, args
-        # output: (the head, its bias or None, the kernel's head tuple of argmax_head or None): a greedy token's head
+        # output: (the head, its bias or None, the kernel's head tuple of argmax_head or None: a greedy token's head;
+        # None, every token takes the head in args)
         self.output = output
         self._keep = keep                        # the arrays the stacks in args point at
         E, A, S = cfg.num_experts, cfg.top_k, cfg.shared_expert_intermediate_size

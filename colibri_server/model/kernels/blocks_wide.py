@@ -483,7 +483,8 @@ def _split_total(builder, hs, ls, parts, sp, b, kind):
 # the next group (8 rows, 6.7 KB) 3.55 / 3.27 / 3.26 / 3.28 ms, 32 rows 3.31 / 3.04 / 3.04 / 3.06, 64 rows 3.18 / 2.95
 # / 2.88 / 3.07, 96 rows 3.04, 128 rows 3.09 / 3.11, 256 rows 3.28 / 3.48, none 4.79 / 4.54. The int8 row dots
 # (kernels/blocks_rows8: the same head's int8 rows, a Q4_K embedding's) showed no distance better than the next group.
-HEAD_AHEAD = 49152          # bytes: that head 7 groups (56 rows) ahead; a 4096-wide Q6_K head (26.9 KB a group) 1
+HEAD_AHEAD = 49152          # bytes: that head 7 groups (56 rows) ahead; a 4096-wide Q6_K head (26.9 KB a group)
+                            # the next group only, as before
 
 
 def _krows8(kind):
