@@ -179,7 +179,7 @@ def test_a_decode_tokens_eight_row_product_gives_each_rows_dot_bits(kind):
 
 def test_a_decode_tokens_q4_0_rows_on_swizzled_activations_give_each_rows_dot_bits():
     # kernels/blocks._rows_q4_0 at one activation row where the CPU has AVX-512 VBMI: the activations swizzled once
-    # (blocks_ir.acts_q4_0_swizzle), then 8 blocks a step with no fold across blocks (row_q4_0_sw); 1056 columns:
+    # (blocks_row32.acts_q4_0_swizzle), then 8 blocks a step with no fold across blocks (row_q4_0_sw); 1056 columns:
     # 4 groups of 8 blocks and one block alone. Each output is the one-row dot's (kernels/blocks.row_dot), bit for
     # bit, and a scratch too small for the swizzled activations takes that dot
     rng = np.random.default_rng(19)

@@ -14,7 +14,8 @@ Rooms, imports running upward only (a module imports only those above it):
   paged     the paged KV pool's store and attention twin   tiled  tiled attention over it (online softmax)
   rowgemm   few-row GEMM of a serving step
   experts_q a serving step's q8/q4 experts in one call  prefetch  software prefetch for slow weight readers
-  blocks_ir, blocks   llama.cpp's block kinds: IR row dots; dequantizers, activation rounding, row products
+  blocks_ir, blocks_row32, blocks   llama.cpp's block kinds: IR dots (the k-quants' blocks), the 32-block kinds'
+                      row dots; dequantizers, activation rounding, row products
   blocks_tile_ir      the tiles' micro-kernel IR helpers (a tile's 16 weight rows as the lanes of a vector)
   blocks_head         the output head's Q6_K tiles on int16 activations
   blocks_x16          Q4_K and Q6_K matrices stored as 16-row tiles (q4_k_x16, q6_k_x16): read as stored, any rows

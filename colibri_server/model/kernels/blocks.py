@@ -29,14 +29,11 @@ from ..numba_link import by_reference
 from .base import _REDUCE_FM, to_f32
 from .blocks_ir import (
     HAVE_VBMI,
-    acts_q4_0_swizzle,
     kblock_q4_k,
     kblock_q5_k,
     kblock_q6_k,
-    row_q4_0,
-    row_q4_0_sw,
-    row_q8_0,
 )
+from .blocks_row32 import acts_q4_0_swizzle, row_q4_0, row_q4_0_sw, row_q8_0
 from .blocks_rows8 import ROWS, rows8_q4_k, rows8_q5_k, rows8_q6_k
 from .quant_ir import _absmax, _bits_f32, _round
 
@@ -356,7 +353,7 @@ def _rows_q8_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
 @njit(cache=True)
 def _rows_q4_0(raw, X, Xq, Xd, Xs, out, tmp, i0, i1, alpha, accumulate):
     n, T = X.shape[1], X.shape[0]
-    w = n // 4        # f32 words of one row's swizzled activations (blocks_ir.row_q4_0_sw)
+    w = n // 4        # f32 words of one row's swizzled activations (blocks_row32.row_q4_0_sw)
     if HAVE_VBMI and n >= 256 and tmp.shape[0] >= 16 + T * w:
         for t in range(T):
             acts_q4_0_swizzle(Xq[t], tmp[16 + t * w:16 + (t + 1) * w], n // 256)

@@ -22,8 +22,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update, sign_trick
+from .blocks_ir import _arr_ptr, k_update, sign_trick
 from .blocks_panels import Q6_WORDS, R, k_min_pair, k_scale, q6_scale, q6_value, q6x_ptr
+from .blocks_row32 import b32_total, b32_update
 from .blocks_tile_ir import activation_rows
 from .prefetch import prefetch_ahead
 
@@ -204,7 +205,7 @@ def _mk_q6_k(nc):
 
 def _mk_b32(nc, nibbles):
     """The 32-block kinds (kernels/blocks_panels.prep_b32's panels) a block at a time, each block's exact integer sum of
-    each row, then blocks_ir.b32_update into accumulator b mod 8 and b32_total, as the row dots and the 16-lane tiles do.
+    each row, then blocks_row32.b32_update into accumulator b mod 8 and b32_total, as the row dots and the 16-lane tiles do.
     Q4_0 (nibbles): the block's 8 `vpmaddubsw` (its 4 dwords' low and high nibbles, 0..15) added in i16, one `vpmaddwd`
     by ones, minus 8 times the activations' sum. Q8_0 (its panel: each byte + 128, which `vpmaddubsw` would saturate
     on): each byte flipped back to its signed value, llama.cpp's sign trick (|w| as the unsigned side, the activation

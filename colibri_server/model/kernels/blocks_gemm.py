@@ -35,8 +35,9 @@ from ..numba_link import by_reference
 from . import blocks_avx2 as A2
 from .blocks import ACTS16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, X16, _f16, _kround, _rows, round_rows
 from .blocks_head import HEAD_TILE_MIN_ROWS, tiles_q6_kw
-from .blocks_ir import _arr_ptr, b32_total, b32_update, k_update
+from .blocks_ir import _arr_ptr, k_update
 from .blocks_panels import R, prep_b32, prep_q6_k, prep_q45_k, prep_x16, prep_x16_q6, q6_panel
+from .blocks_row32 import b32_total, b32_update
 from .blocks_small import SMALL_MAX_ROWS, small_rows
 from .blocks_tile_ir import KC, Kernel, pass_width, q6_block_end, q6_block_sums, store_rows, xs_pairs
 from .blocks_wide import round_rows16, rows16
@@ -192,7 +193,7 @@ def _mk_q6_k(nc):
 def _mk_b32(nc, nibbles, wide=False):
     """The 32-block kinds' micro-kernel: int8 activations (`vpdpbusd` on 4 bytes of 16 rows), or (wide) the output
     head's int16 ones (kernels/blocks_wide: `vpdpwssd` on 2 values of 16 rows, the panel from _prep_b32w): per block
-    the exact integer sum of each row, then blocks_ir.b32_update into accumulator b mod 8 and b32_total, as the
+    the exact integer sum of each row, then blocks_row32.b32_update into accumulator b mod 8 and b32_total, as the
     row dots do."""
     def impl(typingctx, P, DD, xq, xd, xs, t0, nb, res):
         sig = types.void(P, DD, xq, xd, xs, t0, nb, res)

@@ -9,7 +9,7 @@ activation rows (8, 4, 3 or 2; a last single row takes the row dot): per block t
 scales are unpacked once, each activation row's integer products are summed as the row dot sums them
 (`vpmaddubsw`/`vpmaddwd` per 32 for the k-quants, `vpdpbusd` per 32-block for Q8_0/Q4_0), and the NC
 rows' exact int32 sums are gathered into one vector whose lane t is row t, so the row dot's float step
-(blocks_ir.k_update / b32_update, one row's scalar accumulator) runs on NC rows as vector lanes: the same
+(blocks_ir.k_update / blocks_row32.b32_update, one row's scalar accumulator) runs on NC rows as vector lanes: the same
 operations on the same values, so every output equals the row dot's bits.
 Where the tiles run (AVX-512 VNNI) the k-quants take them from 2 rows since their panels are laid out by register
 transposes (kernels/blocks_panels, blocks_gemm.K_TILE_MIN_ROWS); these kernels serve Q8_0 / Q4_0 and the other CPUs.
@@ -35,15 +35,11 @@ from .blocks_ir import (
     _scaled_dot,
     _sum8,
     _vload,
-    acts_q4_0_swizzle,
-    b32_total,
-    b32_update,
     k_update,
     k_values32,
-    q4_0_group8,
-    row_q4_0_sw,
     sums32,
 )
+from .blocks_row32 import acts_q4_0_swizzle, b32_total, b32_update, q4_0_group8, row_q4_0_sw
 from .prefetch import prefetch_ahead
 
 _i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
@@ -224,10 +220,10 @@ def _mk_k(kind, nc):
 
 
 def _mk_b32(nibbles, nc, swizzled=False):
-    """The micro-kernel of Q8_0 (Q4_0: nibbles) for nc rows, as blocks_ir's row dot (_row32) for each: block b's
+    """The micro-kernel of Q8_0 (Q4_0: nibbles) for nc rows, as blocks_row32's row dot (_row32) for each: block b's
     exact sum times d_b * xd_b into partial sum b mod 8 (8 blocks a vector), the partials summed by b32_total.
-    swizzled (Q4_0, AVX-512 VBMI): one more argument after xq, the rows' activations as blocks_ir.acts_q4_0_swizzle
-    lays them out, and whole groups of 8 blocks gathered once for the nc rows (blocks_ir.q4_0_group8)."""
+    swizzled (Q4_0, AVX-512 VBMI): one more argument after xq, the rows' activations as blocks_row32.acts_q4_0_swizzle
+    lays them out, and whole groups of 8 blocks gathered once for the nc rows (blocks_row32.q4_0_group8)."""
     size = 18 if nibbles else 34
     k = 1 if swizzled else 0        # the arguments after xq move by one
     gather = swizzled and HAVE_VBMI  # without VBMI (an AVX2 build) xw is not read

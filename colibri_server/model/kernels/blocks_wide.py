@@ -10,7 +10,7 @@ weight values widened to i16 in registers and multiplied in pairs (`vpdpwssd` on
 an instruction; `vpmaddwd` elsewhere), exact sums per block:
 
 * Q8_0, Q4_0 (its values - 8): one <16 x i32> per block, 8 blocks summed lane-wise into one vector (lane b
-  the block b's sum, at most 32 * 128 * 32767), then kernels/blocks_ir's float step b32_update, 8 partial
+  the block b's sum, at most 32 * 128 * 32767), then kernels/blocks_row32's float step b32_update, 8 partial
   sums per row as the int8 row dots have;
 * Q4_K, Q5_K, Q6_K: the sub-block scales multiplied into the widened values (`vpmullw`: at most 63 * 31 or
   32 * 128, i16), the block's 16 lanes (each at most 16 products of 4096 * 32767 < 2^31) summed in i64 and
@@ -45,13 +45,13 @@ from .blocks_ir import (
     _scaled_dot,
     _scaled_dot64,
     _vload,
-    b32_row,
     fold_blocks,
     fold_pairs,
     k_update,
     k_values32,
     sums32,
 )
+from .blocks_row32 import b32_row
 from .blocks_rows8 import ROWS as ROWS8
 from .blocks_rows8 import f16_lanes, lanes, word
 from .cpu import HAVE_AVX2, HAVE_VNNI512
