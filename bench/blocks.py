@@ -93,7 +93,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=1,
                     help="turns of colibri and llama-bench at each thread count (the VM drifts: each round's ratio, "
                          "their median and each system's median tok/s)")
-    ap.add_argument("--no-q8", action="store_true", help="leave out colibri's q8 file of each GGUF")
+    ap.add_argument("--no-q8", action="store_true", help="leave colibri's q8 file of each GGUF out of the timed runs (its size is still reported)")
     ap.add_argument("--json")
     ap.add_argument("--avx2", action="store_true", help="both sides on their AVX2 paths (see above)")
     a = ap.parse_args()
@@ -132,17 +132,16 @@ def main():
                               + " ".join(f"{v:.2f}" for v in q) + f", median {statistics.median(q):.3f}x", flush=True)
             bw = (bw0 + read_limit(src, th)) / 2
             row[f"t{th}"]["read_GBps"] = bw
-            dec = {k: v.get("decode_tok_s") for k, v in r.items() if k in ("blocks", "q8", "llama")}
+            dec = {k: v.get("decode_tok_s") for k, v in r.items()}
             for k, v in dec.items():
                 if v:
                     row[f"t{th}"][k]["bw_fraction"] = v * row["bytes_per_token"][k] / (bw * 1e9)
             print(f"{name} {th} thread(s): read {bw:.1f} GB/s; decode at " + ", ".join(
                 f"{k} {row[f't{th}'][k]['bw_fraction']:.0%}" for k in dec if dec[k]) + " of it", flush=True)
             pf = {k: v.get("prefill_tok_s") for k, v in r.items()}
-            dec.setdefault("q8", None)
-            pf.setdefault("q8", None)
-            print(f"{name} {th} thread(s): decode tok/s blocks {dec['blocks']} / q8 {dec['q8']} / llama-bench "
-                  f"{dec['llama']}; prefill blocks {pf['blocks']} / q8 {pf['q8']} / llama-bench {pf['llama']}", flush=True)
+            print(f"{name} {th} thread(s): decode tok/s blocks {dec['blocks']} / q8 {dec.get('q8')} / llama-bench "
+                  f"{dec['llama']}; prefill blocks {pf['blocks']} / q8 {pf.get('q8')} / llama-bench {pf['llama']}",
+                  flush=True)
         print(f"{name}: size blocks {row['blocks_size_ratio']:.4f}x the GGUF, q8 {row['q8_size_ratio']:.3f}x", flush=True)
         res["rows"].append(row)
     if a.json:

@@ -191,7 +191,8 @@ def _fold8_avx2(builder, ps):
 
 def fold_blocks(builder, ps):
     """Vectors of 8 or 16 i32 lanes, 8 blocks' (or rows') integers in order, one a vector -> <8 x i32>, lane i the
-    sum of ps[i]'s lanes (exact: integers)."""
+    sum of ps[i]'s lanes (exact: integers). Also 4 vectors of 16 lanes holding two blocks each (block 2j in lanes 0-7
+    of vector j, block 2j + 1 in lanes 8-15): the same folds give lane i block i's sum."""
     v = fold_pairs(builder, ps, ps[0].type.count)
     if v.type.count == 8:
         return v

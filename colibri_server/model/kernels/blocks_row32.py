@@ -38,9 +38,10 @@ from .blocks_ir import (
     _sum8,
     _vload,
     _widen,
-    fold_pairs,
+    fold_blocks,
     sums32,
 )
+from .blocks_rows8 import _i16, f16_lanes, lanes, word
 from .cpu import HAVE_VNNI512
 from .prefetch import prefetch_ahead
 
@@ -183,7 +184,7 @@ def q8_0_group8(builder, rp, xp, b0):
     insert a scale) took 91. The same integers and scales, so the same bits. One thread, a 2048 x 1024 matrix, one row, a
     2-vCPU Zen 5: 0.098-0.100 -> 0.063 ms in cache, 0.101-0.105 -> 0.085-0.094 from DRAM (64 matrices in turn)."""
     idx = ir.IntType(64)
-    v64, v16, v8 = ir.VectorType(_i8, 64), ir.VectorType(_i32, 16), ir.VectorType(_i32, 8)
+    v64, v16 = ir.VectorType(_i8, 64), ir.VectorType(_i32, 16)
     zero = ir.Constant(v64, None)
     o = builder.mul(b0, ir.Constant(idx, 34))
     ps = []
@@ -196,15 +197,8 @@ def q8_0_group8(builder, rp, xp, b0):
         neg = builder.icmp_signed("<", w, zero)
         ps.append(_dot64(builder, builder.select(neg, builder.sub(zero, w), w), builder.select(neg, builder.sub(zero, x), x),
                          ir.Constant(v16, None)))
-    v = fold_pairs(builder, ps, 16)     # block i's sum in lanes 2i and 2i + 1
-    isum = builder.add(builder.shuffle_vector(v, v, ir.Constant(v8, list(range(0, 16, 2)))),
-                       builder.shuffle_vector(v, v, ir.Constant(v8, list(range(1, 16, 2)))))
-    i16 = ir.IntType(16)
-    h = ir.Constant(ir.VectorType(i16, 8), None)
-    for i in range(8):
-        hp = builder.bitcast(builder.gep(rp, [builder.add(o, ir.Constant(idx, 34 * i))]), i16.as_pointer())
-        h = builder.insert_element(h, builder.load(hp, align=1), ir.Constant(_i32, i))
-    return isum, builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(_f32, 8))
+    scales = lanes(builder, [word(builder, rp, builder.add(o, ir.Constant(idx, 34 * i)), _i16) for i in range(8)])
+    return fold_blocks(builder, ps), f16_lanes(builder, scales)
 
 
 def q4_0_group8(builder, rp, b0, xws):
